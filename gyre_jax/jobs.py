@@ -1,0 +1,21 @@
+"""Jobs the launcher can run, by name (``config.job``).
+
+Imported lazily so a simulation never pays for JAX device setup or jetstream.
+"""
+import importlib
+from typing import Any, Callable
+
+# name -> "module:function"; each function takes (config: ConfigDict, workdir: str).
+_JOBS = {
+    "train_demo": "gyre_jax.demo:run",
+    "simulate": "gyre_jax.scheduler.cli:run",
+}
+
+
+def get(name: str) -> Callable[[Any, str], Any]:
+    try:
+        target = _JOBS[name]
+    except KeyError:
+        raise LookupError(f"unknown job {name!r}; known jobs: {sorted(_JOBS)}") from None
+    module, fn = target.split(":")
+    return getattr(importlib.import_module(module), fn)

@@ -1,0 +1,243 @@
+"""Serialize one prefix-sharing tree into packed per-token arrays, and rows of trees.
+
+Encoding (docs/design.md, "Tree packing"): tokens in depth-first order; per token
+``position`` (index along its own root-to-token path), ``subtree_end`` (packed
+index one past the subtree of the node holding it) and ``segment`` (which tree of
+the row). Token i attends to token j iff::
+
+    segment[i] == segment[j]  and  j <= i < subtree_end[j]
+
+Branch-point rule. Packed position i predicts ``targets[i]``, the next token on
+its path. At a node with several children the next token differs per child, so
+the node's last token is *moved* into every child (one copy per child, same token
+id, same position). The original is not kept, so no context ever sees the token
+twice, and every target has exactly one predicting position. Cost: one extra
+token per child beyond the first.
+
+Everything here is numpy with a Python loop over nodes, never over tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gyre_jax.trajectory.node import TreeNode
+
+PAD_ID = 0
+
+
+@dataclasses.dataclass
+class SerializedTree:
+    """One tree in packed order. Index arrays are local to the tree (start at 0)."""
+
+    tokens: np.ndarray  # int32[n] input token at each packed position
+    targets: np.ndarray  # int32[n] next token on the path (PAD_ID where none)
+    loss_mask: np.ndarray  # bool[n] target is a trainable recorded output token
+    behavior_logprobs: np.ndarray  # float32[n] behavior log-prob of the target (0 where not trainable)
+    positions: np.ndarray  # int32[n]
+    subtree_end: np.ndarray  # int32[n]
+    target_version: np.ndarray  # int32[n] policy version that sampled the target (-1 where none)
+    node_index: np.ndarray  # int32[n] pre-order index of the node holding each packed token
+    node_ranges: np.ndarray  # int32[num_nodes, 2] packed [start, end) of each node's own tokens
+    node_parent: np.ndarray  # int32[num_nodes] pre-order index of the parent (-1 for the root)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_trainable(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def path_indices(self) -> list[np.ndarray]:
+        """For each root-to-leaf path: the packed indices of its tokens, in path order.
+
+        ``tokens[idx]`` is the path's token sequence and ``targets[idx[:-1]] ==
+        tokens[idx[1:]]``. Used by tests and by expanded-path baselines.
+        """
+        num_nodes = self.node_parent.shape[0]
+        has_child = np.zeros(num_nodes, bool)
+        has_child[self.node_parent[self.node_parent >= 0]] = True
+        out = []
+        for leaf in np.flatnonzero(~has_child):
+            chain, n = [], int(leaf)
+            while n >= 0:
+                chain.append(n)
+                n = int(self.node_parent[n])
+            ranges = [np.arange(*self.node_ranges[c]) for c in reversed(chain)]
+            out.append(np.concatenate(ranges).astype(np.int32))
+        return out
+
+
+def serialize_tree(root: TreeNode) -> SerializedTree:
+    """Depth-first serialization with the branch-point rule (module docstring)."""
+    # Pass 1 (pre-order): effective token lists. An entry is (source node, offset
+    # into its tokens); a carried-down copy keeps its source, hence its position.
+    nodes: list[TreeNode] = []
+    parent: list[int] = []
+    depth: list[int] = []  # path position of each node's first own token
+    eff_src: list[list[tuple[int, np.ndarray]]] = []  # per node: [(src node idx, offsets)]
+    stack = [(root, -1, 0, [])]
+    while stack:
+        node, par, d, carry = stack.pop()
+        if par >= 0 and node.tokens.shape[0] == 0:
+            raise ValueError(f"serialize_tree: node with call_ids={node.call_ids} has no tokens; only a root may be empty")
+        idx = len(nodes)
+        nodes.append(node)
+        parent.append(par)
+        depth.append(d)
+        entries = list(carry) + [(idx, np.arange(node.tokens.shape[0], dtype=np.int32))]
+        child_carry: list = []
+        if len(node.children) >= 2:
+            entries, child_carry = _pop_last(entries)
+        eff_src.append(entries)
+        nd = d + node.tokens.shape[0]
+        for child in reversed(node.children):
+            stack.append((child, idx, nd, child_carry))
+
+    num_nodes = len(nodes)
+    # Pass 2: lay out packed arrays.
+    counts = np.array([sum(o.shape[0] for _, o in e) for e in eff_src], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    total = int(starts[-1])
+    node_ranges = np.stack([starts[:-1], starts[1:]], axis=1).astype(np.int32)
+
+    # subtree end: pre-order, so a node's subtree is contiguous; compute bottom-up.
+    sub_end = starts[1:].copy()
+    for i in range(num_nodes - 1, 0, -1):
+        p = parent[i]
+        sub_end[p] = max(sub_end[p], sub_end[i])
+
+    src_node = np.empty(total, np.int32)
+    src_off = np.empty(total, np.int32)
+    node_index = np.repeat(np.arange(num_nodes, dtype=np.int32), counts)
+    pos = 0
+    for entries in eff_src:
+        for s, offs in entries:
+            n = offs.shape[0]
+            src_node[pos : pos + n] = s
+            src_off[pos : pos + n] = offs
+            pos += n
+
+    # Gather per-token attributes from the source nodes in one concatenation.
+    tok_all = np.concatenate([n.tokens for n in nodes]) if nodes else np.zeros(0, np.int32)
+    tr_all = np.concatenate([n.trainable for n in nodes]) if nodes else np.zeros(0, bool)
+    lp_all = np.concatenate([n.logprobs for n in nodes]) if nodes else np.zeros(0, np.float32)
+    node_tok_start = np.concatenate([[0], np.cumsum([n.tokens.shape[0] for n in nodes])]).astype(np.int64)
+    flat = node_tok_start[src_node] + src_off
+    tokens = tok_all[flat]
+    positions = (np.asarray(depth, np.int64)[src_node] + src_off).astype(np.int32)
+    version_all = np.array([n.policy_version for n in nodes], np.int32)
+
+    # The successor of each packed token along its path: the next packed token
+    # within the node, else the first packed token of its (single or any) child:
+    # after the move all children start with the same carried entry.
+    succ = np.arange(1, total + 1, dtype=np.int64)
+    last_of_node = starts[1:] - 1
+    first_child = np.full(num_nodes, -1, np.int64)
+    for i in range(num_nodes - 1, 0, -1):
+        first_child[parent[i]] = i
+    for i in range(num_nodes):
+        if counts[i] == 0:
+            continue
+        c = first_child[i]
+        # A child with no effective tokens cannot exist: it would own at least the carry.
+        succ[last_of_node[i]] = starts[c] if c >= 0 else -1
+    has_succ = succ >= 0
+    succ_c = np.where(has_succ, succ, 0)
+    targets = np.where(has_succ, tokens[np.minimum(succ_c, max(total - 1, 0))], PAD_ID).astype(np.int32)
+    tgt_flat = flat[np.minimum(succ_c, max(total - 1, 0))]
+    loss_mask = has_succ & tr_all[tgt_flat]
+    behavior = np.where(loss_mask, lp_all[tgt_flat], 0.0).astype(np.float32)
+    target_version = np.where(has_succ, version_all[src_node[np.minimum(succ_c, max(total - 1, 0))]], -1)
+
+    return SerializedTree(
+        tokens=tokens.astype(np.int32),
+        targets=targets,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior,
+        positions=positions,
+        subtree_end=np.repeat(sub_end, counts).astype(np.int32),
+        target_version=target_version.astype(np.int32),
+        node_index=node_index,
+        node_ranges=node_ranges,
+        node_parent=np.asarray(parent, np.int32),
+    )
+
+
+def _pop_last(entries):
+    """Split off the last token of an entry list: (entries without it, [that token])."""
+    entries = [(s, o) for s, o in entries if o.shape[0]]
+    if not entries:
+        return [], []
+    s, o = entries[-1]
+    head = entries[:-1] + ([(s, o[:-1])] if o.shape[0] > 1 else [])
+    return head, [(s, o[-1:])]
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """A batch of packed rows, every array [B, L]. ``segment_ids`` 0 is padding."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logprobs: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    subtree_end: np.ndarray
+    target_version: np.ndarray
+    loss_weights: np.ndarray  # float32, filled by the trajectory processor (counting rule)
+    advantages: np.ndarray  # float32, per token (one value per rollout)
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return dataclasses.asdict(self)
+
+
+def pack_rows(rows: list[list[SerializedTree]], row_len: int) -> PackedRows:
+    """Lay out given trees side by side in rows of ``row_len`` (no bin-packing here).
+
+    Padding gets segment 0, attends only to itself (so no softmax row is empty)
+    and carries no loss.
+    """
+    b = len(rows)
+    out = PackedRows(
+        tokens=np.full((b, row_len), PAD_ID, np.int32),
+        targets=np.full((b, row_len), PAD_ID, np.int32),
+        loss_mask=np.zeros((b, row_len), bool),
+        behavior_logprobs=np.zeros((b, row_len), np.float32),
+        positions=np.zeros((b, row_len), np.int32),
+        segment_ids=np.zeros((b, row_len), np.int32),
+        subtree_end=np.tile(np.arange(1, row_len + 1, dtype=np.int32), (b, 1)),
+        target_version=np.full((b, row_len), -1, np.int32),
+        loss_weights=np.zeros((b, row_len), np.float32),
+        advantages=np.zeros((b, row_len), np.float32),
+    )
+    for r, trees in enumerate(rows):
+        start = 0
+        for seg, t in enumerate(trees, start=1):
+            n = len(t)
+            if start + n > row_len:
+                raise ValueError(
+                    f"row {r}: trees need {start + n} tokens, more than row_len={row_len}"
+                )
+            sl = slice(start, start + n)
+            out.tokens[r, sl] = t.tokens
+            out.targets[r, sl] = t.targets
+            out.loss_mask[r, sl] = t.loss_mask
+            out.behavior_logprobs[r, sl] = t.behavior_logprobs
+            out.positions[r, sl] = t.positions
+            out.segment_ids[r, sl] = seg
+            out.subtree_end[r, sl] = t.subtree_end + start
+            out.target_version[r, sl] = t.target_version
+            start += n
+    return out
+
+
+def tree_attention_mask_np(segment_ids: np.ndarray, subtree_end: np.ndarray) -> np.ndarray:
+    """Reference dense mask [..., L, L] (query i, key j), for tests and debugging."""
+    L = segment_ids.shape[-1]
+    i = np.arange(L)[:, None]
+    j = np.arange(L)[None, :]
+    same = segment_ids[..., :, None] == segment_ids[..., None, :]
+    return same & (j <= i) & (i < subtree_end[..., None, :])
