@@ -1,0 +1,141 @@
+"""Decoder-only transformer (Llama/Qwen family) reading packed prefix-sharing trees.
+
+Shapes: B rows, L (or T) tokens per row, D d_model, V vocab, N query heads,
+K k/v heads, H head_dim, S cache length, Y layers.
+
+Layers are stacked with ``nn.scan`` (params get a leading 'layers' axis), so
+compile time does not grow with depth.
+
+Entry points (``Transformer(config).apply(params, ...)``):
+  * ``__call__(tokens, positions, segment_ids, subtree_end)`` -> logits_BxLxV
+    (float32), or with ``return_hidden=True`` -> (hidden_BxLxD, unembed_DxV) so a
+    loss can form log-probs chunk by chunk without materialising all logits.
+  * ``method=Transformer.with_cache`` -> forward over T new tokens that writes
+    their k/v into a per-row cache and attends over it (decode.py builds on it).
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from gyre_jax.model.attention import Attention, tree_attention_mask
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.layers import MLP, RMSNorm
+
+
+class Block(nn.Module):
+    """Pre-norm residual block; the scan body (carry = residual stream)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask, cache_index_B):
+        y, new_cache = Attention(self.config, name="attn")(
+            RMSNorm(self.config, name="attn_norm")(x_BxTxD), positions_BxT, mask, layer_cache, cache_index_B
+        )
+        x = x_BxTxD + y.astype(x_BxTxD.dtype)
+        x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x)).astype(x.dtype)
+        return x, new_cache
+
+
+def _scanned_blocks(config: ModelConfig):
+    block = Block
+    if config.remat:
+        block = nn.remat(Block, prevent_cse=False)
+    return nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=config.n_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.embedding = self.param(
+            "embed",
+            nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")),
+            (cfg.vocab_size, cfg.d_model),
+            cfg.jnp_param_dtype,
+        )
+        if not cfg.tie_embeddings:
+            self.unembedding = self.param(
+                "unembed",
+                nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5), ("embed", "vocab")),
+                (cfg.d_model, cfg.vocab_size),
+                cfg.jnp_param_dtype,
+            )
+        self.layers = _scanned_blocks(cfg)(cfg, name="layers")
+        self.final_norm = RMSNorm(cfg, name="final_norm")
+
+    def unembed_matrix(self):
+        """[D, V] matrix with logits = hidden @ unembed."""
+        u = self.embedding.T if self.config.tie_embeddings else self.unembedding
+        return u.astype(self.config.jnp_dtype)
+
+    def _embed(self, tokens_BxT):
+        return jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.config.jnp_dtype)
+
+    def _logits(self, hidden_BxTxD):
+        return jnp.einsum(
+            "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(), preferred_element_type=jnp.float32
+        )
+
+    def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL, subtree_end_BxL, *, return_hidden=False):
+        """Forward over packed rows with the tree attention mask.
+
+        Returns logits_BxLxV (float32), or (hidden_BxLxD, unembed_DxV) if
+        ``return_hidden``; then logits = hidden @ unembed.
+        """
+        mask_BxLxL = tree_attention_mask(segment_ids_BxL, subtree_end_BxL)
+        x = self._embed(tokens_BxL)
+        x, _ = self.layers(x, None, positions_BxL, mask_BxLxL, None)
+        hidden = self.final_norm(x)
+        if return_hidden:
+            return hidden, self.unembed_matrix()
+        return self._logits(hidden)
+
+    def with_cache(self, tokens_BxT, positions_BxT, mask_BxTxS, k_YxBxSxKxH, v_YxBxSxKxH, cache_index_B):
+        """T new tokens per row against a per-row KV cache.
+
+        Row b's new k/v are written at cache[:, b, cache_index[b] : cache_index[b]+T]
+        first; ``mask_BxTxS`` then says which cache entries (old and just written)
+        each new token sees. Returns (logits_BxTxV float32, (k_cache, v_cache)).
+        """
+        x = self._embed(tokens_BxT)
+        x, (k, v) = self.layers(x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS, cache_index_B)
+        return self._logits(self.final_norm(x)), (k, v)
+
+
+def _dummy_inputs():
+    z = jnp.zeros((1, 1), jnp.int32)
+    return z, z, jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
+
+
+def init_boxed(config: ModelConfig, rng):
+    """Variables ``{"params": ...}`` with nn.Partitioned boxes (logical axis names attached)."""
+    return Transformer(config).init(rng, *_dummy_inputs())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(config: ModelConfig, rng):
+    """Plain variables ``{"params": ...}`` (arrays) for ``Transformer(config).apply(params, ...)``."""
+    return nn.unbox(init_boxed(config, rng))
+
+
+def param_logical_axes(config: ModelConfig):
+    """Pytree (same structure as init_params) of PartitionSpecs of logical axis names."""
+    abstract = jax.eval_shape(functools.partial(init_boxed, config), jax.random.key(0))
+    return nn.get_partition_spec(abstract)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
