@@ -1,0 +1,88 @@
+"""Rewards: partial credit for timeouts, failures out of training and out of the baseline."""
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+
+from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
+
+
+@dataclasses.dataclass
+class O:  # RolloutOutcome-like
+    rollout_id: str
+    task_id: str
+    status: str
+    score: float | None
+
+
+def ref_adv(scores, mode, eps):
+    """Plain float64 reference for one group's valid scores."""
+    r = np.asarray(scores, np.float64)
+    if r.size <= 1 or np.all(r == r[0]):
+        return np.zeros_like(r)
+    c = r - r.mean()
+    return c / (np.sqrt(((r - r.mean()) ** 2).mean()) + eps) if mode == "mean_std" else c
+
+
+@pytest.mark.parametrize("mode", ["mean", "mean_std"])
+def test_failures_excluded_from_mean_timeouts_keep_partial_credit(mode, caplog):
+    outs = [
+        O("a", "t1", "completed", 1.0),
+        O("b", "t1", "timeout", 0.4),  # partial credit from the workspace grader
+        O("c", "t1", "infra_error", None),
+        O("d", "t1", "verifier_error", 0.0),  # a crash's "0" must not enter the mean
+        O("e", "t1", "completed", 0.1),
+        O("f", "t2", "completed", 0.3),
+        O("g", "t2", "timeout", 0.9),
+    ]
+    cfg = AdvantageConfig(mode=mode, eps=1e-6)
+    with caplog.at_level(logging.INFO, logger="gyre_jax.trajectory.rewards"):
+        res = compute_advantages(outs, cfg)
+    np.testing.assert_array_equal(res.valid, [1, 1, 0, 0, 1, 1, 1])
+    exp = np.zeros(7)
+    exp[[0, 1, 4]] = ref_adv([1.0, 0.4, 0.1], mode, 1e-6)
+    exp[[5, 6]] = ref_adv([0.3, 0.9], mode, 1e-6)
+    np.testing.assert_allclose(res.advantages, exp, rtol=1e-6, atol=1e-7)
+    assert res.advantages[2] == 0 and res.advantages[3] == 0
+    assert res.excluded == {"infra_error": 1, "verifier_error": 1}
+    assert res.counts["timeout"] == 2 and res.counts["completed"] == 3
+    assert np.isnan(res.scores[2]) and res.scores[1] == np.float32(0.4)
+    assert "1 infra_error and 1 verifier_error" in caplog.text
+    if mode == "mean":  # the baseline is mean(1.0, 0.4, 0.1) = 0.5, not mean with the crash's 0
+        np.testing.assert_allclose(res.advantages[0], 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["mean", "mean_std"])
+def test_no_variance_gives_zero_not_nan(mode):
+    outs = [
+        O("a", "one_valid", "completed", 0.7), O("b", "one_valid", "infra_error", None),
+        O("c", "equal", "completed", 0.1), O("d", "equal", "timeout", 0.1), O("e", "equal", "completed", 0.1),
+        O("f", "all_fail", "infra_error", None), O("g", "all_fail", "verifier_error", None),
+    ]
+    res = compute_advantages(outs, AdvantageConfig(mode=mode, eps=0.0))
+    assert np.all(np.isfinite(res.advantages)) and not res.advantages.any()
+    assert res.zero_variance_groups == 2 and res.empty_groups == 1 and res.num_groups == 3
+    assert res.num_valid == 4
+
+
+def test_all_failures():
+    res = compute_advantages([O("a", "t", "infra_error", None), O("b", "t", "verifier_error", None)])
+    assert res.num_valid == 0 and not res.advantages.any() and res.empty_groups == 1
+    assert res.excluded == {"infra_error": 1, "verifier_error": 1}
+    assert compute_advantages([]).num_groups == 0
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match=r"rollout 'x'.*outside \[0, 1\]"):
+        compute_advantages([O("x", "t", "completed", 1.5)])
+    with pytest.raises(ValueError, match=r"rollout 'x'.*outside"):
+        compute_advantages([O("x", "t", "timeout", float("nan"))])
+    with pytest.raises(ValueError, match=r"rollout 'x'.*non-numeric score None"):
+        compute_advantages([O("x", "t", "timeout", None)])
+    with pytest.raises(ValueError, match="unknown status 'crashed'"):
+        compute_advantages([O("x", "t", "crashed", 0.0)])
+    with pytest.raises(ValueError, match="appears twice"):
+        compute_advantages([O("x", "t", "completed", 0.0), O("x", "t", "completed", 1.0)])
+    with pytest.raises(ValueError, match="mode"):
+        AdvantageConfig(mode="median")

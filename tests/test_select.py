@@ -1,0 +1,86 @@
+"""Path selection: role priority, trainable-token ties, modes, input untouched."""
+import numpy as np
+import pytest
+
+from gyre_jax.trajectory.node import TreeNode
+from gyre_jax.trajectory.select import SelectConfig, select_paths
+
+
+def leaf(tag, n_train, role):
+    return TreeNode.span([tag] * max(n_train, 1), trainable=n_train > 0, role=role, call_ids=(tag,))
+
+
+def fixture_tree():
+    # sys prompt -> 8 leaves: main (3), subagent (3), summary (2), varied trainable counts.
+    kids = [
+        leaf(1, 2, "summary"), leaf(2, 5, "main"), leaf(3, 1, "subagent"), leaf(4, 5, "main"),
+        leaf(5, 7, "subagent"), leaf(6, 9, "summary"), leaf(7, 3, "main"), leaf(8, 4, "subagent"),
+    ]
+    return TreeNode.span([100, 101], children=kids)
+
+
+def leaf_tags(tree):
+    return [int(p[-1].tokens[0]) for p in tree.root_to_leaf_paths()]
+
+
+def test_priority_order_and_ties():
+    root = fixture_tree()
+    res = select_paths(root, SelectConfig(jmax=5))
+    # main by trainable desc (2 and 4 tie at 5: earlier leaf first), then subagent 5 (7), 8 (4).
+    assert res.selected_roles == ("main", "main", "main", "subagent", "subagent")
+    assert sorted(leaf_tags(res.tree)) == [2, 4, 5, 7, 8]
+    assert leaf_tags(res.tree) == [2, 4, 5, 7, 8]  # original child order kept
+    assert res.paths_total == 8 and res.paths_selected == 5
+    assert res.tokens_total == 2 + 2 + 5 + 1 + 5 + 7 + 9 + 3 + 4
+    assert res.tokens_kept == 2 + 5 + 5 + 7 + 3 + 4
+    assert res.trainable_kept == 5 + 5 + 7 + 3 + 4
+    assert res.expanded_tokens == 5 * 2 + 24
+    res2 = select_paths(root, SelectConfig(jmax=2))
+    assert leaf_tags(res2.tree) == [2, 4]
+    res7 = select_paths(root, SelectConfig(jmax=7))
+    assert sorted(leaf_tags(res7.tree)) == [2, 3, 4, 5, 6, 7, 8]  # summary 6 (9 tokens) before 1
+
+
+def test_modes_and_input_untouched():
+    root = fixture_tree()
+    before = [(n.tokens.copy(), len(n.children)) for n in root.walk()]
+    u = select_paths(root, SelectConfig(mode="unbounded", jmax=1))
+    assert sorted(leaf_tags(u.tree)) == list(range(1, 9)) and u.tokens_kept == u.tokens_total
+    m = select_paths(root, SelectConfig(mode="main_only", jmax=2))
+    assert m.selected_roles == ("main", "main") and leaf_tags(m.tree) == [2, 4]
+    after = [(n.tokens, len(n.children)) for n in root.walk()]
+    assert len(before) == len(after)
+    assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(before, after))
+    assert u.tree is not root and all(x is not y for x in u.tree.walk() for y in root.walk())
+    no_main = TreeNode.span([1], children=[leaf(2, 1, "subagent")])
+    r = select_paths(no_main, SelectConfig(mode="main_only"))
+    assert r.tree is None and r.paths_selected == 0
+    with pytest.raises(ValueError, match="mode"):
+        SelectConfig(mode="all")
+    with pytest.raises(ValueError, match="jmax"):
+        SelectConfig(jmax=0)
+
+
+def test_role_is_the_leaf_role_and_shared_prefix_trainable_counts_per_path():
+    # A deep main chain with a subagent leaf hanging off it: the subagent path shares
+    # trainable main tokens but is still a subagent path.
+    shared = TreeNode.span([5, 6, 7, 8], trainable=True, role="main")
+    shared.children = [leaf(9, 1, "main"), leaf(10, 1, "subagent")]
+    root = TreeNode.span([1], children=[shared, leaf(11, 3, "main")])
+    res = select_paths(root, SelectConfig(jmax=2))
+    assert res.selected_roles == ("main", "main")
+    assert leaf_tags(res.tree) == [9, 11]  # 4+1 trainable beats 3
+    assert res.tokens_kept == 1 + 4 + 1 + 3
+
+
+def test_deterministic_and_deep():
+    # 2000-deep chain: no recursion limits; the same call twice gives the same tree.
+    node = TreeNode.span([1], role="main")
+    root = node
+    for k in range(2000):
+        nxt = TreeNode.span([k + 2], trainable=True)
+        node.children = [nxt, leaf(k + 5000, 1, "summary")]
+        node = nxt
+    a, b = select_paths(root), select_paths(root)
+    assert leaf_tags(a.tree) == leaf_tags(b.tree) and a.paths_total == 2001
+    assert a.selected_roles[0] == "main" and a.paths_selected == 5
