@@ -1,0 +1,216 @@
+"""grain pipelines that yield batches of packed rows, with Orbax-checkpointable state.
+
+A batch is a dict of numpy arrays: every ``PackedRows`` field and ``rollout_index``
+as [B, L], plus per row ``step`` int32[B] and ``last_in_step`` bool[B] (all True in
+the step's last batch, so the trainer knows when to apply the optimizer). Rows
+that only fill up a step's last batch are empty padding rows (segment 0, weight 0),
+so every batch has the same shape and jitted steps never recompile.
+
+Two modes (PAPER.md, "multi-step" vs "one-step"):
+  * ``one_step_dataset``: all rows of a finished step, globally shuffled with a
+    seed derived from (seed, step). A grain MapDataset pipeline.
+  * ``StreamingDataset``: rows appear as rollout groups finish (``RowStream.add``)
+    and are yielded in arrival order, a step at a time; ``end_step`` closes a
+    step (its partial last batch is padded). A batch that might be the step's
+    last is held until more rows arrive or the step ends, so ``last_in_step`` is
+    exact. Within one added chunk the rows are
+    shuffled with a seed derived from (seed, step, chunk), so the order is a pure
+    function of (seed, sequence of adds). The iterator's state is
+    (step, row offset): after a restart, rebuild the stream by re-adding the same
+    chunks in the same order (the trajectory store replays them) and restore.
+
+Both iterators are grain ``DatasetIterator``s: save with
+``grain.checkpoint.CheckpointSave(it)`` inside an ``ocp.CheckpointManager`` and
+restore into a fresh iterator with ``grain.checkpoint.CheckpointRestore(it2)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from gyre_jax.trajectory.serialize import PackedRows, pack_rows
+
+ROW_FIELDS = tuple(f.name for f in dataclasses.fields(PackedRows)) + ("rollout_index",)
+
+
+def _row_arrays(rows: PackedRows, rollout_index: np.ndarray) -> dict[str, np.ndarray]:
+    d = rows.as_dict()
+    d["rollout_index"] = np.asarray(rollout_index, np.int32)
+    shapes = {k: v.shape for k, v in d.items()}
+    if len({s for s in shapes.values()}) != 1 or len(d["tokens"].shape) != 2:
+        raise ValueError(f"packed rows must all be [B, L] arrays of one shape; got {shapes}")
+    return d
+
+
+def _empty_rows(n: int, row_len: int) -> dict[str, np.ndarray]:
+    rows = pack_rows([[] for _ in range(n)], row_len)
+    return _row_arrays(rows, np.full((n, row_len), -1, np.int32))
+
+
+def _derive_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+class _StepRowSource(Sequence):
+    """Rows of one step, padded with empty rows to a multiple of the batch size."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], step: int, batch_size: int):
+        n, row_len = arrays["tokens"].shape
+        pad = (-n) % batch_size
+        if pad:
+            empty = _empty_rows(pad, row_len)
+            arrays = {k: np.concatenate([v, empty[k]]) for k, v in arrays.items()}
+        self._a = arrays
+        self._n = n + pad
+        self._step = step
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        out = {k: v[i] for k, v in self._a.items()}
+        out["step"] = np.int32(self._step)
+        return out
+
+
+def one_step_dataset(
+    rows: PackedRows, rollout_index: np.ndarray, *, batch_size: int, seed: int, step: int
+) -> grain.IterDataset:
+    """The rows of one finished step, globally shuffled, in batches of ``batch_size``."""
+    if batch_size < 1:
+        raise ValueError(f"one_step_dataset: batch_size={batch_size} must be >= 1")
+    src = _StepRowSource(_row_arrays(rows, rollout_index), step, batch_size)
+    num_batches = len(src) // batch_size
+
+    def mark_last(i, batch):
+        batch["last_in_step"] = np.full(batch_size, i == num_batches - 1)
+        return batch
+
+    return (
+        grain.MapDataset.source(src)
+        .shuffle(seed=_derive_seed(seed, step))
+        .batch(batch_size, drop_remainder=True)
+        .map_with_index(mark_last)
+        .to_iter_dataset()
+    )
+
+
+class RowStream:
+    """Thread-safe, append-only rows per step; producers ``add``, the iterator waits."""
+
+    def __init__(self, row_len: int):
+        self.row_len = int(row_len)
+        self._cond = threading.Condition()
+        self._chunks: dict[int, list[dict[str, np.ndarray]]] = {}
+        self._counts: dict[int, int] = {}
+        self._ended: set[int] = set()
+        self._closed = False
+
+    def add(self, step: int, rows: PackedRows, rollout_index: np.ndarray) -> None:
+        arrays = _row_arrays(rows, rollout_index)
+        if arrays["tokens"].shape[1] != self.row_len:
+            raise ValueError(f"RowStream.add(step={step}): rows of length {arrays['tokens'].shape[1]}, stream row_len={self.row_len}")
+        with self._cond:
+            if step in self._ended or self._closed:
+                raise ValueError(f"RowStream.add: step {step} already ended (or the stream is closed); rows would be lost")
+            self._chunks.setdefault(step, []).append(arrays)
+            self._counts[step] = self._counts.get(step, 0) + arrays["tokens"].shape[0]
+            self._cond.notify_all()
+
+    def end_step(self, step: int) -> None:
+        with self._cond:
+            self._ended.add(step)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more steps: an iterator waiting for a step that never came stops."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def num_rows(self, step: int) -> int:
+        with self._cond:
+            return self._counts.get(step, 0)
+
+
+class StreamingDataset(grain.IterDataset):
+    """Batches of rows from a ``RowStream``, a step at a time (module docstring)."""
+
+    def __init__(self, stream: RowStream, *, batch_size: int, seed: int, start_step: int = 0,
+                 timeout_s: float | None = None):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"StreamingDataset: batch_size={batch_size} must be >= 1")
+        self._stream, self._b, self._seed = stream, int(batch_size), int(seed)
+        self._start, self._timeout = int(start_step), timeout_s
+
+    def __iter__(self) -> "_StreamIterator":
+        return _StreamIterator(self._stream, self._b, self._seed, self._start, self._timeout)
+
+
+class _StreamIterator(grain.DatasetIterator):
+    def __init__(self, stream: RowStream, batch_size: int, seed: int, step: int, timeout_s):
+        super().__init__()
+        self._s, self._b, self._seed, self._timeout = stream, batch_size, seed, timeout_s
+        self._step, self._row = step, 0
+
+    def get_state(self) -> dict[str, Any]:
+        return {"step": int(self._step), "row": int(self._row)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._step, self._row = int(state["step"]), int(state["row"])
+
+    def _rows(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """Rows [lo, hi) of the step in stream order (chunks shuffled by their seed)."""
+        parts, off = [], 0
+        for c, chunk in enumerate(self._s._chunks[step]):
+            n = chunk["tokens"].shape[0]
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                perm = np.random.default_rng(_derive_seed(self._seed, step, c)).permutation(n)
+                sel = perm[a - off : b - off]
+                parts.append({k: v[sel] for k, v in chunk.items()})
+            off += n
+        return {k: np.concatenate([p[k] for p in parts]) for k in ROW_FIELDS}
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        self._assert_not_closed()
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        s = self._s
+        with s._cond:
+            while True:
+                have = s._counts.get(self._step, 0)
+                ended = self._step in s._ended
+                if have > self._row + self._b:
+                    break  # a full batch with rows after it: not the step's last
+                if ended:
+                    if self._row < have:
+                        break  # the step's remaining rows; the last batch is padded
+
+                    self._step, self._row = self._step + 1, 0  # step done (or empty)
+                    continue
+                if s._closed:
+                    raise StopIteration
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"StreamingDataset: waited {self._timeout}s for rows "
+                        f"{self._row}..{self._row + self._b} of step {self._step} (have {have}); "
+                        "did the producer call end_step?"
+                    )
+                s._cond.wait(left)
+            hi = min(self._row + self._b, have)
+            batch = self._rows(self._step, self._row, hi)
+        last = ended and hi == have
+        if hi - self._row < self._b:
+            pad = _empty_rows(self._b - (hi - self._row), s.row_len)
+            batch = {k: np.concatenate([batch[k], pad[k]]) for k in ROW_FIELDS}
+        batch["step"] = np.full(self._b, self._step, np.int32)
+        batch["last_in_step"] = np.full(self._b, last)
+        self._row = hi
+        return batch
