@@ -4,7 +4,8 @@
     params = init_params(cfg, jax.random.key(0))  # {"params": ...}
     logits_BxLxV = Transformer(cfg).apply(params, tokens, positions, segment_ids, subtree_end)
 
-KV-cache decoding for serving: gyre_jax.model.decode.
+KV-cache decoding for serving: gyre_jax.model.decode (KV, KVCache, init_cache,
+prefill, insert, slot_kv, decode_step).
 """
 from gyre_jax.model.attention import attend, tree_attention_mask
 from gyre_jax.model.config import ModelConfig, model_config_tiny

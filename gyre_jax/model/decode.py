@@ -1,0 +1,165 @@
+"""Functional KV-cache decoding: the device half of a JetStream-style engine.
+
+Shapes: Y layers, S cache slots (concurrent sequences), M max cache length per
+slot, K k/v heads, H head_dim, T prompt tokens, P prefix buffer length, V vocab.
+
+    cache = init_cache(cfg, batch_slots=S, max_len=M)        # KVCache, all slots empty
+    logits_V, kv = prefill(params, cfg, prompt_T)            # kv.k, kv.v: [Y, T, K, H]
+    cache = insert(cache, kv, slot=3)                        # slot 3 holds T tokens
+    logits_SxV, cache = decode_step(params, cfg, tokens_S, cache)  # one token per slot
+
+Prefix reuse: ``prefill(..., prefix=kv_of_prefix, start_pos=p)`` computes only
+the new tokens, attending to the first ``p`` entries of ``prefix`` (a buffer of
+any static length P >= p, e.g. ``slot_kv(cache, slot)``); positions of the new
+tokens start at p. Insert the prefix and the new tokens (``start=p``) to decode.
+
+All functions are pure and jittable with static shapes; ``config`` is hashable,
+so ``jax.jit(decode_step, static_argnums=1, donate_argnames="cache")`` works.
+Position of a token = its index in its slot (one sequence per slot).
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.transformer import Transformer
+
+
+@flax.struct.dataclass
+class KV:
+    """Keys and values of a run of tokens, all layers: k, v [Y, T, K, H]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [Y, S, M, K, H]
+    v: jax.Array  # [Y, S, M, K, H]
+    lengths: jax.Array  # int32[S]: tokens held per slot = position of the slot's next token
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(config: ModelConfig, batch_slots: int, max_len: int | None = None, dtype=None) -> KVCache:
+    """Empty cache of ``batch_slots`` slots, each ``max_len`` (default config.max_seq_len) long."""
+    m = config.max_seq_len if max_len is None else max_len
+    if batch_slots <= 0 or m <= 0:
+        raise ValueError(f"init_cache: batch_slots ({batch_slots}) and max_len ({m}) must be positive")
+    shape = (config.n_layers, batch_slots, m, config.n_kv_heads, config.head_dim)
+    dt = config.jnp_dtype if dtype is None else dtype
+    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_slots,), jnp.int32))
+
+
+def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None):
+    """Run T new tokens (one sequence), after an optional cached prefix.
+
+    Args:
+      tokens_T: int32[T]; entries at index >= ``true_length`` are padding.
+      prefix: KV [Y, P, K, H] of earlier tokens; only the first ``start_pos`` count.
+      start_pos: position of tokens_T[0]; defaults to P (0 without a prefix).
+      true_length: how many of the T tokens are real (default T).
+    Returns:
+      (logits_V float32 at the last real token, KV [Y, T, K, H] of the new tokens).
+    """
+    (t,) = tokens_T.shape
+    p = 0 if prefix is None else prefix.k.shape[1]
+    if prefix is None and start_pos is not None and not _is_zero(start_pos):
+        raise ValueError(f"prefill: start_pos={start_pos} needs a prefix holding that many tokens' k/v")
+    if isinstance(start_pos, int) and start_pos > p:
+        raise ValueError(f"prefill: start_pos={start_pos} exceeds the prefix buffer length {p}")
+    start = jnp.asarray(p if start_pos is None else start_pos, jnp.int32)
+    n = jnp.asarray(t if true_length is None else true_length, jnp.int32)
+    dt = config.jnp_dtype if prefix is None else prefix.k.dtype
+    pad = jnp.zeros((config.n_layers, t, config.n_kv_heads, config.head_dim), dt)
+    k_buf = pad if prefix is None else jnp.concatenate([prefix.k, pad], axis=1)
+    v_buf = pad if prefix is None else jnp.concatenate([prefix.v, pad], axis=1)
+    positions_T = start + jnp.arange(t, dtype=jnp.int32)
+    # Query t sees every buffer entry up to its own position (prefix then causal).
+    mask_TxS = jnp.arange(p + t, dtype=jnp.int32)[None, :] <= positions_T[:, None]
+    logits, (k, v) = Transformer(config).apply(
+        params,
+        tokens_T[None],
+        positions_T[None],
+        mask_TxS[None],
+        k_buf[:, None],
+        v_buf[:, None],
+        start[None],
+        method=Transformer.with_cache,
+    )
+    kv_shape = (config.n_layers, t, config.n_kv_heads, config.head_dim)
+    new_k = jax.lax.dynamic_slice(k[:, 0], (0, start, 0, 0), kv_shape)
+    new_v = jax.lax.dynamic_slice(v[:, 0], (0, start, 0, 0), kv_shape)
+    return logits[0, n - 1], KV(k=new_k, v=new_v)
+
+
+def insert(cache: KVCache, kv: KV, slot, *, start=0, length=None) -> KVCache:
+    """Copy ``kv`` into ``slot`` at cache index ``start``; the slot then holds start+length tokens.
+
+    ``length`` (default T) is how many of kv's T entries are real; padding
+    beyond it is written but masked, and overwritten by later decode steps.
+    """
+    t = kv.k.shape[1]
+    if isinstance(start, int) and start + t > cache.max_len:
+        raise ValueError(f"insert: {t} tokens at start={start} overflow the cache's max_len={cache.max_len}")
+    idx = (0, slot, start, 0, 0)
+    k = jax.lax.dynamic_update_slice(cache.k, kv.k[:, None].astype(cache.k.dtype), idx)
+    v = jax.lax.dynamic_update_slice(cache.v, kv.v[:, None].astype(cache.v.dtype), idx)
+    n = t if length is None else length
+    lengths = cache.lengths.at[slot].set(jnp.asarray(start, jnp.int32) + jnp.asarray(n, jnp.int32))
+    return KVCache(k=k, v=v, lengths=lengths)
+
+
+def slot_kv(cache: KVCache, slot) -> KV:
+    """The whole buffer of one slot (KV [Y, M, K, H]); its first cache.lengths[slot] entries are valid."""
+    return KV(k=cache.k[:, slot], v=cache.v[:, slot])
+
+
+def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=None):
+    """One token for every slot: logits of the next token and the updated cache.
+
+    Slot s's token sits at position ``cache.lengths[s]``; its k/v is written
+    there and the slot's length grows by one where ``active_S`` (default all).
+    The caller keeps ``lengths < max_len`` for every slot (a full slot's write
+    would be clamped onto its last valid entry). Inactive slots compute a token
+    that is never kept, at static shape.
+
+    Returns (logits_SxV float32, cache).
+    """
+    m = cache.max_len
+    pos_S = cache.lengths
+    mask_Sx1xM = (jnp.arange(m, dtype=jnp.int32)[None, :] <= pos_S[:, None])[:, None, :]
+    logits, (k, v) = Transformer(config).apply(
+        params,
+        tokens_S[:, None],
+        pos_S[:, None],
+        mask_Sx1xM,
+        cache.k,
+        cache.v,
+        pos_S,
+        method=Transformer.with_cache,
+    )
+    if active_S is None:
+        lengths = pos_S + 1
+    else:
+        # An inactive slot's k/v still lands at index lengths[s], just past its
+        # valid entries: masked now and overwritten by its next real token, so
+        # no full-cache select is needed.
+        lengths = pos_S + active_S.astype(jnp.int32)
+    return logits[:, 0], KVCache(k=k, v=v, lengths=lengths)
+
+
+def _is_zero(x) -> bool:
+    try:
+        return int(x) == 0
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return False
