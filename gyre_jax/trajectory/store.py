@@ -1,0 +1,588 @@
+"""Durable, append-only store of one run's records, with a training cursor.
+
+Format: a length + CRC32 framed binary log (``log.bin``). Each frame is::
+
+    b"GYR1" | u32 payload length | u32 crc32(payload) | payload (records.to_bytes)
+
+Why this and not JSONL or ArrayRecord: the payload is the raw little-endian
+token bytes (4 B/token, decoded zero-copy), which JSONL cannot carry without
+base64 (+33%) and per-line parsing; the CRC tells a torn or damaged frame from a
+good one with certainty, which a JSON line that happens to parse cannot; the
+magic lets a reader resynchronise after a damaged frame; ArrayRecord is a heavier
+dependency, is not meant to be read while it is being written, and gives no
+control over the torn-tail policy. One ``os.write`` per frame on an
+``O_APPEND`` descriptor.
+
+Crash safety. A ``kill -9`` can cut a frame short (a large ``write`` is stopped
+between pages), never reorder it, so a crash leaves at most one torn frame at the
+end. When a writer opens the store it scans the log; bytes after the last good
+frame that no good frame follows are a torn tail: they are copied to
+``torn/<offset>.bin``, the log is truncated to the last good frame, and the event
+is logged (warning), appended to ``events.jsonl`` and listed in
+``stats().torn_tails``. A damaged frame *followed by* good frames is never
+truncated: it is skipped by resynchronising on the magic and listed in
+``stats().corrupt_regions``. What ``write`` returned is in the page cache and
+survives a process crash; ``StoreConfig.fsync`` bounds what a power or kernel
+failure can lose: ``always`` (fsync each append), ``interval`` (at most
+``fsync_interval_s`` of appends, checked at each append and at close), ``never``.
+
+Readers. Any number of read-only ``TrajectoryStore(dir, writable=False)``
+instances may tail the log while one writer (an ``flock``) appends: ``refresh()``
+indexes new complete frames and leaves an incomplete tail for the next call.
+
+Validation. ``append`` takes records or raw dicts (what the proxy receives).
+An invalid record (field checks in records.py, or cross-record checks here: run
+id, duplicate call index, a call after its rollout's outcome, a second outcome,
+task/group ids that change within a rollout) is written with its error text to
+``quarantine.jsonl``, counted, and the ``RecordError`` is raised. Good records
+before and after it are kept. An exact re-send of a stored record is counted as a
+duplicate and not written twice.
+
+Cursor. ``cursor.json`` (write temp, fsync, rename, fsync dir) lists every
+rollout the trainer consumed: trained, or dropped with a reason, with the step
+and the byte offset of its outcome frame (so a cursor restored against the wrong
+log fails loudly). ``pending_rollouts()`` is "has an outcome, all its calls are
+in, not consumed" in arrival order. For exact resume, save ``cursor_state()`` in
+the training checkpoint with the params and call ``restore_cursor`` with it on
+restore: rollouts marked after that checkpoint become pending again.
+
+Cost: opening scans and CRC-checks the whole log (~1 GB/s) and parses only the
+small JSON headers; reading a rollout reads just its frames (``os.pread``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from gyre_jax.trajectory.records import (
+    ModelCallRecord,
+    Record,
+    RecordError,
+    RolloutOutcome,
+    record_from_bytes,
+    record_from_dict,
+    record_from_json,
+)
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"GYR1"
+_FRAME = struct.Struct("<4sII")  # magic, payload length, crc32(payload)
+MAX_PAYLOAD = 1 << 30
+FSYNC_POLICIES = ("always", "interval", "never")
+LOG_NAME, META_NAME, CURSOR_NAME = "log.bin", "meta.json", "cursor.json"
+QUARANTINE_NAME, EVENTS_NAME, TORN_DIR = "quarantine.jsonl", "events.jsonl", "torn"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    fsync: str = "interval"  # 'always' | 'interval' | 'never' (module docstring)
+    fsync_interval_s: float = 1.0  # for 'interval'
+    vocab_size: int | None = None  # if set, token ids must be < vocab_size
+
+    def __post_init__(self):
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(f"StoreConfig.fsync={self.fsync!r}; known: {FSYNC_POLICIES}")
+        if not self.fsync_interval_s > 0:
+            raise ValueError(f"StoreConfig.fsync_interval_s={self.fsync_interval_s} must be > 0")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"StoreConfig.vocab_size={self.vocab_size} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    calls: int
+    outcomes: int
+    rollouts: int  # rollouts with at least one record
+    complete: int  # outcome present and all its calls in
+    incomplete: int  # outcome present but fewer calls than outcome.num_calls
+    pending: int  # complete and not consumed
+    trained: int
+    dropped: int
+    quarantined: int
+    duplicates: int  # exact re-sends, not written twice
+    torn_tails: tuple  # ((offset, nbytes, saved_to), ...) truncated by writer recovery, all time
+    corrupt_regions: tuple  # ((offset, nbytes), ...) damaged frames skipped (followed by good ones)
+    conflicts: tuple  # ((offset, message), ...) frames in the log that break cross-record rules
+    tail_pending_bytes: int  # reader: bytes after the last complete frame (a write in progress)
+    log_bytes: int
+
+
+@dataclasses.dataclass
+class _Rollout:
+    task_id: str
+    group_id: str
+    calls: dict  # call_index -> (offset, payload_len)
+    outcome: tuple | None = None  # (offset, payload_len)
+    num_calls: int | None = None
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _frame_ok(buf, off: int, end: int) -> int:
+    """Payload length if a complete frame with a good CRC starts at off, else -1 (bad) or -2 (incomplete)."""
+    if end - off < _FRAME.size:
+        return -2
+    magic, plen, crc = _FRAME.unpack_from(buf, off)
+    if magic != MAGIC or plen > MAX_PAYLOAD:
+        return -1
+    if off + _FRAME.size + plen > end:
+        return -2
+    if zlib.crc32(buf[off + _FRAME.size : off + _FRAME.size + plen]) != crc:
+        return -1
+    return plen
+
+
+def _scan(buf, start: int, end: int):
+    """Frames in buf[start:end]: ([(offset, plen)], [(corrupt offset, nbytes)], tail_start).
+
+    ``tail_start`` is where the bytes that no good frame follows begin (== end when
+    the log ends cleanly); the caller decides whether that tail is torn or pending.
+    """
+    frames, corrupt, off = [], [], start
+    while off < end:
+        plen = _frame_ok(buf, off, end)
+        if plen >= 0:
+            frames.append((off, plen))
+            off += _FRAME.size + plen
+            continue
+        # Bad or incomplete here: is there a good frame later? Then [off, that) is
+        # damage in the middle of the log; otherwise [off, end) is the tail.
+        nxt = buf.find(MAGIC, off + 1, end)
+        while nxt != -1 and _frame_ok(buf, nxt, end) < 0:
+            nxt = buf.find(MAGIC, nxt + 1, end)
+        if nxt == -1:
+            return frames, corrupt, off
+        corrupt.append((off, nxt - off))
+        off = nxt
+    return frames, corrupt, off
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    return repr(x)
+
+
+def _atomic_write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _append_line(path: str, obj) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, separators=(",", ":"), default=_jsonable) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class TrajectoryStore:
+    """One run's records in ``directory``. See the module docstring."""
+
+    def __init__(self, directory: str, *, run_id: str | None = None, config: StoreConfig = StoreConfig(), writable: bool = True):
+        self.directory = os.path.abspath(directory)
+        self.config = config
+        self.writable = writable
+        self._lock = threading.Lock()
+        self._path = lambda name: os.path.join(self.directory, name)
+        meta_path = self._path(META_NAME)
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if run_id is not None and meta["run_id"] != run_id:
+                raise ValueError(f"store {self.directory} belongs to run {meta['run_id']!r}, not {run_id!r}")
+            self.run_id = meta["run_id"]
+        else:
+            if not writable or run_id is None:
+                raise FileNotFoundError(f"no store at {self.directory} (creating one needs writable=True and a run_id)")
+            os.makedirs(self.directory, exist_ok=True)
+            _atomic_write_json(meta_path, {"format": "gyre-trajectory-log", "version": 1, "run_id": run_id})
+            self.run_id = run_id
+        self._writer_lock_f = None
+        self._cursor_lock_f = None
+        if writable:
+            self._writer_lock_f = self._take_lock("writer.lock", "writer")
+        log_path = self._path(LOG_NAME)
+        if writable:
+            self._wfd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._rfd = os.open(log_path, os.O_RDONLY)
+        self._rollouts: dict[str, _Rollout] = {}
+        self._outcome_order: list[str] = []
+        self._ncalls = 0
+        self._duplicates = 0
+        self._corrupt: list = []
+        self._conflicts: list = []
+        self._scanned = 0  # log offset up to which frames are indexed
+        self._tail_pending = 0
+        self._last_sync = time.monotonic()
+        self._dirty = False
+        self._closed = False
+        self.refresh()
+        if writable:
+            self._recover_tail()
+        self._consumed: dict[str, dict] = {}
+        self._load_cursor()
+
+    # ------------------------------------------------------------------ open / scan
+    def _take_lock(self, name: str, what: str):
+        f = open(self._path(name), "a")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise RuntimeError(f"another process holds the {what} lock of {self.directory}") from None
+        return f
+
+    def refresh(self) -> int:
+        """Index complete frames appended since the last scan; returns how many."""
+        with self._lock:
+            end = os.fstat(self._rfd).st_size
+            if end <= self._scanned:
+                self._tail_pending = 0
+                return 0
+            with mmap.mmap(self._rfd, end, access=mmap.ACCESS_READ) as buf:
+                frames, corrupt, tail = _scan(buf, self._scanned, end)
+                for off, plen in frames:
+                    self._index_frame(buf, off, plen)
+            for off, n in corrupt:
+                log.warning("trajectory store %s: damaged bytes [%d, %d) skipped", self.directory, off, off + n)
+            self._corrupt.extend(corrupt)
+            self._scanned = tail
+            self._tail_pending = end - tail
+            return len(frames)
+
+    def _index_frame(self, buf, off: int, plen: int) -> None:
+        try:
+            p0 = off + _FRAME.size
+            (hlen,) = struct.unpack_from("<I", buf, p0) if plen >= 4 else (plen,)
+            h = json.loads(bytes(buf[p0 + 4 : p0 + 4 + min(hlen, plen - 4)]))
+            if not isinstance(h, dict):
+                raise ValueError(f"header is {type(h).__name__}, not a JSON object")
+            self._check_and_index(h, off, plen)
+        except (RecordError, ValueError, KeyError, struct.error) as e:
+            self._conflicts.append((off, str(e)))
+            log.warning("trajectory store %s: frame at offset %d not indexed: %s", self.directory, off, e)
+
+    def _recover_tail(self) -> None:
+        size = os.fstat(self._rfd).st_size
+        if self._scanned == size:
+            return
+        off, n = self._scanned, size - self._scanned
+        os.makedirs(self._path(TORN_DIR), exist_ok=True)
+        saved = self._path(os.path.join(TORN_DIR, f"{off}.bin"))
+        with open(saved, "wb") as f:
+            f.write(os.pread(self._rfd, n, off))
+            f.flush()
+            os.fsync(f.fileno())
+        os.truncate(self._path(LOG_NAME), off)
+        os.fsync(self._wfd)
+        self._tail_pending = 0
+        _append_line(self._path(EVENTS_NAME), {"time": time.time(), "event": "torn_tail_truncated", "offset": off, "nbytes": n, "saved_to": saved})
+        log.warning("trajectory store %s: torn tail of %d bytes at offset %d truncated (saved to %s)", self.directory, n, off, saved)
+
+    # ------------------------------------------------------------------ append
+    def append(self, record: Record | Mapping[str, Any] | str | bytes) -> int:
+        """Validate and append one record (object, raw dict or JSON); returns its log offset.
+
+        Raises RecordError after quarantining an invalid record. An exact re-send
+        of a stored record returns the stored offset and counts a duplicate.
+        """
+        if not self.writable:
+            raise RuntimeError(f"store {self.directory} was opened read-only")
+        raw = record
+        try:
+            if isinstance(record, (str, bytes)):
+                record = record_from_json(record)
+            elif isinstance(record, Mapping):
+                record = record_from_dict(record)
+            elif not isinstance(record, (ModelCallRecord, RolloutOutcome)):
+                raise RecordError("record", "type", f"expected ModelCallRecord, RolloutOutcome, dict or JSON, got {type(record).__name__}")
+            if isinstance(record, ModelCallRecord) and self.config.vocab_size is not None:
+                for f in ("prompt_ids", "output_ids"):
+                    a = getattr(record, f)
+                    if a.shape[0] and int(a.max()) >= self.config.vocab_size:
+                        k = int(np.flatnonzero(a >= self.config.vocab_size)[0])
+                        raise RecordError(record.where, f, f"token id {int(a[k])} at index {k} >= vocab_size {self.config.vocab_size}")
+            header, parts = record.to_parts()  # zero-copy buffers of the payload
+            plen = sum(len(b) for b in parts)
+            with self._lock:
+                self._check_open()
+                dup = self._duplicate_offset(record, plen)
+                if dup is not None:
+                    self._duplicates += 1
+                    return dup
+                off = self._scanned
+                self._check_and_index(header, off, plen, record=record)
+                crc = 0
+                for b in parts:
+                    crc = zlib.crc32(b, crc)
+                self._write([_FRAME.pack(MAGIC, plen, crc), *parts], off)
+                return off
+        except RecordError as e:
+            self._quarantine(raw if not isinstance(raw, (ModelCallRecord, RolloutOutcome)) else raw.to_dict(), e)
+            raise
+
+    def _duplicate_offset(self, record: Record, plen: int) -> int | None:
+        r = self._rollouts.get(record.rollout_id)
+        if r is None:
+            return None
+        loc = r.calls.get(record.call_index) if isinstance(record, ModelCallRecord) else r.outcome
+        if loc is None or loc[1] != plen:
+            return None
+        return loc[0] if self._read_payload(*loc) == record.to_bytes() else None
+
+    def _check_and_index(self, h: Mapping[str, Any], off: int, plen: int, record: Record | None = None) -> None:
+        """Cross-record rules; on success the frame is in the index."""
+        kind, rid = h["kind"], h["rollout_id"]
+        where = record.where if record is not None else f"frame at offset {off} (rollout_id={rid!r})"
+        if h["run_id"] != self.run_id:
+            raise RecordError(where, "run_id", f"{h['run_id']!r} but this store holds run {self.run_id!r}")
+        r = self._rollouts.get(rid)
+        if r is not None:
+            for f in ("task_id", "group_id"):
+                if h[f] != getattr(r, f):
+                    raise RecordError(where, f, f"{h[f]!r} but earlier records of rollout {rid!r} say {getattr(r, f)!r}")
+            if r.outcome is not None:
+                what = "a second outcome" if kind == "outcome" else "a call"
+                raise RecordError(where, "rollout_id", f"{what} for rollout {rid!r}, whose outcome is already recorded at offset {r.outcome[0]}")
+        if kind == "call":
+            ci = h["call_index"]
+            if r is not None and ci in r.calls:
+                raise RecordError(where, "call_index", f"rollout {rid!r} already has a different call {ci} at offset {r.calls[ci][0]}")
+        if r is None:
+            r = self._rollouts[rid] = _Rollout(task_id=h["task_id"], group_id=h["group_id"], calls={})
+        if kind == "call":
+            r.calls[h["call_index"]] = (off, plen)
+            self._ncalls += 1
+        else:
+            r.outcome = (off, plen)
+            r.num_calls = h.get("num_calls")
+            self._outcome_order.append(rid)
+
+    def _write(self, bufs: list, off: int) -> None:
+        total = sum(len(b) for b in bufs)
+        bufs = [memoryview(b) for b in bufs]
+        written = 0
+        try:
+            while True:  # one writev per frame; loop only on a short write
+                n = os.writev(self._wfd, bufs)
+                written += n
+                if written == total:
+                    break
+                while n:
+                    k = min(n, len(bufs[0]))
+                    bufs[0] = bufs[0][k:]
+                    n -= k
+                    if not len(bufs[0]):
+                        bufs.pop(0)
+        except BaseException:
+            # Do not leave our own torn frame behind; undo the index entry too.
+            os.truncate(self._path(LOG_NAME), off)
+            self._unindex_last(off)
+            raise
+        self._scanned = off + total
+        self._dirty = True
+        now = time.monotonic()
+        if self.config.fsync == "always" or (self.config.fsync == "interval" and now - self._last_sync >= self.config.fsync_interval_s):
+            os.fsync(self._wfd)
+            self._last_sync, self._dirty = now, False
+
+    def _unindex_last(self, off: int) -> None:
+        for rid, r in self._rollouts.items():
+            for ci, loc in list(r.calls.items()):
+                if loc[0] == off:
+                    del r.calls[ci]
+                    self._ncalls -= 1
+            if r.outcome is not None and r.outcome[0] == off:
+                r.outcome = None
+                self._outcome_order.remove(rid)
+
+    def _quarantine(self, raw, err: RecordError) -> None:
+        entry = {"time": time.time(), "error": str(err), "where": err.where, "field": err.field, "record": raw}
+        with self._lock:
+            _append_line(self._path(QUARANTINE_NAME), entry)
+        log.warning("trajectory store %s: quarantined %s", self.directory, err)
+
+    def sync(self) -> None:
+        with self._lock:
+            if self.writable and self._dirty:
+                os.fsync(self._wfd)
+                self._last_sync, self._dirty = time.monotonic(), False
+
+    # ------------------------------------------------------------------ read
+    def _read_payload(self, off: int, plen: int) -> bytes:
+        frame = os.pread(self._rfd, _FRAME.size + plen, off)
+        if _frame_ok(frame, 0, len(frame)) != plen:
+            raise OSError(f"trajectory store {self.directory}: frame at offset {off} changed on disk (bad CRC)")
+        return frame[_FRAME.size :]
+
+    def rollout_ids(self) -> list[str]:
+        return list(self._rollouts)
+
+    def calls(self, rollout_id: str) -> list[ModelCallRecord]:
+        """All calls of a rollout, by call index."""
+        r = self._rollouts.get(rollout_id)
+        if r is None:
+            raise KeyError(f"no records for rollout {rollout_id!r} in {self.directory}")
+        return [record_from_bytes(self._read_payload(*r.calls[ci])) for ci in sorted(r.calls)]
+
+    def outcome(self, rollout_id: str) -> RolloutOutcome | None:
+        r = self._rollouts.get(rollout_id)
+        if r is None:
+            raise KeyError(f"no records for rollout {rollout_id!r} in {self.directory}")
+        return None if r.outcome is None else record_from_bytes(self._read_payload(*r.outcome))
+
+    def group_rollouts(self, group_id: str) -> list[str]:
+        return [rid for rid, r in self._rollouts.items() if r.group_id == group_id]
+
+    def _is_complete(self, r: _Rollout) -> bool:
+        return r.outcome is not None and (r.num_calls is None or len(r.calls) >= r.num_calls)
+
+    def complete_rollouts(self) -> list[str]:
+        """Rollouts with an outcome and all their calls, in outcome arrival order."""
+        return [rid for rid in self._outcome_order if self._is_complete(self._rollouts[rid])]
+
+    def pending_rollouts(self) -> list[str]:
+        """Complete rollouts the trainer has not consumed (trained or dropped), in arrival order."""
+        return [rid for rid in self.complete_rollouts() if rid not in self._consumed]
+
+    # ------------------------------------------------------------------ cursor
+    def _load_cursor(self) -> None:
+        path = self._path(CURSOR_NAME)
+        if os.path.exists(path):
+            with open(path) as f:
+                self._apply_cursor(json.load(f))
+
+    def _apply_cursor(self, state: Mapping[str, Any]) -> None:
+        if state.get("run_id") != self.run_id:
+            raise ValueError(f"cursor is for run {state.get('run_id')!r}, store holds {self.run_id!r}")
+        consumed = {}
+        for rid, e in state["consumed"].items():
+            r = self._rollouts.get(rid)
+            if r is None or r.outcome is None or r.outcome[0] != e["outcome_offset"]:
+                have = None if r is None or r.outcome is None else r.outcome[0]
+                raise ValueError(f"cursor entry {rid!r} (outcome at offset {e['outcome_offset']}) does not match this log (outcome at {have})")
+            consumed[rid] = dict(e)
+        self._consumed = consumed
+
+    def cursor_state(self) -> dict[str, Any]:
+        """JSON-able cursor, to save in a training checkpoint."""
+        return {"version": 1, "run_id": self.run_id, "log_offset": self._scanned, "consumed": {k: dict(v) for k, v in self._consumed.items()}}
+
+    def restore_cursor(self, state: Mapping[str, Any]) -> None:
+        """Make ``state`` (from ``cursor_state``) the persisted cursor, e.g. on checkpoint restore."""
+        self._apply_cursor(state)
+        self._persist_cursor()
+
+    def _persist_cursor(self) -> None:
+        if self._cursor_lock_f is None:
+            self._cursor_lock_f = self._take_lock("cursor.lock", "cursor")
+        _atomic_write_json(self._path(CURSOR_NAME), self.cursor_state())
+
+    def _consume(self, rollout_ids: Iterable[str], entry: dict) -> None:
+        ids = list(rollout_ids)
+        for rid in ids:
+            r = self._rollouts.get(rid)
+            if r is None or not self._is_complete(r):
+                raise ValueError(f"cannot consume rollout {rid!r}: it is not complete in {self.directory}")
+            if rid in self._consumed:
+                raise ValueError(f"rollout {rid!r} was already consumed: {self._consumed[rid]}")
+            if ids.count(rid) > 1:
+                raise ValueError(f"rollout {rid!r} listed twice")
+        for rid in ids:
+            self._consumed[rid] = dict(entry, outcome_offset=self._rollouts[rid].outcome[0])
+        self._persist_cursor()
+
+    def mark_trained(self, rollout_ids: Iterable[str], *, step: int) -> None:
+        self._consume(rollout_ids, {"state": "trained", "step": int(step), "reason": None})
+
+    def mark_dropped(self, rollout_ids: Iterable[str], *, step: int, reason: str) -> None:
+        if not isinstance(reason, str) or not reason:
+            raise ValueError("mark_dropped needs a non-empty reason")
+        self._consume(rollout_ids, {"state": "dropped", "step": int(step), "reason": reason})
+
+    def consumed(self) -> dict[str, dict]:
+        return {k: dict(v) for k, v in self._consumed.items()}
+
+    # ------------------------------------------------------------------ stats / close
+    def quarantined(self) -> list[dict]:
+        path = self._path(QUARANTINE_NAME)
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def torn_tails(self) -> list[tuple]:
+        path = self._path(EVENTS_NAME)
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            ev = [json.loads(line) for line in f if line.strip()]
+        return [(e["offset"], e["nbytes"], e["saved_to"]) for e in ev if e["event"] == "torn_tail_truncated"]
+
+    def stats(self) -> StoreStats:
+        complete = self.complete_rollouts()
+        states = [e["state"] for e in self._consumed.values()]
+        return StoreStats(
+            calls=self._ncalls,
+            outcomes=len(self._outcome_order),
+            rollouts=len(self._rollouts),
+            complete=len(complete),
+            incomplete=len(self._outcome_order) - len(complete),
+            pending=sum(rid not in self._consumed for rid in complete),
+            trained=states.count("trained"),
+            dropped=states.count("dropped"),
+            quarantined=len(self.quarantined()),
+            duplicates=self._duplicates,
+            torn_tails=tuple(self.torn_tails()),
+            corrupt_regions=tuple(self._corrupt),
+            conflicts=tuple(self._conflicts),
+            tail_pending_bytes=self._tail_pending,
+            log_bytes=self._scanned + self._tail_pending,
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"store {self.directory} is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.sync()
+        self._closed = True
+        if self.writable:
+            os.close(self._wfd)
+        os.close(self._rfd)
+        for f in (self._writer_lock_f, self._cursor_lock_f):
+            if f is not None:
+                f.close()
+
+    def __enter__(self) -> "TrajectoryStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
