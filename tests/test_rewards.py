@@ -9,11 +9,15 @@ from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
 
 
 @dataclasses.dataclass
-class O:  # RolloutOutcome-like
+class O:  # RolloutOutcome-like; group_id defaults to the task (one group per task)
     rollout_id: str
     task_id: str
     status: str
     score: float | None
+    group_id: str = ""
+
+    def __post_init__(self):
+        self.group_id = self.group_id or "g_" + self.task_id
 
 
 def ref_adv(scores, mode, eps):
@@ -84,5 +88,20 @@ def test_bad_inputs_are_named():
         compute_advantages([O("x", "t", "crashed", 0.0)])
     with pytest.raises(ValueError, match="appears twice"):
         compute_advantages([O("x", "t", "completed", 0.0), O("x", "t", "completed", 1.0)])
+    with pytest.raises(ValueError, match="group 'g' mixes tasks 't1' and 't2'.*rollout 'y'"):
+        compute_advantages([O("x", "t1", "completed", 0.0, "g"), O("y", "t2", "completed", 1.0, "g")])
     with pytest.raises(ValueError, match="mode"):
         AdvantageConfig(mode="median")
+
+
+def test_real_records_and_group_field():
+    from gyre_jax.trajectory.records import RolloutOutcome
+
+    mk = lambda rid, g, st, sc: RolloutOutcome(run_id="run", rollout_id=rid, task_id="t", group_id=g, status=st, score=sc)
+    outs = [mk("a", "g1", "completed", 1.0), mk("b", "g1", "timeout", 0.0), mk("c", "g2", "completed", 0.2),
+            mk("d", "g2", "infra_error", None)]
+    by_group = compute_advantages(outs, AdvantageConfig(mode="mean"))
+    np.testing.assert_allclose(by_group.advantages, [0.5, -0.5, 0.0, 0.0])
+    by_task = compute_advantages(outs, AdvantageConfig(mode="mean"), group_field="task_id")
+    np.testing.assert_allclose(by_task.advantages, [0.6, -0.4, -0.2, 0.0], rtol=1e-6)
+    assert by_task.num_groups == 1 and by_group.num_groups == 2

@@ -73,6 +73,21 @@ def test_role_is_the_leaf_role_and_shared_prefix_trainable_counts_per_path():
     assert res.tokens_kept == 1 + 4 + 1 + 3
 
 
+def test_gain_not_static_count_avoids_near_duplicate_retries():
+    # One long context with two retries at its end, and a second, shorter context.
+    ctx = TreeNode.span([5] * 10, trainable=True, children=[leaf(1, 2, "main"), leaf(2, 1, "main")])
+    root = TreeNode.span([9], children=[ctx, leaf(3, 8, "main")])
+    res = select_paths(root, SelectConfig(jmax=2))
+    # Static counts would pick both retries (12, 11); gains pick 12 then the other context's 8.
+    assert leaf_tags(res.tree) == [1, 3] and res.trainable_kept == 20
+    res3 = select_paths(root, SelectConfig(jmax=3))
+    assert leaf_tags(res3.tree) == [1, 2, 3]
+    # A path that adds no trainable token is never picked in the budgeted modes.
+    zero = TreeNode.span([9], children=[leaf(1, 2, "main"), leaf(2, 0, "main")])
+    assert leaf_tags(select_paths(zero, SelectConfig(jmax=5)).tree) == [1]
+    assert leaf_tags(select_paths(zero, SelectConfig(mode="unbounded")).tree) == [1, 2]
+
+
 def test_deterministic_and_deep():
     # 2000-deep chain: no recursion limits; the same call twice gives the same tree.
     node = TreeNode.span([1], role="main")

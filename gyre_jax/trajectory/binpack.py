@@ -1,24 +1,27 @@
 """Split selected trees to fit rows of length L and bin-pack them; fill loss weights.
 
-Splitting (a tree whose serialization exceeds L). Walk the nodes in depth-first
-pre-order and fill a part until the next node does not fit; then start a new part
-that carries the next node's ancestor path. Nodes are never cut, so every part is
-a tree whose root-to-node paths are prefixes of the original's: serialize_tree on
-the part gives each token exactly its original context and position. Each node is
-*owned* (trainable kept) by exactly one part, the one the sweep added it to; in the
-ancestor copies every token is non-trainable, so each trainable token is still a
-target exactly once over all parts. The copies are the reported duplicated tokens.
-A single root-to-node path longer than L cannot fit any row: a clear error.
+Splitting (a tree whose serialization exceeds L) works on whole subtrees. A *unit*
+is an ancestor chain (root to some node v) plus whole subtrees hanging below it;
+it serializes as one tree whose root-to-node paths are prefixes of the original's,
+so serialize_tree gives every token exactly its original context and position.
+Top down from the root: a subtree that fits below its chain is one unit. A node v
+whose subtree does not fit is *split*: its children whose subtrees fit below
+chain + v are grouped (first-fit decreasing) into units that share chain + v, and
+the others are split in turn. Agent trees are a shared system prompt with long
+contexts below it (compaction restarts, sub-agents), so this keeps each context
+whole and copies only the short prefix above it; cutting a context in the middle
+would copy everything above the cut.
 
-Why the sweep and not per-subtree bins: in pre-order the parent of the next node is
-always already in the current part (it is an ancestor of the previous node, hence
-in the part or in its carried chain), so a part only ever needs one ancestor chain
-and parts come out near L long.
+Counted once: every node is *owned* by exactly one unit (a node inside a whole
+subtree by that unit; a split node by the first unit whose chain holds it). In all
+other copies its tokens are non-trainable, so each trainable token is a target
+exactly once over all units. The copies are the reported duplicated tokens. A
+single root-to-node path longer than L cannot fit any row: a clear error.
 
-Packing: first-fit decreasing over all parts of all rollouts of the call.
+Packing: first-fit decreasing over all units of all rollouts of the call.
 
 Loss weights (docs/design.md, counting rule): a trainable target of rollout r gets
-w = 1 / (N_r * R), N_r = the rollout's trainable targets over all its parts (each
+w = 1 / (N_r * R), N_r = the rollout's trainable targets over all its units (each
 unique trainable token once), R = rollouts of the *global* step.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ class PathTooLongError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SplitResult:
     parts: list  # list[SerializedTree], each len <= row_len
-    duplicated_tokens: int  # ancestor-path tokens copied into later parts (non-trainable there)
+    duplicated_tokens: int  # ancestor-chain tokens copied into units that do not own them
     unique_tokens: int  # tokens of the input tree (sum over nodes)
 
 
@@ -57,7 +60,8 @@ def _preorder(root: TreeNode):
 
 
 def serialized_len(root: TreeNode) -> int:
-    """len(serialize_tree(root)) without serializing: tokens + (children - 1) per branch node."""
+    """Upper bound on len(serialize_tree(root)), exact unless an empty root branches:
+    tokens + (children - 1) per branching node (serialize.py's branch-point rule)."""
     total = 0
     for n in root.walk():
         total += n.tokens.shape[0] + max(0, len(n.children) - 1)
@@ -65,13 +69,12 @@ def serialized_len(root: TreeNode) -> int:
 
 
 def split_tree(root: TreeNode, row_len: int, *, name: str = "tree") -> SplitResult:
-    """Serialize ``root`` as one or more parts of at most ``row_len`` tokens (module doc)."""
+    """Serialize ``root`` as one or more units of at most ``row_len`` tokens (module doc)."""
     nodes, parent = _preorder(root)
     n = len(nodes)
     ntok = np.fromiter((x.tokens.shape[0] for x in nodes), np.int64, n)
     unique = int(ntok.sum())
     depth = np.zeros(n, np.int64)  # tokens on the path above each node
-    nkids = np.fromiter((len(x.children) for x in nodes), np.int64, n)
     for i in range(1, n):
         depth[i] = depth[parent[i]] + ntok[parent[i]]
     path_end = depth + ntok
@@ -82,42 +85,39 @@ def split_tree(root: TreeNode, row_len: int, *, name: str = "tree") -> SplitResu
             f"role={nodes[worst].role}) has {int(path_end[worst])} tokens, more than "
             f"row_len={row_len}; rows must cover the model's full context"
         )
-    if unique + int(np.maximum(nkids - 1, 0).sum()) <= row_len:
+    # Serialized size of each whole subtree (reverse pre-order: children first).
+    nkids = np.bincount(parent[1:], minlength=n).astype(np.int64)
+    size = ntok + np.maximum(nkids - 1, 0)
+    for i in range(n - 1, 0, -1):
+        size[parent[i]] += size[i]
+    if size[0] <= row_len:
         return SplitResult([serialize_tree(root)], 0, unique)
 
-    # Sweep (module doc). parts: list of (chain node indices, owned node indices).
-    parts: list[tuple[list[int], list[int]]] = []
-    kids_in_part = np.zeros(n, np.int64)
-    chain: list[int] = []
-    owned: list[int] = []
-    size = 0
-    for i in range(n):
-        p = parent[i]
-        cost = ntok[i] + (1 if p >= 0 and kids_in_part[p] >= 1 else 0)
-        if owned and size + cost > row_len:
-            parts.append((chain, owned))
-            kids_in_part[chain] = 0
-            kids_in_part[owned] = 0
-            chain = _ancestors(parent, i)
-            owned = []
-            kids_in_part[chain[:-1]] = 1  # chain[k] has one child in the part: chain[k+1]
-            if chain:
-                kids_in_part[chain[-1]] = 0
-            size = int(depth[i])
-            cost = ntok[i]
-        if p >= 0:
-            kids_in_part[p] += 1
-        owned.append(i)
-        size += int(cost)
-    parts.append((chain, owned))
+    index = {id(x): i for i, x in enumerate(nodes)}
+    units: list[tuple[int, list[TreeNode]]] = []  # (split node v, whole subtrees below it)
+    stack = [0]  # split nodes, processed in pre-order so ownership follows the tree order
+    while stack:
+        v = stack.pop()
+        room = row_len - int(path_end[v])  # below chain + v
+        kids = [index[id(c)] for c in nodes[v].children]
+        fit = [c for c in kids if size[c] <= room]
+        big = [c for c in kids if size[c] > room]
+        # Each extra child of a group costs one branch copy: weights size+1, capacity room+1.
+        for group in first_fit_decreasing([int(size[c]) + 1 for c in fit], room + 1):
+            units.append((v, [nodes[fit[k]] for k in sorted(group)]))
+        stack.extend(reversed(big))
 
     out, dup = [], 0
-    for chain, owned in parts:
-        t = serialize_tree(_build_part(nodes, parent, chain, owned))
-        if len(t) > row_len:  # the sweep's size bookkeeping is the invariant; fail loudly
-            raise AssertionError(f"{name}: split part of {len(t)} tokens > row_len={row_len}")
+    owned = np.zeros(n, bool)
+    for v, subtrees in units:
+        chain = _ancestors(parent, v) + [v]
+        copies = [i for i in chain if owned[i]]
+        owned[chain] = True
+        t = serialize_tree(_build_unit(nodes, chain, owned_here=set(chain) - set(copies), subtrees=subtrees))
+        if len(t) > row_len:  # the size bookkeeping above is the invariant; fail loudly
+            raise AssertionError(f"{name}: split unit of {len(t)} tokens > row_len={row_len}")
         out.append(t)
-        dup += int(ntok[chain].sum()) if chain else 0
+        dup += int(ntok[copies].sum())
     return SplitResult(out, dup, unique)
 
 
@@ -131,28 +131,26 @@ def _ancestors(parent: np.ndarray, i: int) -> list[int]:
     return chain
 
 
-def _build_part(nodes, parent, chain, owned) -> TreeNode:
-    """A tree of the chain (non-trainable copies) plus the owned nodes, in pre-order."""
-    made: dict[int, TreeNode] = {}
+def _build_unit(nodes, chain, *, owned_here, subtrees) -> TreeNode:
+    """Chain nodes (trainable only where owned here) ending in the given whole subtrees.
+
+    The subtrees are the original nodes, shared, not copied: serialize_tree only reads.
+    """
+    made = []
     for i in chain:
         x = nodes[i]
-        made[i] = TreeNode(
-            tokens=x.tokens, trainable=np.zeros(x.tokens.shape[0], bool),
-            logprobs=np.zeros(x.tokens.shape[0], np.float32), children=[], role=x.role,
-            agent_id=x.agent_id, call_ids=x.call_ids, policy_version=x.policy_version,
-        )
-    for i in owned:
-        x = nodes[i]
-        made[i] = TreeNode(
-            tokens=x.tokens, trainable=x.trainable, logprobs=x.logprobs, children=[], role=x.role,
-            agent_id=x.agent_id, call_ids=x.call_ids, policy_version=x.policy_version,
-        )
-    # chain then owned is pre-order, so appending keeps the original child order.
-    for i in list(chain) + list(owned):
-        p = int(parent[i])
-        if p >= 0:
-            made[p].children.append(made[i])
-    return made[chain[0] if chain else owned[0]]
+        keep = i in owned_here
+        made.append(TreeNode(
+            tokens=x.tokens,
+            trainable=x.trainable if keep else np.zeros(x.tokens.shape[0], bool),
+            logprobs=x.logprobs if keep else np.zeros(x.tokens.shape[0], np.float32),
+            children=[], role=x.role, agent_id=x.agent_id, call_ids=x.call_ids,
+            policy_version=x.policy_version,
+        ))
+    for a, b in zip(made, made[1:]):
+        a.children.append(b)
+    made[-1].children.extend(subtrees)
+    return made[0]
 
 
 def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:

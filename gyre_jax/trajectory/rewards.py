@@ -6,7 +6,9 @@ Rules (docs/design.md, invariant 4, "failures are not zeros"):
   * ``infra_error`` and ``verifier_error`` rollouts are excluded from training and
     from their group's statistics (mean, std). They are counted per class and
     logged, never trained as reward 0.
-  * A group is the rollouts of one task in one step. Advantages are normalized over
+  * A group is the rollouts of one task in one step, sampled together: the
+    records' ``group_id`` (every rollout of a group must share its ``task_id``;
+    a mix is an error). Advantages are normalized over
     the group's valid rollouts only:
       ``mean``:      A = r - mean(r)
       ``mean_std``:  A = (r - mean(r)) / (std(r) + eps)   (population std)
@@ -82,19 +84,21 @@ def compute_advantages(
     outcomes: Sequence[Any],
     config: AdvantageConfig = AdvantageConfig(),
     *,
-    group_field: str = "task_id",
+    group_field: str = "group_id",
 ) -> RewardResult:
     """Group-normalized advantages for the finished rollouts of ONE step.
 
-    ``outcomes``: objects with ``rollout_id``, ``status``, ``score`` and the group
-    field (``task_id`` by default: a group is one task's rollouts within the step),
-    e.g. ``records.RolloutOutcome``. A valid rollout must have a finite score in
-    [0, 1]; a failed one may have any score (it is ignored).
+    ``outcomes``: objects with ``rollout_id``, ``task_id``, ``status``, ``score``
+    and the group field (``group_id`` by default; pass ``group_field="task_id"``
+    to pool every rollout of a task in the step), e.g. ``records.RolloutOutcome``.
+    A valid rollout must have a finite score in [0, 1]; a failed one may have any
+    score (it is ignored).
     """
     n = len(outcomes)
     rids, groups, statuses = [], [], []
     scores = np.full(n, np.nan, np.float64)
     seen = set()
+    group_task: dict = {}
     for i, o in enumerate(outcomes):
         rid = _field(o, "rollout_id", i)
         status = _field(o, "status", i)
@@ -112,8 +116,14 @@ def compute_advantages(
             if not (0.0 <= s <= 1.0):  # also rejects NaN
                 raise ValueError(f"compute_advantages: rollout {rid!r} ({status}) has score {s!r} outside [0, 1]")
             scores[i] = s
+        g, task = _field(o, group_field, i), _field(o, "task_id", i)
+        if group_task.setdefault(g, task) != task:
+            raise ValueError(
+                f"compute_advantages: group {g!r} mixes tasks {group_task[g]!r} and {task!r} "
+                f"(rollout {rid!r}); a group is one task's rollouts"
+            )
         rids.append(rid)
-        groups.append(_field(o, group_field, i))
+        groups.append(g)
         statuses.append(status)
 
     valid = np.array([s in VALID_STATUSES for s in statuses], bool)

@@ -6,14 +6,19 @@ Definitions (precise, because the ablations depend on them):
   * The *role of a path* is the role of its leaf node, i.e. of the call whose
     output ends it (a sub-agent's path can share the system prompt with a main
     path; the shared prefix does not make it a main path).
-  * The *trainable tokens of a path* are the trainable tokens on all its nodes
-    (counted per path, so shared trainable prefixes count for every path).
+  * The *gain* of a path is the number of trainable tokens it adds to the paths
+    already chosen (its trainable tokens on nodes not yet kept).
 
-Order: role priority main > subagent > summary, then more trainable tokens first,
-then the leaf's depth-first pre-order index (earlier first): total and deterministic.
+Order (greedy, deterministic): repeatedly take the path with the best key
+(role priority main > subagent > summary, then larger gain, then the leaf's
+depth-first pre-order index), recomputing gains after each pick. Ranking by gain
+rather than by a path's own trainable count matters: retries deep in one long
+context each carry that context's whole trainable prefix, and a static count would
+spend the whole budget on near-duplicates of one context. Paths with zero gain
+train nothing and are never picked (in the budgeted modes).
 
 Modes:
-  * ``priority`` (default): the first ``jmax`` paths of that order.
+  * ``priority`` (default): up to ``jmax`` paths in that order.
   * ``unbounded``: every path (ablation: no budget).
   * ``main_only``: main-role paths only, still at most ``jmax`` (ablation: the
     paper's "main path only" baseline).
@@ -60,8 +65,7 @@ class SelectionResult:
 
 
 def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> SelectionResult:
-    # One pre-order pass: parent, per-node token/trainable counts, cumulative
-    # counts along the path (a node's path totals = its parent's + its own).
+    # One pre-order pass: parent, per-node token/trainable counts, path lengths.
     nodes, parent = [], []
     stack = [(root, -1)]
     while stack:
@@ -75,31 +79,39 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
     ntok = np.fromiter((x.tokens.shape[0] for x in nodes), np.int64, n)
     ntr = np.fromiter((int(np.count_nonzero(x.trainable)) for x in nodes), np.int64, n)
     path_tok = ntok.copy()
-    path_tr = ntr.copy()
     for i in range(1, n):  # pre-order: parent before child
         path_tok[i] += path_tok[parent[i]]
-        path_tr[i] += path_tr[parent[i]]
-    leaves = [i for i in range(n) if not nodes[i].children]
-    rank = {i: _ROLE_RANK[nodes[i].role] for i in leaves}
+    leaves = np.array([i for i in range(n) if not nodes[i].children], np.int64)
+    role_rank = np.array([_ROLE_RANK[nodes[i].role] for i in leaves], np.int64)
+    keep = np.zeros(n, bool)
 
-    if config.mode == "main_only":
-        cand = [i for i in leaves if nodes[i].role == "main"]
+    if config.mode == "unbounded":
+        cand = [int(i) for i in leaves]
+        for leaf in cand:
+            _mark_path(keep, parent, leaf)
     else:
-        cand = list(leaves)
-    cand.sort(key=lambda i: (rank[i], -int(path_tr[i]), i))
-    if config.mode != "unbounded":
-        cand = cand[: config.jmax]
+        allowed = np.ones(leaves.size, bool) if config.mode == "priority" else role_rank == 0
+        cand = []
+        ntr_l = ntr.tolist()
+        for _ in range(config.jmax):
+            # New trainable tokens on the path to each node (pre-order: parent first).
+            gain_node = [0] * n
+            for i in range(n):
+                own = 0 if keep[i] else ntr_l[i]
+                gain_node[i] = own + (gain_node[parent[i]] if i else 0)
+            gain = np.where(allowed, np.asarray(gain_node, np.int64)[leaves], 0)
+            if not gain.any():
+                break
+            # Best: lowest role rank, then largest gain, then earliest leaf (lexsort: last key first).
+            order = np.lexsort((leaves, -gain, role_rank + np.where(gain > 0, 0, len(ROLES))))
+            k = int(order[0])
+            cand.append(int(leaves[k]))
+            _mark_path(keep, parent, int(leaves[k]))
+            allowed[k] = False
 
     tokens_total, trainable_total = int(ntok.sum()), int(ntr.sum())
     if not cand:
-        return SelectionResult(None, len(leaves), 0, (), tokens_total, 0, trainable_total, 0, 0)
-
-    keep = np.zeros(n, bool)
-    for leaf in cand:
-        i = leaf
-        while i >= 0 and not keep[i]:
-            keep[i] = True
-            i = parent[i]
+        return SelectionResult(None, int(leaves.size), 0, (), tokens_total, 0, trainable_total, 0, 0)
 
     # Rebuild kept nodes bottom-up (reverse pre-order: children before parents),
     # preserving the original child order.
@@ -120,7 +132,7 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
 
     return SelectionResult(
         tree=new[0],
-        paths_total=len(leaves),
+        paths_total=int(leaves.size),
         paths_selected=len(cand),
         selected_roles=tuple(nodes[i].role for i in cand),
         tokens_total=tokens_total,
@@ -129,3 +141,10 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
         trainable_kept=int(ntr[keep].sum()),
         expanded_tokens=int(path_tok[cand].sum()),
     )
+
+
+def _mark_path(keep: np.ndarray, parent: list, leaf: int) -> None:
+    i = leaf
+    while i >= 0 and not keep[i]:
+        keep[i] = True
+        i = parent[i]
