@@ -85,6 +85,16 @@ def test_split_exact_and_counted_once(seed):
         assert len(res.parts) == 1 and res.duplicated_tokens == 0
 
 
+def test_empty_root_sizes_exact():
+    # tree.py gives an empty root when contexts share no first token.
+    root = TreeNode.span([], children=[TreeNode.span([1, 2, 3], children=[TreeNode.span([4], trainable=True)]),
+                                       TreeNode.span([5, 6], children=[TreeNode.span([7], trainable=True)])])
+    assert serialized_len(root) == len(serialize_tree(root)) == 7
+    assert len(split_tree(root, 7).parts) == 1
+    parts = split_tree(root, 4).parts
+    assert [len(p) for p in parts] == [4, 3] and sum(p.num_trainable for p in parts) == 2
+
+
 def test_split_carries_ancestor_path_untrained():
     sys = TreeNode.span([1, 2, 3], trainable=False)
     a = TreeNode.span([10, 11, 12, 13], trainable=True)

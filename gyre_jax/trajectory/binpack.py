@@ -60,11 +60,13 @@ def _preorder(root: TreeNode):
 
 
 def serialized_len(root: TreeNode) -> int:
-    """Upper bound on len(serialize_tree(root)), exact unless an empty root branches:
-    tokens + (children - 1) per branching node (serialize.py's branch-point rule)."""
+    """len(serialize_tree(root)) without serializing: tokens + (children - 1) per
+    branching node (serialize.py's branch-point rule; an empty root has no token to
+    move, so it costs nothing)."""
     total = 0
     for n in root.walk():
-        total += n.tokens.shape[0] + max(0, len(n.children) - 1)
+        k = n.tokens.shape[0]
+        total += k + (max(0, len(n.children) - 1) if k else 0)
     return total
 
 
@@ -87,7 +89,7 @@ def split_tree(root: TreeNode, row_len: int, *, name: str = "tree") -> SplitResu
         )
     # Serialized size of each whole subtree (reverse pre-order: children first).
     nkids = np.bincount(parent[1:], minlength=n).astype(np.int64)
-    size = ntok + np.maximum(nkids - 1, 0)
+    size = ntok + np.where(ntok > 0, np.maximum(nkids - 1, 0), 0)
     for i in range(n - 1, 0, -1):
         size[parent[i]] += size[i]
     if size[0] <= row_len:
@@ -243,12 +245,15 @@ def pack_trees(
     valid = rollout_index >= 0
     ridx = np.where(valid, rollout_index, 0)
     num_targets = np.bincount(ridx[rows.loss_mask], minlength=nr).astype(np.int64)
-    w_r = np.zeros(nr, np.float64)
-    has = num_targets > 0
+    # Lookup tables get one spare entry so that ridx (0 on padding) indexes them
+    # even when no rollout is given; padding is masked out below.
+    w_r = np.zeros(nr + 1, np.float64)
+    has = np.flatnonzero(num_targets > 0)
     w_r[has] = 1.0 / (num_targets[has].astype(np.float64) * R)
     rows.loss_weights = np.where(rows.loss_mask, w_r[ridx], 0.0).astype(np.float32)
-    adv = np.asarray(advantages, np.float32).reshape(nr) if nr else np.zeros(1, np.float32)
-    rows.advantages = np.where(valid, adv[ridx] if nr else 0.0, 0.0).astype(np.float32)
+    adv = np.zeros(nr + 1, np.float32)
+    adv[:nr] = np.asarray(advantages, np.float32).reshape(nr)
+    rows.advantages = np.where(valid, adv[ridx], 0.0).astype(np.float32)
 
     packed = int(valid.sum())
     return PackResult(
