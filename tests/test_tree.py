@@ -233,3 +233,78 @@ def test_property_random_rollouts(seed):
     vocab = 3 if seed % 4 == 0 else 20  # a tiny vocabulary makes accidental sharing common
     calls = random_rollout(rng, int(rng.integers(1, 25)), vocab)
     check_rebuild(list(rng.permutation(np.array(calls, dtype=object))))
+
+
+# ---------------------------------------------------------------- synthetic rollouts (synth.py)
+from gyre_jax.trajectory.synth import SynthConfig, preset, synth_rollout, synth_rollouts  # noqa: E402
+
+
+def by_rollout(calls):
+    out = {}
+    for c in calls:
+        out.setdefault(c.rollout_id, []).append(c)
+    return out
+
+
+def test_synth_tiny_rebuilds_exactly():
+    calls, outcomes = synth_rollouts(preset("tiny"))
+    groups = by_rollout(calls)
+    assert sorted(groups) == sorted(o.rollout_id for o in outcomes)
+    for o in outcomes:
+        assert o.num_calls == len(groups[o.rollout_id])
+        check_rebuild(groups[o.rollout_id])
+
+
+def test_synth_features_present_and_deterministic():
+    cfg = preset("tiny", group_size=6, drift_rate=0.5)
+    calls, outcomes = synth_rollouts(cfg)
+    again, _ = synth_rollouts(cfg)
+    assert [c.to_bytes() for c in calls] == [c.to_bytes() for c in again]
+    assert {c.role for c in calls} == {"main", "subagent", "summary"}
+    assert all(c.parent_agent_id == 0 for c in calls if c.role == "subagent")
+    assert {o.status for o in outcomes} >= {"completed", "timeout"}
+    assert all((o.score is None) == o.is_failure for o in outcomes)
+    retries = drifts = 0
+    for rc in by_rollout(calls).values():
+        for a, b in zip(rc, rc[1:]):
+            if a.finish_reason == "abort":  # a failed call is retried on the very same prompt
+                assert a.agent_id == b.agent_id and a.prompt_ids is b.prompt_ids
+                retries += 1
+            elif a.agent_id == b.agent_id and b.role == a.role == "main":
+                s, p = a.sequence, b.prompt_ids
+                n = min(len(s), len(p))
+                d = np.flatnonzero(s[:n] != p[:n])
+                drifts += bool(d.size and d[0] >= a.prompt_ids.shape[0])  # diverges inside a's output
+    assert retries >= 1 and drifts >= 1
+    _, failed = synth_rollouts(preset("tiny", infra_error_rate=0.5, verifier_error_rate=0.5, timeout_rate=0.0))
+    assert {o.status for o in failed} == {"infra_error", "verifier_error"}
+
+
+def test_synth_config_validation():
+    with pytest.raises(ValueError, match="retry_rate=1.5"):
+        SynthConfig(retry_rate=1.5)
+    with pytest.raises(ValueError, match="max_context=100"):
+        SynthConfig(max_context=100)
+    with pytest.raises(LookupError, match="unknown synth preset 'huge'"):
+        preset("huge")
+
+
+@pytest.mark.slow
+def test_paper_preset_rebuild_exact_paths():
+    """Paper scale (~300 calls, 128K contexts): every call is its path; report the rebuild time."""
+    import time
+
+    calls, outcome = synth_rollout(preset("paper"), 0, 0)
+    t = time.perf_counter()
+    rt = rebuild(calls)
+    dt = time.perf_counter() - t
+    parent = {id(ch): n for n in rt.root.walk() for ch in n.children}
+    for c in calls:
+        chain, n = [], rt.end_nodes[c.call_index]
+        while n is not None:
+            chain.append(n.tokens)
+            n = parent.get(id(n))
+        np.testing.assert_array_equal(np.concatenate(chain[::-1]), c.sequence)
+    assert rt.trainable_tokens == sum(n.trainable.sum() for n in rt.root.walk())
+    print(f"paper rebuild: {dt:.3f}s, recorded {rt.recorded_tokens}, unique {rt.unique_tokens}, trainable {rt.trainable_tokens}")
+    assert 600_000 <= rt.unique_tokens <= 800_000 and max(c.prompt_ids.shape[0] for c in calls) <= 131_072
