@@ -207,7 +207,7 @@ class TrajectoryStore:
         self.directory = os.path.abspath(directory)
         self.config = config
         self.writable = writable
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # appends may come from several threads of the proxy
         self._path = lambda name: os.path.join(self.directory, name)
         meta_path = self._path(META_NAME)
         if os.path.exists(meta_path):
@@ -283,7 +283,7 @@ class TrajectoryStore:
             if not isinstance(h, dict):
                 raise ValueError(f"header is {type(h).__name__}, not a JSON object")
             self._check_and_index(h, off, plen)
-        except (RecordError, ValueError, KeyError, struct.error) as e:
+        except (RecordError, ValueError, KeyError, TypeError, struct.error) as e:
             self._conflicts.append((off, str(e)))
             log.warning("trajectory store %s: frame at offset %d not indexed: %s", self.directory, off, e)
 
@@ -441,7 +441,8 @@ class TrajectoryStore:
         return frame[_FRAME.size :]
 
     def rollout_ids(self) -> list[str]:
-        return list(self._rollouts)
+        with self._lock:
+            return list(self._rollouts)
 
     def calls(self, rollout_id: str) -> list[ModelCallRecord]:
         """All calls of a rollout, by call index."""
@@ -457,14 +458,16 @@ class TrajectoryStore:
         return None if r.outcome is None else record_from_bytes(self._read_payload(*r.outcome))
 
     def group_rollouts(self, group_id: str) -> list[str]:
-        return [rid for rid, r in self._rollouts.items() if r.group_id == group_id]
+        with self._lock:
+            return [rid for rid, r in self._rollouts.items() if r.group_id == group_id]
 
     def _is_complete(self, r: _Rollout) -> bool:
         return r.outcome is not None and (r.num_calls is None or len(r.calls) >= r.num_calls)
 
     def complete_rollouts(self) -> list[str]:
         """Rollouts with an outcome and all their calls, in outcome arrival order."""
-        return [rid for rid in self._outcome_order if self._is_complete(self._rollouts[rid])]
+        with self._lock:
+            return [rid for rid in self._outcome_order if self._is_complete(self._rollouts[rid])]
 
     def pending_rollouts(self) -> list[str]:
         """Complete rollouts the trainer has not consumed (trained or dropped), in arrival order."""
@@ -495,8 +498,9 @@ class TrajectoryStore:
 
     def restore_cursor(self, state: Mapping[str, Any]) -> None:
         """Make ``state`` (from ``cursor_state``) the persisted cursor, e.g. on checkpoint restore."""
-        self._apply_cursor(state)
-        self._persist_cursor()
+        with self._lock:
+            self._apply_cursor(state)
+            self._persist_cursor()
 
     def _persist_cursor(self) -> None:
         if self._cursor_lock_f is None:
@@ -504,7 +508,10 @@ class TrajectoryStore:
         _atomic_write_json(self._path(CURSOR_NAME), self.cursor_state())
 
     def _consume(self, rollout_ids: Iterable[str], entry: dict) -> None:
-        ids = list(rollout_ids)
+        with self._lock:
+            self._consume_locked(list(rollout_ids), entry)
+
+    def _consume_locked(self, ids: list[str], entry: dict) -> None:
         for rid in ids:
             r = self._rollouts.get(rid)
             if r is None or not self._is_complete(r):
@@ -545,6 +552,10 @@ class TrajectoryStore:
         return [(e["offset"], e["nbytes"], e["saved_to"]) for e in ev if e["event"] == "torn_tail_truncated"]
 
     def stats(self) -> StoreStats:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> StoreStats:
         complete = self.complete_rollouts()
         states = [e["state"] for e in self._consumed.values()]
         return StoreStats(

@@ -211,9 +211,6 @@ def _to_tree_nodes(root: _N, calls, ends: list[_N], recorded: int) -> RebuiltTre
     tree_root = out[id(root)]
     if len(tree_root.children) == 1:  # contexts share a first token: no empty root
         tree_root = tree_root.children[0]
-    else:
-        first = calls[root.children[next(iter(root.children))].creator] if root.children else calls[0]
-        tree_root.role, tree_root.agent_id, tree_root.policy_version = first.role, first.agent_id, first.policy_version
     end_nodes = {calls[i].call_index: out[id(e)] for i, e in enumerate(ends)}
     return RebuiltTree(root=tree_root, end_nodes=end_nodes, recorded_tokens=recorded, unique_tokens=unique, trainable_tokens=trainable)
 
