@@ -1,0 +1,78 @@
+"""HarnessConfig: every knob of the example harness, validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from typing import Any, Mapping
+
+from gyre_jax.agents.protocol import check_id
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HarnessConfig:
+    # Where the model is: an OpenAI-compatible base URL ending in /v1 (the proxy's).
+    base_url: str
+    model: str = "gyre"
+    run_id: str = "run"
+    # None: send the per-rollout key ``gyre:<run>:<rollout>``; else this key verbatim
+    # (e.g. the proxy's bearer token; the X-Gyre-* headers still identify the call).
+    api_key: str | None = None
+    # Sampling, per call.
+    max_tokens: int = 512
+    temperature: float = 1.0
+    # Merged into every request body (e.g. {"top_p": 0.95, "logprobs": True}).
+    extra_body: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Send the OpenAI ``tools`` schema. Off for tiny models: a chat template would
+    # spend hundreds of prompt tokens on it; they use the plain-text call format.
+    send_tools_schema: bool = True
+    # Overrides the task's (and the default) system prompt when set.
+    system_prompt: str | None = None
+    # Agent loop.
+    max_turns: int = 32  # model calls per agent (a summary call is not a turn)
+    # Context budget: estimated tokens of the next prompt above which the agent
+    # compacts. Estimated from the server's usage field when present, else bytes.
+    context_budget_tokens: int = 32768
+    bytes_per_token: float = 4.0  # 1.0 for byte-level tokenizers
+    max_compactions: int = 8  # per agent; a guard against summaries that never fit
+    max_subagents: int = 4  # per rollout
+    max_subagent_depth: int = 1  # sub-agents of sub-agents need depth >= 2
+    # Tools.
+    command_timeout_s: float = 30.0  # upper bound for the `run` tool
+    max_tool_output_bytes: int = 4096
+    # Deadlines and retries.
+    deadline_s: float = 600.0  # per rollout, from its start (not its queueing)
+    request_timeout_s: float = 300.0  # per HTTP attempt
+    max_retries: int = 3  # per call, on 5xx / 429 / connection errors / timeouts
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 8.0
+    # Concurrency and grading.
+    concurrency: int = 8  # rollouts in flight
+    grader_timeout_s: float = 60.0
+    grader_concurrency: int = 0  # grader subprocesses at once; 0 = os.cpu_count()
+
+    def __post_init__(self):
+        if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"HarnessConfig.base_url must be an http(s) URL, got {self.base_url!r}")
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        check_id(self.run_id, "HarnessConfig.run_id")
+        if not isinstance(self.extra_body, Mapping):
+            raise ValueError(f"HarnessConfig.extra_body must be a mapping, got {type(self.extra_body).__name__}")
+        reserved = {"model", "messages", "tools", "max_tokens", "temperature"} & set(self.extra_body)
+        if reserved:
+            raise ValueError(f"HarnessConfig.extra_body may not set {sorted(reserved)}; use the fields")
+        object.__setattr__(self, "extra_body", types.MappingProxyType(dict(self.extra_body)))
+        positive = ("max_tokens", "max_turns", "context_budget_tokens", "bytes_per_token", "command_timeout_s",
+                    "max_tool_output_bytes", "deadline_s", "request_timeout_s", "backoff_max_s", "concurrency",
+                    "grader_timeout_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HarnessConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_compactions", "max_subagents", "max_subagent_depth", "max_retries", "backoff_base_s",
+                     "temperature", "grader_concurrency"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"HarnessConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def grader_slots(self) -> int:
+        return self.grader_concurrency or os.cpu_count() or 1

@@ -1,0 +1,104 @@
+"""Grading a workspace in a subprocess with a time limit.
+
+``run_grader`` starts ``python -m gyre_jax.agents.grader_main --workspace DIR`` with the
+task's JSON on stdin; the grader prints one line ``GYRE-GRADE {"score", "details"}``.
+Anything else (a crash, a non-zero exit, no or malformed result line, a score outside
+[0, 1], running past the time limit) is a verifier failure: ``ok=False`` with the reason,
+and the rollout's status becomes ``verifier_error``, never a score of 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # runtime import would cycle through gyre_jax.agents.tasks
+    from gyre_jax.agents.tasks.base import Task
+
+RESULT_PREFIX = "GYRE-GRADE "
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for grader / check subprocesses: gyre_jax importable even when not
+    pip-installed, and no .pyc files written into graded workspaces."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class GraderOutcome:
+    ok: bool  # False: the verifier failed; score is None and error says why
+    score: float | None
+    details: dict[str, Any]
+    error: str | None
+    wall_time_s: float
+
+
+def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[float | None, dict, str | None]:
+    """(score, details, error) from a grader process's output; error None when valid."""
+    tail = stderr.strip()[-800:]
+    if returncode != 0:
+        return None, {}, f"grader exited with code {returncode}: {tail}"
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if len(lines) != 1:
+        return None, {}, f"grader printed {len(lines)} result lines (want 1); stderr: {tail}"
+    try:
+        data = json.loads(lines[0][len(RESULT_PREFIX):])
+        score, details = data["score"], data["details"]
+    except (ValueError, KeyError, TypeError) as e:
+        return None, {}, f"grader result line is malformed ({type(e).__name__}: {e})"
+    if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score) \
+            or not 0.0 <= score <= 1.0:
+        return None, {}, f"grader score {score!r} is not a number in [0, 1]"
+    if not isinstance(details, dict):
+        return None, {}, f"grader details must be an object, got {type(details).__name__}"
+    return float(score), details, None
+
+
+async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float) -> GraderOutcome:
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gyre_jax.agents.grader_main", "--workspace", str(workspace),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=subprocess_env(), start_new_session=True)  # own group: a kill takes its check runners too
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(task.to_json().encode()), timeout_s)
+    except TimeoutError:
+        _kill_group(proc)
+        await proc.wait()
+        return GraderOutcome(False, None, {}, f"grader timed out after {timeout_s:g} s", time.monotonic() - t0)
+    except BaseException:  # cancelled (e.g. the harness shuts down): leave no grader behind
+        _kill_group(proc)
+        try:
+            await asyncio.wait_for(proc.wait(), 5.0)
+        except BaseException:
+            pass
+        raise
+    score, details, error = parse_grader_output(out.decode(errors="replace"), proc.returncode,
+                                                err.decode(errors="replace"))
+    return GraderOutcome(error is None, score, details, error, time.monotonic() - t0)
+
+
+def _kill_group(proc) -> None:
+    if proc.returncode is not None:  # reaped: its pid (= group id) may already be reused
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def grade_in_process(task: "Task", workspace: str | os.PathLike):
+    """Call the task's grader directly (tests and demos); returns its scoring.Grade."""
+    from gyre_jax.agents.grader_main import load_grader
+    return load_grader(task.grader)(task, Path(workspace))

@@ -1,0 +1,237 @@
+"""Rollouts: workspace, agent run under a deadline, grading, status; many at once.
+
+``RolloutResult.to_outcome`` turns a result into the trajectory ``RolloutOutcome``.
+
+Status of a rollout (the trajectory records' names, see ``protocol``):
+
+  completed       the main agent ended (finish / no tool call / max_turns) and the
+                  grader scored the workspace
+  timeout         the deadline hit first; the agent was cancelled (running commands
+                  killed), the workspace kept and graded: the score is partial credit
+  infra_error     the model server failed a call after retries (or answered something
+                  unusable), or the harness itself raised; not graded, score None
+  verifier_error  the grader crashed, timed out or returned garbage; score None
+
+``score`` is None unless the status is completed or timeout: a failure is never a 0.
+Each rollout works in ``workspace_root/<rollout_id>`` (which must not already hold
+files), left on disk afterwards.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import AsyncIterator, Sequence
+
+import aiohttp
+
+from gyre_jax.agents import protocol, tools
+from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, Transport
+from gyre_jax.agents.client import ChatClient, InfraError
+from gyre_jax.agents.config import HarnessConfig
+from gyre_jax.agents.graders import run_grader
+from gyre_jax.agents.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutRequest:
+    rollout_id: str  # unique within the run; names the workspace directory
+    task: Task
+    group_id: str  # rollouts whose rewards are compared (one task, one step)
+
+    def __post_init__(self):
+        protocol.check_id(self.rollout_id, "RolloutRequest.rollout_id")
+        protocol.check_id(self.group_id, "RolloutRequest.group_id")
+        if not isinstance(self.task, Task):
+            raise TypeError(f"RolloutRequest {self.rollout_id}: task must be a Task, got {type(self.task).__name__}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutResult:
+    rollout_id: str
+    task_id: str
+    group_id: str
+    status: str  # protocol.STATUSES
+    score: float | None  # partial credit in [0, 1]; None for infra/verifier errors
+    grader_details: dict
+    calls: int  # successful model calls (main, sub-agents, summaries)
+    retries: int
+    compactions: int
+    subagents: int
+    tool_calls: int
+    tool_errors: int
+    finish_reason: str | None  # how the main agent ended; None on timeout / infra error
+    error: str | None  # why, for infra_error / verifier_error
+    wall_time_s: float  # start to result, grading included
+    agent_time_s: float
+    grader_time_s: float
+    workspace: str
+    t_end: float  # unix seconds when the result was ready
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_outcome(self, run_id: str, *, policy_versions=(), num_calls: int | None = None):
+        """The trajectory ``RolloutOutcome`` record. ``details`` holds the grader's
+        details, the harness counters and the error (if any), so failures keep their
+        reason. ``num_calls``: the proxy's count of recorded calls, if known."""
+        from gyre_jax.trajectory.records import RolloutOutcome  # numpy: only when records are made
+        harness = {k: getattr(self, k) for k in (
+            "calls", "retries", "compactions", "subagents", "tool_calls", "tool_errors", "finish_reason",
+            "wall_time_s", "agent_time_s", "grader_time_s", "workspace")}
+        return RolloutOutcome(run_id=run_id, rollout_id=self.rollout_id, task_id=self.task_id,
+                              group_id=self.group_id, status=self.status, score=self.score,
+                              details={"grader": self.grader_details, "harness": harness, "error": self.error},
+                              policy_versions=tuple(policy_versions), t_end=self.t_end, num_calls=num_calls)
+
+
+def http_transport(client: ChatClient) -> Transport:
+    async def transport(messages, headers, tool_schemas):
+        return await client.chat(messages, headers=headers, tools=tool_schemas)
+    return transport
+
+
+def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task) -> Path:
+    path = Path(workspace_root) / rollout_id
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"workspace {path} for rollout {rollout_id!r} already holds files; "
+                              "rollout ids must be unique")
+    path.mkdir(parents=True, exist_ok=True)
+    ws = tools.Workspace(path)
+    for rel, content in task.setup_files.items():
+        ws.write_file(rel, content)
+    return path
+
+
+async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspace_root: str | Path,
+                      transport: Transport, grader_slots: asyncio.Semaphore | None = None) -> RolloutResult:
+    """One rollout, start to graded result. Never raises for model, tool or grader
+    failures (they become the status); raises only for caller errors (bad workspace)."""
+    t0 = time.monotonic()
+    task = request.task
+    path = prepare_workspace(workspace_root, request.rollout_id, task)
+    ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
+                         command_timeout_s=config.command_timeout_s)
+    ctx = RolloutContext(config=config, task=task, rollout_id=request.rollout_id, group_id=request.group_id,
+                         workspace=ws, transport=transport)
+    status = error = finish_reason = None
+    deadline = asyncio.timeout(config.deadline_s)
+    try:
+        async with deadline:
+            outcome = await Agent(ctx, role=protocol.ROLE_MAIN, user_prompt=task.prompt,
+                                  system_prompt=config.system_prompt or task.system_prompt or DEFAULT_SYSTEM_PROMPT
+                                  ).run()
+        finish_reason = outcome.finish_reason
+    except TimeoutError:
+        if deadline.expired():
+            status = protocol.STATUS_TIMEOUT
+        else:  # a TimeoutError that is not our deadline is a bug somewhere below
+            status, error = protocol.STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
+    except InfraError as e:
+        status, error = protocol.STATUS_INFRA_ERROR, str(e)
+    except Exception:  # a harness bug must surface as a failure, never as a score
+        status, error = protocol.STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
+    agent_time = time.monotonic() - t0
+
+    score, details, grader_time = None, {}, 0.0
+    if status in (None, protocol.STATUS_TIMEOUT):
+        async with grader_slots or contextlib.nullcontext():
+            g = await run_grader(task, path, timeout_s=config.grader_timeout_s)
+        grader_time = g.wall_time_s
+        if g.ok:
+            score, details, status = g.score, g.details, status or protocol.STATUS_COMPLETED
+        else:
+            status, error = protocol.STATUS_VERIFIER_ERROR, g.error
+    s = ctx.stats
+    return RolloutResult(
+        rollout_id=request.rollout_id, task_id=task.task_id, group_id=request.group_id, status=status,
+        score=score, grader_details=details, calls=s.calls, retries=s.retries, compactions=s.compactions,
+        subagents=s.subagents, tool_calls=s.tool_calls, tool_errors=s.tool_errors, finish_reason=finish_reason,
+        error=error, wall_time_s=time.monotonic() - t0, agent_time_s=agent_time, grader_time_s=grader_time,
+        workspace=str(path), t_end=time.time())
+
+
+class _Progress:
+    """A log line at most every ``every_s`` seconds: done, in flight, rate, ETA, statuses."""
+
+    def __init__(self, total: int, every_s: float = 10.0):
+        self.total, self.every_s = total, every_s
+        self.t0 = self.last = time.monotonic()
+        self.done = 0
+        self.statuses: collections.Counter = collections.Counter()
+
+    def update(self, result: RolloutResult, in_flight: int) -> None:
+        self.done += 1
+        self.statuses[result.status] += 1
+        now = time.monotonic()
+        if now - self.last < self.every_s and self.done < self.total:
+            return
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-9)
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        log.info("rollouts %d/%d done, %d in flight, %.2f/s, ETA %.0f s, %s", self.done, self.total, in_flight,
+                 rate, eta, dict(self.statuses))
+
+
+async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfig, *, workspace_root: str | Path,
+                        session: aiohttp.ClientSession | None = None) -> AsyncIterator[RolloutResult]:
+    """Run ``requests`` with at most ``config.concurrency`` in flight; yield each result as
+    it finishes (so finished groups can stream into training)."""
+    ids = [r.rollout_id for r in requests]
+    dupes = sorted(k for k, n in collections.Counter(ids).items() if n > 1)
+    if dupes:
+        raise ValueError(f"duplicate rollout ids: {dupes[:10]}")
+    own = session is None
+    if own:  # connection limit off: the semaphore is the limit
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    client = ChatClient(session, config)
+    transport = http_transport(client)
+    slots = asyncio.Semaphore(config.concurrency)
+    grader_slots = asyncio.Semaphore(config.grader_slots)
+    progress = _Progress(len(requests))
+    running = 0
+
+    async def one(req: RolloutRequest) -> RolloutResult:
+        nonlocal running
+        async with slots:
+            running += 1
+            try:
+                return await run_rollout(req, config, workspace_root=workspace_root, transport=transport,
+                                         grader_slots=grader_slots)
+            finally:
+                running -= 1
+
+    pending = [asyncio.create_task(one(r)) for r in requests]
+    try:
+        for fut in asyncio.as_completed(pending):
+            result = await fut
+            progress.update(result, running)
+            yield result
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if own:
+            await session.close()
+
+
+async def run_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfig, *, workspace_root: str | Path,
+                       session: aiohttp.ClientSession | None = None) -> list[RolloutResult]:
+    """All results, in the order of ``requests``."""
+    by_id = {}
+    async for result in iter_rollouts(requests, config, workspace_root=workspace_root, session=session):
+        by_id[result.rollout_id] = result
+    return [by_id[r.rollout_id] for r in requests]
+
+
+def group_requests(task: Task, n: int, *, group_id: str, prefix: str | None = None) -> list[RolloutRequest]:
+    """``n`` rollouts of one task in one group, ids ``<prefix>-<k>`` (prefix = group id)."""
+    prefix = prefix or group_id
+    return [RolloutRequest(rollout_id=f"{prefix}-{k}", task=task, group_id=group_id) for k in range(n)]

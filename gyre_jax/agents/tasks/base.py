@@ -1,0 +1,71 @@
+"""Task: one verifiable task instance, serializable to JSON for the grader subprocess."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+from typing import Any, Mapping
+
+from gyre_jax.agents.protocol import check_id
+from gyre_jax.agents.tools import TOOL_NAMES
+
+DEFAULT_TOOLS = TOOL_NAMES  # every tool, sub-agents included
+_GRADER_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Task:
+    task_id: str
+    family: str
+    prompt: str  # the user message that states the task
+    # "module:function" of the grader, called in a subprocess as fn(task, workspace_path)
+    # and returning a scoring.Grade (see gyre_jax.agents.grader_main).
+    grader: str
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON; what the grader needs
+    system_prompt: str | None = None  # None: the harness default
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    setup_files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # written before the agent starts
+
+    def __post_init__(self):
+        check_id(self.task_id, "Task.task_id")
+        if not isinstance(self.prompt, str) or not self.prompt:
+            raise ValueError(f"Task {self.task_id}: prompt must be a non-empty string")
+        if not isinstance(self.grader, str) or not _GRADER_RE.fullmatch(self.grader):
+            raise ValueError(f"Task {self.task_id}: grader must be 'module:function', got {self.grader!r}")
+        object.__setattr__(self, "tools", tuple(self.tools))
+        unknown = sorted(set(self.tools) - set(TOOL_NAMES))
+        if unknown:
+            raise ValueError(f"Task {self.task_id}: unknown tools {unknown}; known: {list(TOOL_NAMES)}")
+        for name in ("params", "setup_files"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping):
+                raise ValueError(f"Task {self.task_id}: {name} must be a mapping, got {type(value).__name__}")
+            try:
+                json.dumps(dict(value))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"Task {self.task_id}: {name} must be JSON-serializable ({e})") from None
+            object.__setattr__(self, name, types.MappingProxyType(dict(value)))
+        for path, content in self.setup_files.items():
+            if not isinstance(path, str) or not isinstance(content, str) or path.startswith("/") or ".." in path.split("/"):
+                raise ValueError(f"Task {self.task_id}: setup_files entry {path!r} must be a relative path -> str")
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["params"], d["setup_files"], d["tools"] = dict(self.params), dict(self.setup_files), list(self.tools)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Task":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"Task.from_dict: unknown field(s) {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Task":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,287 @@
+"""Tools an agent can call inside its workspace, their OpenAI schemas, and parsing.
+
+Two ways a model can call a tool, both accepted on every turn:
+
+1. OpenAI structured calls: ``message.tool_calls = [{"id", "type": "function",
+   "function": {"name", "arguments": "<json object>"}}]``. Results go back as
+   ``{"role": "tool", "tool_call_id": id, "content": text}`` messages.
+2. Plain text, for tiny models that cannot emit structured calls: anywhere in the
+   assistant ``content``, one block per call::
+
+       <tool>write_file {"path": "answer.txt", "content": "cba"}</tool>
+       <tool>finish</tool>
+
+   i.e. ``<tool>NAME</tool>`` or ``<tool>NAME {JSON object}</tool>``. Results go back
+   in ONE ``user`` message, ``<result>text</result>`` per executed call, joined by
+   newlines (a ``user`` message, because a ``tool`` message must follow structured
+   ``tool_calls`` under the OpenAI API). Structured calls win when a reply has both.
+
+A malformed call (bad JSON, unknown tool, wrong argument) is not dropped: it is answered
+with ``error: ...`` so the model can correct itself, and counted as a tool error.
+
+The workspace is a directory, not a sandbox: ``run`` executes a shell command there
+with a time limit. Paths are checked to stay inside the workspace.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+# Handled by the agent loop itself, not by Workspace.
+FINISH = "finish"
+SPAWN_SUBAGENT = "spawn_subagent"
+
+TOOL_SCHEMAS: dict[str, dict] = {
+    "write_file": {
+        "description": "Create or overwrite a file in the workspace (parent dirs are created).",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    },
+    "read_file": {
+        "description": "Read a text file from the workspace.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+    "list_files": {
+        "description": "List files under a workspace directory (recursive).",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": []},
+    },
+    "run": {
+        "description": "Run a shell command in the workspace; returns exit code and output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}, "timeout_s": {"type": "number"}},
+            "required": ["command"],
+        },
+    },
+    FINISH: {
+        "description": "Finish the task; optionally report what was done.",
+        "parameters": {"type": "object", "properties": {"message": {"type": "string"}}, "required": []},
+    },
+    SPAWN_SUBAGENT: {
+        "description": "Start a sub-agent with its own context on a sub-task in the same workspace; "
+                       "returns its final report.",
+        "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]},
+    },
+}
+TOOL_NAMES = tuple(TOOL_SCHEMAS)
+_ARG_TYPES = {"string": str, "number": (int, float)}
+
+
+def openai_tools(names) -> list[dict]:
+    """The ``tools`` request field for the given tool names."""
+    return [{"type": "function", "function": {"name": n, **TOOL_SCHEMAS[n]}} for n in names]
+
+
+class ToolError(Exception):
+    """A tool call the model got wrong; its message goes back to the model."""
+
+
+def check_args(name: str, args: Any) -> dict:
+    """Validate ``args`` against the tool's schema; raise ToolError naming the problem."""
+    if name not in TOOL_SCHEMAS:
+        raise ToolError(f"unknown tool {name!r}; known: {', '.join(TOOL_NAMES)}")
+    if not isinstance(args, dict):
+        raise ToolError(f"{name}: arguments must be a JSON object, got {type(args).__name__}")
+    params = TOOL_SCHEMAS[name]["parameters"]
+    props = params["properties"]
+    extra = sorted(set(args) - set(props))
+    if extra:
+        raise ToolError(f"{name}: unexpected argument(s) {extra}; allowed: {sorted(props)}")
+    for key in params["required"]:
+        if key not in args:
+            raise ToolError(f"{name}: missing required argument {key!r}")
+    for key, value in args.items():
+        want = _ARG_TYPES[props[key]["type"]]
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ToolError(f"{name}: argument {key!r} must be {props[key]['type']}, got {type(value).__name__}")
+    return args
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call. ``error`` is set (and ``arguments`` None) when it did not parse."""
+    name: str
+    arguments: dict | None
+    call_id: str | None = None  # the OpenAI id; None for plain-text calls
+    error: str | None = None
+
+
+_TEXT_CALL_RE = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
+_NAME_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*")
+
+
+def parse_text_tool_calls(text: str) -> list[ToolCall]:
+    """Plain-text calls ``<tool>NAME {json}</tool>`` in order of appearance."""
+    calls = []
+    end = 0
+    for m in _TEXT_CALL_RE.finditer(text):
+        end = m.end()
+        body = m.group(1)
+        nm = _NAME_RE.match(body)
+        if not nm:
+            calls.append(ToolCall("", None, error=f"cannot read a tool name in <tool>{body[:80]}</tool>"))
+            continue
+        name, rest = nm.group(1), body[nm.end():].strip()
+        if not rest:
+            calls.append(ToolCall(name, {}))
+            continue
+        try:
+            args = json.loads(rest)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall(name, None, error=f"{name}: arguments are not valid JSON ({e})"))
+            continue
+        calls.append(ToolCall(name, args))
+    if "<tool>" in text[end:]:  # e.g. generation cut off by max_tokens
+        calls.append(ToolCall("", None, error="unterminated <tool> block (missing </tool>)"))
+    return calls
+
+
+def parse_openai_tool_calls(message: dict) -> list[ToolCall]:
+    """Structured ``tool_calls`` of an assistant message."""
+    calls = []
+    for k, tc in enumerate(message.get("tool_calls") or []):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        call_id = tc.get("id") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            calls.append(ToolCall("", None, call_id, error=f"tool_calls[{k}] has no function name"))
+            continue
+        raw = fn.get("arguments") or "{}"
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall(fn["name"], None, call_id, error=f"{fn['name']}: arguments are not valid JSON ({e})"))
+            continue
+        calls.append(ToolCall(fn["name"], args, call_id))
+    return calls
+
+
+def render_text_tool_call(name: str, args: dict) -> str:
+    """The plain-text form of a call, as :func:`parse_text_tool_calls` reads it. A
+    ``</`` inside the JSON is written ``<\\/`` (a valid JSON escape of ``/``) so content
+    such as "</tool>" cannot end the block early."""
+    if not args:
+        return f"<tool>{name}</tool>"
+    body = json.dumps(args, ensure_ascii=False).replace("</", "<\\/")
+    return f"<tool>{name} {body}</tool>"
+
+
+def render_text_results(results: list[str]) -> str:
+    return "\n".join(f"<result>{r}</result>" for r in results)
+
+
+def truncate_tail(text: str, limit: int) -> str:
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return f"[... {len(data) - limit} bytes truncated]\n" + data[-limit:].decode(errors="replace")
+
+
+class Workspace:
+    """File and command tools rooted at one rollout's directory."""
+
+    def __init__(self, root: str | os.PathLike, *, max_output_bytes: int = 4096,
+                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20):
+        self.root = Path(root).resolve()
+        self.max_output_bytes = max_output_bytes
+        self.command_timeout_s = command_timeout_s
+        self.max_file_bytes = max_file_bytes
+
+    def resolve(self, rel: str) -> Path:
+        if not rel or os.path.isabs(rel):
+            raise ToolError(f"path must be relative to the workspace, got {rel!r}")
+        p = (self.root / rel).resolve()
+        if p != self.root and self.root not in p.parents:
+            raise ToolError(f"path {rel!r} leaves the workspace")
+        return p
+
+    def write_file(self, path: str, content: str) -> str:
+        data = content.encode()
+        if len(data) > self.max_file_bytes:
+            raise ToolError(f"write_file: {len(data)} bytes exceeds the limit of {self.max_file_bytes}")
+        p = self.resolve(path)
+        if p.is_dir():
+            raise ToolError(f"write_file: {path!r} is a directory")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        return f"wrote {len(data)} bytes to {path}"
+
+    def read_file(self, path: str) -> str:
+        p = self.resolve(path)
+        if not p.is_file():
+            raise ToolError(f"read_file: no file {path!r}")
+        data = p.read_bytes()
+        text = data[: self.max_output_bytes].decode(errors="replace")
+        if len(data) > self.max_output_bytes:
+            text += f"\n[... {len(data) - self.max_output_bytes} more bytes]"
+        return text
+
+    def list_files(self, path: str = ".", limit: int = 200) -> str:
+        base = self.resolve(path) if path not in (".", "") else self.root
+        if not base.is_dir():
+            raise ToolError(f"list_files: no directory {path!r}")
+        out = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for f in sorted(filenames):
+                out.append(os.path.relpath(os.path.join(dirpath, f), self.root))
+        if not out:
+            return "(no files)"
+        more = f"\n[... {len(out) - limit} more]" if len(out) > limit else ""
+        return "\n".join(out[:limit]) + more
+
+    async def run(self, command: str, timeout_s: float | None = None) -> str:
+        limit = self.command_timeout_s if timeout_s is None else min(float(timeout_s), self.command_timeout_s)
+        if limit <= 0:
+            raise ToolError(f"run: timeout_s must be > 0, got {timeout_s}")
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", command, cwd=self.root, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True)  # own process group: a timeout kills its children too
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), limit)
+        except TimeoutError:
+            _kill_group(proc)
+            try:  # what the command printed before the kill (partial: communicate was cut)
+                out = await asyncio.wait_for(proc.stdout.read(), 1.0)
+            except TimeoutError:  # a grandchild escaped the group and holds the pipe
+                out = b""
+            await proc.wait()
+            return f"timed out after {limit:g} s\n" + truncate_tail(out.decode(errors="replace"), self.max_output_bytes)
+        except BaseException:  # deadline cancellation: never leave a command running
+            _kill_group(proc)
+            try:  # reap it, so no transport outlives the event loop
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except BaseException:
+                pass
+            raise
+        return f"exit code {proc.returncode}\n" + truncate_tail(out.decode(errors="replace"), self.max_output_bytes)
+
+    async def call(self, name: str, args: dict) -> str:
+        """Run a workspace tool (everything but finish / spawn_subagent)."""
+        args = check_args(name, args)
+        if name == "write_file":
+            return self.write_file(args["path"], args["content"])
+        if name == "read_file":
+            return self.read_file(args["path"])
+        if name == "list_files":
+            return self.list_files(args.get("path", "."))
+        if name == "run":
+            return await self.run(args["command"], args.get("timeout_s"))
+        raise ToolError(f"{name} is not a workspace tool")
+
+
+def _kill_group(proc) -> None:
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

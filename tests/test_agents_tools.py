@@ -1,0 +1,110 @@
+"""Tools, call parsing, the wire protocol and config validation (no server)."""
+import asyncio
+import os
+
+import pytest
+
+from gyre_jax.agents import protocol
+from gyre_jax.agents.config import HarnessConfig
+from gyre_jax.agents.tools import (ToolCall, ToolError, Workspace, check_args, parse_openai_tool_calls,
+                                   parse_text_tool_calls, render_text_tool_call)
+
+
+def test_text_tool_calls_parse_and_round_trip():
+    text = 'thinking...\n<tool>write_file {"path": "a.txt", "content": "x"}</tool> then <tool> finish </tool>'
+    assert parse_text_tool_calls(text) == [ToolCall("write_file", {"path": "a.txt", "content": "x"}),
+                                           ToolCall("finish", {})]
+    assert parse_text_tool_calls("no calls here") == []
+    args = {"path": "p", "content": 'a "</tool>" b\nc'}
+    assert parse_text_tool_calls(render_text_tool_call("write_file", args)) == [ToolCall("write_file", args)]
+    [bad] = parse_text_tool_calls('<tool>write_file {"path": </tool>')
+    assert bad.arguments is None and "not valid JSON" in bad.error
+    [cut] = parse_text_tool_calls('<tool>write_file {"path": "a"')
+    assert "unterminated" in cut.error
+    [noname] = parse_text_tool_calls("<tool>{}</tool>")
+    assert "tool name" in noname.error
+
+
+def test_openai_tool_calls_parse():
+    msg = {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read_file",
+                                                                         "arguments": '{"path": "x"}'}},
+                          {"id": "c2", "type": "function", "function": {"name": "run", "arguments": "{oops"}},
+                          {"id": "c3"}]}
+    a, b, c = parse_openai_tool_calls(msg)
+    assert a == ToolCall("read_file", {"path": "x"}, "c1")
+    assert b.call_id == "c2" and "not valid JSON" in b.error
+    assert c.call_id == "c3" and "no function name" in c.error
+
+
+def test_check_args_names_the_problem():
+    for name, args, msg in [("rm", {}, "unknown tool"), ("write_file", {"path": "a"}, "missing required"),
+                            ("read_file", {"path": "a", "x": 1}, "unexpected argument"),
+                            ("run", {"command": 3}, "must be string"), ("list_files", [], "JSON object")]:
+        with pytest.raises(ToolError, match=msg):
+            check_args(name, args)
+
+
+def test_workspace_tools_and_path_safety(tmp_path):
+    ws = Workspace(tmp_path / "w", max_output_bytes=64)
+    ws.root.mkdir()
+    assert ws.write_file("d/a.txt", "hello") == "wrote 5 bytes to d/a.txt"
+    assert ws.read_file("d/a.txt") == "hello"
+    assert ws.list_files() == "d/a.txt"
+    (tmp_path / "secret").write_text("s")
+    os.symlink(tmp_path / "secret", ws.root / "link")
+    for bad in ("../secret", "/etc/passwd", "link", ""):
+        with pytest.raises(ToolError):
+            ws.read_file(bad)
+    ws.write_file("big.txt", "x" * 100)
+    assert ws.read_file("big.txt").endswith("[... 36 more bytes]")
+    with pytest.raises(ToolError, match="no file"):
+        ws.read_file("missing")
+
+
+def test_run_tool_reports_exit_code_truncates_and_times_out(tmp_path):
+    ws = Workspace(tmp_path, max_output_bytes=32, command_timeout_s=0.5)
+
+    async def main():
+        ok = await ws.run("echo hi; exit 3")
+        long = await ws.run("python3 -c 'print(\"y\" * 100)'")
+        slow = await ws.run("echo started; sleep 30", timeout_s=10)  # capped at 0.5 s
+        return ok, long, slow
+
+    ok, long, slow = asyncio.run(main())
+    assert ok == "exit code 3\nhi\n"
+    assert long.startswith("exit code 0\n[... 69 bytes truncated]\n") and long.endswith("y\n")
+    assert slow.startswith("timed out after 0.5 s")
+
+
+def test_protocol_ids_and_api_key():
+    assert protocol.api_key("run-1", "r.7") == "gyre:run-1:r.7"
+    assert protocol.parse_api_key("Bearer gyre:run-1:r.7") == ("run-1", "r.7")
+    assert protocol.parse_api_key("sk-something") is None and protocol.parse_api_key("gyre:a:b:c") is None
+    with pytest.raises(ValueError, match="rollout id"):
+        protocol.api_key("run", "a:b")
+    h = protocol.call_headers(run_id="r", rollout_id="x", task_id="t", group_id="g", agent_id=2, parent_agent_id=0,
+                              role="subagent", call_index=5, attempt=0)
+    assert h[protocol.HEADER_PARENT_AGENT] == "0" and h[protocol.HEADER_CALL] == "5"
+    with pytest.raises(ValueError, match="unknown role"):
+        protocol.call_headers(run_id="r", rollout_id="x", task_id="t", group_id="g", agent_id=0,
+                              parent_agent_id=None, role="boss", call_index=0, attempt=0)
+
+
+def test_statuses_and_roles_match_trajectory_records():
+    # protocol keeps its own copy so the grader subprocess does not import numpy.
+    from gyre_jax.trajectory import records
+    assert protocol.STATUSES == records.STATUSES and protocol.ROLES == records.ROLES
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="base_url"):
+        HarnessConfig(base_url="localhost:8000")
+    with pytest.raises(ValueError, match="deadline_s must be > 0"):
+        HarnessConfig(base_url="http://x/v1", deadline_s=0)
+    with pytest.raises(ValueError, match="may not set"):
+        HarnessConfig(base_url="http://x/v1", extra_body={"messages": []})
+    with pytest.raises(ValueError, match="run_id"):
+        HarnessConfig(base_url="http://x/v1", run_id="a b")
+    with pytest.raises(TypeError):
+        HarnessConfig(base_url="http://x/v1", max_turn=3)  # misspelled field fails loudly
+    assert HarnessConfig(base_url="http://x/v1/").base_url == "http://x/v1"
