@@ -245,13 +245,13 @@ def test_grader_failures_are_verifier_errors_not_zeros(tmp_path, monkeypatch):
                            task=Task(**{**base.to_dict(), "grader": f"bad_graders_mod:{name}"}))
             for name in ("crash", "hang", "garbage")]
     turn = tool_call_message(solution_turns(base)[0], text_format=True)
-    srv, res = _serve_and_run(lambda req: _reply(turn), reqs, tmp_path / "ws", grader_timeout_s=1.5)
+    srv, res = _serve_and_run(lambda req: _reply(turn), reqs, tmp_path / "ws", grader_timeout_s=3.0)
     for r in res:
         assert r.status == H.STATUS_VERIFIER_ERROR and r.score is None and r.finish_reason == "finish", r
     outcome = res[0].to_outcome("run1")  # a valid trajectory record, no score, reason kept
     assert outcome.is_failure and outcome.score is None and "grader bug" in outcome.details["error"]
     assert "RuntimeError: grader bug" in res[0].error
-    assert "timed out after 1.5 s" in res[1].error
+    assert "timed out after 3 s" in res[1].error
     assert "returned dict" in res[2].error
     assert (tmp_path / "ws" / "crash" / "answer.txt").read_text() == base.params["expected"]
 

@@ -11,8 +11,9 @@ from gyre_jax.agents.tasks import repo_spec, tiny
 
 @pytest.fixture(scope="module")
 def task():
-    # Short case timeout: the hanging-function workspace below costs 3 x this.
-    return repo_spec.make_task(1, n_modules=2, functions_per_module=2, case_timeout_s=0.25)
+    # Short case timeout: the hanging-function workspace below costs 3 x this; long enough that a loaded
+    # machine does not time out an honest import.
+    return repo_spec.make_task(1, n_modules=2, functions_per_module=2, case_timeout_s=0.5)
 
 
 def _write(root, files):
