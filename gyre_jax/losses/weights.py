@@ -1,0 +1,147 @@
+"""Per-token loss weights: where the loss aggregation lives.
+
+``policy_gradient_loss`` computes ``sum_t w_t l_t``; the choice of mean is the
+choice of ``w``. Every builder takes the counts of the *global* step, so the
+weights of any micro-batch are already normalised and micro-batch losses (and
+gradients) simply add up to the step's, whatever the split.
+
+* ``rollout_token_mean`` (ours, docs/design.md "Counting rule"): each unique
+  trainable token of rollout r gets ``w = 1 / (N_r * R)``, with ``N_r`` the
+  unique trainable tokens of r and ``R`` the rollouts of the step. A token shared
+  by several paths of a tree is one packed target (the serializer's branch-point
+  rule), so counting ``loss_mask`` counts it once.
+* ``token_mean``: ``w = 1 / N`` with ``N`` the trainable tokens of the step.
+* ``sequence_mean``: ``w = 1 / (N_s * S)``, the rollout rule with sequence ids
+  (for example one id per packed tree or per path) instead of rollout ids.
+
+Tokens with ``loss_mask`` false get 0. Inputs may be numpy (host side: the
+result is numpy, and ids and counts are validated with errors that say where)
+or jax arrays (traceable; no value checks possible).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _is_jax(*xs) -> bool:
+    return any(isinstance(x, jax.Array) for x in xs if x is not None)
+
+
+def _check_count(name: str, what: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{name}: {what} must be a positive int (the global step's count), got {n!r}")
+    return int(n)
+
+
+def group_mean_weights(
+    loss_mask, group_ids, num_groups: int, group_token_counts=None, *, name: str = "group_mean_weights"
+):
+    """``w = loss_mask / (N_g * G)`` with ``g = group_ids`` at each token.
+
+    ``group_ids`` index ``[0, num_groups)`` wherever ``loss_mask`` is true (any
+    value elsewhere). ``group_token_counts[g]`` is ``N_g`` over the whole step;
+    when None it is counted from ``loss_mask`` itself, which is right only if
+    the arrays given cover the whole step.
+    """
+    g = _check_count(name, "num_groups", num_groups)
+    if _is_jax(loss_mask, group_ids, group_token_counts):
+        mask = jnp.asarray(loss_mask).astype(bool)
+        ids = jnp.asarray(group_ids)
+        if ids.shape != mask.shape:
+            raise ValueError(f"{name}: ids shape {ids.shape} != loss_mask shape {mask.shape}")
+        ids = jnp.where(mask, ids, 0).astype(jnp.int32)
+        if group_token_counts is None:
+            counts = jnp.zeros(g, jnp.float32).at[ids].add(mask.astype(jnp.float32))
+        else:
+            counts = jnp.asarray(group_token_counts, jnp.float32)
+        n = counts[ids]
+        return jnp.where(mask, 1.0 / (jnp.where(n > 0, n, 1.0) * g), 0.0).astype(jnp.float32)
+
+    mask = np.asarray(loss_mask).astype(bool)
+    ids = np.asarray(group_ids)
+    if ids.shape != mask.shape:
+        raise ValueError(f"{name}: ids shape {ids.shape} != loss_mask shape {mask.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name}: ids must be integers, got dtype {ids.dtype}")
+    used = ids[mask]
+    bad = (used < 0) | (used >= g)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(mask)[np.flatnonzero(bad)[0]])
+        raise ValueError(
+            f"{name}: id {int(used[bad][0])} at index {where} (a trainable token) is outside [0, {g})"
+        )
+    seen = np.bincount(used, minlength=g).astype(np.int64)
+    if group_token_counts is None:
+        counts = seen
+    else:
+        counts = np.asarray(group_token_counts)
+        if counts.shape != (g,):
+            raise ValueError(f"{name}: token counts have shape {counts.shape}, expected ({g},)")
+        short = np.flatnonzero(counts < seen)
+        if short.size:
+            k = int(short[0])
+            raise ValueError(
+                f"{name}: group {k} has {int(seen[k])} trainable tokens here but its step count is "
+                f"{counts[k]}; the counts must cover the whole step"
+            )
+    w = np.zeros(mask.shape, np.float64)
+    w[mask] = 1.0 / (counts[used].astype(np.float64) * g)
+    return w.astype(np.float32)
+
+
+def rollout_token_mean_weights(loss_mask, rollout_ids, num_rollouts: int, *, rollout_token_counts=None):
+    """Our counting rule: ``w = 1 / (N_r * R)`` on trainable tokens, 0 elsewhere.
+
+    ``rollout_ids[b, l]`` in ``[0, R)`` names the rollout of each trainable
+    token; ``num_rollouts`` is ``R`` for the global step; ``rollout_token_counts``
+    (shape [R]) are the ``N_r`` of the step (counted from ``loss_mask`` if None).
+    """
+    return group_mean_weights(
+        loss_mask, rollout_ids, num_rollouts, rollout_token_counts, name="rollout_token_mean_weights"
+    )
+
+
+def sequence_mean_weights(loss_mask, sequence_ids, num_sequences: int, *, sequence_token_counts=None):
+    """Mean over sequences of per-sequence token means: ``w = 1 / (N_s * S)``."""
+    return group_mean_weights(
+        loss_mask, sequence_ids, num_sequences, sequence_token_counts, name="sequence_mean_weights"
+    )
+
+
+def token_mean_weights(loss_mask, total_tokens: int | None = None):
+    """``w = 1 / N`` on trainable tokens, ``N = total_tokens`` of the step (default: ``loss_mask.sum()``)."""
+    name = "token_mean_weights"
+    if _is_jax(loss_mask):
+        mask = jnp.asarray(loss_mask).astype(bool)
+        n = jnp.sum(mask).astype(jnp.float32) if total_tokens is None else jnp.float32(total_tokens)
+        return jnp.where(mask, 1.0 / jnp.maximum(n, 1.0), 0.0).astype(jnp.float32)
+    mask = np.asarray(loss_mask).astype(bool)
+    seen = int(mask.sum())
+    n = seen if total_tokens is None else _check_count(name, "total_tokens", total_tokens)
+    if n < seen:
+        raise ValueError(f"{name}: total_tokens={n} is less than the {seen} trainable tokens given")
+    return np.where(mask, 1.0 / max(n, 1), 0.0).astype(np.float32)
+
+
+WEIGHT_BUILDERS: dict[str, Callable] = {
+    "rollout_token_mean": rollout_token_mean_weights,
+    "token_mean": token_mean_weights,
+    "sequence_mean": sequence_mean_weights,
+}
+
+
+def get_weight_builder(name: str) -> Callable:
+    """The weight builder registered as ``name``; ``LookupError`` lists the known ones."""
+    try:
+        return WEIGHT_BUILDERS[name]
+    except KeyError:
+        raise LookupError(f"unknown loss aggregation {name!r}; known: {sorted(WEIGHT_BUILDERS)}") from None
+
+
+def build_loss_weights(name: str, loss_mask, *args, **kwargs):
+    """``get_weight_builder(name)(loss_mask, *args, **kwargs)``."""
+    return get_weight_builder(name)(loss_mask, *args, **kwargs)
