@@ -61,16 +61,26 @@ def test_modes_and_input_untouched():
         SelectConfig(jmax=0)
 
 
-def test_role_is_the_leaf_role_and_shared_prefix_trainable_counts_per_path():
-    # A deep main chain with a subagent leaf hanging off it: the subagent path shares
-    # trainable main tokens but is still a subagent path.
+def test_priority_is_per_token_role_not_leaf_role():
+    # A compacted main context ends in its summary call: the path's leaf is a summary
+    # node but it carries the context's main-agent tokens, so it outranks a retry stub.
+    a2 = TreeNode.span([5] * 5, trainable=True, children=[leaf(7, 2, "summary")])
+    a1 = TreeNode.span([4] * 5, trainable=True, children=[leaf(6, 1, "main"), a2])
+    root = TreeNode.span([1], children=[a1, leaf(8, 3, "subagent")])
+    res = select_paths(root, SelectConfig(jmax=1))
+    assert leaf_tags(res.tree) == [7] and res.selected_roles == ("main",)
+    res = select_paths(root, SelectConfig(jmax=3))
+    # then the retry (1 new main token) before the sub-agent (3 sub-agent tokens)
+    assert res.selected_roles == ("main", "main", "subagent") and leaf_tags(res.tree) == [6, 7, 8]
+    m = select_paths(root, SelectConfig(mode="main_only", jmax=5))
+    assert leaf_tags(m.tree) == [6, 7] and m.selected_roles == ("main", "main")
+    # A sub-agent path sharing trainable main tokens with a picked path is a sub-agent path.
     shared = TreeNode.span([5, 6, 7, 8], trainable=True, role="main")
     shared.children = [leaf(9, 1, "main"), leaf(10, 1, "subagent")]
     root = TreeNode.span([1], children=[shared, leaf(11, 3, "main")])
-    res = select_paths(root, SelectConfig(jmax=2))
-    assert res.selected_roles == ("main", "main")
-    assert leaf_tags(res.tree) == [9, 11]  # 4+1 trainable beats 3
-    assert res.tokens_kept == 1 + 4 + 1 + 3
+    res = select_paths(root, SelectConfig(jmax=3))
+    assert leaf_tags(res.tree) == [9, 10, 11] and res.selected_roles == ("main", "main", "subagent")
+    assert res.tokens_kept == 1 + 4 + 1 + 1 + 3
 
 
 def test_gain_not_static_count_avoids_near_duplicate_retries():

@@ -3,25 +3,32 @@
 Definitions (precise, because the ablations depend on them):
   * A *path* is a root-to-leaf node list of the rebuilt tree. Each leaf ends a
     recorded call (prompt + output), so a path is one context the model saw.
-  * The *role of a path* is the role of its leaf node, i.e. of the call whose
-    output ends it (a sub-agent's path can share the system prompt with a main
-    path; the shared prefix does not make it a main path).
-  * The *gain* of a path is the number of trainable tokens it adds to the paths
-    already chosen (its trainable tokens on nodes not yet kept).
+  * A trainable token's *role* is its node's role: the role of the call whose
+    output produced it (tree.py's owner).
+  * The *gain* of a path for role r is the number of trainable tokens of role r
+    it adds to the paths already chosen (on its nodes not yet kept).
+  * The *role of a path* (reported) is the highest-priority role with a positive
+    gain when it was picked.
 
-Order (greedy, deterministic): repeatedly take the path with the best key
-(role priority main > subagent > summary, then larger gain, then the leaf's
-depth-first pre-order index), recomputing gains after each pick. Ranking by gain
-rather than by a path's own trainable count matters: retries deep in one long
-context each carry that context's whole trainable prefix, and a static count would
-spend the whole budget on near-duplicates of one context. Paths with zero gain
-train nothing and are never picked (in the budgeted modes).
+Order (greedy, deterministic): repeatedly take the path with the lexicographically
+largest (main gain, subagent gain, summary gain), then the earliest leaf in
+depth-first pre-order, recomputing gains after each pick. So role priority is
+main > subagent > summary, ties broken by trainable tokens, exactly as the paper
+says, but per token rather than per leaf. Why not "the role of the leaf's call":
+a compacted context's main path ends in its summary call (the summary prompt
+extends the context), so by leaf role every whole main context would count as a
+summary path and the only "main" paths left would be retry and drift stubs. Why
+gains, not a path's own count: retries deep in one long context each carry that
+context's whole trainable prefix, and a static count would spend the budget on
+near-duplicates of one context. Paths with zero gain train nothing and are never
+picked in the budgeted modes.
 
 Modes:
   * ``priority`` (default): up to ``jmax`` paths in that order.
   * ``unbounded``: every path (ablation: no budget).
-  * ``main_only``: main-role paths only, still at most ``jmax`` (ablation: the
-    paper's "main path only" baseline).
+  * ``main_only``: up to ``jmax`` paths ranked by main gain alone; a path that
+    adds no main-agent token is never picked (the paper's "main path only"
+    ablation; a path is atomic, so a compacted context brings its summary call).
 
 The result is a new tree (union of the chosen paths); the input is not mutated.
 Node token arrays are shared with the input (read-only by convention).
@@ -82,30 +89,39 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
     for i in range(1, n):  # pre-order: parent before child
         path_tok[i] += path_tok[parent[i]]
     leaves = np.array([i for i in range(n) if not nodes[i].children], np.int64)
-    role_rank = np.array([_ROLE_RANK[nodes[i].role] for i in leaves], np.int64)
     keep = np.zeros(n, bool)
+    roles: list[str] = []
 
     if config.mode == "unbounded":
         cand = [int(i) for i in leaves]
         for leaf in cand:
             _mark_path(keep, parent, leaf)
+        roles = [nodes[i].role for i in cand]
     else:
-        allowed = np.ones(leaves.size, bool) if config.mode == "priority" else role_rank == 0
+        nroles = 1 if config.mode == "main_only" else len(ROLES)
+        # Static per-role trainable counts along each root path; since the kept set is
+        # closed under ancestors, a path's gain is its count minus the count at its
+        # deepest kept node.
+        role_idx = np.fromiter((_ROLE_RANK[x.role] for x in nodes), np.int64, n)
+        cum = np.zeros((n + 1, len(ROLES)), np.int64)  # row n: "no kept node" (zeros)
+        cum[np.arange(n), role_idx] = ntr
+        for i in range(1, n):
+            cum[i] += cum[parent[i]]
+        allowed = np.ones(leaves.size, bool)
         cand = []
-        ntr_l = ntr.tolist()
         for _ in range(config.jmax):
-            # New trainable tokens on the path to each node (pre-order: parent first).
-            gain_node = [0] * n
+            deepest = [n] * n  # deepest kept ancestor-or-self of each node (n: none)
             for i in range(n):
-                own = 0 if keep[i] else ntr_l[i]
-                gain_node[i] = own + (gain_node[parent[i]] if i else 0)
-            gain = np.where(allowed, np.asarray(gain_node, np.int64)[leaves], 0)
+                deepest[i] = i if keep[i] else (deepest[parent[i]] if i else n)
+            g = cum[leaves] - cum[np.asarray(deepest, np.int64)[leaves]]
+            gain = g[:, :nroles] * allowed[:, None]
             if not gain.any():
                 break
-            # Best: lowest role rank, then largest gain, then earliest leaf (lexsort: last key first).
-            order = np.lexsort((leaves, -gain, role_rank + np.where(gain > 0, 0, len(ROLES))))
-            k = int(order[0])
+            # Largest (main, subagent, summary) gain, then earliest leaf. lexsort: last key is primary.
+            keys = [leaves] + [-gain[:, r] for r in range(nroles - 1, -1, -1)]
+            k = int(np.lexsort(keys)[0])
             cand.append(int(leaves[k]))
+            roles.append(ROLES[int(np.flatnonzero(gain[k])[0])])
             _mark_path(keep, parent, int(leaves[k]))
             allowed[k] = False
 
@@ -134,7 +150,7 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
         tree=new[0],
         paths_total=int(leaves.size),
         paths_selected=len(cand),
-        selected_roles=tuple(nodes[i].role for i in cand),
+        selected_roles=tuple(roles),
         tokens_total=tokens_total,
         tokens_kept=int(ntok[keep].sum()),
         trainable_total=trainable_total,

@@ -1,0 +1,210 @@
+"""The trajectory processor: finished rollouts of a step -> packed rows + stats.
+
+    calls + outcomes --rewards--> advantages (failures out of training and baseline)
+                     --tree.build_tree--> one prefix-sharing tree per trained rollout
+                     --select.select_paths--> at most Jmax paths
+                     --binpack.pack_trees--> rows of row_len with loss weights,
+                       advantages, behavior log-probs and policy versions per token
+
+One-step mode: call ``process_step`` once with every rollout of the step and feed
+``batch.rows`` to ``dataset.one_step_dataset``. Streaming mode: call it once per
+finished group with ``num_step_rollouts`` = the step's rollout count R (so the
+weights of all calls sum to 1 over the step), ``rollout_index_offset`` to keep
+rollout indices distinct, and ``RowStream.add`` the rows.
+
+Nothing is dropped silently: failed rollouts' calls are counted per status in
+``StepStats.calls_dropped``; a trained rollout whose call count disagrees with its
+outcome's ``num_calls``, or calls without an outcome, are errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from gyre_jax.trajectory.binpack import pack_trees
+from gyre_jax.trajectory.rewards import STATUSES, AdvantageConfig, compute_advantages
+from gyre_jax.trajectory.select import SelectConfig, select_paths
+from gyre_jax.trajectory.serialize import PackedRows
+from gyre_jax.trajectory.tree import build_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessorConfig:
+    row_len: int  # packed row length L; must cover the longest context (prompt + output)
+    select: SelectConfig = SelectConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    group_field: str = "group_id"  # outcome field that defines a group (rewards.py)
+    min_rows: int = 0  # pad the step to at least this many rows (e.g. one batch)
+
+    def __post_init__(self):
+        if not (isinstance(self.row_len, int) and self.row_len >= 2):
+            raise ValueError(f"ProcessorConfig.row_len={self.row_len!r} must be an int >= 2")
+        if not isinstance(self.select, SelectConfig) or not isinstance(self.advantage, AdvantageConfig):
+            raise TypeError("ProcessorConfig.select / .advantage must be SelectConfig / AdvantageConfig")
+        if self.group_field not in ("group_id", "task_id"):
+            raise ValueError(f"ProcessorConfig.group_field={self.group_field!r}; known: ('group_id', 'task_id')")
+        if self.min_rows < 0:
+            raise ValueError(f"ProcessorConfig.min_rows={self.min_rows} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    rollouts: int  # outcomes given
+    trained_rollouts: int  # valid (completed/timeout) rollouts; R unless num_step_rollouts is given
+    failures: dict  # status -> count, for every status (completed and timeout included)
+    calls: int  # call records given
+    calls_dropped: dict  # failure status -> calls of those rollouts (not trained, counted)
+    no_calls: int  # trained rollouts without any call record (in R, no tokens; logged)
+    no_selection: int  # trained rollouts with no selected path (main_only without a main path)
+    recorded_tokens: int  # sum of prompt + output tokens of the trained rollouts' calls
+    unique_tokens: int  # tokens of their rebuilt trees (each shared prefix once)
+    selected_tokens: int  # tokens of the selected trees
+    expanded_tokens: int  # sum of the selected paths' lengths, each path expanded alone
+    packed_tokens: int  # non-padding tokens in the rows (selected + copies)
+    duplicated_tokens: int  # ancestor-path copies from splitting trees larger than a row
+    branch_copies: int  # branch-point copies (serialize.py's rule)
+    trainable_targets: int  # positions with a loss (each unique trainable token once)
+    paths_total: int
+    paths_selected: int
+    rows: int
+    fill: float  # packed_tokens / (rows * row_len)
+    seconds: dict  # phase -> wall seconds ('rebuild', 'select', 'pack', 'total')
+
+    @property
+    def dedup_factor(self) -> float:
+        """Training tokens saved by prefix sharing: expanded paths / packed tokens."""
+        return self.expanded_tokens / self.packed_tokens if self.packed_tokens else 0.0
+
+    @property
+    def packed_over_unique(self) -> float:
+        return self.packed_tokens / self.selected_tokens if self.selected_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(dedup_factor=self.dedup_factor, packed_over_unique=self.packed_over_unique)
+        return d
+
+
+@dataclasses.dataclass
+class StepBatch:
+    rows: PackedRows  # [B, L], loss_weights and advantages filled
+    rollout_index: np.ndarray  # int32[B, L]: index into rollout_ids (+ offset), -1 on padding
+    rollout_ids: tuple  # trained rollouts, in the order given
+    advantages: np.ndarray  # float32[len(rollout_ids)]
+    stats: StepStats
+
+
+def _group_calls(calls: Iterable[Any]) -> dict[str, list]:
+    by_rollout: dict[str, list] = {}
+    for c in calls:
+        by_rollout.setdefault(c.rollout_id, []).append(c)
+    return by_rollout
+
+
+def process_step(
+    calls: Iterable[Any],
+    outcomes: Sequence[Any],
+    config: ProcessorConfig,
+    *,
+    num_step_rollouts: int | None = None,
+    rollout_index_offset: int = 0,
+) -> StepBatch:
+    """Process the finished rollouts of one step (or one group of it, streaming).
+
+    ``calls``: ``ModelCallRecord``s of these rollouts (any order). ``outcomes``:
+    one ``RolloutOutcome`` per rollout. Rollouts are kept in the outcomes' order.
+    """
+    t0 = time.perf_counter()
+    by_rollout = _group_calls(calls)
+    n_calls = sum(len(v) for v in by_rollout.values())
+    known = {o.rollout_id for o in outcomes}
+    orphans = sorted(set(by_rollout) - known)
+    if orphans:
+        raise ValueError(
+            f"process_step: calls for {len(orphans)} rollout(s) without an outcome "
+            f"(not finished? pass only finished rollouts): {orphans[:5]}"
+        )
+    rew = compute_advantages(outcomes, config.advantage, group_field=config.group_field)
+
+    calls_dropped = {s: 0 for s in STATUSES if s not in ("completed", "timeout")}
+    trained, adv = [], []
+    for o, valid, a in zip(outcomes, rew.valid, rew.advantages):
+        cs = by_rollout.get(o.rollout_id, [])
+        if not valid:
+            calls_dropped[o.status] += len(cs)
+            continue
+        expected = getattr(o, "num_calls", None)
+        if expected is not None and expected != len(cs):
+            raise ValueError(
+                f"process_step: rollout {o.rollout_id!r}: outcome says {expected} calls, "
+                f"{len(cs)} call records given (records lost or duplicated)"
+            )
+        trained.append((o.rollout_id, cs))
+        adv.append(a)
+    if any(calls_dropped.values()):
+        log.info("process_step: dropped calls of failed rollouts (not trained): %s", calls_dropped)
+
+    recorded = 0
+    trees = []
+    t1 = time.perf_counter()
+    no_calls = []
+    for rid, cs in trained:
+        recorded += sum(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in cs)
+        if not cs:  # a valid rollout that never called the model: in R, no tokens
+            no_calls.append(rid)
+            trees.append(None)
+            continue
+        trees.append(build_tree(cs))
+    if no_calls:
+        log.warning("process_step: %d trained rollout(s) have no call records: %s", len(no_calls), no_calls[:5])
+    t2 = time.perf_counter()
+    sels = [select_paths(t, config.select) if t is not None else None for t in trees]
+    t3 = time.perf_counter()
+    pack = pack_trees(
+        [s.tree if s is not None else None for s in sels],
+        np.asarray(adv, np.float32),
+        config.row_len,
+        num_step_rollouts=num_step_rollouts,
+        names=[f"rollout {rid!r}" for rid, _ in trained],
+        min_rows=config.min_rows,
+    )
+    t4 = time.perf_counter()
+    ri = pack.rollout_index
+    if rollout_index_offset:
+        ri = np.where(ri >= 0, ri + rollout_index_offset, -1).astype(np.int32)
+
+    stats = StepStats(
+        rollouts=len(outcomes),
+        trained_rollouts=len(trained),
+        failures=dict(rew.counts),
+        calls=n_calls,
+        calls_dropped=calls_dropped,
+        no_calls=len(no_calls),
+        no_selection=sum(s is not None and s.tree is None for s in sels),
+        recorded_tokens=recorded,
+        unique_tokens=sum(s.tokens_total for s in sels if s is not None),
+        selected_tokens=pack.unique_tokens,
+        expanded_tokens=sum(s.expanded_tokens for s in sels if s is not None),
+        packed_tokens=pack.packed_tokens,
+        duplicated_tokens=pack.duplicated_tokens,
+        branch_copies=pack.branch_copies,
+        trainable_targets=int(pack.num_targets.sum()),
+        paths_total=sum(s.paths_total for s in sels if s is not None),
+        paths_selected=sum(s.paths_selected for s in sels if s is not None),
+        rows=int(pack.rows.tokens.shape[0]),
+        fill=pack.fill,
+        seconds={"rebuild": t2 - t1, "select": t3 - t2, "pack": t4 - t3, "total": t4 - t0},
+    )
+    return StepBatch(
+        rows=pack.rows,
+        rollout_index=ri,
+        rollout_ids=tuple(rid for rid, _ in trained),
+        advantages=np.asarray(adv, np.float32).reshape(-1),
+        stats=stats,
+    )

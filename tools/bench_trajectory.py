@@ -1,0 +1,108 @@
+"""Trajectory processor at paper scale: rebuild + select + pack of one long rollout.
+
+    /work/venv/bin/python tools/bench_trajectory.py                  # paper preset, ~1 min
+    /work/venv/bin/python tools/bench_trajectory.py --preset tiny    # seconds
+
+Runs pinned to one CPU core. For each (selection mode, row length) it runs the
+whole host pipeline (``processor.process_step``: tree rebuild from the call
+records, path selection, splitting, bin-packing, loss weights) on the same
+rollout and prints a table; then ONE final JSON line for the default
+configuration (``--mode``, ``--row-len``).
+
+Baseline: expanding every selected path into its own sequence (what frameworks
+without prefix sharing train on): ``expanded_tokens``; ``expanded_over_packed``
+is the training-token saving of the packed tree over it.
+
+Targets (issue 3): ``packed_over_unique <= 1.02`` and ``seconds <= 5`` for the
+paper-scale rollout. ``unique_tokens`` in the JSON line is the unique tokens of
+the *selected* tree (what is packed); ``tree_unique_tokens`` is the whole tree's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gyre_jax.trajectory.processor import ProcessorConfig, process_step  # noqa: E402
+from gyre_jax.trajectory.select import SelectConfig  # noqa: E402
+from gyre_jax.trajectory.synth import PRESETS, preset, synth_rollout  # noqa: E402
+
+
+def _rollout(preset_name: str, seed: int):
+    """(calls, outcome) of one synthetic rollout (gyre_jax.trajectory.synth)."""
+    cfg = preset(preset_name, seed=seed, timeout_rate=0.0, infra_error_rate=0.0, verifier_error_rate=0.0)
+    return synth_rollout(cfg, 0, 0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="paper", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", default="priority", help="selection mode of the final JSON line")
+    ap.add_argument("--row-len", type=int, default=None, help="row length of the final JSON line "
+                    "(default: the longest recorded context rounded up to a multiple of 1024)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per config (min is reported)")
+    args = ap.parse_args(argv)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
+
+    t0 = time.perf_counter()
+    calls, outcome = _rollout(args.preset, args.seed)
+    gen_s = time.perf_counter() - t0
+    recorded = sum(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
+    max_ctx = max(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
+    base_L = args.row_len or -(-max_ctx // 1024) * 1024
+    print(f"preset={args.preset} calls={len(calls)} recorded_tokens={recorded} max_context={max_ctx} "
+          f"(generated in {gen_s:.1f}s)", flush=True)
+
+    configs = [(m, L) for m in ("priority", "unbounded", "main_only") for L in (base_L, 2 * base_L, 4 * base_L)]
+    if (args.mode, base_L) not in configs:
+        configs.insert(0, (args.mode, base_L))
+    head = ("mode", "row_len", "paths", "tree_uniq", "selected", "expanded", "packed", "pk/uniq",
+            "exp/pk", "dup", "rows", "fill", "rebuild_s", "select_s", "pack_s", "total_s")
+    print(" ".join(f"{h:>10}" for h in head))
+    results = {}
+    for mode, L in configs:
+        cfg = ProcessorConfig(row_len=L, select=SelectConfig(mode=mode))
+        best = None
+        for _ in range(args.repeats):
+            b = process_step(calls, [outcome], cfg)
+            if best is None or b.stats.seconds["total"] < best.stats.seconds["total"]:
+                best = b
+        st = best.stats
+        results[(mode, L)] = st
+        s = st.seconds
+        row = (mode, L, f"{st.paths_selected}/{st.paths_total}", st.unique_tokens, st.selected_tokens,
+               st.expanded_tokens, st.packed_tokens, f"{st.packed_over_unique:.4f}",
+               f"{st.dedup_factor:.2f}", st.duplicated_tokens, st.rows, f"{st.fill:.3f}",
+               f"{s['rebuild']:.3f}", f"{s['select']:.3f}", f"{s['pack']:.3f}", f"{s['total']:.3f}")
+        print(" ".join(f"{str(v):>10}" for v in row), flush=True)
+
+    st = results[(args.mode, base_L)]
+    secs = st.seconds["total"]
+    print(json.dumps({
+        "preset": args.preset, "mode": args.mode, "row_len": base_L, "calls": len(calls),
+        "recorded_tokens": st.recorded_tokens,
+        "unique_tokens": st.selected_tokens,
+        "tree_unique_tokens": st.unique_tokens,
+        "expanded_tokens": st.expanded_tokens,
+        "packed_tokens": st.packed_tokens,
+        "packed_over_unique": round(st.packed_over_unique, 5),
+        "expanded_over_packed": round(st.dedup_factor, 3),
+        "duplicated_tokens": st.duplicated_tokens,
+        "fill": round(st.fill, 4),
+        "seconds": round(secs, 4),
+        "seconds_by_phase": {k: round(v, 4) for k, v in st.seconds.items()},
+        "recorded_tokens_per_s": round(st.recorded_tokens / secs),
+        "targets_met": bool(st.packed_over_unique <= 1.02 and secs <= 5.0),
+    }))
+
+
+if __name__ == "__main__":
+    main()
