@@ -1,0 +1,29 @@
+"""The demo job trains: a shrunken config through the real launcher's job table."""
+import json
+
+import pytest
+
+from configs import demo as demo_config
+from gyre_jax import jobs
+
+
+@pytest.mark.slow  # ~8 s alone (mostly compiling), ~20 s on a loaded machine
+def test_demo_loss_falls(tmp_path):
+    c = demo_config.get_config()
+    c.steps = 60
+    c.rows = 2
+    c.row_len = 64
+    c.prompt_len = 8
+    c.node_len = 4
+    c.log_every = 5
+    c.model.d_model = 32
+    c.model.head_dim = 8
+    c.model.d_ff = 64
+    c.model.max_seq_len = 64
+    history = jobs.get(c.job)(c, str(tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(60)) and lines == history
+    first = sum(r["loss"] for r in lines[:5]) / 5
+    last = sum(r["loss"] for r in lines[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert all(r["trainable_tokens"] > 0 and r["fill"] > 0.5 for r in lines)
