@@ -30,14 +30,34 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gyre_jax.trajectory.processor import ProcessorConfig, process_step  # noqa: E402
-from gyre_jax.trajectory.select import SelectConfig  # noqa: E402
+from gyre_jax.trajectory.select import SelectConfig, select_paths  # noqa: E402
 from gyre_jax.trajectory.synth import PRESETS, preset, synth_rollout  # noqa: E402
+from gyre_jax.trajectory.tree import build_tree  # noqa: E402
 
 
-def _rollout(preset_name: str, seed: int):
+def _rollout(preset_name: str, seed: int, index: int = 0):
     """(calls, outcome) of one synthetic rollout (gyre_jax.trajectory.synth)."""
     cfg = preset(preset_name, seed=seed, timeout_rate=0.0, infra_error_rate=0.0, verifier_error_rate=0.0)
-    return synth_rollout(cfg, 0, 0)
+    return synth_rollout(cfg, 0, index)
+
+
+def lower_bound(calls, mode: str, row_len: int) -> float:
+    """A floor on packed_over_unique for one rollout in rows of row_len.
+
+    The prefix every selected path shares (the root and its single-child chain) is
+    in every row that holds any of the rollout's tokens, so with U unique tokens
+    and a root of r tokens: rows >= ceil((U - r) / (row_len - r)) and every row
+    after the first repeats the root.
+    """
+    sel = select_paths(build_tree(calls), SelectConfig(mode=mode))
+    u, r, node = sel.tokens_kept, 0, sel.tree
+    while True:  # the shared prefix: the root and its single-child descendants
+        r += node.tokens.shape[0]
+        if len(node.children) != 1:
+            break
+        node = node.children[0]
+    rows = max(1, -(-(u - r) // (row_len - r)))
+    return (u + (rows - 1) * r) / u
 
 
 def main(argv=None):
@@ -48,6 +68,8 @@ def main(argv=None):
     ap.add_argument("--row-len", type=int, default=None, help="row length of the final JSON line "
                     "(default: the longest recorded context rounded up to a multiple of 1024)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per config (min is reported)")
+    ap.add_argument("--step-rollouts", type=int, default=8,
+                    help="also pack a step of this many rollouts (one group) to show cross-rollout fill; 0: skip")
     args = ap.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
@@ -65,7 +87,7 @@ def main(argv=None):
     if (args.mode, base_L) not in configs:
         configs.insert(0, (args.mode, base_L))
     head = ("mode", "row_len", "paths", "tree_uniq", "selected", "expanded", "packed", "pk/uniq",
-            "exp/pk", "dup", "rows", "fill", "rebuild_s", "select_s", "pack_s", "total_s")
+            "pk/uniq_lb", "exp/pk", "dup", "rows", "fill", "rebuild_s", "select_s", "pack_s", "total_s")
     print(" ".join(f"{h:>10}" for h in head))
     results = {}
     for mode, L in configs:
@@ -76,15 +98,29 @@ def main(argv=None):
             if best is None or b.stats.seconds["total"] < best.stats.seconds["total"]:
                 best = b
         st = best.stats
-        results[(mode, L)] = st
+        lb = lower_bound(calls, mode, L)
+        results[(mode, L)] = (st, lb)
         s = st.seconds
         row = (mode, L, f"{st.paths_selected}/{st.paths_total}", st.unique_tokens, st.selected_tokens,
-               st.expanded_tokens, st.packed_tokens, f"{st.packed_over_unique:.4f}",
+               st.expanded_tokens, st.packed_tokens, f"{st.packed_over_unique:.4f}", f"{lb:.4f}",
                f"{st.dedup_factor:.2f}", st.duplicated_tokens, st.rows, f"{st.fill:.3f}",
                f"{s['rebuild']:.3f}", f"{s['select']:.3f}", f"{s['pack']:.3f}", f"{s['total']:.3f}")
         print(" ".join(f"{str(v):>10}" for v in row), flush=True)
 
-    st = results[(args.mode, base_L)]
+    if args.step_rollouts > 0:
+        step = [_rollout(args.preset, args.seed, i) for i in range(args.step_rollouts)]
+        step_calls = [c for cs, _ in step for c in cs]
+        step_outs = [o for _, o in step]
+        step_L = max(base_L, -(-max(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in step_calls) // 1024) * 1024)
+        for mode, L in ((args.mode, step_L), (args.mode, 2 * step_L)):
+            b = process_step(step_calls, step_outs, ProcessorConfig(row_len=L, select=SelectConfig(mode=mode)))
+            sst = b.stats
+            print(f"step of {args.step_rollouts} rollouts, {mode}, row_len={L}: rows={sst.rows} "
+                  f"fill={sst.fill:.3f} packed_over_unique={sst.packed_over_unique:.4f} "
+                  f"expanded_over_packed={sst.dedup_factor:.2f} seconds={sst.seconds['total']:.2f} "
+                  f"({sst.recorded_tokens / sst.seconds['total'] / 1e6:.0f}M recorded tokens/s)", flush=True)
+
+    st, lb = results[(args.mode, base_L)]
     secs = st.seconds["total"]
     print(json.dumps({
         "preset": args.preset, "mode": args.mode, "row_len": base_L, "calls": len(calls),
@@ -94,6 +130,9 @@ def main(argv=None):
         "expanded_tokens": st.expanded_tokens,
         "packed_tokens": st.packed_tokens,
         "packed_over_unique": round(st.packed_over_unique, 5),
+        "packed_over_unique_lower_bound": round(lb, 5),
+        "packed_over_unique_2x_row": round(results[(args.mode, 2 * base_L)][0].packed_over_unique, 5),
+        "packed_over_unique_4x_row": round(results[(args.mode, 4 * base_L)][0].packed_over_unique, 5),
         "expanded_over_packed": round(st.dedup_factor, 3),
         "duplicated_tokens": st.duplicated_tokens,
         "fill": round(st.fill, 4),
