@@ -240,6 +240,10 @@ def test_garbage_at_masked_positions_leaks_nothing(dtype):
     np.testing.assert_array_equal(g_d, np.asarray(g_c.astype(F32)))
     for k in m_c:
         np.testing.assert_array_equal(m_d[k], m_c[k], err_msg=k)
+    # A weight outside loss_mask is an upstream bug: not trained on, but reported.
+    dirty_batch["loss_weights"][0, 1] = 0.25
+    (loss_w, m_w), _ = f(jnp.asarray(dirty_logits, dtype), dirty_batch, dirty_ref)
+    assert float(loss_w) == float(loss_c) and float(m_w["weight_outside_mask"]) == 0.25
 
 
 def test_metric_helpers_and_config_validation():

@@ -155,6 +155,9 @@ def policy_gradient_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(loss, metrics)``; the math is in the module docstring.
 
+    The coefficients and ``kl_estimator`` are Python values fixed at trace time
+    (close over them or pass a ``PolicyLossConfig``); arrays may be traced.
+
     Metrics (float32 scalars; see ``METRIC_REDUCTIONS`` to combine micro-batches):
       ``loss``, ``pg_loss``: weighted sums of the total / policy-gradient term.
       ``approx_kl``: k3 estimate of KL(behavior || current), ``sum w (r - 1 - log r)``.
