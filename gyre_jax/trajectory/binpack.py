@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from gyre_jax.losses.weights import rollout_token_mean_weights
 from gyre_jax.trajectory.node import TreeNode
 from gyre_jax.trajectory.serialize import PackedRows, SerializedTree, pack_rows, serialize_tree
 
@@ -245,12 +246,12 @@ def pack_trees(
     valid = rollout_index >= 0
     ridx = np.where(valid, rollout_index, 0)
     num_targets = np.bincount(ridx[rows.loss_mask], minlength=nr).astype(np.int64)
-    # Lookup tables get one spare entry so that ridx (0 on padding) indexes them
-    # even when no rollout is given; padding is masked out below.
-    w_r = np.zeros(nr + 1, np.float64)
-    has = np.flatnonzero(num_targets > 0)
-    w_r[has] = 1.0 / (num_targets[has].astype(np.float64) * R)
-    rows.loss_weights = np.where(rows.loss_mask, w_r[ridx], 0.0).astype(np.float32)
+    if R > 0:  # the losses package owns the counting rule; N_r counted over all parts here
+        counts = np.zeros(R, np.int64)
+        counts[:nr] = num_targets
+        rows.loss_weights = rollout_token_mean_weights(rows.loss_mask, ridx, R, rollout_token_counts=counts)
+    # Lookup table with one spare entry so that ridx (0 on padding) indexes it even
+    # when no rollout is given; padding is masked out below.
     adv = np.zeros(nr + 1, np.float32)
     adv[:nr] = np.asarray(advantages, np.float32).reshape(nr)
     rows.advantages = np.where(valid, adv[ridx], 0.0).astype(np.float32)
