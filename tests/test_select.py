@@ -46,6 +46,7 @@ def test_modes_and_input_untouched():
     before = [(n.tokens.copy(), len(n.children)) for n in root.walk()]
     u = select_paths(root, SelectConfig(mode="unbounded", jmax=1))
     assert sorted(leaf_tags(u.tree)) == list(range(1, 9)) and u.tokens_kept == u.tokens_total
+    assert u.selected_roles == ("summary", "main", "subagent", "main", "subagent", "summary", "main", "subagent")
     m = select_paths(root, SelectConfig(mode="main_only", jmax=2))
     assert m.selected_roles == ("main", "main") and leaf_tags(m.tree) == [2, 4]
     after = [(n.tokens, len(n.children)) for n in root.walk()]

@@ -8,7 +8,8 @@ Definitions (precise, because the ablations depend on them):
   * The *gain* of a path for role r is the number of trainable tokens of role r
     it adds to the paths already chosen (on its nodes not yet kept).
   * The *role of a path* (reported) is the highest-priority role with a positive
-    gain when it was picked.
+    gain when it was picked (``unbounded``: the highest-priority role it has
+    trainable tokens of).
 
 Order (greedy, deterministic): repeatedly take the path with the lexicographically
 largest (main gain, subagent gain, summary gain), then the earliest leaf in
@@ -60,7 +61,7 @@ class SelectConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SelectionResult:
-    tree: TreeNode | None  # None when no path qualifies (main_only on a tree without main paths)
+    tree: TreeNode | None  # None when no path qualifies (no trainable token; main_only: no main token)
     paths_total: int
     paths_selected: int
     selected_roles: tuple  # role of each selected path, in selection order
@@ -91,22 +92,25 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
     leaves = np.array([i for i in range(n) if not nodes[i].children], np.int64)
     keep = np.zeros(n, bool)
     roles: list[str] = []
+    # Static per-role trainable counts along each root path; since the kept set is
+    # closed under ancestors, a path's gain is its count minus the count at its
+    # deepest kept node.
+    role_idx = np.fromiter((_ROLE_RANK[x.role] for x in nodes), np.int64, n)
+    cum = np.zeros((n + 1, len(ROLES)), np.int64)  # row n: "no kept node" (zeros)
+    cum[np.arange(n), role_idx] = ntr
+    for i in range(1, n):
+        cum[i] += cum[parent[i]]
 
     if config.mode == "unbounded":
         cand = [int(i) for i in leaves]
         for leaf in cand:
             _mark_path(keep, parent, leaf)
-        roles = [nodes[i].role for i in cand]
+        # No pick order: a path's role is the highest-priority role it has tokens of.
+        for i in cand:
+            has = np.flatnonzero(cum[i])
+            roles.append(ROLES[int(has[0])] if has.size else nodes[i].role)
     else:
         nroles = 1 if config.mode == "main_only" else len(ROLES)
-        # Static per-role trainable counts along each root path; since the kept set is
-        # closed under ancestors, a path's gain is its count minus the count at its
-        # deepest kept node.
-        role_idx = np.fromiter((_ROLE_RANK[x.role] for x in nodes), np.int64, n)
-        cum = np.zeros((n + 1, len(ROLES)), np.int64)  # row n: "no kept node" (zeros)
-        cum[np.arange(n), role_idx] = ntr
-        for i in range(1, n):
-            cum[i] += cum[parent[i]]
         allowed = np.ones(leaves.size, bool)
         cand = []
         for _ in range(config.jmax):
