@@ -131,3 +131,29 @@ def test_streaming_waits_for_producer():
         next(it2)
     s2.end_step(0)
     assert next(it2)["last_in_step"].all()
+
+
+def test_processor_groups_stream_into_one_step():
+    """Streaming as the RL loop does it: each finished group -> rows -> RowStream."""
+    from gyre_jax.trajectory.processor import ProcessorConfig, process_step
+    from gyre_jax.trajectory.synth import preset, synth_rollouts
+
+    calls, outs = synth_rollouts(preset("tiny", infra_error_rate=0.0, verifier_error_rate=0.0))
+    L = 128
+    R = len(outs)
+    stream = RowStream(L)
+    offset = 0
+    for g in sorted({o.group_id for o in outs}):
+        go = [o for o in outs if o.group_id == g]
+        ids = {o.rollout_id for o in go}
+        b = process_step([c for c in calls if c.rollout_id in ids], go, ProcessorConfig(row_len=L),
+                         num_step_rollouts=R, rollout_index_offset=offset)
+        offset += len(b.rollout_ids)
+        stream.add(0, b.rows, b.rollout_index)
+    stream.end_step(0)
+    stream.close()
+    batches = list(StreamingDataset(stream, batch_size=2, seed=1, timeout_s=5))
+    w = sum(x["loss_weights"].astype(np.float64).sum() for x in batches)
+    np.testing.assert_allclose(w, 1.0, rtol=1e-5)
+    assert batches[-1]["last_in_step"].all() and not any(x["last_in_step"].any() for x in batches[:-1])
+    assert set(np.unique(np.concatenate([x["rollout_index"].ravel() for x in batches]))) == set(range(-1, R))
