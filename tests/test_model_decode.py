@@ -14,7 +14,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def m():
-    cfg = model_config_tiny(vocab_size=64)
+    cfg = model_config_tiny()  # same config as test_model.py: init compiles once per run
     params = init_params(cfg, jax.random.key(3))
     fwd = jax.jit(Transformer(cfg).apply)
     prefill = jax.jit(dec.prefill, static_argnums=1)

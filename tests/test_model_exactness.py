@@ -17,7 +17,7 @@ from gyre_jax.trajectory.serialize import pack_rows, serialize_tree
 TOL = 1e-5
 ROW_LEN = 96
 PATH_LEN = 48  # every single path is padded to this for the reference run
-VOCAB = 96
+VOCAB = 128  # model_config_tiny().vocab_size
 
 
 def span(rng, n, trainable=False, **meta):
@@ -64,7 +64,8 @@ def random_tree(rng, max_depth=3):
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = model_config_tiny(vocab_size=VOCAB, tie_embeddings=False)
+    cfg = model_config_tiny(tie_embeddings=False)  # same config as test_model.py: init compiles once
+    assert cfg.vocab_size == VOCAB
     params = init_params(cfg, jax.random.key(7))
     fwd = jax.jit(Transformer(cfg).apply)
     return cfg, params, fwd
