@@ -73,7 +73,7 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     """
     (t,) = tokens_T.shape
     p = 0 if prefix is None else prefix.k.shape[1]
-    if prefix is None and start_pos is not None and not _is_zero(start_pos):
+    if prefix is None and start_pos is not None and _concrete_nonzero(start_pos):
         raise ValueError(f"prefill: start_pos={start_pos} needs a prefix holding that many tokens' k/v")
     if isinstance(start_pos, int) and start_pos > p:
         raise ValueError(f"prefill: start_pos={start_pos} exceeds the prefix buffer length {p}")
@@ -158,8 +158,9 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
     return logits[:, 0], KVCache(k=k, v=v, lengths=lengths)
 
 
-def _is_zero(x) -> bool:
+def _concrete_nonzero(x) -> bool:
+    """True if x is a known nonzero value (a traced value cannot be checked here)."""
     try:
-        return int(x) == 0
+        return int(x) != 0
     except (TypeError, jax.errors.ConcretizationTypeError):
         return False
