@@ -1,0 +1,236 @@
+"""OpenAI-compatible request parsing and response shapes (chat and completions).
+
+Supported: ``/v1/chat/completions`` (messages with system/developer/user/
+assistant/tool roles, text content parts, ``tools`` of type function, assistant
+``tool_calls``, streaming SSE with ``stream_options.include_usage``, ``logprobs``)
+and ``/v1/completions`` (``prompt`` as a string or a list of token ids).
+Extensions: ``stop_token_ids`` (token-level stops) and ``return_token_ids``
+(adds ``prompt_token_ids`` / ``token_ids`` to the response, for harnesses that
+keep tokens themselves). Text ``stop`` sequences, ``n`` > 1, ``echo`` and
+``best_of`` are refused with 400 rather than silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from gyre_jax.serving.api_common import (ApiError, ChatCall, bad, get_bool, get_float, get_int, get_list, get_str,
+                                         get_stop_token_ids)
+from gyre_jax.serving.tokenizer import Tokenizer
+
+_CHAT_KNOWN = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens",
+               "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options", "seed", "stop",
+               "logprobs", "top_logprobs", "user", "stop_token_ids", "return_token_ids", "metadata", "store",
+               "presence_penalty", "frequency_penalty"}
+_COMPLETION_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+                     "seed", "stop", "logprobs", "echo", "best_of", "user", "stop_token_ids", "return_token_ids",
+                     "presence_penalty", "frequency_penalty", "suffix"}
+
+
+def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
+    if get_int(body, "n", 1, lo=1) != 1:
+        raise bad("n: only n=1 is supported (send separate requests)", "n")
+    stop = body.get("stop")
+    if stop not in (None, [], ""):
+        raise bad("stop: text stop sequences are not supported; use stop_token_ids", "stop")
+    for k in ("presence_penalty", "frequency_penalty"):
+        if body.get(k) not in (None, 0, 0.0):
+            raise bad(f"{k}: not supported (sampling must match what the trainer assumes)", k)
+    so = body.get("stream_options") or {}
+    if not isinstance(so, dict):
+        raise bad("stream_options: expected an object", "stream_options")
+    return dict(
+        model=get_str(body, "model"),
+        temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        seed=get_int(body, "seed", None, lo=0, hi=2**31 - 1),
+        stream=get_bool(body, "stream"),
+        ignored=tuple(sorted(set(body) - known)),
+        include_usage=bool(so.get("include_usage", False)),
+    )
+
+
+def _content_text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}: expected a string or a list of content parts, got {type(content).__name__}")
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad(f"{where}[{j}]: only text parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{where}[{j}].text: expected a string")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
+    c = _common(body, "openai.chat", _CHAT_KNOWN)
+    msgs = []
+    for i, m in enumerate(get_list(body, "messages", required=True)):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{w}: expected an object")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise bad(f"{w}.role: {role!r} is not one of system, developer, user, assistant, tool")
+        out = {"role": role, "content": _content_text(m.get("content"), f"{w}.content")}
+        if role == "tool":
+            out["tool_call_id"] = get_str(m, "tool_call_id", required=False, where=f"{w}.") or ""
+        calls = []
+        for j, tc in enumerate(get_list(m, "tool_calls", where=f"{w}.")):
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f"{w}.tool_calls[{j}].function.name: required string")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError as e:
+                raise bad(f"{w}.tool_calls[{j}].function.arguments: not valid JSON ({e})") from None
+            if not isinstance(args, dict):
+                raise bad(f"{w}.tool_calls[{j}].function.arguments: must be a JSON object")
+            calls.append({"id": tc.get("id") or "", "name": fn["name"], "arguments": args})
+        if calls:
+            out["tool_calls"] = calls
+        msgs.append(out)
+    if not msgs:
+        raise bad("messages: at least one message is required", "messages")
+    tools = []
+    for i, t in enumerate(get_list(body, "tools")):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise bad(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+        tools.append({"name": fn["name"], "description": fn.get("description", ""),
+                      "parameters": fn.get("parameters", {})})
+    try:
+        prompt = tok.render_chat(msgs, tools)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    lp = get_bool(body, "logprobs")
+    if get_int(body, "top_logprobs", 0, lo=0) not in (0, None):
+        raise bad("top_logprobs: only 0 is supported (the sampled token's log-prob is returned)", "top_logprobs")
+    mt = get_int(body, "max_completion_tokens", None, lo=1)
+    mt = get_int(body, "max_tokens", mt, lo=1)
+    return ChatCall(api="openai.chat", model=c["model"], prompt_ids=np.asarray(prompt, np.int32), max_tokens=mt,
+                    temperature=c["temperature"], top_p=c["top_p"], seed=c["seed"],
+                    stop_ids=tuple(tok.stop_ids) + get_stop_token_ids(body, tok.vocab_size), stream=c["stream"],
+                    parse_tools=True, ignored=c["ignored"],
+                    extras={"logprobs": lp, "include_usage": c["include_usage"],
+                            "return_token_ids": get_bool(body, "return_token_ids")})
+
+
+def parse_completion(body: dict, tok: Tokenizer, vocab_size: int) -> ChatCall:
+    c = _common(body, "openai.completions", _COMPLETION_KNOWN)
+    for k in ("echo", "best_of", "suffix"):
+        if body.get(k) not in (None, False, 1, ""):
+            raise bad(f"{k}: not supported", k)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        ids = tok.encode(p)
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        bad_i = [i for i, x in enumerate(p) if not 0 <= x < vocab_size]
+        if bad_i:
+            raise bad(f"prompt[{bad_i[0]}]: token id {p[bad_i[0]]} is not in [0, {vocab_size})", "prompt")
+        ids = p
+    else:
+        raise bad("prompt: expected a string or one non-empty list of token ids (batches are not supported)", "prompt")
+    if not ids:
+        raise bad("prompt: is empty", "prompt")
+    lp = get_int(body, "logprobs", None, lo=0, hi=1)
+    return ChatCall(api="openai.completions", model=c["model"], prompt_ids=np.asarray(ids, np.int32),
+                    max_tokens=get_int(body, "max_tokens", 16, lo=1), temperature=c["temperature"], top_p=c["top_p"],
+                    seed=c["seed"], stop_ids=(tok.special["<|eos|>"],) + get_stop_token_ids(body, vocab_size),
+                    stream=c["stream"], parse_tools=False, ignored=c["ignored"],
+                    extras={"logprobs": lp is not None, "include_usage": c["include_usage"],
+                            "return_token_ids": get_bool(body, "return_token_ids")})
+
+
+# ---- responses -------------------------------------------------------------------
+def finish_reason(finish: str, n_tool_calls: int) -> str:
+    if finish == "stop" and n_tool_calls:
+        return "tool_calls"
+    return "stop" if finish == "stop" else "length"
+
+
+def _tool_calls_json(calls) -> list[dict]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in calls]
+
+
+def _logprobs(tok: Tokenizer, ids, lps) -> dict:
+    return {"content": [{"token": tok.decode([t]), "token_id": int(t), "logprob": float(lp), "top_logprobs": []}
+                        for t, lp in zip(ids, lps)]}
+
+
+def usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def chat_response(call: ChatCall, tok: Tokenizer, rid: str, out_ids, out_lps, finish: str) -> dict:
+    parsed = tok.parse_assistant(out_ids)
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed["content"]}
+    if parsed["tool_calls"]:
+        msg["tool_calls"] = _tool_calls_json(parsed["tool_calls"])
+    choice = {"index": 0, "message": msg, "finish_reason": finish_reason(finish, len(parsed["tool_calls"])),
+              "logprobs": _logprobs(tok, out_ids, out_lps) if call.extras.get("logprobs") else None}
+    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": call.model,
+           "choices": [choice], "usage": usage(len(call.prompt_ids), len(out_ids))}
+    if call.extras.get("return_token_ids"):
+        out["prompt_token_ids"] = [int(t) for t in call.prompt_ids]
+        choice["token_ids"] = [int(t) for t in out_ids]
+    return out
+
+
+def chat_chunk(call: ChatCall, rid: str, delta: dict, finish: str | None = None, **extra) -> dict:
+    d = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": call.model,
+         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    d.update(extra)
+    return d
+
+
+def tool_call_delta(index: int, c: dict) -> dict:
+    j = _tool_calls_json([c])[0]
+    j["index"] = index
+    return {"tool_calls": [j]}
+
+
+def completion_response(call: ChatCall, tok: Tokenizer, rid: str, out_ids, out_lps, finish: str) -> dict:
+    stop_set = set(call.stop_ids)
+    text_ids = [t for t in out_ids if t not in stop_set]
+    choice = {"index": 0, "text": tok.decode(text_ids), "finish_reason": "stop" if finish == "stop" else "length",
+              "logprobs": None}
+    if call.extras.get("logprobs"):
+        choice["logprobs"] = {"tokens": [tok.decode([t]) for t in out_ids], "token_logprobs": [float(x) for x in out_lps],
+                              "top_logprobs": None, "text_offset": None}
+    if call.extras.get("return_token_ids"):
+        choice["token_ids"] = [int(t) for t in out_ids]
+    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": call.model,
+           "choices": [choice], "usage": usage(len(call.prompt_ids), len(out_ids))}
+    if call.extras.get("return_token_ids"):
+        out["prompt_token_ids"] = [int(t) for t in call.prompt_ids]
+    return out
+
+
+def completion_chunk(call: ChatCall, rid: str, text: str, finish: str | None, token_ids=None) -> dict:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": call.model,
+            "choices": [choice]}
+
+
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}

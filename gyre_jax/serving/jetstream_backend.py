@@ -1,0 +1,269 @@
+"""A cell's GyreEngine served through JetStream's orchestrator (``Driver``).
+
+The Driver runs JetStream's four threads per engine (prefill, transfer, generate,
+detokenize) and its queues, unchanged. One documented hook: ``GyreDriver``
+overrides ``_process_prefill_content`` so the prefill thread hands GyreEngine our
+``PrefillInput`` (tokens, sampling parameters, a KV block to reuse) instead of
+padded token ids; the Driver passes it through untouched as ``padded_tokens``.
+Requests are placed with ``place_request_on_prefill_queue`` (the same call
+JetStream's gRPC ``LLMOrchestrator.Decode`` makes) and their tokens come back on
+the request's ``AsyncMultifuture`` return channel.
+
+We run in interleaved mode (prefill and generate share the cell's devices).
+
+Profiling notes (this machine, 2 CPU cores): JetStream's own ``TestEngine`` does a
+4096x4096 float32 matmul inside every prefill and generate call (simulated model
+time, ~4-8 s each here), so the 22.8 s for a 4-token request was that fake work:
+timing each engine call inside the Driver showed prefill 4.3 s + insert 0.1 s +
+5 generate calls 28.1 s = the whole 32.5 s wall time (one extra generate step runs
+after the last token: the detokenize thread only closes a request when it sees
+``lengths > max_tokens``). The orchestrator itself adds well under a millisecond
+per step. Two things do cost: (a) importing the orchestrator sets the root logger
+to DEBUG with a stdout handler, so each step formats and prints two log lines
+from two threads (undone in jetstream_compat); (b) ``Driver.stop()`` spins until
+its threads exit, and the generate thread may be blocked for up to 1 s in
+``queue.get(timeout=1.0)``. We end a call's stream as soon as its final token
+arrives (stop id or max_tokens), not one step later when JetStream closes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from gyre_jax.serving.backend import (Backend, EngineError, GenerateRequest, ResumeState, TokenEvent,
+                                      TokenStream)
+from gyre_jax.serving.engine import ExportedSlot, GyreEngine, KVBlock, PrefillInput, decode_result_pairs
+from gyre_jax.serving.jetstream_compat import async_multifuture, orchestrator
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GyreActiveRequest(orchestrator.ActiveRequest):
+    gyre_input: PrefillInput | None = None
+
+
+class GyreDriver(orchestrator.Driver):
+    def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
+        if isinstance(request, GyreActiveRequest) and request.gyre_input is not None:
+            return request.gyre_input, len(request.gyre_input.tokens)
+        return super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
+
+
+class _Stream(TokenStream):
+    def __init__(self, backend: "JetStreamBackend", req: GenerateRequest, channel):
+        self.request_id = req.request_id
+        self._b, self._req, self._ch = backend, req, channel
+        r = req.resume
+        self.tokens: list[int] = [] if r is None else [int(t) for t in r.output_ids]
+        self.logprobs: list[float] = [] if r is None else [float(x) for x in r.output_logprobs]
+        self._pending: collections.deque[TokenEvent] = collections.deque()
+        self._stop = set(req.sampling.stop_ids)
+        self._detach: str | None = None  # "export" | "recompute" | "cancel"
+        self._exported: ExportedSlot | None = None
+        self._settled = asyncio.Event()  # export() has learnt what the engine did
+        self._inherited_kv = None if r is None else r.kv  # passed on if we never reached a slot
+        self.finish = None
+        self.resume = None
+
+    async def __anext__(self) -> TokenEvent:
+        while not self._pending:
+            if self.finish is not None:
+                raise StopAsyncIteration
+            try:
+                samples = await self._ch.__anext__()
+            except StopAsyncIteration:
+                await self._closed()
+                continue
+            if self.finish is not None:  # cancelled meanwhile: drop the rest
+                continue
+            for tok, lp in decode_result_pairs(samples[0].token_ids):
+                self.tokens.append(tok)
+                self.logprobs.append(lp)
+                self._pending.append(TokenEvent(tok, lp))
+                if tok in self._stop or len(self.tokens) >= self._req.sampling.max_tokens:
+                    self._end("stop" if tok in self._stop else "length")
+                    break
+        return self._pending.popleft()
+
+    async def _closed(self):
+        """JetStream closed the return channel: the engine stopped this request."""
+        if self._detach == "export":
+            await self._settled.wait()
+        err = self._b.engine.pop_error(self.request_id)
+        if err is not None:
+            self._end("error")
+            raise EngineError(f"{self._b.name}: {err}")
+        if self._detach == "export" and self._exported is not None:
+            if self._exported.generated != len(self.tokens):
+                self._end("error")
+                raise EngineError(f"{self._b.name}: exported state has {self._exported.generated} tokens, "
+                                  f"stream delivered {len(self.tokens)}")
+            self._end("moved", kv=self._exported.kv)
+        elif self._detach == "recompute":
+            self._end("moved")
+        else:
+            self._end("length")  # the engine stopped it: context full
+
+    def _end(self, finish: str, kv=None) -> None:
+        if self.finish is not None:
+            return
+        self.finish = finish
+        if self._b._live.get(self.request_id) is self:
+            del self._b._live[self.request_id]
+        if finish == "moved":
+            self.resume = ResumeState(prompt_ids=self._req.prompt_ids, output_ids=np.asarray(self.tokens, np.int32),
+                                      output_logprobs=np.asarray(self.logprobs, np.float32), kv=kv,
+                                      source=self._b.name)
+        elif finish in ("stop", "length") and self._req.cache_key:
+            self._b._remember(self._req, self.tokens)
+
+
+class JetStreamBackend(Backend):
+    """``Backend`` over one GyreEngine and its JetStream Driver (one cell)."""
+
+    def __init__(self, engine: GyreEngine, *, name: str | None = None, prefix_cache_entries: int = 256,
+                 min_cached_prefix: int = 16):
+        self.engine = engine
+        self.name = name or engine.name
+        self.max_context = engine.max_len - 1  # one cache entry stays spare (engine.py)
+        self.capacity = engine.max_concurrent_decodes
+        self.vocab_size = engine.config.vocab_size
+        ref = engine.params_ref
+        self._driver = GyreDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[ref],
+                                  generate_params=[ref], interleaved_mode=True)
+        self._live: dict[str, _Stream] = {}
+        # cache_key -> (token sequence whose k/v the block holds, KVBlock); LRU.
+        self._cache: collections.OrderedDict[str, tuple[np.ndarray, KVBlock]] = collections.OrderedDict()
+        self._cache_entries, self._min_cached = prefix_cache_entries, min_cached_prefix
+        self._counts = collections.Counter()
+        self._closed = False
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.params_ref.version
+
+    def num_active(self) -> int:
+        return len(self._live)
+
+    def submit(self, request: GenerateRequest) -> TokenStream:
+        if self._closed:
+            raise EngineError(f"{self.name}: backend is closed")
+        sp, prompt = request.sampling, request.prompt_ids
+        if prompt.shape[0] + sp.max_tokens > self.max_context:
+            raise ValueError(f"prompt ({prompt.shape[0]} tokens) + max_tokens ({sp.max_tokens}) exceeds the context "
+                             f"limit of {self.max_context} tokens")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if request.request_id in self._live:
+            raise ValueError(f"request id {request.request_id!r} is already running on {self.name}")
+        r = request.resume
+        seq = prompt if r is None else np.concatenate([prompt, r.output_ids.astype(np.int32)])
+        inp = PrefillInput(request.request_id, seq[:-1], int(seq[-1]), 0 if r is None else r.num_generated, sp)
+        if r is not None and r.kv is not None:
+            inp.kv, inp.kv_origin = r.kv, "moved"
+        elif request.cache_key:
+            inp.kv = self._lookup(request.cache_key, seq[:-1])
+        channel = async_multifuture.AsyncMultifuture()
+        stream = _Stream(self, request, channel)
+        self._live[request.request_id] = stream
+        active = GyreActiveRequest(max_tokens=sp.max_tokens, return_channel=channel, prefill_content=[],
+                                   is_client_side_tokenization=True, gyre_input=inp)
+        self._driver.place_request_on_prefill_queue(active)
+        self._counts["submitted"] += 1
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        stream = self._live.get(request_id)
+        if stream is None or stream._detach is not None:
+            return
+        stream._detach = "cancel"
+        stream._end("cancelled")  # the consumer is gone: stop counting it now
+        self.engine.detach(request_id, export=False)
+
+    async def export(self, request_id: str) -> bool:
+        """Stop the call here at a token boundary; True if its stream will end "moved"."""
+        stream = self._live.get(request_id)
+        if stream is None or stream._detach is not None:
+            return False
+        stream._detach = "export"
+        fut = self.engine.detach(request_id, export=True)
+        if fut is None:  # never reached a slot: nothing computed here to move
+            stream._end("moved", kv=stream._inherited_kv)
+            stream._settled.set()
+            self._counts["exported_unstarted"] += 1
+            return True
+        try:
+            exported = await asyncio.wrap_future(fut)
+        except Exception:  # noqa: BLE001 - export failed: stop here, the router recomputes elsewhere
+            log.exception("%s: export of %s failed; falling back to recompute", self.name, request_id)
+            self._counts["export_failed"] += 1
+            stream._detach = "recompute"
+            if self.engine.detach(request_id, export=False) is None:
+                stream._end("moved")
+            return True
+        finally:
+            stream._settled.set()
+        if exported is None:  # finished on its own; its stream ends stop/length
+            stream._detach = None
+            return False
+        stream._exported = exported
+        self._counts["exported"] += 1
+        return True
+
+    # ---- prefix cache (multi-turn calls of one agent reuse their KV) ----------------
+    def _remember(self, req: GenerateRequest, tokens: list[int]) -> None:
+        fut = self.engine.snapshot(req.request_id)
+        if fut is None:
+            return
+        seq = np.concatenate([req.prompt_ids, np.asarray(tokens, np.int32)])
+        loop = asyncio.get_running_loop()
+
+        def done(f):
+            if f.cancelled() or f.exception() is not None or f.result() is None:
+                return
+            kv = f.result().kv
+            loop.call_soon_threadsafe(self._store, req.cache_key, seq[: kv.length], kv)
+
+        fut.add_done_callback(done)
+
+    def _store(self, key: str, seq: np.ndarray, kv: KVBlock) -> None:
+        self._cache[key] = (seq, kv)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_entries:
+            self._cache.popitem(last=False)
+
+    def _lookup(self, key: str, needed: np.ndarray) -> KVBlock | None:
+        hit = self._cache.get(key)
+        if hit is None:
+            return None
+        seq, kv = hit
+        n = min(seq.shape[0], needed.shape[0], kv.length)
+        same = np.flatnonzero(seq[:n] != needed[:n])
+        c = int(same[0]) if same.shape[0] else n
+        if c < self._min_cached:
+            self._counts["prefix_cache_miss"] += 1
+            return None
+        self._counts["prefix_cache_hit"] += 1
+        self._cache.move_to_end(key)
+        return KVBlock(kv.k, kv.v, c)
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.engine.counters.items()}
+        out.update({k: float(v) for k, v in self._counts.items()})
+        out["active"] = float(len(self._live))
+        out["policy_version"] = float(self.policy_version)
+        return out
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(None, self._driver.stop)
+        log.info("%s: driver stopped in %.2fs", self.name, time.perf_counter() - t0)

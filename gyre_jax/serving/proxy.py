@@ -1,0 +1,488 @@
+"""The recording proxy: OpenAI and Anthropic HTTP APIs in front of the router.
+
+Why aiohttp: it is already a dependency (the agents harness uses its client), has
+a mature streaming response for SSE, a loopback test client, and needs no ASGI
+server; FastAPI + uvicorn would add two dependencies for the same features.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/messages`` (+ ``/v1/messages/count_tokens``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Tying a call to a rollout (gyre_jax.agents.protocol has the names):
+  1. Headers ``X-Gyre-Run``, ``X-Gyre-Rollout``, ``X-Gyre-Task``, ``X-Gyre-Group``,
+     ``X-Gyre-Agent``, ``X-Gyre-Parent-Agent``, ``X-Gyre-Role``, ``X-Gyre-Call``.
+  2. A per-rollout API key, for harnesses that can only set a key (Claude Code:
+     ``ANTHROPIC_API_KEY``; OpenAI SDKs: ``OPENAI_API_KEY``), sent as
+     ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Either a secret key
+     from ``Proxy.register_rollout(run, rollout, task, group)`` (works with auth
+     on), or, with auth off, the plain ``gyre:<run>:<rollout>`` form.
+  Headers win where both are present. Task/group come from headers, else from
+  the registration, else "unknown". Agent defaults to 0 and role to "main"; the
+  call index to a per-rollout counter when ``X-Gyre-Call`` is absent. With
+  ``require_binding`` off (default) an unbound call is served and recorded under
+  run ``default_run_id``, rollout ``X-Claude-Code-Session-Id`` or "unbound".
+
+Recording: each completed call is written exactly once (a ModelCallRecord: the
+prompt ids, output ids and behavior log-probs, whichever cells served it) before
+the response's last bytes are sent; if the write fails, the call fails (500 or an
+error event), so the store never lacks a call a harness saw. A call whose client
+went away before the end is not recorded (the harness never saw it and will
+retry it). A retry (``X-Gyre-Attempt`` > 0) of a call index this proxy already
+recorded is served but not recorded again.
+
+Security: binds 127.0.0.1 unless told otherwise; optional bearer token
+(``auth_token``); request body size limit (413); ``max_tokens`` cap; malformed
+JSON -> 400 naming the position; unknown model -> 404; prompt + max_tokens over
+the context -> 400 naming the limit; engine failure -> 500 for that call only;
+any other exception is turned into a 500 for that request.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import logging
+import secrets
+import time
+import uuid
+
+import numpy as np
+from aiohttp import web
+
+from gyre_jax.agents import protocol as P
+from gyre_jax.serving import api_anthropic as A
+from gyre_jax.serving import api_openai as O
+from gyre_jax.serving.api_common import ApiError, AssistantStream, ChatCall, bad
+from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
+from gyre_jax.serving.router import NoCellError, Router
+from gyre_jax.serving.tokenizer import Tokenizer
+from gyre_jax.trajectory.records import ModelCallRecord, RecordError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"  # loopback only by default
+    port: int = 0  # 0 = any free port (see Proxy.port)
+    model_name: str = "gyre"
+    model_aliases: tuple[str, ...] = ()  # fnmatch patterns also served, e.g. ("claude-*",) for Claude Code
+    auth_token: str | None = None  # if set, every request needs it (or a registered rollout key)
+    max_request_bytes: int = 8 << 20
+    max_tokens_cap: int = 8192  # per call
+    max_concurrent_calls: int = 4096
+    require_binding: bool = False
+    default_run_id: str = "default"
+
+    def __post_init__(self):
+        if not self.model_name:
+            raise ValueError("ProxyConfig.model_name must be non-empty")
+        for f in ("max_request_bytes", "max_tokens_cap", "max_concurrent_calls"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"ProxyConfig.{f} must be a positive int, got {getattr(self, f)!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ProxyConfig.port={self.port} out of range")
+        if self.auth_token is not None and len(self.auth_token) < 8:
+            raise ValueError("ProxyConfig.auth_token must be at least 8 characters")
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    run_id: str
+    rollout_id: str
+    task_id: str
+    group_id: str
+    agent_id: int
+    parent_agent_id: int | None
+    role: str
+    call_index: int | None
+    attempt: int
+
+
+class Proxy:
+    def __init__(self, router: Router, tokenizer: Tokenizer, record_sink, config: ProxyConfig = ProxyConfig()):
+        """record_sink: an object with ``append(ModelCallRecord)`` (e.g. a TrajectoryStore)."""
+        self.router, self.tok, self.sink, self.cfg = router, tokenizer, record_sink, config
+        self.max_context = min(b.max_context for b in router.cells.values())
+        self.vocab_size = min(getattr(b, "vocab_size", tokenizer.vocab_size) for b in router.cells.values())
+        if tokenizer.vocab_size > self.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {self.vocab_size}")
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._rollouts: dict[tuple[str, str], tuple[str, str]] = {}
+        self._next_call: collections.Counter = collections.Counter()
+        self._recorded: set[tuple[str, str, int]] = set()
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="records")  # keeps order
+        self._inflight = 0
+        self.counters: collections.Counter = collections.Counter()
+        self._lat: collections.deque = collections.deque(maxlen=4096)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+        self.app = self._make_app()
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self._guard])
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> str:
+        """Serve on config.host:port; returns the base URL (``http://host:port``)."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return f"http://{self.cfg.host}:{self.port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._writer.shutdown(wait=True)
+
+    def register_rollout(self, run_id: str, rollout_id: str, task_id: str = "unknown", group_id: str = "unknown") -> str:
+        """A fresh secret API key that ties calls to this rollout."""
+        for what, v in (("run id", run_id), ("rollout id", rollout_id), ("task id", task_id), ("group id", group_id)):
+            P.check_id(v, what)
+        key = "gk-" + secrets.token_hex(16)
+        self._keys[key] = (run_id, rollout_id)
+        self._rollouts[(run_id, rollout_id)] = (task_id, group_id)
+        return key
+
+    # ---- request plumbing ----------------------------------------------------------------
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status == 413:
+                return self._error(request.path, ApiError(413, f"request body over the {self.cfg.max_request_bytes} byte limit", kind="request_too_large"))
+            raise
+        except ApiError as e:
+            return self._error(request.path, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
+            log.exception("unhandled error on %s", request.path)
+            self.counters["internal_errors"] += 1
+            return self._error(request.path, ApiError(500, f"internal error: {type(e).__name__}", kind="api_error"))
+
+    def _error(self, path: str, e: ApiError) -> web.Response:
+        self.counters[f"http_{e.status}"] += 1
+        body = A.error_body(e) if path.startswith("/v1/messages") else O.error_body(e)
+        return web.json_response(body, status=e.status)
+
+    def _presented_key(self, request: web.Request) -> str | None:
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            return auth[len("Bearer "):].strip()
+        return request.headers.get("x-api-key")
+
+    def _authorize(self, request: web.Request) -> tuple[str, str] | None:
+        """Checks auth; returns (run, rollout) named by the key, if any."""
+        key = self._presented_key(request)
+        if key in self._keys:
+            return self._keys[key]
+        if self.cfg.auth_token is not None:
+            if key is None or not secrets.compare_digest(key, self.cfg.auth_token):
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+                               kind="authentication_error")
+            return None
+        return P.parse_api_key(key) if key else None
+
+    async def _json(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except UnicodeDecodeError as e:
+            raise bad(f"request body is not UTF-8: {e}") from None
+        except json.JSONDecodeError as e:
+            raise bad(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not isinstance(body, dict):
+            raise bad(f"request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    def _check_model(self, name: str) -> None:
+        if name == self.cfg.model_name or any(fnmatch.fnmatchcase(name, p) for p in self.cfg.model_aliases):
+            return
+        raise ApiError(404, f"model {name!r} not found; this server serves {self.cfg.model_name!r}",
+                       kind="not_found_error", param="model")
+
+    def _binding(self, request: web.Request, keyed: tuple[str, str] | None) -> Binding:
+        h = request.headers
+
+        def hint(name, default=None, lo=0):
+            v = h.get(name)
+            if v is None:
+                return default
+            try:
+                x = int(v)
+            except ValueError:
+                raise bad(f"header {name}: expected an integer, got {v!r}") from None
+            if not lo <= x < 2**31:
+                raise bad(f"header {name}: {x} out of range")
+            return x
+
+        run = h.get(P.HEADER_RUN) or (keyed[0] if keyed else None)
+        rollout = h.get(P.HEADER_ROLLOUT) or (keyed[1] if keyed else None)
+        if run is None or rollout is None:
+            if self.cfg.require_binding:
+                raise bad(f"request is not tied to a rollout: send {P.HEADER_RUN}/{P.HEADER_ROLLOUT} headers or a "
+                          "rollout API key")
+            run = run or self.cfg.default_run_id
+            rollout = rollout or h.get("X-Claude-Code-Session-Id") or "unbound"
+        task, group = self._rollouts.get((run, rollout), ("unknown", "unknown"))
+        task, group = h.get(P.HEADER_TASK) or task, h.get(P.HEADER_GROUP) or group
+        for what, v in (("run", run), ("rollout", rollout), ("task", task), ("group", group)):
+            if not (1 <= len(v) <= 256 and v.isprintable() and v.strip() == v):
+                raise bad(f"{what} id {v!r} must be 1-256 printable characters without surrounding spaces")
+        role = h.get(P.HEADER_ROLE, P.ROLE_MAIN)
+        if role not in P.ROLES:
+            raise bad(f"header {P.HEADER_ROLE}: {role!r} is not one of {P.ROLES}")
+        agent, parent = hint(P.HEADER_AGENT, 0), hint(P.HEADER_PARENT_AGENT)
+        if role == P.ROLE_MAIN and parent is not None:
+            raise bad(f"header {P.HEADER_PARENT_AGENT}: must be absent for role 'main'")
+        if role == P.ROLE_SUBAGENT and parent is None:
+            raise bad(f"header {P.HEADER_PARENT_AGENT}: required for role 'subagent'")
+        return Binding(run, rollout, task, group, agent, parent, role, hint(P.HEADER_CALL), hint(P.HEADER_ATTEMPT, 0))
+
+    def _sampling(self, call: ChatCall) -> SamplingParams:
+        n = int(call.prompt_ids.shape[0])
+        room = self.max_context - n
+        if room < 1:
+            raise bad(f"prompt is {n} tokens; the context limit is {self.max_context} tokens (prompt + max_tokens)",
+                      "messages")
+        mt = call.max_tokens
+        if mt is None:
+            mt = min(room, self.cfg.max_tokens_cap)
+        if mt > self.cfg.max_tokens_cap:
+            raise bad(f"max_tokens: {mt} exceeds this server's cap of {self.cfg.max_tokens_cap}", "max_tokens")
+        if n + mt > self.max_context:
+            raise bad(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the context limit of {self.max_context} "
+                      "tokens", "max_tokens")
+        seed = call.seed if call.seed is not None else secrets.randbelow(2**31)
+        return SamplingParams(max_tokens=mt, temperature=call.temperature, top_p=call.top_p, seed=seed,
+                              stop_ids=call.stop_ids)
+
+    # ---- the model-call endpoints ------------------------------------------------------
+    async def _chat(self, request):
+        return await self._serve(request, "openai.chat")
+
+    async def _completions(self, request):
+        return await self._serve(request, "openai.completions")
+
+    async def _messages(self, request):
+        return await self._serve(request, "anthropic.messages")
+
+    async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
+        t0 = time.time()
+        self.counters[f"requests{{api={api}}}"] += 1
+        keyed = self._authorize(request)
+        body = await self._json(request)
+        if api == "openai.chat":
+            call = O.parse_chat(body, self.tok)
+        elif api == "openai.completions":
+            call = O.parse_completion(body, self.tok, self.vocab_size)
+        else:
+            call = A.parse_messages(body, self.tok)
+        self._check_model(call.model)
+        binding = self._binding(request, keyed)
+        sampling = self._sampling(call)
+        if self._inflight >= self.cfg.max_concurrent_calls:
+            raise ApiError(503, f"over {self.cfg.max_concurrent_calls} concurrent calls; retry later", kind="overloaded_error")
+        if binding.call_index is None:
+            key = (binding.run_id, binding.rollout_id)
+            binding = dataclasses.replace(binding, call_index=self._next_call[key])
+            self._next_call[key] += 1
+        req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=call.prompt_ids, sampling=sampling,
+                              cache_key=f"{binding.run_id}/{binding.rollout_id}/{binding.agent_id}")
+        routed = self.router.start(req, affinity=f"{binding.run_id}/{binding.rollout_id}")
+        self._inflight += 1
+        self.counters["prompt_tokens"] += int(call.prompt_ids.shape[0])
+        try:
+            if call.stream:
+                return await self._stream(request, call, routed, binding, t0)
+            return await self._whole(call, routed, binding, t0)
+        except (EngineError, NoCellError) as e:
+            self.counters["engine_errors"] += 1
+            status = 503 if isinstance(e, NoCellError) else 500
+            raise ApiError(status, f"engine error: {e}", kind="api_error") from None
+        except RecordError as e:
+            raise ApiError(500, f"the call could not be recorded: {e}", kind="api_error") from None
+        except ValueError as e:  # the backend refused the request
+            raise bad(str(e)) from None
+        except asyncio.CancelledError:
+            self.counters["calls_unrecorded_client_gone"] += 1
+            raise
+        finally:
+            self._inflight -= 1
+
+    def _headers(self, call: ChatCall) -> dict[str, str]:
+        return {"X-Gyre-Ignored-Fields": ",".join(call.ignored)} if call.ignored else {}
+
+    async def _whole(self, call, routed, binding, t0) -> web.Response:
+        async with contextlib.aclosing(routed.__aiter__()) as events:
+            async for _ in events:
+                pass
+        await self._record(call, routed, binding, t0)
+        rid = f"{'msg' if call.api.startswith('anthropic') else 'gyre'}-{routed.request_id}"
+        if call.api == "openai.chat":
+            body = O.chat_response(call, self.tok, rid, routed.tokens, routed.logprobs, routed.finish)
+        elif call.api == "openai.completions":
+            body = O.completion_response(call, self.tok, rid, routed.tokens, routed.logprobs, routed.finish)
+        else:
+            body = A.message_response(call, self.tok, rid, routed.tokens, routed.finish)
+        return web.json_response(body, headers=self._headers(call))
+
+    async def _stream(self, request, call: ChatCall, routed, binding, t0) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self._headers(call)})
+        await resp.prepare(request)
+        anthropic = call.api.startswith("anthropic")
+        rid = f"{'msg' if anthropic else 'gyre'}-{routed.request_id}"
+
+        async def send(obj, event: str | None = None):
+            head = f"event: {event}\n" if event else ""
+            await resp.write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+
+        asm = AssistantStream(self.tok, parse_tools=call.parse_tools,
+                              stop_ids=None if call.parse_tools else call.stop_ids)
+        blocks = A.BlockBuilder()
+        n_calls = 0
+
+        async def emit(evs, token_ids=None):
+            nonlocal n_calls
+            if anthropic:
+                for name, obj in blocks.events(evs):
+                    await send(obj, name)
+                return
+            for kind, val in evs:
+                if call.api == "openai.completions":
+                    await send(O.completion_chunk(call, rid, val, None, token_ids))
+                    token_ids = None
+                elif kind == "text":
+                    await send(O.chat_chunk(call, rid, {"content": val}))
+                else:
+                    await send(O.chat_chunk(call, rid, O.tool_call_delta(n_calls, val)))
+                    n_calls += 1
+            if token_ids and call.api == "openai.completions":  # a stop id: no text, still report the id
+                await send(O.completion_chunk(call, rid, "", None, token_ids))
+
+        want_ids = bool(call.extras.get("return_token_ids"))
+        try:
+            if anthropic:
+                await send(A.message_start(call, rid), "message_start")
+            elif call.api == "openai.chat":
+                await send(O.chat_chunk(call, rid, {"role": "assistant", "content": ""}))
+            async with contextlib.aclosing(routed.__aiter__()) as events:
+                async for ev in events:
+                    await emit(asm.feed(ev.token_id), [ev.token_id] if want_ids else None)
+            await emit(asm.finish())
+            await self._record(call, routed, binding, t0)
+            n_out = len(routed.tokens)
+            if anthropic:
+                for name, obj in blocks.finish():
+                    await send(obj, name)
+                await send(A.message_delta(routed.finish, blocks.n_tool_calls, n_out), "message_delta")
+                await send({"type": "message_stop"}, "message_stop")
+            else:
+                fin = O.finish_reason(routed.finish, n_calls) if call.api == "openai.chat" else (
+                    "stop" if routed.finish == "stop" else "length")
+                if call.api == "openai.chat":
+                    await send(O.chat_chunk(call, rid, {}, fin))
+                else:
+                    await send(O.completion_chunk(call, rid, "", fin))
+                if call.extras.get("include_usage"):
+                    await send({"id": rid, "object": "chat.completion.chunk", "choices": [],
+                                "usage": O.usage(len(call.prompt_ids), n_out)})
+                await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionError, asyncio.CancelledError):
+            self.counters["calls_unrecorded_client_gone"] += 1
+            raise
+        except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
+            if not isinstance(e, (EngineError, NoCellError, RecordError, ApiError)):
+                log.exception("error while streaming %s", rid)
+            self.counters["stream_errors"] += 1
+            msg = e.message if isinstance(e, ApiError) else f"{type(e).__name__}: {e}"
+            err = ApiError(500, msg, kind="api_error")
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await send(A.error_body(err) if anthropic else O.error_body(err), "error" if anthropic else None)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+    async def _record(self, call: ChatCall, routed, binding: Binding, t0: float) -> None:
+        """Write the call's record once; raises (the call then fails) if the store refuses it."""
+        key = (binding.run_id, binding.rollout_id, binding.call_index)
+        if binding.attempt > 0 and key in self._recorded:
+            self.counters["retry_already_recorded"] += 1
+            return
+        fin = routed.finish
+        if fin == "stop" and call.parse_tools and self.tok.parse_assistant(routed.tokens)["tool_calls"]:
+            fin = "tool_calls"
+        rec = ModelCallRecord(
+            run_id=binding.run_id, rollout_id=binding.rollout_id, task_id=binding.task_id, group_id=binding.group_id,
+            agent_id=binding.agent_id, parent_agent_id=binding.parent_agent_id, role=binding.role,
+            call_index=binding.call_index, prompt_ids=call.prompt_ids, output_ids=np.asarray(routed.tokens, np.int32),
+            output_logprobs=np.asarray(routed.logprobs, np.float32), policy_version=int(routed.policy_version or 0),
+            t_start=t0, t_end=max(t0, time.time()), finish_reason=fin if fin in ("stop", "length", "tool_calls") else "abort")
+        fut = asyncio.get_running_loop().run_in_executor(self._writer, self.sink.append, rec)
+        try:
+            await asyncio.shield(fut)
+        except RecordError:
+            self.counters["record_errors"] += 1
+            raise
+        self._recorded.add(key)
+        self.counters["records_written"] += 1
+        self.counters["completion_tokens"] += len(routed.tokens)
+        self.counters["moves_kv"] += routed.moves_kv
+        self._lat.append(time.time() - t0)
+
+    # ---- small endpoints ---------------------------------------------------------------
+    async def _count_tokens(self, request):
+        self._authorize(request)
+        return web.json_response(A.count_tokens(await self._json(request), self.tok))
+
+    async def _models(self, request):
+        self._authorize(request)
+        m = self.cfg.model_name
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "type": "model",
+                                                              "owned_by": "gyre", "display_name": m,
+                                                              "created": 0, "created_at": "1970-01-01T00:00:00Z"}],
+                                  "has_more": False, "first_id": m, "last_id": m})
+
+    async def _health(self, request):
+        return web.json_response({"status": "ok", "cells": {n: n in self.router.admitting() for n in self.router.cells},
+                                  "inflight": self._inflight})
+
+    async def _metrics(self, request):
+        lines = []
+
+        def put(name, value):  # "name{k=v,k2=v2}" -> Prometheus text with quoted label values
+            base, _, labels = name.partition("{")
+            pairs = [p.split("=", 1) for p in labels.rstrip("}").split(",") if "=" in p]
+            lab = ",".join(f'{k}="{v}"' for k, v in pairs)
+            lines.append(f"gyre_{base}{'{' + lab + '}' if lab else ''} {value}")
+
+        for k, v in sorted(self.counters.items()):
+            put(k, v)
+        put("inflight_calls", self._inflight)
+        if self._lat:
+            lat = np.asarray(self._lat)
+            put("call_latency_seconds{quantile=0.5}", float(np.percentile(lat, 50)))
+            put("call_latency_seconds{quantile=0.99}", float(np.percentile(lat, 99)))
+        for k, v in sorted(self.router.stats().items()):
+            put(f"router_{k}", v)
+        for name, b in sorted(self.router.cells.items()):
+            for k, v in sorted(b.stats().items()):
+                put(f"cell_{k}{{cell={name}}}", v)
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

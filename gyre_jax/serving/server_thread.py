@@ -1,0 +1,64 @@
+"""Run the proxy (and its engines) on an event loop in a background thread.
+
+For synchronous callers (a launcher job, tests, notebooks): the server keeps its
+own loop, clients talk to it over loopback HTTP like any other harness, and
+``run`` executes a coroutine on the server's loop (e.g. ``router.drain``).
+
+    st = ServerThread(build)          # build: async () -> Proxy (runs on the loop)
+    url = st.start()                  # "http://127.0.0.1:PORT"
+    st.run(st.proxy.router.drain("cell0"))
+    st.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Awaitable, Callable
+
+
+class ServerThread:
+    def __init__(self, build: Callable[[], Awaitable]):
+        self._build = build
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.proxy = None
+        self.url: str | None = None
+
+    def start(self, timeout: float = 300.0) -> str:
+        self._thread = threading.Thread(target=self._main, name="gyre-proxy", daemon=True)
+        self._thread.start()
+        self.url = self._ready.result(timeout)
+        return self.url
+
+    def _main(self):
+        asyncio.run(self._serve())
+
+    async def _serve(self):
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            self.proxy = await self._build()
+            url = await self.proxy.start()
+        except BaseException as e:  # noqa: BLE001 - report start-up failures to start()
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(url)
+        await self._stop.wait()
+        await self.proxy.stop()
+        await self.proxy.router.close()
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,245 @@
+"""Tokenizers and the chat template the proxy renders prompts with.
+
+Built in (offline, no files): ``ByteTokenizer``. Ids 0..255 are the UTF-8 bytes,
+then special tokens (``SPECIAL_TOKENS``). Chat turns are rendered as *token ids*,
+never as text that is re-parsed, so a user or tool message that happens to
+contain the text "<|im_end|>" stays plain bytes and cannot inject a turn break::
+
+    <|bos|>
+    <|im_start|>system\\n ...content... [<|tools|>[json tool specs]<|/tools|>] <|im_end|>\\n
+    <|im_start|>user\\n ...content... <|im_end|>\\n
+    <|im_start|>assistant\\n ...text... <|tool_call|>{"name":..,"arguments":{..},"id":..}<|/tool_call|> <|im_end|>\\n
+    <|im_start|>tool\\n<|tool_result|>call id<|/tool_result|>...result text... <|im_end|>\\n
+    <|im_start|>assistant\\n          <- generation prompt
+
+The model ends its turn with ``<|im_end|>`` (stop token; ``<|eos|>`` stops too).
+``parse_assistant`` turns generated ids back into text and tool calls; rendering
+that parsed message again gives the same ids (for well-formed tool calls), so a
+multi-turn prompt re-uses the previous turn's tokens exactly (prefix cache hits).
+
+User-supplied tokenizer files: ``load_tokenizer("hf:path/tokenizer.json")``,
+``"sentencepiece:path/x.model"`` or ``"tiktoken:path/x.tiktoken"``. Each needs its
+package (``tokenizers``, ``sentencepiece``, ``tiktoken``) and is imported only when
+asked for; a missing package raises ImportError naming it. Those wrap the file's
+byte-pair vocabulary with the same token-level chat template, using the file's
+own special tokens where it defines them (see ``FileTokenizer``).
+"""
+from __future__ import annotations
+
+import abc
+import json
+from typing import Any, Sequence
+
+SPECIAL_TOKENS = (
+    "<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>",
+    "<|tool_call|>", "<|/tool_call|>", "<|tools|>", "<|/tools|>", "<|tool_result|>", "<|/tool_result|>",
+)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class Tokenizer(abc.ABC):
+    """What the proxy needs from a tokenizer: text <-> ids plus the chat template."""
+
+    vocab_size: int
+    special: dict[str, int]  # name ("<|im_end|>", ...) -> id
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids; special-token text is NOT interpreted."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids to text; special tokens are dropped, undecodable bytes replaced."""
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.special["<|im_end|>"], self.special["<|eos|>"])
+
+    @property
+    def bos_id(self) -> int:
+        return self.special["<|bos|>"]
+
+    def _tok(self, name: str) -> list[int]:
+        return [self.special[name]]
+
+    # ---- chat template (token level) -----------------------------------
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    *, add_generation_prompt: bool = True) -> list[int]:
+        """Render normalized messages (see module docstring) to prompt ids.
+
+        A message is ``{"role", "content": str, "tool_calls": [{"id","name",
+        "arguments": dict}], "tool_call_id"}``; the API layers convert OpenAI and
+        Anthropic shapes into this one. Raises ValueError naming the bad message.
+        """
+        ids = self._tok("<|bos|>")
+        msgs = list(messages)
+        if tools:
+            if not msgs or msgs[0].get("role") != "system":
+                msgs.insert(0, {"role": "system", "content": ""})
+        for i, m in enumerate(msgs):
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role: {role!r} is not one of {CHAT_ROLES}")
+            content = m.get("content") or ""
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content must be text after normalization, got {type(content).__name__}")
+            ids += self._tok("<|im_start|>") + self.encode(role + "\n")
+            if role == "tool":
+                ids += self._tok("<|tool_result|>") + self.encode(str(m.get("tool_call_id") or ""))
+                ids += self._tok("<|/tool_result|>")
+            ids += self.encode(content)
+            if role == "system" and i == 0 and tools:
+                ids += self._tok("<|tools|>") + self.encode(_dumps(list(tools))) + self._tok("<|/tools|>")
+            for tc in m.get("tool_calls") or ():
+                ids += self.render_tool_call(tc)
+            ids += self._tok("<|im_end|>") + self.encode("\n")
+        if add_generation_prompt:
+            ids += self._tok("<|im_start|>") + self.encode("assistant\n")
+        return ids
+
+    def render_tool_call(self, tc: dict) -> list[int]:
+        body = {"name": tc["name"], "arguments": tc.get("arguments") or {}}
+        if tc.get("id"):
+            body["id"] = tc["id"]
+        return self._tok("<|tool_call|>") + self.encode(_dumps(body)) + self._tok("<|/tool_call|>")
+
+    def parse_assistant(self, ids: Sequence[int]) -> dict[str, Any]:
+        """Generated ids -> ``{"content": str, "tool_calls": [...], "stopped": bool}``.
+
+        Stops at the first stop id. A tool-call span whose body is not a JSON
+        object with a string "name" is kept as text (the harness sees what the
+        model wrote; nothing is dropped).
+        """
+        open_id, close_id = self.special["<|tool_call|>"], self.special["<|/tool_call|>"]
+        stop = set(self.stop_ids)
+        runs: list[list[int]] = []  # text runs, decoded separately (a tool call splits them)
+        cur: list[int] = []
+        calls: list[dict] = []
+        span: list[int] | None = None
+        stopped = False
+        for t in ids:
+            t = int(t)
+            if t in stop:
+                stopped = True
+                break
+            if t == open_id and span is None:
+                runs.append(cur)
+                cur, span = [], []
+            elif t == close_id and span is not None:
+                call = _parse_call(self.decode(span))
+                if call is None:
+                    cur += span
+                else:
+                    call.setdefault("id", f"call_{len(calls)}")
+                    calls.append(call)
+                span = None
+            elif span is not None:
+                span.append(t)
+            else:
+                cur.append(t)
+        if span is not None:  # unterminated tool call: keep its text
+            cur += span
+        runs.append(cur)
+        return {"content": "".join(self.decode(r) for r in runs), "tool_calls": calls, "stopped": stopped}
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+
+
+def _parse_call(text: str) -> dict | None:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        return None
+    args = body.get("arguments", {})
+    if not isinstance(args, dict):
+        return None
+    out = {"name": body["name"], "arguments": args}
+    if isinstance(body.get("id"), str) and body["id"]:
+        out["id"] = body["id"]
+    return out
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes (ids 0..255) plus ``SPECIAL_TOKENS`` (ids 256..)."""
+
+    def __init__(self):
+        self.special = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.vocab_size = 256 + len(SPECIAL_TOKENS)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """Raw bytes, for streaming: the caller joins partial UTF-8 sequences."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256)
+
+
+class FileTokenizer(Tokenizer):
+    """A user-supplied BPE vocabulary with the same token-level chat template.
+
+    Special tokens the file defines (by exact name, e.g. Qwen's "<|im_start|>")
+    are used as they are; the others get fresh ids after the file's vocabulary,
+    so the model's vocab_size must be at least ``vocab_size``.
+    """
+
+    def __init__(self, *, encode_fn, decode_fn, base_vocab: int, known_special: dict[str, int]):
+        self._encode, self._decode = encode_fn, decode_fn
+        self.special = {}
+        nxt = base_vocab
+        for name in SPECIAL_TOKENS:
+            if name in known_special:
+                self.special[name] = int(known_special[name])
+            else:
+                self.special[name] = nxt
+                nxt += 1
+        self.vocab_size = nxt
+        self._special_ids = set(self.special.values())
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self._encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._decode([int(i) for i in ids if int(i) not in self._special_ids])
+
+
+def _require(module: str, package: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"this tokenizer file needs the {package!r} package: pip install {package}") from None
+
+
+def load_tokenizer(spec: str = "byte") -> Tokenizer:
+    """``"byte"`` (built in) or ``"<kind>:<path>"`` with kind hf | sentencepiece | tiktoken."""
+    if spec == "byte":
+        return ByteTokenizer()
+    kind, sep, path = spec.partition(":")
+    if not sep or not path:
+        raise ValueError(f"tokenizer spec {spec!r}: expected 'byte' or '<hf|sentencepiece|tiktoken>:<path>'")
+    if kind == "hf":
+        tk = _require("tokenizers", "tokenizers").Tokenizer.from_file(path)
+        known = {n: tk.token_to_id(n) for n in SPECIAL_TOKENS if tk.token_to_id(n) is not None}
+        return FileTokenizer(encode_fn=lambda s: tk.encode(s, add_special_tokens=False).ids,
+                             decode_fn=lambda ids: tk.decode(ids), base_vocab=tk.get_vocab_size(), known_special=known)
+    if kind == "sentencepiece":
+        sp = _require("sentencepiece", "sentencepiece").SentencePieceProcessor(model_file=path)
+        known = {n: sp.piece_to_id(n) for n in SPECIAL_TOKENS if sp.piece_to_id(n) != sp.unk_id()}
+        return FileTokenizer(encode_fn=sp.encode, decode_fn=sp.decode, base_vocab=sp.get_piece_size(), known_special=known)
+    if kind == "tiktoken":
+        tiktoken = _require("tiktoken", "tiktoken")
+        load = _require("tiktoken.load", "tiktoken").load_tiktoken_bpe
+        ranks = load(path)
+        enc = tiktoken.Encoding(name=path, pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\w+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""",
+                                mergeable_ranks=ranks, special_tokens={})
+        return FileTokenizer(encode_fn=lambda s: enc.encode(s, disallowed_special=()), decode_fn=enc.decode,
+                             base_vocab=enc.n_vocab, known_special={})
+    raise ValueError(f"tokenizer spec {spec!r}: unknown kind {kind!r}; known: byte, hf, sentencepiece, tiktoken")
