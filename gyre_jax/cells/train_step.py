@@ -1,0 +1,279 @@
+"""The pure jitted steps: grad_step on any cell, apply_update and train_step on the core.
+
+Contract for a micro-batch: a dict of [b, L] arrays (``MICRO_BATCH_KEYS``, the
+device-side fields of ``PackedRows``) whose ``loss_weights`` are already
+normalized over the global step, so the step's loss and gradient are plain sums
+over its micro-batches (docs/design.md, invariant 3). A ``loss_fn(params,
+micro_batch) -> (loss, stats)`` returns such a sum for one micro-batch; every
+value in ``stats`` must be additive over micro-batches too.
+
+Reduction order is part of the contract: gradients of a step are summed in
+micro-batch index order (``acc = g0; acc = acc + g1; ...``), both in
+``train_step`` (scan) and in the elastic runner, so the result does not depend
+on which cell computed which micro-batch.
+
+``CellSteps`` builds every jitted function once per mesh and keeps it, so adding
+or removing cells never recompiles a layout it has seen.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gyre_jax.cells.sharding import RULES, batch_sharding
+from gyre_jax.cells.train_state import StateSpec, TrainState
+
+MICRO_BATCH_KEYS = (
+    "tokens",
+    "targets",
+    "loss_mask",
+    "behavior_logprobs",
+    "positions",
+    "segment_ids",
+    "subtree_end",
+    "target_version",
+    "loss_weights",
+    "advantages",
+)
+
+LossFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def device_micro_batch(rows: Mapping[str, Any], *, where: str = "micro-batch") -> dict[str, np.ndarray]:
+    """The device-side fields of a packed micro-batch (PackedRows or its dict), checked."""
+    d = rows.as_dict() if hasattr(rows, "as_dict") else rows
+    missing = [k for k in MICRO_BATCH_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing fields {missing}")
+    out = {k: np.asarray(d[k]) for k in MICRO_BATCH_KEYS}
+    shape = out["tokens"].shape
+    if len(shape) != 2:
+        raise ValueError(f"{where}: tokens must be [B, L], got shape {shape}")
+    for k, v in out.items():
+        if v.shape != shape:
+            raise ValueError(f"{where}: {k} has shape {v.shape}, tokens has {shape}")
+    return out
+
+
+def staleness(target_version_BxL, loss_mask_BxL, version, xp=np):
+    """(mean, max) over trained tokens of ``version - target_version``; (0, 0) if none.
+
+    Works on numpy (host) or jax.numpy (inside a step) via ``xp``.
+    """
+    mask = loss_mask_BxL.astype(bool)
+    lag = (version - target_version_BxL).astype(xp.float32)
+    n = mask.sum()
+    mean = xp.where(mask, lag, 0.0).sum() / xp.maximum(n, 1)
+    mx = xp.max(xp.where(mask, lag, -xp.inf))
+    return mean, xp.where(n > 0, mx, 0.0)
+
+
+def check_versions(mb: Mapping[str, np.ndarray], version: int, *, where: str) -> None:
+    """Trained tokens need a behavior version, and none may come from a future policy."""
+    tv = mb["target_version"][mb["loss_mask"].astype(bool)]
+    if tv.size and tv.min() < 0:
+        raise ValueError(f"{where}: a trained token has target_version {int(tv.min())} (no behavior policy)")
+    if tv.size and tv.max() > version:
+        raise ValueError(
+            f"{where}: a trained token was sampled by policy version {int(tv.max())}, "
+            f"newer than the version being trained ({version})"
+        )
+
+
+_REDUCE_OPS = {"sum": (jnp.add, np.add), "min": (jnp.minimum, np.minimum), "max": (jnp.maximum, np.maximum)}
+
+
+_IDENTITY = {"sum": 0.0, "min": np.inf, "max": -np.inf}
+
+
+def stat_reduction(key: str, reductions: Mapping[str, str] | None) -> str:
+    how = "sum" if reductions is None else reductions.get(key)
+    if how not in _REDUCE_OPS:
+        raise KeyError(f"no reduction (sum/min/max) for stat {key!r}; got {how!r}")
+    return how
+
+
+def combine_stats(a: Mapping, b: Mapping, reductions: Mapping[str, str] | None, *, host: bool = False) -> dict:
+    """Merge two micro-batches' stats; ``reductions[k]`` in sum/min/max (None: all sum)."""
+    if a.keys() != b.keys():
+        raise ValueError(f"combine_stats: different stat keys {sorted(a)} vs {sorted(b)}")
+    return {k: _REDUCE_OPS[stat_reduction(k, reductions)][int(host)](a[k], b[k]) for k in a}
+
+
+def make_grad_fn(loss_fn: LossFn):
+    """(params, micro_batch) -> (grads, stats) with stats['loss'] the micro-batch loss."""
+
+    def grad_fn(params, mb):
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        return grads, {**stats, "loss": loss}
+
+    return grad_fn
+
+
+def apply_grads(tx: optax.GradientTransformation, schedule, state: TrainState, grads):
+    """One optimizer update with the step's summed gradient (clipping sees the whole step)."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new = TrainState(
+        step=state.step + 1,
+        policy_version=state.policy_version + 1,
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+    )
+    metrics = {
+        "grad_norm": optax.tree.norm(grads),
+        "update_norm": optax.tree.norm(updates),
+        "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
+    }
+    return new, metrics
+
+
+class CellSteps:
+    """Jitted steps for one model + loss + optimizer, built once per mesh and cached.
+
+    ``grad_step(mesh)`` runs on any cell in the training layout;
+    ``apply_update(mesh)``, ``accumulate(mesh)`` and ``train_step(mesh)`` run on
+    the core. ``compiled()`` says how many executables each one holds.
+    """
+
+    def __init__(
+        self,
+        spec: StateSpec,
+        loss_fn: LossFn,
+        schedule: optax.Schedule,
+        *,
+        reductions: Mapping[str, str] | None = None,
+        rules=RULES,
+    ):
+        self.spec = spec
+        self.reductions = reductions  # how each stat combines over micro-batches (None: all sum)
+        self.loss_fn = loss_fn
+        self.grad_fn = make_grad_fn(loss_fn)
+        self.schedule = schedule
+        self.rules = rules
+        self._cache: dict[tuple[str, Mesh], Any] = {}
+        self._lock = threading.RLock()  # cells build their steps from their own threads
+
+    def _get(self, kind: str, mesh: Mesh, build):
+        key = (kind, mesh)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = build()
+            return self._cache[key]
+
+    def param_shardings(self, mesh: Mesh):
+        return self._get("param_shardings", mesh, lambda: self.spec.param_shardings(mesh, rules=self.rules))
+
+    def state_shardings(self, mesh: Mesh) -> TrainState:
+        return self._get("state_shardings", mesh, lambda: self.spec.state_shardings(mesh, rules=self.rules))
+
+    def batch_sharding(self, mesh: Mesh) -> NamedSharding:
+        return batch_sharding(mesh, rules=self.rules)
+
+    def grad_step(self, mesh: Mesh):
+        """Jitted (params, micro_batch) -> (grads, stats): grads in this mesh's param layout."""
+
+        def build():
+            ps = self.param_shardings(mesh)
+            rep = NamedSharding(mesh, PartitionSpec())
+            return jax.jit(
+                self.grad_fn, in_shardings=(ps, self.batch_sharding(mesh)), out_shardings=(ps, rep)
+            )
+
+        return self._get("grad_step", mesh, build)
+
+    def accumulate(self, mesh: Mesh):
+        """Jitted acc + grads (acc donated): the one reduction used for every step."""
+
+        def build():
+            ps = self.param_shardings(mesh)
+            return jax.jit(
+                lambda acc, g: jax.tree.map(jnp.add, acc, g),
+                in_shardings=(ps, ps),
+                out_shardings=ps,
+                donate_argnums=0,
+            )
+
+        return self._get("accumulate", mesh, build)
+
+    def apply_update(self, mesh: Mesh):
+        """Jitted (state, grads) -> (state, metrics), state donated."""
+
+        def build():
+            ss = self.state_shardings(mesh)
+            rep = NamedSharding(mesh, PartitionSpec())
+            return jax.jit(
+                lambda s, g: apply_grads(self.spec.tx, self.schedule, s, g),
+                in_shardings=(ss, self.param_shardings(mesh)),
+                out_shardings=(ss, rep),
+                donate_argnums=0,  # grads cannot alias: params and moments already take the outputs
+            )
+
+        return self._get("apply_update", mesh, build)
+
+    def train_step(self, mesh: Mesh):
+        """Jitted train_step(state, batch) -> (state, metrics) on one cell.
+
+        ``batch``: dict of [M, b, L] arrays, M micro-batches summed in index order
+        (scan), the same reduction the elastic runner does across cells.
+        """
+
+        def step(state: TrainState, batch):
+            # One grad_fn in the HLO (inside the scan): zero-initialised accumulators,
+            # 0 + g0 == g0, so the sums match the elastic reducer's acc = g0 + g1 + ...
+            first = jax.tree.map(lambda x: x[0], batch)
+            _, stats_shape = jax.eval_shape(self.grad_fn, state.params, first)
+            acc0 = jax.tree.map(jnp.zeros_like, state.params)
+            stats0 = {k: jnp.full(v.shape, _IDENTITY[stat_reduction(k, self.reductions)], v.dtype) for k, v in stats_shape.items()}
+
+            def body(carry, mb):
+                acc, stats = carry
+                g, s = self.grad_fn(state.params, mb)
+                return (jax.tree.map(jnp.add, acc, g), combine_stats(stats, s, self.reductions)), None
+
+            (grads, stats), _ = jax.lax.scan(body, (acc0, stats0), batch)
+            st_mean, st_max = staleness(batch["target_version"], batch["loss_mask"], state.policy_version, xp=jnp)
+            new, metrics = apply_grads(self.spec.tx, self.schedule, state, grads)
+            return new, {**stats, **metrics, "staleness_mean": st_mean, "staleness_max": st_max}
+
+        def build():
+            ss = self.state_shardings(mesh)
+            b = self.batch_sharding(mesh)
+            stacked = NamedSharding(mesh, PartitionSpec(None, *b.spec))
+            rep = NamedSharding(mesh, PartitionSpec())
+            return jax.jit(step, in_shardings=(ss, stacked), out_shardings=(ss, rep), donate_argnums=0)
+
+        return self._get("train_step", mesh, build)
+
+    def warm(self, mesh: Mesh, micro_batch: Mapping[str, Any], *, core: bool = False) -> None:
+        """Compile this mesh's steps now (e.g. while a cell drains, before it joins training).
+
+        Runs grad_step once on zero params (and, with ``core``, accumulate and
+        apply_update on a throwaway zero state), so a later call finds the
+        executable in the jit cache. Safe to call from several threads at once.
+        """
+        mb = jax.device_put(device_micro_batch(micro_batch, where="warm"), self.batch_sharding(mesh))
+        zeros = self._get("zeros", mesh, lambda: jax.jit(
+            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.spec.abstract_params),
+            out_shardings=self.param_shardings(mesh),
+        ))
+        grads, stats = self.grad_step(mesh)(zeros(), mb)
+        if core:
+            grads = self.accumulate(mesh)(grads, zeros())
+            state = self.spec.state_from_params(zeros(), mesh, rules=self.rules)
+            stats = self.apply_update(mesh)(state, grads)
+        jax.block_until_ready(stats)
+
+    def compiled(self) -> dict[tuple[str, int], int]:
+        """(kind, id of first device of the mesh) -> executables held by that jitted function."""
+        return {
+            (kind, int(mesh.devices.flat[0].id)): fn._cache_size()
+            for (kind, mesh), fn in self._cache.items()
+            if hasattr(fn, "_cache_size")
+        }

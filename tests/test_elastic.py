@@ -1,0 +1,372 @@
+"""Dynamic data parallelism: the same step whoever computes it, and when satellites join.
+
+One step (12 micro-batches of packed trees, weights normalized over the step)
+is computed by the core alone, by the core with 1-3 satellites joining after
+the core has finished k micro-batches (driven by events, no sleeps), by the
+single-cell jitted ``train_step``, and by an independent single-device
+full-batch reference (one value_and_grad over all rows + the same optax
+update). New params and loss must agree.
+"""
+import concurrent.futures
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gyre_jax import cells
+from gyre_jax.cells.loss import policy_loss_fn
+from gyre_jax.losses import METRIC_REDUCTIONS, PolicyLossConfig, loss_from_logits
+from gyre_jax.model import Transformer, init_boxed, init_params, model_config_tiny, param_logical_axes
+from gyre_jax.trajectory.node import TreeNode
+from gyre_jax.trajectory.serialize import pack_rows, serialize_tree
+
+M, B, L = 12, 2, 32  # micro-batches per step, rows per micro-batch, row length
+VERSION = 3  # policy version being trained; rollouts come from versions 1..3
+WAIT_S = 120  # deadlock guard for the pacing events (never reached when correct)
+
+MODEL = model_config_tiny()
+OPT = cells.OptimizerConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+LOSS = PolicyLossConfig()
+
+
+def _tree(rng, version):
+    """A prompt with two trainable branches (a retry), vocab ids in 1..127."""
+
+    def span(n, trainable):
+        toks = rng.integers(1, MODEL.vocab_size, n)
+        lp = np.log(1.0 / MODEL.vocab_size) + 0.05 * rng.standard_normal(n)
+        return TreeNode.span(toks, trainable=trainable, logprobs=lp.astype(np.float32), policy_version=version)
+
+    root = span(4, False)
+    root.children = [span(int(rng.integers(3, 7)), True), span(int(rng.integers(2, 5)), True)]
+    return serialize_tree(root)
+
+
+def make_step_batches(seed=0):
+    """M micro-batches of [B, L]; weights w = 1 / (N_r * R) (design counting rule), sum 1 over the step."""
+    rng = np.random.default_rng(seed)
+    rows = [[_tree(rng, int(rng.integers(1, VERSION + 1))) for _ in range(2)] for _ in range(M * B)]
+    packed = pack_rows(rows, L)
+    n_rollouts = 2 * M * B
+    adv = rng.standard_normal(n_rollouts).astype(np.float32)
+    for r, trees in enumerate(rows):
+        for s, t in enumerate(trees):
+            seg = packed.segment_ids[r] == s + 1
+            on = seg & packed.loss_mask[r]
+            packed.loss_weights[r, on] = 1.0 / (t.num_trainable * n_rollouts)
+            packed.advantages[r, seg] = adv[2 * r + s]
+    d = packed.as_dict()
+    return [{k: v[i * B : (i + 1) * B] for k, v in d.items()} for i in range(M)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """Cells, steps and the step's micro-batches; every executable compiled up front, in parallel."""
+    cs = cells.split_cells(cells.CellConfig(cell_size=2))
+    spec = cells.StateSpec.create(functools.partial(init_boxed, MODEL), cells.make_optimizer(OPT, param_logical_axes(MODEL)))
+    steps = cells.CellSteps(spec, policy_loss_fn(MODEL, LOSS), cells.make_schedule(OPT), reductions=METRIC_REDUCTIONS)
+    mbs = make_step_batches()
+    params0 = init_params(MODEL, jax.random.key(0))
+    with concurrent.futures.ThreadPoolExecutor(len(cs) + 2) as pool:
+        futs = [pool.submit(steps.warm, c.train_mesh, mbs[0], core=c is cs[0]) for c in cs]
+        futs.append(pool.submit(lambda: jax.block_until_ready(single_cell_step(steps, spec, cs, params0, mbs))))
+        futs.append(pool.submit(reference_step, params0, mbs))
+        results = [f.result() for f in futs]
+    return dict(cells=cs, spec=spec, steps=steps, mbs=mbs, params0=params0, train_step=results[-2], reference=results[-1])
+
+
+def single_cell_step(steps, spec, cs, params0, mbs):
+    """The jitted train_step on the core cell alone, micro-batches stacked [M, B, L]."""
+    state = spec.state_from_params(params0, cs[0].train_mesh, initial_version=VERSION)
+    batch = {k: np.stack([m[k] for m in mbs]) for k in mbs[0]}
+    return steps.train_step(cs[0].train_mesh)(state, batch)
+
+
+def reference_step(params0, mbs):
+    """Independent: one device, full batch, plain value_and_grad + the same optax update."""
+    full = {k: np.concatenate([m[k] for m in mbs]) for k in mbs[0]}
+    tx = cells.make_optimizer(OPT, param_logical_axes(MODEL))
+
+    def loss_fn(p, batch):
+        logits = Transformer(MODEL).apply(p, batch["tokens"], batch["positions"], batch["segment_ids"], batch["subtree_end"])
+        return loss_from_logits(logits, batch, LOSS)[0]
+
+    @jax.jit
+    def ref(p, batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        u, _ = tx.update(g, tx.init(p), p)
+        return loss, jax.tree.map(jnp.add, p, u)
+
+    dev = jax.devices()[0]
+    loss, params = ref(jax.device_put(params0, dev), jax.device_put(full, dev))
+    return float(loss), jax.device_get(params)
+
+
+def fresh_trainer(setup):
+    cs, spec = setup["cells"], setup["spec"]
+    state = spec.state_from_params(setup["params0"], cs[0].train_mesh, initial_version=VERSION)
+    return cells.ElasticTrainer(setup["steps"], cs[0], state)
+
+
+def run_with_joins(trainer, mbs, joins):
+    """Run one step; satellite ``cell`` joins once the core has finished ``k`` micro-batches.
+
+    Pacing (events only): after satellite s is due, the core waits at its next
+    pull until s has pulled once, and a satellite waits at its second pull until
+    every satellite has pulled once, so every joined satellite gets work.
+    """
+    lock = threading.Lock()
+    core_done = [0]
+    due = {c.index: threading.Event() for c, _ in joins}
+    pulled = {c.index: threading.Event() for c, _ in joins}
+    n_pulls = {c.index: 0 for c, _ in joins}
+
+    def mark_due():
+        for c, k in joins:
+            if core_done[0] >= k:
+                due[c.index].set()
+
+    def on_done(cell, i):
+        if cell == 0:
+            with lock:
+                core_done[0] += 1
+            mark_due()
+
+    def on_pull(cell, i):
+        if cell == 0:
+            waits = [c.index for c, _ in joins if due[c.index].is_set()]
+        else:
+            with lock:
+                n_pulls[cell] += 1
+                first = n_pulls[cell] == 1
+            pulled[cell].set()
+            waits = [] if first else [c.index for c, _ in joins]
+        for w in waits:
+            assert pulled[w].wait(WAIT_S), f"pacing: satellite {w} never pulled"
+
+    mark_due()
+    step = trainer.start_step(mbs, on_pull=on_pull, on_done=on_done)
+    for c, _ in sorted(joins, key=lambda ck: ck[1]):
+        assert due[c.index].wait(WAIT_S), f"pacing: core never finished enough micro-batches for {c}"
+        assert step.join(c), f"{c} found the queue empty"
+    return step.wait()
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def param_scale(p):
+    return max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(p))
+
+
+@pytest.fixture(scope="module")
+def core_alone(setup):
+    tr = fresh_trainer(setup)
+    rep = tr.run_step(setup["mbs"])
+    return rep, jax.device_get(tr.state.params)
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    return setup["reference"]
+
+
+def test_core_alone_matches_single_device_reference(core_alone, reference):
+    rep, params = core_alone
+    ref_loss, ref_params = reference
+    assert rep.cell_of == (0,) * M
+    assert rep.version == VERSION
+    assert max_diff(params, ref_params) <= 1e-6 * param_scale(ref_params)
+    assert rep.loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    assert rep.stats["weight_sum"] == pytest.approx(1.0, rel=1e-5)
+    assert rep.grad_norm > 0 and rep.update_norm > 0
+
+
+@pytest.mark.parametrize(
+    "joins",
+    [((1, 2),), ((1, 0), (2, 3)), ((1, 1), (2, 1), (3, 2))],
+    ids=["1sat@2", "2sat@0,3", "3sat@1,1,2"],
+)
+def test_satellites_joining_mid_step_give_the_same_step(setup, core_alone, reference, joins):
+    cs, mbs = setup["cells"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    rep = run_with_joins(tr, mbs, [(cs[i], k) for i, k in joins])
+    params = jax.device_get(tr.state.params)
+    base_rep, base_params = core_alone
+    # Ordered reduction: the same bits whichever cell computed what (stricter than the
+    # 1e-6 relative bound; same executable on every cell, same summation order).
+    assert max_diff(params, base_params) == 0.0
+    assert rep.loss == base_rep.loss
+    assert max_diff(params, reference[1]) <= 1e-6 * param_scale(reference[1])
+    # Every satellite really computed something, every micro-batch exactly once.
+    assert sorted(set(rep.cell_of)) == [0] + sorted(i for i, _ in joins)
+    assert all(c >= 0 for c in rep.cell_of) and len(rep.cell_of) == M
+    assert sorted(s.cell_index for s in rep.snapshots) == sorted(i for i, _ in joins)
+    for s in rep.snapshots:
+        assert s.bytes == cells.tree_bytes(base_params) and s.seconds > 0 and s.version == VERSION
+    # New params on the core, laid out by the rules.
+    jax.tree.map(_assert_sharding, tr.state.params, setup["steps"].param_shardings(cs[0].train_mesh))
+    assert tr.version == VERSION + 1
+
+
+def test_single_cell_train_step_matches(setup, core_alone, reference):
+    cs, spec = setup["cells"], setup["spec"]
+    new, metrics = setup["train_step"]
+    params = jax.device_get(new.params)
+    assert max_diff(params, reference[1]) <= 1e-6 * param_scale(reference[1])
+    assert float(metrics["loss"]) == pytest.approx(core_alone[0].loss, rel=1e-5)
+    assert int(new.policy_version) == VERSION + 1 and int(new.step) == 1
+    assert float(metrics["staleness_mean"]) == pytest.approx(core_alone[0].staleness_mean, rel=1e-6)
+    assert float(metrics["staleness_max"]) == core_alone[0].staleness_max
+    jax.tree.map(_assert_sharding, new, spec.state_shardings(cs[0].train_mesh))
+
+
+def _assert_sharding(x, s):
+    assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
+
+
+def test_staleness_metrics(core_alone, setup):
+    mbs = setup["mbs"]
+    tv = np.concatenate([m["target_version"].ravel() for m in mbs])
+    lm = np.concatenate([m["loss_mask"].ravel() for m in mbs])
+    lag = VERSION - tv[lm]
+    rep = core_alone[0]
+    assert rep.staleness_mean == pytest.approx(lag.mean(), rel=1e-6)
+    assert rep.staleness_max == lag.max() == 2
+
+
+def test_bad_versions_and_shapes_are_refused(setup):
+    mbs = setup["mbs"]
+    tr = fresh_trainer(setup)
+    future = [dict(m) for m in mbs]
+    future[5] = {**mbs[5], "target_version": np.where(mbs[5]["loss_mask"], VERSION + 1, -1)}
+    with pytest.raises(ValueError, match="micro-batch 5: .*sampled by policy version 4, newer"):
+        tr.start_step(future)
+    unversioned = [dict(m) for m in mbs]
+    unversioned[2] = {**mbs[2], "target_version": np.full_like(mbs[2]["target_version"], -1)}
+    with pytest.raises(ValueError, match="micro-batch 2: a trained token has target_version -1"):
+        tr.start_step(unversioned)
+    short = [dict(m) for m in mbs]
+    short[1] = {k: v[:, : L // 2] for k, v in mbs[1].items()}
+    with pytest.raises(ValueError, match="micro-batch 1: shapes/dtypes differ"):
+        tr.start_step(short)
+    missing = [{k: v for k, v in m.items() if k != "advantages"} for m in mbs]
+    with pytest.raises(ValueError, match="micro-batch 0: missing fields \\['advantages'\\]"):
+        tr.start_step(missing)
+    with pytest.raises(ValueError, match="no micro-batches"):
+        tr.start_step([])
+
+
+def test_a_failing_cell_fails_the_step_and_leaves_the_state(setup, core_alone):
+    cs, mbs = setup["cells"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    before = jax.device_get(tr.state.params)
+
+    def on_pull(cell, i):
+        if i == 3:
+            raise RuntimeError("cell lost at micro-batch 3")
+
+    step = tr.start_step(mbs, on_pull=on_pull)
+    with pytest.raises(RuntimeError, match="cell lost at micro-batch 3"):
+        step.wait()
+    assert tr.version == VERSION
+    assert max_diff(jax.device_get(tr.state.params), before) == 0.0
+    rep = tr.run_step(mbs)  # the trainer is usable again, same result as before
+    assert rep.loss == core_alone[0].loss
+
+
+def test_join_errors(setup):
+    cs, mbs = setup["cells"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    checked = threading.Event()  # the core holds its first micro-batch until the checks are done
+    step = tr.start_step(mbs, on_pull=lambda cell, i: checked.wait(WAIT_S))
+    try:
+        with pytest.raises(ValueError, match="shares devices with the core"):
+            step.join(cs[0])
+        assert step.join(cs[1])
+        with pytest.raises(ValueError, match="cell 1 is already training in this step"):
+            step.join(cs[1])
+        with pytest.raises(RuntimeError, match="previous step has not been waited for"):
+            tr.start_step(mbs)
+        with pytest.raises(RuntimeError, match="a step is in progress"):
+            tr.state
+    finally:
+        checked.set()
+    step.wait()
+    with pytest.raises(RuntimeError, match="already finished"):
+        step.join(cs[2])
+
+
+def test_more_cells_never_recompile_a_seen_layout(setup):
+    """After every cell has run once, steps with 0..3 satellites compile nothing at all."""
+    cs, steps, mbs = setup["cells"], setup["steps"], setup["mbs"]
+    fresh_trainer(setup).run_step(mbs, cs[1:])  # every cell's grad step exists now
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for sats in (cs[1:2], cs[1:], (), (cs[3], cs[1])):
+            rep = fresh_trainer(setup).run_step(mbs, sats)
+            assert set(rep.cell_of) <= {0} | {c.index for c in sats}
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    counts = steps.compiled()
+    assert {n for n in counts.values()} == {1}, counts
+    assert {dev for kind, dev in counts if kind == "grad_step"} == {c.devices[0].id for c in cs}
+
+
+def _assert_on_rollout_cell(pub, trainer, publisher):
+    assert pub.move.kind == "to_rollout" and pub.move.bytes == cells.tree_bytes(pub.params) and pub.move.seconds > 0
+    assert max_diff(pub.params, trainer.state.params) == 0.0
+    jax.tree.map(_assert_sharding, pub.params, publisher.shardings(pub.cell, cells.Role.ROLLOUT))
+
+
+def test_one_step_mode_publishes_every_update(setup):
+    cs, spec, mbs = setup["cells"], setup["spec"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    pub = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
+    loop = cells.TrainLoop(tr, pub, cells.ModeConfig(mode=cells.ONE_STEP))
+    reps = []
+    for n in range(1, 3):
+        rep, pubs = loop.step(mbs, satellites=cs[1:2], rollout_cells=cs[2:])
+        reps.append(rep)
+        assert [(p.version, p.cell.index) for p in pubs] == [(VERSION + n, 2), (VERSION + n, 3)]
+        for p in pubs:
+            _assert_on_rollout_cell(p, tr, pub)
+        assert loop.published_version == VERSION + n
+    # The same rows one update later are exactly one update staler.
+    assert reps[1].staleness_mean == pytest.approx(reps[0].staleness_mean + 1, rel=1e-6)
+    assert reps[1].staleness_max == reps[0].staleness_max + 1
+    assert [m.version for m in pub.history] == [VERSION + 1] * 2 + [VERSION + 2] * 2
+
+
+def test_multi_step_mode_publishes_every_k_updates(setup):
+    cs, spec, mbs = setup["cells"], setup["spec"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    pub = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
+    loop = cells.TrainLoop(tr, pub, cells.ModeConfig(mode=cells.MULTI_STEP, updates_per_publication=2))
+    counts = []
+    for _ in range(3):
+        _, pubs = loop.step(mbs, rollout_cells=cs[3:])
+        counts.append([p.version for p in pubs])
+    assert counts == [[], [VERSION + 2], []]
+    assert loop.published_version == VERSION + 2 and tr.version == VERSION + 3
+    # A cell that turns to rollout now gets the current params without changing the cadence.
+    p = loop.bring_up(cs[2])
+    assert p.version == VERSION + 3 and loop.published_version == VERSION + 2
+    _assert_on_rollout_cell(p, tr, pub)
+    with pytest.raises(ValueError, match="multi_step mode needs updates_per_publication >= 2"):
+        cells.ModeConfig(mode=cells.MULTI_STEP, updates_per_publication=1)
+    with pytest.raises(ValueError, match="one_step mode publishes after every update"):
+        cells.ModeConfig(mode=cells.ONE_STEP, updates_per_publication=3)
+    with pytest.raises(ValueError, match="mode must be"):
+        cells.ModeConfig(mode="two_step", updates_per_publication=2)

@@ -1,0 +1,162 @@
+"""Benchmark: the weight moves of a role switch, against a plain device-to-device copy.
+
+Two cells of 4 CPU devices each (8 host devices). The core cell holds the
+model's params in the training layout (fsdp=4 over 'embed'). We time, from
+dispatch until the target cell holds every byte:
+
+  * to_train   (rollout -> train): snapshot of the core's params onto the
+               satellite in the training layout (what a satellite joining a step
+               receives, gyre_jax.cells.elastic);
+  * to_rollout (train -> rollout): publication of the core's params onto the
+               satellite in the serving layout (tensor=4 over heads/mlp/vocab),
+               a real reshard, not just a copy;
+  * plain copy: float32 arrays of the same total bytes (64 MB each, close to
+               the params' shard sizes), sharded over the core's 4 devices, copied
+               to the same sharding on the satellite's 4 devices in one batched
+               device_put. Same bytes, same devices, no layout change: the limit.
+
+Times are medians over --repeats (after one warm-up move each). copy_gbps uses
+the slower of the two moves: param_bytes / max(to_train_s, to_rollout_s).
+Target: copy_gbps >= 0.5 * plain_copy_gbps.
+
+    /work/venv/bin/python tools/bench_role_switch.py     # ~490 MB model, ~1 min on 2 cores
+    /work/venv/bin/python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+
+# Before any backend use: 8 host devices = two cells of 4.
+jax.config.update("jax_num_cpu_devices", 8)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+# Run from a checkout without installing: put the repo root on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gyre_jax import cells  # noqa: E402
+from gyre_jax.cells import Role  # noqa: E402
+from gyre_jax.model import ModelConfig, init_boxed, param_logical_axes  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--d_model", type=int, default=1024)
+    p.add_argument("--n_layers", type=int, default=8)
+    p.add_argument("--n_heads", type=int, default=16)
+    p.add_argument("--n_kv_heads", type=int, default=4, help="must divide by the serving tensor degree (4)")
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--d_ff", type=int, default=2816)
+    p.add_argument("--repeats", type=int, default=9)
+    return p.parse_args(argv)
+
+
+def timed(fn, repeats):
+    """Median seconds of ``fn()`` (which blocks until done) after one warm-up call."""
+    out = fn()
+    del out
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t0)
+        del out
+    return statistics.median(ts), min(ts)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model = ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        d_ff=args.d_ff,
+        tie_embeddings=False,
+    )
+    core, sat = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=1, serve_tensor=4))
+    logical = param_logical_axes(model)
+    spec = cells.StateSpec.create(functools.partial(init_boxed, model), cells.make_optimizer(
+        cells.OptimizerConfig(learning_rate=1e-4), logical))
+    publisher = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
+
+    t0 = time.perf_counter()
+    params = jax.jit(lambda r: nn.unbox(init_boxed(model, r)), out_shardings=spec.param_shardings(core.train_mesh))(
+        jax.random.key(0)
+    )
+    params = jax.block_until_ready(params)
+    param_bytes = cells.tree_bytes(params)
+    n_leaves = len(jax.tree.leaves(params))
+    print(f"model: {param_bytes / 1e6:.0f} MB in {n_leaves} arrays, born sharded on the core "
+          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    version = [0]
+
+    def publish(role):
+        version[0] += 1
+        return publisher.publish(params, version[0], sat, role).params
+
+    to_train_s, to_train_min = timed(lambda: publish(Role.TRAIN), args.repeats)
+    to_rollout_s, to_rollout_min = timed(lambda: publish(Role.ROLLOUT), args.repeats)
+    publisher.forget(sat)
+
+    # The limit: the same bytes as plain float32 arrays of 64 MB (16 MB per shard, about
+    # the params' shard sizes, so both sides see the same allocator behaviour), same
+    # sharding on both sides, copied in one batched device_put.
+    chunk = 16 * 1024 * 1024  # floats per array
+    n = param_bytes // 4
+    sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    src_sharding = NamedSharding(core.train_mesh, P("fsdp"))
+    src = [
+        jax.jit(functools.partial(jnp.ones, (4, s // 4), jnp.float32), out_shardings=src_sharding)()
+        for s in sizes
+    ]
+    src = jax.block_until_ready(src)
+    dst_sharding = NamedSharding(sat.train_mesh, P("fsdp"))
+    plain_bytes = sum(x.size * 4 for x in src)
+    plain_s, plain_min = timed(lambda: jax.block_until_ready(jax.device_put(src, dst_sharding)), args.repeats)
+
+    gb = 1e9
+    rows_out = [
+        ("to_train (rollout->train)", "train fsdp=4 -> train fsdp=4", param_bytes, to_train_s, to_train_min),
+        ("to_rollout (train->rollout)", "train fsdp=4 -> serve tensor=4", param_bytes, to_rollout_s, to_rollout_min),
+        ("plain device-to-device copy", f"{len(src)} arrays, same sharding", plain_bytes, plain_s, plain_min),
+    ]
+    print(f"\n{'move':30s} {'layouts':34s} {'MB':>8s} {'median s':>9s} {'min s':>8s} {'GB/s':>7s}")
+    for name, lay, b, s, m in rows_out:
+        print(f"{name:30s} {lay:34s} {b / 1e6:8.1f} {s:9.4f} {m:8.4f} {b / s / gb:7.2f}")
+    copy_gbps = param_bytes / max(to_train_s, to_rollout_s) / gb
+    plain_gbps = plain_bytes / plain_s / gb
+    ratio = copy_gbps / plain_gbps
+    print(f"\ncopy_gbps (slower move) = {copy_gbps:.2f} GB/s = {ratio:.2f} x plain copy "
+          f"({'meets' if ratio >= 0.5 else 'MISSES'} target 0.5x)")
+    print(json.dumps({
+        "param_bytes": int(param_bytes),
+        "to_train_s": round(to_train_s, 5),
+        "to_rollout_s": round(to_rollout_s, 5),
+        "copy_gbps": round(copy_gbps, 3),
+        "plain_copy_gbps": round(plain_gbps, 3),
+        "ratio": round(ratio, 3),
+        "n_arrays": n_leaves,
+        "devices_per_cell": 4,
+    }))
+
+
+if __name__ == "__main__":
+    main()
