@@ -206,6 +206,10 @@ def test_satellites_joining_mid_step_give_the_same_step(setup, core_alone, refer
     assert sorted(set(rep.cell_of)) == [0] + sorted(i for i, _ in joins)
     assert all(c >= 0 for c in rep.cell_of) and len(rep.cell_of) == M
     assert sorted(s.cell_index for s in rep.snapshots) == sorted(i for i, _ in joins)
+    # Cells worked at the same time: some satellite micro-batch ran while a core one was open.
+    core = [(a, b) for c, a, b in rep.timeline if c == 0]
+    sats = [(a, b) for c, a, b in rep.timeline if c != 0]
+    assert any(a1 < b2 and a2 < b1 for a1, b1 in core for a2, b2 in sats), rep.timeline
     for s in rep.snapshots:
         assert s.bytes == cells.tree_bytes(base_params) and s.seconds > 0 and s.version == VERSION
     # New params on the core, laid out by the rules.
