@@ -87,9 +87,9 @@ def check_versions(mb: Mapping[str, np.ndarray], version: int, *, where: str) ->
         )
 
 
+# Stat reductions as data (like gyre_jax.losses.METRIC_REDUCTIONS), so both the jitted
+# scan (needs identities to start from) and the host (float64 numpy) can apply them.
 _REDUCE_OPS = {"sum": (jnp.add, np.add), "min": (jnp.minimum, np.minimum), "max": (jnp.maximum, np.maximum)}
-
-
 _IDENTITY = {"sum": 0.0, "min": np.inf, "max": -np.inf}
 
 
