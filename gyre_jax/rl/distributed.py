@@ -1,0 +1,200 @@
+"""Multi-process JAX: ``maybe_initialize`` calls ``jax.distributed.initialize`` when, and only when, needed.
+
+Three ways a run becomes multi-process:
+
+  * explicit: ``coordinator_address`` ("host:port" of process 0),
+    ``num_processes`` and ``process_id`` all set (e.g. from absl flags);
+    ``num_processes == 1`` is a single process and initializes nothing.
+  * detected (``cluster='auto'``, the default, with the fields unset): the
+    environment of a multi-process launcher says so and JAX's own cluster
+    detection fills in the fields: SLURM (``SLURM_JOB_ID`` ... with
+    ``SLURM_NTASKS`` > 1: one process per task, GPU clusters), Open MPI
+    (``OMPI_COMM_WORLD_SIZE`` > 1), multi-host TPU (``TPU_WORKER_HOSTNAMES``
+    with more than one host, as on GKE), or ``JAX_COORDINATOR_ADDRESS`` with
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (a plain launcher's convention).
+    Only environment variables are read: no metadata-server query, so a laptop
+    never waits on the network.
+  * forced: ``cluster='jax'`` calls ``jax.distributed.initialize()`` and lets JAX
+    detect everything (a Cloud TPU VM pod, whose workers learn their ids from
+    the metadata server), or a JAX method name ('slurm', 'ompi', 'gcetpu',
+    'gketpu', 'mpi4py') to use that one.
+
+Otherwise the run is one process and nothing is initialized (``cluster='none'``
+makes that explicit even inside a launcher).
+
+CPU: a multi-process CPU run needs a cross-process collectives implementation;
+``cpu_collectives='gloo'`` (the default) sets ``jax_cpu_collectives_implementation``
+before the backend starts. It must be called before any JAX computation (the
+backend and its collectives are fixed at first use); otherwise it raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping
+
+import jax
+
+log = logging.getLogger(__name__)
+
+CLUSTERS = ("auto", "none", "jax", "slurm", "ompi", "gcetpu", "gketpu", "mpi4py")
+CPU_COLLECTIVES = ("gloo", "mpi", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    coordinator_address: str | None = None  # "host:port" of process 0; None = detect or single process
+    num_processes: int | None = None  # total processes (hosts) in the run
+    process_id: int | None = None  # this process's index in [0, num_processes)
+    local_device_ids: tuple[int, ...] | None = None  # devices this process drives (None = all visible)
+    cluster: str = "auto"  # see module docstring: auto | none | jax | a JAX cluster method name
+    cpu_collectives: str = "gloo"  # CPU cross-process collectives: gloo | mpi | none
+    initialization_timeout_s: int = 300  # how long processes wait for each other at start
+
+    def __post_init__(self):
+        w = "DistributedConfig"
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"{w}.cluster={self.cluster!r}; known: {CLUSTERS}")
+        if self.cpu_collectives not in CPU_COLLECTIVES:
+            raise ValueError(f"{w}.cpu_collectives={self.cpu_collectives!r}; known: {CPU_COLLECTIVES}")
+        if self.coordinator_address is not None:
+            host, sep, port = str(self.coordinator_address).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{w}.coordinator_address={self.coordinator_address!r} must be 'host:port'")
+        for name in ("num_processes", "process_id"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{w}.{name} must be an int >= 0 or None, got {v!r}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"{w}.num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
+            raise ValueError(f"{w}.process_id={self.process_id} must be < num_processes={self.num_processes}")
+        explicit = [self.coordinator_address is not None, self.num_processes is not None, self.process_id is not None]
+        if any(explicit) and not all(explicit) and not (self.num_processes == 1 and self.coordinator_address is None):
+            raise ValueError(
+                f"{w}: coordinator_address, num_processes and process_id go together "
+                f"(got {self.coordinator_address!r}, {self.num_processes!r}, {self.process_id!r}); "
+                "leave all three unset to detect them"
+            )
+        if self.local_device_ids is not None:
+            object.__setattr__(self, "local_device_ids", tuple(int(i) for i in self.local_device_ids))
+        if not self.initialization_timeout_s > 0:
+            raise ValueError(f"{w}.initialization_timeout_s must be > 0, got {self.initialization_timeout_s}")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any] | None) -> "DistributedConfig":
+        """From an ml_collections ConfigDict / dict; unknown keys are an error."""
+        if m is None:
+            return cls()
+        d = dict(m.to_dict() if hasattr(m, "to_dict") else m)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"distributed config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedInfo:
+    process_index: int
+    process_count: int
+    local_devices: tuple
+    global_device_count: int
+    initialized_here: bool  # this call ran jax.distributed.initialize
+    how: str  # 'single', 'explicit', 'detected:<name>', 'jax', 'already'
+
+
+def _int_env(env, name) -> int:
+    try:
+        return int(env.get(name, "1") or 1)
+    except ValueError:
+        return 1
+
+
+def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
+    """The multi-process launcher the environment shows (None = a single process). Reads env only."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COORDINATOR_ADDRESS") and _int_env(env, "JAX_NUM_PROCESSES") > 1:
+        return "jax_env"
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in env for k in slurm) and _int_env(env, "SLURM_NTASKS") > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and _int_env(env, "OMPI_COMM_WORLD_SIZE") > 1:
+        return "ompi"
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) > 1:
+        return "tpu"
+    return None
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # no public API says whether the backend exists yet
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _info(initialized_here: bool, how: str) -> DistributedInfo:
+    info = DistributedInfo(
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_devices=tuple(jax.local_devices()),
+        global_device_count=jax.device_count(),
+        initialized_here=initialized_here,
+        how=how,
+    )
+    log.info(
+        "process %d of %d (%s): %d local devices %s, %d global",
+        info.process_index, info.process_count, how, len(info.local_devices),
+        [str(d) for d in info.local_devices], info.global_device_count,
+    )
+    return info
+
+
+def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> DistributedInfo:
+    """Initialize multi-process JAX if the config or the environment asks for it; log who we are.
+
+    Idempotent: a second call (or a run where something else initialized JAX's
+    distributed system) returns the current layout.
+    """
+    cfg = config if isinstance(config, DistributedConfig) else DistributedConfig.from_mapping(config)
+    env = os.environ if env is None else env
+    if jax.distributed.is_initialized():
+        return _info(False, "already")
+    kwargs: dict[str, Any] = {}
+    if cfg.coordinator_address is not None:
+        if cfg.num_processes == 1:
+            return _info(False, "single")
+        how = "explicit"
+        kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id)
+    elif cfg.num_processes == 1 or cfg.cluster == "none":
+        return _info(False, "single")
+    elif cfg.cluster == "auto":
+        found = detect_cluster(env)
+        if found is None:
+            return _info(False, "single")
+        how = f"detected:{found}"
+        if found == "jax_env":
+            try:
+                kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=int(env["JAX_NUM_PROCESSES"]),
+                              process_id=int(env["JAX_PROCESS_ID"]))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be ints ({e!r})") from None
+            DistributedConfig(**kwargs)  # same checks as flags (address form, id < count)
+    else:
+        how = cfg.cluster
+        if cfg.cluster != "jax":
+            kwargs["cluster_detection_method"] = cfg.cluster
+    if cfg.local_device_ids is not None:
+        kwargs["local_device_ids"] = list(cfg.local_device_ids)
+    if _backend_started():
+        raise RuntimeError(
+            f"maybe_initialize ({how}): JAX's backend is already running (a JAX computation or jax.devices() "
+            "ran first); call maybe_initialize at the start of the program"
+        )
+    if cfg.cpu_collectives != "none":
+        # Only the CPU backend reads it; on GPU/TPU it is harmless and covers host-side CPU arrays.
+        jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    log.info("jax.distributed.initialize(%s) [%s]", kwargs, how)
+    jax.distributed.initialize(initialization_timeout=int(cfg.initialization_timeout_s), **kwargs)
+    return _info(True, how)

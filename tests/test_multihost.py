@@ -1,0 +1,139 @@
+"""maybe_initialize: single-process no-op, env detection, and two real JAX processes on loopback (gloo).
+
+The file is also the worker: ``python tests/test_multihost.py PORT PROCESS_ID
+MODE`` starts one process with 2 CPU devices; MODE 'flags' passes the
+coordinator in the config, MODE 'env' leaves the config empty and sets
+JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID (the detection path).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gyre_jax.rl.distributed import DistributedConfig, detect_cluster, maybe_initialize
+
+ROWS, COLS, LOCAL_DEVICES = 2, 3, 2
+
+
+def local_rows(pid):
+    """This process's rows of the global [2 * ROWS, COLS] array (distinct per process)."""
+    return (np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) + 10.0 * pid) * (pid + 1)
+
+
+def test_single_process_is_a_noop():
+    import jax
+
+    info = maybe_initialize(None)
+    assert (info.process_index, info.process_count, info.initialized_here, info.how) == (0, 1, False, "single")
+    assert info.global_device_count == len(jax.devices())
+    info = maybe_initialize({"num_processes": 1}, env={})
+    assert info.how == "single" and not jax.distributed.is_initialized()
+    # A launcher environment that says "one task" is still a single process.
+    assert maybe_initialize(None, env={"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n", "SLURM_NTASKS": "1",
+                                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}).how == "single"
+
+
+def test_detect_cluster_from_env():
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    assert detect_cluster(slurm) == "slurm"
+    assert detect_cluster({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert detect_cluster({k: v for k, v in slurm.items() if k != "SLURM_PROCID"}) is None
+    assert detect_cluster({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}) == "ompi"
+    assert detect_cluster({"TPU_WORKER_HOSTNAMES": "h0,h1"}) == "tpu"
+    assert detect_cluster({"TPU_WORKER_HOSTNAMES": "h0"}) is None
+    assert detect_cluster({"JAX_COORDINATOR_ADDRESS": "a:1", "JAX_NUM_PROCESSES": "2"}) == "jax_env"
+    assert detect_cluster({}) is None
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="go together"):
+        DistributedConfig(coordinator_address="127.0.0.1:1234")
+    with pytest.raises(ValueError, match="must be 'host:port'"):
+        DistributedConfig(coordinator_address="localhost", num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match="process_id=2 must be < num_processes=2"):
+        DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="cluster='slrum'"):
+        DistributedConfig(cluster="slrum")
+    with pytest.raises(ValueError, match=r"unknown keys \['num_process'\]"):
+        DistributedConfig.from_mapping({"num_process": 2})
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES and JAX_PROCESS_ID must be ints"):
+        maybe_initialize(None, env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
+    # The test process's backend is running (conftest): initializing now would be too late.
+    with pytest.raises(RuntimeError, match="backend is already running"):
+        maybe_initialize(DistributedConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_loopback():  # ~2-3 s here: two real processes, so in the default run
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
+    base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+                PYTHONPATH=root + os.pathsep + base.get("PYTHONPATH", ""))
+    procs = []
+    for pid, mode in ((0, "flags"), (1, "env")):
+        env = dict(base)
+        if mode == "env":
+            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, __file__, str(port), str(pid), mode], env=env, cwd=root,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = {}
+    try:
+        for pid, p in enumerate(procs):
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, f"process {pid} exited {p.returncode}:\n{err[-4000:]}"
+            line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            assert line, f"process {pid} printed no RESULT:\n{out}\n{err[-2000:]}"
+            results[pid] = json.loads(line[-1][len("RESULT "):])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    want_sum = float(np.concatenate([local_rows(0), local_rows(1)]).astype(np.float64).sum())
+    want_rows = np.concatenate([local_rows(0), local_rows(1)]).sum(axis=1).tolist()
+    for pid in (0, 1):
+        r = results[pid]
+        assert (r["process_index"], r["process_count"]) == (pid, 2)
+        assert (r["local_devices"], r["global_devices"]) == (LOCAL_DEVICES, 2 * LOCAL_DEVICES)
+        assert r["how"] == ("explicit" if pid == 0 else "detected:jax_env")
+        assert r["sum"] == want_sum  # small integers in float32: exact
+        assert r["row_sums"] == want_rows
+        assert r["gathered_ids"] == [0, 1]
+
+
+def worker(port, pid, mode):
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    cfg = DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid) if mode == "flags" else None
+    info = maybe_initialize(cfg)
+    mesh = Mesh(np.array(jax.devices()), ("x",))  # all 4 devices of both processes
+    g = multihost_utils.host_local_array_to_global_array(local_rows(pid), mesh, P("x"))
+    assert g.shape == (2 * ROWS, COLS), g.shape
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(g)
+    rows = jax.jit(lambda a: a.sum(axis=1), out_shardings=NamedSharding(mesh, P()))(g)
+    ids = multihost_utils.process_allgather(np.int32(info.process_index))
+    print("RESULT " + json.dumps({
+        "process_index": info.process_index, "process_count": info.process_count, "how": info.how,
+        "local_devices": len(info.local_devices), "global_devices": info.global_device_count,
+        "sum": float(total), "row_sums": np.asarray(rows).tolist(), "gathered_ids": np.asarray(ids).tolist(),
+    }), flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
