@@ -1,0 +1,290 @@
+"""The role policy: ONE pure function from cluster state to actions.
+
+``decide(state, config) -> tuple[Action, ...]`` is called by the controller, both
+when it drives real cells and when the simulator drives simulated ones, so the two
+cannot disagree (design invariant 6). It reads no clock and keeps no memory: every
+input is in ``ClusterState``.
+
+Vocabulary. A *group* is the ``group_size`` rollouts of one task (the unit of
+advantage baselines, so the unit that can be trained). Step ``u`` trains exactly
+``groups_per_step`` groups and turns policy version ``u`` into ``u + 1``. A group
+launched while version ``v`` is published has version ``v``; trained in step
+``u`` its staleness is ``u - v``.
+
+Staleness is bounded by admission, never by discarding (design invariant 5):
+
+* ``Launch`` only admits groups that can still be trained within the bound,
+  counting every group already admitted and not yet assigned to a step;
+* ``TakeGroups`` fills the open step oldest-version first and *reserves* room for
+  groups that must be trained by some step soon; if such a group is still
+  running, the step waits for it. Finished groups are never dropped.
+
+Both rules keep one invariant: for every step ``w`` from the open one on, the
+unassigned groups of version ``<= w - S`` fit in the positions left in steps up to
+``w``. That invariant is what makes ``staleness <= S`` hold for every rollout.
+
+Modes (baselines and ablations use the same machinery):
+  colocate           one pool, all cells switch together; generate a batch, then
+                     train it (staleness 0 by construction: rollouts of step u start
+                     only after version u is published).
+  async              fixed split: the first ``async_train_cells`` cells train, the
+                     rest serve; training waits for a whole batch.
+  async_stream       async with streaming: groups enter the step as they finish.
+  elastic_no_stream  cells switch roles; training waits for a whole batch.
+  elastic            cells switch roles and groups stream into the step (QwenGyre).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Union
+
+MODES = ("colocate", "async", "async_stream", "elastic_no_stream", "elastic")
+ROLES = ("rollout", "train", "to_train", "to_rollout")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    mode: str  # one of MODES
+    total_steps: int  # optimizer steps of the run (N)
+    groups_per_step: int  # groups trained per step (G)
+    group_size: int  # rollouts per group
+    staleness_bound: int = 2  # S: max optimizer updates between a rollout's version and its step
+    async_train_cells: int = 0  # async modes: cells 0..k-1 (core = 0) train; 0 = balanced split chosen by the simulator
+    # Slots kept per running agent (1.0: every agent's next call finds a slot at once; the
+    # fraction of its time an agent spends in model calls keeps just the expected load).
+    serve_reserve: float = 1.0
+    # A switch costs a round trip (~8.5 s + ~3.5 s); only move a cell to training when each
+    # training cell then has at least this many cell-seconds of work available.
+    min_work_per_switch_s: float = 24.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"PolicyConfig.mode={self.mode!r}; known modes: {MODES}")
+        if self.async_train_cells < 0:
+            raise ValueError(f"PolicyConfig.async_train_cells={self.async_train_cells} must be >= 0")
+        for name in ("total_steps", "groups_per_step", "group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PolicyConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.staleness_bound < 0:
+            raise ValueError(f"PolicyConfig.staleness_bound={self.staleness_bound} must be >= 0")
+        if not 0 < self.serve_reserve <= 1:
+            raise ValueError(f"PolicyConfig.serve_reserve={self.serve_reserve} must be in (0, 1]")
+        if self.min_work_per_switch_s < 0:
+            raise ValueError(f"PolicyConfig.min_work_per_switch_s={self.min_work_per_switch_s} must be >= 0")
+
+    @property
+    def streaming(self) -> bool:
+        return self.mode in ("elastic", "async_stream")
+
+    @property
+    def effective_staleness(self) -> int:
+        # Colocate cannot overlap generation with training, so it is on-policy.
+        return 0 if self.mode == "colocate" else self.staleness_bound
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CellView:
+    id: int
+    role: str  # one of ROLES; 'to_*' while a switch is in progress
+    is_core: bool  # holds params + optimizer state; pinned to training outside colocate
+    slots: int  # concurrent model calls the cell serves in rollout role
+    active_calls: int  # calls running on it now
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReadyGroup:
+    version: int  # policy version the group was launched under
+    work_s: float  # training work, cell-seconds
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterState:
+    cells: tuple[CellView, ...]
+    queued_calls: int  # calls waiting for a slot at the proxy
+    running_rollouts: int  # admitted rollouts not finished
+    running_groups: tuple[tuple[int, int], ...]  # (version, groups) with a rollout still running
+    ready_groups: tuple[ReadyGroup, ...]  # finished, not assigned to a step; oldest version first
+    launched_groups: int  # groups admitted since the start
+    steps_done: int  # optimizer updates applied (= newest trained version)
+    open_step_taken: int  # groups assigned to step `steps_done`
+    pending_work_s: float  # assigned training work not yet computed (cell-seconds)
+    update_in_progress: bool  # the core is applying step `steps_done`'s update
+    published_version: int  # version the rollout cells serve
+    publish_in_progress: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TakeGroups:
+    n: int  # the n oldest-version ready groups (FIFO within a version) join the open step
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    n_groups: int
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ToTrain:
+    cell: int  # drain from routing, then switch
+
+
+@dataclasses.dataclass(frozen=True)
+class ToRollout:
+    cell: int  # switch, then admit to routing when done
+
+
+Action = Union[Publish, TakeGroups, Launch, ToTrain, ToRollout]
+
+
+def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
+    """Layout the cluster starts in (no switch paid). Cell 0 is the core."""
+    if n_cells < 2 and config.mode != "colocate":
+        raise ValueError(f"mode {config.mode!r} needs >= 2 cells (a core and a satellite); got {n_cells}")
+    if config.mode == "colocate":
+        return ("rollout",) * n_cells
+    if config.mode in ("async", "async_stream"):
+        k = config.async_train_cells
+        if not 1 <= k < n_cells:
+            raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
+        return ("train",) * k + ("rollout",) * (n_cells - k)
+    return ("train",) + ("rollout",) * (n_cells - 1)
+
+
+def _unassigned_by_version(state: ClusterState, skip_ready: int) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for v, n in state.running_groups:
+        counts[v] = counts.get(v, 0) + n
+    for g in state.ready_groups[skip_ready:]:
+        counts[g.version] = counts.get(g.version, 0) + 1
+    return counts
+
+
+def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
+    """How many ready groups the open step may take now (oldest version first).
+
+    A group of version v <= u - S must be trained in step u: always take it. Another
+    group is taken only if, afterwards, for every step w in [u, u + S] the unassigned
+    groups of version <= w - S still fit in the positions left up to w.
+    """
+    if state.update_in_progress or state.steps_done >= config.total_steps:
+        return 0
+    u, G, S, N = state.steps_done, config.groups_per_step, config.effective_staleness, config.total_steps
+    slots_left = G - state.open_step_taken
+    n = 0
+    while n < slots_left and n < len(state.ready_groups):
+        g = state.ready_groups[n]
+        if g.version > u - S:
+            rest = _unassigned_by_version(state, n + 1)
+            for w in range(u, min(N - 1, u + S) + 1):
+                must = sum(c for v, c in rest.items() if v <= w - S)
+                if must > (slots_left - n - 1) + G * (w - u):
+                    break
+            else:
+                n += 1
+                continue
+            break
+        n += 1
+    if not config.streaming and n < slots_left:
+        return 0  # without streaming a step starts only with its whole batch
+    return n
+
+
+def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) -> int:
+    """Groups that may be admitted now at the published version (after taking `taken_now`)."""
+    G, S, N = config.groups_per_step, config.effective_staleness, config.total_steps
+    u, taken = state.steps_done, state.open_step_taken + taken_now
+    if taken == G or state.update_in_progress:
+        u, taken = u + 1, 0  # the open step is closed; the next one has all its positions
+    unassigned = sum(n for _, n in state.running_groups) + len(state.ready_groups) - taken_now
+    w = min(state.published_version + S, N - 1)
+    by_bound = (G - taken) + G * (w - u) - unassigned
+    # Pace to serving capacity too: agents beyond what the serving cells can hold only
+    # queue, slowing every running agent toward its deadline. Colocate generates its
+    # batch at once by definition (a late-launched group would hold the whole step).
+    by_capacity = by_bound
+    if config.mode != "colocate":
+        by_capacity = (max_running_rollouts(state, config) - state.running_rollouts) // config.group_size
+        if state.running_rollouts == 0:
+            by_capacity = max(by_capacity, 1)
+    return max(0, min(by_bound, by_capacity, G * N - state.launched_groups))
+
+
+def max_running_rollouts(state: ClusterState, config: PolicyConfig) -> int:
+    """Agents the cells that may serve in this mode can hold at `serve_reserve` slots each."""
+    if config.mode == "colocate":
+        serving = list(state.cells)
+    elif config.mode in ("async", "async_stream"):
+        serving = [c for c in state.cells if c.id >= config.async_train_cells]
+    else:
+        serving = [c for c in state.cells if not c.is_core]
+    return math.floor(sum(c.slots for c in serving) / config.serve_reserve + 1e-9)
+
+
+def serving_cells_needed(running_rollouts: int, slots_per_cell: int, config: PolicyConfig) -> int:
+    """Cells that keep a slot for the next call of every running agent, scaled by
+    `serve_reserve`. Deliberately not the instantaneous call count: that changes on
+    every call, and a role switch costs seconds, so following it would thrash."""
+    return math.ceil(running_rollouts * config.serve_reserve / slots_per_cell - 1e-9)
+
+
+def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
+    """The policy. Pure: same state and config, same actions, in this order:
+    publish, take groups, launch, role switches."""
+    acts: list[Action] = []
+    if state.steps_done >= config.total_steps:
+        return ()
+    if state.steps_done > state.published_version and not state.publish_in_progress:
+        acts.append(Publish(state.steps_done))
+    n_take = takeable_groups(state, config)
+    if n_take:
+        acts.append(TakeGroups(n_take))
+    n_launch = launch_allowance(state, config, n_take)
+    if n_launch:
+        acts.append(Launch(n_launch, state.published_version))
+    taken = state.open_step_taken + n_take
+    work_s = state.pending_work_s + sum(g.work_s for g in state.ready_groups[:n_take])
+    running = state.running_rollouts + n_launch * config.group_size
+    acts.extend(_roles(state, config, taken=taken, work_s=work_s, running=running))
+    return tuple(acts)
+
+
+def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, running: int) -> list[Action]:
+    cells = state.cells
+    if config.mode == "colocate":
+        training = taken == config.groups_per_step or state.update_in_progress
+        if training:
+            return [ToTrain(c.id) for c in cells if c.role == "rollout"]
+        return [ToRollout(c.id) for c in cells if c.role == "train"]
+    if config.mode in ("async", "async_stream"):
+        out: list[Action] = []
+        for c in cells:
+            want_train = c.id < config.async_train_cells
+            if want_train and c.role == "rollout":
+                out.append(ToTrain(c.id))
+            elif not want_train and c.role == "train":
+                out.append(ToRollout(c.id))
+        return out
+    # elastic: serving first (keep a slot for every running agent), spare cells train
+    # when there is enough work to pay for the switch.
+    sats = [c for c in cells if not c.is_core]
+    if not sats:
+        return []
+    slots = sats[0].slots
+    need = min(len(sats), serving_cells_needed(running, slots, config))
+    serving = [c for c in sats if c.role in ("rollout", "to_rollout")]
+    if need > len(serving):
+        back = sorted((c for c in sats if c.role == "train"), key=lambda c: c.id)
+        return [ToRollout(c.id) for c in back[: need - len(serving)]]
+    n_train = sum(1 for c in cells if c.role in ("train", "to_train"))
+    spare = sorted((c for c in sats if c.role == "rollout"), key=lambda c: (c.active_calls, -c.id))
+    k, limit = 0, min(len(spare), len(serving) - need)
+    while k < limit and work_s / (n_train + k + 1) >= max(config.min_work_per_switch_s, 1e-9):
+        k += 1
+    return [ToTrain(c.id) for c in spare[:k]]

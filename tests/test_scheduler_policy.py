@@ -1,0 +1,181 @@
+"""The role policy on hand-made cluster states."""
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre_jax.scheduler import policy as P
+
+
+def cells(roles, *, slots=8, calls=None):
+    calls = calls or {}
+    return tuple(P.CellView(id=i, role=r, is_core=i == 0, slots=slots, active_calls=calls.get(i, 0))
+                 for i, r in enumerate(roles))
+
+
+def state(**kw):
+    base = dict(cells=cells(["train"] + ["rollout"] * 15), queued_calls=0, running_rollouts=0, running_groups=(),
+                ready_groups=(), launched_groups=0, steps_done=0, open_step_taken=0, pending_work_s=0.0,
+                update_in_progress=False, published_version=0, publish_in_progress=False)
+    base.update(kw)
+    return P.ClusterState(**base)
+
+
+def cfg(mode="elastic", **kw):
+    base = dict(mode=mode, total_steps=10, groups_per_step=4, group_size=2, staleness_bound=1)
+    base.update(kw)
+    return P.PolicyConfig(**base)
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_two_rollouts_left_keep_one_serving_cell_move_fourteen_to_training():
+    # 16 cells: core training, 15 serving; two agents still running (on cell 3), the
+    # step's work has arrived. One cell keeps a slot for each agent's next call, the
+    # other 14 go to training.
+    s = state(cells=cells(["train"] + ["rollout"] * 15, calls={3: 2}), running_rollouts=2,
+              running_groups=((0, 1),), launched_groups=12, open_step_taken=3, pending_work_s=10_000.0)
+    c = cfg(total_steps=3, groups_per_step=4, staleness_bound=2)  # nothing left to launch
+    acts = P.decide(s, c)
+    assert of(acts, P.Launch) == []
+    to_train = [a.cell for a in of(acts, P.ToTrain)]
+    assert len(to_train) == 14
+    assert 3 not in to_train and 0 not in to_train  # the busy cell keeps serving; the core never switches
+    assert of(acts, P.ToRollout) == []
+
+
+def test_serving_first_pulls_training_cells_back_when_agents_arrive():
+    # 12 running agents need 2 cells of 8 slots; only one serves: one training cell
+    # comes back (the lowest id), even with training work pending.
+    roles = ["train"] * 15 + ["rollout"]
+    s = state(cells=cells(roles), running_rollouts=12, running_groups=((0, 8),), launched_groups=8,
+              pending_work_s=1e6)
+    acts = P.decide(s, cfg(groups_per_step=8, staleness_bound=0))
+    assert acts == (P.ToRollout(1),)
+
+
+def test_switch_only_when_enough_work_per_cell():
+    # 100 cell-seconds with the core training: a second cell gets 50 s (>= 24), a third
+    # 33 s, a fourth 25 s, a fifth would get 20 s: three switches.
+    s = state(pending_work_s=100.0, launched_groups=40, open_step_taken=1, running_groups=())
+    acts = P.decide(s, cfg(total_steps=10, groups_per_step=4))
+    assert len(of(acts, P.ToTrain)) == 3
+    assert of(P.decide(dataclasses.replace(s, pending_work_s=0.0), cfg(total_steps=10)), P.ToTrain) == []
+
+
+def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():
+    # S=1, step 1 open with 3 of 4 taken. A version-0 group is still running: it must be
+    # trained by step 1, so the ready version-1 group may not take the last position.
+    s = state(steps_done=1, open_step_taken=3, published_version=1, launched_groups=9,
+              running_groups=((0, 1), (1, 3)), ready_groups=(P.ReadyGroup(version=1, work_s=5.0),))
+    assert P.takeable_groups(s, cfg(staleness_bound=1)) == 0
+    # once it finished (oldest first in the buffer) both fit: it is taken first, the other waits
+    s2 = dataclasses.replace(s, running_groups=((1, 3),),
+                             ready_groups=(P.ReadyGroup(version=0, work_s=5.0), P.ReadyGroup(version=1, work_s=5.0)))
+    assert P.takeable_groups(s2, cfg(staleness_bound=1)) == 1
+    # with a looser bound the version-1 group may go now
+    assert P.takeable_groups(s, cfg(staleness_bound=2)) == 1
+
+
+def test_without_streaming_a_step_takes_only_a_whole_batch():
+    ready = tuple(P.ReadyGroup(version=0, work_s=1.0) for _ in range(3))
+    s = state(ready_groups=ready, running_groups=((0, 1),), launched_groups=4)
+    assert P.takeable_groups(s, cfg("elastic", groups_per_step=4)) == 3
+    assert P.takeable_groups(s, cfg("elastic_no_stream", groups_per_step=4)) == 0
+    s4 = dataclasses.replace(s, ready_groups=ready + (P.ReadyGroup(version=0, work_s=1.0),), running_groups=())
+    assert P.takeable_groups(s4, cfg("elastic_no_stream", groups_per_step=4)) == 4
+
+
+def test_launch_allowance_is_the_staleness_bound():
+    c = cfg(groups_per_step=4, staleness_bound=2, total_steps=10)
+    s = state()  # fresh: steps 0, 1, 2 may hold version-0 groups
+    assert P.launch_allowance(s, c, 0) == 12
+    # 10 unassigned (running or ready) groups of version 0: two more
+    s = state(running_groups=((0, 10),), launched_groups=10)
+    assert P.launch_allowance(s, c, 0) == 2
+    # after the first update is published, one more step's worth
+    s = state(running_groups=((0, 8),), launched_groups=12, steps_done=1, published_version=1)
+    assert P.launch_allowance(s, c, 0) == 4
+    # never beyond the run's total
+    assert P.launch_allowance(state(), cfg(groups_per_step=4, total_steps=2, staleness_bound=5), 0) == 8
+
+
+def test_launch_paced_by_serving_capacity():
+    # 15 satellites x 8 slots = 120 agents at reserve 1.0; 118 run: no room for a group of 4
+    c = cfg(groups_per_step=100, group_size=4, staleness_bound=2)
+    s = state(running_rollouts=118, running_groups=((0, 30),), launched_groups=30)
+    assert P.launch_allowance(s, c, 0) == 0
+    assert P.launch_allowance(dataclasses.replace(s, running_rollouts=110), c, 0) == 2
+    # reserving half a slot per agent doubles the room
+    assert P.launch_allowance(s, dataclasses.replace(c, serve_reserve=0.5), 0) == 30
+
+
+def test_colocate_phases():
+    c = cfg("colocate", groups_per_step=2, staleness_bound=3)  # the bound is 0 by construction
+    roles = ["rollout"] * 4
+    s = state(cells=cells(roles))
+    assert of(P.decide(s, c), P.Launch) == [P.Launch(2, 0)]
+    # batch done: take it, every cell to training; nothing launched meanwhile
+    ready = (P.ReadyGroup(version=0, work_s=3.0),) * 2
+    s = state(cells=cells(roles), ready_groups=ready, launched_groups=2)
+    acts = P.decide(s, c)
+    assert acts == (P.TakeGroups(2),) + tuple(P.ToTrain(i) for i in range(4))
+    # step done: publish and go back; launch only once version 1 is published
+    s = state(cells=cells(["train"] * 4), steps_done=1, launched_groups=2)
+    acts = P.decide(s, c)
+    assert acts == (P.Publish(1),) + tuple(P.ToRollout(i) for i in range(4))
+    s = dataclasses.replace(s, cells=cells(roles), published_version=1)
+    assert P.decide(s, c) == (P.Launch(2, 1),)
+
+
+def test_async_keeps_its_fixed_split():
+    c = cfg("async", async_train_cells=3)
+    assert P.initial_roles(c, 8) == ("train",) * 3 + ("rollout",) * 5
+    s = state(cells=cells(["train"] * 3 + ["rollout"] * 13), pending_work_s=1e6, running_rollouts=0)
+    assert of(P.decide(s, c), P.ToTrain) == [] and of(P.decide(s, c), P.ToRollout) == []
+
+
+def test_finished_run_decides_nothing():
+    assert P.decide(state(steps_done=10, published_version=9), cfg(total_steps=10)) == ()
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(mode="elastc"), "mode"),
+    (dict(groups_per_step=0), "groups_per_step"),
+    (dict(staleness_bound=-1), "staleness_bound"),
+    (dict(serve_reserve=0.0), "serve_reserve"),
+])
+def test_bad_config_names_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        cfg(**kw)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    roles=st.lists(st.sampled_from(P.ROLES), min_size=2, max_size=10),
+    running=st.integers(0, 80),
+    work=st.floats(0, 1e4),
+    mode=st.sampled_from(P.MODES),
+    taken=st.integers(0, 3),
+    n_ready=st.integers(0, 6),
+)
+def test_actions_are_always_executable(roles, running, work, mode, taken, n_ready):
+    roles[0] = "train" if mode != "colocate" else roles[0]
+    c = cfg(mode, groups_per_step=4, async_train_cells=1)
+    s = state(cells=cells(roles), running_rollouts=running, running_groups=((0, (running + 1) // 2),),
+              launched_groups=20, pending_work_s=work, open_step_taken=taken,
+              ready_groups=tuple(P.ReadyGroup(version=0, work_s=1.0) for _ in range(n_ready)))
+    acts = P.decide(s, c)
+    assert acts == P.decide(s, c)  # pure
+    switched = [a.cell for a in acts if isinstance(a, (P.ToTrain, P.ToRollout))]
+    assert len(switched) == len(set(switched))
+    for a in acts:
+        if isinstance(a, P.ToTrain):
+            assert roles[a.cell] == "rollout" and (mode == "colocate" or a.cell != 0)
+        if isinstance(a, P.ToRollout):
+            assert roles[a.cell] == "train" and (mode == "colocate" or a.cell != 0)
+        if isinstance(a, P.TakeGroups):
+            assert 0 < a.n <= min(n_ready, 4 - taken)
