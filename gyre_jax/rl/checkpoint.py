@@ -135,6 +135,22 @@ def _check_target(abstract) -> None:
         )
 
 
+def _check_global(tree) -> None:
+    """Multi-process: every process calls save; each array must be one global array over all of them."""
+    if jax.process_count() == 1:
+        return
+    local = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+    ]
+    if local:
+        raise ValueError(
+            f"Checkpointer.save with {jax.process_count()} processes: leaves {local[:5]} are process-local arrays; "
+            "put them on the global mesh (e.g. replicated NamedSharding(mesh, P())) so one checkpoint holds them"
+        )
+
+
 def _check_buffer(buffer, cursor) -> list[str]:
     ids = list(buffer)
     bad = [r for r in ids if not isinstance(r, str) or not r]
@@ -184,6 +200,11 @@ class Checkpointer:
     ) -> bool:
         """Save one checkpoint at ``step`` if due (or ``force``); returns whether it saved.
 
+        Multi-process: every process calls it with the same arguments (a
+        collective); arrays are global (each process writes its shards), the
+        JSON items and the rng are written by process 0, the grain position per
+        process.
+
         ``store_cursor`` must be ``store.cursor_state()`` taken *after* the
         rollouts used by the updates in ``train_state`` were marked trained, and
         ``buffer`` the finished rollouts not yet trained (module docstring).
@@ -196,6 +217,7 @@ class Checkpointer:
         if not isinstance(store_cursor, Mapping) or "consumed" not in store_cursor:
             raise ValueError("Checkpointer.save: store_cursor must be TrajectoryStore.cursor_state() (a dict with 'consumed')")
         ids = _check_buffer(buffer, store_cursor)
+        _check_global(train_state)
         meta = dict(meta or {})
         for k in ("format", "format_version", "step"):
             if k in meta:
