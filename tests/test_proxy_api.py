@@ -49,10 +49,15 @@ def server(tmp_path_factory):
     store = TrajectoryStore(str(tmp_path_factory.mktemp("store")), run_id="run1")
 
     async def build():
-        cells = [FakeBackend("A", script=script, max_context=400,
-                             fail_when=lambda r: int(r.prompt_ids[-1]) == 7 and len(r.prompt_ids) == 3),
-                 FakeBackend("B", script=script, max_context=400,
-                             fail_when=lambda r: int(r.prompt_ids[-1]) == 7 and len(r.prompt_ids) == 3)]
+        never = asyncio.Event()
+
+        async def hold(r, n):  # the prompt [3, 4, 5] stalls after 2 tokens (a client will hang up)
+            if r.prompt_ids.tolist() == [3, 4, 5] and n == 2:
+                await never.wait()
+
+        fail = lambda r: int(r.prompt_ids[-1]) == 7 and len(r.prompt_ids) == 3  # noqa: E731
+        cells = [FakeBackend(name, script=script, max_context=400, fail_when=fail, before_token=hold)
+                 for name in ("A", "B")]
         return Proxy(Router(cells), TOK, store, ProxyConfig(max_tokens_cap=64, max_request_bytes=64 << 10,
                                                             model_aliases=("claude-*",)))
 
@@ -280,9 +285,9 @@ def test_client_disconnect_mid_stream_is_not_recorded(server):
 
     async def go():
         async with aiohttp.ClientSession() as s:
-            async with s.post(st.url + "/v1/completions", json={"model": "gyre", "prompt": [3, 4], "max_tokens": 60,
+            async with s.post(st.url + "/v1/completions", json={"model": "gyre", "prompt": [3, 4, 5], "max_tokens": 60,
                                                                  "stream": True}, headers=headers("r-gone", 0)) as r:
-                await r.content.readline()  # first chunk, then hang up
+                await r.content.readline()  # first chunk, then hang up while the call is stalled
         # a later call on the same server works
         return await _post(st.url + "/v1/completions", {"model": "gyre", "prompt": [3, 4], "max_tokens": 2},
                            headers("r-after", 0))

@@ -83,6 +83,7 @@ class Runner:
         self.e, self.ds = engine, engine.init_decode_state()
         self.out: dict[int, list] = {}
         self.live: set[int] = set()
+        self.held: set[int] = set()  # finished, slot held until released
 
     def insert(self, slot, inp):
         pre = self.e.prefill(params=self.e.params_ref, padded_tokens=inp, true_length=len(inp.tokens))
@@ -95,10 +96,14 @@ class Runner:
             data = np.asarray(res.data)
             for s in list(self.live):
                 tok, valid = data[s, 0:2], data[s, 2]
+                pairs = decode_result_pairs(tok)
                 if not valid:
                     self.live.discard(s)
+                elif not pairs:  # the held marker: the request ended at its last token
+                    self.live.discard(s)
+                    self.held.add(s)
                 else:
-                    self.out[s] += decode_result_pairs(tok)
+                    self.out[s] += pairs
 
 
 def test_greedy_continuous_batching_equals_reference(engine, ref_logits):
@@ -165,7 +170,7 @@ def test_stop_ids_emit_the_stop_token_then_end(engine, ref_logits):
     r.insert(6, pinput("st", p, max_tokens=10, temperature=0.0, stop_ids=(stop,)))
     r.step(11)
     want = full[: full.index(stop) + 1]
-    assert [t for t, _ in r.out[6]] == want and 6 not in r.live
+    assert [t for t, _ in r.out[6]] == want and 6 in r.held
 
 
 def test_existing_prefix_is_reused_not_recomputed(engine, ref_logits):
@@ -176,7 +181,8 @@ def test_existing_prefix_is_reused_not_recomputed(engine, ref_logits):
     r.insert(7, pinput("t1", p1, max_tokens=8, temperature=0.0))
     r.step(9)
     out1 = [t for t, _ in r.out[7]]
-    snap = engine.snapshot("t1")
+    assert 7 in r.held  # ended by max_tokens: the slot is held for the backend
+    snap = engine.release("t1", snapshot=True)
     r.ds = engine._service(r.ds)  # what the generate thread does at its next step
     block = snap.result(timeout=30).kv
     assert block.length == len(p1) + len(out1) - 1

@@ -19,12 +19,19 @@ slot by one token. This engine adds, without leaving that contract:
   of the same conversation, or a live call exported from another cell); only the
   remaining tokens are run through the model. ``prefill_tokens`` counts exactly
   the tokens that were.
-* commands from other threads (export / snapshot / stop a request's slot) are
+* commands from other threads (export / release / stop a request's slot) are
   queued and executed on JetStream's generate thread at the start of the next
   ``insert`` or ``generate``, the only thread that owns the decode state.
 * exceptions never escape into JetStream's threads (its JetThread SIGKILLs the
   process): a failing prefill fails that request only, a failing step fails the
   requests then in the batch; ``pop_error`` reports them to the backend.
+
+Held slots: JetStream frees a slot one step after it reports an invalid token.
+A request that ends by a stop id or max_tokens instead stays "held": its slot
+reports the marker HELD_MARK (valid, skipped by the backend) each step until the
+backend sends ``release`` (optionally copying the KV out for its prefix cache
+first). The generate thread is therefore still stepping when the release comes,
+so the copy is taken at once and never races a new request into the slot.
 
 Slot convention: a slot holds the KV of seq[:-1] (seq = prompt + tokens generated
 so far) and feeds seq[-1] at the next step, so the first generated token and its
@@ -56,6 +63,8 @@ from gyre_jax.serving.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 16
+HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
+MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps
 
 
 class ParamsRef:
@@ -114,14 +123,16 @@ class DecodeState:
     temperature_S: jax.Array
     top_p_S: jax.Array
     stop_SxN: jax.Array
-    active_S: jax.Array
+    active_S: jax.Array  # generating
+    held_S: jax.Array  # finished, slot kept until the backend releases it (see "Held slots")
+    hold_steps_S: jax.Array
 
 
 def decode_result_pairs(token_ids) -> list[tuple[int, float]]:
-    """[tok, lp_bits, tok, lp_bits, ...] from JetStream -> [(tok, logprob), ...]."""
+    """[tok, lp_bits, tok, lp_bits, ...] from JetStream -> [(tok, logprob), ...] (held markers dropped)."""
     arr = np.asarray(token_ids, dtype=np.int32).reshape(-1, 2)
     lps = arr[:, 1].copy().view(np.float32)
-    return [(int(t), float(lp)) for t, lp in zip(arr[:, 0], lps)]
+    return [(int(t), float(lp)) for t, lp in zip(arr[:, 0], lps) if t != HELD_MARK]
 
 
 class _JetStreamTokenizer(tokenizer_api.Tokenizer):
@@ -166,7 +177,7 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
     rep = NamedSharding(mesh, PartitionSpec())
     cache_s = NamedSharding(mesh, PartitionSpec(None, sl, None, kvh))
     blk = NamedSharding(mesh, PartitionSpec(None, None, kvh))
-    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 8))
+    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
 
     def prefill_new(params, tokens_T, n):
@@ -194,10 +205,11 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
             cache=cache, next_tok_S=ds.next_tok_S.at[slot].set(si[1]), generated_S=ds.generated_S.at[slot].set(si[2]),
             max_tokens_S=ds.max_tokens_S.at[slot].set(si[3]), seed_S=ds.seed_S.at[slot].set(si[4]),
             temperature_S=ds.temperature_S.at[slot].set(sf[0]), top_p_S=ds.top_p_S.at[slot].set(sf[1]),
-            stop_SxN=ds.stop_SxN.at[slot].set(stop_N), active_S=ds.active_S.at[slot].set(True))
+            stop_SxN=ds.stop_SxN.at[slot].set(stop_N), active_S=ds.active_S.at[slot].set(True),
+            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0))
 
-    def set_active(ds, slot, value):
-        return ds.replace(active_S=ds.active_S.at[slot].set(value))
+    def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
+        return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
 
     def generate(params, ds):
         logits, cache = mdecode.decode_step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S)
@@ -206,12 +218,16 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
         gen_S = ds.generated_S + act_S.astype(jnp.int32)
         stop_S = jnp.any(tok_S[:, None] == ds.stop_SxN, axis=1)
         # Keep one spare cache entry: a finished slot's dummy writes land there.
-        done_S = stop_S | (gen_S >= ds.max_tokens_S) | (cache.lengths >= m - 1)
-        valid_S = act_S.astype(jnp.int32)
+        full_S = cache.lengths >= m - 1
+        ended_S = act_S & (stop_S | (gen_S >= ds.max_tokens_S) | full_S)
+        still_held_S = ds.held_S & (ds.hold_steps_S < MAX_HOLD_STEPS)
+        valid_S = (act_S | still_held_S).astype(jnp.int32)
+        out_S = jnp.where(act_S, tok_S, HELD_MARK)
         lp_bits_S = jax.lax.bitcast_convert_type(-jnp.abs(lp_S), jnp.int32)
-        data = jnp.stack([tok_S, lp_bits_S, valid_S, valid_S, gen_S], axis=1)
+        data = jnp.stack([out_S, lp_bits_S, valid_S, valid_S, gen_S], axis=1)
         new = ds.replace(cache=cache, next_tok_S=jnp.where(act_S, tok_S, ds.next_tok_S), generated_S=gen_S,
-                         active_S=act_S & ~done_S)
+                         active_S=act_S & ~ended_S, held_S=still_held_S | (ended_S & ~full_S),
+                         hold_steps_S=jnp.where(still_held_S, ds.hold_steps_S + 1, 0))
         return new, data
 
     def export_slot(ds, slot, lb):
@@ -224,15 +240,15 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
     out["prefill_on"] = jax.jit(prefill_on, out_shardings=(blk, blk))
     out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
-    out["set_active"] = jax.jit(set_active, donate_argnums=0, out_shardings=ds_s)
+    out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
     out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
     out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
 
     def make_state():
         z = jnp.zeros((slots,), jnp.int32)
+        f = jnp.zeros((slots,), bool)
         return DecodeState(mdecode.init_cache(cfg, slots, m), z, z, z, z, jnp.zeros((slots,), jnp.float32),
-                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
-                           jnp.zeros((slots,), bool))
+                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z)
 
     out["make_state"] = jax.jit(make_state, out_shardings=ds_s)
     return out
@@ -371,7 +387,7 @@ class GyreEngine(engine_api.Engine):
             self._cancelled.discard(rid)
         try:
             if dead:
-                return self._set_active(decode_state, np.int32(slot), False)
+                return self._stop_slot(decode_state, np.int32(slot))
             return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
                                 np.int32(slot))
         except Exception as e:  # noqa: BLE001
@@ -443,13 +459,14 @@ class GyreEngine(engine_api.Engine):
             self._commands.put(("export" if export else "stop", request_id, fut))
             return fut
 
-    def snapshot(self, request_id: str) -> concurrent.futures.Future | None:
-        """KV of a finished request's slot (for the prefix cache), if still there."""
+    def release(self, request_id: str, *, snapshot: bool) -> concurrent.futures.Future | None:
+        """Free a finished request's held slot; with ``snapshot``, first copy out its
+        KV (an ExportedSlot, for the prefix cache). None if it holds no slot."""
         with self._lock:
             if request_id not in self._owner_slot:
                 return None
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("snapshot", request_id, fut))
+            self._commands.put(("release_snapshot" if snapshot else "release", request_id, fut))
             return fut
 
     def pop_error(self, request_id: str) -> str | None:
@@ -474,20 +491,17 @@ class GyreEngine(engine_api.Engine):
                 if slot is None:
                     fut.set_result(None)
                     continue
-                active, length, generated = (int(x) for x in jax.device_get(
-                    (ds.active_S[slot], ds.cache.lengths[slot], ds.generated_S[slot])))
-                if kind == "stop":
-                    if active:
-                        ds = self._set_active(ds, np.int32(slot), False)
-                    fut.set_result(bool(active) or None)
-                    continue
-                if kind == "export" and not active:
-                    fut.set_result(None)
-                    continue
-                k, v = self._export(ds, np.int32(slot), self.bucket(length))
-                if kind == "export":
-                    ds = self._set_active(ds, np.int32(slot), False)
-                fut.set_result(ExportedSlot(KVBlock(k, v, length), generated))
+                active, held, length, generated = (int(x) for x in jax.device_get(
+                    (ds.active_S[slot], ds.held_S[slot], ds.cache.lengths[slot], ds.generated_S[slot])))
+                result = None
+                if kind == "export" and active or kind == "release_snapshot" and held:
+                    k, v = self._export(ds, np.int32(slot), self.bucket(length))
+                    result = ExportedSlot(KVBlock(k, v, length), generated)
+                elif kind in ("stop", "release"):
+                    result = True if (active or held) else None
+                if active or held:
+                    ds = self._stop_slot(ds, np.int32(slot))
+                fut.set_result(result)
             except Exception as e:  # noqa: BLE001
                 log.exception("%s: %s of %s failed", self.name, kind, rid)
                 fut.set_exception(e)

@@ -120,8 +120,8 @@ class _Stream(TokenStream):
             self.resume = ResumeState(prompt_ids=self._req.prompt_ids, output_ids=np.asarray(self.tokens, np.int32),
                                       output_logprobs=np.asarray(self.logprobs, np.float32), kv=kv,
                                       source=self._b.name)
-        elif finish in ("stop", "length") and self._req.cache_key:
-            self._b._remember(self._req, self.tokens)
+        elif finish in ("stop", "length"):
+            self._b._release(self._req, self.tokens)
 
 
 class JetStreamBackend(Backend):
@@ -142,6 +142,7 @@ class JetStreamBackend(Backend):
         self._cache: collections.OrderedDict[str, tuple[np.ndarray, KVBlock]] = collections.OrderedDict()
         self._cache_entries, self._min_cached = prefix_cache_entries, min_cached_prefix
         self._counts = collections.Counter()
+        self._pending: set[asyncio.Future] = set()
         self._closed = False
 
     @property
@@ -217,20 +218,27 @@ class JetStreamBackend(Backend):
         return True
 
     # ---- prefix cache (multi-turn calls of one agent reuse their KV) ----------------
-    def _remember(self, req: GenerateRequest, tokens: list[int]) -> None:
-        fut = self.engine.snapshot(req.request_id)
-        if fut is None:
+    def _release(self, req: GenerateRequest, tokens: list[int]) -> None:
+        """Free the finished call's held slot, keeping its KV if it has a cache key."""
+        fut = self.engine.release(req.request_id, snapshot=bool(req.cache_key))
+        if fut is None or not req.cache_key:
             return
         seq = np.concatenate([req.prompt_ids, np.asarray(tokens, np.int32)])
-        loop = asyncio.get_running_loop()
+        afut = asyncio.wrap_future(fut)
+        self._pending.add(afut)
 
         def done(f):
-            if f.cancelled() or f.exception() is not None or f.result() is None:
-                return
-            kv = f.result().kv
-            loop.call_soon_threadsafe(self._store, req.cache_key, seq[: kv.length], kv)
+            self._pending.discard(f)
+            if not f.cancelled() and f.exception() is None and f.result() is not None:
+                kv = f.result().kv
+                self._store(req.cache_key, seq[: kv.length], kv)
 
-        fut.add_done_callback(done)
+        afut.add_done_callback(done)
+
+    async def settle(self) -> None:
+        """Wait until every finished call's KV is in the prefix cache (tests, benchmarks)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     def _store(self, key: str, seq: np.ndarray, kv: KVBlock) -> None:
         self._cache[key] = (seq, kv)

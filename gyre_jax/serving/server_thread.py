@@ -57,6 +57,10 @@ class ServerThread:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    async def run_async(self, coro):
+        """Await, from another event loop, a coroutine run on the server's loop."""
+        return await asyncio.wrap_future(self.submit(coro))
+
     def stop(self, timeout: float = 60.0) -> None:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)

@@ -10,12 +10,14 @@ it counts no prefill tokens, a recompute counts them all (``stats``).
 
 Fault injection: ``fail_when(request) -> bool`` makes that call raise
 EngineError at its first token; ``fail_imports`` makes every KV import fail.
+``on_export(request_id)`` is called after each export and ``before_token(request,
+n)`` is awaited before each token (to sequence tests, e.g. hold a call open).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -47,6 +49,8 @@ class _FakeStream(TokenStream):
 
     async def __anext__(self) -> TokenEvent:
         await asyncio.sleep(0)  # one scheduling point per token, like a decode step
+        if self._b.before_token is not None and self._state == "running":
+            await self._b.before_token(self._req, len(self.tokens))
         if self._fail or self._fail_import:
             self._end("error")
             raise EngineError(f"{self._b.name}: injected failure for {self.request_id}")
@@ -85,9 +89,11 @@ class FakeBackend(Backend):
     def __init__(self, name: str, *, vocab_size: int = 272, capacity: int = 8, max_context: int = 512,
                  script: Callable[[Sequence[int]], int] = default_script,
                  fail_when: Callable[[GenerateRequest], bool] | None = None, fail_imports: bool = False,
-                 policy_version: int = 0):
+                 policy_version: int = 0, on_export: Callable[[str], None] | None = None,
+                 before_token: Callable[[GenerateRequest, int], Awaitable[None]] | None = None):
         self.name, self.vocab_size, self.capacity, self.max_context = name, vocab_size, capacity, max_context
-        self.script, self.fail_when, self.fail_imports = script, fail_when, fail_imports
+        self.script, self.fail_when, self.fail_imports, self.on_export = script, fail_when, fail_imports, on_export
+        self.before_token = before_token
         self._version = policy_version
         self._live: dict[str, _FakeStream] = {}
         self.counters: collections.Counter = collections.Counter()
@@ -116,6 +122,8 @@ class FakeBackend(Backend):
             return False
         s._state = "moved"
         self.counters["exported"] += 1
+        if self.on_export is not None:
+            self.on_export(request_id)
         return True
 
     def num_active(self) -> int:
