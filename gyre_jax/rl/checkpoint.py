@@ -37,6 +37,23 @@ Why "no finished rollout lost, none trained twice" holds across a crash
     it when every item is written; ``latest_step`` only sees finalized steps, and
     the temporary directories of a killed save are removed on the next open.
 
+The loop's protocol (what the resume test in tests/test_checkpoint_resume.py runs)::
+
+    ck = Checkpointer(CheckpointConfig(directory=f"{workdir}/ckpt"))
+    r = ck.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
+                          data_iterator=it)        # None on a fresh run
+    if r: state, rng, start = r.train_state, r.rng, r.step; buffer = resume_store(store, r)
+    metrics = MetricsWriter(workdir, purge_step=start)   # hides the crashed attempt's steps
+    for step in range(start, num_steps):
+        buffer += newly finished rollout ids (already durable in the store)
+        take, buffer = pick(buffer)                 # what this update trains on
+        state = train(state, take)
+        store.mark_trained(take, step=step)         # after the update, before the save
+        ck.save(step + 1, train_state=state, rng=rng, store_cursor=store.cursor_state(),
+                buffer=buffer, data_iterator=it, meta={...})
+
+``restored.step`` is the number of completed steps (the next step to run).
+
 Keep ``max_to_keep >= 2`` when saving asynchronously: the previous checkpoint
 must survive until the next one is finalized (Orbax deletes only after that).
 """
