@@ -15,8 +15,11 @@ dispatch until the target cell holds every byte:
                to the same sharding on the satellite's 4 devices in one batched
                device_put. Same bytes, same devices, no layout change: the limit.
 
-Times are medians over --repeats after a first move, which is shown apart
-(it includes one-time work such as compiling the slices of a reshard). copy_gbps uses
+Each kind of move runs in blocks of --repeats, the kinds alternating over
+--rounds; times are medians over all blocks. The first move of each kind is
+shown apart (it includes one-time work such as compiling the slices of a
+reshard). Each role-switch move starts with the cell holding
+nothing for its old role, as in a real switch (the plain copy likewise). copy_gbps uses
 the slower of the two moves: param_bytes / max(to_train_s, to_rollout_s).
 Target: copy_gbps >= 0.5 * plain_copy_gbps.
 
@@ -62,27 +65,18 @@ def parse_args(argv=None):
     p.add_argument("--n_kv_heads", type=int, default=4, help="must divide by the serving tensor degree (4)")
     p.add_argument("--head_dim", type=int, default=64)
     p.add_argument("--d_ff", type=int, default=2816)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=5, help="timed moves per block")
+    p.add_argument("--rounds", type=int, default=3, help="blocks of each kind, alternating")
     return p.parse_args(argv)
 
 
-def timed(fn, repeats):
-    """(first call s, median s, min s) of ``fn()``, which blocks until done.
-
-    The first call includes one-time work (e.g. compiling the slicing a reshard
-    uses); the median and min are over ``repeats`` later calls.
-    """
+def timed(fn):
+    """Seconds of ``fn()``, which blocks until its copy is complete; the copy is dropped after."""
     t0 = time.perf_counter()
     out = fn()
-    first = time.perf_counter() - t0
+    dt = time.perf_counter() - t0
     del out
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-        del out
-    return first, statistics.median(ts), min(ts)
+    return dt
 
 
 def main(argv=None):
@@ -113,16 +107,6 @@ def main(argv=None):
     print(f"model: {param_bytes / 1e6:.0f} MB in {n_leaves} arrays, born sharded on the core "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    version = [0]
-
-    def publish(role):
-        version[0] += 1
-        return publisher.publish(params, version[0], sat, role).params
-
-    to_train_first, to_train_s, to_train_min = timed(lambda: publish(Role.TRAIN), args.repeats)
-    to_rollout_first, to_rollout_s, to_rollout_min = timed(lambda: publish(Role.ROLLOUT), args.repeats)
-    publisher.forget(sat)
-
     # The limit: the same bytes as plain float32 arrays of 64 MB (16 MB per shard, about
     # the params' shard sizes, so both sides see the same allocator behaviour), same
     # sharding on both sides, copied in one batched device_put.
@@ -137,18 +121,48 @@ def main(argv=None):
     src = jax.block_until_ready(src)
     dst_sharding = NamedSharding(sat.train_mesh, P("fsdp"))
     plain_bytes = sum(x.size * 4 for x in src)
-    plain_first, plain_s, plain_min = timed(lambda: jax.block_until_ready(jax.device_put(src, dst_sharding)), args.repeats)
+
+    version = [0]
+
+    def switch(role):
+        # A role switch: the cell has already dropped what it held for its old role
+        # (publisher.forget, outside the timing, as for the plain copy's del).
+        version[0] += 1
+        return publisher.publish(params, version[0], sat, role).params
+
+    moves = {
+        "plain": lambda: jax.block_until_ready(jax.device_put(src, dst_sharding)),
+        "to_train": lambda: switch(Role.TRAIN),
+        "to_rollout": lambda: switch(Role.ROLLOUT),
+    }
+    # Blocks of --repeats moves of one kind (the allocator settles into each pattern),
+    # the three kinds alternating over --rounds so load changes on a shared machine hit
+    # all alike. The very first move of each kind includes one-time work (compiling the
+    # slices of a reshard) and is shown apart; so is each block's settling move.
+    times: dict[str, list[float]] = {k: [] for k in moves}
+    first: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, fn in moves.items():
+            publisher.forget(sat)
+            dt = timed(fn)
+            first.setdefault(name, dt)
+            for _ in range(args.repeats):
+                publisher.forget(sat)
+                times[name].append(timed(fn))
+    publisher.forget(sat)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mins = {k: min(v) for k, v in times.items()}
+    to_train_s, to_rollout_s, plain_s = med["to_train"], med["to_rollout"], med["plain"]
 
     gb = 1e9
     rows_out = [
-        ("to_train (rollout->train)", "train fsdp=4 -> train fsdp=4", param_bytes, to_train_first, to_train_s, to_train_min),
-        ("to_rollout (train->rollout)", "train fsdp=4 -> serve tensor=4", param_bytes, to_rollout_first, to_rollout_s,
-         to_rollout_min),
-        ("plain device-to-device copy", f"{len(src)} arrays, same sharding", plain_bytes, plain_first, plain_s, plain_min),
+        ("to_train (rollout->train)", "train fsdp=4 -> train fsdp=4", param_bytes, "to_train"),
+        ("to_rollout (train->rollout)", "train fsdp=4 -> serve tensor=4", param_bytes, "to_rollout"),
+        ("plain device-to-device copy", f"{len(src)} arrays, same sharding", plain_bytes, "plain"),
     ]
     print(f"\n{'move':30s} {'layouts':34s} {'MB':>7s} {'first s':>8s} {'median s':>9s} {'min s':>7s} {'GB/s':>6s}")
-    for name, lay, b, f, s, m in rows_out:
-        print(f"{name:30s} {lay:34s} {b / 1e6:7.1f} {f:8.3f} {s:9.4f} {m:7.4f} {b / s / gb:6.2f}")
+    for name, lay, b, k in rows_out:
+        print(f"{name:30s} {lay:34s} {b / 1e6:7.1f} {first[k]:8.3f} {med[k]:9.4f} {mins[k]:7.4f} {b / med[k] / gb:6.2f}")
     copy_gbps = param_bytes / max(to_train_s, to_rollout_s) / gb
     plain_gbps = plain_bytes / plain_s / gb
     ratio = copy_gbps / plain_gbps
@@ -161,8 +175,8 @@ def main(argv=None):
         "copy_gbps": round(copy_gbps, 3),
         "plain_copy_gbps": round(plain_gbps, 3),
         "ratio": round(ratio, 3),
-        "to_train_first_s": round(to_train_first, 4),
-        "to_rollout_first_s": round(to_rollout_first, 4),
+        "to_train_first_s": round(first["to_train"], 4),
+        "to_rollout_first_s": round(first["to_rollout"], 4),
         "n_arrays": n_leaves,
         "devices_per_cell": 4,
     }))
