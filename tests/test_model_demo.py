@@ -1,9 +1,9 @@
-"""The demo job trains: a shrunken config through the real launcher's job table."""
+"""The synthetic training job trains: a shrunken config through the real launcher's job table."""
 import json
 
 import pytest
 
-from configs import demo as demo_config
+from configs import synthetic_train as demo_config
 from gyre_jax import jobs
 
 

@@ -1,0 +1,136 @@
+"""Supervised warm start on scripted demonstrations (before RL).
+
+A randomly initialised byte-level model never writes a well-formed tool call, so
+RL from scratch would see reward 0 everywhere and learn nothing in a CPU demo.
+We replay each task's ideal actions through the real agent loop
+(``gyre_jax.agents.demos``), render every assistant turn's prompt exactly as the
+proxy does (``serving.api_openai.parse_chat`` -> the same chat template), and
+train the assistant tokens (text, tool-call tokens, then ``<|im_end|>``) with the
+plain token NLL, weighted by the counting rule (``binpack.pack_trees``).
+
+Host side: ``demo_examples`` (tasks -> (prompt_ids, target_ids)). Device side: one
+jitted step on the default device; the caller lays the result out on the cells.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gyre_jax.agents.config import HarnessConfig
+from gyre_jax.agents.demos import demonstration
+from gyre_jax.agents.tasks.base import Task
+from gyre_jax.losses import token_logprobs
+from gyre_jax.model import ModelConfig, Transformer
+from gyre_jax.serving.api_openai import parse_chat
+from gyre_jax.serving.tokenizer import Tokenizer
+from gyre_jax.trajectory.binpack import pack_trees
+from gyre_jax.trajectory.node import TreeNode
+
+log = logging.getLogger(__name__)
+_KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_weights", "loss_mask")
+
+
+def assistant_ids(message: dict, tok: Tokenizer) -> list[int]:
+    """What the model generates for an assistant message: text, tool-call tokens, end of turn."""
+    ids = tok.encode(message.get("content") or "")
+    for tc in message.get("tool_calls") or ():
+        fn = tc.get("function", tc)
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            import json
+
+            args = json.loads(args)
+        ids += tok.render_tool_call({"name": fn["name"], "arguments": args, "id": tc.get("id") or ""})
+    return ids + [tok.special["<|im_end|>"]]
+
+
+def demo_examples(tasks: Sequence[Task], harness: HarnessConfig, tok: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt_ids, target_ids) per assistant turn of each task's scripted demonstration."""
+    out = []
+    for task in tasks:
+        demo = demonstration(task, harness, text_format=not harness.send_tools_schema)
+        for k, m in enumerate(demo.messages):
+            if m["role"] != "assistant":
+                continue
+            body = {"model": harness.model, "messages": demo.messages[:k], "max_tokens": 1}
+            if demo.tools:
+                body["tools"] = demo.tools
+            prompt = parse_chat(body, tok).prompt_ids
+            out.append((np.asarray(prompt, np.int32), np.asarray(assistant_ids(m, tok), np.int32)))
+    return out
+
+
+def _batch(examples, order, start: int, rows: int, row_len: int):
+    """Examples from ``order[start:]`` packed into exactly ``rows`` rows; (arrays, next start)."""
+    trees, used, i = [], 0, start
+    budget = int(0.9 * rows * row_len)
+    while True:
+        p, t = examples[order[i % len(order)]]
+        n = len(p) + len(t)
+        if n > row_len:
+            raise ValueError(f"sft: a demonstration needs {n} tokens > row_len={row_len}")
+        if trees and used + n > budget:
+            break
+        trees.append(TreeNode.span(p, children=[TreeNode.span(t, trainable=True)]))
+        used += n
+        i += 1
+    while True:
+        packed = pack_trees(trees, [0.0] * len(trees), row_len, min_rows=rows)
+        if packed.rows.tokens.shape[0] <= rows or len(trees) == 1:
+            break
+        trees.pop()
+        i -= 1
+    return {k: getattr(packed.rows, k) for k in _KEYS}, i
+
+
+def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> Callable:
+    model = Transformer(model_cfg)
+
+    def loss_fn(params, b):
+        logits = model.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["subtree_end"])
+        logp = token_logprobs(logits, b["targets"])
+        correct = (jnp.argmax(logits, -1) == b["targets"]) & b["loss_mask"]
+        return -jnp.sum(b["loss_weights"] * logp), jnp.sum(correct) / jnp.maximum(jnp.sum(b["loss_mask"]), 1)
+
+    def step(params, opt_state, b):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "accuracy": acc}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def warm_start(params, model_cfg: ModelConfig, examples, *, steps: int, rows: int, row_len: int,
+               learning_rate: float, seed: int, progress: bool = True) -> tuple[object, list[dict]]:
+    """``steps`` supervised updates on ``examples``; returns (params, per-step metrics)."""
+    if steps == 0:
+        return params, []
+    from tqdm.auto import tqdm
+
+    sched = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 10), steps, learning_rate * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sched))
+    params = jax.tree.map(lambda x: x.copy(), params)  # the caller's copy is not donated
+    opt_state = tx.init(params)
+    step = make_sft_step(model_cfg, tx)
+    order = np.random.default_rng(seed).permutation(len(examples))
+    history, start, pending, t0 = [], 0, None, time.perf_counter()
+    bar = tqdm(total=steps, desc="sft warm start", unit="step", disable=not progress)
+    for s in range(steps):
+        b, start = _batch(examples, order, start, rows, row_len)
+        params, opt_state, m = step(params, opt_state, b)
+        if pending is not None:  # read one step late so the host packs while the device runs
+            history.append({k: float(v) for k, v in jax.device_get(pending).items()})
+            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['accuracy']:.2f}")
+        bar.update(1)
+        pending = m
+    history.append({k: float(v) for k, v in jax.device_get(pending).items()})
+    bar.close()
+    log.info("sft: %d steps in %.1fs, loss %.3f -> %.3f", steps, time.perf_counter() - t0, history[0]["loss"],
+             history[-1]["loss"])
+    return params, history

@@ -1,0 +1,129 @@
+"""Injected faults for RL-loop tests: a crashing grader, a stalled rollout, an engine error.
+
+``RLFaults(FaultConfig)`` marks every k-th launched rollout (1-based, counted by
+the launcher) with a fault and wraps each serving backend so the marks take effect
+inside the real proxy/engine path:
+
+* grader crash: the task's grader is replaced by :func:`crashing_grader` (runs in
+  the grader subprocess and raises) -> ``verifier_error``, never a score;
+* timeout: the rollout's model calls stall until the harness deadline cancels
+  them; its workspace starts with half of the expected answer, so grading the
+  kept workspace gives partial credit -> ``timeout`` with 0 < score < 1;
+* engine error: the rollout's first model call fails with ``EngineError`` at its
+  first token (the proxy answers 500 for that call only); the harness retries and
+  the rollout completes -> counted in the proxy's ``engine_errors`` and the
+  rollout's ``retries``.
+
+Calls are tied to rollouts by the proxy's ``cache_key`` (``run/rollout/agent``).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+from gyre_jax.serving.backend import Backend, EngineError, GenerateRequest, TokenStream
+
+
+def crashing_grader(task, workspace):
+    raise RuntimeError(f"injected grader crash for {task.task_id}")
+
+
+def _rollout_of(request: GenerateRequest) -> str | None:
+    key = request.cache_key or ""
+    parts = key.split("/")
+    return parts[1] if len(parts) == 3 else None
+
+
+class RLFaults:
+    def __init__(self, config):
+        self.config = config
+        self._lock = threading.Lock()
+        self.stall: set[str] = set()
+        self.error_once: set[str] = set()
+        self.injected = {"grader_crash": 0, "timeout": 0, "engine_error": 0}
+
+    def apply(self, request, launcher):
+        """Mark ``request`` (a RolloutRequest) if its number is due; returns the request to run."""
+        n = launcher.next_rollout_number()
+        cfg, task = self.config, request.task
+        with self._lock:
+            if cfg.grader_crash_every and n % cfg.grader_crash_every == 0:
+                task = dataclasses.replace(task, grader="gyre_jax.testing.fake_rl_faults:crashing_grader")
+                self.injected["grader_crash"] += 1
+            elif cfg.timeout_every and n % cfg.timeout_every == 0:
+                expected = str(task.params.get("expected", ""))
+                partial = expected[: max(1, len(expected) // 2)]
+                task = dataclasses.replace(task, setup_files={**task.setup_files, "answer.txt": partial})
+                self.stall.add(request.rollout_id)
+                self.injected["timeout"] += 1
+            elif cfg.engine_error_every and n % cfg.engine_error_every == 0:
+                self.error_once.add(request.rollout_id)
+                self.injected["engine_error"] += 1
+        return dataclasses.replace(request, task=task)
+
+    def take_error(self, rollout: str | None) -> bool:
+        with self._lock:
+            if rollout in self.error_once:
+                self.error_once.discard(rollout)
+                return True
+            return False
+
+    def wrap(self, backend: Backend) -> "FaultyBackend":
+        return FaultyBackend(backend, self)
+
+
+class _FaultStream(TokenStream):
+    def __init__(self, inner: TokenStream | None, request_id: str, mode: str | None):
+        self._inner, self.request_id, self._mode = inner, request_id, mode
+        self.finish = None
+        self.resume = None
+
+    async def __anext__(self):
+        if self._mode == "error":
+            raise EngineError(f"injected engine error for request {self.request_id}")
+        if self._mode == "stall":
+            await asyncio.sleep(3600)  # cancelled when the harness deadline abandons the call
+        try:
+            ev = await self._inner.__anext__()
+        except StopAsyncIteration:
+            self.finish, self.resume = self._inner.finish, self._inner.resume
+            raise
+        return ev
+
+
+class FaultyBackend(Backend):
+    """Delegates to ``inner``; applies the faults marked for the call's rollout."""
+
+    def __init__(self, inner: Backend, faults: RLFaults):
+        self.inner, self.faults = inner, faults
+        self.name, self.max_context, self.capacity = inner.name, inner.max_context, inner.capacity
+        self.vocab_size = getattr(inner, "vocab_size", None)
+        self.engine = getattr(inner, "engine", None)
+
+    def submit(self, request: GenerateRequest) -> TokenStream:
+        rollout = _rollout_of(request)
+        if rollout in self.faults.stall:
+            return _FaultStream(None, request.request_id, "stall")
+        if self.faults.take_error(rollout):
+            return _FaultStream(None, request.request_id, "error")
+        return _FaultStream(self.inner.submit(request), request.request_id, None)
+
+    def cancel(self, request_id: str) -> None:
+        self.inner.cancel(request_id)
+
+    async def export(self, request_id: str):
+        return await self.inner.export(request_id)
+
+    def num_active(self) -> int:
+        return self.inner.num_active()
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    async def close(self) -> None:
+        await self.inner.close()
