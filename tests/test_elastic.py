@@ -374,3 +374,33 @@ def test_multi_step_mode_publishes_every_k_updates(setup):
         cells.ModeConfig(mode=cells.ONE_STEP, updates_per_publication=3)
     with pytest.raises(ValueError, match="mode must be"):
         cells.ModeConfig(mode="two_step", updates_per_publication=2)
+
+
+def test_a_satellite_can_leave_mid_step(setup, core_alone):
+    """Leaving after one micro-batch: the cell is freed early, the step is unchanged."""
+    cs, mbs = setup["cells"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    freed = []
+    go = threading.Event()  # the core waits until the satellite has left
+
+    def on_pull(cell, i):
+        if cell == 1:
+            freed.append(step.leave(cs[1]))  # from the satellite's own thread, right after its first pull
+            go.set()
+        elif not go.wait(WAIT_S):
+            raise AssertionError("pacing: satellite never pulled")
+
+    step = tr.start_step(mbs, on_pull=on_pull)
+    assert step.join(cs[1])
+    assert go.wait(WAIT_S)
+    assert freed[0].result(WAIT_S) is None  # the cell is free without waiting for the step
+    with pytest.raises(ValueError, match="cell 1 left this step"):
+        step.join(cs[1])
+    with pytest.raises(ValueError, match="cell 2 is not training in this step"):
+        step.leave(cs[2])
+    with pytest.raises(ValueError, match="core cannot leave"):
+        step.leave(cs[0])
+    rep = step.wait()
+    assert rep.cell_of.count(1) == 1 and rep.cell_of.count(0) == M - 1
+    assert max_diff(jax.device_get(tr.state.params), core_alone[1]) == 0.0
+    assert rep.loss == core_alone[0].loss

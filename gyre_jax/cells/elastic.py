@@ -7,7 +7,9 @@ version (``jax.device_put`` to its own shardings), then pulls micro-batches
 from the same queue (work-stealing, so all cells finish together), computes
 gradients with the same jitted ``grad_step`` and sends each micro-batch's
 gradient to the core (``jax.device_put`` to the core's shardings). The core
-sums them and applies the optax update once every micro-batch is in.
+sums them and applies the optax update once every micro-batch is in. A
+satellite may also ``leave`` mid-step (the scheduler wants it back for
+rollout): it stops pulling, finishes what it holds, and the others take the rest.
 
 Determinism. Gradients are summed on the core strictly in micro-batch index
 order (``acc = g0; acc = acc + g1; ...``) by one reducer, so the new params do
@@ -130,7 +132,7 @@ class ElasticTrainer:
 
 
 class ElasticStep:
-    """One step in progress. ``join`` from any thread; ``wait`` once."""
+    """One step in progress. ``join`` / ``leave`` from any thread; ``wait`` once."""
 
     def __init__(self, trainer: ElasticTrainer, mbs, on_pull, on_done):
         self._t = trainer
@@ -145,19 +147,21 @@ class ElasticStep:
         self._timeline = [(-1, 0.0, 0.0)] * len(mbs)
         self._error: BaseException | None = None
         self._closed = False
-        self._joined: set[int] = {trainer.core.index}
         self._snapshots: list[MoveStats] = []
         tv = np.concatenate([m["target_version"].ravel() for m in mbs])
         lm = np.concatenate([m["loss_mask"].ravel() for m in mbs])
         self._staleness = tuple(float(x) for x in staleness(tv, lm, trainer.version))
         self._pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="elastic")
-        self._workers = [self._pool.submit(self._guarded, self._work_loop, trainer.core, trainer._state.params)]
+        self._leaving: set[int] = set()
+        self._workers = {  # cell index -> its worker
+            trainer.core.index: self._pool.submit(self._guarded, self._work_loop, trainer.core, trainer._state.params)
+        }
         self._reducer = self._pool.submit(self._reduce)
 
     # ---- queue ---------------------------------------------------------------
-    def _pull(self) -> int | None:
+    def _pull(self, cell: Cell) -> int | None:
         with self._cv:
-            if self._error is not None or self._next >= len(self._mbs):
+            if self._error is not None or self._next >= len(self._mbs) or cell.index in self._leaving:
                 return None
             i = self._next
             self._next += 1
@@ -172,16 +176,32 @@ class ElasticStep:
         if set(cell.devices) & set(self._t.core.devices):
             raise ValueError(f"join: {cell} shares devices with the core {self._t.core}")
         with self._cv:
-            if cell.index in self._joined:
+            if cell.index in self._leaving:
+                raise ValueError(f"join: cell {cell.index} left this step; it can train again from the next one")
+            if cell.index in self._workers:
                 raise ValueError(f"join: cell {cell.index} is already training in this step (or is the core)")
             if self._closed:
                 raise RuntimeError("join: the step is already finished")
             if self._next >= len(self._mbs):
                 return False
-            self._joined.add(cell.index)
             params = self._t._state.params  # the step's version: the update waits for every worker
-            self._workers.append(self._pool.submit(self._guarded, self._satellite, cell, params))
+            self._workers[cell.index] = self._pool.submit(self._guarded, self._satellite, cell, params)
         return True
+
+    def leave(self, cell: Cell) -> concurrent.futures.Future:
+        """Stop ``cell`` pulling; it finishes (and sends) what it already pulled.
+
+        Returns a future that is done once the cell no longer works for this step,
+        e.g. so the scheduler can hand it back to rollout before the step ends.
+        The remaining micro-batches go to the cells still training.
+        """
+        with self._cv:
+            if cell.index == self._t.core.index:
+                raise ValueError("leave: the core cannot leave its own step")
+            if cell.index not in self._workers:
+                raise ValueError(f"leave: cell {cell.index} is not training in this step")
+            self._leaving.add(cell.index)
+            return self._workers[cell.index]
 
     # ---- workers -------------------------------------------------------------
     def _guarded(self, fn, *args) -> None:
@@ -216,7 +236,7 @@ class ElasticStep:
         core_ps = steps.param_shardings(self._t.core.train_mesh)
         pending: collections.deque = collections.deque()
         while True:
-            i = self._pull()
+            i = self._pull(cell)
             if i is None:
                 break
             t_pull = time.perf_counter() - self._t0
@@ -296,6 +316,6 @@ class ElasticStep:
         finally:
             with self._cv:
                 self._closed = True
-                workers = list(self._workers)
+                workers = list(self._workers.values())
             for f in workers:
                 f.result()
