@@ -179,3 +179,41 @@ def test_actions_are_always_executable(roles, running, work, mode, taken, n_read
             assert roles[a.cell] == "train" and (mode == "colocate" or a.cell != 0)
         if isinstance(a, P.TakeGroups):
             assert 0 < a.n <= min(n_ready, 4 - taken)
+
+
+def reference_takeable(s, c):
+    """Group by group, straight from the rule (independent of the policy's version-run code)."""
+    if s.update_in_progress or s.steps_done >= c.total_steps:
+        return 0
+    u, G, S, N = s.steps_done, c.groups_per_step, c.effective_staleness, c.total_steps
+    slots_left = G - s.open_step_taken
+    n = 0
+    while n < min(slots_left, len(s.ready_groups)):
+        g = s.ready_groups[n]
+        if g.version <= u - S:
+            n += 1
+            continue
+        unassigned = [v for v, k in s.running_groups for _ in range(k)] + [r.version for r in s.ready_groups[n + 1:]]
+        if all(sum(v <= w - S for v in unassigned) <= (slots_left - n - 1) + G * (w - u)
+               for w in range(u, min(N - 1, u + S) + 1)):
+            n += 1
+        else:
+            break
+    return n if c.streaming or n == slots_left else 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    u=st.integers(0, 5),
+    bound=st.integers(0, 3),
+    taken=st.integers(0, 4),
+    ready=st.lists(st.integers(0, 5), max_size=9),
+    running=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)), max_size=3, unique_by=lambda t: t[0]),
+    mode=st.sampled_from(["elastic", "elastic_no_stream"]),
+)
+def test_takeable_matches_group_by_group_reference(u, bound, taken, ready, running, mode):
+    c = cfg(mode, groups_per_step=5, staleness_bound=bound, total_steps=8)
+    s = state(steps_done=u, open_step_taken=taken, published_version=u,
+              ready_groups=tuple(P.ReadyGroup(version=min(v, u), work_s=1.0) for v in sorted(ready)),
+              running_groups=tuple(sorted((min(v, u), k) for v, k in running)))
+    assert P.takeable_groups(s, c) == reference_takeable(s, c)

@@ -35,6 +35,7 @@ Modes (baselines and ablations use the same machinery):
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from typing import Union
@@ -157,42 +158,51 @@ def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
     return ("train",) + ("rollout",) * (n_cells - 1)
 
 
-def _unassigned_by_version(state: ClusterState, skip_ready: int) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for v, n in state.running_groups:
-        counts[v] = counts.get(v, 0) + n
-    for g in state.ready_groups[skip_ready:]:
-        counts[g.version] = counts.get(g.version, 0) + 1
-    return counts
-
-
 def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
     """How many ready groups the open step may take now (oldest version first).
 
     A group of version v <= u - S must be trained in step u: always take it. Another
     group is taken only if, afterwards, for every step w in [u, u + S] the unassigned
-    groups of version <= w - S still fit in the positions left up to w.
+    groups of version <= w - S still fit in the positions left up to w. Ready groups are
+    handled a version at a time (the buffer is sorted by version), so a tick costs
+    O(versions x S), not O(ready groups).
     """
     if state.update_in_progress or state.steps_done >= config.total_steps:
         return 0
     u, G, S, N = state.steps_done, config.groups_per_step, config.effective_staleness, config.total_steps
+    ready = state.ready_groups
     slots_left = G - state.open_step_taken
-    n = 0
-    while n < slots_left and n < len(state.ready_groups):
-        g = state.ready_groups[n]
-        if g.version > u - S:
-            rest = _unassigned_by_version(state, n + 1)
-            for w in range(u, min(N - 1, u + S) + 1):
-                must = sum(c for v, c in rest.items() if v <= w - S)
-                if must > (slots_left - n - 1) + G * (w - u):
-                    break
-            else:
-                n += 1
-                continue
-            break
-        n += 1
-    if not config.streaming and n < slots_left:
+    if not config.streaming and len(ready) < slots_left:
         return 0  # without streaming a step starts only with its whole batch
+    runs: list[tuple[int, int]] = []  # (version, count) of the ready buffer, oldest first
+    i = 0
+    while i < len(ready):
+        v = ready[i].version
+        j = bisect.bisect_right(ready, v, lo=i, key=lambda g: g.version)
+        runs.append((v, j - i))
+        i = j
+    rest: dict[int, int] = dict(runs)  # unassigned groups by version (ready or running)
+    for v, c in state.running_groups:
+        rest[v] = rest.get(v, 0) + c
+    n = 0
+    for v, count in runs:
+        room = min(count, slots_left - n)
+        if v > u - S:
+            for w in range(u, min(N - 1, u + S) + 1):
+                must = sum(c for vv, c in rest.items() if vv <= w - S)
+                free = slots_left - n + G * (w - u)
+                if v <= w - S:  # taking one of these removes one `must` and one position
+                    if must > free:
+                        room = 0
+                else:  # taking j of these keeps `must` and removes j positions
+                    room = min(room, free - must)
+            room = max(room, 0)
+        n += room
+        rest[v] -= room
+        if room < count or n == slots_left:
+            break
+    if not config.streaming and n < slots_left:
+        return 0
     return n
 
 

@@ -26,7 +26,7 @@ def _train_tok_s(cell_size: int, flop_per_token: float) -> float:
 
 
 def _make(cluster: ClusterConfig, workload: WorkloadConfig, mode: str, steps: int, *, group_size: int = 8,
-          staleness: int = 2, call_merge: int = 1, accelerators: int | None = None) -> SimConfig:
+          staleness: int = 2, call_merge: int = 1, waves: int = 1, accelerators: int | None = None) -> SimConfig:
     """Shared run assumptions [assume]:
     * groups of 8 rollouts per task; staleness bound 2 (the smallest bound that allows the
       paper's reported mean staleness of 1.5);
@@ -34,7 +34,8 @@ def _make(cluster: ClusterConfig, workload: WorkloadConfig, mode: str, steps: in
       as all cells have slots (workloads.batch_filling_cluster); the paper gives no batch size;
     * the elastic policy reserves slots for the expected share of agents in a model call
       (workloads.call_duty), which a controller measures online.
-    `accelerators` rescales the cluster (same cell size); the batch follows the rule above.
+    `waves` multiplies that batch (short tasks). `accelerators` rescales the cluster (same
+    cell size); the batch follows the rule above.
     """
     if accelerators is not None:
         cluster = dataclasses.replace(cluster, accelerators=accelerators)
@@ -42,7 +43,7 @@ def _make(cluster: ClusterConfig, workload: WorkloadConfig, mode: str, steps: in
         cluster=cluster,
         workload=workload,
         policy=PolicyConfig(mode=mode, total_steps=steps, group_size=group_size, staleness_bound=staleness,
-                            groups_per_step=batch_filling_cluster(cluster, workload, group_size),
+                            groups_per_step=waves * batch_filling_cluster(cluster, workload, group_size),
                             serve_reserve=min(1.0, call_duty(workload))),
         call_merge=call_merge,
     )
@@ -73,7 +74,9 @@ def _make(cluster: ClusterConfig, workload: WorkloadConfig, mode: str, steps: in
 #   about the 90-95th percentile of an uncontended rollout.)
 def large_run(mode: str = "elastic", *, steps: int = 48, **kw) -> SimConfig:
     return _make(
-        ClusterConfig(accelerators=1024, cell_size=64, slots_per_cell=32),
+        # [assume] publish: 2.4T params, each rollout cell pulling its shard from the core over
+        # a ~400 Gb/s-per-accelerator fabric: tens of seconds; 30 s.
+        ClusterConfig(accelerators=1024, cell_size=64, slots_per_cell=32, publish_s=30.0),
         WorkloadConfig(
             name="nl2repo_2p4t",
             calls_median=120, calls_shape=0.6, calls_max=600,
@@ -105,7 +108,8 @@ def large_run(mode: str = "elastic", *, steps: int = 48, **kw) -> SimConfig:
 #   limit), decode 45 tokens/s per sequence, prefill 20K tokens/s. 12 steps (the paper
 #   gives step counts only for its ablation, 12, and the largest run, 48); 4 model calls
 #   per simulated call, as in large_run.
-_CELL_122B = ClusterConfig(accelerators=256, cell_size=16, slots_per_cell=128)
+# [assume] publish 5 s (0.24 TB of bf16 weights).
+_CELL_122B = ClusterConfig(accelerators=256, cell_size=16, slots_per_cell=128, publish_s=5.0)
 _TRAIN_122B = _train_tok_s(16, 1.3e11)
 
 
@@ -166,7 +170,9 @@ def ablation12(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
 # The paper's admitted limit: "short tasks (e.g. 30-second math problems) leave little
 # idle capacity to reclaim". [assume] one model call per rollout, ~1.2K generated
 # tokens (sigma 0.25: nearly uniform) at 45 tokens/s (~27 s), no tools, groups of 16,
-# 20 steps, the 122B cluster.
+# 20 steps, the 122B cluster. The batch is 8 waves of the cluster's slots (~16K
+# rollouts), so a step's generation lasts minutes, not one 30-second wave, as math-RL
+# runs size it (a one-wave step would spend more time switching than generating).
 def short_uniform(mode: str = "elastic", *, steps: int = 20, **kw) -> SimConfig:
     return _make(
         _CELL_122B,
@@ -174,7 +180,7 @@ def short_uniform(mode: str = "elastic", *, steps: int = 20, **kw) -> SimConfig:
                           decode_tokens_median=1200, decode_tokens_sigma=0.25,
                           context_tokens_median=300, context_tokens_sigma=0.3,
                           tool_s_median=0, tool_s_sigma=0, rollout_timeout_s=math.inf),
-        mode, steps, group_size=16, **kw,
+        mode, steps, group_size=16, waves=8, **kw,
     )
 
 

@@ -135,6 +135,7 @@ class SimCluster:
         self._g_tokens: list[float] = []
         self._running_groups: dict[int, int] = {}
         self._ready: list[tuple[int, int]] = []  # (version, gid), FIFO within version
+        self._ready_view: list[ReadyGroup] = []  # the same groups, as the policy sees them
         self._steps_done = 0
         self._taken = 0
         self._pending = 0.0
@@ -198,7 +199,7 @@ class SimCluster:
 
     def publish(self, version: int) -> None:
         self._publishing = True
-        self._push(self._now + self.config.cluster.publish_s, _PUBLISH_DONE, version, 0)
+        self._push(self._now + self.config.publish_delay_s, _PUBLISH_DONE, version, 0)
 
     def published_version(self) -> int:
         return self._published
@@ -279,13 +280,12 @@ class SimCluster:
         pending = self._pending
         if self._rate and pending > 0:
             pending = max(0.0, pending - self._rate * (self._now - self._t_work))
-        rate = self.config.workload.train_tokens_per_s_per_cell
         return TrainProgress(
             steps_done=self._steps_done,
             open_step_taken=self._taken,
             pending_work_s=pending,
             update_in_progress=self._update,
-            ready_groups=tuple(ReadyGroup(version=v, work_s=self._g_tokens[g] / rate) for v, g in self._ready),
+            ready_groups=tuple(self._ready_view),
         )
 
     def take_groups(self, n: int) -> None:
@@ -298,6 +298,7 @@ class SimCluster:
             self._staleness.append(self._steps_done - v)
             self._pending += self._g_tokens[g] / rate
         del self._ready[:n]
+        del self._ready_view[:n]
         self._taken += n
         self._reschedule()
         self._touch_train()
@@ -350,7 +351,9 @@ class SimCluster:
             self._running_groups[v] -= 1
             if not self._running_groups[v]:
                 del self._running_groups[v]
-            bisect.insort(self._ready, (v, g))
+            i = bisect.bisect(self._ready, (v, g))
+            self._ready.insert(i, (v, g))
+            self._ready_view.insert(i, ReadyGroup(version=v, work_s=self._g_tokens[g] / self.config.workload.train_tokens_per_s_per_cell))
 
     def _advance(self):
         if self._rate and self._pending > 0:

@@ -108,6 +108,12 @@ class SimConfig:
         if self.policy.mode != "colocate" and self.cluster.n_cells < 2:
             raise ValueError(f"SimConfig: mode {self.policy.mode!r} needs >= 2 cells, cluster has {self.cluster.n_cells}")
 
+    @property
+    def publish_delay_s(self) -> float:
+        """Colocate's rollout and training share devices: new weights are loaded as part of
+        its train -> rollout switch, with no broadcast; the other modes broadcast."""
+        return 0.0 if self.policy.mode == "colocate" else self.cluster.publish_s
+
     def replace(self, **kw) -> "SimConfig":
         """Override fields by dotted path: replace(**{'policy.mode': 'async'})."""
         parts: dict[str, dict] = {}

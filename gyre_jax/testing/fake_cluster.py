@@ -273,7 +273,7 @@ class FakeCellPool:
         def done():
             self._published, self._publishing = version, False
 
-        self.clock.at(self.clock.now() + self.config.cluster.publish_s, done)
+        self.clock.at(self.clock.now() + self.config.publish_delay_s, done)
 
     def published_version(self) -> int:
         return self._published
