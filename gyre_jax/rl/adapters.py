@@ -371,7 +371,6 @@ class TrainerAdapter:
         self._updating = False
         self._step = None  # ElasticStep in progress
         self._joined: set[int] = set()
-        self._step_done = threading.Condition(self._lock)
         self._q: queue.Queue = queue.Queue()
         self._latest = (trainer.version, jax.tree.map(lambda x: x.copy(), trainer.state.params))
         self.errors: list[BaseException] = []
@@ -432,9 +431,20 @@ class TrainerAdapter:
                 pass
 
     def wait_cell_free(self, cell: int) -> None:
-        with self._step_done:
-            while cell in self._joined:
-                self._step_done.wait()
+        """A satellite wanted back for rollout leaves the running step: it finishes what it
+        pulled, the core and other cells take the rest (``ElasticStep.leave``)."""
+        with self._lock:
+            step = self._step if cell in self._joined else None
+            fut = None
+            if step is not None:
+                try:
+                    fut = step.leave(self.cells[cell])
+                except ValueError:  # already done with this step
+                    fut = None
+        if fut is not None:
+            fut.result()
+        with self._lock:
+            self._joined.discard(cell)
 
     def latest_params(self):
         with self._lock:
@@ -518,7 +528,6 @@ class TrainerAdapter:
             self._latest = (version, params)
             self._step = None
             self._joined = set()
-            self._step_done.notify_all()
         if self.after_update is not None:
             self.after_update(version)  # checkpoint: before the policy may take the next step
         with self._lock:

@@ -85,6 +85,7 @@ class HarnessKnobs:
     max_retries: int = 2
     backoff_base_s: float = 0.05
     grader_timeout_s: float = 30.0
+    system_prompt: str = ""  # overrides the task's system prompt when non-empty (shorter contexts)
 
     def __post_init__(self):
         _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s"))

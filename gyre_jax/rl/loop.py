@@ -68,18 +68,16 @@ def _quiet_third_party_logs() -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
 
 
-class _Jsonl:
-    """Per-step metrics as JSON lines (flushed per step)."""
-
-    def __init__(self, path: str):
-        self._f = open(path, "a")
-
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, default=float) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
+def _scalars(rec: dict) -> dict:
+    """A step record as the metrics writer takes it: scalars and strings only."""
+    out = {}
+    for k, v in rec.items():
+        if k == "step":
+            continue
+        if isinstance(v, (list, tuple)):
+            v = ",".join(str(x) for x in v)
+        out[k] = v
+    return out
 
 
 class RLLoop:
@@ -103,7 +101,8 @@ class RLLoop:
                              context_budget_tokens=self.cfg.cells.max_len, deadline_s=h.deadline_s,
                              request_timeout_s=h.request_timeout_s, max_retries=h.max_retries,
                              backoff_base_s=h.backoff_base_s, concurrency=self.cfg.scheduler.group_size,
-                             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2)
+                             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2,
+                             system_prompt=h.system_prompt or None)
 
     def _fresh_params(self, tok):
         from gyre_jax.model import init_params
@@ -146,7 +145,8 @@ class RLLoop:
         from gyre_jax.serving.backend import GenerateRequest, SamplingParams
 
         task = self._task_fn(0)
-        body = {"model": "gyre", "max_tokens": 1, "messages": [{"role": "system", "content": task.system_prompt or ""},
+        system = self.cfg.harness.system_prompt or task.system_prompt or ""
+        body = {"model": "gyre", "max_tokens": 1, "messages": [{"role": "system", "content": system},
                                                                 {"role": "user", "content": task.prompt}]}
         prompt = parse_chat(body, tok).prompt_ids
 
@@ -190,6 +190,7 @@ class RLLoop:
         from gyre_jax.rl.adapters import (CellPoolAdapter, Launcher, LoopThread, ProxyAdapter, RealClock, Timeline,
                                           TrainerAdapter)
         from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
+        from gyre_jax.rl.metrics import MetricsWriter
         from gyre_jax.scheduler import policy as policy_lib
         from gyre_jax.scheduler.controller import Controller
         from gyre_jax.serving.engine import GyreEngine
@@ -315,12 +316,11 @@ class RLLoop:
                             next_group=max(existing, default=-1) + 1, faults=faults)
         launcher.set_launched(steps_done * s.groups_per_step + len(ready))
         controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
-        metrics = _Jsonl(os.path.join(wd, "metrics.jsonl"))
+        metrics = MetricsWriter(wd, purge_step=steps_done)  # TensorBoard events + metrics.jsonl
         print(f"rl: mode={s.mode} cells={n_cells}x{cfg.cells.cell_size} devices, roles={''.join(r[0] for r in roles)}, "
               f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {url}, "
               f"setup {t_setup - t_start:.1f}s (SFT {len(sft_history)} steps), workdir {wd}", flush=True)
 
-        t_rl = time.perf_counter()
         last = dict(t=clock.now(), gen=0, switches=0)
         step_end_s: list[float] = []
         bar = tqdm(total=cfg.steps, initial=steps_done, desc=f"rl[{s.mode}]", unit="step", disable=not cfg.progress)
@@ -330,7 +330,7 @@ class RLLoop:
                 while not steps_q.empty():
                     rec = self._step_record(steps_q.get(), clock, last, server, timeline, launcher, pool)
                     step_end_s.append(rec["time_s"])
-                    metrics.write(rec)
+                    metrics.write(rec["step"], _scalars(rec))
                     self.history.append(rec)
                     bar.update(1)
                 roles_s = "".join(">" if r.startswith("to") else r[0] for r in pool.roles())
@@ -344,11 +344,12 @@ class RLLoop:
             while not steps_q.empty():  # the last step's record
                 rec = self._step_record(steps_q.get(), clock, last, server, timeline, launcher, pool)
                 step_end_s.append(rec["time_s"])
-                metrics.write(rec)
+                metrics.write(rec["step"], _scalars(rec))
                 self.history.append(rec)
         finally:
             bar.close()
-            wall_rl = time.perf_counter() - t_rl
+            wall_rl = clock.now()
+            segments = timeline.close()
             trainer_ad.stop()
             launcher.close()
             pool.close()
@@ -357,7 +358,6 @@ class RLLoop:
             ckpt.close()
             metrics.close()
             store.close()
-        segments = timeline.close()
         return self._finish(segments, n_cells, step_end_s, wall_rl, time.perf_counter() - t_start, controller,
                             launcher, timeline, faults, server, sft_history)
 
