@@ -94,15 +94,17 @@ class Runner:
         for _ in range(n):
             self.ds, res = self.e.generate(self.e.params_ref, self.ds)
             data = np.asarray(res.data)
+            k2 = res.tokens_idx[1]  # 2 columns (token, log-prob bits) per decode step
             for s in list(self.live):
-                tok, valid = data[s, 0:2], data[s, 2]
-                pairs = decode_result_pairs(tok)
-                if not valid:
-                    self.live.discard(s)
-                elif not pairs:  # the held marker: the request ended at its last token
-                    self.live.discard(s)
-                    self.held.add(s)
-                else:
+                for j in range(0, k2, 2):
+                    pairs = decode_result_pairs(data[s, j:j + 2])
+                    if not data[s, k2 + j]:  # invalid: JetStream would free the slot
+                        self.live.discard(s)
+                        break
+                    if not pairs:  # the held marker: the request ended at its last token
+                        self.live.discard(s)
+                        self.held.add(s)
+                        break
                     self.out[s] += pairs
 
 

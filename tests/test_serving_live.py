@@ -2,7 +2,8 @@
 proxy on loopback, driven by a real HTTP client (aiohttp).
 
 Two cells: A on device 0, B tensor-parallel over devices 2-3 (another sharding,
-so a moved KV prefix really crosses devices and layouts). Outputs are checked
+so a moved KV prefix really crosses devices and layouts) and running 4 decode
+steps per generate call. Outputs are checked
 against a plain full-forward reference decode; records against the tokens.
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ def server(params, tmp_path_factory):
     eng_a = HookedEngine(CFG, params, mesh=Mesh(np.array(devs[:1]).reshape(1, 1), ("data", "tensor")),
                        max_slots=SLOTS, max_len=MAX_LEN, name="A")
     eng_b = HookedEngine(CFG, params, mesh=Mesh(np.array(devs[2:4]).reshape(1, 2), ("data", "tensor")),
-                       max_slots=SLOTS, max_len=MAX_LEN, name="B")
+                       max_slots=SLOTS, max_len=MAX_LEN, name="B", tokens_per_call=4)  # 4 decode steps per call
 
     async def build():
         router = Router([JetStreamBackend(eng_a), JetStreamBackend(eng_b)])

@@ -4,7 +4,8 @@ Supported: ``/v1/chat/completions`` (messages with system/developer/user/
 assistant/tool roles, text content parts, ``tools`` of type function, assistant
 ``tool_calls``, streaming SSE with ``stream_options.include_usage``, ``logprobs``)
 and ``/v1/completions`` (``prompt`` as a string or a list of token ids).
-Extensions: ``stop_token_ids`` (token-level stops) and ``return_token_ids``
+Extensions: ``stop_token_ids`` (token-level stops), ``ignore_eos`` (completions:
+do not stop at <|eos|>, as in vLLM) and ``return_token_ids``
 (adds ``prompt_token_ids`` / ``token_ids`` to the response, for harnesses that
 keep tokens themselves). Text ``stop`` sequences, ``n`` > 1, ``echo`` and
 ``best_of`` are refused with 400 rather than silently ignored.
@@ -27,7 +28,7 @@ _CHAT_KNOWN = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls
                "presence_penalty", "frequency_penalty"}
 _COMPLETION_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
                      "seed", "stop", "logprobs", "echo", "best_of", "user", "stop_token_ids", "return_token_ids",
-                     "presence_penalty", "frequency_penalty", "suffix"}
+                     "presence_penalty", "frequency_penalty", "suffix", "ignore_eos"}
 
 
 def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
@@ -151,7 +152,8 @@ def parse_completion(body: dict, tok: Tokenizer, vocab_size: int) -> ChatCall:
     lp = get_int(body, "logprobs", None, lo=0, hi=1)
     return ChatCall(api="openai.completions", model=c["model"], prompt_ids=np.asarray(ids, np.int32),
                     max_tokens=get_int(body, "max_tokens", 16, lo=1), temperature=c["temperature"], top_p=c["top_p"],
-                    seed=c["seed"], stop_ids=(tok.special["<|eos|>"],) + get_stop_token_ids(body, vocab_size),
+                    seed=c["seed"], stop_ids=(() if get_bool(body, "ignore_eos") else (tok.special["<|eos|>"],))
+                    + get_stop_token_ids(body, vocab_size),
                     stream=c["stream"], parse_tools=False, ignored=c["ignored"],
                     extras={"logprobs": lp is not None, "include_usage": c["include_usage"],
                             "return_token_ids": get_bool(body, "return_token_ids")})

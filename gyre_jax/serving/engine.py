@@ -39,6 +39,7 @@ log-prob come out of ``generate`` like every other one.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
 MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps
+MAX_INFLIGHT_CALLS = 2  # decode calls dispatched ahead of the device
 
 
 class ParamsRef:
@@ -167,7 +169,7 @@ class _JetStreamTokenizer(tokenizer_api.Tokenizer):
 
 
 @functools.lru_cache(maxsize=32)
-def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
+def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -> dict:
     """Jitted device functions of an engine, shared by engines with the same
     config, cache shape and mesh (so a second engine costs no compile)."""
     tp = mesh.shape.get("tensor", 1)
@@ -211,7 +213,10 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
     def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
         return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
 
-    def generate(params, ds):
+    def stop_slots(ds, mask_S):
+        return ds.replace(active_S=ds.active_S & ~mask_S, held_S=ds.held_S & ~mask_S)
+
+    def one_step(params, ds):
         logits, cache = mdecode.decode_step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S)
         tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
         act_S = ds.active_S
@@ -224,11 +229,33 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
         valid_S = (act_S | still_held_S).astype(jnp.int32)
         out_S = jnp.where(act_S, tok_S, HELD_MARK)
         lp_bits_S = jax.lax.bitcast_convert_type(-jnp.abs(lp_S), jnp.int32)
-        data = jnp.stack([out_S, lp_bits_S, valid_S, valid_S, gen_S], axis=1)
         new = ds.replace(cache=cache, next_tok_S=jnp.where(act_S, tok_S, ds.next_tok_S), generated_S=gen_S,
                          active_S=act_S & ~ended_S, held_S=still_held_S | (ended_S & ~full_S),
                          hold_steps_S=jnp.where(still_held_S, ds.hold_steps_S + 1, 0))
-        return new, data
+        return new, (out_S, lp_bits_S, valid_S)
+
+    def generate(params, ds):
+        """k_steps decode steps in one program. Per slot the result row is
+        [tok_1, lp_1, ..., tok_k, lp_k | valid x 2k | generated]: JetStream reads
+        the 2k entries as "speculative" tokens, in order, stopping at an invalid one."""
+        if k_steps == 1:
+            ds, ys = one_step(params, ds)
+            ys = tuple(y[None] for y in ys)
+        else:
+            ds, ys = jax.lax.scan(lambda d, _: one_step(params, d), ds, None, length=k_steps)
+        tok_KxS, lp_KxS, valid_KxS = ys
+        pairs_SxKx2 = jnp.stack([tok_KxS.T, lp_KxS.T], axis=-1).reshape(slots, 2 * k_steps)
+        valid_SxKx2 = jnp.repeat(valid_KxS.T, 2, axis=1)
+        # Last column (ignored by JetStream): still generating after this call.
+        return ds, jnp.concatenate([pairs_SxKx2, valid_SxKx2, ds.generated_S[:, None],
+                                    ds.active_S.astype(jnp.int32)[:, None]], axis=1)
+
+    def pause(ds):  # no decode this call: live slots report "no token", released ones are freed
+        valid_S = (ds.active_S | ds.held_S).astype(jnp.int32)
+        row = jnp.concatenate([jnp.full((slots, 2 * k_steps), HELD_MARK, jnp.int32),
+                               jnp.repeat(valid_S[:, None], 2 * k_steps, axis=1), ds.generated_S[:, None],
+                               ds.active_S.astype(jnp.int32)[:, None]], axis=1)
+        return row
 
     def export_slot(ds, slot, lb):
         sh = (cfg.n_layers, 1, lb, cfg.n_kv_heads, cfg.head_dim)
@@ -241,8 +268,10 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
     out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
     out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
+    out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
     out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
     out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
+    out["pause"] = jax.jit(pause, out_shardings=rep)
 
     def make_state():
         z = jnp.zeros((slots,), jnp.int32)
@@ -257,14 +286,25 @@ def _device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> dict:
 class GyreEngine(engine_api.Engine):
     def __init__(self, config: ModelConfig, params, *, mesh: Mesh | None = None, max_slots: int = 8,
                  max_len: int | None = None, version: int = 0, name: str = "engine",
-                 special_ids: tuple[int, int, int] = (0, 0, 0)):
+                 special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
+                 max_decode_pause_s: float = 0.1):
         """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
 
         mesh: the cell's serving mesh (axes 'data', 'tensor'); default: device 0.
         special_ids: (bos, eos, pad) reported to JetStream (informational).
+        tokens_per_call: decode steps per ``generate`` call (one jitted scan). >1
+          amortizes the per-call host work (JetStream's threads, dispatch) and the
+          cache copy of a standalone step over several tokens; tokens then reach
+          the backend, and commands (export, release) take effect, every
+          ``tokens_per_call`` steps.
+        max_decode_pause_s: how long decoding may wait for requests being
+          prefilled to join the batch (see ``generate``); 0 disables the wait.
         """
         if max_slots < 1:
             raise ValueError(f"GyreEngine.max_slots must be >= 1, got {max_slots}")
+        if tokens_per_call < 1:
+            raise ValueError(f"GyreEngine.tokens_per_call must be >= 1, got {tokens_per_call}")
+        self.tokens_per_call = int(tokens_per_call)
         self.config, self.name = config, name
         self.max_len = config.max_seq_len if max_len is None else int(max_len)
         if not 2 <= self.max_len <= config.max_seq_len:
@@ -282,13 +322,25 @@ class GyreEngine(engine_api.Engine):
         self._cancelled: set[str] = set()
         self._errors: dict[str, str] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Requests between prefill and insert, and prefills running now (see generate).
+        self._cv = threading.Condition()
+        self._awaiting_insert = 0
+        self._prefilling = 0
+        self._pause_since: float | None = None
+        # Decode calls dispatched and maybe not finished (their last column: slots
+        # still generating). At most MAX_INFLIGHT_CALLS: running further ahead of
+        # the device only delays commands and wastes steps on finished slots.
+        self._inflight: collections.deque = collections.deque()
+        self._any_active: bool | None = False  # None = unknown (a decode call is in flight)
+        self.max_decode_pause_s = float(max_decode_pause_s)
+        self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
         self._ids = itertools.count()
         self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
-                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0)
+                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0)
         self._build_jits()
 
     def _build_jits(self):
-        fns = _device_fns(self.config, self.max_len, self._slots, self._mesh)
+        fns = _device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call)
         self._ds_sharding, self._block_sharding = fns["ds_sharding"], fns["block_sharding"]
         for k, v in fns.items():
             setattr(self, "_" + k, v)
@@ -321,6 +373,10 @@ class GyreEngine(engine_api.Engine):
                                SamplingParams(max_tokens=max(1, self.max_len - n), temperature=0.0))
         if existing_prefix is not None and inp.kv is None:
             inp.kv = existing_prefix
+        with self._cv:
+            self._awaiting_insert += 1
+            self._prefilling += 1
+            self._cv.notify_all()
         try:
             with self._lock:
                 if inp.request_id in self._cancelled:
@@ -330,6 +386,10 @@ class GyreEngine(engine_api.Engine):
             log.exception("%s: prefill of %s failed", self.name, inp.request_id)
             self._fail(inp.request_id, f"prefill failed: {type(e).__name__}: {e}")
             return self._dead_prefix(inp.request_id)
+        finally:
+            with self._cv:
+                self._prefilling -= 1
+                self._cv.notify_all()
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
         t0 = time.perf_counter()
@@ -375,6 +435,8 @@ class GyreEngine(engine_api.Engine):
                       np.full((MAX_STOP_IDS,), -1, np.int32), request_id)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        with self._cv:
+            self._awaiting_insert = max(0, self._awaiting_insert - 1)
         decode_state = self._service(decode_state)
         rid = prefix.request_id
         with self._lock:
@@ -388,6 +450,7 @@ class GyreEngine(engine_api.Engine):
         try:
             if dead:
                 return self._stop_slot(decode_state, np.int32(slot))
+            self._any_active = True
             return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
                                 np.int32(slot))
         except Exception as e:  # noqa: BLE001
@@ -395,12 +458,60 @@ class GyreEngine(engine_api.Engine):
             self._fail(rid, f"insert failed: {type(e).__name__}: {e}")
             return decode_state
 
+    def _idle(self) -> bool:
+        """No slot is generating (only held or empty ones): skip the decode and
+        wait briefly for a command or an insert instead of spinning."""
+        newest = None
+        while self._inflight and self._inflight[0].is_ready():
+            newest = self._inflight.popleft()
+        if newest is not None and not self._inflight:  # the latest call is done: its flags are current
+            self._any_active = bool(np.asarray(newest)[:, -1].any())
+        if self._any_active is not False:
+            return False
+        with self._cv:
+            self._cv.wait_for(lambda: not self._commands.empty() or self._awaiting_insert > 0, timeout=0.02)
+        return True
+
+    def _should_pause(self) -> bool:
+        """Let requests being prefilled join before decoding, so a burst of
+        requests starts (and ends) together instead of one decode call apart."""
+        if self.free_slots is None or self.max_decode_pause_s <= 0:
+            return False
+        with self._cv:
+            if self._awaiting_insert == 0 or self.free_slots() == 0:
+                self._pause_since = None
+                return False
+            now = time.perf_counter()
+            if self._pause_since is None:
+                self._pause_since = now
+            if now - self._pause_since > self.max_decode_pause_s:
+                self._pause_since = None  # decode once, then prefills may pause it again
+                return False
+            # Wait (event-driven) for a running prefill; the Driver inserts it next.
+            self._cv.wait_for(lambda: self._prefilling == 0, timeout=self.max_decode_pause_s)
+            return True
+
     def generate(self, params, decode_state: DecodeState):
+        """One call = ``tokens_per_call`` decode steps for every slot, or a pause
+        (no decode, every live slot reports the held marker) while requests that
+        are being prefilled can still join the batch (``_should_pause``).
+
+        JetStream's interleaved mode already holds decoding while its prefill
+        queue is non-empty, but not while the prefill thread is computing the
+        request it just took, so without this a burst of N requests starts
+        staggered by one decode call each."""
         t0 = time.perf_counter()
         try:
             decode_state = self._service(decode_state)
+            if self._should_pause() or self._idle():
+                self.counters["decode_pauses"] += 1
+                return decode_state, self._result(self._pause(decode_state))
             p = params.value if isinstance(params, ParamsRef) else params
+            if len(self._inflight) >= MAX_INFLIGHT_CALLS:
+                jax.block_until_ready(self._inflight.popleft())
             decode_state, data = self._generate(p, decode_state)
+            self._inflight.append(data)
+            self._any_active = None
         except Exception as e:  # noqa: BLE001 - fail the batch, keep the server
             log.exception("%s: generate step failed", self.name)
             with self._lock:
@@ -408,10 +519,14 @@ class GyreEngine(engine_api.Engine):
             for rid in owners:
                 self._fail(rid, f"generate step failed: {type(e).__name__}: {e}")
             decode_state = self.init_decode_state()
-            data = np.zeros((self._slots, 5), np.int32)
-        self.counters["generate_steps"] += 1
+            data = np.zeros((self._slots, 4 * self.tokens_per_call + 2), np.int32)
+        self.counters["generate_steps"] += self.tokens_per_call
         self.counters["generate_s"] += time.perf_counter() - t0
-        return decode_state, engine_api.ResultTokens(data, (0, 2), (2, 4), (4, 5), 1)
+        return decode_state, self._result(data)
+
+    def _result(self, data) -> engine_api.ResultTokens:
+        k2 = 2 * self.tokens_per_call
+        return engine_api.ResultTokens(data, (0, k2), (k2, 2 * k2), (2 * k2, 2 * k2 + 1), 1)
 
     def get_prefix_destination_sharding(self):
         return self._block_sharding
@@ -457,7 +572,8 @@ class GyreEngine(engine_api.Engine):
                 return None
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("export" if export else "stop", request_id, fut))
-            return fut
+        self._wake()
+        return fut
 
     def release(self, request_id: str, *, snapshot: bool) -> concurrent.futures.Future | None:
         """Free a finished request's held slot; with ``snapshot``, first copy out its
@@ -467,7 +583,12 @@ class GyreEngine(engine_api.Engine):
                 return None
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("release_snapshot" if snapshot else "release", request_id, fut))
-            return fut
+        self._wake()
+        return fut
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
     def pop_error(self, request_id: str) -> str | None:
         with self._lock:
@@ -480,29 +601,45 @@ class GyreEngine(engine_api.Engine):
             self._cancelled.discard(request_id)
 
     def _service(self, ds: DecodeState) -> DecodeState:
+        """Run every queued command against ``ds`` (one host read of the slot
+        flags and one device update for the whole batch of commands)."""
+        cmds = []
         while True:
             try:
-                kind, rid, fut = self._commands.get_nowait()
+                cmds.append(self._commands.get_nowait())
             except queue.Empty:
-                return ds
+                break
+        if not cmds:
+            return ds
+        try:
+            active_S, held_S, len_S, gen_S = (np.asarray(x) for x in jax.device_get(
+                (ds.active_S, ds.held_S, ds.cache.lengths, ds.generated_S)))
+        except Exception as e:  # noqa: BLE001
+            for _, _, fut in cmds:
+                fut.set_exception(e)
+            return ds
+        stop_S = np.zeros((self._slots,), bool)
+        for kind, rid, fut in cmds:
             try:
                 with self._lock:
                     slot = self._owner_slot.get(rid)
-                if slot is None:
+                if slot is None or stop_S[slot]:
                     fut.set_result(None)
                     continue
-                active, held, length, generated = (int(x) for x in jax.device_get(
-                    (ds.active_S[slot], ds.held_S[slot], ds.cache.lengths[slot], ds.generated_S[slot])))
+                active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
                 result = None
                 if kind == "export" and active or kind == "release_snapshot" and held:
                     k, v = self._export(ds, np.int32(slot), self.bucket(length))
-                    result = ExportedSlot(KVBlock(k, v, length), generated)
+                    result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))
                 elif kind in ("stop", "release"):
                     result = True if (active or held) else None
-                if active or held:
-                    ds = self._stop_slot(ds, np.int32(slot))
+                stop_S[slot] = active or held
                 fut.set_result(result)
             except Exception as e:  # noqa: BLE001
                 log.exception("%s: %s of %s failed", self.name, kind, rid)
                 fut.set_exception(e)
-
+        if stop_S.any():
+            ds = self._stop_slots(ds, stop_S)
+        self._any_active = bool((active_S & ~stop_S).any())  # exact for ds now (the read waited for it)
+        self._inflight.clear()
+        return ds

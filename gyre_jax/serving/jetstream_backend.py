@@ -137,6 +137,8 @@ class JetStreamBackend(Backend):
         ref = engine.params_ref
         self._driver = GyreDriver(prefill_engines=[engine], generate_engines=[engine], prefill_params=[ref],
                                   generate_params=[ref], interleaved_mode=True)
+        slots_q = self._driver._generate_slots[0]  # JetStream's free-slot queue for this engine
+        engine.free_slots = slots_q.qsize
         self._live: dict[str, _Stream] = {}
         # cache_key -> (token sequence whose k/v the block holds, KVBlock); LRU.
         self._cache: collections.OrderedDict[str, tuple[np.ndarray, KVBlock]] = collections.OrderedDict()
