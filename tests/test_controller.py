@@ -52,3 +52,13 @@ def test_controller_rejects_objects_that_miss_a_protocol():
     with pytest.raises(TypeError, match="proxy.*Proxy"):
         Controller(cfg.policy, cells=fc.cells, proxy=object(), rollouts=fc.rollouts, trainer=fc.trainer,
                    clock=fc.clock)
+
+
+def test_run_loop_finishes_the_run_on_a_virtual_clock():
+    cfg = tiny_sim_config("elastic")
+    fc = fake_cluster(cfg, workloads.rollouts_for(cfg), P.initial_roles(cfg.policy, 8))
+    ctl = Controller(cfg.policy, cells=fc.cells, proxy=fc.proxy, rollouts=fc.rollouts, trainer=fc.trainer,
+                     clock=fc.clock)
+    ctl.run(poll_s=1.0, wait=lambda _s: fc.clock.advance(), max_s=1e6)
+    assert fc.trainer.steps_done == cfg.policy.total_steps
+    assert len(fc.trainer.staleness) == cfg.policy.total_steps * cfg.policy.groups_per_step

@@ -91,3 +91,23 @@ def test_presets_build_and_validate():
         workloads.ClusterConfig(accelerators=100, cell_size=64, slots_per_cell=4)
     with pytest.raises(ValueError, match="calls_dist"):
         tiny_sim_config(**{"workload.calls_dist": "zipf"})
+
+
+def test_cli_writes_report_table_and_timelines(tmp_path):
+    import json
+
+    from ml_collections import config_dict
+
+    from gyre_jax.scheduler import cli
+
+    c = config_dict.ConfigDict(dict(job="simulate", preset="deepswe", modes="colocate,elastic", steps=1,
+                                    accelerators=48, seed=0))
+    report = cli.run(c, str(tmp_path))
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["elastic_vs_colocate"] == pytest.approx(report["elastic_vs_colocate"])
+    assert set(on_disk["modes"]) == {"colocate", "elastic"}
+    assert "elastic_over_lower_bound" in (tmp_path / "report.txt").read_text()
+    for png in ("timelines.png", "timeline_colocate.png", "timeline_elastic.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+    with pytest.raises(ValueError, match="unknown fields"):
+        cli.run(config_dict.ConfigDict(dict(job="simulate", preset="deepswe", modez="elastic")), str(tmp_path))

@@ -40,6 +40,7 @@ def run_modes(name: str, modes=MODES, **kw):
         cfg = presets.get(name, mode, **kw)
         out[mode] = simulate(cfg, record_decisions=False)
         print(f"  {name:14s} {mode:18s} {out[mode].makespan_s / 3600:8.2f} h  ({out[mode].wall_s:.1f} s wall, "
+              f"{out[mode].cpu_s:.1f} s cpu, "
               f"{out[mode].events:,} events)", flush=True)
     return out
 
@@ -123,6 +124,7 @@ def main():
         "large_run_accelerators": presets.get("large_run").cluster.accelerators,
         "large_run_steps": steps["large_run"],
         "large_run_elastic_sim_wall_s": round(res["large_run"]["elastic"].wall_s, 2),
+        "large_run_elastic_sim_cpu_s": round(res["large_run"]["elastic"].cpu_s, 2),
         "bench_wall_s": round(time.perf_counter() - t0, 1),
         "quick": q,
     }

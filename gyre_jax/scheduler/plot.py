@@ -74,7 +74,7 @@ def plot_timeline(r: SimResult, path: str, *, title: str = "") -> None:
     ax3.set_ylim(0, r.n_cells + 0.5)
     h1, l1 = ax2.get_legend_handles_labels()
     h3, l3 = ax3.get_legend_handles_labels()
-    ax2.legend(h1 + h3, l1 + l3, fontsize=7, loc="upper right", ncol=4)
+    ax2.legend(h1 + h3, l1 + l3, fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     _legend(fig)
