@@ -111,3 +111,15 @@ def test_cli_writes_report_table_and_timelines(tmp_path):
         assert (tmp_path / png).stat().st_size > 10_000
     with pytest.raises(ValueError, match="unknown fields"):
         cli.run(config_dict.ConfigDict(dict(job="simulate", preset="deepswe", modez="elastic")), str(tmp_path))
+
+
+def test_lower_bound_critical_path_matches_a_per_rollout_loop():
+    from gyre_jax.scheduler.results import lower_bound
+
+    cfg = tiny_sim_config(**{"workload.rollout_timeout_s": 1e9})
+    ro = workloads.rollouts_for(cfg)
+    longest = max(sum(ro.call_s[a:b]) + sum(ro.tool_s[a:b - 1]) for a, b in zip(ro.offsets, ro.offsets[1:]))
+    lb, kind = lower_bound(cfg, ro, 0.0, 0.0)
+    assert kind == "critical_path" and lb == pytest.approx(longest + cfg.workload.optimizer_s, rel=1e-12)
+    lb, kind = lower_bound(cfg, ro, serving_slot_s=8 * 2 * 1e4, train_work_s=0.0)  # 8 cells x 2 slots busy 1e4 s
+    assert kind == "work" and lb == pytest.approx(1e4 + 6 * 2.0 / 8)
