@@ -31,7 +31,7 @@ def tiny_config(mode: str = "elastic", steps: int = 2, **faults):
     c.scheduler.update(dict(mode=mode, groups_per_step=2, group_size=4, min_work_per_switch_s=0.0))
     c.harness.update(dict(max_tokens=12, deadline_s=20.0))
     c.train.micro_batch_rows = 4  # a multiple of the cell's fsdp size (4)
-    c.sft.update(dict(steps=2, demos=8))
+    c.sft.steps = 0  # random init: the loop's mechanics, not learning (test_sft_warm_start_learns covers SFT)
     c.faults.update(faults)
     return c
 
@@ -104,11 +104,30 @@ def test_sft_prompt_is_what_the_proxy_renders():
                                                "\n<tool>finish</tool>")
 
 
+def test_sft_warm_start_learns():
+    """A few supervised steps on demonstrations lower the NLL of the scripted replies."""
+    import jax
+
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.tasks import make_task
+    from gyre_jax.model import ModelConfig, init_params
+    from gyre_jax.rl.sft import demo_examples, warm_start
+    from gyre_jax.serving.tokenizer import ByteTokenizer
+
+    mc = ModelConfig(vocab_size=272, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
+                     max_seq_len=160)
+    hc = HarnessConfig(base_url="http://x.invalid/v1", send_tools_schema=False, max_turns=1, system_prompt="Answer.")
+    examples = demo_examples([make_task("tiny", s, ops=("copy",), max_len=3) for s in range(8)], hc, ByteTokenizer())
+    params = init_params(mc, jax.random.key(0))
+    _, hist = warm_start(params, mc, examples, steps=12, rows=2, row_len=160, learning_rate=1e-2, seed=0,
+                         progress=False)
+    assert len(hist) == 12 and hist[-1]["loss"] < hist[0]["loss"] - 1.0, hist
+
+
 def test_loop_elastic_with_faults(tmp_path):
     """2 elastic steps; every class of fault injected and counted as its class."""
     c = tiny_config("elastic", grader_crash_every=5, timeout_every=7, engine_error_every=3)
     c.harness.deadline_s = 5.0  # the stalled rollouts wait this long; the others need well under 1 s
-    c.sft.steps = 0  # the warm start has its own test; skip its compile here
     summary = jobs.get(c.job)(c, str(tmp_path))
     wd = os.path.join(tmp_path, "elastic")
     lines, outs = _check_run(wd, summary, steps=2, rollouts=16)

@@ -225,7 +225,7 @@ class RLLoop:
         loss_cfg = PolicyLossConfig(eps_low=t.eps_low, eps_high=t.eps_high, entropy_coef=t.entropy_coef)
         steps = cells_lib.CellSteps(spec, policy_loss_fn(mc, loss_cfg), cells_lib.make_schedule(opt),
                                     reductions=METRIC_REDUCTIONS)
-        warm = threading.Thread(target=self._warm, args=(steps, cs), name="gyre-warm", daemon=True)
+        warm = threading.Thread(target=self._warm, args=(steps, cs), name="gyre-warm")  # joined at exit
         warm.start()  # compile every cell's training step while SFT and set-up run
         store = TrajectoryStore(os.path.join(wd, "store"), run_id=RUN_ID, config=StoreConfig(vocab_size=mc.vocab_size))
         every = cfg.checkpoint_every or cfg.steps
