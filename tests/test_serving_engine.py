@@ -10,7 +10,8 @@ import pytest
 
 from gyre_jax.model import Transformer, init_params, model_config_tiny
 from gyre_jax.serving.backend import SamplingParams
-from gyre_jax.serving.engine import GyreEngine, PrefillInput, decode_result_pairs
+from gyre_jax.serving.engine import GyreEngine
+from gyre_jax.serving.engine_state import PrefillInput, decode_result_pairs
 
 CFG = model_config_tiny(vocab_size=272, max_seq_len=256)
 SLOTS, MAX_LEN = 16, 256

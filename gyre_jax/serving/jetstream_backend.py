@@ -37,7 +37,8 @@ import numpy as np
 
 from gyre_jax.serving.backend import (Backend, EngineError, GenerateRequest, ResumeState, TokenEvent,
                                       TokenStream)
-from gyre_jax.serving.engine import ExportedSlot, GyreEngine, KVBlock, PrefillInput, decode_result_pairs
+from gyre_jax.serving.engine import GyreEngine
+from gyre_jax.serving.engine_state import ExportedSlot, KVBlock, PrefillInput, decode_result_pairs
 from gyre_jax.serving.jetstream_compat import async_multifuture, orchestrator
 
 log = logging.getLogger(__name__)

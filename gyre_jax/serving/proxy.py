@@ -8,19 +8,7 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/messages`` (+ ``/v1/messages/count_tokens``), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Tying a call to a rollout (gyre_jax.agents.protocol has the names):
-  1. Headers ``X-Gyre-Run``, ``X-Gyre-Rollout``, ``X-Gyre-Task``, ``X-Gyre-Group``,
-     ``X-Gyre-Agent``, ``X-Gyre-Parent-Agent``, ``X-Gyre-Role``, ``X-Gyre-Call``.
-  2. A per-rollout API key, for harnesses that can only set a key (Claude Code:
-     ``ANTHROPIC_API_KEY``; OpenAI SDKs: ``OPENAI_API_KEY``), sent as
-     ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Either a secret key
-     from ``Proxy.register_rollout(run, rollout, task, group)`` (works with auth
-     on), or, with auth off, the plain ``gyre:<run>:<rollout>`` form.
-  Headers win where both are present. Task/group come from headers, else from
-  the registration, else "unknown". Agent defaults to 0 and role to "main"; the
-  call index to a per-rollout counter when ``X-Gyre-Call`` is absent. With
-  ``require_binding`` off (default) an unbound call is served and recorded under
-  run ``default_run_id``, rollout ``X-Claude-Code-Session-Id`` or "unbound".
+Tying a call to a rollout: headers or a per-rollout API key (proxy_identity).
 
 Recording: each completed call is written exactly once (a ModelCallRecord: the
 prompt ids, output ids and behavior log-probs, whichever cells served it) before
@@ -56,8 +44,10 @@ from aiohttp import web
 from gyre_jax.agents import protocol as P
 from gyre_jax.serving import api_anthropic as A
 from gyre_jax.serving import api_openai as O
-from gyre_jax.serving.api_common import ApiError, AssistantStream, ChatCall, bad
+from gyre_jax.serving.api_common import ApiError, ChatCall, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
+from gyre_jax.serving.proxy_identity import Binding, authorize, resolve_binding
+from gyre_jax.serving.proxy_stream import stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
 from gyre_jax.trajectory.records import ModelCallRecord, RecordError
@@ -88,19 +78,6 @@ class ProxyConfig:
             raise ValueError(f"ProxyConfig.port={self.port} out of range")
         if self.auth_token is not None and len(self.auth_token) < 8:
             raise ValueError("ProxyConfig.auth_token must be at least 8 characters")
-
-
-@dataclasses.dataclass(frozen=True)
-class Binding:
-    run_id: str
-    rollout_id: str
-    task_id: str
-    group_id: str
-    agent_id: int
-    parent_agent_id: int | None
-    role: str
-    call_index: int | None
-    attempt: int
 
 
 class Proxy:
@@ -181,23 +158,8 @@ class Proxy:
         body = A.error_body(e) if path.startswith("/v1/messages") else O.error_body(e)
         return web.json_response(body, status=e.status)
 
-    def _presented_key(self, request: web.Request) -> str | None:
-        auth = request.headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            return auth[len("Bearer "):].strip()
-        return request.headers.get("x-api-key")
-
     def _authorize(self, request: web.Request) -> tuple[str, str] | None:
-        """Checks auth; returns (run, rollout) named by the key, if any."""
-        key = self._presented_key(request)
-        if key in self._keys:
-            return self._keys[key]
-        if self.cfg.auth_token is not None:
-            if key is None or not secrets.compare_digest(key, self.cfg.auth_token):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
-                               kind="authentication_error")
-            return None
-        return P.parse_api_key(key) if key else None
+        return authorize(request.headers, self._keys, self.cfg.auth_token)
 
     async def _json(self, request: web.Request) -> dict:
         raw = await request.read()
@@ -218,42 +180,8 @@ class Proxy:
                        kind="not_found_error", param="model")
 
     def _binding(self, request: web.Request, keyed: tuple[str, str] | None) -> Binding:
-        h = request.headers
-
-        def hint(name, default=None, lo=0):
-            v = h.get(name)
-            if v is None:
-                return default
-            try:
-                x = int(v)
-            except ValueError:
-                raise bad(f"header {name}: expected an integer, got {v!r}") from None
-            if not lo <= x < 2**31:
-                raise bad(f"header {name}: {x} out of range")
-            return x
-
-        run = h.get(P.HEADER_RUN) or (keyed[0] if keyed else None)
-        rollout = h.get(P.HEADER_ROLLOUT) or (keyed[1] if keyed else None)
-        if run is None or rollout is None:
-            if self.cfg.require_binding:
-                raise bad(f"request is not tied to a rollout: send {P.HEADER_RUN}/{P.HEADER_ROLLOUT} headers or a "
-                          "rollout API key")
-            run = run or self.cfg.default_run_id
-            rollout = rollout or h.get("X-Claude-Code-Session-Id") or "unbound"
-        task, group = self._rollouts.get((run, rollout), ("unknown", "unknown"))
-        task, group = h.get(P.HEADER_TASK) or task, h.get(P.HEADER_GROUP) or group
-        for what, v in (("run", run), ("rollout", rollout), ("task", task), ("group", group)):
-            if not (1 <= len(v) <= 256 and v.isprintable() and v.strip() == v):
-                raise bad(f"{what} id {v!r} must be 1-256 printable characters without surrounding spaces")
-        role = h.get(P.HEADER_ROLE, P.ROLE_MAIN)
-        if role not in P.ROLES:
-            raise bad(f"header {P.HEADER_ROLE}: {role!r} is not one of {P.ROLES}")
-        agent, parent = hint(P.HEADER_AGENT, 0), hint(P.HEADER_PARENT_AGENT)
-        if role == P.ROLE_MAIN and parent is not None:
-            raise bad(f"header {P.HEADER_PARENT_AGENT}: must be absent for role 'main'")
-        if role == P.ROLE_SUBAGENT and parent is None:
-            raise bad(f"header {P.HEADER_PARENT_AGENT}: required for role 'subagent'")
-        return Binding(run, rollout, task, group, agent, parent, role, hint(P.HEADER_CALL), hint(P.HEADER_ATTEMPT, 0))
+        return resolve_binding(request.headers, keyed, self._rollouts, require=self.cfg.require_binding,
+                               default_run_id=self.cfg.default_run_id)
 
     def _sampling(self, call: ChatCall) -> SamplingParams:
         n = int(call.prompt_ids.shape[0])
@@ -344,81 +272,7 @@ class Proxy:
         return web.json_response(body, headers=self._headers(call))
 
     async def _stream(self, request, call: ChatCall, routed, binding, t0) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **self._headers(call)})
-        await resp.prepare(request)
-        anthropic = call.api.startswith("anthropic")
-        rid = f"{'msg' if anthropic else 'gyre'}-{routed.request_id}"
-
-        async def send(obj, event: str | None = None):
-            head = f"event: {event}\n" if event else ""
-            await resp.write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
-
-        asm = AssistantStream(self.tok, parse_tools=call.parse_tools,
-                              stop_ids=None if call.parse_tools else call.stop_ids)
-        blocks = A.BlockBuilder()
-        n_calls = 0
-
-        async def emit(evs, token_ids=None):
-            nonlocal n_calls
-            if anthropic:
-                for name, obj in blocks.events(evs):
-                    await send(obj, name)
-                return
-            for kind, val in evs:
-                if call.api == "openai.completions":
-                    await send(O.completion_chunk(call, rid, val, None, token_ids))
-                    token_ids = None
-                elif kind == "text":
-                    await send(O.chat_chunk(call, rid, {"content": val}))
-                else:
-                    await send(O.chat_chunk(call, rid, O.tool_call_delta(n_calls, val)))
-                    n_calls += 1
-            if token_ids and call.api == "openai.completions":  # a stop id: no text, still report the id
-                await send(O.completion_chunk(call, rid, "", None, token_ids))
-
-        want_ids = bool(call.extras.get("return_token_ids"))
-        try:
-            if anthropic:
-                await send(A.message_start(call, rid), "message_start")
-            elif call.api == "openai.chat":
-                await send(O.chat_chunk(call, rid, {"role": "assistant", "content": ""}))
-            async with contextlib.aclosing(routed.__aiter__()) as events:
-                async for ev in events:
-                    await emit(asm.feed(ev.token_id), [ev.token_id] if want_ids else None)
-            await emit(asm.finish())
-            await self._record(call, routed, binding, t0)
-            n_out = len(routed.tokens)
-            if anthropic:
-                for name, obj in blocks.finish():
-                    await send(obj, name)
-                await send(A.message_delta(routed.finish, blocks.n_tool_calls, n_out), "message_delta")
-                await send({"type": "message_stop"}, "message_stop")
-            else:
-                fin = O.finish_reason(routed.finish, n_calls) if call.api == "openai.chat" else (
-                    "stop" if routed.finish == "stop" else "length")
-                if call.api == "openai.chat":
-                    await send(O.chat_chunk(call, rid, {}, fin))
-                else:
-                    await send(O.completion_chunk(call, rid, "", fin))
-                if call.extras.get("include_usage"):
-                    await send({"id": rid, "object": "chat.completion.chunk", "choices": [],
-                                "usage": O.usage(len(call.prompt_ids), n_out)})
-                await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionError, asyncio.CancelledError):
-            self.counters["calls_unrecorded_client_gone"] += 1
-            raise
-        except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
-            if not isinstance(e, (EngineError, NoCellError, RecordError, ApiError)):
-                log.exception("error while streaming %s", rid)
-            self.counters["stream_errors"] += 1
-            msg = e.message if isinstance(e, ApiError) else f"{type(e).__name__}: {e}"
-            err = ApiError(500, msg, kind="api_error")
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await send(A.error_body(err) if anthropic else O.error_body(err), "error" if anthropic else None)
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await resp.write_eof()
-        return resp
+        return await stream_response(self, request, call, routed, binding, t0)
 
     async def _record(self, call: ChatCall, routed, binding: Binding, t0: float) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""

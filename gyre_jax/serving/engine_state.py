@@ -1,0 +1,206 @@
+"""The device half of GyreEngine: its state pytrees and jitted step functions.
+
+No JetStream here (engine.py adapts this to JetStream's Engine API), so the
+decode step can be used and tested on its own. Shapes: S slots, M cache length,
+K k/v heads, Y layers, N = MAX_STOP_IDS.
+
+A slot's row of the result of one ``generate`` call (k_steps decode steps) is
+``[tok_1, lpbits_1, ..., tok_k, lpbits_k | valid x 2k | generated | active]``:
+lpbits is the float32 bit pattern of -|log-prob| (always negative, so never a
+token id); tok is HELD_MARK for a finished slot kept for its backend; valid 0
+tells JetStream to free the slot; the last column (which JetStream does not read)
+says whether the slot is still generating.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gyre_jax.model import ModelConfig
+from gyre_jax.model import decode as mdecode
+from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
+from gyre_jax.serving.sampling import sample_tokens
+
+HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
+MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps
+
+
+@flax.struct.dataclass
+class KVBlock:
+    """k/v [Y, Lb, K, H] of a token run; the first ``length`` entries are valid."""
+
+    k: jax.Array
+    v: jax.Array
+    length: int = flax.struct.field(pytree_node=False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExportedSlot:
+    kv: KVBlock
+    generated: int  # tokens the request had generated when exported
+
+
+@dataclasses.dataclass(eq=False)
+class PrefillInput:
+    """A request as GyreEngine.prefill receives it (via JetStream's padded_tokens)."""
+
+    request_id: str
+    tokens: np.ndarray  # int32: seq[:-1], whose k/v the slot must hold
+    next_tok: int  # seq[-1], fed at the first decode step
+    generated: int  # tokens already generated (a resumed call)
+    sampling: SamplingParams
+    kv: KVBlock | None = None  # k/v of tokens[:kv.length], computed elsewhere
+    kv_origin: str = "cached"  # "cached" (prefix cache) or "moved" (exported call)
+
+
+@flax.struct.dataclass
+class Prefix:
+    k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
+    v: jax.Array | None
+    scalars_i: jax.Array  # int32[5]: length, next_tok, generated, max_tokens, seed
+    scalars_f: jax.Array  # float32[2]: temperature, top_p
+    stop_N: jax.Array  # int32[MAX_STOP_IDS], -1 = unused
+    request_id: str = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
+class DecodeState:
+    cache: mdecode.KVCache
+    next_tok_S: jax.Array
+    generated_S: jax.Array
+    max_tokens_S: jax.Array
+    seed_S: jax.Array
+    temperature_S: jax.Array
+    top_p_S: jax.Array
+    stop_SxN: jax.Array
+    active_S: jax.Array  # generating
+    held_S: jax.Array  # finished, slot kept until the backend releases it (see "Held slots")
+    hold_steps_S: jax.Array
+
+
+def decode_result_pairs(token_ids) -> list[tuple[int, float]]:
+    """[tok, lp_bits, tok, lp_bits, ...] from JetStream -> [(tok, logprob), ...] (held markers dropped)."""
+    arr = np.asarray(token_ids, dtype=np.int32).reshape(-1, 2)
+    lps = arr[:, 1].copy().view(np.float32)
+    return [(int(t), float(lp)) for t, lp in zip(arr[:, 0], lps) if t != HELD_MARK]
+
+
+@functools.lru_cache(maxsize=32)
+def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -> dict:
+    """Jitted device functions of an engine, shared by engines with the same
+    config, cache shape and mesh (so a second engine costs no compile)."""
+    tp = mesh.shape.get("tensor", 1)
+    kvh = "tensor" if cfg.n_kv_heads % tp == 0 else None
+    dp = mesh.shape.get("data", 1)
+    sl = "data" if slots % dp == 0 else None
+    rep = NamedSharding(mesh, PartitionSpec())
+    cache_s = NamedSharding(mesh, PartitionSpec(None, sl, None, kvh))
+    blk = NamedSharding(mesh, PartitionSpec(None, None, kvh))
+    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
+    out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
+
+    def prefill_new(params, tokens_T, n):
+        logits, kv = mdecode.prefill(params, cfg, tokens_T, true_length=n)
+        return kv.k, kv.v
+
+    def prefill_on(params, tokens_T, n, pk, pv, c):
+        _, kv = mdecode.prefill(params, cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n)
+        t = tokens_T.shape[0]
+        lb = min(pk.shape[1] + t, m)
+        pad = jnp.zeros((pk.shape[0], t) + pk.shape[2:], pk.dtype)
+        k = jax.lax.dynamic_update_slice(jnp.concatenate([pk, pad], 1), kv.k.astype(pk.dtype), (0, c, 0, 0))
+        v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
+        return k[:, :lb], v[:, :lb]
+
+    def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
+        if k.shape[1] >= lb:
+            return k[:, :lb] + 0, v[:, :lb] + 0
+        pad = [(0, 0), (0, lb - k.shape[1]), (0, 0), (0, 0)]
+        return jnp.pad(k, pad), jnp.pad(v, pad)
+
+    def insert(ds, k, v, si, sf, stop_N, slot):  # arrays only: a Prefix's request_id would key the jit cache
+        cache = mdecode.insert(ds.cache, mdecode.KV(k, v), slot, start=0, length=si[0])
+        return ds.replace(
+            cache=cache, next_tok_S=ds.next_tok_S.at[slot].set(si[1]), generated_S=ds.generated_S.at[slot].set(si[2]),
+            max_tokens_S=ds.max_tokens_S.at[slot].set(si[3]), seed_S=ds.seed_S.at[slot].set(si[4]),
+            temperature_S=ds.temperature_S.at[slot].set(sf[0]), top_p_S=ds.top_p_S.at[slot].set(sf[1]),
+            stop_SxN=ds.stop_SxN.at[slot].set(stop_N), active_S=ds.active_S.at[slot].set(True),
+            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0))
+
+    def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
+        return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
+
+    def stop_slots(ds, mask_S):
+        return ds.replace(active_S=ds.active_S & ~mask_S, held_S=ds.held_S & ~mask_S)
+
+    def one_step(params, ds):
+        logits, cache = mdecode.decode_step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S)
+        tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
+        act_S = ds.active_S
+        gen_S = ds.generated_S + act_S.astype(jnp.int32)
+        stop_S = jnp.any(tok_S[:, None] == ds.stop_SxN, axis=1)
+        # Keep one spare cache entry: a finished slot's dummy writes land there.
+        full_S = cache.lengths >= m - 1
+        ended_S = act_S & (stop_S | (gen_S >= ds.max_tokens_S) | full_S)
+        still_held_S = ds.held_S & (ds.hold_steps_S < MAX_HOLD_STEPS)
+        valid_S = (act_S | still_held_S).astype(jnp.int32)
+        out_S = jnp.where(act_S, tok_S, HELD_MARK)
+        lp_bits_S = jax.lax.bitcast_convert_type(-jnp.abs(lp_S), jnp.int32)
+        new = ds.replace(cache=cache, next_tok_S=jnp.where(act_S, tok_S, ds.next_tok_S), generated_S=gen_S,
+                         active_S=act_S & ~ended_S, held_S=still_held_S | (ended_S & ~full_S),
+                         hold_steps_S=jnp.where(still_held_S, ds.hold_steps_S + 1, 0))
+        return new, (out_S, lp_bits_S, valid_S)
+
+    def generate(params, ds):
+        """k_steps decode steps in one program. Per slot the result row is
+        [tok_1, lp_1, ..., tok_k, lp_k | valid x 2k | generated]: JetStream reads
+        the 2k entries as "speculative" tokens, in order, stopping at an invalid one."""
+        if k_steps == 1:
+            ds, ys = one_step(params, ds)
+            ys = tuple(y[None] for y in ys)
+        else:
+            ds, ys = jax.lax.scan(lambda d, _: one_step(params, d), ds, None, length=k_steps)
+        tok_KxS, lp_KxS, valid_KxS = ys
+        pairs_SxKx2 = jnp.stack([tok_KxS.T, lp_KxS.T], axis=-1).reshape(slots, 2 * k_steps)
+        valid_SxKx2 = jnp.repeat(valid_KxS.T, 2, axis=1)
+        # Last column (ignored by JetStream): still generating after this call.
+        return ds, jnp.concatenate([pairs_SxKx2, valid_SxKx2, ds.generated_S[:, None],
+                                    ds.active_S.astype(jnp.int32)[:, None]], axis=1)
+
+    def pause(ds):  # no decode this call: live slots report "no token", released ones are freed
+        valid_S = (ds.active_S | ds.held_S).astype(jnp.int32)
+        row = jnp.concatenate([jnp.full((slots, 2 * k_steps), HELD_MARK, jnp.int32),
+                               jnp.repeat(valid_S[:, None], 2 * k_steps, axis=1), ds.generated_S[:, None],
+                               ds.active_S.astype(jnp.int32)[:, None]], axis=1)
+        return row
+
+    def export_slot(ds, slot, lb):
+        sh = (cfg.n_layers, 1, lb, cfg.n_kv_heads, cfg.head_dim)
+        k = jax.lax.dynamic_slice(ds.cache.k, (0, slot, 0, 0, 0), sh)[:, 0]
+        v = jax.lax.dynamic_slice(ds.cache.v, (0, slot, 0, 0, 0), sh)[:, 0]
+        return k, v
+
+    out["prefill_new"] = jax.jit(prefill_new, out_shardings=(blk, blk))
+    out["prefill_on"] = jax.jit(prefill_on, out_shardings=(blk, blk))
+    out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
+    out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
+    out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
+    out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
+    out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
+    out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
+    out["pause"] = jax.jit(pause, out_shardings=rep)
+
+    def make_state():
+        z = jnp.zeros((slots,), jnp.int32)
+        f = jnp.zeros((slots,), bool)
+        return DecodeState(mdecode.init_cache(cfg, slots, m), z, z, z, z, jnp.zeros((slots,), jnp.float32),
+                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z)
+
+    out["make_state"] = jax.jit(make_state, out_shardings=ds_s)
+    return out

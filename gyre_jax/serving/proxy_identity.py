@@ -1,0 +1,99 @@
+"""Which run, rollout, agent and role a model call belongs to.
+
+Tying a call to a rollout (gyre_jax.agents.protocol has the names):
+  1. Headers ``X-Gyre-Run``, ``X-Gyre-Rollout``, ``X-Gyre-Task``, ``X-Gyre-Group``,
+     ``X-Gyre-Agent``, ``X-Gyre-Parent-Agent``, ``X-Gyre-Role``, ``X-Gyre-Call``.
+  2. A per-rollout API key, for harnesses that can only set a key (Claude Code:
+     ``ANTHROPIC_API_KEY``; OpenAI SDKs: ``OPENAI_API_KEY``), sent as
+     ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Either a secret key
+     from ``Proxy.register_rollout(run, rollout, task, group)`` (works with auth
+     on), or, with auth off, the plain ``gyre:<run>:<rollout>`` form.
+  Headers win where both are present. Task/group come from headers, else from
+  the registration, else "unknown". Agent defaults to 0 and role to "main"; the
+  call index to a per-rollout counter when ``X-Gyre-Call`` is absent. With
+  ``require_binding`` off (default) an unbound call is served and recorded under
+  run ``default_run_id``, rollout ``X-Claude-Code-Session-Id`` or "unbound".
+"""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Mapping
+
+from gyre_jax.agents import protocol as P
+from gyre_jax.serving.api_common import ApiError, bad
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    run_id: str
+    rollout_id: str
+    task_id: str
+    group_id: str
+    agent_id: int
+    parent_agent_id: int | None
+    role: str
+    call_index: int | None
+    attempt: int
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer "):].strip()
+    return headers.get("x-api-key")
+
+
+def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], auth_token: str | None):
+    """Checks auth; returns the (run, rollout) a key names, if any. Raises ApiError(401)."""
+    key = presented_key(headers)
+    if key in keys:
+        return keys[key]
+    if auth_token is not None:
+        if key is None or not secrets.compare_digest(key, auth_token):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+                           kind="authentication_error")
+        return None
+    return P.parse_api_key(key) if key else None
+
+
+def _int_header(h: Mapping[str, str], name: str, default=None):
+    v = h.get(name)
+    if v is None:
+        return default
+    try:
+        x = int(v)
+    except ValueError:
+        raise bad(f"header {name}: expected an integer, got {v!r}") from None
+    if not 0 <= x < 2**31:
+        raise bad(f"header {name}: {x} out of range")
+    return x
+
+
+def resolve_binding(h: Mapping[str, str], keyed: tuple[str, str] | None,
+                    registered: Mapping[tuple[str, str], tuple[str, str]], *, require: bool,
+                    default_run_id: str) -> Binding:
+    """Binding of one request from its headers and the (run, rollout) its key named."""
+    run = h.get(P.HEADER_RUN) or (keyed[0] if keyed else None)
+    rollout = h.get(P.HEADER_ROLLOUT) or (keyed[1] if keyed else None)
+    if run is None or rollout is None:
+        if require:
+            raise bad(f"request is not tied to a rollout: send {P.HEADER_RUN}/{P.HEADER_ROLLOUT} headers or a "
+                      "rollout API key")
+        run = run or default_run_id
+        rollout = rollout or h.get("X-Claude-Code-Session-Id") or "unbound"
+    task, group = registered.get((run, rollout), ("unknown", "unknown"))
+    task, group = h.get(P.HEADER_TASK) or task, h.get(P.HEADER_GROUP) or group
+    for what, v in (("run", run), ("rollout", rollout), ("task", task), ("group", group)):
+        if not (1 <= len(v) <= 256 and v.isprintable() and v.strip() == v):
+            raise bad(f"{what} id {v!r} must be 1-256 printable characters without surrounding spaces")
+    role = h.get(P.HEADER_ROLE, P.ROLE_MAIN)
+    if role not in P.ROLES:
+        raise bad(f"header {P.HEADER_ROLE}: {role!r} is not one of {P.ROLES}")
+    agent, parent = _int_header(h, P.HEADER_AGENT, 0), _int_header(h, P.HEADER_PARENT_AGENT)
+    if role == P.ROLE_MAIN and parent is not None:
+        raise bad(f"header {P.HEADER_PARENT_AGENT}: must be absent for role 'main'")
+    if role == P.ROLE_SUBAGENT and parent is None:
+        raise bad(f"header {P.HEADER_PARENT_AGENT}: required for role 'subagent'")
+    return Binding(run, rollout, task, group, agent, parent, role, _int_header(h, P.HEADER_CALL),
+                   _int_header(h, P.HEADER_ATTEMPT, 0))
