@@ -329,9 +329,56 @@ def test_auth_token_and_rollout_keys(tmp_path):
         assert post(st.url + "/v1/completions", body, {"x-api-key": key})[0] == 200
         (rec,) = store.calls("r2")
         assert (rec.run_id, rec.task_id, rec.group_id, rec.call_index) == ("runA", "taskX", "groupY", 0)
-        # a record the store refuses (another run) fails the call instead of silently dropping it
+        # a call for another run than the store's is refused before any token is generated
         bad = post(st.url + "/v1/completions", body, {"Authorization": "Bearer s3cret-token", **headers("r3", 0)})
-        assert bad[0] == 500 and "could not be recorded" in bad[1]
+        assert bad[0] == 400 and "this server records run 'runA'" in bad[1]
+        # a record the store refuses (call index reused with other tokens) fails the call, never dropped silently
+        h = {"Authorization": "Bearer s3cret-token", **headers("r1", 0), P.HEADER_RUN: "runA"}
+        dup = post(st.url + "/v1/completions", {**body, "prompt": [9, 9]}, h)
+        assert dup[0] == 500 and "could not be recorded" in dup[1]
     finally:
         st.stop()
         store.close()
+
+
+def test_fuzzed_requests_never_crash_the_server(server):
+    """Valid bodies with one field replaced by a random JSON value (or removed),
+    and random binding headers: every answer is a named 4xx or a 200, never a 500."""
+    st, _ = server
+    rs = np.random.RandomState(0)
+    values = [None, 0, -1, 1.5, 2**40, "", "x" * 300, [], [1, "a"], {}, {"a": [None]}, True, float("nan")]
+    bodies = {
+        "/v1/chat/completions": {"model": "gyre", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
+                                 "tools": [{"type": "function", "function": {"name": "f"}}], "temperature": 0.5},
+        "/v1/completions": {"model": "gyre", "prompt": [1, 2, 3], "max_tokens": 3, "stream": True},
+        "/v1/messages": {"model": "gyre", "max_tokens": 3, "system": "s",
+                         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    }
+    hdr_names = [P.HEADER_AGENT, P.HEADER_ROLE, P.HEADER_CALL, P.HEADER_PARENT_AGENT, P.HEADER_RUN]
+
+    async def go():
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for i in range(120):
+                path = list(bodies)[i % 3]
+                body = json.loads(json.dumps(bodies[path]))
+                key = rs.choice(sorted(body))
+                if rs.rand() < 0.2:
+                    del body[key]
+                else:
+                    body[key] = values[rs.randint(len(values))]
+                if rs.rand() < 0.3 and isinstance(body.get("messages"), list) and body["messages"]:
+                    body["messages"][0]["content"] = values[rs.randint(len(values))]
+                h = headers(f"fuzz-{i}", i)
+                if rs.rand() < 0.3:
+                    h[rs.choice(hdr_names)] = str(values[rs.randint(len(values))])
+                data = json.dumps(body, allow_nan=True)
+                async with s.post(st.url + path, data=data, headers={"Content-Type": "application/json", **h}) as r:
+                    out.append((path, key, r.status, await r.text()))
+        return out
+
+    for path, key, status, text in asyncio.run(go()):
+        assert status in (200, 400, 404), (path, key, status, text[:300])
+        if status != 200:
+            assert "error" in json.loads(text)
+    assert asyncio.run(_get(st.url + "/health"))[0] == 200

@@ -66,7 +66,7 @@ class ProxyConfig:
     max_tokens_cap: int = 8192  # per call
     max_concurrent_calls: int = 4096
     require_binding: bool = False
-    default_run_id: str = "default"
+    default_run_id: str = "default"  # for unbound calls when the record sink does not name its run
 
     def __post_init__(self):
         if not self.model_name:
@@ -180,8 +180,12 @@ class Proxy:
                        kind="not_found_error", param="model")
 
     def _binding(self, request: web.Request, keyed: tuple[str, str] | None) -> Binding:
-        return resolve_binding(request.headers, keyed, self._rollouts, require=self.cfg.require_binding,
-                               default_run_id=self.cfg.default_run_id)
+        store_run = getattr(self.sink, "run_id", None)  # a TrajectoryStore holds one run
+        b = resolve_binding(request.headers, keyed, self._rollouts, require=self.cfg.require_binding,
+                            default_run_id=store_run or self.cfg.default_run_id)
+        if store_run is not None and b.run_id != store_run:
+            raise bad(f"run id {b.run_id!r}: this server records run {store_run!r}")
+        return b
 
     def _sampling(self, call: ChatCall) -> SamplingParams:
         n = int(call.prompt_ids.shape[0])
