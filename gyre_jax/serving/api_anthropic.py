@@ -8,7 +8,8 @@ input_json_delta), content_block_stop, message_delta, message_stop.
 Unsupported inputs (images, documents, thinking blocks, text stop_sequences,
 top_k) are refused with 400 naming the field; options that do not change the
 tokens (metadata, cache_control, tool_choice, thinking settings) are accepted and
-listed in the ``X-Gyre-Ignored-Fields`` response header.
+listed in the ``X-Gyre-Ignored-Fields`` response header. ``system`` messages
+inside ``messages`` (Claude Code's mid-conversation system turns) are kept in place.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from gyre_jax.serving.tokenizer import Tokenizer
 
 _KNOWN = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream",
           "tools", "tool_choice", "metadata", "thinking", "stop_token_ids", "return_token_ids", "service_tier",
-          "context_management"}
+          "context_management", "output_config"}
+# Accepted, but they cannot change the tokens we produce (reported in X-Gyre-Ignored-Fields).
+_NO_EFFECT = {"tool_choice", "metadata", "thinking", "context_management", "output_config", "service_tier"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -53,9 +56,12 @@ def _messages(body: dict) -> list[dict]:
         raise bad("messages: at least one message is required", "messages")
     for i, m in enumerate(msgs):
         w = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad(f"{w}.role: expected 'user' or 'assistant'")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad(f"{w}.role: expected 'user', 'assistant' or 'system'")
         role, content = m["role"], m.get("content")
+        if role == "system":  # a mid-conversation system message (Claude Code sends these)
+            out.append({"role": "system", "content": _text_of(content, f"{w}.content")})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -113,7 +119,7 @@ def parse_messages(body: dict, tok: Tokenizer) -> ChatCall:
                     top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True), seed=None,
                     stop_ids=tuple(tok.stop_ids) + get_stop_token_ids(body, tok.vocab_size),
                     stream=get_bool(body, "stream"), parse_tools=True,
-                    ignored=tuple(sorted(set(body) - _KNOWN | ({"tool_choice", "metadata", "thinking"} & set(body)))),
+                    ignored=tuple(sorted(set(body) - _KNOWN | (_NO_EFFECT & set(body)))),
                     extras={"return_token_ids": get_bool(body, "return_token_ids")})
 
 

@@ -64,6 +64,9 @@ class ProxyConfig:
     auth_token: str | None = None  # if set, every request needs it (or a registered rollout key)
     max_request_bytes: int = 8 << 20
     max_tokens_cap: int = 8192  # per call
+    # Reduce a too large max_tokens to what fits (cap, context) instead of 400: for
+    # harnesses that ask for a fixed budget (Claude Code asks for 32000).
+    clamp_max_tokens: bool = False
     max_concurrent_calls: int = 4096
     require_binding: bool = False
     default_run_id: str = "default"  # for unbound calls when the record sink does not name its run
@@ -194,8 +197,8 @@ class Proxy:
             raise bad(f"prompt is {n} tokens; the context limit is {self.max_context} tokens (prompt + max_tokens)",
                       "messages")
         mt = call.max_tokens
-        if mt is None:
-            mt = min(room, self.cfg.max_tokens_cap)
+        if mt is None or self.cfg.clamp_max_tokens:
+            mt = min(room, self.cfg.max_tokens_cap, mt or room)
         if mt > self.cfg.max_tokens_cap:
             raise bad(f"max_tokens: {mt} exceeds this server's cap of {self.cfg.max_tokens_cap}", "max_tokens")
         if n + mt > self.max_context:
