@@ -120,3 +120,24 @@ def test_bad_requests_are_refused():
         GenerateRequest(request_id="x", prompt_ids=np.zeros(0, np.int32), sampling=SamplingParams(max_tokens=1))
     with pytest.raises(KeyError, match="unknown cell"):
         asyncio.run(Router([FakeBackend("A")]).drain("Z"))
+
+
+def test_kv_is_not_imported_across_policy_versions():
+    async def go():
+        after, started = asyncio.Event(), asyncio.Semaphore(0)
+        a = FakeBackend("A", on_export=lambda rid: after.set(), policy_version=3)
+        b = FakeBackend("B", policy_version=4)  # published newer weights
+        r = Router([a, b])
+        await r.drain("B")
+        q = req(0, n=20)
+        out = []
+        t = asyncio.create_task(consume(r.start(q), out, after, 4, started))
+        await started.acquire()
+        await r.admit("B")
+        await r.drain("A")
+        await t
+        assert out == undisturbed(q)
+        assert r.counters["moves_recompute"] == 1 and r.counters["moves_kv"] == 0
+        assert b.counters["moved_tokens"] == 0 and b.counters["prefill_tokens"] == len(q.prompt_ids) + 4 - 1
+
+    asyncio.run(go())

@@ -128,7 +128,7 @@ class _Stream(TokenStream):
 class JetStreamBackend(Backend):
     """``Backend`` over one GyreEngine and its JetStream Driver (one cell)."""
 
-    def __init__(self, engine: GyreEngine, *, name: str | None = None, prefix_cache_entries: int = 256,
+    def __init__(self, engine: GyreEngine, *, name: str | None = None, prefix_cache_entries: int = 64,
                  min_cached_prefix: int = 16):
         self.engine = engine
         self.name = name or engine.name
@@ -141,8 +141,9 @@ class JetStreamBackend(Backend):
         slots_q = self._driver._generate_slots[0]  # JetStream's free-slot queue for this engine
         engine.free_slots = slots_q.qsize
         self._live: dict[str, _Stream] = {}
-        # cache_key -> (token sequence whose k/v the block holds, KVBlock); LRU.
-        self._cache: collections.OrderedDict[str, tuple[np.ndarray, KVBlock]] = collections.OrderedDict()
+        # cache_key -> (policy version, tokens whose k/v the block holds, KVBlock); LRU. A
+        # block is only reused under the weights that computed it.
+        self._cache: collections.OrderedDict[str, tuple[int, np.ndarray, KVBlock]] = collections.OrderedDict()
         self._cache_entries, self._min_cached = prefix_cache_entries, min_cached_prefix
         self._counts = collections.Counter()
         self._pending: set[asyncio.Future] = set()
@@ -227,6 +228,7 @@ class JetStreamBackend(Backend):
         if fut is None or not req.cache_key:
             return
         seq = np.concatenate([req.prompt_ids, np.asarray(tokens, np.int32)])
+        version = self.policy_version  # publish() happens between drain and admit, never mid-call
         afut = asyncio.wrap_future(fut)
         self._pending.add(afut)
 
@@ -234,7 +236,7 @@ class JetStreamBackend(Backend):
             self._pending.discard(f)
             if not f.cancelled() and f.exception() is None and f.result() is not None:
                 kv = f.result().kv
-                self._store(req.cache_key, seq[: kv.length], kv)
+                self._store(req.cache_key, version, seq[: kv.length], kv)
 
         afut.add_done_callback(done)
 
@@ -243,8 +245,8 @@ class JetStreamBackend(Backend):
         while self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
-    def _store(self, key: str, seq: np.ndarray, kv: KVBlock) -> None:
-        self._cache[key] = (seq, kv)
+    def _store(self, key: str, version: int, seq: np.ndarray, kv: KVBlock) -> None:
+        self._cache[key] = (version, seq, kv)
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_entries:
             self._cache.popitem(last=False)
@@ -253,7 +255,11 @@ class JetStreamBackend(Backend):
         hit = self._cache.get(key)
         if hit is None:
             return None
-        seq, kv = hit
+        version, seq, kv = hit
+        if version != self.policy_version:  # computed by older weights
+            del self._cache[key]
+            self._counts["prefix_cache_stale"] += 1
+            return None
         n = min(seq.shape[0], needed.shape[0], kv.length)
         same = np.flatnonzero(seq[:n] != needed[:n])
         c = int(same[0]) if same.shape[0] else n

@@ -12,7 +12,8 @@
   the token count). ``RoutedCall`` is one uninterrupted stream of tokens to its
   consumer whatever moves happen underneath, so the proxy writes its record once.
   If no cell is admitting, moved and new calls wait (up to ``wait_for_cell_s``)
-  for ``admit``.
+  for ``admit``. A KV prefix is only imported by a cell serving the same policy
+  version; on a cell with other weights the call is recomputed there.
 * ``admit(cell)``: the cell takes calls again (e.g. after a weight publication).
 """
 from __future__ import annotations
@@ -98,7 +99,10 @@ class RoutedCall:
                 if not np.array_equal(state.output_ids, np.asarray(self.tokens, np.int32)):
                     raise EngineError(f"{self.request_id}: moved with {state.num_generated} tokens, "
                                       f"consumer saw {len(self.tokens)}")
+                kv_version = backend.policy_version
                 backend = await self._r._acquire(self.affinity)
+                if state.kv is not None and backend.policy_version != kv_version:
+                    state = state.without_kv()  # the KV was computed by other weights: recompute it
                 req = dataclasses.replace(self.request, resume=state)
                 fresh_import = state.kv is not None
                 if fresh_import:
