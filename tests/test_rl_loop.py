@@ -62,7 +62,7 @@ def _check_run(workdir, summary, *, steps, rollouts):
             assert entry["state"] == "dropped" and entry["reason"] == o.status, (rid, entry)
         else:
             assert entry["state"] == "trained", (rid, entry)
-    assert sum(summary["failures"].values()) == rollouts
+    assert sum(summary["statuses"].values()) == rollouts
     for r in lines:  # staleness bounded by admission (S = 1)
         assert r["staleness_max"] <= 1
     return lines, outs

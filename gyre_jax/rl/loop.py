@@ -383,7 +383,8 @@ class RLLoop:
             **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
             "gen_tokens_per_s": (gen - last["gen"]) / dt,
             "train_tokens_per_s": st.packed_tokens / max(rep.seconds, 1e-9),
-            "train_step_s": rep.seconds, "process_s": info["process_s"], "cells_trained": info["cells_used"],
+            "train_step_s": rep.seconds,
+            "train_busy_cell_s": float(sum(done - pulled for _, pulled, done in rep.timeline)), "process_s": info["process_s"], "cells_trained": info["cells_used"],
             "switches": len(sw), "switch_s_mean": float(np.mean([x[3] for x in sw])) if sw else 0.0,
             "switch_s_max": float(np.max([x[3] for x in sw])) if sw else 0.0,
             "rollouts_in_flight": launcher.running_rollouts(), "roles": pool.roles(),
@@ -409,9 +410,11 @@ class RLLoop:
             "mode": cfg.scheduler.mode, "steps": len(h), "wall_s": wall, "rl_s": wall_rl,
             "reward_first": first, "reward_last": lastr, "first_last_steps": k,
             "util_rollout": util["rollout"], "util_train": util["train"], "util_switching": util["switching"],
+            # cell-time actually computing micro-batches (the rest of train role is waiting)
+            "util_train_busy": sum(r["train_busy_cell_s"] for r in h) / max(n_cells * wall_rl, 1e-9),
             "staleness_mean": float(np.mean([r["staleness_mean"] for r in h])) if h else 0.0,
             "staleness_max": float(max([r["staleness_max"] for r in h], default=0.0)),
-            "switches": len(timeline.switches), "failures": dict(launcher.statuses),
+            "switches": len(timeline.switches), "statuses": dict(launcher.statuses),
             "engine_errors": int(server.proxy.counters.get("engine_errors", 0)),
             "retries": int(sum(r["retries"] for r in launcher.results)),
             "injected_faults": dict(faults.injected) if faults is not None else {},
@@ -421,6 +424,6 @@ class RLLoop:
             json.dump(out, f, indent=1)
         if h:
             print(f"rl[{out['mode']}]: reward {first:.3f} -> {lastr:.3f} (mean of first/last {k} steps), "
-                  f"{len(h)} steps in {wall_rl:.1f}s of RL ({wall:.1f}s total); statuses {out['failures']}", flush=True)
+                  f"{len(h)} steps in {wall_rl:.1f}s of RL ({wall:.1f}s total); statuses {out['statuses']}", flush=True)
         print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(self.workdir))), flush=True)
         return out
