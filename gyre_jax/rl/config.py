@@ -100,6 +100,8 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8  # larger values damp Adam's full-size steps on rarely-seen tokens' rows
     eps_low: float = 0.2
     eps_high: float = 0.28
     entropy_coef: float = 0.0
@@ -107,7 +109,9 @@ class TrainConfig:
     work_s_per_row: float = 0.05  # initial estimate of training cell-seconds per row (then measured)
 
     def __post_init__(self):
-        _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row"))
+        _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
+        if not 0 <= self.adam_b2 < 1:
+            raise ValueError(f"TrainConfig.adam_b2 must be in [0, 1), got {self.adam_b2}")
         _positive(self, ("warmup_steps", "weight_decay", "eps_low", "eps_high", "entropy_coef"), allow_zero=True)
 
 

@@ -219,7 +219,8 @@ class RLLoop:
         n_cells, core = len(cs), cs[0]
         t = cfg.train
         opt = cells_lib.OptimizerConfig(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
-                                        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+                                        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                                        b2=t.adam_b2, eps=t.adam_eps)
         spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
                                           cells_lib.make_optimizer(opt, param_logical_axes(mc)))
         loss_cfg = PolicyLossConfig(eps_low=t.eps_low, eps_high=t.eps_high, entropy_coef=t.entropy_coef)
