@@ -103,6 +103,7 @@ def get_config() -> ml_collections.ConfigDict:
         eps_high=0.28,
         entropy_coef=0.0,
         advantage="mean_std",  # group-normalized: (score - group mean) / group std
+        negative_advantage_scale=1.0,  # 0 = reinforce only better-than-group rollouts (see gyre_jax.rl.config)
         work_s_per_row=0.05,  # first estimate of training cost (then measured)
     ))
     c.sft = ml_collections.ConfigDict(dict(

@@ -106,13 +106,19 @@ class TrainConfig:
     eps_high: float = 0.28
     entropy_coef: float = 0.0
     advantage: str = "mean_std"  # gyre_jax.trajectory.rewards modes
+    # Scale of negative advantages (1.0: plain group-normalized policy gradient; 0.0: only
+    # better-than-group rollouts are reinforced). A tiny model's failed rollouts continue
+    # after their first wrong token, and pushing down every later (format) token breaks
+    # the format in our runs; < 1 damps that.
+    negative_advantage_scale: float = 1.0
     work_s_per_row: float = 0.05  # initial estimate of training cell-seconds per row (then measured)
 
     def __post_init__(self):
         _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
         if not 0 <= self.adam_b2 < 1:
             raise ValueError(f"TrainConfig.adam_b2 must be in [0, 1), got {self.adam_b2}")
-        _positive(self, ("warmup_steps", "weight_decay", "eps_low", "eps_high", "entropy_coef"), allow_zero=True)
+        _positive(self, ("warmup_steps", "weight_decay", "eps_low", "eps_high", "entropy_coef",
+                         "negative_advantage_scale"), allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

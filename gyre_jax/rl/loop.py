@@ -306,7 +306,8 @@ class RLLoop:
         trainer_ad = TrainerAdapter(trainer=trainer, store=store, processor_config=proc, groups_per_step=s.groups_per_step,
                                     micro_batch_rows=t.micro_batch_rows, cells=cs, cell_roles=pool.roles,
                                     notify=wake.set, on_step=steps_q.put, work_s_per_row=t.work_s_per_row,
-                                    row_len=t.row_len, steps_done=steps_done, ready=ready, after_update=after_update)
+                                    row_len=t.row_len, steps_done=steps_done, ready=ready, after_update=after_update,
+                                    negative_advantage_scale=t.negative_advantage_scale)
         pool.trainer = trainer_ad
         existing = [int(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"g(\d+)-", r))]
         launcher = Launcher(loop=hloop, harness_config=self._harness_config(url + "/v1"), store=store, run_id=RUN_ID,
