@@ -198,3 +198,16 @@ def test_existing_prefix_is_reused_not_recomputed(engine, ref_logits):
     r.out[8], _ = [], r.live.add(8)
     r.step(9)
     assert [t for t, _ in r.out[8]] == ref_greedy(ref_logits, p2, 8)
+
+
+def test_a_request_inserted_after_all_others_finished_is_decoded(engine, ref_logits):
+    """Regression: a finished batch's last result (no slot generating) must not
+    make the engine skip decoding a request inserted after it."""
+    p1, p2 = prompts(2, seed=6)
+    r = Runner(engine)
+    r.insert(10, pinput("idle-a", p1, max_tokens=3, temperature=0.0))
+    r.step(3)  # a's last token: the call's result says "nothing generating now"
+    assert len(r.out[10]) == 3
+    r.insert(11, pinput("idle-b", p2, max_tokens=6, temperature=0.0))
+    r.step(7)
+    assert [t for t, _ in r.out[11]] == ref_greedy(ref_logits, p2, 6)

@@ -1,25 +1,30 @@
 """Benchmark: tokens/s served through the proxy + JetStream orchestrator, against a
 plain jitted decode loop on the same model and batch.
 
-* served: the recording proxy (aiohttp, loopback) -> router -> one cell
-  (JetStreamBackend: GyreEngine under JetStream's Driver threads). A client in a
-  separate process (as a real harness would be) sends ``--batch`` concurrent
-  ``/v1/completions`` requests (token-id prompts of ``--prompt_len``, greedy,
-  ``ignore_eos``, ``--new_tokens`` each), waits for all, and the server records
-  every call into a real TrajectoryStore. Tokens/s = generated tokens / wall time
-  from first request to last response, prefill and HTTP included. Run twice:
-  whole responses, and streamed (SSE, one event per token).
-* plain: the limit. The same prompts prefilled into the same KV cache (same
-  slots, same cache length), then ``lax.fori_loop`` over ``--new_tokens`` steps of
-  decode_step + the same sampler (token and log-prob), one jitted program;
-  timed without prefill.
+Five ways of producing the same batch x new_tokens greedy tokens from the same
+prompts (token ids of ``--prompt_len``, ``ignore_eos``):
 
-Rounds: one warm-up (compiles), then ``--rounds`` timed rounds; medians.
-Final line: JSON with served_tokens_per_s (whole responses), plain_tokens_per_s,
-ratio, and the streamed numbers. Target: ratio >= 0.8.
+  plain       the limit: prompts prefilled into the KV cache (same slots, same
+              cache length), then ONE jitted ``lax.fori_loop`` over new_tokens steps
+              of decode_step + the same sampler (token and log-prob); prefill not timed.
+  engine API  GyreEngine's prefill / insert / generate from one Python loop (no
+              JetStream threads): the cost of one jitted call per tokens_per_call steps.
+  Driver      JetStreamBackend: the engine under JetStream's Driver threads, driven
+              from asyncio, no HTTP.
+  served      the recording proxy (aiohttp, loopback) -> router -> one cell, a client
+              in a separate process (as a real harness would be) sending ``--batch``
+              concurrent ``/v1/completions`` requests; every call is recorded into a
+              TrajectoryStore. Whole responses, and streamed (SSE, one event per
+              token). Wall time from first request to last response: prefill, HTTP
+              and recording included.
 
-    /work/venv/bin/python tools/bench_serving.py                 # ~2-3 min on 2 CPU cores
-    /work/venv/bin/python tools/bench_serving.py --d_model 128 --n_layers 2 --rounds 2   # quick
+Each way is warmed up once (compiles), then timed in ``--rounds`` interleaved
+rounds (so load drift on a shared machine hits all alike); medians. Final line:
+JSON with served_tokens_per_s (whole responses), plain_tokens_per_s, ratio, and
+the other rows. Target: ratio >= 0.8.
+
+    /work/venv/bin/python tools/bench_serving.py                 # ~5 min on 2 CPU cores
+    /work/venv/bin/python tools/bench_serving.py --d_model 128 --n_layers 2 --d_ff 512 --rounds 2   # quick
     /work/venv/bin/python tools/bench_serving.py --profile_mock  # JetStream's own TestEngine in its Driver
 """
 from __future__ import annotations
@@ -95,87 +100,174 @@ def run_client(url, a, stream: bool) -> tuple[int, float]:
     return r["tokens"], r["wall_s"]
 
 
-# ---- plain jitted decode loop ---------------------------------------------------------
-def plain_tokens_per_s(cfg, params, a):
-    import jax
-    import jax.numpy as jnp
+# ---- the five ways of producing the same tokens ----------------------------------------
+# Each is an object with warm() and run() -> seconds for batch x new_tokens tokens;
+# main() times them interleaved, round by round, so load drift hits all alike.
+def _prompts(a):
     import numpy as np
 
-    from gyre_jax.model import decode as D
-    from gyre_jax.serving.sampling import sample_tokens
+    return [np.random.RandomState(i).randint(0, 256, a.prompt_len).astype(np.int32) for i in range(a.batch)]
 
-    s, m, n = a.batch, a.max_len, a.new_tokens
-    cache = D.init_cache(cfg, s, m)
-    prefill = jax.jit(lambda p, t: D.prefill(p, cfg, t)[1])
-    insert = jax.jit(D.insert, donate_argnums=0)
-    prompts = [np.random.RandomState(i).randint(0, 256, a.prompt_len).astype(np.int32) for i in range(s)]
-    for i, pr in enumerate(prompts):
-        cache = insert(cache, prefill(params, pr[:-1]), i)
-    last = jnp.asarray([pr[-1] for pr in prompts], jnp.int32)
-    temp, top_p = jnp.zeros((s,), jnp.float32), jnp.ones((s,), jnp.float32)
-    seed = jnp.zeros((s,), jnp.int32)
 
-    @jax.jit
-    def loop(params, cache, tok):
-        def body(i, carry):
-            cache, tok, acc = carry
-            logits, cache = D.decode_step(params, cfg, tok, cache)
-            tok, lp = sample_tokens(logits, temp, top_p, seed, jnp.full((s,), i, jnp.int32))
-            return cache, tok, acc + lp.sum()
+class Plain:
+    """The limit: the same prompts in the same KV cache (same slots, same length),
+    then lax.fori_loop over new_tokens steps of decode_step + the same sampler
+    (token and log-prob), one jitted program; prefill not timed."""
 
-        return jax.lax.fori_loop(0, n, body, (cache, tok, jnp.float32(0)))
+    name = "plain jitted decode loop"
 
-    jax.block_until_ready(loop(params, cache, last))  # compile + warm-up
-    times = []
-    for _ in range(a.rounds):
+    def __init__(self, cfg, params, a):
+        import jax
+        import jax.numpy as jnp
+
+        from gyre_jax.model import decode as D
+        from gyre_jax.serving.sampling import sample_tokens
+
+        s, n = a.batch, a.new_tokens
+        cache = D.init_cache(cfg, s, a.max_len)
+        prefill = jax.jit(lambda p, t: D.prefill(p, cfg, t)[1])
+        insert = jax.jit(D.insert, donate_argnums=0)
+        prompts = _prompts(a)
+        for i, pr in enumerate(prompts):
+            cache = insert(cache, prefill(params, pr[:-1]), i)
+        self.args = (params, cache, jnp.asarray([pr[-1] for pr in prompts], jnp.int32))
+        temp, top_p, seed = jnp.zeros((s,), jnp.float32), jnp.ones((s,), jnp.float32), jnp.zeros((s,), jnp.int32)
+
+        @jax.jit
+        def loop(params, cache, tok):
+            def body(i, carry):
+                cache, tok, acc = carry
+                logits, cache = D.decode_step(params, cfg, tok, cache)
+                tok, lp = sample_tokens(logits, temp, top_p, seed, jnp.full((s,), i, jnp.int32))
+                return cache, tok, acc + lp.sum()
+
+            return jax.lax.fori_loop(0, n, body, (cache, tok, jnp.float32(0)))
+
+        self.loop, self.jax = loop, jax
+
+    def warm(self):
+        self.run()
+
+    def run(self):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(params, cache, last))
-        times.append(time.perf_counter() - t0)
-    return s * n / statistics.median(times), statistics.median(times)
+        self.jax.block_until_ready(self.loop(*self.args))
+        return time.perf_counter() - t0
 
 
-# ---- served ---------------------------------------------------------------------------
-def served_tokens_per_s(cfg, params, a, workdir):
-    from gyre_jax.serving.engine import GyreEngine
-    from gyre_jax.serving.jetstream_backend import JetStreamBackend
-    from gyre_jax.serving.proxy import Proxy, ProxyConfig
-    from gyre_jax.serving.router import Router
-    from gyre_jax.serving.server_thread import ServerThread
-    from gyre_jax.serving.tokenizer import ByteTokenizer
-    from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore
+class EngineApi:
+    """GyreEngine's Engine API (prefill, insert, generate) from one Python loop:
+    the cost of a jitted call per tokens_per_call steps, without JetStream's threads."""
 
-    store = TrajectoryStore(workdir, run_id="bench", config=StoreConfig(fsync="never"))
-    engine = GyreEngine(cfg, params, max_slots=a.batch, max_len=a.max_len, name="cell0",
-                        tokens_per_call=a.tokens_per_call)
+    name = "engine API, one Python loop"
 
-    async def build():
-        return Proxy(Router([JetStreamBackend(engine)]), ByteTokenizer(), store,
-                     ProxyConfig(max_tokens_cap=a.max_len))
+    def __init__(self, engine, a):
+        self.e, self.a = engine, a
 
-    st = ServerThread(build)
-    url = st.start()
-    out = {}
-    try:
-        for stream in (False, True):
-            run_client(url, a, stream)  # warm-up: compiles every prefill bucket and the step
-            rates = []
-            for r in range(a.rounds):
-                steps0, gen_s0 = engine.counters["generate_steps"], engine.counters["generate_s"]
-                tokens, wall = run_client(url, a, stream)
-                if tokens != a.batch * a.new_tokens:
-                    raise RuntimeError(f"served {tokens} tokens, expected {a.batch * a.new_tokens}")
-                steps = engine.counters["generate_steps"] - steps0
-                rates.append(tokens / wall)
-                print(f"  served {'stream' if stream else 'whole '} round {r}: {tokens} tokens in {wall:.2f}s = "
-                      f"{tokens / wall:,.0f} tok/s ({steps} generate steps, "
-                      f"{1e3 * (engine.counters['generate_s'] - gen_s0) / max(steps, 1):.2f} ms/step in generate())",
-                      flush=True)
-            out[stream] = statistics.median(rates)
-        assert store.stats().calls == 2 * (a.rounds + 1) * a.batch
-    finally:
-        st.stop()
-        store.close()
-    return out[False], out[True]
+    def warm(self):
+        self.run()
+
+    def run(self):
+        import jax
+
+        from gyre_jax.serving.backend import SamplingParams
+        from gyre_jax.serving.engine_state import PrefillInput
+
+        e, a = self.e, self.a
+        ds = e.init_decode_state()
+        t0 = time.perf_counter()
+        for i, p in enumerate(_prompts(a)):
+            inp = PrefillInput(f"api-{i}-{time.time_ns()}", p[:-1], int(p[-1]), 0,
+                               SamplingParams(max_tokens=a.new_tokens, temperature=0.0))
+            ds = e.insert(e.prefill(params=e.params_ref, padded_tokens=inp, true_length=0), ds, i)
+        for _ in range(-(-a.new_tokens // e.tokens_per_call)):
+            ds, res = e.generate(e.params_ref, ds)
+        jax.block_until_ready(res.data)
+        return time.perf_counter() - t0
+
+
+class Driver:
+    """JetStreamBackend (JetStream's Driver threads) driven from asyncio, no HTTP."""
+
+    name = "JetStream Driver (no HTTP)"
+
+    def __init__(self, engine, a):
+        from gyre_jax.serving.jetstream_backend import JetStreamBackend
+
+        self.b, self.a = JetStreamBackend(engine), a
+
+    def warm(self):
+        self.run()
+
+    def run(self):
+        import asyncio
+
+        from gyre_jax.serving.backend import GenerateRequest, SamplingParams
+
+        a = self.a
+
+        async def go():
+            t0 = time.perf_counter()
+            streams = [self.b.submit(GenerateRequest(request_id=f"drv-{i}-{time.time_ns()}", prompt_ids=p,
+                                                     sampling=SamplingParams(max_tokens=a.new_tokens, temperature=0.0)))
+                       for i, p in enumerate(_prompts(a))]
+
+            async def drain(st):
+                n = 0
+                async for _ in st:
+                    n += 1
+                return n
+
+            n = sum(await asyncio.gather(*(drain(st) for st in streams)))
+            assert n == a.batch * a.new_tokens, n
+            return time.perf_counter() - t0
+
+        return asyncio.run(go())
+
+    def close(self):
+        self.b._driver.stop()
+
+
+class Served:
+    """The recording proxy (aiohttp, loopback) -> router -> one cell; the client in
+    its own process; every call recorded into a TrajectoryStore."""
+
+    def __init__(self, engine, a, workdir, stream: bool, server=None):
+        from gyre_jax.serving.jetstream_backend import JetStreamBackend
+        from gyre_jax.serving.proxy import Proxy, ProxyConfig
+        from gyre_jax.serving.router import Router
+        from gyre_jax.serving.server_thread import ServerThread
+        from gyre_jax.serving.tokenizer import ByteTokenizer
+        from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore
+
+        self.a, self.stream, self.engine = a, stream, engine
+        self.name = "proxy+orchestrator, " + ("streamed SSE" if stream else "whole")
+        if server is None:
+            self.store = TrajectoryStore(workdir, run_id="bench", config=StoreConfig(fsync="never"))
+
+            async def build():
+                return Proxy(Router([JetStreamBackend(engine)]), ByteTokenizer(), self.store,
+                             ProxyConfig(max_tokens_cap=a.max_len))
+
+            server = ServerThread(build)
+            server.start()
+        self.server = server
+
+    def warm(self):
+        self.run()
+
+    def run(self):
+        steps0 = self.engine.counters["generate_steps"]
+        tokens, wall = run_client(self.server.url, self.a, self.stream)
+        if tokens != self.a.batch * self.a.new_tokens:
+            raise RuntimeError(f"served {tokens} tokens, expected {self.a.batch * self.a.new_tokens}")
+        self.steps = self.engine.counters["generate_steps"] - steps0
+        return wall
+
+    def close(self):
+        if not self.stream:
+            return
+        self.server.stop()
+        self.store.close()
 
 
 def profile_mock():
@@ -259,19 +351,43 @@ def main(argv=None):
           f"cache {a.max_len}, prompt {a.prompt_len}, {a.new_tokens} new tokens per request, "
           f"{a.tokens_per_call} decode steps per engine call; "
           f"{jax.devices()[0].platform} x{os.cpu_count()} cores", flush=True)
-    plain, plain_s = plain_tokens_per_s(cfg, params, a)
-    print(f"  plain fori_loop: {a.batch * a.new_tokens} tokens in {plain_s:.2f}s = {plain:,.0f} tok/s "
-          f"({1e3 * plain_s / a.new_tokens:.2f} ms/step)", flush=True)
-    with tempfile.TemporaryDirectory() as d:
-        whole, streamed = served_tokens_per_s(cfg, params, a, d)
-    print(f"\n{'path':34s} {'tokens/s':>10s} {'vs plain':>9s}")
-    print(f"{'plain jitted decode loop':34s} {plain:10,.0f} {1.0:9.2f}")
-    print(f"{'proxy+orchestrator, whole':34s} {whole:10,.0f} {whole / plain:9.2f}")
-    print(f"{'proxy+orchestrator, streamed SSE':34s} {streamed:10,.0f} {streamed / plain:9.2f}")
-    print(json.dumps({"served_tokens_per_s": round(whole, 1), "plain_tokens_per_s": round(plain, 1),
-                      "ratio": round(whole / plain, 3), "served_stream_tokens_per_s": round(streamed, 1),
-                      "ratio_stream": round(streamed / plain, 3), "batch": a.batch, "new_tokens": a.new_tokens,
-                      "tokens_per_call": a.tokens_per_call,
+    from gyre_jax.serving.engine import GyreEngine
+
+    def engine():  # engines with one config share their compiled programs
+        return GyreEngine(cfg, params, max_slots=a.batch, max_len=a.max_len, tokens_per_call=a.tokens_per_call)
+
+    tmp = tempfile.TemporaryDirectory()
+    served_engine = engine()
+    whole = Served(served_engine, a, tmp.name, stream=False)
+    ways = [Plain(cfg, params, a), EngineApi(engine(), a), Driver(engine(), a), whole,
+            Served(served_engine, a, tmp.name, stream=True, server=whole.server)]
+    ways[-1].store = whole.store
+    for w in ways:
+        w.warm()  # compiles (every prefill bucket, the step)
+    times = {w.name: [] for w in ways}
+    try:
+        for r in range(a.rounds):
+            for w in ways:
+                times[w.name].append(w.run())
+                extra = f" ({w.steps} decode steps)" if isinstance(w, Served) else ""
+                print(f"  round {r} {w.name:34s} {a.batch * a.new_tokens / times[w.name][-1]:10,.0f} tok/s{extra}",
+                      flush=True)
+    finally:
+        for w in ways:
+            if hasattr(w, "close"):
+                w.close()
+        tmp.cleanup()
+    rate = {k: a.batch * a.new_tokens / statistics.median(v) for k, v in times.items()}
+    plain = rate[ways[0].name]
+    print(f"\n{'path (median of ' + str(a.rounds) + ' rounds)':34s} {'tokens/s':>10s} {'vs plain':>9s}")
+    for k, v in rate.items():
+        print(f"{k:34s} {v:10,.0f} {v / plain:9.2f}")
+    w_, s_ = rate[ways[3].name], rate[ways[4].name]
+    print(json.dumps({"served_tokens_per_s": round(w_, 1), "plain_tokens_per_s": round(plain, 1),
+                      "ratio": round(w_ / plain, 3), "served_stream_tokens_per_s": round(s_, 1),
+                      "ratio_stream": round(s_ / plain, 3), "engine_api_tokens_per_s": round(rate[ways[1].name], 1),
+                      "driver_tokens_per_s": round(rate[ways[2].name], 1), "batch": a.batch,
+                      "new_tokens": a.new_tokens, "tokens_per_call": a.tokens_per_call,
                       "params_m": round(count_params(params) / 1e6, 2)}))
 
 

@@ -269,7 +269,10 @@ class GyreEngine(engine_api.Engine):
         try:
             if dead:
                 return self._stop_slot(decode_state, np.int32(slot))
+            # A slot is generating now; results still in flight predate it and must
+            # not be read as "nothing is generating" by _idle.
             self._any_active = True
+            self._inflight.clear()
             return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
                                 np.int32(slot))
         except Exception as e:  # noqa: BLE001

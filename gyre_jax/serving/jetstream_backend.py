@@ -11,19 +11,39 @@ the request's ``AsyncMultifuture`` return channel.
 
 We run in interleaved mode (prefill and generate share the cell's devices).
 
-Profiling notes (this machine, 2 CPU cores): JetStream's own ``TestEngine`` does a
-4096x4096 float32 matmul inside every prefill and generate call (simulated model
-time, ~4-8 s each here), so the 22.8 s for a 4-token request was that fake work:
-timing each engine call inside the Driver showed prefill 4.3 s + insert 0.1 s +
-5 generate calls 28.1 s = the whole 32.5 s wall time (one extra generate step runs
-after the last token: the detokenize thread only closes a request when it sees
-``lengths > max_tokens``). The orchestrator itself adds well under a millisecond
-per step. Two things do cost: (a) importing the orchestrator sets the root logger
-to DEBUG with a stdout handler, so each step formats and prints two log lines
-from two threads (undone in jetstream_compat); (b) ``Driver.stop()`` spins until
-its threads exit, and the generate thread may be blocked for up to 1 s in
-``queue.get(timeout=1.0)``. We end a call's stream as soon as its final token
-arrives (stop id or max_tokens), not one step later when JetStream closes it.
+Profiling notes (2 CPU cores; ``tools/bench_serving.py``, ``--profile_mock``).
+* The 22.8 s for one 4-token request was JetStream's ``TestEngine``, not the
+  orchestrator: it runs a 4096x4096 float32 matmul inside every prefill and
+  generate call (simulated model time). Timing each engine call inside the
+  Driver: prefill 4.3 s + insert 0.1 s + 5 generate calls 28.1 s = all of the
+  32.5 s wall time; the orchestrator added ~0. (5 generate calls for 4 tokens:
+  the detokenize thread closes a request one step late, on ``lengths >
+  max_tokens``.) ``Driver.stop()`` took 10 s: it waits for the generate call in
+  progress and for ``queue.get(timeout=1.0)``.
+* With GyreEngine, what did cost, and the fix:
+  - a per-request jit recompile of insert (0.5-0.9 s each): the Prefix pytree
+    carried the request id as static data -> insert takes arrays only;
+  - staggered starts: interleaved mode holds decoding while the prefill *queue*
+    is non-empty, not while the prefill thread computes the request it just
+    took, so a burst of N requests started N decode calls apart -> GyreEngine
+    pauses decoding (no compute, held markers) while prefills are pending and
+    slots are free (``max_decode_pause_s``);
+  - Python work per generate call on four threads (generate, detokenize, the
+    event loop, HTTP) sharing the GIL, ~1-2 ms, and a standalone jitted decode
+    step being ~2x slower than one inside a fused loop on CPU (the KV cache is
+    copied in and out of the call) -> ``tokens_per_call`` steps per call (one
+    jitted scan; JetStream reads them as speculative tokens);
+  - run-ahead: the generate thread queues up to 8 calls (its detokenize backlog)
+    ahead of the device, so commands (export, release) waited behind them and
+    finished slots kept decoding -> at most 2 calls in flight, and no decode at
+    all while no slot is generating;
+  - JetStream's detokenize thread SIGKILLs the process when writing to a return
+    channel raises (e.g. after the event loop closed) -> ``_Channel`` drops writes
+    once its stream has ended or its loop is gone;
+  - the root logger set to DEBUG with a stdout handler at import (two log lines
+    per step from two threads) -> undone in jetstream_compat.
+  We end a call's stream at its final token (stop id or max_tokens), not when
+  JetStream closes the channel.
 """
 from __future__ import annotations
 
@@ -47,6 +67,37 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class GyreActiveRequest(orchestrator.ActiveRequest):
     gyre_input: PrefillInput | None = None
+
+
+class _Channel(async_multifuture.AsyncMultifuture):
+    """JetStream's return channel, made safe to outlive its consumer.
+
+    JetStream's detokenize thread keeps writing to a request's channel while its
+    slot is held (after our stream has ended), and it SIGKILLs the process if a
+    write raises, e.g. because the event loop has closed. Once ``detach`` is
+    called (the stream has its final token) writes are dropped, and writes after
+    the loop closed are dropped too.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.detached = False
+
+    def add_result(self, result) -> None:
+        if self.detached or self._loop.is_closed():
+            return
+        try:
+            super().add_result(result)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def set_exception(self, exception) -> None:
+        if self.detached or self._loop.is_closed():
+            return
+        try:
+            super().set_exception(exception)
+        except RuntimeError:
+            pass
 
 
 class GyreDriver(orchestrator.Driver):
@@ -115,6 +166,7 @@ class _Stream(TokenStream):
         if self.finish is not None:
             return
         self.finish = finish
+        self._ch.detached = True  # nothing more to read (a held slot only reports markers)
         if self._b._live.get(self.request_id) is self:
             del self._b._live[self.request_id]
         if finish == "moved":
@@ -174,7 +226,7 @@ class JetStreamBackend(Backend):
             inp.kv, inp.kv_origin = r.kv, "moved"
         elif request.cache_key:
             inp.kv = self._lookup(request.cache_key, seq[:-1])
-        channel = async_multifuture.AsyncMultifuture()
+        channel = _Channel()
         stream = _Stream(self, request, channel)
         self._live[request.request_id] = stream
         active = GyreActiveRequest(max_tokens=sp.max_tokens, return_channel=channel, prefill_content=[],
