@@ -218,6 +218,10 @@ class CellPoolAdapter:
         self._run(self._publish, version)
 
     def _publish(self, version: int) -> None:
+        # The swap is not preceded by a drain: a call already in a slot finishes on the new
+        # weights (its record carries the version of its first token; the behavior
+        # log-probs are the ones actually sampled, so the importance ratio stays exact).
+        # Draining every serving cell per publication would stall all agents here.
         try:
             have, params = self.trainer.latest_params()
             if have < version:
