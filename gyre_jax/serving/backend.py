@@ -9,11 +9,11 @@ A ``Backend`` serves one cell. The router only ever does four things with it:
   ``"moved"`` (exported, see below) or ``"cancelled"``. An engine failure for
   this call raises ``EngineError`` from the stream (other calls are unaffected).
 * ``cancel(request_id)``: stop generating for it; its stream ends "cancelled".
-* ``export(request_id) -> ResumeState | None``: stop the call at a token boundary
-  here and hand back everything needed to continue it elsewhere: the tokens
-  streamed so far and (when the engine can) its KV prefix as device arrays. The
-  stream ends "moved" after exactly the exported tokens, and ``stream.resume``
-  holds the same ResumeState. None if the call already finished.
+* ``export(request_id) -> bool``: stop the call at a token boundary here; True if
+  it will be moved (False: it already finished). Its stream then ends "moved"
+  after exactly the tokens generated here, and ``stream.resume`` holds a
+  ResumeState with everything needed to continue it elsewhere: the tokens so
+  far and (when the engine can) its KV prefix as device arrays.
 * import: ``submit(GenerateRequest(..., resume=state))`` on another backend
   continues the call: with ``state.kv`` the prefix is copied, not recomputed;
   with ``kv=None`` the backend recomputes it from the tokens (the fallback).
@@ -153,8 +153,8 @@ class Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    async def export(self, request_id: str) -> ResumeState | None:
-        ...
+    async def export(self, request_id: str) -> bool:
+        """Stop at a token boundary for a move; the stream then ends "moved" (see module doc)."""
 
     @abc.abstractmethod
     def num_active(self) -> int:

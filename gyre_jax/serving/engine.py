@@ -36,6 +36,12 @@ so the copy is taken at once and never races a new request into the slot.
 Slot convention: a slot holds the KV of seq[:-1] (seq = prompt + tokens generated
 so far) and feeds seq[-1] at the next step, so the first generated token and its
 log-prob come out of ``generate`` like every other one.
+
+Throughput on a host with few cores (jetstream_backend has the measurements): a
+``generate`` call runs ``tokens_per_call`` decode steps in one jitted scan; it
+does not decode while requests being prefilled can still join the batch, nor
+while no slot is generating; at most MAX_INFLIGHT_CALLS calls run ahead of the
+device. The device functions and state layout are in engine_state.py.
 """
 from __future__ import annotations
 
