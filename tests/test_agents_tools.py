@@ -62,12 +62,15 @@ def test_workspace_tools_and_path_safety(tmp_path):
 
 
 def test_run_tool_reports_exit_code_truncates_and_times_out(tmp_path):
-    ws = Workspace(tmp_path, max_output_bytes=32, command_timeout_s=0.5)
+    # Quick commands get a generous cap so a loaded machine cannot time them out;
+    # the time-limit check uses its own workspace with a short cap.
+    ws = Workspace(tmp_path, max_output_bytes=32, command_timeout_s=30.0)
+    capped = Workspace(tmp_path, max_output_bytes=32, command_timeout_s=0.5)
 
     async def main():
         ok = await ws.run("echo hi; exit 3")
-        long = await ws.run("python3 -c 'print(\"y\" * 100)'")
-        slow = await ws.run("echo started; sleep 30", timeout_s=10)  # capped at 0.5 s
+        long = await ws.run("head -c 100 /dev/zero | tr '\\0' y; echo")
+        slow = await capped.run("echo started; sleep 30", timeout_s=10)  # capped at 0.5 s
         return ok, long, slow
 
     ok, long, slow = asyncio.run(main())
