@@ -25,7 +25,18 @@ then keep it there within noise ("rl[elastic]: reward 0.811 -> 0.764", colocate 
 0.798, async 0.789 -> 0.766: first vs last 8 steps). RL on top of this SFT did not
 raise the reward within the time budget in any setting we tried (lr 1e-5..1e-3, Adam
 eps up to 1e-3, warm-up, mean vs mean/std advantages, positive-only advantages, 64
-rollouts per step); lr >= 2e-4 collapses it. The loop's mechanics (rollouts, records,
+rollouts per step); lr >= 2e-4 collapses it. Noisy warm starts (``sft.noisy_fraction``:
+a share of demonstrations with a deliberately WRONG answer, meant to leave a mixture
+policy with headroom for RL) did not help either (Nov 30; 800 SFT steps, fraction 0.5,
+40 RL steps): 'random' answers -> SFT never learns to read the argument (reward ~0.15,
+flat); 'reverse' -> SFT 0.66 (exact 0.34), then flat at lr 1e-4 and 3e-4, drifting down
+at lr 1e-3 with only positive advantages (0 at step 23) and collapsing by step 10 at
+lr 1e-3 with full advantages; 'one_char' -> SFT ~0.8, flat at lr 1e-4. The SFT
+"mixture" is per character, not per answer: of 563 stored 'reverse' rollouts 2 were
+reversed, 199 exact, the rest had scattered wrong characters (positions 0 and 2 most),
+so RL faces the same per-character errors as after clean SFT. Advantages do reach the
+right rows (checked on the stored rollouts). So the knob stays off (noisy_fraction=0.0).
+The loop's mechanics (rollouts, records,
 advantages, elastic updates, publication) are checked by tests/test_rl_loop.py.
 After the runs, a table of every mode run so far under the workdir (wall time,
 utilization by role, reward first/last) is printed.
@@ -118,6 +129,8 @@ def get_config() -> ml_collections.ConfigDict:
         rows=6,  # packed rows per step
         learning_rate=1e-3,
         demos=512,  # demonstration tasks (disjoint seeds from the RL tasks)
+        noisy_fraction=0.0,  # share of demonstrations with a deliberately wrong answer (headroom for RL)
+        noisy_kind="reverse",  # how it is wrong: reverse | one_char | random
     ))
     c.faults = ml_collections.ConfigDict(dict(  # test hooks (gyre_jax.testing.fake_rl_faults); 0 = off
         grader_crash_every=0,

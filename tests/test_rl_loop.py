@@ -124,6 +124,50 @@ def test_sft_warm_start_learns():
     assert len(hist) == 12 and hist[-1]["loss"] < hist[0]["loss"] - 1.0, hist
 
 
+@pytest.mark.parametrize("kind", ["reverse", "one_char", "random"])
+def test_noisy_demonstrations_corrupt_exactly_the_fraction(kind):
+    """noisy_tasks: exactly round(f*n) answers replaced, each differs from the right one but
+    keeps its length and alphabet ('reverse': the right one reversed unless a palindrome;
+    'one_char': exactly one position differs); the rest untouched; SFT targets carry it."""
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.tasks import make_task
+    from gyre_jax.agents.tasks.tiny import expected_answer
+    from gyre_jax.rl.sft import demo_examples, noisy_tasks
+    from gyre_jax.serving.tokenizer import ByteTokenizer
+
+    clean = [make_task("tiny", s, ops=("copy", "sum"), min_len=1, max_len=3) for s in range(40)]
+    noisy, mask = noisy_tasks(clean, 0.3, seed=1, kind=kind)
+    assert mask.sum() == 12 and len(noisy) == 40
+    for c, n, bad in zip(clean, noisy, mask):
+        assert n.task_id == c.task_id and n.prompt == c.prompt
+        right = expected_answer(c.params["op"], c.params["arg"])
+        assert c.params["expected"] == right  # the originals are not mutated
+        if not bad:
+            assert n.params == c.params
+            continue
+        wrong = n.params["expected"]
+        assert wrong != right and len(wrong) == len(right)
+        alphabet = "0123456789" if c.params["op"] == "sum" else "abcdefghijklmnopqrstuvwxyz"
+        assert set(wrong) <= set(alphabet)
+        n_diff = sum(a != b for a, b in zip(wrong, right))
+        if kind == "one_char" or (kind == "reverse" and right == right[::-1]):
+            assert n_diff == 1, (right, wrong)
+        elif kind == "reverse":
+            assert wrong == right[::-1]
+    assert noisy_tasks(clean, 0.3, seed=1, kind=kind)[1].tolist() == mask.tolist()  # seeded
+    assert noisy_tasks(clean, 0.0, seed=1, kind=kind)[1].sum() == 0
+    k = int(mask.argmax())
+    hc = HarnessConfig(base_url="http://x.invalid/v1", send_tools_schema=False, max_turns=1, system_prompt="Answer.")
+    (_, target), = demo_examples([noisy[k]], hc, ByteTokenizer())
+    assert f'"content": "{noisy[k].params["expected"]}"' in ByteTokenizer().decode(target[:-1].tolist())
+    with pytest.raises(ValueError, match="fraction"):
+        noisy_tasks(clean, 1.0, seed=0)
+    with pytest.raises(ValueError, match="kind"):
+        noisy_tasks(clean, 0.5, seed=0, kind="shuffle")
+    with pytest.raises(ValueError, match="family"):
+        noisy_tasks([make_task("repo_spec", 0)], 0.9, seed=0)
+
+
 def test_loop_elastic_with_faults(tmp_path):
     """2 elastic steps; every class of fault injected and counted as its class."""
     c = tiny_config("elastic", grader_crash_every=5, timeout_every=7, engine_error_every=3)

@@ -106,7 +106,7 @@ class RLLoop:
 
     def _fresh_params(self, tok):
         from gyre_jax.model import init_params
-        from gyre_jax.rl.sft import demo_examples, warm_start
+        from gyre_jax.rl.sft import demo_examples, noisy_tasks, warm_start
 
         cfg = self.cfg
         params = init_params(cfg.model, jax.random.key(cfg.seed))
@@ -116,6 +116,8 @@ class RLLoop:
         from gyre_jax.agents.tasks import make_task
 
         tasks = [make_task(cfg.task.family, 2**30 + s, **cfg.task.kwargs()) for s in range(cfg.sft.demos)]
+        if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)
+            tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.seed, cfg.sft.noisy_kind)
         examples = demo_examples(tasks, self._harness_config("http://demo.invalid/v1"), tok)
         return warm_start(params, cfg.model, examples, steps=cfg.sft.steps, rows=cfg.sft.rows,
                           row_len=cfg.train.row_len, learning_rate=cfg.sft.learning_rate, seed=cfg.seed,

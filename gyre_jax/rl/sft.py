@@ -13,6 +13,7 @@ jitted step on the default device; the caller lays the result out on the cells.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Sequence
@@ -48,6 +49,57 @@ def assistant_ids(message: dict, tok: Tokenizer) -> list[int]:
             args = json.loads(args)
         ids += tok.render_tool_call({"name": fn["name"], "arguments": args, "id": tc.get("id") or ""})
     return ids + [tok.special["<|im_end|>"]]
+
+
+NOISE_KINDS = ("reverse", "one_char", "random")
+
+
+def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "reverse"
+                ) -> tuple[list[Task], np.ndarray]:
+    """Copies of ``tasks`` where exactly ``round(fraction * len(tasks))`` of them (chosen by
+    ``seed``) have a WRONG expected answer of the same length, never equal to the right one:
+    ``kind`` 'reverse' writes the right answer reversed, 'one_char' replaces one position
+    by another symbol of the op's alphabet, 'random' draws a fresh string over that alphabet
+    (palindromes fall back from 'reverse' to 'one_char'). Returns (tasks, corrupted mask).
+
+    Why: SFT on clean demonstrations of the 'tiny' family lands anywhere from chance to ~0.95
+    depending on a few dozen steps, leaving RL either nothing to learn or no signal. A noisy
+    mix is meant to leave a MIXTURE policy (format right, answer right only part of the
+    time) with headroom for RL. Measured (configs/demo.py docstring): 'random' removes the
+    signal to read the argument (800 steps stayed at chance); 'reverse' gives SFT ~0.66 but
+    as scattered per-character errors, not a reversed-answer mode, and RL still stayed flat.
+    Only the 'tiny' family, whose scripted demonstration writes ``params['expected']``,
+    supports this.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"sft.noisy_tasks: fraction must be in [0, 1), got {fraction}")
+    if kind not in NOISE_KINDS:
+        raise ValueError(f"sft.noisy_tasks: kind={kind!r}; known: {NOISE_KINDS}")
+    from gyre_jax.agents.tasks import tiny
+
+    rng = np.random.default_rng(seed)
+    n_bad = int(round(fraction * len(tasks)))
+    mask = np.zeros(len(tasks), bool)
+    mask[rng.permutation(len(tasks))[:n_bad]] = True
+    out = []
+    for task, bad in zip(tasks, mask):
+        if not bad:
+            out.append(task)
+            continue
+        if task.family != tiny.FAMILY:
+            raise ValueError(f"sft.noisy_tasks: task {task.task_id} is family {task.family!r}; noisy "
+                             f"demonstrations are defined only for {tiny.FAMILY!r}")
+        right = task.params["expected"]
+        alphabet = tiny.OPS[task.params["op"]][0]
+        wrong = right[::-1] if kind == "reverse" else right
+        if wrong == right and kind != "random":  # one_char, or a palindrome under 'reverse'
+            i = int(rng.integers(len(right)))
+            others = [c for c in alphabet if c != right[i]]
+            wrong = right[:i] + others[int(rng.integers(len(others)))] + right[i + 1:]
+        while wrong == right:
+            wrong = "".join(alphabet[i] for i in rng.integers(len(alphabet), size=len(right)))
+        out.append(dataclasses.replace(task, params={**task.params, "expected": wrong}))
+    return out, mask
 
 
 def demo_examples(tasks: Sequence[Task], harness: HarnessConfig, tok: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
