@@ -1,7 +1,7 @@
 """Simulate the paper's largest run (48 steps, ~700K tokens/rollout) in every mode.
 
 Command:
-  cd /work/main && /work/venv/bin/python -m launch.main --config configs/sim_paper.py --workdir /tmp/sim
+  python -m launch.main --config configs/sim_paper.py --workdir /tmp/sim
 
 Expected runtime: ~1 min of CPU (5 simulations of 48 steps on 1,024 accelerators,
 ~4.5M events and ~10 s CPU each, plus the plots); more wall time on a loaded machine.

@@ -23,8 +23,8 @@ nothing for its old role, as in a real switch (the plain copy likewise). copy_gb
 the slower of the two moves: param_bytes / max(to_train_s, to_rollout_s).
 Target: copy_gbps >= 0.5 * plain_copy_gbps.
 
-    /work/venv/bin/python tools/bench_role_switch.py     # ~490 MB model, ~1 min on 2 cores
-    /work/venv/bin/python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
+    python tools/bench_role_switch.py     # ~490 MB model, ~1 min on 2 cores
+    python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
 """
 from __future__ import annotations
 

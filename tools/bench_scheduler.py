@@ -1,6 +1,6 @@
 """Benchmark the scheduler modes on the paper-like presets (simulated cluster).
 
-  cd /work/main && /work/venv/bin/python tools/bench_scheduler.py [--quick]
+  python tools/bench_scheduler.py [--quick]
 
 Prints, per preset, a table of every mode (colocate, async, async_stream,
 elastic_no_stream, elastic), then three checks of what drives the ratios (the async

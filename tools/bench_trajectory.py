@@ -1,7 +1,7 @@
 """Trajectory processor at paper scale: rebuild + select + pack of one long rollout.
 
-    /work/venv/bin/python tools/bench_trajectory.py                  # paper preset, ~1 min
-    /work/venv/bin/python tools/bench_trajectory.py --preset tiny    # seconds
+    python tools/bench_trajectory.py                  # paper preset, ~1 min
+    python tools/bench_trajectory.py --preset tiny    # seconds
 
 Runs pinned to one CPU core. For each (selection mode, row length) it runs the
 whole host pipeline (``processor.process_step``: tree rebuild from the call

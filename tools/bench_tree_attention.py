@@ -18,8 +18,8 @@ Both compute the same per-path token predictions. Throughput is stated in
 speedup = expanded_time / packed_time. Dedup factor = tokens of all paths
 expanded / unique tree tokens.
 
-    /work/venv/bin/python tools/bench_tree_attention.py            # default, < 2 min on 2 cores
-    /work/venv/bin/python tools/bench_tree_attention.py --row_len 1024 --d_model 256
+    python tools/bench_tree_attention.py            # default, < 2 min on 2 cores
+    python tools/bench_tree_attention.py --row_len 1024 --d_model 256
 """
 from __future__ import annotations
 
