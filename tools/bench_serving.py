@@ -23,6 +23,13 @@ rounds (so load drift on a shared machine hits all alike); medians. Final line:
 JSON with served_tokens_per_s (whole responses), plain_tokens_per_s, ratio, and
 the other rows. Target: ratio >= 0.8.
 
+Measured on 2 shared CPU cores (15.9M-param model, batch 16, 256 new tokens, load
+~3): plain 447 tok/s; engine API 454 (1.01); Driver 393 (0.88); served whole 377
+(0.84); streamed 473 (1.06, noise). With --tokens_per_call 1 every engine path
+drops to ~0.53 of plain, the Python-loop one included: the loss is the
+standalone per-step jitted call, not JetStream. On a tiny model (~1 ms/step) the
+fixed per-request costs (16 prefill calls, HTTP) dominate: ratio ~0.3-0.5.
+
     /work/venv/bin/python tools/bench_serving.py                 # ~5 min on 2 CPU cores
     /work/venv/bin/python tools/bench_serving.py --d_model 128 --n_layers 2 --d_ff 512 --rounds 2   # quick
     /work/venv/bin/python tools/bench_serving.py --profile_mock  # JetStream's own TestEngine in its Driver
