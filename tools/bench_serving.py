@@ -30,9 +30,9 @@ drops to ~0.53 of plain, the Python-loop one included: the loss is the
 standalone per-step jitted call, not JetStream. On a tiny model (~1 ms/step) the
 fixed per-request costs (16 prefill calls, HTTP) dominate: ratio ~0.3-0.5.
 
-    /work/venv/bin/python tools/bench_serving.py                 # ~5 min on 2 CPU cores
-    /work/venv/bin/python tools/bench_serving.py --d_model 128 --n_layers 2 --d_ff 512 --rounds 2   # quick
-    /work/venv/bin/python tools/bench_serving.py --profile_mock  # JetStream's own TestEngine in its Driver
+    python tools/bench_serving.py                 # ~5 min on 2 CPU cores
+    python tools/bench_serving.py --d_model 128 --n_layers 2 --d_ff 512 --rounds 2   # quick
+    python tools/bench_serving.py --profile_mock  # JetStream's own TestEngine in its Driver
 """
 from __future__ import annotations
 
