@@ -15,7 +15,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "train_synthetic"  # gyre_jax.jobs name -> gyre_jax.demo.run
+    c.job = "train_synthetic"  # gyre_jax.jobs name -> gyre_jax.synthetic_train.run
     c.seed = 0  # one seed for data, init and everything else
     c.steps = 200  # optimizer steps
     c.rows = 4  # packed rows per step (fixed, so the step compiles once)
@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.warmup_steps = 5  # linear warm-up, then cosine decay to 10% of the peak
     c.weight_decay = 0.0  # AdamW decoupled weight decay
     c.grad_clip = 1.0  # global-norm gradient clipping
-    # Synthetic trees (gyre_jax.demo.TreeSampler): arithmetic progressions mod V.
+    # Synthetic trees (gyre_jax.synthetic_train.TreeSampler): arithmetic progressions mod V.
     c.prompt_len = 16  # mean prompt tokens (system + task), +-25%
     c.node_len = 6  # mean tokens per model output / tool result, +-50%
     c.depth = 2  # turns along each path

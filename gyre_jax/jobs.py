@@ -8,7 +8,7 @@ from typing import Any, Callable
 # name -> "module:function"; each function takes (config: ConfigDict, workdir: str).
 _JOBS = {
     "rl": "gyre_jax.rl.loop:run",  # the RL loop (configs/demo.py)
-    "train_synthetic": "gyre_jax.demo:run",  # supervised training on synthetic trees (configs/synthetic_train.py)
+    "train_synthetic": "gyre_jax.synthetic_train:run",  # supervised training on synthetic trees (configs/synthetic_train.py)
     "simulate": "gyre_jax.scheduler.cli:run",
 }
 

@@ -1,4 +1,4 @@
-"""Interim demo (job 'train_demo'): train the tiny model on synthetic tree-packed data.
+"""Synthetic training (job 'train_synthetic'): train the tiny model on synthetic tree-packed data.
 
 Until the RL loop exists this shows the training path end to end on CPU: random
 prefix-sharing trees (prompts, retries, nested turns, compaction-like fresh
@@ -179,14 +179,14 @@ def run(config, workdir: str) -> list[dict]:
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
     opt_state = tx.init(params)
     train_step = make_train_step(Transformer(model_cfg), tx)
-    print(f"train_demo: {count_params(params):,} params, {cfg.steps} steps of {cfg.rows}x{cfg.row_len} "
+    print(f"train_synthetic: {count_params(params):,} params, {cfg.steps} steps of {cfg.rows}x{cfg.row_len} "
           f"tree-packed tokens, workdir={workdir}", flush=True)
 
     history: list[dict] = []
     path = os.path.join(workdir, "metrics.jsonl")
     t_start = time.perf_counter()
     pending = None  # (step, host-side info, device metrics): read one step late so dispatch overlaps
-    with open(path, "w") as f, tqdm(total=cfg.steps, desc="train_demo", unit="step") as bar:
+    with open(path, "w") as f, tqdm(total=cfg.steps, desc="train_synthetic", unit="step") as bar:
 
         def flush(item):
             step, info, metrics = item
@@ -209,6 +209,6 @@ def run(config, workdir: str) -> list[dict]:
         flush(pending)
     first = np.mean([h["loss"] for h in history[: cfg.log_every]])
     last = np.mean([h["loss"] for h in history[-cfg.log_every :]])
-    print(f"train_demo: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
+    print(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
           f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}", flush=True)
     return history
