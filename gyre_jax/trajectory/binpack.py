@@ -47,19 +47,6 @@ class SplitResult:
     unique_tokens: int  # tokens of the input tree (sum over nodes)
 
 
-def _preorder(root: TreeNode):
-    nodes, parent = [], []
-    stack = [(root, -1)]
-    while stack:
-        node, par = stack.pop()
-        idx = len(nodes)
-        nodes.append(node)
-        parent.append(par)
-        for c in reversed(node.children):
-            stack.append((c, idx))
-    return nodes, np.asarray(parent, np.int64)
-
-
 def serialized_len(root: TreeNode) -> int:
     """len(serialize_tree(root)) without serializing: tokens + (children - 1) per
     branching node (serialize.py's branch-point rule; an empty root has no token to
@@ -73,7 +60,7 @@ def serialized_len(root: TreeNode) -> int:
 
 def split_tree(root: TreeNode, row_len: int, *, name: str = "tree") -> SplitResult:
     """Serialize ``root`` as one or more units of at most ``row_len`` tokens (module doc)."""
-    nodes, parent = _preorder(root)
+    nodes, parent = root.preorder()
     n = len(nodes)
     ntok = np.fromiter((x.tokens.shape[0] for x in nodes), np.int64, n)
     unique = int(ntok.sum())

@@ -62,6 +62,19 @@ class TreeNode:
             yield node
             stack.extend(reversed(node.children))
 
+    def preorder(self) -> tuple[list["TreeNode"], np.ndarray]:
+        """Nodes in depth-first pre-order and each one's parent index (-1 for the root)."""
+        nodes, parent = [], []
+        stack = [(self, -1)]
+        while stack:
+            node, par = stack.pop()
+            idx = len(nodes)
+            nodes.append(node)
+            parent.append(par)
+            for c in reversed(node.children):
+                stack.append((c, idx))
+        return nodes, np.asarray(parent, np.int64)
+
     def num_tokens(self) -> int:
         return sum(n.tokens.shape[0] for n in self.walk())
 

@@ -74,15 +74,7 @@ class SelectionResult:
 
 def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> SelectionResult:
     # One pre-order pass: parent, per-node token/trainable counts, path lengths.
-    nodes, parent = [], []
-    stack = [(root, -1)]
-    while stack:
-        node, par = stack.pop()
-        idx = len(nodes)
-        nodes.append(node)
-        parent.append(par)
-        for c in reversed(node.children):
-            stack.append((c, idx))
+    nodes, parent = root.preorder()
     n = len(nodes)
     ntok = np.fromiter((x.tokens.shape[0] for x in nodes), np.int64, n)
     ntr = np.fromiter((int(np.count_nonzero(x.trainable)) for x in nodes), np.int64, n)
