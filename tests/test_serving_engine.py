@@ -8,23 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gyre_jax.model import Transformer, init_params, model_config_tiny
+from gyre_jax.model import Transformer
+from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.serving.backend import SamplingParams
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.engine_state import PrefillInput, decode_result_pairs
 
-CFG = model_config_tiny(vocab_size=272, max_seq_len=256)
 SLOTS, MAX_LEN = 16, 256
 # float32 logits of this model reach |30|; the cached decode (attention over a
 # 256-entry buffer, one token at a time) and the full causal forward are different
 # kernels, so their logits differ by ~1e-6 relative, i.e. up to ~5e-5 absolute.
 LOGP_ATOL = 1e-4
-
-
-def sharp_params(seed=0, scale=2.0):
-    """A random tiny model with larger weights: greedy outputs vary and the top-2
-    logit gaps (>0.04) dwarf float32 cache-vs-full-forward differences (~1e-5)."""
-    return jax.tree.map(lambda x: x * scale, init_params(CFG, jax.random.key(seed)))
 
 
 @pytest.fixture(scope="module")

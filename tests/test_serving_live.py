@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import Mesh
 
 from gyre_jax.agents import protocol as P
-from gyre_jax.model import Transformer, init_params, model_config_tiny
+from gyre_jax.model import Transformer
+from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.jetstream_backend import JetStreamBackend
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
@@ -29,7 +30,6 @@ from gyre_jax.serving.server_thread import ServerThread
 from gyre_jax.serving.tokenizer import ByteTokenizer
 from gyre_jax.trajectory.store import TrajectoryStore
 
-CFG = model_config_tiny(vocab_size=272, max_seq_len=256)
 SLOTS, MAX_LEN = 16, 256
 LOGP_ATOL = 1e-4  # float32 cached decode vs full forward (see test_serving_engine)
 TOK = ByteTokenizer()
@@ -68,10 +68,6 @@ class HookedEngine(GyreEngine):
         if self.fail_moved_imports and inp.kv is not None and inp.kv_origin == "moved":
             raise RuntimeError("KV import failed (injected)")
         return super()._prefill(params, inp)
-
-
-def sharp_params(seed=0, scale=2.0):
-    return jax.tree.map(lambda x: x * scale, init_params(CFG, jax.random.key(seed)))
 
 
 @pytest.fixture(scope="module")
