@@ -168,6 +168,41 @@ def test_noisy_demonstrations_corrupt_exactly_the_fraction(kind):
         noisy_tasks([make_task("repo_spec", 0)], 0.9, seed=0)
 
 
+def test_give_up_demonstrations_just_finish():
+    """noisy kind 'give_up': exactly round(f*n) demonstrations call finish without writing
+    (a lazy agent's transcript, graded 0); the others write the right answer."""
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.tasks import make_task
+    from gyre_jax.rl.sft import demo_examples, noisy_tasks
+    from gyre_jax.serving.tokenizer import ByteTokenizer
+
+    clean = [make_task("tiny", s, ops=("copy",), min_len=2, max_len=3) for s in range(10)]
+    noisy, mask = noisy_tasks(clean, 0.4, seed=3, kind="give_up")
+    assert mask.sum() == 4
+    hc = HarnessConfig(base_url="http://x.invalid/v1", send_tools_schema=False, max_turns=1, system_prompt="Answer.")
+    tok = ByteTokenizer()
+    for task, bad, (_, target) in zip(noisy, mask, demo_examples(noisy, hc, tok)):
+        text = tok.decode(target[:-1].tolist())
+        if bad:
+            assert text == "<tool>finish</tool>", text
+        else:
+            assert f'"content": "{task.params["expected"]}"' in text and text.endswith("<tool>finish</tool>")
+
+
+def test_sft_batch_weights_every_demonstrated_token_equally():
+    """SFT is token-mean NLL: a short and a long demonstration's tokens weigh the same."""
+    import numpy as np
+
+    from gyre_jax.rl.sft import _batch
+
+    examples = [(np.arange(3, 8, dtype=np.int32), np.arange(10, 12, dtype=np.int32)),
+                (np.arange(3, 6, dtype=np.int32), np.arange(20, 40, dtype=np.int32))]
+    b, _ = _batch(examples, np.arange(2), 0, rows=1, row_len=64)
+    w, m = b["loss_weights"], b["loss_mask"]
+    assert m.sum() == 2 + 20 + 2  # the batch cycles back to the first example
+    assert np.allclose(w[m], 1.0 / 24, rtol=1e-6) and not w[~m].any()
+
+
 def test_loop_elastic_with_faults(tmp_path):
     """2 elastic steps; every class of fault injected and counted as its class."""
     c = tiny_config("elastic", grader_crash_every=5, timeout_every=7, engine_error_every=3)

@@ -139,8 +139,8 @@ class SFTConfig:
         _positive(self, ("rows", "learning_rate"))
         if not 0.0 <= self.noisy_fraction < 1.0:
             raise ValueError(f"SFTConfig.noisy_fraction must be in [0, 1), got {self.noisy_fraction!r}")
-        if self.noisy_kind not in ("reverse", "one_char", "random"):  # gyre_jax.rl.sft.NOISE_KINDS
-            raise ValueError(f"SFTConfig.noisy_kind={self.noisy_kind!r}; known: reverse, one_char, random")
+        if self.noisy_kind not in ("reverse", "one_char", "random", "give_up"):  # gyre_jax.rl.sft.NOISE_KINDS
+            raise ValueError(f"SFTConfig.noisy_kind={self.noisy_kind!r}; known: reverse, one_char, random, give_up")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -51,7 +51,7 @@ def assistant_ids(message: dict, tok: Tokenizer) -> list[int]:
     return ids + [tok.special["<|im_end|>"]]
 
 
-NOISE_KINDS = ("reverse", "one_char", "random")
+NOISE_KINDS = ("reverse", "one_char", "random", "give_up")
 
 
 def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "reverse"
@@ -89,6 +89,9 @@ def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "
         if task.family != tiny.FAMILY:
             raise ValueError(f"sft.noisy_tasks: task {task.task_id} is family {task.family!r}; noisy "
                              f"demonstrations are defined only for {tiny.FAMILY!r}")
+        if kind == "give_up":  # the demonstration finishes without writing the answer
+            out.append(dataclasses.replace(task, params={**task.params, "demo_give_up": True}))
+            continue
         right = task.params["expected"]
         alphabet = tiny.OPS[task.params["op"]][0]
         wrong = right[::-1] if kind == "reverse" else right
@@ -138,7 +141,13 @@ def _batch(examples, order, start: int, rows: int, row_len: int):
             break
         trees.pop()
         i -= 1
-    return {k: getattr(packed.rows, k) for k in _KEYS}, i
+    out = {k: getattr(packed.rows, k) for k in _KEYS}
+    # Token-mean NLL (the usual SFT objective): every demonstrated token counts the same, so a
+    # choice made by a fraction f of the demonstrations is imitated with probability ~f. The
+    # packer's rollout-first weights would favour short demonstrations' tokens (1 / length).
+    mask = out["loss_mask"].astype(np.float32)
+    out["loss_weights"] = mask / max(float(mask.sum()), 1.0)
+    return out, i
 
 
 def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> Callable:

@@ -65,7 +65,10 @@ def make_task(seed: int, *, ops=DEFAULT_OPS, min_len: int = 3, max_len: int = 5)
 
 
 def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
-    """The ideal actions: one turn writing the answer and finishing."""
+    """The ideal actions: one turn writing the answer and finishing (``params['demo_give_up']``,
+    set only by ``gyre_jax.rl.sft.noisy_tasks``: a lazy demonstration that just finishes)."""
+    if task.params.get("demo_give_up"):
+        return [[("finish", {})]]
     return [[("write_file", {"path": ANSWER_FILE, "content": task.params["expected"]}), ("finish", {})]]
 
 
