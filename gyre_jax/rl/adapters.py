@@ -364,10 +364,11 @@ class TrainerAdapter:
                  cells, cell_roles: Callable[[], list[str]], notify: Callable[[], None],
                  on_step: Callable[[dict], None], work_s_per_row: float, row_len: int,
                  steps_done: int = 0, ready: Sequence[Group] = (), after_update: Callable[[int], None] | None = None,
-                 negative_advantage_scale: float = 1.0):
+                 negative_advantage_scale: float = 1.0, on_step_started: Callable[[int], None] | None = None):
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.b, self.cells, self.cell_roles = groups_per_step, micro_batch_rows, cells, cell_roles
         self.notify, self.on_step, self.after_update = notify, on_step, after_update
+        self.on_step_started = on_step_started  # test hook (FaultConfig.pause_at_step); None in real runs
         self.work_s_per_row, self.row_len = work_s_per_row, row_len
         self.neg_scale = negative_advantage_scale
         self._lock = threading.RLock()
@@ -499,7 +500,11 @@ class TrainerAdapter:
         from gyre_jax.cells.train_step import MICRO_BATCH_KEYS
 
         t0 = time.perf_counter()
-        rids = [r for g in groups for r in g.rollout_ids]
+        # Groups (and rollouts within a group) arrive in finishing order; sorting by id makes
+        # the packed rows, hence the losses, a function of the step's rollouts alone (a resumed
+        # run reproduces an uninterrupted one). Nothing downstream depends on arrival order.
+        groups = sorted(groups, key=lambda g: g.group_id)
+        rids = [r for g in groups for r in sorted(g.rollout_ids)]
         batch, outcomes = self._batch(rids)
         rows = batch.rows.as_dict() if hasattr(batch.rows, "as_dict") else dataclasses.asdict(batch.rows)
         B = rows["tokens"].shape[0]
@@ -515,6 +520,8 @@ class TrainerAdapter:
         for c, role in enumerate(roles):
             if c != 0 and role == "train":
                 self.on_train_cell(c)
+        if self.on_step_started is not None:
+            self.on_step_started(self._steps_done)  # the step runs; its update is neither kept nor saved yet
         report = self._step.wait()
         version = self.trainer.version
         trained = [o.rollout_id for o in outcomes if not o.is_failure]

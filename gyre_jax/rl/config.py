@@ -150,12 +150,18 @@ class FaultConfig:
     grader_crash_every: int = 0  # its grader raises -> verifier_error
     timeout_every: int = 0  # its calls stall past the deadline -> timeout, graded for partial credit
     engine_error_every: int = 0  # its first model call fails in the engine -> 500, the harness retries
+    # Not a rollout fault: the trainer prints "PAUSED <step>" once that step (0-based, so
+    # step 0 cannot be paused) has started on the cells and blocks before its update is
+    # kept or checkpointed, so a test can kill -9 the run mid-step (tests/test_rl_resume.py).
+    pause_at_step: int = 0
 
     def __post_init__(self):
-        _positive(self, ("grader_crash_every", "timeout_every", "engine_error_every"), allow_zero=True)
+        _positive(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step"),
+                  allow_zero=True)
 
     @property
     def any(self) -> bool:
+        """Whether rollouts are marked and backends wrapped (RLFaults); the pause needs neither."""
         return bool(self.grader_crash_every or self.timeout_every or self.engine_error_every)
 
 

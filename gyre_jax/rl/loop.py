@@ -272,6 +272,11 @@ class RLLoop:
             from gyre_jax.testing.fake_rl_faults import RLFaults  # test hook (config.faults)
 
             faults = RLFaults(cfg.faults)
+        on_step_started = None
+        if cfg.faults.pause_at_step:
+            from gyre_jax.testing.fake_rl_faults import pause_at_step  # test hook: kill -9 mid-step
+
+            on_step_started = functools.partial(pause_at_step, cfg.faults.pause_at_step)
         params0 = trainer.state.params
         names = {c: f"cell{c}" for c in serving}
         special = (tok.special["<|bos|>"], tok.special["<|eos|>"], tok.special["<|pad|>"])
@@ -309,7 +314,8 @@ class RLLoop:
                                     micro_batch_rows=t.micro_batch_rows, cells=cs, cell_roles=pool.roles,
                                     notify=wake.set, on_step=steps_q.put, work_s_per_row=t.work_s_per_row,
                                     row_len=t.row_len, steps_done=steps_done, ready=ready, after_update=after_update,
-                                    negative_advantage_scale=t.negative_advantage_scale)
+                                    negative_advantage_scale=t.negative_advantage_scale,
+                                    on_step_started=on_step_started)
         pool.trainer = trainer_ad
         existing = [int(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"g(\d+)-", r))]
         launcher = Launcher(loop=hloop, harness_config=self._harness_config(url + "/v1"), store=store, run_id=RUN_ID,

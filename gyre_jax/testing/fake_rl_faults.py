@@ -15,11 +15,18 @@ inside the real proxy/engine path:
   rollout's ``retries``.
 
 Calls are tied to rollouts by the proxy's ``cache_key`` (``run/rollout/agent``).
+
+:func:`pause_at_step` (``FaultConfig.pause_at_step``) is the kill -9 hook of the
+resume test: the trainer calls it when a step has started; at the chosen step it
+prints ``PAUSED <step>`` and blocks on stdin, so the test kills the process at an
+exact point of the real loop, with no sleep and no race.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import sys
 import threading
 
 from gyre_jax.serving.backend import Backend, EngineError, GenerateRequest, TokenStream
@@ -27,6 +34,18 @@ from gyre_jax.serving.backend import Backend, EngineError, GenerateRequest, Toke
 
 def crashing_grader(task, workspace):
     raise RuntimeError(f"injected grader crash for {task.task_id}")
+
+
+def pause_at_step(at: int, step: int) -> None:
+    """At ``step == at``: print ``PAUSED <step>`` and block until stdin has a line or closes,
+    then end the process at once (the test means to kill it first; a parent that went away
+    closes the pipe, so an abandoned run never lingers)."""
+    if step != at:
+        return
+    print(f"PAUSED {step}", flush=True)
+    sys.stdin.readline()
+    print(f"pause_at_step: released at step {step} without being killed; exiting", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 def _rollout_of(request: GenerateRequest) -> str | None:
