@@ -136,5 +136,6 @@ def get_config() -> ml_collections.ConfigDict:
         grader_crash_every=0,
         timeout_every=0,
         engine_error_every=0,
+        pause_at_step=0,  # print PAUSED and block when step k starts (the kill -9 resume test)
     ))
     return c

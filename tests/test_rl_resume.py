@@ -2,8 +2,7 @@
 checkpoint, no finished rollout is lost, none is trained twice (counted by rollout id in
 the store), and the losses equal an uninterrupted run's.
 
-The loop runs as ``python -m launch.main --config configs/demo.py --workdir W`` (through a
-one-line wrapper adding ``faults.pause_at_step`` while demo.py lacks it) with
+The loop runs as ``python -m launch.main --config configs/demo.py --workdir W`` with
 ``--config.*`` flags equal to ``test_rl_loop.tiny_config`` in colocate mode, greedy
 (temperature 0), an entropy bonus (see _config_flags), a checkpoint after every step.
 Default run: kill + resume, counted by rollout id (~35 s). Slow: + an uninterrupted
@@ -63,29 +62,8 @@ def _config_flags() -> list[str]:
     return [f"--config.{k}={v}" for k, v in sorted(want.items()) if v != base[k]]
 
 
-# The pause flag needs the field in the locked config. Until configs/demo.py declares
-# faults.pause_at_step, the runs use a one-line wrapper of it that adds the field (off).
-_WRAPPER = """from configs import demo
-
-
-def get_config():
-    c = demo.get_config()
-    c.faults.pause_at_step = 0  # gyre_jax.rl.config.FaultConfig.pause_at_step (off)
-    return c
-"""
-
-
-def _config_file(workdir: str) -> str:
-    if "pause_at_step" in demo_config.get_config().faults:
-        return "configs/demo.py"
-    path = os.path.join(workdir, "demo_with_pause.py")
-    with open(path, "w") as f:
-        f.write(_WRAPPER)
-    return path
-
-
 def _cmd(workdir: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launch.main", "--config", _config_file(workdir), "--workdir", workdir,
+    return [sys.executable, "-m", "launch.main", "--config", "configs/demo.py", "--workdir", workdir,
             *_config_flags(), *extra]
 
 
