@@ -132,6 +132,12 @@ def get_config() -> ml_collections.ConfigDict:
         noisy_fraction=0.0,  # share of demonstrations with a deliberately wrong answer (headroom for RL)
         noisy_kind="reverse",  # how it is wrong: reverse | one_char | random
     ))
+    c.eval = ml_collections.ConfigDict(dict(  # held-out eval (gyre_jax.rl.evaluate), logged as eval/* per step
+        every=10,  # evaluate before step 0, after every 10th step and after the last (0 = off)
+        tasks=32,  # fixed tasks, seeds disjoint from the RL and SFT tasks
+        samples_per_task=8,  # first model call sampled 8x per task with one fixed key (~2 s per eval on 2 cores)
+        temperature=1.0,  # the rollouts' temperature (0 = greedy)
+    ))
     c.faults = ml_collections.ConfigDict(dict(  # test hooks (gyre_jax.testing.fake_rl_faults); 0 = off
         grader_crash_every=0,
         timeout_every=0,

@@ -207,9 +207,14 @@ def test_loop_elastic_with_faults(tmp_path):
     """2 elastic steps; every class of fault injected and counted as its class."""
     c = tiny_config("elastic", grader_crash_every=5, timeout_every=7, engine_error_every=3)
     c.harness.deadline_s = 5.0  # the stalled rollouts wait this long; the others need well under 1 s
+    c.eval = dict(every=1, tasks=4, samples_per_task=2, temperature=1.0)  # held-out eval: start + each step
     summary = jobs.get(c.job)(c, str(tmp_path))
     wd = os.path.join(tmp_path, "elastic")
     lines, outs = _check_run(wd, summary, steps=2, rollouts=16)
+    assert [r["eval/version"] for r in lines] == [1, 2] and lines[0]["eval/version_start"] == 0
+    for r in lines:
+        assert 0.0 <= r["eval/reward"] <= 1.0 and 0.0 <= r["eval/format"] <= 1.0 and r["eval/grader_errors"] == 0
+    assert summary["eval_first"] == lines[0]["eval/reward_start"] and summary["eval_last"] == lines[-1]["eval/reward"]
     inj = summary["injected_faults"]
     # 16 rollouts: #5, #10, #15 crash their grader; #7, #14 stall; #3, #6, #9, #12 fail once.
     assert inj == {"grader_crash": 3, "timeout": 2, "engine_error": 4}

@@ -144,6 +144,21 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out eval (gyre_jax.rl.evaluate): the first model call of fixed tasks, fixed sampling key."""
+
+    every: int = 0  # evaluate after every k-th step (and before the first, after the last); 0 = off
+    tasks: int = 32  # held-out tasks, seeds 2**29 + s (RL draws seed*1_000_003 + g, SFT 2**30 + s)
+    samples_per_task: int = 8
+    temperature: float = 1.0  # 0 = greedy; default = the harness's rollout temperature
+
+    def __post_init__(self):
+        _positive(self, ("every",), allow_zero=True)
+        _positive(self, ("tasks", "samples_per_task"))
+        _positive(self, ("temperature",), allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     """Injected faults for tests (0 = off). Every k-th rollout launched (1-based) gets it."""
 
@@ -180,6 +195,7 @@ class RLConfig:
     harness: HarnessKnobs = HarnessKnobs()
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
     faults: FaultConfig = FaultConfig()
 
     def __post_init__(self):
@@ -201,7 +217,8 @@ class RLConfig:
         d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         d = {k: v for k, v in d.items() if k not in ("job", "workdir")}
         nested = dict(model=ModelConfig, cells=CellsConfig, scheduler=SchedulerConfig, task=TaskConfig,
-                      harness=HarnessKnobs, train=TrainConfig, sft=SFTConfig, faults=FaultConfig)
+                      harness=HarnessKnobs, train=TrainConfig, sft=SFTConfig, eval=EvalConfig,
+                      faults=FaultConfig)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

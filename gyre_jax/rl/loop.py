@@ -84,6 +84,7 @@ class RLLoop:
     def __init__(self, cfg: RLConfig, workdir: str):
         self.cfg, self.workdir = cfg, os.path.abspath(workdir)
         self.history: list[dict] = []
+        self.evals: list[dict] = []  # held-out evals of this run: {"version", "eval_reward", ...}
 
     # ------------------------------------------------------------------ setup
     def _task_fn(self, g: int):
@@ -166,6 +167,34 @@ class RLLoop:
         server.run(all_(), timeout=600)
         log.info("rl: warmed %d engines in %.1fs", len(backends), time.perf_counter() - t0)
 
+    def _make_eval(self, tok):
+        """The held-out eval (config.eval), or None when eval.every == 0."""
+        from gyre_jax.agents.tasks import make_task
+        from gyre_jax.rl.evaluate import HeldOutEval
+
+        cfg, e = self.cfg, self.cfg.eval
+        if not e.every:
+            return None
+        # Seeds disjoint from the RL tasks' (seed * 1_000_003 + g) and the SFT demonstrations' (2**30 + s).
+        tasks = [make_task(cfg.task.family, 2**29 + s, **cfg.task.kwargs()) for s in range(e.tasks)]
+        return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
+                           samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
+                           temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len)
+
+    def _eval_due(self, version: int) -> bool:
+        e = self.cfg.eval.every
+        return bool(e) and (version % e == 0 or version >= self.cfg.steps)
+
+    def _run_eval(self, evaluator, version: int, params) -> dict:
+        """One held-out eval on the main thread (~2 s for the demo); appended to self.evals."""
+        t0 = time.perf_counter()
+        r = evaluator(params)
+        self.evals.append({"version": version, **r})
+        log.info("rl: eval at version %d: %s (%.1fs)", version, r, time.perf_counter() - t0)
+        return {"eval/reward": r["eval_reward"], "eval/exact": r["eval_exact"], "eval/format": r["eval_format"],
+                "eval/grader_errors": r["eval_grader_errors"], "eval/version": version,
+                "eval/s": time.perf_counter() - t0}
+
     def _resumed_groups(self, store, rollout_ids, steps_done: int):
         from gyre_jax.rl.adapters import Group
 
@@ -213,6 +242,7 @@ class RLLoop:
         mc = cfg.model
         if tok.vocab_size > mc.vocab_size:
             raise ValueError(f"model.vocab_size={mc.vocab_size} < byte tokenizer's {tok.vocab_size} ids")
+        evaluator = self._make_eval(tok)  # held-out eval (config.eval) or None; a bad size fails here, early
 
         # Cells, state, steps.
         cs = cells_lib.split_cells(cells_lib.CellConfig(cell_size=cfg.cells.cell_size,
@@ -305,6 +335,11 @@ class RLLoop:
                                notify=wake.set, version=steps_done, slots=cfg.cells.max_slots)
         proc = ProcessorConfig(row_len=t.row_len, advantage=AdvantageConfig(mode=t.advantage))
 
+        def on_step(info: dict) -> None:  # trainer thread: latest_params() is exactly this step's version here
+            if evaluator is not None and self._eval_due(info["version"]):
+                info["eval_params"] = trainer_ad.latest_params()
+            steps_q.put(info)
+
         def after_update(version: int) -> None:
             if ckpt.should_save(version) or version >= cfg.steps:
                 ckpt.save(version, train_state=trainer.state, rng=rng, store_cursor=store.cursor_state(),
@@ -312,7 +347,7 @@ class RLLoop:
 
         trainer_ad = TrainerAdapter(trainer=trainer, store=store, processor_config=proc, groups_per_step=s.groups_per_step,
                                     micro_batch_rows=t.micro_batch_rows, cells=cs, cell_roles=pool.roles,
-                                    notify=wake.set, on_step=steps_q.put, work_s_per_row=t.work_s_per_row,
+                                    notify=wake.set, on_step=on_step, work_s_per_row=t.work_s_per_row,
                                     row_len=t.row_len, steps_done=steps_done, ready=ready, after_update=after_update,
                                     negative_advantage_scale=t.negative_advantage_scale,
                                     on_step_started=on_step_started)
@@ -331,17 +366,32 @@ class RLLoop:
               f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {url}, "
               f"setup {t_setup - t_start:.1f}s (SFT {len(sft_history)} steps), workdir {wd}", flush=True)
 
+        # The starting policy's eval (version steps_done) goes into the first step record of
+        # this run as eval/*_start, so metrics.jsonl stays one line per step.
+        start_eval = self._run_eval(evaluator, *trainer_ad.latest_params()) if evaluator is not None else {}
+        start_eval = {k + "_start": v for k, v in start_eval.items()}
         last = dict(t=clock.now(), gen=0, switches=0)
         step_end_s: list[float] = []
+
+        def take_record() -> dict:
+            info = steps_q.get()
+            rec = self._step_record(info, clock, last, server, timeline, launcher, pool)
+            if start_eval:
+                rec.update(start_eval)
+                start_eval.clear()
+            if "eval_params" in info:
+                rec.update(self._run_eval(evaluator, *info.pop("eval_params")))
+            step_end_s.append(rec["time_s"])
+            metrics.write(rec["step"], _scalars(rec))
+            self.history.append(rec)
+            return rec
+
         bar = tqdm(total=cfg.steps, initial=steps_done, desc=f"rl[{s.mode}]", unit="step", disable=not cfg.progress)
         try:
             while not controller.done():
                 controller.tick()
                 while not steps_q.empty():
-                    rec = self._step_record(steps_q.get(), clock, last, server, timeline, launcher, pool)
-                    step_end_s.append(rec["time_s"])
-                    metrics.write(rec["step"], _scalars(rec))
-                    self.history.append(rec)
+                    take_record()
                     bar.update(1)
                 roles_s = "".join(">" if r.startswith("to") else r[0] for r in pool.roles())
                 reward_s = f"reward={self.history[-1]['reward']:.3f} " if self.history else ""
@@ -352,10 +402,7 @@ class RLLoop:
                 wake.wait(s.poll_s)
                 wake.clear()
             while not steps_q.empty():  # the last step's record
-                rec = self._step_record(steps_q.get(), clock, last, server, timeline, launcher, pool)
-                step_end_s.append(rec["time_s"])
-                metrics.write(rec["step"], _scalars(rec))
-                self.history.append(rec)
+                take_record()
         finally:
             bar.close()
             wall_rl = clock.now()
@@ -430,10 +477,16 @@ class RLLoop:
             "injected_faults": dict(faults.injected) if faults is not None else {},
             "sft_steps": len(sft_history), "sft_loss_last": sft_history[-1]["loss"] if sft_history else None,
         }
+        if self.evals:  # held-out eval (config.eval): the starting policy's and the last one's
+            out.update(eval_first=self.evals[0]["eval_reward"], eval_last=self.evals[-1]["eval_reward"],
+                       eval_first_version=self.evals[0]["version"], eval_last_version=self.evals[-1]["version"],
+                       eval_exact_first=self.evals[0]["eval_exact"], eval_exact_last=self.evals[-1]["eval_exact"])
         with open(os.path.join(self.workdir, "summary.json"), "w") as f:
             json.dump(out, f, indent=1)
         if h:
             print(f"rl[{out['mode']}]: reward {first:.3f} -> {lastr:.3f} (mean of first/last {k} steps), "
-                  f"{len(h)} steps in {wall_rl:.1f}s of RL ({wall:.1f}s total); statuses {out['statuses']}", flush=True)
+                  f"{len(h)} steps in {wall_rl:.1f}s of RL ({wall:.1f}s total); statuses {out['statuses']}"
+                  + (f"; held-out eval {out['eval_first']:.3f} -> {out['eval_last']:.3f} (versions "
+                     f"{out['eval_first_version']} -> {out['eval_last_version']})" if self.evals else ""), flush=True)
         print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(self.workdir))), flush=True)
         return out

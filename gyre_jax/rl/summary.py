@@ -69,7 +69,8 @@ def mode_summaries(root: str) -> list[dict]:
 
 def table(summaries: Sequence[dict]) -> str:
     cols = [("mode", "{}"), ("steps", "{}"), ("wall_s", "{:.1f}"), ("rl_s", "{:.1f}"),
-            ("reward_first", "{:.3f}"), ("reward_last", "{:.3f}"), ("util_rollout", "{:.2f}"),
+            ("reward_first", "{:.3f}"), ("reward_last", "{:.3f}"),
+            ("eval_first", "{:.3f}"), ("eval_last", "{:.3f}"), ("util_rollout", "{:.2f}"),
             ("util_train", "{:.2f}"), ("util_train_busy", "{:.2f}"), ("util_switching", "{:.2f}"), ("staleness_mean", "{:.2f}"),
             ("switches", "{}"), ("statuses", "{}")]
     rows = [[name for name, _ in cols]]
