@@ -13,8 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from gyre_jax.agents.graders import RESULT_PREFIX
-from gyre_jax.agents.scoring import Grade
+from gyre_jax.agents.scoring import RESULT_PREFIX, Grade
 from gyre_jax.agents.tasks.base import Task
 
 

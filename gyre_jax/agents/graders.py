@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gyre_jax.agents.scoring import RESULT_PREFIX
+
 if TYPE_CHECKING:  # runtime import would cycle through gyre_jax.agents.tasks
     from gyre_jax.agents.tasks.base import Task
 
-RESULT_PREFIX = "GYRE-GRADE "
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 

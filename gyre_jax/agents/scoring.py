@@ -5,6 +5,9 @@ import dataclasses
 import math
 from typing import Any
 
+# The line a grader subprocess prints its verdict on (grader_main writes it, graders reads it).
+RESULT_PREFIX = "GYRE-GRADE "
+
 
 @dataclasses.dataclass(frozen=True)
 class Grade:

@@ -3,19 +3,24 @@
 ``grade(task, workspace) -> Grade`` (run in the grader subprocess)."""
 from __future__ import annotations
 
+import importlib
 import types
 
-from gyre_jax.agents.tasks import repo_spec, tiny
 from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
 
-FAMILIES: dict[str, types.ModuleType] = {repo_spec.FAMILY: repo_spec, tiny.FAMILY: tiny}
+# Family name -> module, imported on first use: the grader subprocess (one per rollout)
+# then imports only its own family, not every family's dependencies.
+FAMILIES: dict[str, str] = {"repo_spec": "gyre_jax.agents.tasks.repo_spec", "tiny": "gyre_jax.agents.tasks.tiny"}
 
 
 def family(name: str) -> types.ModuleType:
     try:
-        return FAMILIES[name]
+        module = importlib.import_module(FAMILIES[name])
     except KeyError:
         raise LookupError(f"unknown task family {name!r}; known: {sorted(FAMILIES)}") from None
+    if module.FAMILY != name:
+        raise RuntimeError(f"task family module {module.__name__} declares FAMILY={module.FAMILY!r}, not {name!r}")
+    return module
 
 
 def make_task(family_name: str, seed: int, **kwargs) -> Task:
