@@ -32,6 +32,7 @@ def tiny_config(mode: str = "elastic", steps: int = 2, **faults):
     c.harness.update(dict(max_tokens=12, deadline_s=20.0))
     c.train.micro_batch_rows = 4  # a multiple of the cell's fsdp size (4)
     c.sft.steps = 0  # random init: the loop's mechanics, not learning (test_sft_warm_start_learns covers SFT)
+    c.eval.every = 0  # off unless a test asks for it (it compiles its own sampler)
     c.faults.update(faults)
     return c
 
@@ -262,11 +263,12 @@ def test_loop_resumes_without_losing_or_retraining(tmp_path):
 
 @pytest.mark.slow
 def test_full_demo(tmp_path):
-    """The README's command (configs/demo.py as is); ~3.5 min on 2 cores."""
+    """The README's command (configs/demo.py as is); ~6-8 min on 2 cores. RL must raise the
+    held-out reward (fixed tasks, fixed sampling key) over the SFT warm start's."""
     c = demo_config.get_config()
     c.progress = False
     summary = jobs.get(c.job)(c, str(tmp_path))
     assert summary["steps"] == c.steps and summary["wall_s"] < 600, summary
-    assert summary["reward_first"] > 0.5, summary  # the SFT warm start works
-    if not summary["reward_last"] > summary["reward_first"]:
-        pytest.xfail(f"known gap: RL did not raise the reward over the SFT level in the demo budget ({summary})")
+    assert summary["eval_first"] > 0.5, summary  # the SFT warm start works
+    assert summary["eval_last"] > summary["eval_first"] + 0.02, summary
+    assert summary["reward_last"] > summary["reward_first"], summary

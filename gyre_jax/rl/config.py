@@ -30,9 +30,10 @@ class CellsConfig:
     serve_tensor: int = 1  # 1: slots split over the cell's devices ('data'), weights replicated
     max_slots: int = 8  # concurrent decode slots per engine (one engine per cell)
     max_len: int = 256  # KV-cache length per slot (prompt + generated)
+    tokens_per_call: int = 1  # decode steps per engine generate call (GyreEngine: amortizes host work)
 
     def __post_init__(self):
-        _positive(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len"))
+        _positive(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -316,7 +316,8 @@ class RLLoop:
             for c in serving:
                 b = JetStreamBackend(GyreEngine(mc, params0, mesh=cs[c].serve_mesh, max_slots=cfg.cells.max_slots,
                                                 max_len=cfg.cells.max_len, version=steps_done, name=names[c],
-                                                special_ids=special), name=names[c])
+                                                special_ids=special, tokens_per_call=cfg.cells.tokens_per_call),
+                                     name=names[c])
                 backends.append(faults.wrap(b) if faults is not None else b)
             return Proxy(Router(backends, wait_for_cell_s=600.0), tok, store,
                          ProxyConfig(max_tokens_cap=cfg.harness.max_tokens))
