@@ -99,6 +99,20 @@ class _Channel(async_multifuture.AsyncMultifuture):
         except RuntimeError:
             pass
 
+    def wake(self) -> None:
+        """End a consumer's wait on this channel even though it is detached.
+
+        A stream ended from outside its own ``__anext__`` (an export before the request
+        reached a slot) detaches the channel, so JetStream's later close is dropped; a
+        consumer already awaiting the channel would then wait forever (the elastic demo
+        saw a call hang until its rollout's deadline, and a drain never return)."""
+        if self._loop.is_closed():
+            return
+        try:
+            super().set_exception(StopAsyncIteration())
+        except RuntimeError:
+            pass
+
 
 class GyreDriver(orchestrator.Driver):
     def _process_prefill_content(self, request, tokenizer, is_bos, max_prefill_length):
@@ -167,6 +181,7 @@ class _Stream(TokenStream):
             return
         self.finish = finish
         self._ch.detached = True  # nothing more to read (a held slot only reports markers)
+        self._ch.wake()  # a consumer waiting on the channel sees the end (no-op for one that is not)
         if self._b._live.get(self.request_id) is self:
             del self._b._live[self.request_id]
         if finish == "moved":
