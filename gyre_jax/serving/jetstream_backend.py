@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -122,8 +123,12 @@ class GyreDriver(orchestrator.Driver):
 
 
 class _Stream(TokenStream):
-    def __init__(self, backend: "JetStreamBackend", req: GenerateRequest, channel):
+    def __init__(self, backend: "JetStreamBackend", req: GenerateRequest, channel, engine_id: str):
         self.request_id = req.request_id
+        # The engine's name for this attempt. A call that moves away and back to this cell
+        # keeps its request id; a fresh engine id keeps the earlier attempt's leftovers
+        # (a cancel mark waiting for its dead prefill, a stale slot owner) off the new one.
+        self.engine_id = engine_id
         self._b, self._req, self._ch = backend, req, channel
         r = req.resume
         self.tokens: list[int] = [] if r is None else [int(t) for t in r.output_ids]
@@ -161,7 +166,7 @@ class _Stream(TokenStream):
         """JetStream closed the return channel: the engine stopped this request."""
         if self._detach == "export":
             await self._settled.wait()
-        err = self._b.engine.pop_error(self.request_id)
+        err = self._b.engine.pop_error(self.engine_id)
         if err is not None:
             self._end("error")
             raise EngineError(f"{self._b.name}: {err}")
@@ -189,7 +194,7 @@ class _Stream(TokenStream):
                                       output_logprobs=np.asarray(self.logprobs, np.float32), kv=kv,
                                       source=self._b.name)
         elif finish in ("stop", "length"):
-            self._b._release(self._req, self.tokens)
+            self._b._release(self._req, self.tokens, self.engine_id)
 
 
 class JetStreamBackend(Backend):
@@ -208,6 +213,7 @@ class JetStreamBackend(Backend):
         slots_q = self._driver._generate_slots[0]  # JetStream's free-slot queue for this engine
         engine.free_slots = slots_q.qsize
         self._live: dict[str, _Stream] = {}
+        self._attempts = itertools.count()  # engine ids: one per submission (see _Stream.engine_id)
         # cache_key -> (policy version, tokens whose k/v the block holds, KVBlock); LRU. A
         # block is only reused under the weights that computed it.
         self._cache: collections.OrderedDict[str, tuple[int, np.ndarray, KVBlock]] = collections.OrderedDict()
@@ -236,13 +242,14 @@ class JetStreamBackend(Backend):
             raise ValueError(f"request id {request.request_id!r} is already running on {self.name}")
         r = request.resume
         seq = prompt if r is None else np.concatenate([prompt, r.output_ids.astype(np.int32)])
-        inp = PrefillInput(request.request_id, seq[:-1], int(seq[-1]), 0 if r is None else r.num_generated, sp)
+        engine_id = f"{request.request_id}#{next(self._attempts)}"
+        inp = PrefillInput(engine_id, seq[:-1], int(seq[-1]), 0 if r is None else r.num_generated, sp)
         if r is not None and r.kv is not None:
             inp.kv, inp.kv_origin = r.kv, "moved"
         elif request.cache_key:
             inp.kv = self._lookup(request.cache_key, seq[:-1])
         channel = _Channel()
-        stream = _Stream(self, request, channel)
+        stream = _Stream(self, request, channel, engine_id)
         self._live[request.request_id] = stream
         active = GyreActiveRequest(max_tokens=sp.max_tokens, return_channel=channel, prefill_content=[],
                                    is_client_side_tokenization=True, gyre_input=inp)
@@ -256,7 +263,7 @@ class JetStreamBackend(Backend):
             return
         stream._detach = "cancel"
         stream._end("cancelled")  # the consumer is gone: stop counting it now
-        self.engine.detach(request_id, export=False)
+        self.engine.detach(stream.engine_id, export=False)
 
     async def export(self, request_id: str) -> bool:
         """Stop the call here at a token boundary; True if its stream will end "moved"."""
@@ -264,7 +271,7 @@ class JetStreamBackend(Backend):
         if stream is None or stream._detach is not None:
             return False
         stream._detach = "export"
-        fut = self.engine.detach(request_id, export=True)
+        fut = self.engine.detach(stream.engine_id, export=True)
         if fut is None:  # never reached a slot: nothing computed here to move
             stream._end("moved", kv=stream._inherited_kv)
             stream._settled.set()
@@ -276,7 +283,7 @@ class JetStreamBackend(Backend):
             log.exception("%s: export of %s failed; falling back to recompute", self.name, request_id)
             self._counts["export_failed"] += 1
             stream._detach = "recompute"
-            if self.engine.detach(request_id, export=False) is None:
+            if self.engine.detach(stream.engine_id, export=False) is None:
                 stream._end("moved")
             return True
         finally:
@@ -289,9 +296,9 @@ class JetStreamBackend(Backend):
         return True
 
     # ---- prefix cache (multi-turn calls of one agent reuse their KV) ----------------
-    def _release(self, req: GenerateRequest, tokens: list[int]) -> None:
+    def _release(self, req: GenerateRequest, tokens: list[int], engine_id: str) -> None:
         """Free the finished call's held slot, keeping its KV if it has a cache key."""
-        fut = self.engine.release(req.request_id, snapshot=bool(req.cache_key))
+        fut = self.engine.release(engine_id, snapshot=bool(req.cache_key))
         if fut is None or not req.cache_key:
             return
         seq = np.concatenate([req.prompt_ids, np.asarray(tokens, np.int32)])
