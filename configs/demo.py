@@ -140,8 +140,8 @@ def get_config() -> ml_collections.ConfigDict:
         rows=6,  # packed rows per step
         learning_rate=1e-3,
         demos=512,  # demonstration tasks (disjoint seeds from the RL tasks)
-        noisy_fraction=0.0,  # share of demonstrations with a deliberately wrong answer (headroom for RL)
-        noisy_kind="reverse",  # how it is wrong: reverse | one_char | random
+        noisy_fraction=0.0,  # share of deliberately bad demonstrations (off: see the docstring)
+        noisy_kind="reverse",  # how they are bad: reverse | one_char | random | give_up
     ))
     c.eval = ml_collections.ConfigDict(dict(  # held-out eval (gyre_jax.rl.evaluate), logged as eval/* per step
         every=10,  # evaluate before step 0, after every 10th step and after the last (0 = off)

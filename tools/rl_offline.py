@@ -65,7 +65,8 @@ def main(argv=None) -> dict:
     from gyre_jax.losses import PolicyLossConfig, loss_from_logits
     from gyre_jax.model import Transformer, param_logical_axes
     from gyre_jax.rl.config import RLConfig
-    from gyre_jax.rl.evaluate import HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, score_text
+    from gyre_jax.rl.evaluate import (HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows,
+                                      score_text)
     from gyre_jax.rl.loop import RLLoop
     from gyre_jax.serving.tokenizer import ByteTokenizer
     from gyre_jax.trajectory.binpack import pack_trees
@@ -90,13 +91,8 @@ def main(argv=None) -> dict:
 
     def batch_of(params, tasks, key):
         """Sample group_size replies per task; (packed rows, scores [groups, group_size])."""
-        prompts = [first_call_prompt(task, tok, h.system_prompt or None) for task in tasks]
-        T = max(len(p) for p in prompts)
-        rows = np.zeros((len(tasks) * a.group_size, T), np.int32)
-        lengths = np.zeros(len(rows), np.int32)
-        for i in range(len(rows)):
-            p = prompts[i // a.group_size]
-            rows[i, :len(p)], lengths[i] = p, len(p)
+        rows, lengths = padded_rows([first_call_prompt(task, tok, h.system_prompt or None) for task in tasks],
+                                    a.group_size)
         toks, lps = jax.device_get(sample(params, jnp.asarray(rows), jnp.asarray(lengths), key))
         trees, scores = [], []
         for i in range(len(rows)):

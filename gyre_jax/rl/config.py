@@ -122,26 +122,29 @@ class TrainConfig:
                          "negative_advantage_scale"), allow_zero=True)
 
 
+NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.noisy_tasks
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     steps: int = 300  # supervised steps on scripted demonstrations (0: no warm start)
     rows: int = 4  # packed rows per step
     learning_rate: float = 3e-3
     demos: int = 512  # distinct demonstration tasks (cycled)
-    # Fraction of demonstrations whose answer is deliberately WRONG (a random string of the
-    # same length and alphabet; 'tiny' family only, see gyre_jax.rl.sft.noisy_tasks). 0 = clean.
+    # Fraction of demonstrations that are deliberately bad (a wrong answer, or giving up;
+    # 'tiny' family only, see gyre_jax.rl.sft.noisy_tasks). 0 = clean.
     # > 0 is meant to leave the warm-started policy right only part of the time (headroom
     # and reward variance for RL); measured results in configs/demo.py's docstring.
     noisy_fraction: float = 0.0
-    noisy_kind: str = "reverse"  # how a noisy answer is wrong: reverse | one_char | random (see noisy_tasks)
+    noisy_kind: str = "reverse"  # how a demonstration is bad: reverse | one_char | random | give_up
 
     def __post_init__(self):
         _positive(self, ("steps", "demos"), allow_zero=True)
         _positive(self, ("rows", "learning_rate"))
         if not 0.0 <= self.noisy_fraction < 1.0:
             raise ValueError(f"SFTConfig.noisy_fraction must be in [0, 1), got {self.noisy_fraction!r}")
-        if self.noisy_kind not in ("reverse", "one_char", "random", "give_up"):  # gyre_jax.rl.sft.NOISE_KINDS
-            raise ValueError(f"SFTConfig.noisy_kind={self.noisy_kind!r}; known: reverse, one_char, random, give_up")
+        if self.noisy_kind not in NOISE_KINDS:
+            raise ValueError(f"SFTConfig.noisy_kind={self.noisy_kind!r}; known: {NOISE_KINDS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

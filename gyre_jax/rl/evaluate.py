@@ -90,6 +90,16 @@ def make_sampler(config: ModelConfig, *, max_tokens: int, max_len: int, temperat
     return jax.jit(sample)
 
 
+def padded_rows(prompts: Sequence[Sequence[int]], repeat: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompts_SxT zero-padded, lengths_S) with each prompt repeated ``repeat`` times in a row
+    (task-major: row i holds prompt i // repeat), the sampler's input layout."""
+    rows = [p for p in prompts for _ in range(repeat)]
+    prompts_SxT = np.zeros((len(rows), max(len(p) for p in rows)), np.int32)
+    for i, p in enumerate(rows):
+        prompts_SxT[i, :len(p)] = p
+    return prompts_SxT, np.asarray([len(p) for p in rows], np.int32)
+
+
 def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     """The reply as the engine returns it: up to (excluding) the first stop id."""
     out = []
@@ -167,11 +177,7 @@ class HeldOutEval:
                              f"max_tokens={max_tokens}")
         if max_len > model_cfg.max_seq_len:
             raise ValueError(f"HeldOutEval: max_len={max_len} > model max_seq_len={model_cfg.max_seq_len}")
-        rows = [p for p in prompts for _ in range(samples_per_task)]  # task-major: row i is task i // k
-        self.prompts_SxT = np.zeros((len(rows), t_max), np.int32)
-        for i, p in enumerate(rows):
-            self.prompts_SxT[i, :len(p)] = p
-        self.lengths_S = np.asarray([len(p) for p in rows], np.int32)
+        self.prompts_SxT, self.lengths_S = padded_rows(prompts, samples_per_task)
         self.device = device if device is not None else jax.devices()[0]
         self.key = jax.random.key(seed)
         self.stop_ids = tuple(tokenizer.stop_ids)

@@ -144,14 +144,10 @@ class RLLoop:
     def _warm_engines(self, server, backends, tok) -> None:
         """One short call per engine with a real task's prompt, so prefill and generate are
         compiled before any rollout's deadline starts running."""
-        from gyre_jax.serving.api_openai import parse_chat
+        from gyre_jax.rl.evaluate import first_call_prompt
         from gyre_jax.serving.backend import GenerateRequest, SamplingParams
 
-        task = self._task_fn(0)
-        system = self.cfg.harness.system_prompt or task.system_prompt or ""
-        body = {"model": "gyre", "max_tokens": 1, "messages": [{"role": "system", "content": system},
-                                                                {"role": "user", "content": task.prompt}]}
-        prompt = parse_chat(body, tok).prompt_ids
+        prompt = np.asarray(first_call_prompt(self._task_fn(0), tok, self.cfg.harness.system_prompt or None), np.int32)
 
         async def one(backend, i):
             req = GenerateRequest(request_id=f"warm-{i}", prompt_ids=prompt, sampling=SamplingParams(max_tokens=2))
@@ -442,7 +438,8 @@ class RLLoop:
             "gen_tokens_per_s": (gen - last["gen"]) / dt,
             "train_tokens_per_s": st.packed_tokens / max(rep.seconds, 1e-9),
             "train_step_s": rep.seconds,
-            "train_busy_cell_s": float(sum(done - pulled for _, pulled, done in rep.timeline)), "process_s": info["process_s"], "cells_trained": info["cells_used"],
+            "train_busy_cell_s": float(sum(done - pulled for _, pulled, done in rep.timeline)),
+            "process_s": info["process_s"], "cells_trained": info["cells_used"],
             "switches": len(sw), "switch_s_mean": float(np.mean([x[3] for x in sw])) if sw else 0.0,
             "switch_s_max": float(np.max([x[3] for x in sw])) if sw else 0.0,
             "rollouts_in_flight": launcher.running_rollouts(), "roles": pool.roles(),

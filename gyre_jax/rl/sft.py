@@ -28,6 +28,7 @@ from gyre_jax.agents.demos import demonstration
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.losses import token_logprobs
 from gyre_jax.model import ModelConfig, Transformer
+from gyre_jax.rl.config import NOISE_KINDS
 from gyre_jax.serving.api_openai import parse_chat
 from gyre_jax.serving.tokenizer import Tokenizer
 from gyre_jax.trajectory.binpack import pack_trees
@@ -51,16 +52,18 @@ def assistant_ids(message: dict, tok: Tokenizer) -> list[int]:
     return ids + [tok.special["<|im_end|>"]]
 
 
-NOISE_KINDS = ("reverse", "one_char", "random", "give_up")
 
 
 def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "reverse"
                 ) -> tuple[list[Task], np.ndarray]:
     """Copies of ``tasks`` where exactly ``round(fraction * len(tasks))`` of them (chosen by
-    ``seed``) have a WRONG expected answer of the same length, never equal to the right one:
-    ``kind`` 'reverse' writes the right answer reversed, 'one_char' replaces one position
-    by another symbol of the op's alphabet, 'random' draws a fresh string over that alphabet
-    (palindromes fall back from 'reverse' to 'one_char'). Returns (tasks, corrupted mask).
+    ``seed``) get a bad demonstration. ``kind`` 'reverse', 'one_char' and 'random' give a
+    WRONG expected answer of the same length, never equal to the right one ('reverse': the
+    right answer reversed; 'one_char': one position replaced by another symbol of the op's
+    alphabet; 'random': a fresh string over that alphabet; palindromes fall back from
+    'reverse' to 'one_char'); 'give_up' keeps the answer but marks the task
+    (``params['demo_give_up']``) so its demonstration just finishes without writing.
+    Returns (tasks, corrupted mask).
 
     Why: SFT on clean demonstrations of the 'tiny' family lands anywhere from chance to ~0.95
     depending on a few dozen steps, leaving RL either nothing to learn or no signal. A noisy
