@@ -70,6 +70,17 @@ def test_no_variance_gives_zero_not_nan(mode):
     assert res.num_valid == 4
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.25])
+def test_negative_scale_multiplies_only_negative_advantages(scale):
+    scores = [1.0, 0.5, 0.0, 0.0]
+    outs = [O(str(i), "t", "completed", s) for i, s in enumerate(scores)]
+    ref = ref_adv(scores, "mean_std", 1e-6)
+    got = compute_advantages(outs, AdvantageConfig(negative_scale=scale)).advantages
+    np.testing.assert_allclose(got, np.where(ref < 0, ref * scale, ref), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="negative_scale"):
+        AdvantageConfig(negative_scale=-1.0)
+
+
 def test_all_failures():
     res = compute_advantages([O("a", "t", "infra_error", None), O("b", "t", "verifier_error", None)])
     assert res.num_valid == 0 and not res.advantages.any() and res.empty_groups == 1

@@ -364,13 +364,12 @@ class TrainerAdapter:
                  cells, cell_roles: Callable[[], list[str]], notify: Callable[[], None],
                  on_step: Callable[[dict], None], work_s_per_row: float, row_len: int,
                  steps_done: int = 0, ready: Sequence[Group] = (), after_update: Callable[[int], None] | None = None,
-                 negative_advantage_scale: float = 1.0, on_step_started: Callable[[int], None] | None = None):
+                 on_step_started: Callable[[int], None] | None = None):
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.b, self.cells, self.cell_roles = groups_per_step, micro_batch_rows, cells, cell_roles
         self.notify, self.on_step, self.after_update = notify, on_step, after_update
         self.on_step_started = on_step_started  # test hook (FaultConfig.pause_at_step); None in real runs
         self.work_s_per_row, self.row_len = work_s_per_row, row_len
-        self.neg_scale = negative_advantage_scale
         self._lock = threading.RLock()
         self._ready: list[Group] = sorted(ready, key=lambda g: g.version)
         self._taken: list[Group] = []
@@ -508,9 +507,6 @@ class TrainerAdapter:
         batch, outcomes = self._batch(rids)
         rows = batch.rows.as_dict() if hasattr(batch.rows, "as_dict") else dataclasses.asdict(batch.rows)
         B = rows["tokens"].shape[0]
-        if self.neg_scale != 1.0:
-            a = np.asarray(rows["advantages"])
-            rows = {**rows, "advantages": np.where(a < 0, a * self.neg_scale, a).astype(a.dtype)}
         mbs = [{k: np.asarray(rows[k][i:i + self.b]) for k in MICRO_BATCH_KEYS} for i in range(0, B, self.b)]
         t_proc = time.perf_counter() - t0
         with self._lock:

@@ -107,10 +107,8 @@ class TrainConfig:
     eps_high: float = 0.28
     entropy_coef: float = 0.0
     advantage: str = "mean_std"  # gyre_jax.trajectory.rewards modes
-    # Scale of negative advantages (1.0: plain group-normalized policy gradient; 0.0: only
-    # better-than-group rollouts are reinforced). A tiny model's failed rollouts continue
-    # after their first wrong token, and pushing down every later (format) token breaks
-    # the format in our runs; < 1 damps that.
+    # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_scale):
+    # 1.0 = plain group-normalized policy gradient, 0.0 = reinforce only better-than-group.
     negative_advantage_scale: float = 1.0
     work_s_per_row: float = 0.05  # initial estimate of training cell-seconds per row (then measured)
 

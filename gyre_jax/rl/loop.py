@@ -330,7 +330,8 @@ class RLLoop:
         proxy_ad = ProxyAdapter(server, names, [c for c in serving if roles[c] == "rollout"])
         pool = CellPoolAdapter(cells=cs, roles=roles, backends=backends, proxy=proxy_ad, timeline=timeline,
                                notify=wake.set, version=steps_done, slots=cfg.cells.max_slots)
-        proc = ProcessorConfig(row_len=t.row_len, advantage=AdvantageConfig(mode=t.advantage))
+        proc = ProcessorConfig(row_len=t.row_len, advantage=AdvantageConfig(
+            mode=t.advantage, negative_scale=t.negative_advantage_scale))
 
         def on_step(info: dict) -> None:  # trainer thread: latest_params() is exactly this step's version here
             if evaluator is not None and self._eval_due(info["version"]):
@@ -346,7 +347,6 @@ class RLLoop:
                                     micro_batch_rows=t.micro_batch_rows, cells=cs, cell_roles=pool.roles,
                                     notify=wake.set, on_step=on_step, work_s_per_row=t.work_s_per_row,
                                     row_len=t.row_len, steps_done=steps_done, ready=ready, after_update=after_update,
-                                    negative_advantage_scale=t.negative_advantage_scale,
                                     on_step_started=on_step_started)
         pool.trainer = trainer_ad
         existing = [int(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"g(\d+)-", r))]

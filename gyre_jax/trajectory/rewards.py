@@ -38,10 +38,15 @@ ADVANTAGE_MODES = ("mean", "mean_std")
 class AdvantageConfig:
     mode: str = "mean_std"  # one of ADVANTAGE_MODES
     eps: float = 1e-6  # added to the std in 'mean_std'
+    # Multiplies negative advantages (1: plain group-normalized; 0: only better-than-group
+    # rollouts are reinforced).
+    negative_scale: float = 1.0
 
     def __post_init__(self):
         if self.mode not in ADVANTAGE_MODES:
             raise ValueError(f"AdvantageConfig.mode={self.mode!r}; known: {ADVANTAGE_MODES}")
+        if not (self.negative_scale >= 0 and math.isfinite(self.negative_scale)):
+            raise ValueError(f"AdvantageConfig.negative_scale={self.negative_scale!r} must be finite and >= 0")
         if not (self.eps >= 0 and math.isfinite(self.eps)):
             raise ValueError(f"AdvantageConfig.eps={self.eps!r} must be finite and >= 0")
 
@@ -146,6 +151,8 @@ def compute_advantages(
         centered = r - r.mean()
         if config.mode == "mean_std":
             centered = centered / (r.std() + config.eps)
+        if config.negative_scale != 1.0:
+            centered = np.where(centered < 0, centered * config.negative_scale, centered)
         adv[members] = centered
 
     counts = {s: 0 for s in STATUSES}
