@@ -266,7 +266,7 @@ def test_bad_versions_and_shapes_are_refused(setup):
 
 
 def test_a_failing_cell_fails_the_step_and_leaves_the_state(setup, core_alone):
-    cs, mbs = setup["cells"], setup["mbs"]
+    mbs = setup["mbs"]
     tr = fresh_trainer(setup)
     before = jax.device_get(tr.state.params)
 

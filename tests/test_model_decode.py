@@ -1,5 +1,4 @@
 """KV-cache decoding equals re-running the full forward pass (float32, tight)."""
-import functools
 
 import jax
 import jax.numpy as jnp

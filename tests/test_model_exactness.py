@@ -6,7 +6,6 @@ prompt), a compaction (a new context sharing only the system prompt), a
 sub-agent (its own root, so its own segment in the row) and a nested branch.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -132,13 +132,14 @@ def main(argv=None) -> dict:
         return optax.apply_updates(params, u), opt_state, m["entropy"], optax.global_norm(g)
 
     key, evals, rewards = jax.random.key(a.seed + 1), [], []
+    ent = float("nan")  # entropy of the last update (none before step 1)
     print(f"{'step':>5} {'eval_reward':>11} {'train_reward':>12} {'entropy':>8} {'steps/s':>8}", flush=True)
     t0 = time.perf_counter()
     for step in range(a.steps + 1):
         if step % a.eval_every == 0 or step == a.steps:
             evals.append((step, held_out(params)["eval_reward"]))
             recent = float(np.mean(rewards[-a.eval_every:])) if rewards else float("nan")
-            print(f"{step:5d} {evals[-1][1]:11.3f} {recent:12.3f} {float(ent) if step else float('nan'):8.3f} "
+            print(f"{step:5d} {evals[-1][1]:11.3f} {recent:12.3f} {float(ent):8.3f} "
                   f"{step / max(time.perf_counter() - t0, 1e-9):8.2f}", flush=True)
         if step == a.steps:
             break

@@ -213,7 +213,6 @@ class RLLoop:
         from gyre_jax.cells.loss import policy_loss_fn
         from gyre_jax.losses import METRIC_REDUCTIONS, PolicyLossConfig
         from gyre_jax.model import init_boxed, param_logical_axes
-        from gyre_jax.rl import summary as summary_lib
         from gyre_jax.rl.adapters import (CellPoolAdapter, Launcher, LoopThread, ProxyAdapter, RealClock, Timeline,
                                           TrainerAdapter)
         from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
