@@ -103,6 +103,7 @@ def test_end_to_end_exact_counted_once_weights(row_len):
     assert st.selected_tokens == st.unique_tokens < st.recorded_tokens and st.expanded_tokens > st.selected_tokens
     assert st.recorded_tokens == sum(len(c.prompt_ids) + len(c.output_ids) for r in (rs[0], rs[1], rs[3]) for c in r.calls)
     assert (row_len == 24) == (st.duplicated_tokens > 0)
+    assert (st.trainable_unique, st.trainable_dropped, st.rollouts_truncated) == (len(got), 0, 0)  # unbounded
     assert 0 < st.fill <= 1 and st.dedup_factor > 1
 
 
@@ -121,6 +122,37 @@ def test_priority_selection_and_streaming_weights():
     assert set(np.unique(b.rollout_index)) == {-1, 2, 3}
     ga, gb, gf = (packed_targets(x.rows, x.rollout_index) for x in (a, b, full))
     assert {k: v[3] for k, v in {**ga, **gb}.items()} == pytest.approx({k: v[3] for k, v in gf.items()})
+
+
+def test_selection_drops_counted_exactly():
+    """Trainable tokens kept vs dropped by Jmax, against an independent count.
+
+    Per rollout, the whole rollout's trainable tokens are its unique (context,
+    output token) pairs read off the records; the kept ones are the targets the
+    packed rows actually train on. Neither count goes through select.py.
+    """
+    rs = [make_rollout(f"r{i}", "t", seed=20 + i) for i in range(4)]
+    rs[2] = Rollout("r2", "t", np.random.default_rng(0))  # one context only: Jmax=2 keeps all of it
+    rs[2].call([1, 2, 3], 4)
+    rs[3].call([5, 6, 7, 8, 9, 1], 10, role="subagent", agent=2, parent=0)  # r3 loses most
+    outs = [r.outcome("completed", s) for r, s in zip(rs, [0.0, 1.0, 0.5, 0.25])]
+    for jmax in (1, 2, 6):
+        b = process_step([c for r in rs for c in r.calls], outs, ProcessorConfig(row_len=64, select=SelectConfig(jmax=jmax)))
+        st = b.stats
+        got = packed_targets(b.rows, b.rollout_index)
+        total = [len(reference_targets(r.calls)) for r in rs]
+        kept = [sum(v[2] == k for v in got.values()) for k in range(len(rs))]
+        assert st.trainable_unique == sum(total) and st.trainable_selected == sum(kept) == st.trainable_targets
+        assert st.trainable_dropped == sum(total) - sum(kept)
+        frac = [(t - k) / t for t, k in zip(total, kept)]
+        assert st.rollouts_truncated == sum(f > 0 for f in frac)
+        assert st.max_dropped_fraction == max(frac)
+        assert st.max_dropped_rollout == (f"r{frac.index(max(frac))}" if max(frac) > 0 else None)
+        assert st.as_dict()["trainable_dropped"] == st.trainable_dropped
+        if jmax == 2:
+            assert st.rollouts_truncated == 3 and st.max_dropped_rollout == "r3"  # r2 has one path
+        if jmax == 6:  # every path fits: nothing lost
+            assert (st.trainable_dropped, st.rollouts_truncated, st.max_dropped_rollout) == (0, 0, None)
 
 
 def test_bad_inputs():

@@ -41,6 +41,28 @@ def test_priority_order_and_ties():
     assert sorted(leaf_tags(res7.tree)) == [2, 3, 4, 5, 6, 7, 8]  # summary 6 (9 tokens) before 1
 
 
+def plain_trainable(root, tags=None):
+    """Unique trainable token positions on the root-to-leaf paths whose leaf tag is in tags (all if None)."""
+    seen = set()
+    for path in root.root_to_leaf_paths():
+        if tags is None or int(path[-1].tokens[0]) in tags:
+            seen |= {(id(x), k) for x in path for k in np.flatnonzero(x.trainable)}
+    return len(seen)
+
+
+@pytest.mark.parametrize("jmax", [1, 2, 3, 5, 9])
+def test_trainable_kept_and_total_exact(jmax):
+    # Shared trainable prefixes (counted once) and paths of every role.
+    a2 = TreeNode.span([5] * 5, trainable=True, children=[leaf(7, 2, "summary"), leaf(12, 4, "subagent")])
+    a1 = TreeNode.span([4] * 5, trainable=True, children=[leaf(6, 1, "main"), a2])
+    trees = [fixture_tree(), TreeNode.span([1], children=[a1, leaf(8, 3, "subagent"), leaf(9, 0, "main")])]
+    for root in trees:
+        res = select_paths(root, SelectConfig(jmax=jmax))
+        assert res.trainable_total == plain_trainable(root)
+        assert res.trainable_kept == plain_trainable(root, set(leaf_tags(res.tree)))
+    assert select_paths(trees[0], SelectConfig(jmax=jmax)).trainable_total == 2 + 5 + 1 + 5 + 7 + 9 + 3 + 4
+
+
 def test_modes_and_input_untouched():
     root = fixture_tree()
     before = [(n.tokens.copy(), len(n.children)) for n in root.walk()]

@@ -14,7 +14,10 @@ rollout indices distinct, and ``RowStream.add`` the rows.
 
 Nothing is dropped silently: failed rollouts' calls are counted per status in
 ``StepStats.calls_dropped``; a trained rollout whose call count disagrees with its
-outcome's ``num_calls``, or calls without an outcome, are errors.
+outcome's ``num_calls``, or calls without an outcome, are errors. What the Jmax
+path budget leaves out of trained rollouts is counted too: ``trainable_dropped``
+recorded output tokens (of ``trainable_unique``), ``rollouts_truncated`` rollouts,
+the worst one by id and fraction (``max_dropped_rollout``, ``max_dropped_fraction``).
 """
 from __future__ import annotations
 
@@ -70,8 +73,15 @@ class StepStats:
     duplicated_tokens: int  # ancestor-path copies from splitting trees larger than a row
     branch_copies: int  # branch-point copies (serialize.py's rule)
     trainable_targets: int  # positions with a loss (each unique trainable token once)
-    paths_total: int
-    paths_selected: int
+    paths_total: int  # root-to-leaf paths of the trained rollouts' rebuilt trees
+    paths_selected: int  # paths kept by select (at most Jmax per rollout)
+    # What path selection cost (each unique trainable token once, as in trainable_targets):
+    trainable_unique: int  # trainable tokens of the rebuilt trees
+    trainable_selected: int  # of those, in the selected paths (what packing trains on)
+    trainable_dropped: int  # trainable_unique - trainable_selected: recorded outputs not trained
+    rollouts_truncated: int  # trained rollouts that lost at least one trainable token to selection
+    max_dropped_fraction: float  # worst rollout's dropped / its trainable tokens (0.0 if none lost)
+    max_dropped_rollout: str | None  # that rollout's id (None if none lost)
     rows: int
     fill: float  # packed_tokens / (rows * row_len)
     seconds: dict  # phase -> wall seconds ('rebuild', 'select', 'pack', 'total')
@@ -166,6 +176,10 @@ def process_step(
     t2 = time.perf_counter()
     sels = [select_paths(t, config.select) if t is not None else None for t in trees]
     t3 = time.perf_counter()
+    # Per rollout: fraction of its trainable tokens that selection left out.
+    lost = [((s.trainable_total - s.trainable_kept) / s.trainable_total, rid)
+            for (rid, _), s in zip(trained, sels) if s is not None and s.trainable_kept < s.trainable_total]
+    worst = max(lost, key=lambda x: x[0], default=(0.0, None))
     pack = pack_trees(
         [s.tree if s is not None else None for s in sels],
         np.asarray(adv, np.float32),
@@ -197,6 +211,12 @@ def process_step(
         trainable_targets=int(pack.num_targets.sum()),
         paths_total=sum(s.paths_total for s in sels if s is not None),
         paths_selected=sum(s.paths_selected for s in sels if s is not None),
+        trainable_unique=sum(s.trainable_total for s in sels if s is not None),
+        trainable_selected=sum(s.trainable_kept for s in sels if s is not None),
+        trainable_dropped=sum(s.trainable_total - s.trainable_kept for s in sels if s is not None),
+        rollouts_truncated=len(lost),
+        max_dropped_fraction=worst[0],
+        max_dropped_rollout=worst[1],
         rows=int(pack.rows.tokens.shape[0]),
         fill=pack.fill,
         seconds={"rebuild": t2 - t1, "select": t3 - t2, "pack": t4 - t3, "total": t4 - t0},
