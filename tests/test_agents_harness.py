@@ -10,16 +10,15 @@ import textwrap
 
 import pytest
 
-from gyre_jax.agents import protocol
 from gyre_jax.agents.agent import SUBAGENT_SYSTEM_PROMPT, SUMMARY_HEADER, SUMMARY_REQUEST, tool_call_message
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.demos import demonstration
 from gyre_jax.agents.harness import RolloutRequest, group_requests, iter_rollouts, run_rollouts
 from gyre_jax.agents.tasks import repo_spec, solution_turns, tiny
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.serving import identity as H
 from gyre_jax.testing.fake_openai_server import FakeOpenAIServer, FakeReply, tool_calls
-
-H = protocol
+from gyre_jax.trajectory import vocab
 
 
 def _reply(msg: dict) -> FakeReply:
@@ -56,7 +55,7 @@ def test_multi_turn_structured_rollout_completes_scores_and_matches_demo(repo_ta
 
     srv, [res] = _serve_and_run(responder, [RolloutRequest(rollout_id="r0", task=repo_task, group_id="g0")],
                                 tmp_path)
-    assert res.status == H.STATUS_COMPLETED, res.error
+    assert res.status == vocab.STATUS_COMPLETED, res.error
     assert res.score == 1.0 and res.grader_details["passed"] == res.grader_details["total"] == 10
     assert res.finish_reason == "finish"
     assert (res.calls, res.retries, res.compactions, res.subagents, res.tool_errors) == (4, 0, 0, 0, 0)
@@ -88,7 +87,7 @@ def test_plain_text_tool_calls_tiny_group_partial_credit(tmp_path):
 
     srv, res = _serve_and_run(responder, group_requests(task, 2, group_id="gt"), tmp_path,
                               send_tools_schema=False, bytes_per_token=1.0)
-    assert [r.status for r in res] == [H.STATUS_COMPLETED] * 2
+    assert [r.status for r in res] == [vocab.STATUS_COMPLETED] * 2
     assert res[0].score == 1.0
     assert res[1].score == pytest.approx((len(expected) - 1) / len(expected))
     assert res[1].grader_details == {"expected": expected, "got": wrong, "exact": False}
@@ -112,7 +111,7 @@ def test_compaction_makes_summary_call_then_fresh_context(tmp_path, usage):
 
     srv, [res] = _serve_and_run(responder, [RolloutRequest(rollout_id="c0", task=task, group_id="g")], tmp_path,
                                 send_tools_schema=False, bytes_per_token=1.0, context_budget_tokens=500)
-    assert res.status == H.STATUS_COMPLETED and res.score == 1.0, res.error
+    assert res.status == vocab.STATUS_COMPLETED and res.score == 1.0, res.error
     assert res.compactions == 1 and res.calls == 4
     roles = [r.header(H.HEADER_ROLE) for r in srv.requests]
     assert roles == ["main", "main", "summary", "main"]
@@ -141,7 +140,7 @@ def test_subagent_has_own_context_id_and_role(tmp_path):
 
     task = Task(**{**task.to_dict(), "tools": ("write_file", "spawn_subagent", "finish")})
     srv, [res] = _serve_and_run(responder, [RolloutRequest(rollout_id="s0", task=task, group_id="g")], tmp_path)
-    assert res.status == H.STATUS_COMPLETED and res.score == 1.0, res.error
+    assert res.status == vocab.STATUS_COMPLETED and res.score == 1.0, res.error
     assert res.subagents == 1 and res.calls == 4
     agents = [(r.header(H.HEADER_AGENT), r.header(H.HEADER_PARENT_AGENT), r.header(H.HEADER_ROLE))
               for r in srv.requests]
@@ -166,7 +165,7 @@ def test_failed_call_is_retried_and_counted(tmp_path):
         return FakeReply(status=500) if req.index == 0 else _reply(turn)
 
     srv, [res] = _serve_and_run(responder, [RolloutRequest(rollout_id="e0", task=task, group_id="g")], tmp_path)
-    assert res.status == H.STATUS_COMPLETED and res.score == 1.0
+    assert res.status == vocab.STATUS_COMPLETED and res.score == 1.0
     assert res.retries == 1 and res.calls == 1
     assert [(r.header(H.HEADER_CALL), r.header(H.HEADER_ATTEMPT)) for r in srv.requests] == [("0", "0"), ("0", "1")]
 
@@ -178,11 +177,11 @@ def test_unreachable_server_and_client_error_are_infra_errors(tmp_path):
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     srv, [down] = _serve_and_run(lambda req: FakeReply(), [RolloutRequest(rollout_id="u0", task=task, group_id="g")],
                                  tmp_path, base_url=dead, max_retries=2)
-    assert down.status == H.STATUS_INFRA_ERROR and down.score is None and down.grader_details == {}
+    assert down.status == vocab.STATUS_INFRA_ERROR and down.score is None and down.grader_details == {}
     assert down.retries == 2 and down.calls == 0 and "after 2 retries" in down.error
     srv, [bad] = _serve_and_run(lambda req: FakeReply(status=400, error="prompt too long"),
                                 [RolloutRequest(rollout_id="u1", task=task, group_id="g")], tmp_path)
-    assert bad.status == H.STATUS_INFRA_ERROR and bad.score is None and bad.retries == 0
+    assert bad.status == vocab.STATUS_INFRA_ERROR and bad.score is None and bad.retries == 0
     assert "HTTP 400" in bad.error and "prompt too long" in bad.error and len(srv.requests) == 1
 
 
@@ -208,7 +207,7 @@ def test_deadline_grades_workspace_for_partial_credit(repo_task, tmp_path):
     reqs = [RolloutRequest(rollout_id=r, task=repo_task, group_id="g") for r in ("hang", "cmd")]
     srv, res = _serve_and_run(responder, reqs, tmp_path, deadline_s=1.0, command_timeout_s=120.0)
     for r in res:
-        assert r.status == H.STATUS_TIMEOUT and r.finish_reason is None, r.error
+        assert r.status == vocab.STATUS_TIMEOUT and r.finish_reason is None, r.error
         failed = {c["check"] for c in r.grader_details["checks"] if not c["ok"]}
         mod, pkg = repo_task.params["modules"][0]["name"], repo_task.params["package"]
         assert failed == {"exists:README.md", f"readme:{pkg}", f"readme:{mod}"}
@@ -247,7 +246,7 @@ def test_grader_failures_are_verifier_errors_not_zeros(tmp_path, monkeypatch):
     turn = tool_call_message(solution_turns(base)[0], text_format=True)
     srv, res = _serve_and_run(lambda req: _reply(turn), reqs, tmp_path / "ws", grader_timeout_s=3.0)
     for r in res:
-        assert r.status == H.STATUS_VERIFIER_ERROR and r.score is None and r.finish_reason == "finish", r
+        assert r.status == vocab.STATUS_VERIFIER_ERROR and r.score is None and r.finish_reason == "finish", r
     outcome = res[0].to_outcome("run1")  # a valid trajectory record, no score, reason kept
     assert outcome.is_failure and outcome.score is None and "grader bug" in outcome.details["error"]
     assert "RuntimeError: grader bug" in res[0].error
@@ -287,7 +286,7 @@ def test_many_rollouts_run_concurrently_within_the_limit(tmp_path):
     assert sorted(streamed) == sorted(by_id)
     assert srv.max_in_flight == 4
     assert [r.rollout_id for r in ordered] == ["c0", "c1", "c2"]
-    assert all(r.status == H.STATUS_COMPLETED and r.score == 1.0 for r in ordered)
+    assert all(r.status == vocab.STATUS_COMPLETED and r.score == 1.0 for r in ordered)
     for rid, task in by_id.items():
         assert (tmp_path / "a" / rid / "answer.txt").read_text() == task.params["expected"]
 

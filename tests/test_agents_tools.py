@@ -1,13 +1,16 @@
-"""Tools, call parsing, the wire protocol and config validation (no server)."""
+"""Tools, call parsing, the wire convention and config validation (no server)."""
 import asyncio
 import os
+import subprocess
+import sys
 
 import pytest
 
-from gyre_jax.agents import protocol
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.tools import (ToolCall, ToolError, Workspace, check_args, parse_openai_tool_calls,
                                    parse_text_tool_calls, render_text_tool_call)
+from gyre_jax.serving import identity
+from gyre_jax.trajectory.vocab import ROLE_SUBAGENT
 
 
 def test_text_tool_calls_parse_and_round_trip():
@@ -79,24 +82,36 @@ def test_run_tool_reports_exit_code_truncates_and_times_out(tmp_path):
     assert slow.startswith("timed out after 0.5 s")
 
 
-def test_protocol_ids_and_api_key():
-    assert protocol.api_key("run-1", "r.7") == "gyre:run-1:r.7"
-    assert protocol.parse_api_key("Bearer gyre:run-1:r.7") == ("run-1", "r.7")
-    assert protocol.parse_api_key("sk-something") is None and protocol.parse_api_key("gyre:a:b:c") is None
+def test_wire_ids_and_api_key():
+    assert identity.api_key("run-1", "r.7") == "gyre:run-1:r.7"
+    assert identity.parse_api_key("Bearer gyre:run-1:r.7") == ("run-1", "r.7")
+    assert identity.parse_api_key("sk-something") is None and identity.parse_api_key("gyre:a:b:c") is None
     with pytest.raises(ValueError, match="rollout id"):
-        protocol.api_key("run", "a:b")
-    h = protocol.call_headers(run_id="r", rollout_id="x", task_id="t", group_id="g", agent_id=2, parent_agent_id=0,
-                              role="subagent", call_index=5, attempt=0)
-    assert h[protocol.HEADER_PARENT_AGENT] == "0" and h[protocol.HEADER_CALL] == "5"
+        identity.api_key("run", "a:b")
+    h = identity.call_headers(run_id="r", rollout_id="x", task_id="t", group_id="g", agent_id=2, parent_agent_id=0,
+                              role=ROLE_SUBAGENT, call_index=5, attempt=0)
+    assert h[identity.HEADER_PARENT_AGENT] == "0" and h[identity.HEADER_CALL] == "5"
     with pytest.raises(ValueError, match="unknown role"):
-        protocol.call_headers(run_id="r", rollout_id="x", task_id="t", group_id="g", agent_id=0,
+        identity.call_headers(run_id="r", rollout_id="x", task_id="t", group_id="g", agent_id=0,
                               parent_agent_id=None, role="boss", call_index=0, attempt=0)
 
 
-def test_statuses_and_roles_match_trajectory_records():
-    # protocol keeps its own copy so the grader subprocess does not import numpy.
-    from gyre_jax.trajectory import records
-    assert protocol.STATUSES == records.STATUSES and protocol.ROLES == records.ROLES
+def test_the_grader_subprocess_and_the_wire_names_import_no_numpy():
+    # One vocabulary (trajectory.vocab) serves records, rewards, the harness and the
+    # proxy; it and the wire convention stay importable without numpy/jax/aiohttp, so
+    # the grader subprocess and any harness pay for none of them.
+    code = ("import sys, gyre_jax.agents.grader_main, gyre_jax.serving.identity, gyre_jax.trajectory.vocab; "
+            "print(sorted(m for m in ('numpy', 'jax', 'aiohttp', 'jetstream') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_serving_does_not_import_the_example_harness():
+    # Dependencies go one way: agents -> serving, never serving -> agents.
+    code = ("import sys, gyre_jax.serving.proxy; "
+            "print(sorted(m for m in sys.modules if m.startswith('gyre_jax.agents')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_config_validation():

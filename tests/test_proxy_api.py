@@ -13,7 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from gyre_jax.agents import protocol as P
+from gyre_jax.serving import identity as P
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
 from gyre_jax.serving.router import Router
 from gyre_jax.serving.server_thread import ServerThread

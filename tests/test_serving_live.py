@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from gyre_jax.agents import protocol as P
+from gyre_jax.serving import identity as P
 from gyre_jax.model import Transformer
 from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.serving.engine import GyreEngine

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from gyre_jax.agents import protocol as P
+from gyre_jax.serving import identity as P
 from gyre_jax.model import init_params, model_config_tiny
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.jetstream_backend import JetStreamBackend

@@ -24,6 +24,7 @@ from tqdm import tqdm  # noqa: E402
 from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore  # noqa: E402
 from gyre_jax.trajectory.synth import PRESETS, preset, synth_rollout  # noqa: E402
 from gyre_jax.trajectory.tree import rebuild  # noqa: E402
+from gyre_jax.trajectory.vocab import ROLES  # noqa: E402
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -59,7 +60,7 @@ def main(argv=None) -> dict:
                 st.append(c)
             st.append(outcome)
             row = dict(rollout=outcome.rollout_id, calls=len(calls), status=outcome.status,
-                       roles="/".join(str(sum(c.role == r for c in calls)) for r in ("main", "subagent", "summary")),
+                       roles="/".join(str(sum(c.role == r for c in calls)) for r in ROLES),
                        recorded=sum(c.prompt_ids.shape[0] + c.output_ids.shape[0] for c in calls),
                        max_prompt=max(c.prompt_ids.shape[0] for c in calls))
             if not args.no_rebuild:

@@ -3,9 +3,10 @@
 * ``harness``: rollouts (workspace, deadline, grading, status) run concurrently;
   ``run_rollouts`` / ``iter_rollouts`` / ``RolloutRequest`` / ``RolloutResult``.
 * ``agent``: the loop (tool calls, compaction, sub-agents); ``client``: the HTTP client
-  with retries; ``tools``: workspace tools and the two tool-call formats;
-  ``protocol``: the X-Gyre-* header / ``gyre:<run>:<rollout>`` API-key convention the
-  proxy reads, and the rollout status names.
+  with retries; ``tools``: workspace tools and the two tool-call formats. The X-Gyre-*
+  header / ``gyre:<run>:<rollout>`` API-key convention is the proxy's
+  (``gyre_jax.serving.identity``); rollout statuses and call roles are the
+  trajectory's (``gyre_jax.trajectory.vocab``).
 * ``tasks``: task families (``repo_spec``, ``tiny``); ``graders`` / ``grader_main``:
   grading in a subprocess; ``demos``: scripted demonstrations for a warm start.
 

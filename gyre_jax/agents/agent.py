@@ -22,10 +22,12 @@ import dataclasses
 import json
 from typing import Awaitable, Callable
 
-from gyre_jax.agents import protocol, tools
+from gyre_jax.agents import tools
 from gyre_jax.agents.client import ChatReply, InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.serving import identity
+from gyre_jax.trajectory.vocab import ROLE_SUBAGENT, ROLE_SUMMARY
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a coding agent working in a workspace directory. Act only through tools: "
@@ -65,12 +67,12 @@ class RolloutContext:
     def __init__(self, *, config: HarnessConfig, task: Task, rollout_id: str, group_id: str,
                  workspace: tools.Workspace, transport: Transport):
         self.config, self.task, self.workspace, self.transport = config, task, workspace, transport
-        self.rollout_id = protocol.check_id(rollout_id, "rollout id")
-        self.group_id = protocol.check_id(group_id, "group id")
+        self.rollout_id = identity.check_id(rollout_id, "rollout id")
+        self.group_id = identity.check_id(group_id, "group id")
         self.stats = RolloutStats()
         self._next_agent_id = 0
         self._next_call = 0
-        key = config.api_key if config.api_key is not None else protocol.api_key(config.run_id, rollout_id)
+        key = config.api_key if config.api_key is not None else identity.api_key(config.run_id, rollout_id)
         self._auth = {"Authorization": f"Bearer {key}"}
 
     def new_agent_id(self) -> int:
@@ -80,7 +82,7 @@ class RolloutContext:
     async def call_model(self, messages: list[dict], *, agent_id: int, parent_id: int | None, role: str,
                          tool_schemas: list[dict] | None) -> ChatReply:
         index, self._next_call = self._next_call, self._next_call + 1
-        headers = protocol.call_headers(
+        headers = identity.call_headers(
             run_id=self.config.run_id, rollout_id=self.rollout_id, task_id=self.task.task_id,
             group_id=self.group_id, agent_id=agent_id, parent_agent_id=parent_id, role=role,
             call_index=index, attempt=0)
@@ -156,7 +158,7 @@ class Agent:
 
     async def compact(self) -> None:
         reply = await self._call(self.messages + [{"role": "user", "content": SUMMARY_REQUEST}],
-                                 protocol.ROLE_SUMMARY, None)
+                                 ROLE_SUMMARY, None)
         summary = reply.message.get("content") or "(the summary call returned no text)"
         self.messages = self._fresh_context(summary)
         self._usage_tokens, self._bytes_since_usage = None, 0
@@ -218,7 +220,7 @@ class Agent:
             raise tools.ToolError(f"spawn_subagent: the limit of {cfg.max_subagents} sub-agents per rollout "
                                   "is reached")
         self.ctx.stats.subagents += 1
-        sub = Agent(self.ctx, role=protocol.ROLE_SUBAGENT, system_prompt=SUBAGENT_SYSTEM_PROMPT,
+        sub = Agent(self.ctx, role=ROLE_SUBAGENT, system_prompt=SUBAGENT_SYSTEM_PROMPT,
                     user_prompt=task_text, parent_id=self.agent_id, depth=self.depth + 1)
         out = await sub.run()
         report = f"sub-agent {sub.agent_id} ended ({out.finish_reason}): {out.final_text}"

@@ -15,7 +15,7 @@ import random
 import aiohttp
 
 from gyre_jax.agents.config import HarnessConfig
-from gyre_jax.agents.protocol import HEADER_ATTEMPT
+from gyre_jax.serving.identity import HEADER_ATTEMPT
 
 
 class InfraError(Exception):

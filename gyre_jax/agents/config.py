@@ -6,7 +6,7 @@ import os
 import types
 from typing import Any, Mapping
 
-from gyre_jax.agents.protocol import check_id
+from gyre_jax.serving.identity import check_id
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,11 +13,12 @@ import asyncio
 import dataclasses
 import tempfile
 
-from gyre_jax.agents import protocol, tools
+from gyre_jax.agents import tools
 from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, tool_call_message
 from gyre_jax.agents.client import ChatReply
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grade_in_process
+from gyre_jax.trajectory.vocab import ROLE_MAIN
 from gyre_jax.agents.tasks import solution_turns
 from gyre_jax.agents.tasks.base import Task
 
@@ -55,7 +56,7 @@ async def ademonstration(task: Task, config: HarnessConfig | None = None, *, tex
             ws.write_file(rel, content)
         ctx = RolloutContext(config=config, task=task, rollout_id="demo", group_id="demo", workspace=ws,
                              transport=scripted)
-        agent = Agent(ctx, role=protocol.ROLE_MAIN, user_prompt=task.prompt,
+        agent = Agent(ctx, role=ROLE_MAIN, user_prompt=task.prompt,
                       system_prompt=config.system_prompt or task.system_prompt or DEFAULT_SYSTEM_PROMPT)
         outcome = await agent.run()
         if outcome.finish_reason != "finish" or ctx.stats.tool_errors:

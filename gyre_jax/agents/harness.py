@@ -2,7 +2,7 @@
 
 ``RolloutResult.to_outcome`` turns a result into the trajectory ``RolloutOutcome``.
 
-Status of a rollout (the trajectory records' names, see ``protocol``):
+Status of a rollout (``gyre_jax.trajectory.vocab.STATUSES``):
 
   completed       the main agent ended (finish / no tool call / max_turns) and the
                   grader scored the workspace
@@ -30,12 +30,20 @@ from typing import AsyncIterator, Sequence
 
 import aiohttp
 
-from gyre_jax.agents import protocol, tools
+from gyre_jax.agents import tools
 from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, Transport
 from gyre_jax.agents.client import ChatClient, InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import run_grader
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.serving.identity import check_id
+from gyre_jax.trajectory.vocab import (
+    ROLE_MAIN,
+    STATUS_COMPLETED,
+    STATUS_INFRA_ERROR,
+    STATUS_TIMEOUT,
+    STATUS_VERIFIER_ERROR,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +55,8 @@ class RolloutRequest:
     group_id: str  # rollouts whose rewards are compared (one task, one step)
 
     def __post_init__(self):
-        protocol.check_id(self.rollout_id, "RolloutRequest.rollout_id")
-        protocol.check_id(self.group_id, "RolloutRequest.group_id")
+        check_id(self.rollout_id, "RolloutRequest.rollout_id")
+        check_id(self.group_id, "RolloutRequest.group_id")
         if not isinstance(self.task, Task):
             raise TypeError(f"RolloutRequest {self.rollout_id}: task must be a Task, got {type(self.task).__name__}")
 
@@ -58,7 +66,7 @@ class RolloutResult:
     rollout_id: str
     task_id: str
     group_id: str
-    status: str  # protocol.STATUSES
+    status: str  # one of vocab.STATUSES
     score: float | None  # partial credit in [0, 1]; None for infra/verifier errors
     grader_details: dict
     calls: int  # successful model calls (main, sub-agents, summaries)
@@ -125,30 +133,30 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
     deadline = asyncio.timeout(config.deadline_s)
     try:
         async with deadline:
-            outcome = await Agent(ctx, role=protocol.ROLE_MAIN, user_prompt=task.prompt,
+            outcome = await Agent(ctx, role=ROLE_MAIN, user_prompt=task.prompt,
                                   system_prompt=config.system_prompt or task.system_prompt or DEFAULT_SYSTEM_PROMPT
                                   ).run()
         finish_reason = outcome.finish_reason
     except TimeoutError:
         if deadline.expired():
-            status = protocol.STATUS_TIMEOUT
+            status = STATUS_TIMEOUT
         else:  # a TimeoutError that is not our deadline is a bug somewhere below
-            status, error = protocol.STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
+            status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
     except InfraError as e:
-        status, error = protocol.STATUS_INFRA_ERROR, str(e)
+        status, error = STATUS_INFRA_ERROR, str(e)
     except Exception:  # a harness bug must surface as a failure, never as a score
-        status, error = protocol.STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
+        status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
     agent_time = time.monotonic() - t0
 
     score, details, grader_time = None, {}, 0.0
-    if status in (None, protocol.STATUS_TIMEOUT):
+    if status in (None, STATUS_TIMEOUT):
         async with grader_slots or contextlib.nullcontext():
             g = await run_grader(task, path, timeout_s=config.grader_timeout_s)
         grader_time = g.wall_time_s
         if g.ok:
-            score, details, status = g.score, g.details, status or protocol.STATUS_COMPLETED
+            score, details, status = g.score, g.details, status or STATUS_COMPLETED
         else:
-            status, error = protocol.STATUS_VERIFIER_ERROR, g.error
+            status, error = STATUS_VERIFIER_ERROR, g.error
     s = ctx.stats
     return RolloutResult(
         rollout_id=request.rollout_id, task_id=task.task_id, group_id=request.group_id, status=status,

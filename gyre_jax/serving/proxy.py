@@ -41,11 +41,11 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from gyre_jax.agents import protocol as P
 from gyre_jax.serving import api_anthropic as A
 from gyre_jax.serving import api_openai as O
 from gyre_jax.serving.api_common import ApiError, ChatCall, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
+from gyre_jax.serving.identity import check_id
 from gyre_jax.serving.proxy_identity import Binding, authorize, resolve_binding
 from gyre_jax.serving.proxy_stream import stream_response
 from gyre_jax.serving.router import NoCellError, Router
@@ -132,7 +132,7 @@ class Proxy:
     def register_rollout(self, run_id: str, rollout_id: str, task_id: str = "unknown", group_id: str = "unknown") -> str:
         """A fresh secret API key that ties calls to this rollout."""
         for what, v in (("run id", run_id), ("rollout id", rollout_id), ("task id", task_id), ("group id", group_id)):
-            P.check_id(v, what)
+            check_id(v, what)
         key = "gk-" + secrets.token_hex(16)
         self._keys[key] = (run_id, rollout_id)
         self._rollouts[(run_id, rollout_id)] = (task_id, group_id)

@@ -1,6 +1,6 @@
 """Which run, rollout, agent and role a model call belongs to.
 
-Tying a call to a rollout (gyre_jax.agents.protocol has the names):
+Tying a call to a rollout (``identity`` has the names):
   1. Headers ``X-Gyre-Run``, ``X-Gyre-Rollout``, ``X-Gyre-Task``, ``X-Gyre-Group``,
      ``X-Gyre-Agent``, ``X-Gyre-Parent-Agent``, ``X-Gyre-Role``, ``X-Gyre-Call``.
   2. A per-rollout API key, for harnesses that can only set a key (Claude Code:
@@ -20,8 +20,9 @@ import dataclasses
 import secrets
 from typing import Mapping
 
-from gyre_jax.agents import protocol as P
+from gyre_jax.serving import identity as wire
 from gyre_jax.serving.api_common import ApiError, bad
+from gyre_jax.trajectory.vocab import ROLE_MAIN, ROLE_SUBAGENT, ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], a
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                            kind="authentication_error")
         return None
-    return P.parse_api_key(key) if key else None
+    return wire.parse_api_key(key) if key else None
 
 
 def _int_header(h: Mapping[str, str], name: str, default=None):
@@ -74,26 +75,26 @@ def resolve_binding(h: Mapping[str, str], keyed: tuple[str, str] | None,
                     registered: Mapping[tuple[str, str], tuple[str, str]], *, require: bool,
                     default_run_id: str) -> Binding:
     """Binding of one request from its headers and the (run, rollout) its key named."""
-    run = h.get(P.HEADER_RUN) or (keyed[0] if keyed else None)
-    rollout = h.get(P.HEADER_ROLLOUT) or (keyed[1] if keyed else None)
+    run = h.get(wire.HEADER_RUN) or (keyed[0] if keyed else None)
+    rollout = h.get(wire.HEADER_ROLLOUT) or (keyed[1] if keyed else None)
     if run is None or rollout is None:
         if require:
-            raise bad(f"request is not tied to a rollout: send {P.HEADER_RUN}/{P.HEADER_ROLLOUT} headers or a "
+            raise bad(f"request is not tied to a rollout: send {wire.HEADER_RUN}/{wire.HEADER_ROLLOUT} headers or a "
                       "rollout API key")
         run = run or default_run_id
         rollout = rollout or h.get("X-Claude-Code-Session-Id") or "unbound"
     task, group = registered.get((run, rollout), ("unknown", "unknown"))
-    task, group = h.get(P.HEADER_TASK) or task, h.get(P.HEADER_GROUP) or group
+    task, group = h.get(wire.HEADER_TASK) or task, h.get(wire.HEADER_GROUP) or group
     for what, v in (("run", run), ("rollout", rollout), ("task", task), ("group", group)):
         if not (1 <= len(v) <= 256 and v.isprintable() and v.strip() == v):
             raise bad(f"{what} id {v!r} must be 1-256 printable characters without surrounding spaces")
-    role = h.get(P.HEADER_ROLE, P.ROLE_MAIN)
-    if role not in P.ROLES:
-        raise bad(f"header {P.HEADER_ROLE}: {role!r} is not one of {P.ROLES}")
-    agent, parent = _int_header(h, P.HEADER_AGENT, 0), _int_header(h, P.HEADER_PARENT_AGENT)
-    if role == P.ROLE_MAIN and parent is not None:
-        raise bad(f"header {P.HEADER_PARENT_AGENT}: must be absent for role 'main'")
-    if role == P.ROLE_SUBAGENT and parent is None:
-        raise bad(f"header {P.HEADER_PARENT_AGENT}: required for role 'subagent'")
-    return Binding(run, rollout, task, group, agent, parent, role, _int_header(h, P.HEADER_CALL),
-                   _int_header(h, P.HEADER_ATTEMPT, 0))
+    role = h.get(wire.HEADER_ROLE, ROLE_MAIN)
+    if role not in ROLES:
+        raise bad(f"header {wire.HEADER_ROLE}: {role!r} is not one of {ROLES}")
+    agent, parent = _int_header(h, wire.HEADER_AGENT, 0), _int_header(h, wire.HEADER_PARENT_AGENT)
+    if role == ROLE_MAIN and parent is not None:
+        raise bad(f"header {wire.HEADER_PARENT_AGENT}: must be absent for role {ROLE_MAIN!r}")
+    if role == ROLE_SUBAGENT and parent is None:
+        raise bad(f"header {wire.HEADER_PARENT_AGENT}: required for role {ROLE_SUBAGENT!r}")
+    return Binding(run, rollout, task, group, agent, parent, role, _int_header(h, wire.HEADER_CALL),
+                   _int_header(h, wire.HEADER_ATTEMPT, 0))

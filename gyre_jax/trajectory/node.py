@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-ROLES = ("main", "subagent", "summary")
+from gyre_jax.trajectory.vocab import ROLE_MAIN, ROLES
 
 
 @dataclasses.dataclass(eq=False)
@@ -27,7 +27,7 @@ class TreeNode:
     trainable: np.ndarray  # bool[n]
     logprobs: np.ndarray  # float32[n]
     children: list["TreeNode"] = dataclasses.field(default_factory=list)
-    role: str = "main"
+    role: str = ROLE_MAIN  # one of vocab.ROLES
     agent_id: int = 0
     call_ids: tuple[int, ...] = ()
     policy_version: int = 0

@@ -42,11 +42,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-ROLES = ("main", "subagent", "summary")
-STATUSES = ("completed", "timeout", "infra_error", "verifier_error")
-# Statuses that carry a score (a timeout is graded on its workspace for partial
-# credit); failures carry none, so they can never be trained as reward 0.
-SCORED_STATUSES = ("completed", "timeout")
+from gyre_jax.trajectory.vocab import ROLE_MAIN, ROLE_SUBAGENT, ROLES, SCORED_STATUSES, STATUSES
+
 # The proxy maps engine/API stop reasons onto these (OpenAI "stop"/"length"/
 # "tool_calls"; Anthropic end_turn/stop_sequence -> stop, max_tokens -> length,
 # tool_use -> tool_calls); "abort" is a call cut off by a deadline or drain.
@@ -189,9 +186,9 @@ class ModelCallRecord:
             raise RecordError(w, "role", f"unknown role {self.role!r}; known: {ROLES}")
         if self.parent_agent_id is not None:
             s("parent_agent_id", _check_int(w, "parent_agent_id", self.parent_agent_id))
-        if self.role == "main" and self.parent_agent_id is not None:
+        if self.role == ROLE_MAIN and self.parent_agent_id is not None:
             raise RecordError(w, "parent_agent_id", f"must be None for role 'main', got {self.parent_agent_id}")
-        if self.role == "subagent" and self.parent_agent_id is None:
+        if self.role == ROLE_SUBAGENT and self.parent_agent_id is None:
             raise RecordError(w, "parent_agent_id", "a 'subagent' call needs its parent agent's id")
         if self.parent_agent_id is not None and self.parent_agent_id == self.agent_id:
             raise RecordError(w, "parent_agent_id", f"equals agent_id {self.agent_id}; an agent is not its own parent")

@@ -26,11 +26,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gyre_jax.trajectory.vocab import FAILURE_STATUSES, SCORED_STATUSES, STATUS_INFRA_ERROR, STATUS_VERIFIER_ERROR, STATUSES
+
 log = logging.getLogger(__name__)
 
-VALID_STATUSES = ("completed", "timeout")
-FAILURE_STATUSES = ("infra_error", "verifier_error")
-STATUSES = VALID_STATUSES + FAILURE_STATUSES
 ADVANTAGE_MODES = ("mean", "mean_std")
 
 
@@ -112,7 +111,7 @@ def compute_advantages(
         seen.add(rid)
         if status not in STATUSES:
             raise ValueError(f"compute_advantages: rollout {rid!r} has unknown status {status!r}; known: {STATUSES}")
-        if status in VALID_STATUSES:
+        if status in SCORED_STATUSES:
             s = _field(o, "score", i)
             try:
                 s = float(s)
@@ -131,7 +130,7 @@ def compute_advantages(
         groups.append(g)
         statuses.append(status)
 
-    valid = np.array([s in VALID_STATUSES for s in statuses], bool)
+    valid = np.array([s in SCORED_STATUSES for s in statuses], bool)
     adv = np.zeros(n, np.float64)
     # Group membership via sorted unique keys: deterministic and O(n log n).
     order: dict = {}
@@ -158,11 +157,11 @@ def compute_advantages(
     counts = {s: 0 for s in STATUSES}
     for s in statuses:
         counts[s] += 1
-    if counts["infra_error"] or counts["verifier_error"]:
+    if counts[STATUS_INFRA_ERROR] or counts[STATUS_VERIFIER_ERROR]:
         log.info(
             "rewards: excluded %d infra_error and %d verifier_error rollouts of %d "
             "(not trained, not in group statistics); %d groups had no valid rollout",
-            counts["infra_error"], counts["verifier_error"], n, empty,
+            counts[STATUS_INFRA_ERROR], counts[STATUS_VERIFIER_ERROR], n, empty,
         )
     return RewardResult(
         rollout_ids=tuple(rids),

@@ -40,11 +40,12 @@ import dataclasses
 
 import numpy as np
 
-from gyre_jax.trajectory.node import ROLES, TreeNode
+from gyre_jax.trajectory.node import TreeNode
+from gyre_jax.trajectory.vocab import ROLE_MAIN, ROLE_SUBAGENT, ROLE_SUMMARY, ROLES
 
 SELECT_MODES = ("priority", "unbounded", "main_only")
 _ROLE_RANK = {r: i for i, r in enumerate(ROLES)}  # main=0 < subagent=1 < summary=2
-assert ROLES == ("main", "subagent", "summary"), "select.py's priority follows node.ROLES order"
+assert ROLES == (ROLE_MAIN, ROLE_SUBAGENT, ROLE_SUMMARY), "select.py's priority follows vocab.ROLES order"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

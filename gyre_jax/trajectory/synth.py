@@ -26,6 +26,16 @@ import dataclasses
 import numpy as np
 
 from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome
+from gyre_jax.trajectory.vocab import (
+    ROLE_MAIN,
+    ROLE_SUBAGENT,
+    ROLE_SUMMARY,
+    SCORED_STATUSES,
+    STATUS_COMPLETED,
+    STATUS_INFRA_ERROR,
+    STATUS_TIMEOUT,
+    STATUS_VERIFIER_ERROR,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,16 +160,17 @@ def synth_rollout(cfg: SynthConfig, group: int, index: int) -> tuple[list[ModelC
     system = task_rng.integers(0, cfg.vocab_size, cfg.system_prompt_len, dtype=np.int32)
     task = task_rng.integers(0, cfg.vocab_size, cfg.task_prompt_len, dtype=np.int32)
     u = rng.random()
-    status = ("infra_error" if u < cfg.infra_error_rate else
-              "verifier_error" if u < cfg.infra_error_rate + cfg.verifier_error_rate else
-              "timeout" if u < cfg.infra_error_rate + cfg.verifier_error_rate + cfg.timeout_rate else "completed")
+    status = (STATUS_INFRA_ERROR if u < cfg.infra_error_rate else
+              STATUS_VERIFIER_ERROR if u < cfg.infra_error_rate + cfg.verifier_error_rate else
+              STATUS_TIMEOUT if u < cfg.infra_error_rate + cfg.verifier_error_rate + cfg.timeout_rate else
+              STATUS_COMPLETED)
     budget = cfg.calls_per_rollout
-    if status != "completed":  # cut short (a timeout, or the infra failing mid-way)
+    if status != STATUS_COMPLETED:  # cut short (a timeout, or the infra failing mid-way)
         budget = int(rng.integers(1, cfg.calls_per_rollout + 1))
     ctx = _frozen(np.concatenate([system, task]))
     next_agent = 1
     while len(st.calls) < budget:
-        out = st.turn(ctx, agent=0, parent=None, role="main", n_out=st.length(cfg.output_len))
+        out = st.turn(ctx, agent=0, parent=None, role=ROLE_MAIN, n_out=st.length(cfg.output_len))
         if len(st.calls) + 1 < budget and rng.random() < cfg.subagent_rate:
             agent, next_agent = next_agent, next_agent + 1
             sub = _frozen(np.concatenate([system[: cfg.subagent_system_shared], st.tokens(32), st.render(out)]))
@@ -168,7 +179,7 @@ def synth_rollout(cfg: SynthConfig, group: int, index: int) -> tuple[list[ModelC
             for _ in range(n_sub):
                 if len(st.calls) >= budget:
                     break
-                answer = st.turn(sub, agent=agent, parent=0, role="subagent", n_out=st.length(cfg.output_len))
+                answer = st.turn(sub, agent=agent, parent=0, role=ROLE_SUBAGENT, n_out=st.length(cfg.output_len))
                 sub = _frozen(np.concatenate([sub, st.render(answer), st.tokens(st.length(cfg.tool_result_len))]))
             result = np.concatenate([st.tokens(4), st.render(answer)])  # the sub-agent's answer as a tool result
         else:
@@ -178,11 +189,11 @@ def synth_rollout(cfg: SynthConfig, group: int, index: int) -> tuple[list[ModelC
             # Compaction: summarize this context, restart from system + task + summary.
             instr = st.tokens(16)
             summ = st.call(_frozen(np.concatenate([nxt[: cfg.max_context - 16], instr])),
-                           st.length(cfg.summary_len), agent=0, parent=None, role="summary")
+                           st.length(cfg.summary_len), agent=0, parent=None, role=ROLE_SUMMARY)
             nxt = np.concatenate([system, task, st.tokens(8), st.render(summ)])
         ctx = _frozen(nxt)
-    if status in ("completed", "timeout"):
-        score = float(rng.beta(2, 2)) if status == "completed" else float(rng.beta(1, 3))
+    if status in SCORED_STATUSES:
+        score = float(rng.beta(2, 2)) if status == STATUS_COMPLETED else float(rng.beta(1, 3))
         total = 20
         details = {"synthetic": True, "tests_total": total, "tests_passed": int(round(score * total))}
     else:

@@ -7,8 +7,8 @@ import re
 import types
 from typing import Any, Mapping
 
-from gyre_jax.agents.protocol import check_id
 from gyre_jax.agents.tools import TOOL_NAMES
+from gyre_jax.serving.identity import check_id
 
 DEFAULT_TOOLS = TOOL_NAMES  # every tool, sub-agents included
 _GRADER_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

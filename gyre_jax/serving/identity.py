@@ -1,7 +1,10 @@
 """The wire convention that ties every model call to a run, rollout and agent.
 
-The proxy (gyre_jax.serving) reads exactly these names; any harness that sends them
-(or only the API key) gets its calls recorded under the right rollout.
+The proxy (``proxy_identity``) reads exactly these names; any harness that sends them
+(or only the API key) gets its calls recorded under the right rollout. The example
+harness (gyre_jax.agents) sends them with :func:`call_headers` and :func:`api_key`.
+This module imports only the standard library and ``gyre_jax.trajectory.vocab``, so
+a harness can import it without numpy, jax or the rest of serving.
 
 HTTP headers sent with every ``POST {base_url}/chat/completions``:
 
@@ -15,6 +18,7 @@ HTTP headers sent with every ``POST {base_url}/chat/completions``:
                                 spawn order
   ``X-Gyre-Parent-Agent``       agent id of the spawner; ABSENT for agent 0
   ``X-Gyre-Role``               ``main`` | ``subagent`` | ``summary``
+                                (``trajectory.vocab.ROLES``)
                                 (``summary`` = a compaction call; it carries
                                 the id of the agent being compacted)
   ``X-Gyre-Call``               0-based sequence number of the logical call
@@ -30,12 +34,13 @@ for harnesses that can set a key but no headers (the Claude Code CLI, most SDKs)
 Headers win where both are present. Ids are restricted to ``[A-Za-z0-9_.-]`` so the
 key splits unambiguously on ``:``.
 
-Rollout statuses are those of the trajectory records (``RolloutOutcome``):
-``completed``, ``timeout``, ``infra_error``, ``verifier_error``.
+Rollout statuses and agent roles are the trajectory's (``gyre_jax.trajectory.vocab``).
 """
 from __future__ import annotations
 
 import re
+
+from gyre_jax.trajectory.vocab import ROLES
 
 HEADER_RUN = "X-Gyre-Run"
 HEADER_ROLLOUT = "X-Gyre-Rollout"
@@ -46,19 +51,6 @@ HEADER_PARENT_AGENT = "X-Gyre-Parent-Agent"
 HEADER_ROLE = "X-Gyre-Role"
 HEADER_CALL = "X-Gyre-Call"
 HEADER_ATTEMPT = "X-Gyre-Attempt"
-
-ROLE_MAIN = "main"
-ROLE_SUBAGENT = "subagent"
-ROLE_SUMMARY = "summary"
-ROLES = (ROLE_MAIN, ROLE_SUBAGENT, ROLE_SUMMARY)
-
-# Status names of trajectory RolloutOutcome records (gyre_jax.trajectory.records), copied
-# so the grader subprocess need not import numpy; a test checks the two agree.
-STATUS_COMPLETED = "completed"
-STATUS_TIMEOUT = "timeout"
-STATUS_INFRA_ERROR = "infra_error"
-STATUS_VERIFIER_ERROR = "verifier_error"
-STATUSES = (STATUS_COMPLETED, STATUS_TIMEOUT, STATUS_INFRA_ERROR, STATUS_VERIFIER_ERROR)
 
 API_KEY_PREFIX = "gyre"
 _ID_RE = re.compile(r"[A-Za-z0-9_.\-]+")
