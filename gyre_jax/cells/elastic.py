@@ -11,11 +11,28 @@ sums them and applies the optax update once every micro-batch is in. A
 satellite may also ``leave`` mid-step (the scheduler wants it back for
 rollout): it stops pulling, finishes what it holds, and the others take the rest.
 
+Streaming. A step may start before all its micro-batches exist
+(``start_step(..., more=True)``): ``add`` appends micro-batches as rollouts
+finish, cells that run dry wait for more, and ``close`` says the step is
+complete (optionally with a ``grad_scale``, for a step whose normalizer, the
+number of trained rollouts, was only known at its end).
+
+Failure model. ``join`` and ``leave`` are legal in any order and from any
+thread: joining twice is a no-op, a cell that left may join again (it keeps
+its snapshot if its worker is still finishing, or takes a new one), leaving a
+cell that is not training returns a finished future, and a step that is over
+refuses a join by returning False. A satellite that fails (its device, its
+thread) does not fail the step: the micro-batches it had pulled and not
+delivered go back to the queue, the other cells compute them, and the report
+names the failed cell (``StepReport.failed_cells``) so the caller can take it
+out of service. A failure on the core fails the step: ``wait`` re-raises and
+the trainer's state is untouched (the update never ran).
+
 Determinism. Gradients are summed on the core strictly in micro-batch index
 order (``acc = g0; acc = acc + g1; ...``) by one reducer, so the new params do
 not depend on which cell computed which micro-batch, nor on when a satellite
-joined. The cost: one gradient-sized transfer per micro-batch a satellite
-computes, instead of one per satellite.
+joined, left or failed. The cost: one gradient-sized transfer per micro-batch
+a satellite computes, instead of one per satellite.
 
 Overlap. Each cell runs in its own thread and keeps up to ``in_flight``
 micro-batches dispatched (JAX async dispatch), so cells compute concurrently
@@ -28,6 +45,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,13 +59,15 @@ from gyre_jax.cells.publish import TO_TRAIN, MoveStats, move
 from gyre_jax.cells.train_state import TrainState
 from gyre_jax.cells.train_step import CellSteps, check_versions, combine_stats, device_micro_batch, staleness
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """Host-side result of one elastic step."""
 
     version: int  # policy version the gradients were taken at (new params are version + 1)
-    loss: float  # sum of micro-batch losses, in index order
+    loss: float  # sum of micro-batch losses, in index order (times grad_scale)
     stats: dict[str, float]  # every stat combined over micro-batches (CellSteps.reductions), in index order
     grad_norm: float
     update_norm: float
@@ -58,6 +78,8 @@ class StepReport:
     timeline: tuple[tuple[int, float, float], ...]  # per micro-batch: (cell, pulled_s, done_s) since start
     snapshots: tuple[MoveStats, ...]  # params snapshots sent to satellites that joined
     seconds: float  # start_step to new state ready
+    failed_cells: tuple[tuple[int, str], ...] = ()  # satellites whose worker failed: (cell, error)
+    grad_scale: float = 1.0  # factor applied to the summed gradient (close(grad_scale=...))
 
     @property
     def num_micro_batches(self) -> int:
@@ -89,34 +111,31 @@ class ElasticTrainer:
 
     def start_step(
         self,
-        micro_batches: Sequence[Mapping[str, Any]],
+        micro_batches: Sequence[Mapping[str, Any]] = (),
         *,
+        more: bool = False,
         on_pull: Callable[[int, int], None] | None = None,
         on_done: Callable[[int, int], None] | None = None,
     ) -> "ElasticStep":
-        """Start a step; the core begins pulling at once. Returns a handle to join/wait.
+        """Start a step; the core begins pulling at once. Returns a handle to join/leave/add/wait.
 
-        Hooks run in the pulling cell's thread: ``on_pull(cell_index, mb_index)``
-        after a pull (it may block, e.g. to pace a test), ``on_done(cell_index,
-        mb_index)`` once that micro-batch's gradient is computed on its cell.
+        ``more=True``: the step stays open for ``add`` until ``close``. Hooks run in
+        the pulling cell's thread: ``on_pull(cell_index, mb_index)`` after a pull
+        (it may block, e.g. to pace a test; an exception there is that cell's
+        failure), ``on_done(cell_index, mb_index)`` once that micro-batch's
+        gradient is computed on its cell.
         """
         if self._running is not None:
             raise RuntimeError("start_step: the previous step has not been waited for")
-        if not micro_batches:
+        if not micro_batches and not more:
             raise ValueError("start_step: no micro-batches")
-        mbs = []
-        for i, m in enumerate(micro_batches):
-            mb = device_micro_batch(m, where=f"micro-batch {i}")
-            check_versions(mb, self._version, where=f"micro-batch {i}")
-            if i and any(mb[k].shape != mbs[0][k].shape or mb[k].dtype != mbs[0][k].dtype for k in mb):
-                raise ValueError(
-                    f"micro-batch {i}: shapes/dtypes differ from micro-batch 0 "
-                    f"({ {k: (v.shape, str(v.dtype)) for k, v in mb.items()} } vs "
-                    f"{ {k: (v.shape, str(v.dtype)) for k, v in mbs[0].items()} }); one step compiles one shape"
-                )
-            mbs.append(mb)
-        self._running = ElasticStep(self, mbs, on_pull, on_done)
-        return self._running
+        step = ElasticStep(self, on_pull, on_done)
+        step.add(micro_batches)
+        if not more:
+            step.close()
+        self._running = step
+        step.start()
+        return step
 
     def run_step(self, micro_batches, satellites: Sequence[Cell] = ()) -> StepReport:
         """A step with every given satellite joining from the start."""
@@ -132,88 +151,174 @@ class ElasticTrainer:
 
 
 class ElasticStep:
-    """One step in progress. ``join`` / ``leave`` from any thread; ``wait`` once."""
+    """One step in progress. ``join`` / ``leave`` / ``add`` / ``close`` from any thread; ``wait`` once."""
 
-    def __init__(self, trainer: ElasticTrainer, mbs, on_pull, on_done):
+    def __init__(self, trainer: ElasticTrainer, on_pull, on_done):
         self._t = trainer
-        self._mbs = mbs
         self._on_pull = on_pull
         self._on_done = on_done
         self._t0 = time.perf_counter()
         self._cv = threading.Condition()
+        self._mbs: list[dict] = []
+        self._open = True
+        self._grad_scale = 1.0
         self._next = 0
+        self._retry: collections.deque = collections.deque()  # pulled by a failed satellite, not delivered
+        self._pulled_by: dict[int, set[int]] = collections.defaultdict(set)  # cell -> pulled, not yet delivered
         self._results: dict[int, tuple[Any, Any]] = {}
-        self._cell_of = [-1] * len(mbs)
-        self._timeline = [(-1, 0.0, 0.0)] * len(mbs)
-        self._error: BaseException | None = None
-        self._closed = False
+        self._cell_of: list[int] = []
+        self._timeline: list[tuple[int, float, float]] = []
+        self._error: BaseException | None = None  # the core's failure: fails the step
+        self._failed: list[tuple[int, str]] = []
+        self._closed = False  # wait() has collected: no more joins
         self._snapshots: list[MoveStats] = []
-        tv = np.concatenate([m["target_version"].ravel() for m in mbs])
-        lm = np.concatenate([m["loss_mask"].ravel() for m in mbs])
-        self._staleness = tuple(float(x) for x in staleness(tv, lm, trainer.version))
         self._pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="elastic")
         self._leaving: set[int] = set()
-        self._workers = {  # cell index -> its worker
-            trainer.core.index: self._pool.submit(self._guarded, self._work_loop, trainer.core, trainer._state.params)
-        }
+        self._workers: dict[int, concurrent.futures.Future] = {}  # cell index -> its current worker
+        self._all_workers: list[concurrent.futures.Future] = []
+        self._reducer: concurrent.futures.Future | None = None
+
+    def start(self) -> None:
+        core = self._t.core
+        with self._cv:
+            self._spawn(core.index, self._work_loop, core, self._t._state.params)
         self._reducer = self._pool.submit(self._reduce)
 
     # ---- queue ---------------------------------------------------------------
+    def add(self, micro_batches: Sequence[Mapping[str, Any]]) -> None:
+        """Append micro-batches to an open step (checked like ``start_step``'s)."""
+        checked = []
+        with self._cv:
+            n0 = len(self._mbs)
+        for j, m in enumerate(micro_batches):
+            where = f"micro-batch {n0 + j}"
+            mb = device_micro_batch(m, where=where)
+            check_versions(mb, self._t.version, where=where)
+            ref = self._mbs[0] if self._mbs else (checked[0] if checked else None)
+            if ref is not None and any(mb[k].shape != ref[k].shape or mb[k].dtype != ref[k].dtype for k in mb):
+                raise ValueError(
+                    f"{where}: shapes/dtypes differ from micro-batch 0 "
+                    f"({ {k: (v.shape, str(v.dtype)) for k, v in mb.items()} } vs "
+                    f"{ {k: (v.shape, str(v.dtype)) for k, v in ref.items()} }); one step compiles one shape"
+                )
+            checked.append(mb)
+        with self._cv:
+            if not self._open:
+                raise RuntimeError("ElasticStep.add: the step is closed")
+            for mb in checked:
+                self._mbs.append(mb)
+                self._cell_of.append(-1)
+                self._timeline.append((-1, 0.0, 0.0))
+            self._cv.notify_all()
+
+    def close(self, grad_scale: float = 1.0) -> None:
+        """No more micro-batches; the summed gradient (and loss stats) are multiplied by ``grad_scale``."""
+        with self._cv:
+            if not self._open:
+                raise RuntimeError("ElasticStep.close: already closed")
+            if not self._mbs:
+                raise ValueError("ElasticStep.close: the step has no micro-batches")
+            if not (np.isfinite(grad_scale) and grad_scale > 0):
+                raise ValueError(f"ElasticStep.close: grad_scale must be finite and > 0, got {grad_scale}")
+            self._open = False
+            self._grad_scale = float(grad_scale)
+            self._cv.notify_all()
+
+    def _exhausted(self, cell: Cell) -> bool:
+        """Nothing left for ``cell`` (call under the lock). The core stays until every
+        satellite has delivered: a satellite that fails hands its work back to it."""
+        if self._open or self._next < len(self._mbs) or self._retry:
+            return False
+        core = self._t.core.index
+        return cell.index != core or not any(v for c, v in self._pulled_by.items() if c != core)
+
     def _pull(self, cell: Cell) -> int | None:
         with self._cv:
-            if self._error is not None or self._next >= len(self._mbs) or cell.index in self._leaving:
-                return None
-            i = self._next
-            self._next += 1
-            return i
+            while True:
+                if self._error is not None or cell.index in self._leaving or self._exhausted(cell):
+                    return None
+                if self._retry:
+                    i = self._retry.popleft()
+                elif self._next < len(self._mbs):
+                    i = self._next
+                    self._next += 1
+                else:
+                    self._cv.wait()
+                    continue
+                self._pulled_by[cell.index].add(i)
+                return i
 
     def remaining(self) -> int:
+        """Micro-batches added and not yet pulled (an open step may get more)."""
         with self._cv:
-            return len(self._mbs) - self._next
+            return len(self._mbs) - self._next + len(self._retry)
+
+    def _spawn(self, index: int, fn, *args) -> None:
+        fut = self._pool.submit(self._guarded, index, fn, *args)
+        self._workers[index] = fut
+        self._all_workers.append(fut)
 
     def join(self, cell: Cell) -> bool:
-        """Add ``cell`` as a training satellite. False if nothing is left to pull."""
+        """Add ``cell`` as a training satellite; True if it trains in this step.
+
+        False (never an exception) when the step is over or has nothing left for
+        it. Joining while already training is a no-op; joining after ``leave``
+        cancels the leave if the cell is still finishing, else starts it again.
+        """
         if set(cell.devices) & set(self._t.core.devices):
             raise ValueError(f"join: {cell} shares devices with the core {self._t.core}")
         with self._cv:
-            if cell.index in self._leaving:
-                raise ValueError(f"join: cell {cell.index} left this step; it can train again from the next one")
-            if cell.index in self._workers:
-                raise ValueError(f"join: cell {cell.index} is already training in this step (or is the core)")
-            if self._closed:
-                raise RuntimeError("join: the step is already finished")
-            if self._next >= len(self._mbs):
+            if self._closed or self._error is not None:
                 return False
+            fut = self._workers.get(cell.index)
+            if fut is not None and not fut.done():
+                self._leaving.discard(cell.index)  # a rejoin before the worker stopped: it keeps pulling
+                return True
+            if self._exhausted(cell):
+                return False
+            self._leaving.discard(cell.index)
             params = self._t._state.params  # the step's version: the update waits for every worker
-            self._workers[cell.index] = self._pool.submit(self._guarded, self._satellite, cell, params)
+            self._spawn(cell.index, self._satellite, cell, params)
         return True
 
     def leave(self, cell: Cell) -> concurrent.futures.Future:
         """Stop ``cell`` pulling; it finishes (and sends) what it already pulled.
 
-        Returns a future that is done once the cell no longer works for this step,
-        e.g. so the scheduler can hand it back to rollout before the step ends.
-        The remaining micro-batches go to the cells still training.
+        Returns a future that is done once the cell no longer works for this step
+        (already done if it was not training), e.g. so the scheduler can hand it
+        back to rollout before the step ends. The rest goes to the other cells.
         """
+        if cell.index == self._t.core.index:
+            raise ValueError("leave: the core cannot leave its own step")
         with self._cv:
-            if cell.index == self._t.core.index:
-                raise ValueError("leave: the core cannot leave its own step")
-            if cell.index not in self._workers:
-                raise ValueError(f"leave: cell {cell.index} is not training in this step")
+            fut = self._workers.get(cell.index)
+            if fut is None or fut.done():
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(None)
+                return done
             self._leaving.add(cell.index)
-            return self._workers[cell.index]
+            self._cv.notify_all()  # a worker waiting for more micro-batches wakes up and stops
+            return fut
 
     # ---- workers -------------------------------------------------------------
-    def _guarded(self, fn, *args) -> None:
-        """Run a worker; on error stop everyone pulling and wake the reducer (wait() re-raises)."""
+    def _guarded(self, index: int, fn, *args) -> None:
+        """Run a worker. A satellite's failure requeues its undelivered micro-batches; the core's fails the step."""
         try:
             fn(*args)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - classified below
             with self._cv:
-                if self._error is None:
-                    self._error = e
+                if index == self._t.core.index:
+                    if self._error is None:
+                        self._error = e
+                else:
+                    lost = sorted(self._pulled_by.pop(index, set()))
+                    self._retry.extend(lost)
+                    self._failed.append((index, repr(e)))
+                    log.warning("elastic step: satellite cell %d failed (%r); %d micro-batches go to the other cells",
+                                index, e, len(lost))
                 self._cv.notify_all()
-            raise
+            if index == self._t.core.index:
+                raise
 
     def _satellite(self, cell: Cell, core_params) -> None:
         snap, stats = move(
@@ -238,7 +343,15 @@ class ElasticStep:
         while True:
             i = self._pull(cell)
             if i is None:
-                break
+                while pending:
+                    self._done(cell, *pending.popleft())
+                with self._cv:  # a join may have cancelled the leave while we finished
+                    if cell.index in self._leaving or self._error is not None:
+                        self._leaving.discard(cell.index)
+                        return
+                    if self._exhausted(cell):
+                        return
+                continue
             t_pull = time.perf_counter() - self._t0
             if self._on_pull is not None:
                 self._on_pull(cell.index, i)
@@ -248,13 +361,12 @@ class ElasticStep:
             with self._cv:
                 self._results[i] = (grads, stats)
                 self._cell_of[i] = cell.index
+                self._pulled_by[cell.index].discard(i)
                 self._cv.notify_all()
             # Wait on stats, never on grads: the reducer may already have donated them.
             pending.append((i, stats, t_pull))
             while len(pending) >= self._t.in_flight:
                 self._done(cell, *pending.popleft())
-        while pending:
-            self._done(cell, *pending.popleft())
 
     def _done(self, cell: Cell, i: int, stats, t_pull: float) -> None:
         jax.block_until_ready(stats)
@@ -266,22 +378,28 @@ class ElasticStep:
         add = self._t.steps.accumulate(self._t.core.train_mesh)
         acc = None
         stats = []
-        for i in range(len(self._mbs)):
+        i = 0
+        while True:
             with self._cv:
-                while i not in self._results and self._error is None:
+                while i not in self._results and self._error is None and (self._open or i < len(self._mbs)):
                     self._cv.wait()
                 if self._error is not None:
-                    raise RuntimeError("elastic step aborted: a cell failed") from self._error
+                    raise RuntimeError("elastic step aborted: the core cell failed") from self._error
+                if i not in self._results:  # closed and every micro-batch reduced
+                    return acc, stats
                 g, s = self._results.pop(i)
             acc = g if acc is None else add(acc, g)
             stats.append(s)
-        return acc, stats
+            i += 1
 
     # ---- finish --------------------------------------------------------------
     def wait(self) -> StepReport:
         """Wait for every micro-batch, apply the update on the core, return the report."""
         try:
             grads, stats = self._collect()
+            scale = self._grad_scale
+            if scale != 1.0:  # only an open step closed with a scale pays for this (exact 1.0 otherwise)
+                grads = self._t.steps.scale(self._t.core.train_mesh)(grads, np.float32(scale))
             new_state, metrics = self._t.steps.apply_update(self._t.core.train_mesh)(self._t._state, grads)
             metrics, stats = jax.device_get((metrics, stats))
         except BaseException:
@@ -292,7 +410,10 @@ class ElasticStep:
         summed = {k: np.float64(v) for k, v in stats[0].items()}
         for s in stats[1:]:  # index order, float64 on the host
             summed = combine_stats(summed, {k: np.float64(v) for k, v in s.items()}, self._t.steps.reductions, host=True)
-        summed = {k: float(v) for k, v in summed.items()}
+        summed = {k: float(v) * (scale if _sums(k, self._t.steps.reductions) else 1.0) for k, v in summed.items()}
+        tv = np.concatenate([m["target_version"].ravel() for m in self._mbs])
+        lm = np.concatenate([m["loss_mask"].ravel() for m in self._mbs])
+        st_mean, st_max = staleness(tv, lm, self._t.version)
         self._t._finish(new_state)
         return StepReport(
             version=self._t.version - 1,
@@ -301,21 +422,36 @@ class ElasticStep:
             grad_norm=float(metrics["grad_norm"]),
             update_norm=float(metrics["update_norm"]),
             learning_rate=float(metrics["learning_rate"]),
-            staleness_mean=self._staleness[0],
-            staleness_max=self._staleness[1],
+            staleness_mean=float(st_mean),
+            staleness_max=float(st_max),
             cell_of=tuple(self._cell_of),
             timeline=tuple(self._timeline),
             snapshots=tuple(self._snapshots),
             seconds=time.perf_counter() - self._t0,
+            failed_cells=tuple(self._failed),
+            grad_scale=scale,
         )
 
     def _collect(self):
-        """The reducer's (grads, stats) once every worker has stopped; a worker's error wins."""
+        """The reducer's (grads, stats) once every worker has stopped; the core's error wins."""
         try:
             return self._reducer.result()
         finally:
             with self._cv:
                 self._closed = True
-                workers = list(self._workers.values())
-            for f in workers:
-                f.result()
+                if self._error is not None:
+                    self._cv.notify_all()
+            while True:  # a join may add a worker until _closed; after it the list is final
+                with self._cv:
+                    workers = [f for f in self._all_workers if not f.done()]
+                if not workers:
+                    break
+                concurrent.futures.wait(workers)
+            for f in list(self._all_workers):
+                if f.exception() is not None and f is self._workers.get(self._t.core.index):
+                    raise f.exception()
+
+
+def _sums(key: str, reductions: Mapping[str, str] | None) -> bool:
+    """Whether a stat is a sum over micro-batches (so it scales with the gradient)."""
+    return reductions is None or reductions.get(key) == "sum"

@@ -202,6 +202,21 @@ class CellSteps:
 
         return self._get("accumulate", mesh, build)
 
+    def scale(self, mesh: Mesh):
+        """Jitted (grads, scale) -> grads * scale (grads donated): a step's late normalizer."""
+
+        def build():
+            ps = self.param_shardings(mesh)
+            rep = NamedSharding(mesh, PartitionSpec())
+            return jax.jit(
+                lambda g, c: jax.tree.map(lambda x: x * c.astype(x.dtype), g),
+                in_shardings=(ps, rep),
+                out_shardings=ps,
+                donate_argnums=0,
+            )
+
+        return self._get("scale", mesh, build)
+
     def apply_update(self, mesh: Mesh):
         """Jitted (state, grads) -> (state, metrics), state donated."""
 
