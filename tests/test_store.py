@@ -34,6 +34,14 @@ def same(a, b):
     return a.to_bytes() == b.to_bytes()
 
 
+def flip(path, off):
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def test_append_read_reopen(tmp_path):
     d = str(tmp_path / "s")
     recs = [call("a", 0), call("b", 0), call("a", 1), outcome("a", num_calls=2), call("b", 1)]
@@ -174,11 +182,7 @@ def test_mid_log_damage_skipped_not_truncated(tmp_path):
     with TrajectoryStore(d, run_id="run") as st:
         o = [st.append(call("a", i)) for i in range(3)]
     path = os.path.join(d, LOG_NAME)
-    with open(path, "r+b") as f:  # flip a payload byte of the middle frame
-        f.seek(o[1] + 40)
-        b = f.read(1)
-        f.seek(o[1] + 40)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip(path, o[1] + 40)  # a payload byte of the middle frame
     size = os.path.getsize(path)
     st = TrajectoryStore(d)
     s = st.stats()
@@ -278,3 +282,86 @@ def test_kill_9_mid_append(tmp_path):
         if torn >= 1 and attempt >= 1:  # a torn tail was recovered, and a writer appended after a crash
             break
     assert torn >= 1, "no kill landed inside a write in 10 tries; the torn-tail path was not exercised"
+
+
+def test_damage_report_mid_log(tmp_path):
+    """Lost outcome / lost call / a rollout known only from damage, each named, with its byte range."""
+    d = str(tmp_path)
+    recs = [call("d", 0), outcome("d", num_calls=1), call("a", 0), call("e", 0), call("e", 1), call("a", 1),
+            outcome("a"), call("z", 0), call("b", 0), outcome("e", num_calls=2), call("c", 0)]
+    with TrajectoryStore(d, run_id="run") as st:
+        o = [st.append(r) for r in recs] + [None]
+        assert st.damaged_rollouts() == {} and st.unfinished_rollouts() == ["z", "b", "c"]
+    o[-1] = os.path.getsize(os.path.join(d, LOG_NAME))
+    path = os.path.join(d, LOG_NAME)
+    flip(path, o[5] - 1)  # e's call 1: a token byte (its header stays readable)
+    flip(path, o[6] + 16)  # a's outcome: the '{' of its JSON header (unreadable)
+    flip(path, o[8] - 1)  # z's only call, next to it: one damaged region of two frames
+    st = TrajectoryStore(d)
+    r1, r2 = (o[4], o[5] - o[4], LOG_NAME), (o[6], o[8] - o[6], LOG_NAME)
+    assert st.stats().corrupt_regions == (r1[:2], r2[:2])
+    rep = st.damaged_rollouts()
+    assert list(rep) == ["a", "e", "z"]
+    # a: no outcome, unreadable damage after its last call: its outcome may have been there.
+    assert (rep["a"].reason, rep["a"].calls, rep["a"].regions) == ("outcome_maybe_damaged", 2, (r2,))
+    # e: its outcome says 2 calls, one survived: certain loss; r1 names the call, r2 is unaccounted.
+    assert (rep["e"].reason, rep["e"].calls, rep["e"].regions) == ("calls_missing", 1, (r1, r2))
+    # z: every record damaged, named from the damaged header.
+    assert (rep["z"].reason, rep["z"].calls, rep["z"].regions) == ("call_damaged", 0, (r2,))
+    # b and c wrote after the damage: unfinished (running, or cut off), not damaged. d is complete.
+    assert st.unfinished_rollouts() == ["a", "b", "c"] and st.pending_rollouts() == ["d"]
+    s = st.stats()
+    assert (s.unfinished, s.damaged_rollouts, s.complete, s.incomplete) == (3, 3, 1, 1)
+    st.close()
+
+
+def test_damage_report_named_outcome(tmp_path):
+    d = str(tmp_path)
+    with TrajectoryStore(d, run_id="run") as st:
+        st.append(call("a", 0))
+        off = st.append(outcome("a"))
+        st.append(call("b", 0))
+    flip(os.path.join(d, LOG_NAME), off + 8)  # the stored CRC: header intact, frame rejected
+    with TrajectoryStore(d, writable=False) as st:
+        rep = st.damaged_rollouts()
+        assert list(rep) == ["a"] and rep["a"].reason == "outcome_damaged" and rep["a"].regions[0][0] == off
+        assert st.unfinished_rollouts() == ["a", "b"] and st.outcome("a") is None
+
+
+def test_damage_report_torn_tails(tmp_path):
+    """Torn tails: an unreadable one may hold any earlier unfinished rollout's outcome; a readable one names its rollout."""
+    from gyre_jax.trajectory.store import _frame
+
+    d = str(tmp_path)
+    path = os.path.join(d, LOG_NAME)
+
+    def tear(rec, n):
+        with open(path, "ab") as f:
+            f.write(_frame(rec.to_bytes())[:n])
+
+    with TrajectoryStore(d, run_id="run") as st:
+        for r in (call("a", 0), call("b", 0), call("b", 1)):
+            st.append(r)
+    tear(outcome("a"), 14)  # cut inside the frame header
+    with TrajectoryStore(d) as st:
+        (t1,) = st.torn_tails()
+        rep = st.damaged_rollouts()
+        assert {k: (v.reason, v.regions) for k, v in rep.items()} == {
+            "a": ("outcome_maybe_damaged", (t1,)), "b": ("outcome_maybe_damaged", (t1,))}
+        st.append(call("c", 0))  # appended after recovery, at the torn tail's offset
+        st.append(call("b", 2))  # b wrote again after the crash: its outcome was not in t1
+    tear(call("c", 1, n_prompt=5000), 300)  # cut in the tokens: header readable
+    with TrajectoryStore(d) as st:
+        _, t2 = st.torn_tails()
+        rep = st.damaged_rollouts()
+        assert {k: (v.reason, v.regions) for k, v in rep.items()} == {
+            "a": ("outcome_maybe_damaged", (t1,)), "c": ("call_damaged", (t2,))}
+    tear(outcome("c"), 10)  # a second tear at the same offset keeps both saved tails
+    with TrajectoryStore(d) as st:
+        _, t2b, t3 = st.torn_tails()
+        assert t2b == t2 and t3[0] == t2[0] and t3[2] != t2[2] and os.path.exists(t2[2]) and os.path.exists(t3[2])
+        rep = st.damaged_rollouts()
+        assert {k: (v.reason, v.regions) for k, v in rep.items()} == {
+            "a": ("outcome_maybe_damaged", (t1, t3)), "b": ("outcome_maybe_damaged", (t3,)),
+            "c": ("call_damaged", (t2, t3))}
+        assert st.unfinished_rollouts() == ["a", "b", "c"] and st.stats().damaged_rollouts == 3

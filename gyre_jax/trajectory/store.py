@@ -46,6 +46,40 @@ in, not consumed" in arrival order. For exact resume, save ``cursor_state()`` in
 the training checkpoint with the params and call ``restore_cursor`` with it on
 restore: rollouts marked after that checkpoint become pending again.
 
+Damage report (call both at resume, and log them). A rollout's outcome is
+appended after all its calls (a call after the outcome is refused), so a rollout
+whose outcome frame was lost to damage would otherwise just look unfinished, and
+silently never train. ``unfinished_rollouts()`` lists the rollouts with calls and
+no outcome: still running, or (read at resume, when the process that ran them is
+gone) never to finish, because the crash cut them off or their outcome was lost.
+``damaged_rollouts()`` says which rollouts damage may have cost records, and how
+sure that is. Damage is every ``corrupt_regions`` range (bytes still in
+``log.bin``) and every torn tail (bytes saved in ``torn/``). In those bytes the
+store walks frame by frame and reads each frame's JSON header where it can. The
+CRC failed, so a readable header is a best reading, not proof (a flip that turns
+one rollout id into another, still valid JSON, would fool it); it is the only
+way to name a rollout from damaged bytes. Bytes it cannot read as frames are
+*unaccounted*: they could hold any rollout's frame. Offsets order frames in
+time (a torn tail at offset T came after every frame before T and before every
+frame at T or later, which recovery appended), so unaccounted damage can hold
+only the outcome of a rollout whose last good record precedes it. Per rollout
+that is not complete, ``DamagedRollout.reason`` says:
+
+  * ``calls_missing``: the outcome is stored but fewer calls than its ``num_calls``
+    are. Certain: calls precede the outcome, so they will never arrive. Regions:
+    damage naming one of its calls, and unaccounted damage before its outcome
+    (none: the calls were never stored, e.g. quarantined or never sent).
+  * ``outcome_damaged``: no outcome; a damaged frame's header names its outcome.
+  * ``call_damaged``: no outcome; a damaged frame's header names one of its calls
+    (when it finishes, it will be incomplete).
+  * ``outcome_maybe_damaged``: no outcome; unaccounted damage lies after its last
+    good record, so its outcome may have been there. Not provable either way: it
+    may just have been running when the log was damaged.
+
+Frames a power failure took whole (``fsync`` other than ``always``) leave no bytes
+to read; such a rollout shows in ``unfinished_rollouts()`` only. Frames with a
+good CRC that break the cross-record rules are not damage: ``stats().conflicts``.
+
 Cost: opening scans and CRC-checks the whole log (~1 GB/s) and parses only the
 small JSON headers; reading a rollout reads just its frames (``os.pread``).
 """
@@ -108,6 +142,8 @@ class StoreStats:
     complete: int  # outcome present and all its calls in
     incomplete: int  # outcome present but fewer calls than outcome.num_calls
     pending: int  # complete and not consumed
+    unfinished: int  # calls and no outcome: running, or at resume, never to finish (unfinished_rollouts)
+    damaged_rollouts: int  # rollouts damage may have cost records (damaged_rollouts())
     trained: int
     dropped: int
     quarantined: int
@@ -117,6 +153,20 @@ class StoreStats:
     conflicts: tuple  # ((offset, message), ...) frames in the log that break cross-record rules
     tail_pending_bytes: int  # reader: bytes after the last complete frame (a write in progress)
     log_bytes: int
+
+
+DAMAGE_REASONS = ("calls_missing", "outcome_damaged", "call_damaged", "outcome_maybe_damaged")
+
+
+@dataclasses.dataclass(frozen=True)
+class DamagedRollout:
+    """A rollout that is not complete and that damage may have cost records (module docstring)."""
+
+    rollout_id: str
+    reason: str  # one of DAMAGE_REASONS
+    calls: int  # its call records in the index (0: none survived)
+    regions: tuple  # ((offset, nbytes, source), ...) damage that names it or may hold its records;
+    # source: LOG_NAME (bytes still in the log) or the torn-tail file the bytes were saved to
 
 
 @dataclasses.dataclass
@@ -169,6 +219,47 @@ def _scan(buf, start: int, end: int):
         corrupt.append((off, nxt - off))
         off = nxt
     return frames, corrupt, off
+
+
+def _frame_header(buf, off: int, end: int) -> tuple[str, str, int] | None:
+    """(kind, rollout_id, end of frame) from the frame header at off, if readable (CRC not checked)."""
+    if end - off < _FRAME.size + 4:
+        return None
+    magic, plen, _ = _FRAME.unpack_from(buf, off)
+    if magic != MAGIC or plen > MAX_PAYLOAD:
+        return None
+    (hlen,) = struct.unpack_from("<I", buf, off + _FRAME.size)
+    h0 = off + _FRAME.size + 4
+    if hlen > plen - 4 or h0 + hlen > end:
+        return None
+    try:
+        h = json.loads(bytes(buf[h0 : h0 + hlen]))
+    except ValueError:
+        return None
+    if not isinstance(h, dict) or h.get("kind") not in ("call", "outcome") or not isinstance(h.get("rollout_id"), str):
+        return None
+    return h["kind"], h["rollout_id"], off + _FRAME.size + plen
+
+
+def _read_damage(buf, *, torn: bool) -> tuple[list[tuple[str, str]], bool]:
+    """(kind, rollout_id) of each readable frame header in damaged bytes, and whether those frames tile them.
+
+    Walks frame by frame from the start; where no header is readable, the bytes up to
+    the next magic are unaccounted. A torn tail's last frame may run past the end.
+    """
+    names, whole, off, end = [], True, 0, len(buf)
+    while off < end:
+        h = _frame_header(buf, off, end)
+        if h is None or (h[2] > end and not torn):
+            whole = False
+            nxt = buf.find(MAGIC, off + 1)
+            off = end if nxt == -1 else nxt
+            if h is not None:
+                names.append(h[:2])
+            continue
+        names.append(h[:2])
+        off = h[2]
+    return names, whole
 
 
 def _jsonable(x):
@@ -236,6 +327,7 @@ class TrajectoryStore:
         self._duplicates = 0
         self._corrupt: list = []
         self._conflicts: list = []
+        self._damage_read: dict = {}  # region -> _read_damage result
         self._scanned = 0  # log offset up to which frames are indexed
         self._tail_pending = 0
         self._last_sync = time.monotonic()
@@ -293,7 +385,9 @@ class TrajectoryStore:
             return
         off, n = self._scanned, size - self._scanned
         os.makedirs(self._path(TORN_DIR), exist_ok=True)
-        saved = self._path(os.path.join(TORN_DIR, f"{off}.bin"))
+        saved, k = self._path(os.path.join(TORN_DIR, f"{off}.bin")), 1
+        while os.path.exists(saved):  # an earlier crash tore the log at this same offset
+            saved, k = self._path(os.path.join(TORN_DIR, f"{off}.{k}.bin")), k + 1
         with open(saved, "wb") as f:
             f.write(os.pread(self._rfd, n, off))
             f.flush()
@@ -427,12 +521,6 @@ class TrajectoryStore:
             _append_line(self._path(QUARANTINE_NAME), entry)
         log.warning("trajectory store %s: quarantined %s", self.directory, err)
 
-    def sync(self) -> None:
-        with self._lock:
-            if self.writable and self._dirty:
-                os.fsync(self._wfd)
-                self._last_sync, self._dirty = time.monotonic(), False
-
     # ------------------------------------------------------------------ read
     def _read_payload(self, off: int, plen: int) -> bytes:
         frame = os.pread(self._rfd, _FRAME.size + plen, off)
@@ -457,10 +545,6 @@ class TrajectoryStore:
             raise KeyError(f"no records for rollout {rollout_id!r} in {self.directory}")
         return None if r.outcome is None else record_from_bytes(self._read_payload(*r.outcome))
 
-    def group_rollouts(self, group_id: str) -> list[str]:
-        with self._lock:
-            return [rid for rid, r in self._rollouts.items() if r.group_id == group_id]
-
     def _is_complete(self, r: _Rollout) -> bool:
         return r.outcome is not None and (r.num_calls is None or len(r.calls) >= r.num_calls)
 
@@ -472,6 +556,70 @@ class TrajectoryStore:
     def pending_rollouts(self) -> list[str]:
         """Complete rollouts the trainer has not consumed (trained or dropped), in arrival order."""
         return [rid for rid in self.complete_rollouts() if rid not in self._consumed]
+
+    def unfinished_rollouts(self) -> list[str]:
+        """Rollouts with calls and no outcome, in first-record order.
+
+        Still running, or, read at resume once the process that ran them is gone,
+        never to finish: cut off by the crash, or their outcome was lost (see
+        ``damaged_rollouts``).
+        """
+        with self._lock:
+            return [rid for rid, r in self._rollouts.items() if r.outcome is None and r.calls]
+
+    def damaged_rollouts(self) -> dict[str, DamagedRollout]:
+        """Rollouts that are not complete and that damage may have cost records, by id.
+
+        Reasons and how sure each is: module docstring ("Damage report"). Rollouts
+        known only from damaged bytes (every record damaged) are included with
+        ``calls=0``. Order: first-record order, then those known only from damage.
+        """
+        with self._lock:
+            regions = [(off, n, LOG_NAME) for off, n in self._corrupt]
+            regions += [(off, n, saved) for off, n, saved in self.torn_tails()]
+            regions.sort(key=lambda g: g[0])  # stable: tails torn at one offset stay in time order
+            rank = {g: i for i, g in enumerate(regions)}
+            named: dict[str, dict[str, list]] = {}  # rollout id -> kind -> regions naming it
+            unaccounted = []
+            for reg in regions:
+                names, whole = self._read_region(reg)
+                for kind, rid in names:
+                    named.setdefault(rid, {}).setdefault(kind, []).append(reg)
+                if not whole:
+                    unaccounted.append(reg)
+            out = {}
+            for rid in dict.fromkeys([*self._rollouts, *named]):
+                r, nm = self._rollouts.get(rid), named.get(rid, {})
+                if r is not None and self._is_complete(r):
+                    continue
+                if r is not None and r.outcome is not None:
+                    reason = "calls_missing"
+                    regs = nm.get("call", []) + [g for g in unaccounted if g[0] <= r.outcome[0]]
+                else:
+                    last = max((off for off, _ in r.calls.values()), default=-1) if r is not None else -1
+                    after = [g for g in unaccounted if g[0] > last]
+                    if "outcome" in nm:
+                        reason, regs = "outcome_damaged", nm["outcome"] + nm.get("call", [])
+                    elif "call" in nm:
+                        reason, regs = "call_damaged", nm["call"] + after
+                    elif after:
+                        reason, regs = "outcome_maybe_damaged", after
+                    else:
+                        continue
+                out[rid] = DamagedRollout(rid, reason, 0 if r is None else len(r.calls), tuple(sorted(set(regs), key=rank.get)))
+            return out
+
+    def _read_region(self, reg: tuple) -> tuple[list, bool]:
+        if reg not in self._damage_read:
+            off, n, source = reg
+            if source == LOG_NAME:
+                self._damage_read[reg] = _read_damage(os.pread(self._rfd, n, off), torn=False)
+            elif os.path.exists(source):
+                with open(source, "rb") as f:
+                    self._damage_read[reg] = _read_damage(f.read(), torn=True)
+            else:
+                self._damage_read[reg] = ([], False)  # the saved bytes are gone: could be anything
+        return self._damage_read[reg]
 
     # ------------------------------------------------------------------ cursor
     def _load_cursor(self) -> None:
@@ -565,6 +713,8 @@ class TrajectoryStore:
             complete=len(complete),
             incomplete=len(self._outcome_order) - len(complete),
             pending=sum(rid not in self._consumed for rid in complete),
+            unfinished=sum(r.outcome is None and bool(r.calls) for r in self._rollouts.values()),
+            damaged_rollouts=len(self.damaged_rollouts()),
             trained=states.count("trained"),
             dropped=states.count("dropped"),
             quarantined=len(self.quarantined()),
@@ -581,10 +731,12 @@ class TrajectoryStore:
             raise RuntimeError(f"store {self.directory} is closed")
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self.sync()
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            if self.writable and self._dirty:
+                os.fsync(self._wfd)
+            self._closed = True
         if self.writable:
             os.close(self._wfd)
         os.close(self._rfd)
