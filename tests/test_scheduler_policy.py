@@ -1,11 +1,14 @@
 """The role policy on hand-made cluster states."""
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_jax.scheduler import policy as P
+from gyre_jax.scheduler import vocab
 
 
 def cells(roles, *, slots=8, calls=None):
@@ -155,7 +158,7 @@ def test_bad_config_names_the_field(kw, msg):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    roles=st.lists(st.sampled_from(P.ROLES), min_size=2, max_size=10),
+    roles=st.lists(st.sampled_from(vocab.CELL_ROLES), min_size=2, max_size=10),
     running=st.integers(0, 80),
     work=st.floats(0, 1e4),
     mode=st.sampled_from(P.MODES),
@@ -217,3 +220,15 @@ def test_takeable_matches_group_by_group_reference(u, bound, taken, ready, runni
               ready_groups=tuple(P.ReadyGroup(version=min(v, u), work_s=1.0) for v in sorted(ready)),
               running_groups=tuple(sorted((min(v, u), k) for v, k in running)))
     assert P.takeable_groups(s, c) == reference_takeable(s, c)
+
+
+def test_one_vocabulary_of_cell_roles_and_modes_and_no_jax_in_the_policy():
+    # The policy, the simulator and the JAX side (cells.mesh.Role) share scheduler.vocab;
+    # the policy itself stays free of jax and numpy so any host can run it.
+    code = ("import sys, gyre_jax.scheduler.policy; "
+            "print(sorted(m for m in ('numpy', 'jax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    from gyre_jax.cells.mesh import Role
+    assert {Role.TRAIN.value, Role.ROLLOUT.value} == {vocab.TRAIN, vocab.ROLLOUT}
+    assert P.MODES is vocab.MODES and set(vocab.FIXED_SPLIT_MODES + vocab.STREAMING_MODES) <= set(vocab.MODES)

@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from gyre_jax.scheduler import vocab
+
 FSDP = "fsdp"
 TENSOR = "tensor"
 DATA = "data"
@@ -33,9 +35,12 @@ SERVE_AXES = (DATA, TENSOR)
 
 
 class Role(enum.Enum):
+    """A cell's role. TRAIN and ROLLOUT carry the scheduler's names (scheduler.vocab),
+    so ``Role(pool_role)`` and ``role.value`` convert between the two sides."""
+
     CORE = "core"  # cell 0: params + optimizer state, applies updates, publishes
-    TRAIN = "train"  # satellite computing gradients for the core
-    ROLLOUT = "rollout"  # satellite serving the agents
+    TRAIN = vocab.TRAIN  # satellite computing gradients for the core
+    ROLLOUT = vocab.ROLLOUT  # satellite serving the agents
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,9 +17,7 @@ import jax
 
 from gyre_jax.cells.mesh import Cell, Role
 from gyre_jax.cells.sharding import RULES, tree_shardings
-
-TO_ROLLOUT = "to_rollout"
-TO_TRAIN = "to_train"
+from gyre_jax.scheduler.vocab import TO_ROLLOUT, TO_TRAIN  # a move's kind is the switch it serves
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from gyre_jax.model import ModelConfig
 
-MODES = ("elastic", "colocate", "async", "async_stream", "elastic_no_stream")
+from gyre_jax.scheduler.vocab import MODES  # the scheduler owns the policy modes
 
 
 def _positive(obj, names, *, allow_zero=False):

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Sequence
 
-ROLES = ("rollout", "train", "to_train", "to_rollout")
+from gyre_jax.scheduler.vocab import ROLLOUT, SWITCHING_ROLES, TRAIN
 
 
 def utilization(segments: Sequence[tuple[int, float, float, str]], n_cells: int, wall_s: float) -> dict[str, float]:
@@ -21,8 +21,8 @@ def utilization(segments: Sequence[tuple[int, float, float, str]], n_cells: int,
     for _, t0, t1, role in segments:
         t[role] += max(0.0, t1 - t0)
     total = max(n_cells * wall_s, 1e-9)
-    out = {r: t[r] / total for r in ROLES}
-    out["switching"] = out.pop("to_train") + out.pop("to_rollout")
+    out = {r: t[r] / total for r in (ROLLOUT, TRAIN)}
+    out["switching"] = sum(t[r] for r in SWITCHING_ROLES) / total
     return out
 
 

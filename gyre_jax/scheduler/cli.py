@@ -12,8 +12,8 @@ import logging
 import os
 
 from gyre_jax.scheduler import presets
-from gyre_jax.scheduler.policy import MODES
 from gyre_jax.scheduler.simulator import SimResult, simulate
+from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, FIXED_SPLIT_MODES, MODES
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +69,15 @@ def ratios(results: dict[str, SimResult]) -> dict[str, float]:
     """Speedups (baseline makespan / elastic makespan) for whatever modes ran."""
     m = {k: r.makespan_s for k, r in results.items()}
     out = {}
-    if "elastic" in m:
-        for base in ("async", "colocate", "async_stream", "elastic_no_stream"):
+    if ELASTIC in m:
+        for base in (ASYNC, COLOCATE, ASYNC_STREAM, ELASTIC_NO_STREAM):
             if base in m:
-                out[f"elastic_vs_{base}"] = m[base] / m["elastic"]
-        out["elastic_over_lower_bound"] = m["elastic"] / results["elastic"].lower_bound_s
-        out["mean_staleness"] = results["elastic"].staleness_mean
-    if "async" in m and "async_stream" in m:
-        out["streaming_only_vs_async"] = m["async"] / m["async_stream"]
-        out["streaming_only_time_cut"] = 1 - m["async_stream"] / m["async"]
+                out[f"elastic_vs_{base}"] = m[base] / m[ELASTIC]
+        out["elastic_over_lower_bound"] = m[ELASTIC] / results[ELASTIC].lower_bound_s
+        out["mean_staleness"] = results[ELASTIC].staleness_mean
+    if ASYNC in m and ASYNC_STREAM in m:
+        out["streaming_only_vs_async"] = m[ASYNC] / m[ASYNC_STREAM]
+        out["streaming_only_time_cut"] = 1 - m[ASYNC_STREAM] / m[ASYNC]
     return out
 
 
@@ -87,7 +87,7 @@ def table(results: dict[str, SimResult]) -> str:
     lines = [hdr, "-" * len(hdr)]
     for mode, r in results.items():
         s = r.summary()
-        extra = f" (train cells {r.config.policy.async_train_cells})" if mode.startswith("async") else ""
+        extra = f" (train cells {r.config.policy.async_train_cells})" if mode in FIXED_SPLIT_MODES else ""
         lines.append(
             f"{mode:18s} {s['makespan_h']:10.2f} {s['over_lower_bound']:6.3f} {s['staleness_mean']:10.2f} "
             f"{s['staleness_max']:9d} {s['switches']:8d} {100 * s['util_rollout_role']:8.1f} "

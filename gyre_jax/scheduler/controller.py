@@ -15,6 +15,7 @@ from collections.abc import Callable
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.interfaces import CellPool, Clock, Proxy, RolloutLauncher, Trainer
 from gyre_jax.scheduler.policy import ClusterState, PolicyConfig
+from gyre_jax.scheduler.vocab import ROLLOUT
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Controller:
     def reconcile(self) -> None:
         """Admit cells that finished switching to rollout (mechanics, not policy)."""
         for c in self.cells.cell_ids():
-            if self.cells.role(c) == "rollout" and not self.proxy.routable(c):
+            if self.cells.role(c) == ROLLOUT and not self.proxy.routable(c):
                 self.proxy.admit(c)
 
     def apply(self, actions) -> None:

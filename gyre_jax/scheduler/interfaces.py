@@ -32,7 +32,7 @@ class CellPool(Protocol):
     def core_cell(self) -> int: ...
 
     def role(self, cell: int) -> str:
-        """'rollout' | 'train' | 'to_train' | 'to_rollout' (the last two while switching)."""
+        """One of vocab.CELL_ROLES: 'rollout' | 'train' | 'to_train' | 'to_rollout' (the last two while switching)."""
 
     def slots(self, cell: int) -> int:
         """Concurrent model calls the cell can serve in rollout role."""

@@ -11,20 +11,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from gyre_jax.scheduler.simulator import SimResult  # noqa: E402
+from gyre_jax.scheduler.vocab import ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE  # noqa: E402
 
 COLORS = {
-    "rollout": "#4c78a8",  # serving agents' model calls
-    "train": "#f58518",  # computing training micro-batches
-    "train_idle": "#fdd9b5",  # in train role, waiting for work or for the core's update
-    "to_train": "#222222",  # switching (params snapshot from the core)
-    "to_rollout": "#888888",  # switching (load serving layout)
+    ROLLOUT: "#4c78a8",  # serving agents' model calls
+    TRAIN: "#f58518",  # computing training micro-batches
+    TRAIN_IDLE: "#fdd9b5",  # in train role, waiting for work or for the core's update
+    TO_TRAIN: "#222222",  # switching (params snapshot from the core)
+    TO_ROLLOUT: "#888888",  # switching (load serving layout)
 }
 LABELS = {
-    "rollout": "rollout (serving)",
-    "train": "training",
-    "train_idle": "train role, idle",
-    "to_train": "switching to train",
-    "to_rollout": "switching to rollout",
+    ROLLOUT: "rollout (serving)",
+    TRAIN: "training",
+    TRAIN_IDLE: "train role, idle",
+    TO_TRAIN: "switching to train",
+    TO_ROLLOUT: "switching to rollout",
 }
 
 

@@ -40,8 +40,16 @@ import dataclasses
 import math
 from typing import Union
 
-MODES = ("colocate", "async", "async_stream", "elastic_no_stream", "elastic")
-ROLES = ("rollout", "train", "to_train", "to_rollout")
+from gyre_jax.scheduler.vocab import (
+    COLOCATE,
+    FIXED_SPLIT_MODES,
+    MODES,
+    ROLLOUT,
+    SERVING_ROLES,
+    STREAMING_MODES,
+    TRAIN,
+    TRAINING_ROLES,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,18 +84,18 @@ class PolicyConfig:
 
     @property
     def streaming(self) -> bool:
-        return self.mode in ("elastic", "async_stream")
+        return self.mode in STREAMING_MODES
 
     @property
     def effective_staleness(self) -> int:
         # Colocate cannot overlap generation with training, so it is on-policy.
-        return 0 if self.mode == "colocate" else self.staleness_bound
+        return 0 if self.mode == COLOCATE else self.staleness_bound
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CellView:
     id: int
-    role: str  # one of ROLES; 'to_*' while a switch is in progress
+    role: str  # one of vocab.CELL_ROLES; 'to_*' while a switch is in progress
     is_core: bool  # holds params + optimizer state; pinned to training outside colocate
     slots: int  # concurrent model calls the cell serves in rollout role
     active_calls: int  # calls running on it now
@@ -146,16 +154,16 @@ Action = Union[Publish, TakeGroups, Launch, ToTrain, ToRollout]
 
 def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
     """Layout the cluster starts in (no switch paid). Cell 0 is the core."""
-    if n_cells < 2 and config.mode != "colocate":
+    if n_cells < 2 and config.mode != COLOCATE:
         raise ValueError(f"mode {config.mode!r} needs >= 2 cells (a core and a satellite); got {n_cells}")
-    if config.mode == "colocate":
-        return ("rollout",) * n_cells
-    if config.mode in ("async", "async_stream"):
+    if config.mode == COLOCATE:
+        return (ROLLOUT,) * n_cells
+    if config.mode in FIXED_SPLIT_MODES:
         k = config.async_train_cells
         if not 1 <= k < n_cells:
             raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
-        return ("train",) * k + ("rollout",) * (n_cells - k)
-    return ("train",) + ("rollout",) * (n_cells - 1)
+        return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
+    return (TRAIN,) + (ROLLOUT,) * (n_cells - 1)
 
 
 def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
@@ -219,7 +227,7 @@ def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) 
     # queue, slowing every running agent toward its deadline. Colocate generates its
     # batch at once by definition (a late-launched group would hold the whole step).
     by_capacity = by_bound
-    if config.mode != "colocate":
+    if config.mode != COLOCATE:
         by_capacity = (max_running_rollouts(state, config) - state.running_rollouts) // config.group_size
         if state.running_rollouts == 0:
             by_capacity = max(by_capacity, 1)
@@ -228,9 +236,9 @@ def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) 
 
 def max_running_rollouts(state: ClusterState, config: PolicyConfig) -> int:
     """Agents the cells that may serve in this mode can hold at `serve_reserve` slots each."""
-    if config.mode == "colocate":
+    if config.mode == COLOCATE:
         serving = list(state.cells)
-    elif config.mode in ("async", "async_stream"):
+    elif config.mode in FIXED_SPLIT_MODES:
         serving = [c for c in state.cells if c.id >= config.async_train_cells]
     else:
         serving = [c for c in state.cells if not c.is_core]
@@ -267,18 +275,18 @@ def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
 
 def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, running: int) -> list[Action]:
     cells = state.cells
-    if config.mode == "colocate":
+    if config.mode == COLOCATE:
         training = taken == config.groups_per_step or state.update_in_progress
         if training:
-            return [ToTrain(c.id) for c in cells if c.role == "rollout"]
-        return [ToRollout(c.id) for c in cells if c.role == "train"]
-    if config.mode in ("async", "async_stream"):
+            return [ToTrain(c.id) for c in cells if c.role == ROLLOUT]
+        return [ToRollout(c.id) for c in cells if c.role == TRAIN]
+    if config.mode in FIXED_SPLIT_MODES:
         out: list[Action] = []
         for c in cells:
             want_train = c.id < config.async_train_cells
-            if want_train and c.role == "rollout":
+            if want_train and c.role == ROLLOUT:
                 out.append(ToTrain(c.id))
-            elif not want_train and c.role == "train":
+            elif not want_train and c.role == TRAIN:
                 out.append(ToRollout(c.id))
         return out
     # elastic: serving first (keep a slot for every running agent), spare cells train
@@ -288,12 +296,12 @@ def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: flo
         return []
     slots = sats[0].slots
     need = min(len(sats), serving_cells_needed(running, slots, config))
-    serving = [c for c in sats if c.role in ("rollout", "to_rollout")]
+    serving = [c for c in sats if c.role in SERVING_ROLES]
     if need > len(serving):
-        back = sorted((c for c in sats if c.role == "train"), key=lambda c: c.id)
+        back = sorted((c for c in sats if c.role == TRAIN), key=lambda c: c.id)
         return [ToRollout(c.id) for c in back[: need - len(serving)]]
-    n_train = sum(1 for c in cells if c.role in ("train", "to_train"))
-    spare = sorted((c for c in sats if c.role == "rollout"), key=lambda c: (c.active_calls, -c.id))
+    n_train = sum(1 for c in cells if c.role in TRAINING_ROLES)
+    spare = sorted((c for c in sats if c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))
     k, limit = 0, min(len(spare), len(serving) - need)
     while k < limit and work_s / (n_train + k + 1) >= max(config.min_work_per_switch_s, 1e-9):
         k += 1

@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from gyre_jax.scheduler.policy import PolicyConfig
+from gyre_jax.scheduler.vocab import ELASTIC
 from gyre_jax.scheduler.workloads import ClusterConfig, SimConfig, WorkloadConfig, batch_filling_cluster, call_duty
 
 _TFLOPS = 989e12 * 0.25  # [assume] per accelerator, achieved in training
@@ -72,7 +73,7 @@ def _make(cluster: ClusterConfig, workload: WorkloadConfig, mode: str, steps: in
 #   so the median rollout runs ~1.7 h and the 95th percentile ~4.5 h; the deadline cuts
 #   the tail (~7% of rollouts), not the body. (Every preset's deadline follows this rule:
 #   about the 90-95th percentile of an uncontended rollout.)
-def large_run(mode: str = "elastic", *, steps: int = 48, **kw) -> SimConfig:
+def large_run(mode: str = ELASTIC, *, steps: int = 48, **kw) -> SimConfig:
     return _make(
         # [assume] publish: 2.4T params, each rollout cell pulling its shard from the core over
         # a ~400 Gb/s-per-accelerator fabric: tens of seconds; 30 s.
@@ -122,7 +123,7 @@ def _wl_122b(name: str, **kw) -> WorkloadConfig:
 # [assume] NL2RepoBench: build a repo from a spec: the longest of the three. Calls median
 #   100 (sigma 0.6), 2.5K context / 500 generated tokens per call, tools median 10 s
 #   (sigma 1.2), 2 h deadline.
-def nl2repo(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
+def nl2repo(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
     return _make(
         _CELL_122B,
         _wl_122b("nl2repo_122b", calls_median=100, calls_shape=0.6, calls_max=500,
@@ -135,7 +136,7 @@ def nl2repo(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
 
 # [assume] DeepSWE: fix a bug in an existing repo: median 40 calls (sigma 0.7), 2K context
 #   / 300 generated tokens per call, tools median 5 s (sigma 1.0), 1 h deadline.
-def deepswe(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
+def deepswe(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
     return _make(
         _CELL_122B,
         _wl_122b("deepswe_122b", calls_median=40, calls_shape=0.7, calls_max=300,
@@ -149,7 +150,7 @@ def deepswe(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
 # [assume] TerminalBench: multi-step terminal tasks: median 25 calls but a heavier tail
 #   (Pareto alpha 1.5), 1.5K context / 250 generated tokens per call, long-running
 #   commands (tools median 8 s, sigma 1.4), 30 min deadline.
-def terminalbench(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
+def terminalbench(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
     return _make(
         _CELL_122B,
         _wl_122b("terminalbench_122b", calls_dist="pareto", calls_median=25, calls_shape=1.5,
@@ -163,7 +164,7 @@ def terminalbench(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
 # [paper] ablation on "a 12-step workload": streaming alone cut Async by 11.6%; streaming +
 # cell switching took Async's 25.08 h to 16.12 h (1.56x). [assume] the workload is not
 # named; we use the NL2RepoBench-like one at 12 steps.
-def ablation12(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
+def ablation12(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
     return nl2repo(mode, steps=steps, **kw)
 
 
@@ -173,7 +174,7 @@ def ablation12(mode: str = "elastic", *, steps: int = 12, **kw) -> SimConfig:
 # 20 steps, the 122B cluster. The batch is 8 waves of the cluster's slots (~16K
 # rollouts), so a step's generation lasts minutes, not one 30-second wave, as math-RL
 # runs size it (a one-wave step would spend more time switching than generating).
-def short_uniform(mode: str = "elastic", *, steps: int = 20, **kw) -> SimConfig:
+def short_uniform(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
     return _make(
         _CELL_122B,
         _wl_122b("math_short_122b", calls_median=1, calls_shape=0.01, calls_max=1,
@@ -194,7 +195,7 @@ PRESETS = {
 }
 
 
-def get(name: str, mode: str = "elastic", **kw) -> SimConfig:
+def get(name: str, mode: str = ELASTIC, **kw) -> SimConfig:
     try:
         fn = PRESETS[name]
     except KeyError:

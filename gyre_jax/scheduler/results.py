@@ -6,9 +6,10 @@ import dataclasses
 import numpy as np
 
 from gyre_jax.scheduler.controller import Decision
+from gyre_jax.scheduler.vocab import ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
 from gyre_jax.scheduler.workloads import Rollouts, SimConfig
 
-STATES = ("rollout", "train", "train_idle", "to_train", "to_rollout")  # timeline states of a cell
+STATES = (ROLLOUT, TRAIN, TRAIN_IDLE, TO_TRAIN, TO_ROLLOUT)  # timeline states of a cell
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,13 @@ class SimResult:
         """Fractions of accelerator-time (cells x makespan)."""
         total = self.n_cells * self.makespan_s
         st = self.state_time_s
-        rollout_t = st["rollout"]
-        train_t = st["train"] + st["train_idle"]
+        rollout_t = st[ROLLOUT]
+        train_t = st[TRAIN] + st[TRAIN_IDLE]
         serve_busy = self.serving_slot_s / self.config.cluster.slots_per_cell
         return {
             "rollout_role": rollout_t / total,
             "train_role": train_t / total,
-            "switching": (st["to_train"] + st["to_rollout"]) / total,
+            "switching": (st[TO_TRAIN] + st[TO_ROLLOUT]) / total,
             "serving_busy": serve_busy / total,  # slot occupancy, in cells
             "training_busy": self.train_work_s / total,
             "busy": (serve_busy + self.train_work_s) / total,

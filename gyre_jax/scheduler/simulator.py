@@ -37,6 +37,7 @@ from gyre_jax.scheduler.controller import Controller
 from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
+from gyre_jax.scheduler.vocab import FIXED_SPLIT_MODES, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
 from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, rollouts_for
 
 _CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE = range(7)
@@ -53,7 +54,7 @@ class SimCluster:
         n = cl.n_cells
         self._slots = cl.slots_per_cell
         self._role = list(roles)
-        self._routable = [r == "rollout" for r in roles]
+        self._routable = [r == ROLLOUT for r in roles]
         self._active = [0] * n
         self._open = [c for c in range(n) if self._routable[c]]  # routable with a free slot, sorted
         self._queue: collections.deque[int] = collections.deque()
@@ -80,7 +81,7 @@ class SimCluster:
         self._taken = 0
         self._pending = 0.0
         self._t_work = 0.0
-        self._rate = sum(1 for r in roles if r == "train")
+        self._rate = sum(1 for r in roles if r == TRAIN)
         self._work_token = 0
         self._update = False
         self._published = 0
@@ -120,18 +121,18 @@ class SimCluster:
         return self._slots
 
     def switch_to_train(self, cell: int) -> None:
-        if self._role[cell] != "rollout" or self._routable[cell] or self._active[cell]:
+        if self._role[cell] != ROLLOUT or self._routable[cell] or self._active[cell]:
             raise RuntimeError(f"switch_to_train({cell}): role {self._role[cell]}, routable {self._routable[cell]}, "
                                f"{self._active[cell]} calls; drain it first")
-        self._role[cell] = "to_train"
+        self._role[cell] = TO_TRAIN
         self._touch(cell)
         self._push(self._now + self.config.cluster.switch_to_train_s, _SWITCH_DONE, cell, 0)
 
     def switch_to_rollout(self, cell: int) -> None:
-        if self._role[cell] != "train":
+        if self._role[cell] != TRAIN:
             raise RuntimeError(f"switch_to_rollout({cell}): role is {self._role[cell]}, not 'train'")
         self._advance()
-        self._role[cell] = "to_rollout"
+        self._role[cell] = TO_ROLLOUT
         self._rate -= 1
         self._reschedule()
         self._touch(cell)
@@ -182,7 +183,7 @@ class SimCluster:
         self._queue.extendleft(reversed(waiting))
 
     def admit(self, cell: int) -> None:
-        if self._role[cell] != "rollout":
+        if self._role[cell] != ROLLOUT:
             raise RuntimeError(f"admit({cell}): role is {self._role[cell]}, not 'rollout'")
         self._routable[cell] = True
         if self._active[cell] < self._slots:
@@ -313,8 +314,8 @@ class SimCluster:
 
     def _cell_state(self, c):
         r = self._role[c]
-        if r == "train":
-            return "train" if self._pending > 0 else "train_idle"
+        if r == TRAIN:
+            return TRAIN if self._pending > 0 else TRAIN_IDLE
         return r
 
     def _touch(self, c):
@@ -328,7 +329,7 @@ class SimCluster:
 
     def _touch_train(self):
         for c, r in enumerate(self._role):
-            if r == "train":
+            if r == TRAIN:
                 self._touch(c)
 
     # ---- the event loop
@@ -432,13 +433,13 @@ class SimCluster:
                         self._start_update()
                     relevant = True
                 elif kind == _SWITCH_DONE:
-                    if self._role[a] == "to_train":
+                    if self._role[a] == TO_TRAIN:
                         self._advance()
-                        self._role[a] = "train"
+                        self._role[a] = TRAIN
                         self._rate += 1
                         self._reschedule()
                     else:
-                        self._role[a] = "rollout"
+                        self._role[a] = ROLLOUT
                     self._touch(a)
                     relevant = True
                 elif kind == _UPDATE_DONE:
@@ -466,7 +467,7 @@ class SimCluster:
             self._state_time[self._seg_state[c]] += self._now - self._seg_t0[c]
 
     def _record_series(self):
-        n_train = sum(1 for r in self._role if r == "train")
+        n_train = sum(1 for r in self._role if r == TRAIN)
         self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, n_train))
 
 
@@ -475,7 +476,7 @@ def simulate(config: SimConfig, *, rollouts: Rollouts | None = None, progress: b
     """Run one simulation: sample (or take) the rollouts, drive the cluster with the controller."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     rollouts = rollouts if rollouts is not None else rollouts_for(config)
-    if config.policy.mode in ("async", "async_stream") and config.policy.async_train_cells == 0:
+    if config.policy.mode in FIXED_SPLIT_MODES and config.policy.async_train_cells == 0:
         config = config.replace(**{"policy.async_train_cells": balanced_async_split(config, rollouts)})
     roles = policy_lib.initial_roles(config.policy, config.cluster.n_cells)
     cluster = SimCluster(config, rollouts, roles)

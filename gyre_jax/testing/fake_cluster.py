@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
+from gyre_jax.scheduler.vocab import ELASTIC, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN
 from gyre_jax.scheduler.workloads import Rollouts, SimConfig
 
 
@@ -252,19 +253,19 @@ class FakeCellPool:
         return self.config.cluster.slots_per_cell
 
     def switch_to_train(self, cell: int) -> None:
-        assert self._roles[cell] == "rollout" and not self.proxy.routable(cell) and not self.proxy.in_flight_calls(cell)
-        self._roles[cell] = "to_train"
-        self.clock.at(self.clock.now() + self.config.cluster.switch_to_train_s, lambda: self._arrive(cell, "train"))
+        assert self._roles[cell] == ROLLOUT and not self.proxy.routable(cell) and not self.proxy.in_flight_calls(cell)
+        self._roles[cell] = TO_TRAIN
+        self.clock.at(self.clock.now() + self.config.cluster.switch_to_train_s, lambda: self._arrive(cell, TRAIN))
 
     def switch_to_rollout(self, cell: int) -> None:
-        assert self._roles[cell] == "train"
-        self._roles[cell] = "to_rollout"
+        assert self._roles[cell] == TRAIN
+        self._roles[cell] = TO_ROLLOUT
         self.trainer.rate_changed(-1)
-        self.clock.at(self.clock.now() + self.config.cluster.switch_to_rollout_s, lambda: self._arrive(cell, "rollout"))
+        self.clock.at(self.clock.now() + self.config.cluster.switch_to_rollout_s, lambda: self._arrive(cell, ROLLOUT))
 
     def _arrive(self, cell, role):
         self._roles[cell] = role
-        if role == "train":
+        if role == TRAIN:
             self.trainer.rate_changed(+1)
 
     def publish(self, version: int) -> None:
@@ -365,14 +366,14 @@ class FakeCluster:
 def fake_cluster(config: SimConfig, rollouts: Rollouts, roles: tuple[str, ...]) -> FakeCluster:
     clock = FakeClock()
     n = config.cluster.n_cells
-    proxy = FakeProxy(clock, n, config.cluster.slots_per_cell, [r == "rollout" for r in roles], config.cluster.kv_move_s)
-    trainer = FakeTrainer(clock, config, sum(r == "train" for r in roles))
+    proxy = FakeProxy(clock, n, config.cluster.slots_per_cell, [r == ROLLOUT for r in roles], config.cluster.kv_move_s)
+    trainer = FakeTrainer(clock, config, sum(r == TRAIN for r in roles))
     cells = FakeCellPool(clock, config, roles, proxy, trainer)
     launcher = FakeLauncher(clock, config, rollouts, proxy, trainer)
     return FakeCluster(clock, cells, proxy, launcher, trainer)
 
 
-def tiny_sim_config(mode: str = "elastic", **over) -> SimConfig:
+def tiny_sim_config(mode: str = ELASTIC, **over) -> SimConfig:
     """A cluster and workload small enough for unit tests (8 cells of 1 accelerator,
     2 slots each; agents of ~6 calls, a tail cut by a 150 s deadline; training work
     comparable to serving work so cells do switch)."""

@@ -1,0 +1,30 @@
+"""The scheduler's names: what a cell is doing (its role) and how the policy runs (its mode).
+
+Defined here once; the policy, the controller, the simulator, the RL loop's
+adapters, the run summary and ``cells.mesh.Role`` import them. This module imports
+nothing, so the JAX-free scheduler and simulator and the JAX side share it. The
+values are plain strings: they appear unchanged in configs, JSON logs and plots.
+"""
+
+# Role of a cell, as ``CellPool.role(cell)`` reports it. The core (cell 0) is always
+# in TRAIN role here; ``cells.mesh.Role.CORE`` marks it on the JAX side.
+ROLLOUT = "rollout"  # serving the agents' model calls
+TRAIN = "train"  # computing training micro-batches
+TO_TRAIN = "to_train"  # switching: draining calls, then a params snapshot from the core
+TO_ROLLOUT = "to_rollout"  # switching: loading params in the serving layout
+CELL_ROLES = (ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT)
+SERVING_ROLES = (ROLLOUT, TO_ROLLOUT)  # serving now, or about to
+TRAINING_ROLES = (TRAIN, TO_TRAIN)  # training now, or about to
+SWITCHING_ROLES = (TO_TRAIN, TO_ROLLOUT)
+# Timelines only (simulator, plots): a cell in TRAIN role with no micro-batch to compute.
+TRAIN_IDLE = "train_idle"
+
+# Policy modes (scheduler.policy's docstring says what each does).
+COLOCATE = "colocate"
+ASYNC = "async"
+ASYNC_STREAM = "async_stream"
+ELASTIC_NO_STREAM = "elastic_no_stream"
+ELASTIC = "elastic"
+MODES = (COLOCATE, ASYNC, ASYNC_STREAM, ELASTIC_NO_STREAM, ELASTIC)
+FIXED_SPLIT_MODES = (ASYNC, ASYNC_STREAM)  # async_train_cells cells train, the rest serve, never switching
+STREAMING_MODES = (ELASTIC, ASYNC_STREAM)  # finished groups enter the open step one by one
