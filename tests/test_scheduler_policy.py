@@ -232,3 +232,46 @@ def test_one_vocabulary_of_cell_roles_and_modes_and_no_jax_in_the_policy():
     from gyre_jax.cells.mesh import Role
     assert {Role.TRAIN.value, Role.ROLLOUT.value} == {vocab.TRAIN, vocab.ROLLOUT}
     assert P.MODES is vocab.MODES and set(vocab.FIXED_SPLIT_MODES + vocab.STREAMING_MODES) <= set(vocab.MODES)
+
+
+def test_multi_step_publishes_every_k_updates():
+    """updates_per_publication=k: a Publish only once k updates are unpublished."""
+    c = cfg(updates_per_publication=2, staleness_bound=1)
+    pubs = [of(P.decide(state(steps_done=u, published_version=p), c), P.Publish) for u, p in ((1, 0), (2, 0), (3, 2))]
+    assert pubs == [[], [P.Publish(2)], []]
+    assert of(P.decide(state(steps_done=1, published_version=0), cfg()), P.Publish) == [P.Publish(1)]  # one-step
+    assert of(P.decide(state(steps_done=2, published_version=0, publish_in_progress=True), c), P.Publish) == []
+    with pytest.raises(ValueError, match=r"staleness_bound=1 must be >= updates_per_publication - 1 = 2"):
+        cfg(updates_per_publication=3, staleness_bound=1)
+    with pytest.raises(ValueError, match="colocate is on-policy"):
+        cfg("colocate", updates_per_publication=2)
+    with pytest.raises(ValueError, match="updates_per_publication=0"):
+        cfg(updates_per_publication=0)
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async_stream"])
+def test_multi_step_runs_to_the_end_within_its_staleness_bound(mode):
+    """The simulator (same policy) in multi-step mode: every step trains, no rollout is
+    discarded, staleness stays within S, and publications come every k updates."""
+    from gyre_jax.scheduler import simulator
+    from gyre_jax.testing.fake_cluster import tiny_sim_config
+
+    for k, bound in ((2, 1), (3, 2)):
+        r = simulator.simulate(tiny_sim_config(mode, **{"policy.updates_per_publication": k,
+                                                        "policy.staleness_bound": bound, "policy.total_steps": 7}))
+        p = r.config.policy
+        assert len(r.step_end_s) == 7 and r.rollouts_trained == 7 * p.groups_per_step * p.group_size
+        assert r.staleness_max <= bound
+        pubs = [a.version for d in r.decisions for a in d.actions if isinstance(a, P.Publish)]
+        assert pubs == list(range(k, 7, k)), pubs
+
+
+def test_out_of_service_cells_get_no_work():
+    """A cell taken out of service is neither switched nor counted as serving capacity."""
+    roles = ["train", vocab.OUT, "rollout", vocab.OUT]
+    s = state(cells=cells(roles), running_rollouts=0, pending_work_s=1e6, ready_groups=())
+    acts = P.decide(s, cfg(min_work_per_switch_s=0.0))
+    assert all(a.cell not in (1, 3) for a in of(acts, P.ToTrain) + of(acts, P.ToRollout))
+    assert P.max_running_rollouts(s, cfg()) == 8  # one live serving cell of 8 slots
+    s = state(cells=cells(roles), running_rollouts=30, pending_work_s=0.0)
+    assert all(a.cell not in (1, 3) for a in of(P.decide(s, cfg()), P.ToRollout))

@@ -44,6 +44,7 @@ from gyre_jax.scheduler.vocab import (
     COLOCATE,
     FIXED_SPLIT_MODES,
     MODES,
+    OUT,
     ROLLOUT,
     SERVING_ROLES,
     STREAMING_MODES,
@@ -66,6 +67,9 @@ class PolicyConfig:
     # A switch costs a round trip (~8.5 s + ~3.5 s); only move a cell to training when each
     # training cell then has at least this many cell-seconds of work available.
     min_work_per_switch_s: float = 24.0
+    # k: optimizer updates per weight publication. 1 = one-step mode; k >= 2 = multi-step
+    # mode: k updates train on rollouts of one published version before the next publication.
+    updates_per_publication: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -79,6 +83,17 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig.staleness_bound={self.staleness_bound} must be >= 0")
         if not 0 < self.serve_reserve <= 1:
             raise ValueError(f"PolicyConfig.serve_reserve={self.serve_reserve} must be in (0, 1]")
+        k = self.updates_per_publication
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"PolicyConfig.updates_per_publication={k!r} must be an int >= 1")
+        if k > 1 and self.mode == COLOCATE:
+            raise ValueError(f"PolicyConfig.updates_per_publication={k}: colocate is on-policy (one update per "
+                             "publication by construction); multi-step needs an overlapping mode")
+        if k > 1 and self.staleness_bound < k - 1:
+            # Groups admitted at the published version p may train up to step p + S; the
+            # steps after that until the next publication (p + k) could never be filled.
+            raise ValueError(f"PolicyConfig.staleness_bound={self.staleness_bound} must be >= updates_per_publication "
+                             f"- 1 = {k - 1}: k updates train on rollouts of one published version")
         if self.min_work_per_switch_s < 0:
             raise ValueError(f"PolicyConfig.min_work_per_switch_s={self.min_work_per_switch_s} must be >= 0")
 
@@ -242,6 +257,7 @@ def max_running_rollouts(state: ClusterState, config: PolicyConfig) -> int:
         serving = [c for c in state.cells if c.id >= config.async_train_cells]
     else:
         serving = [c for c in state.cells if not c.is_core]
+    serving = [c for c in serving if c.role != OUT]
     return math.floor(sum(c.slots for c in serving) / config.serve_reserve + 1e-9)
 
 
@@ -252,13 +268,20 @@ def serving_cells_needed(running_rollouts: int, slots_per_cell: int, config: Pol
     return math.ceil(running_rollouts * config.serve_reserve / slots_per_cell - 1e-9)
 
 
+def publication_due(state: ClusterState, config: PolicyConfig) -> bool:
+    """Every ``updates_per_publication`` updates (one-step: every update)."""
+    if state.publish_in_progress:
+        return False
+    return state.steps_done - state.published_version >= config.updates_per_publication
+
+
 def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
     """The policy. Pure: same state and config, same actions, in this order:
     publish, take groups, launch, role switches."""
     acts: list[Action] = []
     if state.steps_done >= config.total_steps:
         return ()
-    if state.steps_done > state.published_version and not state.publish_in_progress:
+    if publication_due(state, config):
         acts.append(Publish(state.steps_done))
     n_take = takeable_groups(state, config)
     if n_take:
@@ -291,7 +314,7 @@ def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: flo
         return out
     # elastic: serving first (keep a slot for every running agent), spare cells train
     # when there is enough work to pay for the switch.
-    sats = [c for c in cells if not c.is_core]
+    sats = [c for c in cells if not c.is_core and c.role != OUT]
     if not sats:
         return []
     slots = sats[0].slots

@@ -12,7 +12,10 @@ ROLLOUT = "rollout"  # serving the agents' model calls
 TRAIN = "train"  # computing training micro-batches
 TO_TRAIN = "to_train"  # switching: draining calls, then a params snapshot from the core
 TO_ROLLOUT = "to_rollout"  # switching: loading params in the serving layout
-CELL_ROLES = (ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT)
+# Out of service: a cell whose switches or training kept failing; the policy gives it no
+# work (real loop only; the simulator's cells never fail).
+OUT = "out"
+CELL_ROLES = (ROLLOUT, TRAIN, TO_TRAIN, TO_ROLLOUT, OUT)
 SERVING_ROLES = (ROLLOUT, TO_ROLLOUT)  # serving now, or about to
 TRAINING_ROLES = (TRAIN, TO_TRAIN)  # training now, or about to
 SWITCHING_ROLES = (TO_TRAIN, TO_ROLLOUT)
