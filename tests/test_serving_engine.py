@@ -7,12 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gyre_jax.cells.sharding import RULES, mesh_spec
 from gyre_jax.model import Transformer
 from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.serving.backend import SamplingParams
 from gyre_jax.serving.engine import GyreEngine
-from gyre_jax.serving.engine_state import PrefillInput, decode_result_pairs
+from gyre_jax.serving.engine_state import (
+    BLOCK_LOGICAL,
+    CACHE_LOGICAL,
+    PrefillInput,
+    decode_result_pairs,
+    kv_shardings,
+)
 
 SLOTS, MAX_LEN = 16, 256
 # float32 logits of this model reach |30|; the cached decode (attention over a
@@ -205,3 +213,28 @@ def test_a_request_inserted_after_all_others_finished_is_decoded(engine, ref_log
     r.insert(11, pinput("idle-b", p2, max_tokens=6, temperature=0.0))
     r.step(7)
     assert [t for t, _ in r.out[11]] == ref_greedy(ref_logits, p2, 6)
+
+
+@pytest.mark.parametrize("slots", [4, 3])  # 3 slots do not divide over 'data' = 2: replicated
+def test_kv_cache_shardings_come_from_the_rules_table(params, slots):
+    """The engine's KV cache and KV blocks are sharded as cells.sharding.RULES says
+    (slots over 'data', kv heads over 'tensor'), like every other array."""
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    eng = GyreEngine(CFG, params, max_slots=slots, max_len=MAX_LEN, mesh=mesh)
+    rules = dict(RULES)
+    assert rules["cache_batch"] == "data" and rules["cache_len"] is None and rules["kv_heads"] == "tensor"
+    cache_spec = PartitionSpec(None, "data" if slots % 2 == 0 else None, None, "tensor")
+    assert mesh_spec(CACHE_LOGICAL, mesh, shape=(CFG.n_layers, slots, MAX_LEN, CFG.n_kv_heads, CFG.head_dim),
+                     replicate_indivisible=True) == cache_spec
+    assert mesh_spec(BLOCK_LOGICAL, mesh) == PartitionSpec(None, None, "tensor")
+    ds = eng.init_decode_state()
+    for arr in (ds.cache.k, ds.cache.v):
+        assert arr.sharding.is_equivalent_to(NamedSharding(mesh, cache_spec), arr.ndim), arr.sharding
+    assert ds.cache.lengths.sharding.is_fully_replicated
+    assert eng.get_prefix_destination_sharding() == NamedSharding(mesh, PartitionSpec(None, None, "tensor"))
+    # More tensor devices than kv heads: the heads are copied, not split (was the engine's own rule).
+    wide = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
+    assert CFG.n_kv_heads % 4
+    cache, block = kv_shardings(CFG, MAX_LEN, slots, wide)
+    assert cache.spec == (PartitionSpec(None, "data") if slots % 2 == 0 else PartitionSpec())
+    assert block.spec == PartitionSpec()

@@ -32,6 +32,10 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("mlp", TENSOR),
     ("layers", None),  # scanned layer axis: every device holds its slice of every layer
     ("length", None),  # sequence axis of a packed row
+    # A serving engine's KV cache [layers, slots, positions, kv_heads, head_dim] and the
+    # k/v blocks it moves [layers, positions, kv_heads, head_dim] (serving/engine_state.py):
+    ("cache_batch", DATA),  # decode slots: data parallel over the serving mesh
+    ("cache_len", None),  # cache positions: every device holds the whole context of its slots
 )
 
 BATCH_LOGICAL = ("batch", "length")  # every [B, L] array of a packed micro-batch
@@ -53,11 +57,14 @@ def mesh_spec(
     shape: tuple[int, ...] | None = None,
     rules=RULES,
     where: str = "array",
+    replicate_indivisible: bool = False,
 ) -> PartitionSpec:
     """Mesh PartitionSpec for one array with logical axis names ``logical``.
 
     Mesh axes the mesh lacks are dropped (replicated there). With ``shape``,
-    checks that every sharded dimension divides by its mesh axes' total size.
+    checks that every sharded dimension divides by its mesh axes' total size; with
+    ``replicate_indivisible`` such a dimension is replicated instead of raising (the
+    KV cache: fewer kv heads than the tensor degree are copied, not split).
     """
     table = _rules_dict(rules)
     logical = tuple(logical)
@@ -84,7 +91,9 @@ def mesh_spec(
             size = 1
             for a in axes:
                 size *= mesh.shape[a]
-            if shape[dim] % size:
+            if shape[dim] % size and replicate_indivisible:
+                axes = ()
+            elif shape[dim] % size:
                 raise ValueError(
                     f"{where}: dimension {dim} ({name!r}) of shape {shape} has size {shape[dim]}, "
                     f"not divisible by mesh axes {axes} of total size {size}"

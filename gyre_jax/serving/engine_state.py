@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gyre_jax.cells.sharding import mesh_spec
 from gyre_jax.model import ModelConfig
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
@@ -29,6 +30,24 @@ from gyre_jax.serving.sampling import sample_tokens
 
 HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
 MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps
+# Logical axes of the k/v arrays (their shardings come from cells.sharding.RULES):
+CACHE_LOGICAL = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # KVCache.k/v [Y, S, M, K, H]
+BLOCK_LOGICAL = ("layers", "cache_len", "kv_heads", "head_dim")  # KVBlock.k/v [Y, Lb, K, H]
+
+
+def kv_shardings(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+    """(cache, block) shardings of an engine's k/v on ``mesh``, from the rules table.
+
+    A dimension its mesh axes do not divide (slots, or fewer kv heads than the tensor
+    degree) is replicated. A block's length varies per request; the cache length stands
+    in for it in the divisibility check ('cache_len' is not sharded).
+    """
+    def spec(logical, shape, what):
+        return NamedSharding(mesh, mesh_spec(logical, mesh, shape=shape, where=what, replicate_indivisible=True))
+
+    cache = spec(CACHE_LOGICAL, (cfg.n_layers, slots, m, cfg.n_kv_heads, cfg.head_dim), "KV cache")
+    block = spec(BLOCK_LOGICAL, (cfg.n_layers, m, cfg.n_kv_heads, cfg.head_dim), "KV block")
+    return cache, block
 
 
 @flax.struct.dataclass
@@ -95,13 +114,8 @@ def decode_result_pairs(token_ids) -> list[tuple[int, float]]:
 def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -> dict:
     """Jitted device functions of an engine, shared by engines with the same
     config, cache shape and mesh (so a second engine costs no compile)."""
-    tp = mesh.shape.get("tensor", 1)
-    kvh = "tensor" if cfg.n_kv_heads % tp == 0 else None
-    dp = mesh.shape.get("data", 1)
-    sl = "data" if slots % dp == 0 else None
-    rep = NamedSharding(mesh, PartitionSpec())
-    cache_s = NamedSharding(mesh, PartitionSpec(None, sl, None, kvh))
-    blk = NamedSharding(mesh, PartitionSpec(None, None, kvh))
+    cache_s, blk = kv_shardings(cfg, m, slots, mesh)
+    rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
     ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
 
