@@ -1,10 +1,13 @@
-"""Unit tests of gyre_jax.losses: log-probs, entropy, chunking, memory, masking, weights, import cost."""
+"""Unit tests of gyre_jax.losses: log-probs, entropy, chunking, memory, masking, extreme log-ratios,
+dual clip, weights, import cost."""
+import functools
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,10 +75,15 @@ def test_logprobs_entropy_and_grads_match_float64(dtype):
 
 def test_input_errors_name_the_problem():
     x = jnp.zeros((2, 3, 5))
-    with pytest.raises(ValueError, match="targets shape"):
+    # Shape and dtype contracts are chex assertions naming the argument.
+    with pytest.raises(AssertionError, match="token_logprobs: targets must have the logits' shape"):
         L.token_logprobs(x, jnp.zeros((2, 4), jnp.int32))
-    with pytest.raises(TypeError, match="integer token ids"):
+    with pytest.raises(AssertionError, match="integer token ids"):
         L.token_logprobs(x, jnp.zeros((2, 3), F32))
+    with pytest.raises(AssertionError, match="token_entropy: logits must be floating point"):
+        L.token_entropy(jnp.zeros((2, 3, 5), jnp.int32))
+    with pytest.raises(AssertionError, match="chunked_token_logprobs: hidden must be"):
+        L.chunked_token_logprobs(jnp.zeros((3, 4)), jnp.zeros((4, 5)), jnp.zeros((3,), jnp.int32), chunk_size=2)
     with pytest.raises(ValueError, match="vocab_chunk_size"):
         L.token_logprobs(x, jnp.zeros((2, 3), jnp.int32), vocab_chunk_size=0)
     h = jnp.zeros((2, 3, 4))
@@ -191,8 +199,7 @@ def test_vmap_and_jit_equal_a_loop():
         (loss, m), g = one_jit({k: v[i] for k, v in inp.items()})
         np.testing.assert_allclose(loss_v[i], loss, rtol=1e-6)
         np.testing.assert_allclose(g_v[i], g, rtol=1e-6, atol=1e-8)
-        for k in m:
-            np.testing.assert_allclose(m_v[k][i], m[k], rtol=1e-6, err_msg=k)
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], m_v), m, rtol=1e-6)
     # vmap of the vocab-chunked log-probs over an extra leading axis.
     x = jnp.asarray(rng.standard_normal((3, 2, 4, 19)), F32)
     t = jnp.asarray(rng.integers(0, 19, (3, 2, 4)), jnp.int32)
@@ -238,8 +245,7 @@ def test_garbage_at_masked_positions_leaks_nothing(dtype):
     # The garbage changes nothing at all.
     assert float(loss_d) == float(loss_c)
     np.testing.assert_array_equal(g_d, np.asarray(g_c.astype(F32)))
-    for k in m_c:
-        np.testing.assert_array_equal(m_d[k], m_c[k], err_msg=k)
+    chex.assert_trees_all_equal(m_d, m_c)
     # A weight outside loss_mask is an upstream bug: not trained on, but reported.
     dirty_batch["loss_weights"][0, 1] = 0.25
     (loss_w, m_w), _ = f(jnp.asarray(dirty_logits, dtype), dirty_batch, dirty_ref)
@@ -254,8 +260,7 @@ def test_metric_helpers_and_config_validation():
     ma, mb, m = pg(a), pg(b), pg(both)
     assert set(m) <= set(L.METRIC_REDUCTIONS)
     comb = jax.jit(L.combine_metrics)(ma, mb)
-    for k in m:
-        np.testing.assert_allclose(comb[k], m[k], rtol=1e-6, err_msg=k)
+    chex.assert_trees_all_close(comb, m, rtol=1e-6)
     means = jax.jit(L.mean_metrics)(m)
     w = np.asarray(both["weights_BxT"])
     np.testing.assert_allclose(means["entropy"], (w * np.asarray(both["entropy_BxT"])).sum() / w.sum(), rtol=1e-6)
@@ -267,12 +272,265 @@ def test_metric_helpers_and_config_validation():
             L.PolicyLossConfig(**bad)
     with pytest.raises(ValueError, match="needs ref_logp_BxT"):
         L.policy_gradient_loss(a["logp_BxT"], a["behavior_logp_BxT"], a["advantages_BxT"], a["weights_BxT"], kl_coef=0.1)
-    with pytest.raises(ValueError, match="advantages_BxT has shape"):
+    with pytest.raises(AssertionError, match="advantages_BxT must have the shape of logp_BxT"):
         L.policy_gradient_loss(a["logp_BxT"], a["behavior_logp_BxT"], a["advantages_BxT"][:1], a["weights_BxT"])
+    with pytest.raises(AssertionError, match=r"loss_from_logits: batch\['advantages'\] must be \[B, L\]"):
+        batch = {k: np.zeros((1, 2), np.int32 if k == "targets" else F32) for k in L.BATCH_KEYS}
+        batch["advantages"] = np.zeros((1, 3), F32)
+        L.loss_from_logits(jnp.zeros((1, 2, 3)), batch)
     with pytest.raises(LookupError, match="known: \\['k1', 'k2', 'k3'\\]"):
         L.get_kl_estimator("k4")
     with pytest.raises(KeyError, match="missing \\[.*'advantages'"):
         L.loss_from_logits(jnp.zeros((1, 2, 3)), {"targets": np.zeros((1, 2), np.int32)})
+
+
+# ----------------------------------------------------------------------------- extreme log-ratios, dual clip
+
+
+def _np_pg(logp, mu, adv, w, cfg):
+    """float64 reference of the documented per-token math: (loss, d loss / d logp, metrics).
+
+    Elementwise, so the gradient is the analytic one of each branch.
+    """
+    logp, mu, adv, w = (np.asarray(x, np.float64) for x in (logp, mu, adv, w))
+    x = logp - mu
+    c, clip_c = cfg.log_ratio_clamp, cfg.clip_c
+    u = np.clip(x, -c, c)
+    r = np.exp(u)
+    pg = -np.minimum(r * adv, np.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    low = (adv < 0) & (r < 1 - cfg.eps_low)
+    high = (adv > 0) & (r > 1 + cfg.eps_high)
+    dual = (adv < 0) & (r > clip_c) if clip_c else np.zeros(x.shape, bool)
+    pg = np.where(dual, -(clip_c or 0.0) * adv, pg)
+    clamped = np.abs(x) > c
+    g = np.where(low | high | dual | clamped, 0.0, -adv * r)
+    m = dict(pg_loss=np.sum(w * pg), clip_frac_low=np.sum(w * low), clip_frac_high=np.sum(w * high),
+             clip_frac_dual=np.sum(w * dual), clip_frac=np.sum(w * (low | high | dual)),
+             clamp_frac=np.sum(w * clamped), ratio_mean=np.sum(w * r), ratio_max=r.max(), ratio_min=r.min(),
+             approx_kl=np.sum(w * (r - 1 - u)))
+    return np.sum(w * pg), w * g, m
+
+
+@functools.lru_cache(maxsize=None)
+def _pg_value_and_grad(cfg):
+    def f(logp, mu, adv, w):
+        return L.policy_gradient_loss(logp, mu, adv, w, **cfg.loss_kwargs())
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+
+EXTREME_LOG_RATIOS = (89.0, -89.0, 1e4, -1e4, np.inf, -np.inf)
+
+
+@pytest.mark.parametrize("clip_c", [None, 3.0], ids=["default", "dual_clip"])
+def test_extreme_log_ratios_keep_loss_and_gradient_finite(clip_c):
+    """Any log-ratio, any sign of A: finite loss and gradient, equal to the float64 reference.
+
+    logp - mu is +-89 (exp overflows float32), +-1e4, and +-inf from a behavior
+    log-prob of -inf (the sampler's record) or a current log-prob of -inf.
+    """
+    cfg = L.PolicyLossConfig(clip_c=clip_c)
+    rows = []
+    for x in EXTREME_LOG_RATIOS:
+        for a in (1.0, 0.0, -1.0):
+            if np.isinf(x):
+                logp, mu = (-1.0, -np.inf) if x > 0 else (-np.inf, -1.0)
+            else:
+                logp, mu = (-1.0, -1.0 - x) if x > 0 else (-1.0 + x, -1.0)
+            rows.append((logp, mu, a))
+    logp, mu, adv = (np.asarray(c, np.float32) for c in zip(*rows))
+    w = np.full(logp.shape, 1.0 / logp.size, np.float32)
+    for i in range(logp.size):  # each token alone: nothing hides behind another token's value
+        one = [z[i : i + 1] for z in (logp, mu, adv, w)]
+        (loss, m), g = _pg_value_and_grad(cfg)(*one)
+        assert np.isfinite(float(loss)) and np.isfinite(np.asarray(g)).all(), rows[i]
+        assert all(np.isfinite(float(v)) for v in m.values()), (rows[i], m)
+    (loss, m), g = _pg_value_and_grad(cfg)(logp, mu, adv, w)
+    ref_loss, ref_g, ref_m = _np_pg(logp, mu, adv, w, cfg)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g), ref_g, rtol=1e-6, atol=0)
+    assert float(m["clamp_frac"]) == pytest.approx(1.0)  # every token is outside +-20
+    for k, v in ref_m.items():
+        np.testing.assert_allclose(float(m[k]), v, rtol=1e-6, atol=1e-12, err_msg=k)
+    # A < 0 at log r = +89: the clamp caps the loss at e^20 |A| w; dual clip at c |A| w.
+    i = rows.index((-1.0, -90.0, -1.0))
+    (loss_i, _), _ = _pg_value_and_grad(cfg)(*[z[i : i + 1] for z in (logp, mu, adv, w)])
+    cap = clip_c if clip_c else np.exp(20.0)
+    np.testing.assert_allclose(float(loss_i), cap * float(w[i]), rtol=1e-6)
+
+
+def _grid(rng, n, lo, hi):
+    """Values on a 2^-10 grid: logp - mu is then exact in float32, like the reference's."""
+    return np.round(rng.uniform(lo, hi, n) * 1024) / 1024
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [L.PolicyLossConfig(), L.PolicyLossConfig(log_ratio_clamp=2.0), L.PolicyLossConfig(clip_c=3.0),
+     L.PolicyLossConfig(eps_low=0.1, eps_high=0.5, log_ratio_clamp=1.5, clip_c=2.5)],
+    ids=["default", "clamp2", "dual3", "clamp1.5+dual2.5"],
+)
+def test_policy_loss_and_gradient_match_float64_reference(cfg):
+    """Loss, d loss / d logp and metrics against ``_np_pg``, every branch exercised."""
+    rng = np.random.default_rng(6)
+    n = 512
+    mu = _grid(rng, n, -8.0, -0.5)
+    x = np.concatenate([_grid(rng, n - 8, -4.0, 4.0), [30.0, -30.0, 25.5, -25.5, 60.0, -60.0, 19.5, -19.5]])
+    adv = rng.choice([-1.5, -0.5, 0.0, 0.7, 1.25], n)
+    w = np.where(rng.random(n) < 0.9, _grid(rng, n, 0.0, 1.0) / n, 0.0)
+    # Stay away from the kinks (the clip, the dual clip, the clamp): one-sided there.
+    kinks = [np.log(1 - cfg.eps_low), np.log(1 + cfg.eps_high), cfg.log_ratio_clamp, -cfg.log_ratio_clamp]
+    kinks += [np.log(cfg.clip_c)] if cfg.clip_c else []
+    keep = np.all(np.abs(x[:, None] - np.asarray(kinks)[None]) > 1e-3, axis=1)
+    x, mu, adv, w = x[keep], mu[keep], adv[keep], w[keep]
+    logp, mu, adv, w = (z.astype(np.float32) for z in (mu + x, mu, adv, w))
+    np.testing.assert_array_equal(logp.astype(np.float64) - mu, x)  # the log-ratios are exact in float32
+
+    (loss, m), g = _pg_value_and_grad(cfg)(logp, mu, adv, w)
+    active = w != 0
+    ref_loss, ref_g, ref_m = _np_pg(logp[active], mu[active], adv[active], w[active], cfg)
+    # A float32 sum of terms of both signs: tolerance relative to the sum of their magnitudes
+    # (|pg| <= |A| max(r, 1 + eps_high) per token).
+    r = np.exp(np.clip(x, -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+    magnitude = float(np.sum(np.abs(w * adv) * np.maximum(r, 1 + cfg.eps_high)))
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=0, atol=1e-6 * magnitude)
+    g = np.asarray(g)
+    assert not g[~active].any()
+    np.testing.assert_allclose(g[active], ref_g, rtol=2e-6, atol=0)
+    for k, v in ref_m.items():
+        atol = 1e-6 * magnitude if k == "pg_loss" else 1e-12
+        np.testing.assert_allclose(float(m[k]), v, rtol=2e-6, atol=atol, err_msg=k)
+    # Every branch is present in the data.
+    assert ref_m["clip_frac_low"] > 0 and ref_m["clip_frac_high"] > 0 and ref_m["clamp_frac"] > 0
+    assert (ref_m["clip_frac_dual"] > 0) == bool(cfg.clip_c)
+    assert (ref_g != 0).sum() > n // 8  # and the unclipped branch, with a gradient
+
+
+def test_dual_clip_bounds_the_negative_advantage_loss():
+    c = 3.0
+    log_r = np.linspace(-25.0, 25.0, 2001).astype(np.float32)
+    for a in (-0.1, -1.0, -7.0):
+        adv = np.full_like(log_r, a)
+        w = np.ones_like(log_r)
+        per_token = jax.jit(jax.vmap(lambda lr, a, w: L.policy_gradient_loss(
+            lr[None], jnp.zeros(1), a[None], w[None], clip_c=c)[0]))(log_r, adv, w)
+        per_token = np.asarray(per_token)
+        assert (per_token <= -c * a * (1 + 1e-6)).all()
+        np.testing.assert_allclose(per_token[np.exp(log_r) > c * 1.001], -c * a, rtol=1e-6)
+        # Below c it is the plain clipped surrogate.
+        plain = np.asarray(jax.jit(jax.vmap(lambda lr, a, w: L.policy_gradient_loss(
+            lr[None], jnp.zeros(1), a[None], w[None])[0]))(log_r, adv, w))
+        below = np.exp(log_r) < c * 0.999
+        np.testing.assert_array_equal(per_token[below], plain[below])
+        assert plain.max() > 1e8 * abs(a)  # without it, only the clamp bounds the loss
+
+
+def test_config_fields_reach_the_loss():
+    """Every PolicyLossConfig field but entropy_metric is a keyword of policy_gradient_loss."""
+    import dataclasses
+    import inspect
+
+    cfg = L.PolicyLossConfig(clip_c=2.5, log_ratio_clamp=4.0, eps_low=0.1)
+    kw = cfg.loss_kwargs()
+    fields = {f.name for f in dataclasses.fields(L.PolicyLossConfig)} - {"entropy_metric"}
+    assert set(kw) == fields and kw["clip_c"] == 2.5 and kw["log_ratio_clamp"] == 4.0
+    assert fields <= set(inspect.signature(L.policy_gradient_loss).parameters)
+    # loss_from_logits with the config equals policy_gradient_loss with those keywords.
+    rng = np.random.default_rng(7)
+    b, l, v = 2, 9, 11
+    logits = jnp.asarray(3.0 * rng.standard_normal((b, l, v)), F32)
+    batch = {
+        "targets": rng.integers(0, v, (b, l)).astype(np.int32),
+        "loss_mask": np.ones((b, l), bool),
+        "behavior_logprobs": (-2.0 - 6.0 * rng.random((b, l))).astype(np.float32),
+        "advantages": rng.choice([-1.0, 1.0], (b, l)).astype(np.float32),
+        "loss_weights": np.full((b, l), 1.0 / (b * l), np.float32),
+    }
+    loss, m = jax.jit(lambda x: L.loss_from_logits(x, batch, cfg))(logits)
+    logp = L.token_logprobs(logits, jnp.asarray(batch["targets"]))
+    loss2, m2 = L.policy_gradient_loss(logp, batch["behavior_logprobs"], batch["advantages"],
+                                       batch["loss_weights"], **kw)
+    np.testing.assert_allclose(loss, loss2, rtol=1e-6)
+    assert float(m["clip_frac_dual"]) > 0 and float(m["clamp_frac"]) > 0
+    chex.assert_trees_all_close(m2, {k: m[k] for k in m2}, rtol=1e-6)
+    # A micro-batch's metrics combine like the others.
+    assert {"clip_frac_dual", "clamp_frac"} <= set(m) <= set(L.METRIC_REDUCTIONS)
+
+    for bad, match in [(dict(clip_c=1.0), "clip_c"), (dict(clip_c=0.5), "clip_c"), (dict(clip_c=float("inf")), "clip_c"),
+                       (dict(log_ratio_clamp=0.0), "log_ratio_clamp"), (dict(log_ratio_clamp=81.0), "log_ratio_clamp"),
+                       (dict(log_ratio_clamp=None), "log_ratio_clamp"),
+                       (dict(log_ratio_clamp=0.2), r"exceed log\(1 \+ eps_high\)"),
+                       (dict(eps_low=0.9, log_ratio_clamp=2.0), r"exceed -log\(1 - eps_low\)"),
+                       (dict(clip_c=1e9), r"clip_c=1000000000.0 must be < exp")]:
+        with pytest.raises(ValueError, match=match):
+            L.PolicyLossConfig(**bad)
+    assert L.PolicyLossConfig(clip_c=0).clip_c == 0  # 0 = off, like None
+    with pytest.raises(ValueError, match="policy_gradient_loss: clip_c"):
+        L.policy_gradient_loss(logp, logp, logp, logp, clip_c=1.0)
+
+
+def test_end_to_end_extreme_logits_stay_finite():
+    """Through loss_from_logits: target logits 1e4 below the rest, behavior log-probs of -1e4."""
+    rng = np.random.default_rng(8)
+    b, l, v = 3, 6, 7
+    logits = rng.standard_normal((b, l, v)).astype(np.float32)
+    targets = rng.integers(0, v, (b, l)).astype(np.int32)
+    np.put_along_axis(logits[0], targets[0][:, None], -1e4, axis=-1)  # logp ~ -1e4: log r ~ -1e4
+    behavior = np.full((b, l), -1.0, np.float32)
+    behavior[1] = -1e4  # log r ~ +1e4
+    behavior[2] = -np.inf
+    batch = {"targets": targets, "loss_mask": np.ones((b, l), bool), "behavior_logprobs": behavior,
+             "advantages": np.tile(np.array([1.0, 0.0, -1.0], np.float32), (b, 2)),
+             "loss_weights": np.full((b, l), 1.0 / (b * l), np.float32)}
+    for cfg in (L.PolicyLossConfig(), L.PolicyLossConfig(clip_c=3.0, entropy_coef=0.01)):
+        f = jax.jit(jax.value_and_grad(lambda x: L.loss_from_logits(x, batch, cfg), has_aux=True))
+        (loss, m), g = f(jnp.asarray(logits))
+        assert np.isfinite(float(loss)) and np.isfinite(np.asarray(g)).all()
+        assert all(np.isfinite(float(x)) for x in m.values()), m
+        assert float(m["clamp_frac"]) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_out_of_range_targets_are_nan_and_harmless_when_masked():
+    """Ids < 0 or >= V: NaN log-prob (no wrap-around), a NaN gradient row only where trained on."""
+    rng = np.random.default_rng(9)
+    b, l, v = 2, 5, 6
+    x = jnp.asarray(rng.standard_normal((b, l, v)), F32)
+    t = np.asarray(rng.integers(0, v, (b, l)), np.int32)
+    bad = [(0, 1, -1), (0, 3, v), (1, 0, -v), (1, 4, 3 * v)]
+    for i, j, tid in bad:
+        t[i, j] = tid
+    ok = np.ones((b, l), bool)
+    for i, j, _ in bad:
+        ok[i, j] = False
+    ref = np.take_along_axis(_np_logsoftmax(x), np.where(ok, t, 0)[..., None], -1)[..., 0]
+    cot = jnp.asarray(np.where(ok | (np.arange(l)[None] == 1), 1.0, 0.0), F32)  # (0, 1) is trained on
+
+    @jax.jit
+    def run(x):
+        lps = (L.token_logprobs(x, t, vocab_chunk_size=4), L.token_logprobs_and_entropy(x, t)[0],
+               L.chunked_token_logprobs(x.astype(F32), jnp.eye(v), t, chunk_size=2, layout="DxV"))
+        return lps, jax.grad(lambda x: jnp.sum(cot * L.token_logprobs(x, t)))(x)
+
+    for dtype in (F32, jnp.bfloat16):
+        lps, g = run(x.astype(dtype))
+        for lp in lps:
+            lp = np.asarray(lp)
+            assert np.isnan(lp[~ok]).all() and np.isfinite(lp[ok]).all()
+            np.testing.assert_allclose(lp[ok], ref[ok], atol=2e-6 if dtype == F32 else 0.05)
+        # The gradient row is NaN where the cotangent is non-zero, exactly 0 where it is zero.
+        g = np.asarray(g.astype(F32))
+        assert np.isnan(g[0, 1]).all()
+        for i, j, _ in bad[1:]:
+            assert not g[i, j].any()
+        assert np.isfinite(g[ok]).all()
+    # Through the loss: out-of-range ids at weight 0 change nothing.
+    batch = {"targets": t, "loss_mask": ok, "behavior_logprobs": np.full((b, l), -2.0, np.float32),
+             "advantages": np.ones((b, l), np.float32), "loss_weights": np.where(ok, 0.1, 0.0).astype(np.float32)}
+    clean = dict(batch, targets=np.where(ok, t, 0).astype(np.int32))
+    f = jax.jit(jax.value_and_grad(lambda x, bt: L.loss_from_logits(x, bt)[0]))
+    (l1, g1), (l2, g2) = f(x, batch), f(x, clean)
+    assert float(l1) == float(l2) and np.isfinite(float(l1))
+    np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
 
 
 # ----------------------------------------------------------------------------- weights

@@ -10,6 +10,7 @@ terms and their analytic gradient in float64 with plain loops.
 """
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,8 +143,9 @@ def reference(rollouts, cfg: PolicyLossConfig):
     for r, _, _ in targets:
         n_r[r] += 1
     loss, grads = 0.0, {}
-    m = dict(pg_loss=0.0, approx_kl=0.0, clip_frac_low=0.0, clip_frac_high=0.0, ratio_mean=0.0,
-             kl_ref=0.0, entropy=0.0, weight_sum=0.0, ratio_min=np.inf, ratio_max=-np.inf)
+    m = dict(pg_loss=0.0, approx_kl=0.0, clip_frac_low=0.0, clip_frac_high=0.0, clip_frac_dual=0.0,
+             clamp_frac=0.0, ratio_mean=0.0, kl_ref=0.0, entropy=0.0, weight_sum=0.0, ratio_min=np.inf,
+             ratio_max=-np.inf)
     for (r, _, _), (ctx, t, mu) in targets.items():
         x = _ctx_logits(ctx).astype(np.float64)
         lse = np.log(np.sum(np.exp(x - x.max()))) + x.max()
@@ -153,12 +155,17 @@ def reference(rollouts, cfg: PolicyLossConfig):
         logp = logp_v[t]
         a = ADVANTAGES[r]
         w = 1.0 / (n_r[r] * num_r)
-        ratio = np.exp(logp - mu)
+        clamped = abs(logp - mu) > cfg.log_ratio_clamp
+        u = min(max(logp - mu, -cfg.log_ratio_clamp), cfg.log_ratio_clamp)
+        ratio = np.exp(u)
         clipped = min(max(ratio, 1 - cfg.eps_low), 1 + cfg.eps_high)
         pg = -min(ratio * a, clipped * a)
         clip_low = a < 0 and ratio < 1 - cfg.eps_low
         clip_high = a > 0 and ratio > 1 + cfg.eps_high
-        dpg = 0.0 if (clip_low or clip_high) else -a * ratio
+        clip_dual = bool(cfg.clip_c) and a < 0 and ratio > cfg.clip_c
+        if clip_dual:
+            pg = -cfg.clip_c * a
+        dpg = 0.0 if (clip_low or clip_high or clip_dual or clamped) else -a * ratio
         ref = float(_ref_logp(ctx, t))
         d = ref - logp
         kl, dkl = {
@@ -174,9 +181,11 @@ def reference(rollouts, cfg: PolicyLossConfig):
         g = w * ((dpg + cfg.kl_coef * dkl) * dlogp_dx - cfg.entropy_coef * dent_dx)
         grads[(r, ctx)] = grads.get((r, ctx), 0.0) + g
         m["pg_loss"] += w * pg
-        m["approx_kl"] += w * (ratio - 1 - np.log(ratio))
+        m["approx_kl"] += w * (ratio - 1 - u)
         m["clip_frac_low"] += w * clip_low
         m["clip_frac_high"] += w * clip_high
+        m["clip_frac_dual"] += w * clip_dual
+        m["clamp_frac"] += w * clamped
         m["ratio_mean"] += w * ratio
         m["kl_ref"] += w * kl
         m["entropy"] += w * ent
@@ -184,7 +193,7 @@ def reference(rollouts, cfg: PolicyLossConfig):
         m["ratio_min"] = min(m["ratio_min"], ratio)
         m["ratio_max"] = max(m["ratio_max"], ratio)
     m["num_tokens"] = float(len(targets))
-    m["clip_frac"] = m["clip_frac_low"] + m["clip_frac_high"]
+    m["clip_frac"] = m["clip_frac_low"] + m["clip_frac_high"] + m["clip_frac_dual"]
     m["loss"] = loss
     return loss, grads, m
 
@@ -211,10 +220,14 @@ CONFIGS = [
     PolicyLossConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
     PolicyLossConfig(eps_low=0.1, eps_high=0.5, kl_coef=0.3, kl_estimator="k2", entropy_coef=0.02),
     PolicyLossConfig(eps_low=0.3, eps_high=0.3, kl_coef=0.05, kl_estimator="k1"),
+    # Dual clip at r > 2 (the data has A < 0 tokens there), and a clamp of |log r| <= 1
+    # that acts on the branches the clip leaves open (A > 0, r < 1/e; A < 0, r > e).
+    PolicyLossConfig(clip_c=2.0, kl_coef=0.1, entropy_coef=0.01),
+    PolicyLossConfig(log_ratio_clamp=1.0, kl_coef=0.1),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "k3+ent", "k2+ent", "k1"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "k3+ent", "k2+ent", "k1", "dual_clip", "clamp"])
 def test_loss_grad_metrics_match_float64_reference(data, cfg):
     rollouts, packed, rollout_ids, contexts, logits, ref = data
     (loss, metrics), grad = _loss_and_grad(cfg)(logits, packed.as_dict(), ref)
@@ -223,6 +236,8 @@ def test_loss_grad_metrics_match_float64_reference(data, cfg):
     # The data must exercise every branch of the clipped surrogate.
     assert ref_m["clip_frac_low"] > 0.03 and ref_m["clip_frac_high"] > 0.03
     assert ref_m["clip_frac"] < 0.8
+    assert (ref_m["clip_frac_dual"] > 0.02) == bool(cfg.clip_c)
+    assert (ref_m["clamp_frac"] > 0.02) == (cfg.log_ratio_clamp < 20)
 
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-6, atol=1e-7)
     for k, v in ref_m.items():
@@ -314,8 +329,7 @@ def test_micro_batches_sum_to_the_full_step(data, path):
         acc_m = m if acc_m is None else combine_metrics(acc_m, m)
         acc_g = g if acc_g is None else jax.tree.map(jnp.add, acc_g, g)
     np.testing.assert_allclose(acc_loss, loss, rtol=1e-6)
-    for k in metrics:
-        np.testing.assert_allclose(acc_m[k], metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    chex.assert_trees_all_close(acc_m, metrics, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(metrics["weight_sum"]), 1.0, rtol=1e-6)
     for k in grads:
         scale = float(jnp.abs(grads[k]).max())
@@ -330,7 +344,6 @@ def test_chunked_hidden_path_equals_logits_path(data):
     (l1, m1), g1 = _grad_logits_path(params, batch, ref)
     (l2, m2), g2 = _grad_hidden_path(params, batch, ref)
     np.testing.assert_allclose(l2, l1, rtol=1e-6)
-    for k in m1:
-        np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    chex.assert_trees_all_close(m2, m1, rtol=1e-5, atol=1e-7)
     for k in g1:
         np.testing.assert_allclose(g2[k], g1[k], rtol=0, atol=1e-5 * float(jnp.abs(g1[k]).max()), err_msg=k)

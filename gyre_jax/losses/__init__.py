@@ -1,11 +1,13 @@
-"""gyre_jax.losses: pure, jittable RL losses on arrays (imports only jax and numpy).
+"""gyre_jax.losses: pure, jittable RL losses on arrays (imports only jax, numpy and chex).
 
 * ``token_logprobs`` / ``token_entropy`` / ``token_logprobs_and_entropy``:
   from [B, L, V] logits, float32 results, no float32 copy of the logits.
 * ``chunked_token_logprobs``: the same from hidden states and the unembedding,
   never materialising the logits.
-* ``policy_gradient_loss``: clipped importance ratio (eps_low / eps_high), KL to
-  a reference (k1/k2/k3), entropy bonus; ``loss = sum(weights * per_token)``.
+* ``policy_gradient_loss``: clipped importance ratio (eps_low / eps_high), the
+  log-ratio clamped (``log_ratio_clamp``, so loss and gradient stay finite for
+  any log-ratio), optional dual clip (``clip_c``), KL to a reference
+  (k1/k2/k3), entropy bonus; ``loss = sum(weights * per_token)``.
 * weight builders (``rollout_token_mean_weights``, ``token_mean_weights``,
   ``sequence_mean_weights``; registry ``get_weight_builder``): the aggregation,
   normalised over the global step so micro-batch losses and gradients add up.

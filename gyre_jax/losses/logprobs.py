@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -97,20 +98,20 @@ def _vocab_stats(logits_BxLxV, vocab_chunk, with_entropy):
     return lse, ent
 
 
+# Shape and dtype contracts are chex assertions (AssertionError naming the
+# argument); they run at trace time only, on static shapes.
 def _check_logits(name, logits):
-    if logits.ndim < 1 or not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise TypeError(f"{name}: logits must be a floating point array [..., V], got {logits.dtype}{logits.shape}")
+    chex.assert_type(logits, float, custom_message=f"{name}: logits must be floating point [..., V]")
+    if logits.ndim < 1:
+        raise ValueError(f"{name}: logits must be [..., V], got a scalar")
 
 
 def _check_logits_targets(name, logits, targets):
     _check_logits(name, logits)
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"{name}: targets shape {targets.shape} must equal logits shape "
-            f"{logits.shape} without its last (vocab) axis"
-        )
-    if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError(f"{name}: targets must be integer token ids, got dtype {targets.dtype}")
+    chex.assert_shape(
+        targets, logits.shape[:-1], custom_message=f"{name}: targets must have the logits' shape without the vocab axis"
+    )
+    chex.assert_type(targets, int, custom_message=f"{name}: targets must be integer token ids")
 
 
 def _check_chunk(name, vocab_chunk_size):
@@ -118,10 +119,16 @@ def _check_chunk(name, vocab_chunk_size):
         raise ValueError(f"{name}: vocab_chunk_size must be a positive int or None, got {vocab_chunk_size!r}")
 
 
+def _target_in_range(targets_BxL, v):
+    return (targets_BxL >= 0) & (targets_BxL < v)
+
+
 def _target_logit_f32(logits_BxLxV, targets_BxL):
-    t = targets_BxL[..., None].astype(jnp.int32)
+    """x[..., t] in float32; NaN where ``t`` is outside ``[0, V)`` (no wrap, no clamp)."""
+    ok = _target_in_range(targets_BxL, logits_BxLxV.shape[-1])
+    t = jnp.where(ok, targets_BxL, 0)[..., None].astype(jnp.int32)
     picked = jnp.take_along_axis(_storage(logits_BxLxV), t, axis=-1)[..., 0]
-    return _widen(picked, logits_BxLxV.dtype)
+    return jnp.where(ok, _widen(picked, logits_BxLxV.dtype), jnp.nan)
 
 
 # One custom VJP serves logprobs, entropy and both: residuals are the logits
@@ -149,9 +156,12 @@ def _logp_ent_bwd(vocab_chunk, want_logp, want_ent, res, g):
     if want_logp:
         # d logp / dx_v = 1[v == t] - p_v
         gl = g_logp[..., None].astype(_F32)
+        nonzero = nonzero | (gl != 0)
+        # The forward is NaN at an out-of-range target: so is its gradient row
+        # (still exactly 0 below where the cotangent is 0).
+        gl = jnp.where(_target_in_range(targets_BxL, x.shape[-1])[..., None], gl, jnp.nan)
         onehot = jnp.arange(x.shape[-1], dtype=jnp.int32) == targets_BxL[..., None].astype(jnp.int32)
         d = d + gl * (onehot.astype(_F32) - p)
-        nonzero = nonzero | (gl != 0)
     if want_ent:
         # dH/dx_v = -p_v (log p_v + H); a p_v == 0 term is 0 even where log p_v = -inf.
         ge = g_ent[..., None].astype(_F32)
@@ -175,8 +185,15 @@ def token_logprobs(
     ``t = targets[b, l]``. Gradient: ``d logp / d x_v = 1[v == t] - softmax(x)_v``,
     returned in the logits' dtype. Works for any leading shape ``[..., V]``.
     ``vocab_chunk_size`` bounds the float32 working set of the forward
-    reduction (None: one pass over the whole vocab). Targets must lie in
-    ``[0, V)``: ids are not range-checked on device (jax gathers clamp them).
+    reduction (None: one pass over the whole vocab).
+
+    Out-of-range targets (``t < 0`` or ``t >= V``; negative ids do *not* wrap
+    around) give ``logp = NaN``, and the gradient row of such a position is NaN
+    where its cotangent is non-zero, exactly 0 where it is zero. So an
+    out-of-range id at a position whose weight is 0 (a masked position, through
+    ``policy_gradient_loss``) changes nothing, while one that is trained on
+    shows up as a NaN loss instead of silently training on some other token.
+    Ids cannot be range-checked with an error on device (they may be traced).
     """
     _check_logits_targets("token_logprobs", logits_BxLxV, targets_BxL)
     _check_chunk("token_logprobs", vocab_chunk_size)
@@ -208,8 +225,7 @@ def token_logprobs_and_entropy(
 
 
 def _unembed_DxV(unembed, d_model, layout):
-    if unembed.ndim != 2:
-        raise ValueError(f"chunked_token_logprobs: unembed must be 2-D, got shape {unembed.shape}")
+    chex.assert_rank(unembed, 2, custom_message="chunked_token_logprobs: unembed must be [D, V] or [V, D]")
     if layout is None:
         fits = [name for name, ax in (("DxV", 0), ("VxD", 1)) if unembed.shape[ax] == d_model]
         if len(fits) != 1:
@@ -251,11 +267,11 @@ def chunked_token_logprobs(
     Returns ``logp_BxL`` (float32), or ``(logp_BxL, entropy_BxL)`` when
     ``with_entropy``. The gradient flows to both ``hidden`` and ``unembed``.
     """
-    if hidden_BxLxD.ndim != 3:
-        raise ValueError(f"chunked_token_logprobs: hidden must be [B, L, D], got shape {hidden_BxLxD.shape}")
+    where = "chunked_token_logprobs"
+    chex.assert_rank(hidden_BxLxD, 3, custom_message=f"{where}: hidden must be [B, L, D]")
     b, l, d = hidden_BxLxD.shape
-    if targets_BxL.shape != (b, l):
-        raise ValueError(f"chunked_token_logprobs: targets shape {targets_BxL.shape} must be {(b, l)}")
+    chex.assert_shape(targets_BxL, (b, l), custom_message=f"{where}: targets must be [B, L] of hidden")
+    chex.assert_type(targets_BxL, int, custom_message=f"{where}: targets must be integer token ids")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunked_token_logprobs: chunk_size must be a positive int, got {chunk_size!r}")
     w_DxV = _unembed_DxV(unembed, d, layout)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -38,8 +39,7 @@ def _batch_fields(batch: Mapping, shape_BxL, where: str):
     if missing:
         raise KeyError(f"{where}: batch is missing {missing}; it has {sorted(batch)}")
     for k in BATCH_KEYS:
-        if tuple(batch[k].shape) != tuple(shape_BxL):
-            raise ValueError(f"{where}: batch[{k!r}] has shape {tuple(batch[k].shape)}, expected {tuple(shape_BxL)}")
+        chex.assert_shape(batch[k], tuple(shape_BxL), custom_message=f"{where}: batch[{k!r}] must be [B, L]")
     mask = jnp.asarray(batch["loss_mask"]).astype(bool)
     lw = jnp.asarray(batch["loss_weights"]).astype(jnp.float32)
     weights = jnp.where(mask, lw, 0.0)
