@@ -15,7 +15,9 @@ the context gets most targets right; the loss falls from ~ln(V).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from gyre_jax.losses import token_logprobs
@@ -75,6 +78,7 @@ def _split_config(config) -> tuple[DemoConfig, ModelConfig]:
     model = d.pop("model")
     d.pop("job", None)
     d.pop("workdir", None)
+    d.pop("num_cpu_devices", None)  # launch/main.py applies it before JAX starts; the job uses jax.devices()
     return DemoConfig(**d), ModelConfig(**model)
 
 
@@ -148,7 +152,9 @@ class TreeSampler:
         return {k: getattr(packed.rows, k) for k in _BATCH_KEYS}, len(trees)
 
 
-def make_train_step(model: Transformer, tx: optax.GradientTransformation):
+def make_train_step(model: Transformer, tx: optax.GradientTransformation, mesh: Mesh):
+    """The jitted step, data parallel over ``mesh`` ('data' axis): rows split, params and optimizer state replicated."""
+
     def loss_fn(params, batch):
         logits = model.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"], batch["subtree_end"])
         logp = token_logprobs(logits, batch["targets"])
@@ -163,38 +169,64 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation):
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "accuracy": acc, "grad_norm": optax.tree.norm(grads)}
 
-    return jax.jit(train_step, donate_argnums=(0, 1))
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return jax.jit(train_step, in_shardings=(replicated, replicated, rows), out_shardings=replicated, donate_argnums=(0, 1))
+
+
+def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Rows split over the 'data' axis. Every process holds the same host batch and
+    hands over only the rows of its own devices (no cross-process transfer)."""
+    sharding = NamedSharding(mesh, P("data"))
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
 
 
 def run(config, workdir: str) -> list[dict]:
-    """Train, print loss with a progress bar, write ``workdir/metrics.jsonl``; return the metrics."""
+    """Train, print loss with a progress bar, write ``workdir/metrics.jsonl``; return the metrics.
+
+    Data parallel over every device of every process (``jax.devices()``): each
+    process draws the same batches (same seed) and feeds its devices' rows; only
+    process 0 prints and writes files. Returns the same metrics in every process.
+    """
     cfg, model_cfg = _split_config(config)
-    os.makedirs(workdir, exist_ok=True)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    if cfg.rows % mesh.size:
+        raise ValueError(f"train_synthetic: rows={cfg.rows} must be a multiple of the {mesh.size} devices "
+                         f"({jax.process_count()} processes); set --config.rows")
+    primary = jax.process_index() == 0
+    if primary:
+        os.makedirs(workdir, exist_ok=True)
     rng = np.random.default_rng(cfg.seed)
     sampler = TreeSampler(cfg, model_cfg.vocab_size, rng)
-    params = init_params(model_cfg, jax.random.key(cfg.seed))
+    replicated = NamedSharding(mesh, P())
+    # Born replicated on every device. 'rbg' (XLA's RngBitGenerator): compiles in about half of
+    # threefry's CPU time, which is most of the job's start-up on a small model.
+    init = jax.jit(functools.partial(init_params, model_cfg), out_shardings=replicated)
+    params = init(jax.random.key(cfg.seed, impl="rbg"))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1
     )
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
-    opt_state = tx.init(params)
-    train_step = make_train_step(Transformer(model_cfg), tx)
-    print(f"train_synthetic: {count_params(params):,} params, {cfg.steps} steps of {cfg.rows}x{cfg.row_len} "
-          f"tree-packed tokens, workdir={workdir}", flush=True)
+    opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+    train_step = make_train_step(Transformer(model_cfg), tx, mesh)
+    say = functools.partial(print, flush=True) if primary else (lambda *a, **k: None)
+    say(f"train_synthetic: {count_params(params):,} params, {cfg.steps} steps of {cfg.rows}x{cfg.row_len} "
+        f"tree-packed tokens over {mesh.size} devices ({jax.process_count()} processes), workdir={workdir}")
 
     history: list[dict] = []
     path = os.path.join(workdir, "metrics.jsonl")
     t_start = time.perf_counter()
     pending = None  # (step, host-side info, device metrics): read one step late so dispatch overlaps
-    with open(path, "w") as f, tqdm(total=cfg.steps, desc="train_synthetic", unit="step") as bar:
+    with (open(path, "w") if primary else contextlib.nullcontext()) as f, \
+            tqdm(total=cfg.steps, desc="train_synthetic", unit="step", disable=not primary) as bar:
 
         def flush(item):
             step, info, metrics = item
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # replicated: every process reads its copy
             rec = {"step": step, **m, **info, "lr": float(schedule(step)), "elapsed_s": time.perf_counter() - t_start}
             history.append(rec)
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
+            if f is not None:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.2f}")
             bar.update(1)
 
@@ -202,13 +234,13 @@ def run(config, workdir: str) -> list[dict]:
             batch, n_trees = sampler.batch()
             info = {"trees": n_trees, "trainable_tokens": int(batch["loss_mask"].sum()),
                     "fill": float((batch["segment_ids"] > 0).mean())}
-            params, opt_state, metrics = train_step(params, opt_state, batch)
+            params, opt_state, metrics = train_step(params, opt_state, global_batch(batch, mesh))
             if pending is not None:
                 flush(pending)
             pending = (step, info, metrics)
         flush(pending)
     first = np.mean([h["loss"] for h in history[: cfg.log_every]])
     last = np.mean([h["loss"] for h in history[-cfg.log_every :]])
-    print(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
-          f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}", flush=True)
+    say(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
+        f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}")
     return history
