@@ -1,4 +1,9 @@
-"""Multi-process JAX: ``maybe_initialize`` calls ``jax.distributed.initialize`` when, and only when, needed.
+"""Multi-process JAX: ``initialize`` calls ``jax.distributed.initialize`` when, and only when, needed.
+
+``launch/main.py`` builds a ``DistributedConfig`` from its flags and calls
+``maybe_initialize`` (``initialize``, then ``layout``: log the process index and
+devices) before any job runs; nothing here reads flags. Not RL-specific: every
+job that uses JAX starts this way.
 
 Three ways a run becomes multi-process:
 
@@ -24,8 +29,10 @@ makes that explicit even inside a launcher).
 
 CPU: a multi-process CPU run needs a cross-process collectives implementation;
 ``cpu_collectives='gloo'`` (the default) sets ``jax_cpu_collectives_implementation``
-before the backend starts. It must be called before any JAX computation (the
-backend and its collectives are fixed at first use); otherwise it raises.
+before the backend starts. ``initialize`` must run before any JAX computation
+(the backend and its collectives are fixed at first use; it raises otherwise),
+and does not start the backend itself: ``jax_num_cpu_devices`` can still be set
+after it. ``layout`` starts the backend (it asks for the devices).
 """
 from __future__ import annotations
 
@@ -134,13 +141,14 @@ def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def _info(initialized_here: bool, how: str) -> DistributedInfo:
+def layout(how: str = "single") -> DistributedInfo:
+    """Who this process is and which devices it sees. Starts JAX's backend (it asks for devices)."""
     info = DistributedInfo(
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         local_devices=tuple(jax.local_devices()),
         global_device_count=jax.device_count(),
-        initialized_here=initialized_here,
+        initialized_here=how not in ("single", "already"),
         how=how,
     )
     log.info(
@@ -151,28 +159,31 @@ def _info(initialized_here: bool, how: str) -> DistributedInfo:
     return info
 
 
-def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> DistributedInfo:
-    """Initialize multi-process JAX if the config or the environment asks for it; log who we are.
+def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> str:
+    """Call ``jax.distributed.initialize`` if the config or the environment asks for it; return how.
 
-    Idempotent: a second call (or a run where something else initialized JAX's
-    distributed system) returns the current layout.
+    ``how`` is 'single' (nothing to do), 'already' (JAX's distributed system was
+    up before this call), 'explicit', 'detected:<name>', 'jax' or a JAX cluster
+    method name. Never starts JAX's backend itself, so the caller can still set
+    backend options (e.g. ``jax_num_cpu_devices``) afterwards; it raises if the
+    backend is already running when an initialization is needed.
     """
     cfg = config if isinstance(config, DistributedConfig) else DistributedConfig.from_mapping(config)
     env = os.environ if env is None else env
     if jax.distributed.is_initialized():
-        return _info(False, "already")
+        return "already"
     kwargs: dict[str, Any] = {}
     if cfg.coordinator_address is not None:
         if cfg.num_processes == 1:
-            return _info(False, "single")
+            return "single"
         how = "explicit"
         kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id)
     elif cfg.num_processes == 1 or cfg.cluster == "none":
-        return _info(False, "single")
+        return "single"
     elif cfg.cluster == "auto":
         found = detect_cluster(env)
         if found is None:
-            return _info(False, "single")
+            return "single"
         how = f"detected:{found}"
         if found == "jax_env":
             try:
@@ -189,12 +200,21 @@ def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None
         kwargs["local_device_ids"] = list(cfg.local_device_ids)
     if _backend_started():
         raise RuntimeError(
-            f"maybe_initialize ({how}): JAX's backend is already running (a JAX computation or jax.devices() "
-            "ran first); call maybe_initialize at the start of the program"
+            f"distributed.initialize ({how}): JAX's backend is already running (a JAX computation or "
+            "jax.devices() ran first); initialize at the start of the program (launch/main.py does)"
         )
     if cfg.cpu_collectives != "none":
         # Only the CPU backend reads it; on GPU/TPU it is harmless and covers host-side CPU arrays.
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
     log.info("jax.distributed.initialize(%s) [%s]", kwargs, how)
     jax.distributed.initialize(initialization_timeout=int(cfg.initialization_timeout_s), **kwargs)
-    return _info(True, how)
+    return how
+
+
+def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> DistributedInfo:
+    """``initialize`` then ``layout``: initialize multi-process JAX if asked, log who we are.
+
+    Idempotent: a second call (or a run where something else initialized JAX's
+    distributed system) returns the current layout.
+    """
+    return layout(initialize(config, env=env))

@@ -1,26 +1,79 @@
 """The one entry point: ``python -m launch.main --config configs/X.py [--workdir DIR]``.
 
-Thin on purpose: parse flags, log where we run, hand the config to the job it
-names. Every ``--config.a.b=value`` flag overrides a config field; a misspelled
-field fails loudly (the config is locked).
+Thin on purpose: parse flags, start JAX (multi-process if asked), log where we
+run, hand the config to the job it names. Every ``--config.a.b=value`` flag
+overrides a config field; a misspelled field fails loudly (the config is locked).
+
+Multi-process (pods, multi-host GPU): the same command on every host, with
+``--coordinator_address=HOST0:PORT --num_processes=N --process_id=I``, or with
+none of them inside SLURM, Open MPI, a multi-host TPU (GKE) or a launcher that
+sets ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``
+(``--cluster=auto`` detects those; ``--cluster=jax`` lets JAX query everything,
+e.g. a Cloud TPU VM pod's metadata server). On this machine, two processes of
+2 CPU devices each::
+
+    for i in 0 1; do python -m launch.main --config configs/synthetic_train.py \\
+        --config.num_cpu_devices=2 --coordinator_address=127.0.0.1:12355 \\
+        --num_processes=2 --process_id=$i --workdir /tmp/synth2 & done; wait
 """
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from gyre_jax import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, metrics and plots.")
 flags.mark_flags_as_required(["config"])
 
+# jax.distributed.initialize; gyre_jax/distributed.py says what each does and how 'auto' detects.
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (multi-process); with --num_processes and --process_id.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes (hosts) in the run; unset = detect or 1.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+_CLUSTER = flags.DEFINE_enum(
+    "cluster", "auto", distributed.CLUSTERS,
+    "auto: explicit flags, else SLURM / Open MPI / multi-host TPU / JAX_* env, else one process; "
+    "none: one process; jax: jax.distributed.initialize() detects; or one JAX detection method.")
+_LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "Devices this process drives (default: all visible).")
+_CPU_COLLECTIVES = flags.DEFINE_enum(
+    "cpu_collectives", "gloo", distributed.CPU_COLLECTIVES, "Cross-process collectives of the CPU backend.")
+_TIMEOUT = flags.DEFINE_integer("distributed_timeout_s", 300, "How long processes wait for each other at start.")
+
+
+def distributed_config() -> distributed.DistributedConfig:
+    ids = _LOCAL_DEVICE_IDS.value
+    return distributed.DistributedConfig(
+        coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value,
+        local_device_ids=None if ids is None else tuple(int(i) for i in ids),
+        cluster=_CLUSTER.value,
+        cpu_collectives=_CPU_COLLECTIVES.value,
+        initialization_timeout_s=_TIMEOUT.value,
+    )
+
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import jax
+
     from gyre_jax import jobs
 
     config = _CONFIG.value
+    job = jobs.get(config.job)  # an unknown job fails here, before waiting on other processes
+    # Before JAX's backend starts (the layout below starts it): XLA fixes the host
+    # device count once. A job's own check (e.g. the RL loop's) then only verifies it.
+    n_cpu = config.get("num_cpu_devices", None)
+    if n_cpu:
+        jax.config.update("jax_num_cpu_devices", int(n_cpu))
+    info = distributed.layout(distributed.initialize(distributed_config()))
     workdir = _WORKDIR.value or config.get("workdir", None) or f"/tmp/gyre_jax/{config.job}"
-    job = jobs.get(config.job)
-    logging.info("job=%s workdir=%s", config.job, workdir)
+    kinds = sorted({d.device_kind for d in info.local_devices})
+    line = (f"process {info.process_index} of {info.process_count} ({info.how}): {len(info.local_devices)} local "
+            f"devices ({', '.join(kinds)}), {info.global_device_count} global")
+    logging.info("%s; job=%s workdir=%s", line, config.job, workdir)
+    print(f"launch: {line}", flush=True)
     job(config, workdir)
 
 

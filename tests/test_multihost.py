@@ -1,12 +1,20 @@
-"""maybe_initialize: single-process no-op, env detection, and two real JAX processes on loopback (gloo).
+"""Multi-process JAX: the launcher on two real processes over loopback (gloo), and gyre_jax.distributed.
 
-The file is also the worker: ``python tests/test_multihost.py PORT PROCESS_ID
-MODE`` starts one process with 2 CPU devices; MODE 'flags' passes the
-coordinator in the config, MODE 'env' leaves the config empty and sets
-JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID (the detection path).
+``test_launcher_two_processes_match_one`` starts ``python -m launch.main`` twice
+(``--coordinator_address/--num_processes/--process_id``) on the data-parallel
+``train_synthetic`` job and compares it with one process of 4 devices.
+
+``test_two_processes_on_loopback`` covers what the job does not: env detection
+(JAX_COORDINATOR_ADDRESS/...), collectives on a hand-built global array, and one
+Orbax checkpoint (Checkpointer) written by both processes and restored onto
+another layout. Its worker is this file: ``python tests/test_multihost.py PORT
+PROCESS_ID MODE CKPT_DIR`` starts one process with 2 CPU devices; MODE 'flags'
+passes the coordinator in the config, MODE 'env' leaves the config empty and
+sets JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID.
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from gyre_jax.rl.distributed import DistributedConfig, detect_cluster, maybe_initialize
+from gyre_jax.distributed import DistributedConfig, detect_cluster, initialize, layout, maybe_initialize
 
 ROWS, COLS, LOCAL_DEVICES = 2, 3, 2
 
@@ -73,13 +81,81 @@ def _free_port():
         return s.getsockname()[1]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env():
+    """The test's environment minus its device count and any JAX_* coordinator: children set their own."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS")) and k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def _finish(procs, timeout=180):
+    """(stdout, stderr) of each process; every one must exit 0. Kills the rest on failure."""
+    outs = []
+    try:
+        for i, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+            outs.append((out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+LAUNCH_LINE = re.compile(r"^launch: process (\d+) of (\d+) \((\S+)\): (\d+) local devices \(cpu\), (\d+) global$", re.M)
+STEPS = 4
+# A tiny train_synthetic: 4 rows (one per device), a few steps; every field is a --config flag.
+SMALL = ["--config=configs/synthetic_train.py", f"--config.steps={STEPS}", "--config.log_every=2", "--config.rows=4",
+         "--config.row_len=64", "--config.prompt_len=8", "--config.node_len=4", "--config.model.d_model=32",
+         "--config.model.head_dim=8", "--config.model.d_ff=64", "--config.model.max_seq_len=64"]
+
+
+def test_launcher_two_processes_match_one(tmp_path):
+    """``python -m launch.main`` as 2 processes x 2 CPU devices trains like 1 process x 4 devices.
+
+    Same job, same config, same global mesh of 4 devices; only the process
+    layout differs. Checked: both processes exit 0 and report their index, 2
+    local and 4 global devices; only process 0 writes files; per step, the
+    gradient norm and accuracy equal the single-process run's bit for bit (so
+    the params evolve identically), and the loss to 2 ulps. The loss is a
+    scalar all-reduced over the 4 devices, summed in XLA's in-process order in
+    one process and in gloo's order across processes; float32 addition is not
+    associative, so its last bit may differ (observed: 0 or 1 ulp per step).
+    """
+    port = _free_port()
+    env = _child_env()
+    launch = [sys.executable, "-m", "launch.main", *SMALL]
+    run = lambda args: subprocess.Popen(launch + args, env=env, cwd=ROOT, stdout=subprocess.PIPE,  # noqa: E731
+                                        stderr=subprocess.PIPE, text=True)
+    procs = [run(["--config.num_cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                  f"--process_id={i}", f"--workdir={tmp_path / f'p{i}'}", "--distributed_timeout_s=120"]) for i in (0, 1)]
+    procs.append(run(["--config.num_cpu_devices=4", f"--workdir={tmp_path / 'single'}"]))
+    outs = _finish(procs)
+    layouts = [LAUNCH_LINE.findall(out) for out, _ in outs]
+    assert layouts == [[("0", "2", "explicit", "2", "4")], [("1", "2", "explicit", "2", "4")],
+                       [("0", "1", "single", "4", "4")]], [out[-2000:] for out, _ in outs]
+    assert not (tmp_path / "p1").exists()  # process 1 trains but writes nothing (and prints no progress)
+    assert "train_synthetic: loss" not in outs[1][0] and "train_synthetic: loss" in outs[0][0]
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    multi, single = read("p0"), read("single")
+    assert [r["step"] for r in multi] == [r["step"] for r in single] == list(range(STEPS))
+    for key in ("accuracy", "grad_norm"):
+        assert [r[key] for r in multi] == [r[key] for r in single], key
+    np.testing.assert_array_max_ulp(np.float32([r["loss"] for r in multi]), np.float32([r["loss"] for r in single]), maxulp=2)
+    assert [r["trainable_tokens"] for r in multi] == [r["trainable_tokens"] for r in single]  # same batches
+
+
 def test_two_processes_on_loopback(tmp_path):  # two real processes, a few seconds: in the default run
     port = _free_port()
     ckpt_dir = tmp_path / "ckpt"  # both processes write one checkpoint of the global array here
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
-    base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
-                PYTHONPATH=root + os.pathsep + base.get("PYTHONPATH", ""))
+    root = ROOT
+    base = _child_env()  # the worker sets its device count itself, after initialize
     procs = []
     for pid, mode in ((0, "flags"), (1, "env")):
         env = dict(base)
@@ -107,6 +183,7 @@ def test_two_processes_on_loopback(tmp_path):  # two real processes, a few secon
         assert (r["process_index"], r["process_count"]) == (pid, 2)
         assert (r["local_devices"], r["global_devices"]) == (LOCAL_DEVICES, 2 * LOCAL_DEVICES)
         assert r["how"] == ("explicit" if pid == 0 else "detected:jax_env")
+        assert not r["started_by_initialize"]  # jax.distributed.initialize leaves the backend to the job
         assert r["sum"] == want_sum  # small integers in float32: exact
         assert r["row_sums"] == want_rows
         assert r["gathered_ids"] == [0, 1]
@@ -116,14 +193,17 @@ def test_two_processes_on_loopback(tmp_path):  # two real processes, a few secon
 
 def worker(port, pid, mode, ckpt_dir):
     import jax
-
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     cfg = DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid) if mode == "flags" else None
-    info = maybe_initialize(cfg)
+    how = initialize(cfg)
+    from jax._src import xla_bridge
+
+    started_by_initialize = xla_bridge.backends_are_initialized()
+    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)  # still possible: initialize left the backend alone
+    info = layout(how)
     mesh = Mesh(np.array(jax.devices()), ("x",))  # all 4 devices of both processes
     g = multihost_utils.host_local_array_to_global_array(local_rows(pid), mesh, P("x"))
     assert g.shape == (2 * ROWS, COLS), g.shape
@@ -155,7 +235,7 @@ def worker(port, pid, mode, ckpt_dir):
     equal = equal and int(r.train_state["v"]) == 7 and r.buffer == ["r1"]
     equal = equal and "['local']" in local_error and "process-local" in local_error
     print("RESULT " + json.dumps({
-        "process_index": info.process_index, "process_count": info.process_count, "how": info.how,
+        "started_by_initialize": started_by_initialize, "process_index": info.process_index, "process_count": info.process_count, "how": info.how,
         "local_devices": len(info.local_devices), "global_devices": info.global_device_count,
         "sum": float(total), "row_sums": np.asarray(rows).tolist(), "gathered_ids": np.asarray(ids).tolist(),
         "restored_equal": bool(equal), "restored_sharding": str(w.sharding.spec),
