@@ -1,6 +1,7 @@
 """Jobs the launcher can run, by name (``config.job``).
 
-Imported lazily so a simulation never pays for JAX device setup or jetstream.
+Imported lazily so a simulation never imports the model, the RL loop or jetstream
+(launch/main.py still starts JAX, about a second, to log the devices).
 """
 import importlib
 from typing import Any, Callable
