@@ -2,6 +2,7 @@
 float64 numpy reference written from the Llama equations (no flax, no jax)."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,5 +157,16 @@ def test_bfloat16_and_remat():
     def grads(c):
         return jax.jit(jax.grad(lambda p: jnp.sum(Transformer(c).apply(p, *args) ** 2)))(params)
 
-    for g, g_remat in zip(jax.tree.leaves(grads(cfg)), jax.tree.leaves(grads(cfg.replace(remat=True)))):
-        np.testing.assert_allclose(np.asarray(g_remat), np.asarray(g), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(grads(cfg.replace(remat=True)), grads(cfg), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_are_named(model):
+    """Shape and dtype contracts of the forward pass (chex, at trace time) name the argument."""
+    cfg, params, fwd = model
+    t = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(AssertionError, match="Transformer: tokens must be"):
+        fwd(params, t[0], t[0], t[0], t[0])
+    with pytest.raises(AssertionError, match="Transformer: subtree_end must be"):
+        fwd(params, t, t, t, t[:, :3])
+    with pytest.raises(AssertionError, match="Transformer: positions must be integers"):
+        fwd(params, t, t.astype(jnp.float32), t, t)

@@ -1,5 +1,6 @@
 """KV-cache decoding equals re-running the full forward pass (float32, tight)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,16 +76,16 @@ def test_prefill_with_prefix_equals_whole_prompt(m):
     pre_logits, pre_kv = prefill(params, cfg, prompt[:6])
     tail_logits, tail_kv = prefill(params, cfg, prompt[6:], prefix=pre_kv)
     np.testing.assert_allclose(np.asarray(tail_logits), np.asarray(whole_logits), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(tail_kv.k), np.asarray(whole_kv.k[:, 6:]), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(tail_kv.v), np.asarray(whole_kv.v[:, 6:]), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(pre_kv.k), np.asarray(whole_kv.k[:, :6]), atol=ATOL, rtol=0)
+    head, tail = (jax.tree.map(lambda x: x[:, sl], whole_kv) for sl in (slice(None, 6), slice(6, None)))
+    chex.assert_trees_all_close(tail_kv, tail, atol=ATOL, rtol=0)  # KV is a pytree: k and v
+    chex.assert_trees_all_close(pre_kv, head, atol=ATOL, rtol=0)
 
     # Prefix read back from a cache slot (a padded buffer of max_len) with a traced start.
     cache = insert(dec.init_cache(cfg, 2, 16), pre_kv, 1)
     buf = dec.slot_kv(cache, 1)
     logits2, kv2 = prefill(params, cfg, prompt[6:], prefix=buf, start_pos=cache.lengths[1])
     np.testing.assert_allclose(np.asarray(logits2), np.asarray(whole_logits), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(kv2.k), np.asarray(whole_kv.k[:, 6:]), atol=ATOL, rtol=0)
+    chex.assert_trees_all_close(kv2, tail, atol=ATOL, rtol=0)
     # ...and decoding from there equals decoding after the whole prompt.
     cache = insert(cache, kv2, 1, start=6)
     tok = jnp.asarray([0, int(np.argmax(np.asarray(whole_logits)))], jnp.int32)
@@ -103,3 +104,10 @@ def test_bad_input_is_named():
         dec.insert(cache, kv, 0, start=2)
     with pytest.raises(ValueError, match="start_pos"):
         dec.prefill(None, cfg, jnp.zeros(3, jnp.int32), start_pos=2)
+    # Shape contracts (chex) name the argument.
+    with pytest.raises(AssertionError, match="prefill: tokens_T must be"):
+        dec.prefill(None, cfg, jnp.zeros((1, 3), jnp.int32))
+    with pytest.raises(AssertionError, match=r"insert: kv must be \[Y, T, K, H\]"):
+        dec.insert(cache, dec.KV(k=kv.k[:, :, :1], v=kv.v[:, :, :1]), 0)
+    with pytest.raises(AssertionError, match="decode_step: tokens_S must be"):
+        dec.decode_step(None, cfg, jnp.zeros(2, jnp.int32), cache)

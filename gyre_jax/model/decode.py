@@ -19,6 +19,7 @@ Position of a token = its index in its slot (one sequence per slot).
 """
 from __future__ import annotations
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,11 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     Returns:
       (logits_V float32 at the last real token, KV [Y, T, K, H] of the new tokens).
     """
+    chex.assert_rank(tokens_T, 1, custom_message="prefill: tokens_T must be [T] (one sequence)")
     (t,) = tokens_T.shape
+    if prefix is not None:
+        kv_shape = (config.n_layers, None, config.n_kv_heads, config.head_dim)
+        chex.assert_shape([prefix.k, prefix.v], kv_shape, custom_message="prefill: prefix k/v must be [Y, P, K, H]")
     p = 0 if prefix is None else prefix.k.shape[1]
     if prefix is None and start_pos is not None and _concrete_nonzero(start_pos):
         raise ValueError(f"prefill: start_pos={start_pos} needs a prefix holding that many tokens' k/v")
@@ -108,6 +113,8 @@ def insert(cache: KVCache, kv: KV, slot, *, start=0, length=None) -> KVCache:
     ``length`` (default T) is how many of kv's T entries are real; padding
     beyond it is written but masked, and overwritten by later decode steps.
     """
+    y, _, _, k_heads, head_dim = cache.k.shape
+    chex.assert_shape([kv.k, kv.v], (y, None, k_heads, head_dim), custom_message="insert: kv must be [Y, T, K, H]")
     t = kv.k.shape[1]
     if isinstance(start, int) and start + t > cache.max_len:
         raise ValueError(f"insert: {t} tokens at start={start} overflow the cache's max_len={cache.max_len}")
@@ -135,6 +142,9 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
 
     Returns (logits_SxV float32, cache).
     """
+    chex.assert_shape(tokens_S, (cache.num_slots,), custom_message="decode_step: tokens_S must be [S], one per slot")
+    if active_S is not None:
+        chex.assert_shape(active_S, (cache.num_slots,), custom_message="decode_step: active_S must be [S]")
     m = cache.max_len
     pos_S = cache.lengths
     mask_Sx1xM = (jnp.arange(m, dtype=jnp.int32)[None, :] <= pos_S[:, None])[:, None, :]

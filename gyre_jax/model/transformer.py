@@ -12,11 +12,15 @@ Entry points (``Transformer(config).apply(params, ...)``):
     loss can form log-probs chunk by chunk without materialising all logits.
   * ``method=Transformer.with_cache`` -> forward over T new tokens that writes
     their k/v into a per-row cache and attends over it (decode.py builds on it).
+
+Both check their inputs' shapes and integer dtypes with chex at trace time (no
+cost per step; an AssertionError names the argument).
 """
 from __future__ import annotations
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -95,6 +99,10 @@ class Transformer(nn.Module):
         Returns logits_BxLxV (float32), or (hidden_BxLxD, unembed_DxV) if
         ``return_hidden``; then logits = hidden @ unembed.
         """
+        _check_int_BxL(
+            "Transformer", tokens=tokens_BxL, positions=positions_BxL, segment_ids=segment_ids_BxL,
+            subtree_end=subtree_end_BxL,
+        )
         mask_BxLxL = tree_attention_mask(segment_ids_BxL, subtree_end_BxL)
         x = self._embed(tokens_BxL)
         x, _ = self.layers(x, None, positions_BxL, mask_BxLxL, None)
@@ -110,9 +118,29 @@ class Transformer(nn.Module):
         first; ``mask_BxTxS`` then says which cache entries (old and just written)
         each new token sees. Returns (logits_BxTxV float32, (k_cache, v_cache)).
         """
+        where = "Transformer.with_cache"
+        _check_int_BxL(where, tokens=tokens_BxT, positions=positions_BxT)
+        cfg = self.config
+        b, t = tokens_BxT.shape
+        kv_shape = (cfg.n_layers, b, None, cfg.n_kv_heads, cfg.head_dim)
+        chex.assert_shape(k_YxBxSxKxH, kv_shape, custom_message=f"{where}: k cache must be [Y, B, S, K, H]")
+        chex.assert_shape(v_YxBxSxKxH, k_YxBxSxKxH.shape, custom_message=f"{where}: v cache must match the k cache")
+        s = k_YxBxSxKxH.shape[2]
+        chex.assert_shape(mask_BxTxS, (b, t, s), custom_message=f"{where}: mask must be [B, T, S]")
+        chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
+        chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
         x = self._embed(tokens_BxT)
         x, (k, v) = self.layers(x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS, cache_index_B)
         return self._logits(self.final_norm(x)), (k, v)
+
+
+def _check_int_BxL(where, **named):
+    """Integer [B, L] inputs of one shape; the error names the argument (trace time only)."""
+    first, x0 = next(iter(named.items()))
+    chex.assert_rank(x0, 2, custom_message=f"{where}: {first} must be [B, L]")
+    for name, x in named.items():
+        chex.assert_shape(x, x0.shape, custom_message=f"{where}: {name} must be [B, L] like {first}")
+        chex.assert_type(x, int, custom_message=f"{where}: {name} must be integers")
 
 
 def _dummy_inputs():
