@@ -104,3 +104,20 @@ def test_pack_rows_segments_and_padding():
     assert not rows.loss_mask[0, start:].any()
     with pytest.raises(ValueError, match="row_len"):
         pack_rows([trees], L - 6)
+
+
+def test_array_contracts_are_checked_and_named():
+    """serialize_tree and pack_rows check the arrays they build (chex); a broken one names its field."""
+    import dataclasses
+
+    rng = np.random.default_rng(3)
+    st = serialize_tree(random_tree(rng, 2))
+    st.check()
+    rows = pack_rows([[st]], len(st) + 2)
+    rows.check()
+    with pytest.raises(AssertionError, match=r"input 2 has type int64 but expected bool.*'loss_mask'"):
+        dataclasses.replace(st, loss_mask=st.loss_mask.astype(np.int64)).check()
+    with pytest.raises(AssertionError, match=r"node_ranges must be \[nodes, 2\]"):
+        dataclasses.replace(st, node_ranges=st.node_ranges[:, :1]).check()
+    with pytest.raises(AssertionError, match=r"input 8 has shape \(1, 3\).*'loss_weights'"):
+        dataclasses.replace(rows, loss_weights=np.zeros((1, 3), np.float32)).check("packed")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import chex
 import numpy as np
 
 from gyre_jax.losses.weights import rollout_token_mean_weights
@@ -146,6 +147,7 @@ def _build_unit(nodes, chain, *, owned_here, subtrees) -> TreeNode:
 def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     """Item indices per row. Longest first; ties by index, so the result is deterministic."""
     lengths = np.asarray(lengths, np.int64)
+    chex.assert_rank(lengths, 1, custom_message="first_fit_decreasing: lengths must be a flat sequence")
     if lengths.size and lengths.max() > row_len:
         raise ValueError(f"first_fit_decreasing: item of {int(lengths.max())} tokens > row_len={row_len}")
     order = np.lexsort((np.arange(lengths.size), -lengths))
@@ -243,6 +245,9 @@ def pack_trees(
     adv[:nr] = np.asarray(advantages, np.float32).reshape(nr)
     rows.advantages = np.where(valid, adv[ridx], 0.0).astype(np.float32)
 
+    rows.check("pack_trees")
+    chex.assert_shape(rollout_index, rows.tokens.shape, custom_message="pack_trees: rollout_index must be [B, L]")
+    chex.assert_shape(num_targets, (nr,), custom_message="pack_trees: num_targets must be [rollouts]")
     packed = int(valid.sum())
     return PackResult(
         rows=rows,

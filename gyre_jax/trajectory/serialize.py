@@ -20,11 +20,29 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import numpy as np
 
 from gyre_jax.trajectory.node import TreeNode
 
 PAD_ID = 0
+
+# dtype of every packed array (SerializedTree and PackedRows fields), checked where they are built.
+_DTYPES = {
+    "tokens": np.int32,
+    "targets": np.int32,
+    "loss_mask": np.bool_,
+    "behavior_logprobs": np.float32,
+    "positions": np.int32,
+    "segment_ids": np.int32,
+    "subtree_end": np.int32,
+    "target_version": np.int32,
+    "node_index": np.int32,
+    "loss_weights": np.float32,
+    "advantages": np.float32,
+}
+_TOKEN_FIELDS = ("tokens", "targets", "loss_mask", "behavior_logprobs", "positions", "subtree_end",
+                 "target_version", "node_index")  # SerializedTree's per-token arrays
 
 
 @dataclasses.dataclass
@@ -44,6 +62,20 @@ class SerializedTree:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def check(self, where: str = "SerializedTree") -> None:
+        """Per-token arrays are [n], ``node_parent`` [nodes], ``node_ranges`` [nodes, 2], each with its dtype.
+
+        One chex call per property (they are cheap that way); "input k" in a
+        message is the k-th name listed with it.
+        """
+        chex.assert_rank([self.tokens, self.node_parent], 1, custom_message=f"{where}: [tokens, node_parent]")
+        n, num_nodes = len(self), self.node_parent.shape[0]
+        arrays = [getattr(self, k) for k in _TOKEN_FIELDS]
+        chex.assert_shape(arrays, (n,), custom_message=f"{where}: {list(_TOKEN_FIELDS)} must be [n] like tokens")
+        chex.assert_type(arrays, [_DTYPES[k] for k in _TOKEN_FIELDS], custom_message=f"{where}: {list(_TOKEN_FIELDS)}")
+        chex.assert_shape(self.node_ranges, (num_nodes, 2), custom_message=f"{where}: node_ranges must be [nodes, 2]")
+        chex.assert_type([self.node_ranges, self.node_parent], np.int32, custom_message=f"{where}: node arrays")
 
     @property
     def num_trainable(self) -> int:
@@ -151,7 +183,7 @@ def serialize_tree(root: TreeNode) -> SerializedTree:
     behavior = np.where(loss_mask, lp_all[tgt_flat], 0.0).astype(np.float32)
     target_version = np.where(has_succ, version_all[src_node[np.minimum(succ_c, max(total - 1, 0))]], -1)
 
-    return SerializedTree(
+    out = SerializedTree(
         tokens=tokens.astype(np.int32),
         targets=targets,
         loss_mask=loss_mask,
@@ -163,6 +195,8 @@ def serialize_tree(root: TreeNode) -> SerializedTree:
         node_ranges=node_ranges,
         node_parent=np.asarray(parent, np.int32),
     )
+    out.check("serialize_tree")
+    return out
 
 
 def _pop_last(entries):
@@ -192,6 +226,14 @@ class PackedRows:
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return dataclasses.asdict(self)
+
+    def check(self, where: str = "PackedRows") -> None:
+        """Every field is [B, L] (the shape of ``tokens``) with its dtype ("input k" is the k-th field)."""
+        chex.assert_rank(self.tokens, 2, custom_message=f"{where}: tokens must be [B, L]")
+        names = [f.name for f in dataclasses.fields(self)]
+        arrays = [getattr(self, k) for k in names]
+        chex.assert_shape(arrays, self.tokens.shape, custom_message=f"{where}: {names} must be [B, L] like tokens")
+        chex.assert_type(arrays, [_DTYPES[k] for k in names], custom_message=f"{where}: {names}")
 
 
 def pack_rows(rows: list[list[SerializedTree]], row_len: int) -> PackedRows:
@@ -231,6 +273,7 @@ def pack_rows(rows: list[list[SerializedTree]], row_len: int) -> PackedRows:
             out.subtree_end[r, sl] = t.subtree_end + start
             out.target_version[r, sl] = t.target_version
             start += n
+    out.check("pack_rows")
     return out
 
 
