@@ -1,6 +1,7 @@
 """Cells, the sharding rules table, train-state layout and weight publication (8 CPU devices)."""
 import functools
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -142,8 +143,7 @@ def test_publish_to_rollout_and_train_layouts(state, spec, cells4):
     rollout = pub.publish(state.params, 7, cells4[1], Role.ROLLOUT)
     assert_specs(rollout.params, cells4[1].serve_mesh, SERVE_SPECS)
     assert {d for x in jax.tree.leaves(rollout.params) for d in x.devices()} == set(cells4[1].devices)
-    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jax.device_get(rollout.params))):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(host, jax.device_get(rollout.params))
     nbytes = sum(x.size * 4 for x in jax.tree.leaves(host))
     assert rollout.move.bytes == nbytes and rollout.move.kind == "to_rollout" and rollout.move.seconds > 0
     snap = pub.publish(state.params, 7, cells4[1], Role.TRAIN)  # same version, new layout: allowed
