@@ -67,7 +67,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_cpu_devices = 8  # host devices on CPU (set before JAX starts)
     c.first_last = 10  # steps averaged for "reward first -> last"
     c.checkpoint_every = 10  # Orbax checkpoint every k steps (and at the end)
-    c.progress = True  # tqdm bars
+    c.progress = True  # a progress bar on a terminal; one line per step in a log file
+    c.progress_every_s = 60.0  # off a terminal: a heartbeat line at least this often while a step runs
     c.model = ml_collections.ConfigDict(dict(
         vocab_size=272,  # byte tokenizer: 256 bytes + 11 special tokens, rounded up
         d_model=128,  # residual width
@@ -91,12 +92,16 @@ def get_config() -> ml_collections.ConfigDict:
         max_slots=16,  # concurrent decode slots per engine
         max_len=160,  # KV-cache length per slot
         tokens_per_call=8,  # decode steps per engine call: amortizes JetStream's per-call host work on CPU
+        switch_retries=2,  # a failing role switch / weight load is retried, then its cell is taken out of service
     ))
     c.scheduler = ml_collections.ConfigDict(dict(
         mode="elastic",  # elastic | colocate | async (baselines), or async_stream | elastic_no_stream
         groups_per_step=8,  # G: groups per optimizer step (64 rollouts: less gradient noise than 32)
         group_size=8,  # rollouts per group (one task), compared for the advantage
         staleness_bound=1,  # S: admission keeps every rollout <= S updates stale
+        # k optimizer updates per weight publication: 1 = one-step (each step's rows globally
+        # shuffled); >= 2 = multi-step (rows stream into the running step; needs S >= k - 1)
+        updates_per_publication=1,
         async_train_cells=1,  # async modes: cells 0..k-1 train, the rest serve
         min_work_per_switch_s=0.3,  # elastic: training cell-seconds that pay for a role switch
         serve_reserve=1.0,  # slots kept per running agent
@@ -131,6 +136,8 @@ def get_config() -> ml_collections.ConfigDict:
         eps_low=0.2,  # PPO-style clip of the importance ratio
         eps_high=0.28,
         entropy_coef=0.0,
+        log_ratio_clamp=20.0,  # log(ratio) clamped before exp: loss and gradient finite for any engine/trainer gap
+        clip_c=0.0,  # dual-clip constant for A < 0 (e.g. 3.0; 0 = off)
         advantage="mean_std",  # group-normalized: (score - group mean) / group std
         negative_advantage_scale=1.0,  # 0 = reinforce only better-than-group rollouts (see gyre_jax.rl.config)
         work_s_per_row=0.05,  # first estimate of training cost (then measured)
@@ -149,10 +156,14 @@ def get_config() -> ml_collections.ConfigDict:
         samples_per_task=8,  # first model call sampled 8x per task with one fixed key (~2 s per eval on 2 cores)
         temperature=1.0,  # the rollouts' temperature (0 = greedy)
     ))
-    c.faults = ml_collections.ConfigDict(dict(  # test hooks (gyre_jax.testing.fake_rl_faults); 0 = off
-        grader_crash_every=0,
-        timeout_every=0,
-        engine_error_every=0,
+    c.faults = ml_collections.ConfigDict(dict(  # injected faults (gyre_jax.rl.faults); 0 = off
+        grader_crash_every=0,  # every k-th rollout's grader crashes -> verifier_error, never trained
+        timeout_every=0,  # every k-th rollout stalls past its deadline -> timeout, partial credit
+        engine_error_every=0,  # every k-th rollout's first call fails in the engine -> the harness retries
         pause_at_step=0,  # print PAUSED and block when step k starts (the kill -9 resume test)
+        switch_delay_s=0.0,  # role switches, joins and leaves wait a random time in [0, x)
+        switch_fail_every=0,  # every k-th switch attempt raises (retried)
+        satellite_fail_every=0,  # every k-th micro-batch a satellite pulls fails it (taken out of service)
+        chaos_seed=0,
     ))
     return c

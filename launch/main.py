@@ -16,10 +16,13 @@ e.g. a Cloud TPU VM pod's metadata server). On this machine, two processes of
         --config.num_cpu_devices=2 --coordinator_address=127.0.0.1:12355 \\
         --num_processes=2 --process_id=$i --workdir /tmp/synth2 & done; wait
 """
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from gyre_jax import distributed
+from gyre_jax.errors import ConfigError, RunFailed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, metrics and plots.")
@@ -74,7 +77,15 @@ def main(argv):
             f"devices ({', '.join(kinds)}), {info.global_device_count} global")
     logging.info("%s; job=%s workdir=%s", line, config.job, workdir)
     print(f"launch: {line}", flush=True)
-    job(config, workdir)
+    try:
+        job(config, workdir)
+    except ConfigError as e:  # a bad value: its dotted name and why, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except RunFailed as e:  # what failed; the job saved what it could and a rerun resumes
+        logging.error("run failed", exc_info=e)  # the traceback, for the log file
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

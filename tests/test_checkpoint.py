@@ -194,3 +194,27 @@ def test_bad_rng_is_named(tmp_path):
     with pytest.raises(ValueError, match="rng must be a JAX PRNG key"):
         ck.save(0, train_state={"a": jnp.ones(2)}, rng=jnp.ones(2), store_cursor={"consumed": {}})
     ck.close()
+
+
+def test_a_clean_restore_logs_no_warning(saved, caplog):
+    """Every item has its handler: Orbax has nothing to warn about ("could not be restored")."""
+    import logging
+
+    abstract = abstract_like(jax.eval_shape(lambda: saved["state"]),
+                             jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), saved["state"]))
+    with caplog.at_level(logging.WARNING):
+        with Checkpointer(CheckpointConfig(directory=str(saved["root"] / "ckpt"))) as ck:
+            r = ck.restore_latest(abstract, data_iterator=data_iter())
+    assert r.step == 1
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING] == []
+
+
+def test_the_rng_item_is_optional(tmp_path):
+    state = {"w": jnp.arange(3.0)}
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "c"))) as ck:
+        ck.save(2, train_state=state, store_cursor={"consumed": {}}, force=True)
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "c"))) as ck:
+        r = ck.restore_latest(abstract_like(jax.eval_shape(lambda: state),
+                                            {"w": SingleDeviceSharding(jax.devices()[0])}))
+    assert r.step == 2 and r.rng is None
+    np.testing.assert_array_equal(r.train_state["w"], state["w"])

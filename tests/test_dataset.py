@@ -1,4 +1,4 @@
-"""grain pipelines over packed rows: deterministic per seed, Orbax checkpoint-restore mid-epoch."""
+"""The grain pipeline over packed rows: deterministic per seed, Orbax checkpoint-restore mid-step and between steps."""
 import threading
 
 import grain
@@ -6,7 +6,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from gyre_jax.trajectory.dataset import ROW_FIELDS, RowStream, StreamingDataset, one_step_dataset
+from gyre_jax.trajectory.dataset import ROW_FIELDS, RowStream, StreamingDataset
 from gyre_jax.trajectory.serialize import pack_rows
 
 L = 8
@@ -25,15 +25,25 @@ def ids(batches):
     return [tuple(b["tokens"][:, 0]) for b in batches]
 
 
+def one_step(rows, ri, *, batch_size, seed, step):
+    """One-step mode as the loop feeds it: the whole step as one chunk, then end_step."""
+    s = RowStream(L)
+    s.add(step, rows, ri)
+    s.end_step(step)
+    s.close()
+    return StreamingDataset(s, batch_size=batch_size, seed=seed, start_step=step, timeout_s=5)
+
+
 def test_one_step_deterministic_shuffled_padded():
     rows, ri = fake_rows(10, 1)
-    a = list(one_step_dataset(rows, ri, batch_size=4, seed=3, step=7))
-    b = list(one_step_dataset(rows, ri, batch_size=4, seed=3, step=7))
-    c = list(one_step_dataset(rows, ri, batch_size=4, seed=4, step=7))
+    a = list(one_step(rows, ri, batch_size=4, seed=3, step=7))
+    b = list(one_step(rows, ri, batch_size=4, seed=3, step=7))
+    c = list(one_step(rows, ri, batch_size=4, seed=4, step=7))
     assert ids(a) == ids(b) and ids(a) != ids(c)
     assert len(a) == 3 and all(set(ROW_FIELDS) <= set(x) and x["tokens"].shape == (4, L) for x in a)
-    real = sorted(t for x in a for t, s in zip(x["tokens"][:, 0], x["segment_ids"][:, 0]) if s > 0)
-    assert real == list(range(100, 110))  # every row exactly once, 2 padding rows
+    real = [t for x in a for t, s in zip(x["tokens"][:, 0], x["segment_ids"][:, 0]) if s > 0]
+    assert sorted(real) == list(range(100, 110))  # every row exactly once, 2 padding rows
+    assert real != sorted(real)  # shuffled over the whole step
     pad = np.concatenate([x["segment_ids"] for x in a]).sum(axis=1) == 0
     assert pad.sum() == 2
     assert [bool(x["last_in_step"].all()) for x in a] == [False, False, True]
@@ -58,13 +68,42 @@ def save_restore(tmp_path, it, make_fresh):
 
 def test_one_step_checkpoint_restore(tmp_path):
     rows, ri = fake_rows(13, 2)
-    make = lambda: iter(one_step_dataset(rows, ri, batch_size=3, seed=11, step=0))
+    make = lambda: iter(one_step(rows, ri, batch_size=3, seed=11, step=0))
     it = make()
     first = [next(it), next(it)]
     it2 = save_restore(tmp_path, it, make)
     rest, rest2 = list(it), list(it2)
     assert len(rest) == 3 and ids(rest) == ids(rest2)
     assert ids(first + rest) == ids(list(make()))
+
+
+def test_restore_between_steps_needs_only_the_steps_to_come(tmp_path):
+    """The loop checkpoints after a step's update: the position is then the next step's
+    start, and a fresh stream that only holds the next steps continues exactly."""
+    s = RowStream(L)
+    fill_stream(s, [(3, 1, 5), (3, None, None)])
+    it = iter(StreamingDataset(s, batch_size=2, seed=9, start_step=3, timeout_s=5))
+    assert [bool(b["last_in_step"].all()) for b in (next(it), next(it), next(it))] == [False, False, True]
+    assert it.get_state() == {"step": 4, "row": 0}
+
+    def fresh():
+        s2 = RowStream(L)
+        fill_stream(s2, [(4, 2, 3), (4, None, None)])
+        s2.close()
+        return iter(StreamingDataset(s2, batch_size=2, seed=9, timeout_s=5))
+
+    it2 = save_restore(tmp_path, it, fresh)
+    got = list(it2)
+    want = list(StreamingDataset(_filled([(4, 2, 3), (4, None, None)]), batch_size=2, seed=9, start_step=4,
+                                 timeout_s=5))
+    assert [int(b["step"][0]) for b in got] == [4, 4] and ids(got) == ids(want)
+
+
+def _filled(plan):
+    s = RowStream(L)
+    fill_stream(s, plan)
+    s.close()
+    return s
 
 
 def fill_stream(stream, plan):

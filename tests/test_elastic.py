@@ -428,46 +428,21 @@ def _assert_on_rollout_cell(pub, trainer, publisher):
     jax.tree.map(_assert_sharding, pub.params, publisher.shardings(pub.cell, cells.Role.ROLLOUT))
 
 
-def test_one_step_mode_publishes_every_update(setup):
+def test_publisher_moves_new_versions_and_refuses_older(setup):
+    """The one publication path: core params -> a cell's serving layout, measured, never backwards."""
     cs, spec, mbs = setup["cells"], setup["spec"], setup["mbs"]
     tr = fresh_trainer(setup)
     pub = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
-    loop = cells.TrainLoop(tr, pub, cells.ModeConfig(mode=cells.ONE_STEP))
-    reps = []
     for n in range(1, 3):
-        rep, pubs = loop.step(mbs, satellites=cs[1:2], rollout_cells=cs[2:])
-        reps.append(rep)
-        assert [(p.version, p.cell.index) for p in pubs] == [(VERSION + n, 2), (VERSION + n, 3)]
-        for p in pubs:
-            _assert_on_rollout_cell(p, tr, pub)
-        assert loop.published_version == VERSION + n
-    # The same rows one update later are exactly one update staler.
-    assert reps[1].staleness_mean == pytest.approx(reps[0].staleness_mean + 1, rel=1e-6)
-    assert reps[1].staleness_max == reps[0].staleness_max + 1
+        tr.run_step(mbs, cs[1:2])
+        for c in cs[2:]:
+            _assert_on_rollout_cell(pub.publish(tr.state.params, tr.version, c, cells.Role.ROLLOUT), tr, pub)
     assert [m.version for m in pub.history] == [VERSION + 1] * 2 + [VERSION + 2] * 2
-
-
-def test_multi_step_mode_publishes_every_k_updates(setup):
-    cs, spec, mbs = setup["cells"], setup["spec"], setup["mbs"]
-    tr = fresh_trainer(setup)
-    pub = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
-    loop = cells.TrainLoop(tr, pub, cells.ModeConfig(mode=cells.MULTI_STEP, updates_per_publication=2))
-    counts = []
-    for _ in range(3):
-        _, pubs = loop.step(mbs, rollout_cells=cs[3:])
-        counts.append([p.version for p in pubs])
-    assert counts == [[], [VERSION + 2], []]
-    assert loop.published_version == VERSION + 2 and tr.version == VERSION + 3
-    # A cell that turns to rollout now gets the current params without changing the cadence.
-    p = loop.bring_up(cs[2])
-    assert p.version == VERSION + 3 and loop.published_version == VERSION + 2
-    _assert_on_rollout_cell(p, tr, pub)
-    with pytest.raises(ValueError, match="multi_step mode needs updates_per_publication >= 2"):
-        cells.ModeConfig(mode=cells.MULTI_STEP, updates_per_publication=1)
-    with pytest.raises(ValueError, match="one_step mode publishes after every update"):
-        cells.ModeConfig(mode=cells.ONE_STEP, updates_per_publication=3)
-    with pytest.raises(ValueError, match="mode must be"):
-        cells.ModeConfig(mode="two_step", updates_per_publication=2)
+    assert pub.latest(cs[3]).version == VERSION + 2
+    with pytest.raises(ValueError, match="cell 3 holds version 5; refusing older version 4"):
+        pub.publish(tr.state.params, VERSION + 1, cs[3])
+    with pytest.raises(ValueError, match="core holds the authoritative params"):
+        pub.publish(tr.state.params, VERSION + 2, cs[3], cells.Role.CORE)
 
 
 def test_a_satellite_can_leave_mid_step(setup, core_alone):

@@ -139,13 +139,13 @@ def test_config_and_size_validation_name_the_field():
 
     c = demo_config.get_config()
     c.eval = dict(every=2, tasks=4, samples_per_task=0, temperature=1.0)
-    with pytest.raises(ValueError, match="EvalConfig.samples_per_task"):
+    with pytest.raises(ValueError, match="config.eval.samples_per_task"):
         RLConfig.from_config(c)
     c.eval = dict(every=-1)
-    with pytest.raises(ValueError, match="EvalConfig.every"):
+    with pytest.raises(ValueError, match="config.eval.every"):
         RLConfig.from_config(c)
     c.eval = dict(every=2, temperature=-0.5)
-    with pytest.raises(ValueError, match="EvalConfig.temperature"):
+    with pytest.raises(ValueError, match="config.eval.temperature"):
         RLConfig.from_config(c)
     c.eval = dict(everyy=2)
     with pytest.raises(ValueError, match="unknown field.*everyy"):

@@ -8,7 +8,7 @@ The loop runs as ``python -m launch.main --config configs/demo.py --workdir W`` 
 Default run: kill + resume, counted by rollout id (~35 s). Slow: + an uninterrupted
 reference run, losses compared exactly (~15 s more). ``--config.faults.pause_at_step=2`` makes
 the trainer print ``PAUSED 2`` once step 2 runs on the cells and block before its update
-is kept or saved (``gyre_jax.testing.fake_rl_faults.pause_at_step``), so the kill lands at
+is kept or saved (``gyre_jax.rl.faults.pause_at_step``), so the kill lands at
 an exact point of the step, with no sleep and no race.
 
 Why the losses can be equal at all: colocate is on-policy (the groups of step u start
@@ -164,7 +164,7 @@ def test_kill9_mid_step_resumes_without_losing_or_retraining(killed_and_resumed)
     assert len(pending_at_kill) == ROLLOUTS_PER_STEP
 
     # (a) the rerun resumed from the checkpoint of step PAUSE with exactly those rollouts pending.
-    m = re.search(r"^rl: resumed from checkpoint step (\d+) \((\d+) finished rollouts to train in (\d+) groups\)",
+    m = re.search(r"^rl: resumed from checkpoint step (\d+) \((\d+) finished rollouts to train in (\d+) groups;",
                   r["resumed_out"], re.M)
     assert m, r["resumed_out"][-2000:]
     assert (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (PAUSE, ROLLOUTS_PER_STEP, 2)

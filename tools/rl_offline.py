@@ -62,12 +62,12 @@ def main(argv=None) -> dict:
     from configs import demo
     from gyre_jax.agents.tasks import make_task
     from gyre_jax.cells.train_state import OptimizerConfig, make_optimizer
-    from gyre_jax.losses import PolicyLossConfig, loss_from_logits
+    from gyre_jax.losses import loss_from_logits
     from gyre_jax.model import Transformer, param_logical_axes
     from gyre_jax.rl.config import RLConfig
     from gyre_jax.rl.evaluate import (HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows,
                                       score_text)
-    from gyre_jax.rl.loop import RLLoop
+    from gyre_jax.rl.loop import fresh_params
     from gyre_jax.serving.tokenizer import ByteTokenizer
     from gyre_jax.trajectory.binpack import pack_trees
     from gyre_jax.trajectory.node import TreeNode
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     tok = ByteTokenizer()
     stop = [tok.special["<|im_end|>"]]
     t0 = time.perf_counter()
-    params, _ = RLLoop(cfg, "/tmp/unused")._fresh_params(tok)
+    params, _ = fresh_params(cfg, tok)
     params = jax.device_get(params)
     print(f"sft: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     held_out = HeldOutEval(mc, eval_tasks, tok, system_prompt=h.system_prompt or None, samples_per_task=8,
                            max_tokens=h.max_tokens, temperature=h.temperature, seed=0, max_len=cfg.cells.max_len)
     sample = make_sampler(mc, max_tokens=h.max_tokens, max_len=cfg.cells.max_len, temperature=h.temperature)
-    model, loss_cfg = Transformer(mc), PolicyLossConfig(eps_low=t.eps_low, eps_high=t.eps_high)
+    model, loss_cfg = Transformer(mc), cfg.loss_config()
 
     def batch_of(params, tasks, key):
         """Sample group_size replies per task; (packed rows, scores [groups, group_size])."""

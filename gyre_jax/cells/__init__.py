@@ -9,12 +9,12 @@
     step = trainer.start_step(micro_batches); step.join(cs[1]); report = step.wait()
 
 Modules: mesh (cells, roles), sharding (THE rules table), train_state, train_step,
-elastic (dynamic data parallelism), publish (versioned weight moves), modes
-(one-step / multi-step publication cadence), loss (the policy loss on the model).
+elastic (dynamic data parallelism), publish (versioned weight moves), loss (the
+policy loss on the model). The publication cadence (one-step / multi-step) is the
+scheduler's policy (``PolicyConfig.updates_per_publication``).
 """
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
 from gyre_jax.cells.mesh import Cell, CellConfig, CellLayout, Role, split_cells
-from gyre_jax.cells.modes import MULTI_STEP, ONE_STEP, ModeConfig, TrainLoop
 from gyre_jax.cells.publish import MoveStats, Published, WeightPublisher, move, tree_bytes
 from gyre_jax.cells.sharding import RULES, batch_sharding, mesh_spec, tree_shardings
 from gyre_jax.cells.train_state import (
@@ -29,8 +29,6 @@ from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, CellSteps, make_grad_fn,
 
 __all__ = [
     "MICRO_BATCH_KEYS",
-    "MULTI_STEP",
-    "ONE_STEP",
     "RULES",
     "Cell",
     "CellConfig",
@@ -38,14 +36,12 @@ __all__ = [
     "CellSteps",
     "ElasticStep",
     "ElasticTrainer",
-    "ModeConfig",
     "MoveStats",
     "OptimizerConfig",
     "Published",
     "Role",
     "StateSpec",
     "StepReport",
-    "TrainLoop",
     "TrainState",
     "WeightPublisher",
     "batch_sharding",

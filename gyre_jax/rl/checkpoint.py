@@ -8,8 +8,9 @@ of them from the same step or none:
           any pytree of jax arrays), ``StandardSave``; restored against an
           abstract target whose leaves carry the *new* shardings, so a run
           resumes on a different cell layout.
-  rng     the loop's JAX PRNG key (typed, any impl, or raw uint32) as JSON of its
-          uint32 key data: exact, and not tied to the device that held it.
+  rng     (optional) a JAX PRNG key (typed, any impl, or raw uint32) as JSON of its
+          uint32 key data: exact, and not tied to the device that held it. The RL
+          loop keeps none: every key it uses derives from config.seed.
   data    the grain iterator's position (``grain.checkpoint.CheckpointSave``),
           if the loop has one.
   cursor  ``TrajectoryStore.cursor_state()``: every rollout consumed (trained or
@@ -99,7 +100,7 @@ class CheckpointConfig:
 class Restored:
     step: int
     train_state: Any  # laid out on the shardings of the abstract target
-    rng: jax.Array
+    rng: jax.Array | None  # None if the checkpoint holds no key
     store_cursor: dict  # pass to resume_store (or TrajectoryStore.restore_cursor)
     buffer: list  # rollout ids, finished and untrained at save time, in the loop's order
     meta: dict  # the caller's loop metadata as saved
@@ -188,8 +189,15 @@ class Checkpointer:
     def __init__(self, config: CheckpointConfig):
         self.config = config
         self.directory = os.path.abspath(os.fspath(config.directory))
+        import grain  # here, not at import: the checkpoint module stays light for the loss-only paths
+
+        # A handler per item, so reading metadata or restoring knows every item (without
+        # them Orbax warns once per item per read that it "could not be restored").
+        json_ = ocp.JsonCheckpointHandler
         self._mngr = ocp.CheckpointManager(
             self.directory,
+            item_handlers=dict(state=ocp.StandardCheckpointHandler(), rng=json_(), cursor=json_(), buffer=json_(),
+                               meta=json_(), data=grain.checkpoint.CheckpointHandler()),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=config.max_to_keep,
                 save_interval_steps=config.save_interval_steps,
@@ -208,7 +216,7 @@ class Checkpointer:
         step: int,
         *,
         train_state,
-        rng: jax.Array,
+        rng: jax.Array | None = None,
         store_cursor: Mapping[str, Any],
         buffer: Sequence[str] = (),
         data_iterator=None,
@@ -242,11 +250,12 @@ class Checkpointer:
         meta.update(format=FORMAT, format_version=FORMAT_VERSION, step=step)
         items = dict(
             state=ocp.args.StandardSave(train_state),
-            rng=ocp.args.JsonSave(_rng_to_json(rng)),
             cursor=ocp.args.JsonSave(dict(store_cursor)),
             buffer=ocp.args.JsonSave({"rollout_ids": ids}),
             meta=ocp.args.JsonSave(meta),
         )
+        if rng is not None:
+            items["rng"] = ocp.args.JsonSave(_rng_to_json(rng))
         if data_iterator is not None:
             import grain  # only here: importing this module stays light for the loss-only paths
 
@@ -281,16 +290,17 @@ class Checkpointer:
         target = abstract_like(abstract_train_state)
         _check_target(target)
         have = set(self._mngr.item_metadata(step).keys()) if hasattr(self._mngr, "item_metadata") else set(ITEMS)
-        missing = {"state", "rng", "cursor", "buffer", "meta"} - have
+        missing = {"state", "cursor", "buffer", "meta"} - have
         if missing:
             raise ValueError(f"checkpoint {self.directory}/{step} lacks items {sorted(missing)} (has {sorted(have)})")
         items = dict(
             state=ocp.args.StandardRestore(target),
-            rng=ocp.args.JsonRestore(),
             cursor=ocp.args.JsonRestore(),
             buffer=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
         )
+        if "rng" in have:
+            items["rng"] = ocp.args.JsonRestore()
         if "data" in have and data_iterator is None:
             raise ValueError(f"checkpoint {self.directory}/{step} holds a data iterator position; pass data_iterator=")
         if data_iterator is not None:
@@ -309,7 +319,7 @@ class Checkpointer:
         return Restored(
             step=int(step),
             train_state=out["state"],
-            rng=_rng_from_json(out["rng"]),
+            rng=_rng_from_json(out["rng"]) if "rng" in out else None,
             store_cursor=dict(out["cursor"]),
             buffer=list(out["buffer"]["rollout_ids"]),
             meta=meta,

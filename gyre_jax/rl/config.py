@@ -1,47 +1,91 @@
 """RLConfig: every knob of the RL loop, as frozen kw_only dataclasses built from the ConfigDict.
 
 ``RLConfig.from_config(config_dict)`` turns ``configs/demo.py``'s ConfigDict (after
-absl ``--config.a.b=v`` overrides) into these; an unknown key fails loudly, a bad
-value fails in ``__post_init__`` naming the field.
+absl ``--config.a.b=v`` overrides) into these. Validation is complete and early:
+every object the loop builds later from the config (the scheduler's policy, the
+advantage and processor configs, the loss, the optimizer, the cells, the harness,
+the task family, the SFT data) is built here too, so a bad value fails in seconds,
+before any JAX work, as a ``ConfigError`` whose message starts with the field's
+dotted name (``config.scheduler.serve_reserve=2 must be in (0, 1]``).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import re
+from typing import Any, ClassVar, Mapping
 
+from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
-
-from gyre_jax.scheduler.vocab import MODES  # the scheduler owns the policy modes
+from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES  # the scheduler owns the policy modes
 
 
 def _positive(obj, names, *, allow_zero=False):
-    w = type(obj).__name__
     for n in names:
         v = getattr(obj, n)
         ok = v >= 0 if allow_zero else v > 0
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok:
-            raise ValueError(f"{w}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+            raise ConfigError(f"config.{obj._SECTION}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+
+
+def _ints(obj, names):
+    for n in names:
+        v = getattr(obj, n)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"config.{obj._SECTION}.{n} must be an int, got {v!r}")
+
+
+def _built(section: str, build, renames: Mapping[str, str] | None = None):
+    """``build()``, with any error re-raised as a ConfigError naming the config field.
+
+    Sub-configs name their own fields (``PolicyConfig.serve_reserve=2 ...``); the
+    field is translated to its dotted config name (``config.scheduler.serve_reserve``),
+    through ``renames`` where the names differ (``mode`` -> ``train.advantage``).
+    """
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except (ValueError, LookupError, TypeError) as e:
+        msg = str(e).strip("'\"")
+        renames = renames or {}
+        named = re.sub(r"\b[A-Z]\w*Config\.(\w+)", lambda m: "config." + renames.get(m.group(1), f"{section}.{m.group(1)}"),
+                       msg)
+        raise ConfigError(named if named != msg else f"config.{section}: {msg}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CellsConfig:
+    _SECTION: ClassVar[str] = "cells"
     cell_size: int = 2  # devices per cell (8 CPU devices -> 4 cells)
     train_tensor: int = 1
     serve_tensor: int = 1  # 1: slots split over the cell's devices ('data'), weights replicated
     max_slots: int = 8  # concurrent decode slots per engine (one engine per cell)
     max_len: int = 256  # KV-cache length per slot (prompt + generated)
     tokens_per_call: int = 1  # decode steps per engine generate call (GyreEngine: amortizes host work)
+    switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
 
     def __post_init__(self):
+        _ints(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call",
+                     "switch_retries"))
         _positive(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call"))
+        _positive(self, ("switch_retries",), allow_zero=True)
+        for name in ("train_tensor", "serve_tensor"):
+            if self.cell_size % getattr(self, name):
+                raise ConfigError(f"config.cells.{name}={getattr(self, name)} must divide cells.cell_size={self.cell_size}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    mode: str = "elastic"  # one of MODES (the scheduler's policy modes)
+    _SECTION: ClassVar[str] = "scheduler"
+    mode: str = ELASTIC  # one of MODES (the scheduler's policy modes)
     groups_per_step: int = 2  # G: groups trained per optimizer step
     group_size: int = 4  # rollouts per group (advantage baseline)
     staleness_bound: int = 1  # S: admission bound, in optimizer updates
+    # k: optimizer updates per weight publication. 1 = one-step mode (a step's rows are
+    # globally shuffled, the update is published before the next step's rollouts are
+    # admitted); k >= 2 = multi-step mode (rows stream into the running step as groups
+    # finish, k updates train on rollouts of the last published version).
+    updates_per_publication: int = 1
     async_train_cells: int = 1  # async modes: cells 0..k-1 train (k >= 1)
     min_work_per_switch_s: float = 0.5  # elastic: cell-seconds of work that pay for a switch
     serve_reserve: float = 1.0
@@ -49,13 +93,20 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"SchedulerConfig.mode={self.mode!r}; known: {MODES}")
-        _positive(self, ("groups_per_step", "group_size", "async_train_cells", "serve_reserve", "poll_s"))
+            raise ConfigError(f"config.scheduler.mode={self.mode!r}; known: {MODES}")
+        _ints(self, ("groups_per_step", "group_size", "staleness_bound", "updates_per_publication", "async_train_cells"))
+        _positive(self, ("groups_per_step", "group_size", "updates_per_publication", "async_train_cells",
+                         "serve_reserve", "poll_s"))
         _positive(self, ("staleness_bound", "min_work_per_switch_s"), allow_zero=True)
+
+    @property
+    def multi_step(self) -> bool:
+        return self.updates_per_publication > 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
+    _SECTION: ClassVar[str] = "task"
     family: str = "tiny"  # gyre_jax.agents.tasks family
     ops: str = "copy,upper,reverse"  # tiny family: comma-separated ops
     min_len: int = 3
@@ -64,7 +115,7 @@ class TaskConfig:
     def __post_init__(self):
         _positive(self, ("min_len", "max_len"))
         if not self.ops_tuple:
-            raise ValueError("TaskConfig.ops must name at least one op")
+            raise ConfigError("config.task.ops must name at least one op")
 
     @property
     def ops_tuple(self) -> tuple[str, ...]:
@@ -75,9 +126,15 @@ class TaskConfig:
             return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len)
         return {}
 
+    def make(self, seed: int):
+        from gyre_jax.agents.tasks import make_task  # light: families load on first use
+
+        return make_task(self.family, seed % (2**31), **self.kwargs())
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HarnessKnobs:
+    _SECTION: ClassVar[str] = "harness"
     max_tokens: int = 96  # per model call
     temperature: float = 1.0
     max_turns: int = 2  # model calls per agent
@@ -95,6 +152,7 @@ class HarnessKnobs:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    _SECTION: ClassVar[str] = "train"
     row_len: int = 256  # packed row length L
     micro_batch_rows: int = 2  # rows per micro-batch (one compiled shape)
     learning_rate: float = 3e-4
@@ -106,6 +164,10 @@ class TrainConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     entropy_coef: float = 0.0
+    # Loss safety (gyre_jax.losses.policy_gradient): log-ratios are clamped to +-this before
+    # exp, so loss and gradient stay finite whatever engine and trainer disagree by.
+    log_ratio_clamp: float = 20.0
+    clip_c: float = 0.0  # dual-clip: bound the A < 0 loss at -c*A (c > 1; 0 = off)
     advantage: str = "mean_std"  # gyre_jax.trajectory.rewards modes
     # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_scale):
     # 1.0 = plain group-normalized policy gradient, 0.0 = reinforce only better-than-group.
@@ -114,10 +176,6 @@ class TrainConfig:
 
     def __post_init__(self):
         _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
-        if not 0 <= self.adam_b2 < 1:
-            raise ValueError(f"TrainConfig.adam_b2 must be in [0, 1), got {self.adam_b2}")
-        _positive(self, ("warmup_steps", "weight_decay", "eps_low", "eps_high", "entropy_coef",
-                         "negative_advantage_scale"), allow_zero=True)
 
 
 NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.noisy_tasks
@@ -125,6 +183,7 @@ NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.no
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
+    _SECTION: ClassVar[str] = "sft"
     steps: int = 300  # supervised steps on scripted demonstrations (0: no warm start)
     rows: int = 4  # packed rows per step
     learning_rate: float = 3e-3
@@ -140,15 +199,16 @@ class SFTConfig:
         _positive(self, ("steps", "demos"), allow_zero=True)
         _positive(self, ("rows", "learning_rate"))
         if not 0.0 <= self.noisy_fraction < 1.0:
-            raise ValueError(f"SFTConfig.noisy_fraction must be in [0, 1), got {self.noisy_fraction!r}")
+            raise ConfigError(f"config.sft.noisy_fraction must be in [0, 1), got {self.noisy_fraction!r}")
         if self.noisy_kind not in NOISE_KINDS:
-            raise ValueError(f"SFTConfig.noisy_kind={self.noisy_kind!r}; known: {NOISE_KINDS}")
+            raise ConfigError(f"config.sft.noisy_kind={self.noisy_kind!r}; known: {NOISE_KINDS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Held-out eval (gyre_jax.rl.evaluate): the first model call of fixed tasks, fixed sampling key."""
 
+    _SECTION: ClassVar[str] = "eval"
     every: int = 0  # evaluate after every k-th step (and before the first, after the last); 0 = off
     tasks: int = 32  # held-out tasks, seeds 2**29 + s (RL draws seed*1_000_003 + g, SFT 2**30 + s)
     samples_per_task: int = 8
@@ -162,8 +222,9 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultConfig:
-    """Injected faults for tests (0 = off). Every k-th rollout launched (1-based) gets it."""
+    """Injected faults (gyre_jax.rl.faults); 0 = off. Every k-th rollout launched (1-based) gets it."""
 
+    _SECTION: ClassVar[str] = "faults"
     grader_crash_every: int = 0  # its grader raises -> verifier_error
     timeout_every: int = 0  # its calls stall past the deadline -> timeout, graded for partial credit
     engine_error_every: int = 0  # its first model call fails in the engine -> 500, the harness retries
@@ -171,25 +232,40 @@ class FaultConfig:
     # step 0 cannot be paused) has started on the cells and blocks before its update is
     # kept or checkpointed, so a test can kill -9 the run mid-step (tests/test_rl_resume.py).
     pause_at_step: int = 0
+    # Chaos in the cells' timing (the loop's stress test): each role switch, step join
+    # and leave waits a random time in [0, switch_delay_s) at a random point.
+    switch_delay_s: float = 0.0
+    switch_fail_every: int = 0  # every k-th switch attempt raises once (transient: it is retried)
+    satellite_fail_every: int = 0  # every k-th micro-batch a satellite pulls fails it (its cell is taken out)
+    chaos_seed: int = 0  # seeds the random delays
 
     def __post_init__(self):
-        _positive(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step"),
-                  allow_zero=True)
+        _ints(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step",
+                     "switch_fail_every", "satellite_fail_every", "chaos_seed"))
+        _positive(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step",
+                         "switch_delay_s", "switch_fail_every", "satellite_fail_every", "chaos_seed"), allow_zero=True)
 
     @property
     def any(self) -> bool:
         """Whether rollouts are marked and backends wrapped (RLFaults); the pause needs neither."""
         return bool(self.grader_crash_every or self.timeout_every or self.engine_error_every)
 
+    @property
+    def chaos(self) -> bool:
+        """Whether the cells' switches and steps get random delays or failures."""
+        return bool(self.switch_delay_s or self.switch_fail_every or self.satellite_fail_every)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLConfig:
+    _SECTION: ClassVar[str] = "config"
     seed: int = 0
     steps: int = 20  # optimizer steps (N)
     num_cpu_devices: int = 8  # host devices when running on CPU (set before JAX starts)
     first_last: int = 5  # steps averaged for the "reward first vs last" line
     checkpoint_every: int = 0  # save every k steps (0 = only at the end)
-    progress: bool = True  # tqdm bar
+    progress: bool = True  # a bar on a terminal, one line per step otherwise
+    progress_every_s: float = 60.0  # off a terminal: a line at least this often while a step runs
     model: ModelConfig
     cells: CellsConfig = CellsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -201,18 +277,105 @@ class RLConfig:
     faults: FaultConfig = FaultConfig()
 
     def __post_init__(self):
-        _positive(self, ("steps", "num_cpu_devices", "first_last"))
-        _positive(self, ("checkpoint_every",), allow_zero=True)
+        for n in ("steps", "num_cpu_devices", "first_last", "progress_every_s"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"config.{n} must be > 0, got {v!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"config.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if self.train.row_len > self.model.max_seq_len:
-            raise ValueError(f"RLConfig: train.row_len={self.train.row_len} > model.max_seq_len={self.model.max_seq_len}")
+            raise ConfigError(f"config.train.row_len={self.train.row_len} > model.max_seq_len={self.model.max_seq_len}")
         if self.cells.max_len > self.model.max_seq_len:
-            raise ValueError(f"RLConfig: cells.max_len={self.cells.max_len} > model.max_seq_len={self.model.max_seq_len}")
+            raise ConfigError(f"config.cells.max_len={self.cells.max_len} > model.max_seq_len={self.model.max_seq_len}")
         fsdp = self.cells.cell_size // self.cells.train_tensor
         if self.train.micro_batch_rows % fsdp:
-            raise ValueError(f"RLConfig: train.micro_batch_rows={self.train.micro_batch_rows} must be a multiple of the "
-                             f"cells' fsdp size cell_size/train_tensor={fsdp} (rows are split over it)")
+            raise ConfigError(f"config.train.micro_batch_rows={self.train.micro_batch_rows} must be a multiple of the "
+                              f"cells' fsdp size cells.cell_size/cells.train_tensor={fsdp} (rows are split over it)")
         if self.harness.max_tokens >= self.cells.max_len:
-            raise ValueError(f"RLConfig: harness.max_tokens={self.harness.max_tokens} must be < cells.max_len")
+            raise ConfigError(f"config.harness.max_tokens={self.harness.max_tokens} must be < cells.max_len="
+                              f"{self.cells.max_len}")
+        # Build (and throw away) everything the loop builds later from these values. The
+        # cell layout is checked against the devices (check_devices) as soon as JAX is up.
+        self.policy_config()
+        self.processor_config()
+        self.loss_config()
+        self.optimizer_config()
+        self.cell_config()
+        self.harness_config("http://127.0.0.1:1/v1")
+        _built("task", lambda: self.task.make(self.seed))
+        if self.sft.noisy_fraction and self.task.family != "tiny":
+            raise ConfigError(f"config.sft.noisy_fraction={self.sft.noisy_fraction} needs task.family='tiny' "
+                              f"(got {self.task.family!r})")
+
+    # ---- the objects the loop builds from the config (validated here) ----
+    def policy_config(self, n_cells: int | None = None):
+        """The scheduler's PolicyConfig; with ``n_cells``, also checks the mode's layout fits."""
+        from gyre_jax.scheduler import policy as policy_lib
+
+        s = self.scheduler
+        pc = _built("scheduler", lambda: policy_lib.PolicyConfig(
+            mode=s.mode, total_steps=self.steps, groups_per_step=s.groups_per_step, group_size=s.group_size,
+            staleness_bound=s.staleness_bound, updates_per_publication=s.updates_per_publication,
+            async_train_cells=s.async_train_cells if s.mode in FIXED_SPLIT_MODES else 0,
+            serve_reserve=s.serve_reserve, min_work_per_switch_s=s.min_work_per_switch_s))
+        if n_cells is not None and s.mode in FIXED_SPLIT_MODES and not 1 <= s.async_train_cells < n_cells:
+            raise ConfigError(f"config.scheduler.async_train_cells={s.async_train_cells} must be in [1, {n_cells - 1}]: "
+                              f"{n_cells} cells of cells.cell_size={self.cells.cell_size} devices, one must serve")
+        if n_cells is not None:
+            _built("scheduler", lambda: policy_lib.initial_roles(pc, n_cells))
+        return pc
+
+    def check_devices(self, n_devices: int):
+        """The cells this many devices make; ConfigError if the layout cannot run."""
+        c = self.cells
+        if n_devices % c.cell_size:
+            raise ConfigError(f"config.cells.cell_size={c.cell_size} does not divide the {n_devices} devices")
+        n_cells = n_devices // c.cell_size
+        self.policy_config(n_cells)
+        return n_cells
+
+    def processor_config(self):
+        from gyre_jax.trajectory.processor import ProcessorConfig
+        from gyre_jax.trajectory.rewards import AdvantageConfig
+
+        t = self.train
+        adv = _built("train", lambda: AdvantageConfig(mode=t.advantage, negative_scale=t.negative_advantage_scale),
+                     {"mode": "train.advantage", "negative_scale": "train.negative_advantage_scale"})
+        return _built("train", lambda: ProcessorConfig(row_len=t.row_len, advantage=adv))
+
+    def loss_config(self):
+        from gyre_jax.losses import PolicyLossConfig
+
+        t = self.train
+        return _built("train", lambda: PolicyLossConfig(eps_low=t.eps_low, eps_high=t.eps_high,
+                                                        entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp,
+                                                        clip_c=t.clip_c or None))
+
+    def optimizer_config(self):
+        from gyre_jax.cells.train_state import OptimizerConfig
+
+        t = self.train
+        return _built("train", lambda: OptimizerConfig(
+            learning_rate=t.learning_rate, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm, b2=t.adam_b2, eps=t.adam_eps), {"b2": "train.adam_b2", "eps": "train.adam_eps"})
+
+    def cell_config(self):
+        from gyre_jax.cells.mesh import CellConfig
+
+        c = self.cells
+        return _built("cells", lambda: CellConfig(cell_size=c.cell_size, train_tensor=c.train_tensor,
+                                                  serve_tensor=c.serve_tensor))
+
+    def harness_config(self, base_url: str, run_id: str = "rl"):
+        from gyre_jax.agents.config import HarnessConfig
+
+        h = self.harness
+        return _built("harness", lambda: HarnessConfig(
+            base_url=base_url, run_id=run_id, max_tokens=h.max_tokens, temperature=h.temperature,
+            send_tools_schema=False, bytes_per_token=1.0, max_turns=h.max_turns,
+            context_budget_tokens=self.cells.max_len, deadline_s=h.deadline_s, request_timeout_s=h.request_timeout_s,
+            max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
+            grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None))
 
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":
@@ -224,15 +387,12 @@ class RLConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"RL config: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise ConfigError(f"config: unknown field(s) {unknown}; known: {sorted(known)}")
         kw = {}
         for k, v in d.items():
-            if k in nested:
-                kw[k] = _build(nested[k], v, k)
-            else:
-                kw[k] = v
+            kw[k] = _build(nested[k], v, k) if k in nested else v
         if "model" not in kw:
-            raise ValueError("RL config: 'model' is required")
+            raise ConfigError("config.model is required")
         return cls(**kw)
 
 
@@ -240,5 +400,5 @@ def _build(klass, value: Mapping[str, Any], where: str):
     names = {f.name for f in dataclasses.fields(klass)}
     unknown = sorted(set(value) - names)
     if unknown:
-        raise ValueError(f"RL config {where}: unknown field(s) {unknown}; known: {sorted(names)}")
-    return klass(**dict(value))
+        raise ConfigError(f"config.{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+    return _built(where, lambda: klass(**dict(value)))

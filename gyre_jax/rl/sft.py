@@ -29,6 +29,7 @@ from gyre_jax.agents.tasks.base import Task
 from gyre_jax.losses import token_logprobs
 from gyre_jax.model import ModelConfig, Transformer
 from gyre_jax.rl.config import NOISE_KINDS
+from gyre_jax.rl.progress import Progress
 from gyre_jax.serving.api_openai import parse_chat
 from gyre_jax.serving.tokenizer import Tokenizer
 from gyre_jax.trajectory.binpack import pack_trees
@@ -175,8 +176,6 @@ def warm_start(params, model_cfg: ModelConfig, examples, *, steps: int, rows: in
     """``steps`` supervised updates on ``examples``; returns (params, per-step metrics)."""
     if steps == 0:
         return params, []
-    from tqdm.auto import tqdm
-
     sched = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 10), steps, learning_rate * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sched))
     params = jax.tree.map(lambda x: x.copy(), params)  # the caller's copy is not donated
@@ -184,14 +183,14 @@ def warm_start(params, model_cfg: ModelConfig, examples, *, steps: int, rows: in
     step = make_sft_step(model_cfg, tx)
     order = np.random.default_rng(seed).permutation(len(examples))
     history, start, pending, t0 = [], 0, None, time.perf_counter()
-    bar = tqdm(total=steps, desc="sft warm start", unit="step", disable=not progress)
+    bar = Progress(total=steps, desc="sft warm start", enabled=progress, every_s=10.0, line_per_step=False)
     for s in range(steps):
         b, start = _batch(examples, order, start, rows, row_len)
         params, opt_state, m = step(params, opt_state, b)
         if pending is not None:  # read one step late so the host packs while the device runs
             history.append({k: float(v) for k, v in jax.device_get(pending).items()})
-            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{history[-1]['accuracy']:.2f}")
-        bar.update(1)
+            bar.set_status(f"loss={history[-1]['loss']:.3f} acc={history[-1]['accuracy']:.2f}")
+        bar.step()
         pending = m
     history.append({k: float(v) for k, v in jax.device_get(pending).items()})
     bar.close()

@@ -1,4 +1,5 @@
-"""grain pipelines that yield batches of packed rows, with Orbax-checkpointable state.
+"""The grain pipeline the RL trainer reads: batches of packed rows, a step at a time,
+with Orbax-checkpointable state.
 
 A batch is a dict of numpy arrays: every ``PackedRows`` field and ``rollout_index``
 as [B, L], plus per row ``step`` int32[B] and ``last_in_step`` bool[B] (all True in
@@ -6,29 +7,31 @@ the step's last batch, so the trainer knows when to apply the optimizer). Rows
 that only fill up a step's last batch are empty padding rows (segment 0, weight 0),
 so every batch has the same shape and jitted steps never recompile.
 
-Two modes (PAPER.md, "multi-step" vs "one-step"):
-  * ``one_step_dataset``: all rows of a finished step, globally shuffled with a
-    seed derived from (seed, step). A grain MapDataset pipeline.
-  * ``StreamingDataset``: rows appear as rollout groups finish (``RowStream.add``)
-    and are yielded in arrival order, a step at a time; ``end_step`` closes a
-    step (its partial last batch is padded). A batch that might be the step's
-    last is held until more rows arrive or the step ends, so ``last_in_step`` is
-    exact. Within one added chunk the rows are
-    shuffled with a seed derived from (seed, step, chunk), so the order is a pure
-    function of (seed, sequence of adds). The iterator's state is
-    (step, row offset): after a restart, rebuild the stream by re-adding the same
-    chunks in the same order (the trajectory store replays them) and restore.
+``StreamingDataset`` yields the rows a ``RowStream`` receives (``RowStream.add``) in
+arrival order, a step at a time; ``end_step`` closes a step (its partial last
+batch is padded). A batch that might be the step's last is held until more rows
+arrive or the step ends, so ``last_in_step`` is exact. Within one added chunk the
+rows are shuffled with a seed derived from (seed, step, chunk), so the order is a
+pure function of (seed, sequence of adds). The two modes of the loop (PAPER.md,
+"one-step" vs "multi-step") are two ways of adding:
 
-Both iterators are grain ``DatasetIterator``s: save with
-``grain.checkpoint.CheckpointSave(it)`` inside an ``ocp.CheckpointManager`` and
-restore into a fresh iterator with ``grain.checkpoint.CheckpointRestore(it2)``.
+  * one-step: all rows of a finished step as one chunk, so the step is globally
+    shuffled;
+  * multi-step: a chunk per rollout group as it is taken into the running step,
+    so rows reach the cells while later groups still run (no global shuffle).
+
+The iterator's state is (step, row offset); after a step's last batch it is the
+next step's start. Save it with ``grain.checkpoint.CheckpointSave(it)`` inside an
+``ocp.CheckpointManager`` and restore into a fresh iterator with
+``grain.checkpoint.CheckpointRestore(it2)``; then re-add the chunks of the steps
+from the restored one on (the trajectory store holds their rollouts).
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -54,50 +57,6 @@ def _empty_rows(n: int, row_len: int) -> dict[str, np.ndarray]:
 
 def _derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
-
-
-class _StepRowSource(Sequence):
-    """Rows of one step, padded with empty rows to a multiple of the batch size."""
-
-    def __init__(self, arrays: dict[str, np.ndarray], step: int, batch_size: int):
-        n, row_len = arrays["tokens"].shape
-        pad = (-n) % batch_size
-        if pad:
-            empty = _empty_rows(pad, row_len)
-            arrays = {k: np.concatenate([v, empty[k]]) for k, v in arrays.items()}
-        self._a = arrays
-        self._n = n + pad
-        self._step = step
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i):
-        out = {k: v[i] for k, v in self._a.items()}
-        out["step"] = np.int32(self._step)
-        return out
-
-
-def one_step_dataset(
-    rows: PackedRows, rollout_index: np.ndarray, *, batch_size: int, seed: int, step: int
-) -> grain.IterDataset:
-    """The rows of one finished step, globally shuffled, in batches of ``batch_size``."""
-    if batch_size < 1:
-        raise ValueError(f"one_step_dataset: batch_size={batch_size} must be >= 1")
-    src = _StepRowSource(_row_arrays(rows, rollout_index), step, batch_size)
-    num_batches = len(src) // batch_size
-
-    def mark_last(i, batch):
-        batch["last_in_step"] = np.full(batch_size, i == num_batches - 1)
-        return batch
-
-    return (
-        grain.MapDataset.source(src)
-        .shuffle(seed=_derive_seed(seed, step))
-        .batch(batch_size, drop_remainder=True)
-        .map_with_index(mark_last)
-        .to_iter_dataset()
-    )
 
 
 class RowStream:
@@ -212,5 +171,7 @@ class _StreamIterator(grain.DatasetIterator):
             batch = {k: np.concatenate([batch[k], pad[k]]) for k in ROW_FIELDS}
         batch["step"] = np.full(self._b, self._step, np.int32)
         batch["last_in_step"] = np.full(self._b, last)
-        self._row = hi
+        # After a step's last batch the position is the next step's start, so a checkpoint
+        # taken between steps restores onto a stream that only holds the steps to come.
+        self._step, self._row = (self._step + 1, 0) if last else (self._step, hi)
         return batch

@@ -6,11 +6,12 @@
                      --binpack.pack_trees--> rows of row_len with loss weights,
                        advantages, behavior log-probs and policy versions per token
 
-One-step mode: call ``process_step`` once with every rollout of the step and feed
-``batch.rows`` to ``dataset.one_step_dataset``. Streaming mode: call it once per
-finished group with ``num_step_rollouts`` = the step's rollout count R (so the
-weights of all calls sum to 1 over the step), ``rollout_index_offset`` to keep
-rollout indices distinct, and ``RowStream.add`` the rows.
+One-step mode: call ``process_step`` once with every rollout of the step and
+``RowStream.add`` its rows as one chunk (``trajectory.dataset``). Multi-step
+(streaming) mode: call it once per finished group with ``num_step_rollouts`` = the
+step's rollout count R (so the weights of all calls sum to 1 over the step),
+``rollout_index_offset`` to keep rollout indices distinct, and ``RowStream.add``
+each group's rows.
 
 Nothing is dropped silently: failed rollouts' calls are counted per status in
 ``StepStats.calls_dropped``; a trained rollout whose call count disagrees with its
@@ -29,10 +30,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from gyre_jax.trajectory.binpack import pack_trees
-from gyre_jax.trajectory.rewards import STATUSES, AdvantageConfig, compute_advantages
+from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
 from gyre_jax.trajectory.select import SelectConfig, select_paths
 from gyre_jax.trajectory.serialize import PackedRows
 from gyre_jax.trajectory.tree import build_tree
+from gyre_jax.trajectory.vocab import FAILURE_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ def process_step(
         )
     rew = compute_advantages(outcomes, config.advantage, group_field=config.group_field)
 
-    calls_dropped = {s: 0 for s in STATUSES if s not in ("completed", "timeout")}
+    calls_dropped = {s: 0 for s in FAILURE_STATUSES}
     trained, adv = [], []
     for o, valid, a in zip(outcomes, rew.valid, rew.advantages):
         cs = by_rollout.get(o.rollout_id, [])

@@ -1,8 +1,13 @@
-"""Injected faults for RL-loop tests: a crashing grader, a stalled rollout, an engine error.
+"""Fault injection for the RL loop (``config.faults``): what breaks, where, and how often.
 
-``RLFaults(FaultConfig)`` marks every k-th launched rollout (1-based, counted by
-the launcher) with a fault and wraps each serving backend so the marks take effect
-inside the real proxy/engine path:
+It lives with the loop, not in ``gyre_jax.testing``: the faults act inside the real
+path (the real proxy, engines, harness, graders and cells), and a user can turn
+them on from the command line to see the loop survive them
+(``--config.faults.switch_fail_every=3``).
+
+Rollout faults. ``RLFaults(FaultConfig)`` marks every k-th launched rollout
+(1-based, counted by the launcher) with a fault and wraps each serving backend so
+the marks take effect inside the real proxy/engine path:
 
 * grader crash: the task's grader is replaced by :func:`crashing_grader` (runs in
   the grader subprocess and raises) -> ``verifier_error``, never a score;
@@ -16,6 +21,12 @@ inside the real proxy/engine path:
 
 Calls are tied to rollouts by the proxy's ``cache_key`` (``run/rollout/agent``).
 
+Cell chaos. ``Chaos(FaultConfig)`` perturbs the cells' timing and health: a
+random wait in ``[0, switch_delay_s)`` at random points of every role switch,
+join and leave; every k-th switch attempt raises once (the loop retries it);
+every k-th micro-batch a satellite pulls fails that satellite (its work goes back
+to the other cells and the cell is taken out of service).
+
 :func:`pause_at_step` (``FaultConfig.pause_at_step``) is the kill -9 hook of the
 resume test: the trainer calls it when a step has started; at the chosen step it
 prints ``PAUSED <step>`` and blocks on stdin, so the test kills the process at an
@@ -24,12 +35,19 @@ exact point of the real loop, with no sleep and no race.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
+import random
 import sys
 import threading
+import time
 
 from gyre_jax.serving.backend import Backend, EngineError, GenerateRequest, TokenStream
+
+
+class InjectedFault(RuntimeError):
+    """A failure the loop's own fault injection raised (config.faults)."""
 
 
 def crashing_grader(task, workspace):
@@ -68,7 +86,7 @@ class RLFaults:
         cfg, task = self.config, request.task
         with self._lock:
             if cfg.grader_crash_every and n % cfg.grader_crash_every == 0:
-                task = dataclasses.replace(task, grader="gyre_jax.testing.fake_rl_faults:crashing_grader")
+                task = dataclasses.replace(task, grader=f"{__name__}:crashing_grader")
                 self.injected["grader_crash"] += 1
             elif cfg.timeout_every and n % cfg.timeout_every == 0:
                 expected = str(task.params.get("expected", ""))
@@ -146,3 +164,50 @@ class FaultyBackend(Backend):
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+class Chaos:
+    """Random delays and transient failures in the cells' switches and steps (module docstring)."""
+
+    def __init__(self, config):
+        self.config = config
+        self._rng = random.Random(config.chaos_seed)
+        self._lock = threading.Lock()
+        self._switches = 0
+        self._pulls: collections.Counter = collections.Counter()
+        self.injected: collections.Counter = collections.Counter()
+
+    def delay(self) -> None:
+        """Maybe wait a random time (a switch, join or leave taking its time)."""
+        if not self.config.switch_delay_s:
+            return
+        with self._lock:
+            s = self._rng.random() * self.config.switch_delay_s if self._rng.random() < 0.5 else 0.0
+        if s:
+            time.sleep(s)
+
+    def switch_attempt(self, cell: int, to_role: str) -> None:
+        """Called once per switch attempt; every k-th raises (the caller retries)."""
+        k = self.config.switch_fail_every
+        with self._lock:
+            self._switches += 1
+            fail = bool(k) and self._switches % k == 0
+            if fail:
+                self.injected["switch_failure"] += 1
+        if fail:
+            raise InjectedFault(f"injected failure of switch #{self._switches} (cell {cell} -> {to_role})")
+
+    def on_pull(self, cell: int, mb_index: int) -> None:
+        """ElasticStep hook on every pull: satellites may fail, pulls may be slow."""
+        if cell == 0:
+            return
+        k = self.config.satellite_fail_every
+        with self._lock:
+            self._pulls[cell] += 1
+            n = sum(self._pulls.values())
+            fail = bool(k) and n % k == 0
+            if fail:
+                self.injected["satellite_failure"] += 1
+        self.delay()
+        if fail:
+            raise InjectedFault(f"injected failure of satellite cell {cell} at micro-batch {mb_index}")

@@ -1,0 +1,244 @@
+"""The real cells and the proxy's routing behind the scheduler's ``CellPool`` and ``Proxy``.
+
+The controller only calls non-blocking methods; a switch or a publication runs in
+a small thread pool and reports through ``role()`` / ``published_version()`` and
+a ``notify()`` that wakes the loop.
+
+Placement. Roles live in one ``CellLayout`` (``gyre_jax.cells.mesh``): a cell
+serves on ``cell.mesh(Role.ROLLOUT)`` and trains on ``cell.mesh(Role.TRAIN)``;
+the scheduler's finer states (``to_train``, ``to_rollout``, ``out``) sit on top.
+
+One publication path. Every weight move to a serving cell, a publication to all
+of them or the load of a cell that just turned to rollout, goes through one
+``WeightPublisher`` (the cell's serving shardings from the rules table, bytes and
+seconds measured, never an older version than the cell holds) and then into the
+cell's engine. Cells always serve the *published* version (multi-step mode keeps
+k updates between publications; a cell coming back does not skip ahead).
+
+Failures. A switch or a load that raises is retried (``retries`` times); a cell
+whose attempts all fail, or whose training worker failed in a step, is taken out
+of service: drained for good, role ``out``, no more work from the policy. The
+core cannot be taken out: its failure is the run's (``errors``).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+from gyre_jax.cells.mesh import CellLayout, Role
+from gyre_jax.cells.publish import MoveStats, WeightPublisher
+from gyre_jax.scheduler.vocab import OUT, ROLLOUT, SERVING_ROLES, TO_ROLLOUT, TO_TRAIN, TRAIN
+
+log = logging.getLogger(__name__)
+
+
+class ProxyAdapter:
+    """Routing side of the recording proxy (``scheduler.interfaces.Proxy``)."""
+
+    def __init__(self, server, names: dict[int, str], routable: Sequence[int]):
+        self.server, self.names = server, names
+        self.router = server.proxy.router
+        self._routable = set(routable)
+        self._drains: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        for c in names:  # start consistent with the initial roles (no calls yet: instant)
+            if c not in self._routable:
+                server.run(self.router.drain(names[c]), timeout=60)
+
+    def drain(self, cell: int) -> None:
+        with self._lock:
+            self._routable.discard(cell)
+            if cell in self.names:
+                self._drains[cell] = self.server.submit(self.router.drain(self.names[cell]))
+
+    def wait_drained(self, cell: int, timeout: float = 300.0) -> None:
+        """Wait for the drain the controller started (or drain again: a retry after a failure)."""
+        with self._lock:
+            fut = self._drains.pop(cell, None)
+        if fut is None and cell in self.names:
+            fut = self.server.submit(self.router.drain(self.names[cell]))
+        if fut is not None:
+            fut.result(timeout)
+
+    def admit(self, cell: int) -> None:
+        if cell not in self.names:
+            raise ValueError(f"cell {cell} has no engine (mode does not serve on it)")
+        with self._lock:
+            self._routable.add(cell)
+        self.server.run(self.router.admit(self.names[cell]), timeout=60)
+
+    def routable(self, cell: int) -> bool:
+        return cell in self._routable
+
+    def in_flight_calls(self, cell: int) -> int:
+        b = self.router.cells.get(self.names.get(cell, ""))
+        return 0 if b is None else b.num_active()
+
+    def queued_calls(self) -> int:
+        return 0  # the router keeps no queue we can count without waiting on it; calls wait for a cell
+
+
+class CellPoolAdapter:
+    """Cells, roles, switches and weight publication (``scheduler.interfaces.CellPool``)."""
+
+    def __init__(self, *, layout: CellLayout, roles: Sequence[str], backends: dict[int, Any], proxy: ProxyAdapter,
+                 timeline, notify: Callable[[], None], publisher: WeightPublisher, published: tuple[int, Any],
+                 slots: int, retries: int, chaos=None):
+        self.layout, self.backends, self.proxy, self.timeline, self.notify = layout, backends, proxy, timeline, notify
+        self.publisher, self.retries, self.chaos = publisher, retries, chaos
+        self._roles = list(roles)
+        self._slots = slots
+        self._published = published  # (version, params): what serving cells load
+        self._publishing = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="switch")
+        self._load_lock = threading.RLock()  # held across a whole publication: a cell never loads a version being replaced
+        self._lock = threading.Lock()
+        self.trainer = None  # TrainerAdapter, set by the loop (they refer to each other)
+        self.errors: list[BaseException] = []  # failures the run cannot survive (the core's)
+        self.failures: list[tuple[int, str, str]] = []  # (cell, what, error) of every failed attempt
+        self.out: dict[int, str] = {}  # cell -> why it was taken out of service
+
+    # -- Protocol --
+    def cell_ids(self):
+        return range(len(self.layout.cells))
+
+    def core_cell(self) -> int:
+        return 0
+
+    def role(self, cell: int) -> str:
+        return self._roles[cell]
+
+    def roles(self) -> list[str]:
+        return list(self._roles)
+
+    def slots(self, cell: int) -> int:
+        return self._slots
+
+    def _set(self, cell: int, role: str) -> None:
+        with self._lock:
+            self._roles[cell] = role
+            if cell != 0 and role in (TRAIN, ROLLOUT):
+                self.layout = self.layout.with_role(cell, Role.TRAIN if role == TRAIN else Role.ROLLOUT)
+        self.timeline.set(cell, role)
+        self.notify()
+
+    def _run(self, what: str, cell: int, attempt: Callable[[], None]) -> None:
+        """Run ``attempt`` in the pool, retried; out of service (or a run error, for the core) if it keeps failing."""
+
+        def guarded():
+            err = None
+            for n in range(self.retries + 1):
+                try:
+                    if self.chaos is not None:
+                        self.chaos.delay()
+                        self.chaos.switch_attempt(cell, what)
+                    attempt()
+                    return
+                except Exception as e:  # noqa: BLE001 - retried, then the cell goes out of service
+                    err = e
+                    self.failures.append((cell, what, repr(e)))
+                    log.warning("cell %d: %s failed (attempt %d of %d): %r", cell, what, n + 1, self.retries + 1, e)
+            self.take_out(cell, f"{what} failed {self.retries + 1} times, last: {err!r}", err)
+
+        self._pool.submit(guarded)
+
+    def take_out(self, cell: int, why: str, error: BaseException | None = None) -> None:
+        """Out of service: never routed again, leaves any step, gets no work from the policy."""
+        if cell == 0:
+            self.errors.append(error or RuntimeError(why))
+            self.notify()
+            return
+        with self._lock:
+            if cell in self.out:
+                return
+            self.out[cell] = why
+        log.error("cell %d taken out of service: %s", cell, why)
+        if cell in self.proxy.names:
+            try:
+                self.proxy.drain(cell)
+            except Exception:  # noqa: BLE001 - the server may be stopping; the cell gets no work anyway
+                log.exception("cell %d: drain while taking it out failed", cell)
+        if self.trainer is not None:
+            self.trainer.leave_step(cell)
+        self._set(cell, OUT)
+
+    def switch_to_train(self, cell: int) -> None:
+        self._set(cell, TO_TRAIN)
+        self._run("switch to train", cell, lambda: self._to_train(cell))
+
+    def _to_train(self, cell: int) -> None:
+        self.proxy.wait_drained(cell)
+        if self.chaos is not None:
+            self.chaos.delay()
+        self._set(cell, TRAIN)
+        self.trainer.on_train_cell(cell)
+
+    def switch_to_rollout(self, cell: int) -> None:
+        self._set(cell, TO_ROLLOUT)
+        self._run("switch to rollout", cell, lambda: self._to_rollout(cell))
+
+    def _to_rollout(self, cell: int) -> None:
+        self.trainer.wait_cell_free(cell)  # a satellite finishes its micro-batches of the running step
+        with self._load_lock:
+            version, params = self._published
+            self._load(cell, version, params)
+            self._set(cell, ROLLOUT)
+
+    def _load(self, cell: int, version: int, params) -> MoveStats | None:
+        """Move ``params`` (policy ``version``) into the cell's engine, unless it already holds it."""
+        with self._load_lock:
+            held = self.publisher.latest(self.layout.cells[cell])
+            if held is not None and held.version >= version:
+                return None
+            pub = self.publisher.publish(params, version, self.layout.cells[cell], Role.ROLLOUT)
+            self.backends[cell].engine.publish(pub.params, version)
+            return pub.move
+
+    def publish(self, version: int) -> None:
+        self._publishing = True
+        self._pool.submit(self._publish, version)
+
+    def _publish(self, version: int) -> None:
+        # The swap is not preceded by a drain: a call already in a slot finishes on the new
+        # weights (its record carries the version of its first token; the behavior
+        # log-probs are the ones actually sampled, so the importance ratio stays exact).
+        # Draining every serving cell per publication would stall all agents here.
+        try:
+            have, params = self.trainer.latest_params()
+            if have < version:
+                self.errors.append(RuntimeError(f"publish({version}): the trainer only has version {have}"))
+                return
+            with self._load_lock:  # a cell turning to rollout meanwhile loads after us, the new version
+                for c in self.backends:
+                    if self._roles[c] in SERVING_ROLES:
+                        self._load_retried(c, have, params)
+                self._published = (have, params)
+        finally:
+            self._publishing = False
+            self.notify()
+
+    def _load_retried(self, cell: int, version: int, params) -> None:
+        err = None
+        for n in range(self.retries + 1):
+            try:
+                self._load(cell, version, params)
+                return
+            except Exception as e:  # noqa: BLE001 - retried, then the cell goes out of service
+                err = e
+                self.failures.append((cell, "publish", repr(e)))
+                log.warning("cell %d: publish of version %d failed (attempt %d): %r", cell, version, n + 1, e)
+        self.take_out(cell, f"publish of version {version} failed {self.retries + 1} times, last: {err!r}", err)
+
+    def published_version(self) -> int:
+        return self._published[0]
+
+    def publish_in_progress(self) -> bool:
+        return self._publishing
+
+    def moves(self) -> list[MoveStats]:
+        return list(self.publisher.history)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,240 @@
+"""Groups of harness rollouts behind the scheduler's ``RolloutLauncher``, and their resume.
+
+A group is ``group_size`` rollouts of one task (rollout ids ``<group>-<k>``); when
+all of them have an outcome in the store, the group goes to the trainer. The
+harness runs on its own event loop (``LoopThread``) and talks to the proxy over
+HTTP like any other harness.
+
+Resume. A run killed mid-group leaves groups with some rollouts finished and some
+not: in flight (calls recorded, no outcome) or never started. Training such a
+group short would silently change its advantage baseline, so ``resume_plan``
+finds them in the store, gives every abandoned attempt an ``infra_error`` outcome
+(recorded, never trained, dropped with its reason), and the launcher re-runs each
+missing rollout under a new attempt id ``<group>-<k>.r<n>`` before the group goes
+to training whole.
+
+Failures. A harness error the rollout itself did not catch (a bug, a broken
+session) must not hang the policy, which counts the group as running: every
+rollout of the group without an outcome gets an ``infra_error`` outcome and the
+group is reported with what it has (``group_failures`` counts them).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import re
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import aiohttp
+
+from gyre_jax.agents.harness import RolloutRequest, group_requests, iter_rollouts
+from gyre_jax.trajectory.records import RolloutOutcome
+from gyre_jax.trajectory.vocab import STATUS_INFRA_ERROR
+
+log = logging.getLogger(__name__)
+_ROLLOUT_ID = re.compile(r"^(g\d+)-(\d+)(?:\.r(\d+))?$")
+
+
+@dataclasses.dataclass
+class Group:
+    group_id: str
+    version: int  # published policy version when it was admitted (the oldest, for a resumed group)
+    rollout_ids: list[str]  # every rollout with an outcome, failures included
+    work_s: float  # estimated training cell-seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumedGroup:
+    """A group the killed run left short: what finished, and which slots to run again."""
+
+    group_id: str
+    number: int  # g in the group id (the task seed)
+    version: int  # oldest policy version of its finished rollouts
+    finished: tuple[str, ...]  # rollout ids with an outcome (kept)
+    rerun: tuple[str, ...]  # new rollout ids for the missing slots
+    abandoned: tuple[str, ...]  # attempts that were in flight at the kill (infra_error outcomes now)
+
+
+def group_number(group_id: str) -> int:
+    return int(group_id[1:])
+
+
+def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: Sequence[str]):
+    """(complete groups of ``pending`` rollout ids, short groups to finish) after a restart.
+
+    ``pending``: finished, untrained rollout ids (``resume_store``'s order). Writes an
+    ``infra_error`` outcome for every unfinished attempt of a short group.
+    """
+    unfinished = set(store.unfinished_rollouts())
+    slots: dict[str, dict[int, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    order: list[str] = []
+    for rid in list(pending) + sorted(unfinished):
+        m = _ROLLOUT_ID.match(rid)
+        if m is None:
+            continue  # not a launcher rollout (e.g. a harness pointed at the proxy by hand)
+        gid = m.group(1)
+        if gid not in slots:
+            order.append(gid)
+        slots[gid][int(m.group(2))].append(rid)
+    pending_set = set(pending)
+    complete, short = [], []
+    for gid in order:
+        by_slot = slots[gid]
+        finished = [r for k in sorted(by_slot) for r in by_slot[k] if r in pending_set]
+        if not finished:
+            continue  # nothing of it finished: its attempts are abandoned below with the rest
+        done_slots = {k for k, ids in by_slot.items() if any(r in pending_set for r in ids)}
+        outcomes = [store.outcome(r) for r in finished]
+        versions = [v for o in outcomes for v in o.policy_versions]
+        version = min(versions) if versions else steps_done
+        if len(done_slots) >= group_size:
+            complete.append(Group(gid, version, finished, 0.0))
+            continue
+        abandoned = tuple(r for k in sorted(by_slot) for r in by_slot[k] if r in unfinished)
+        rerun = []
+        for k in range(group_size):
+            if k in done_slots:
+                continue
+            attempts = [int(m.group(3) or 0) for r in by_slot.get(k, []) if (m := _ROLLOUT_ID.match(r))]
+            rerun.append(f"{gid}-{k}.r{max(attempts, default=0) + 1}")
+        short.append(ResumedGroup(gid, group_number(gid), version, tuple(finished), tuple(rerun), abandoned))
+    in_short = {r for g in short for r in g.abandoned}
+    for rid in sorted(unfinished):  # every attempt the kill cut off gets its outcome now, once
+        calls = store.calls(rid)
+        c0 = calls[0]
+        store.append(RolloutOutcome(
+            run_id=run_id, rollout_id=rid, task_id=c0.task_id, group_id=c0.group_id, status=STATUS_INFRA_ERROR,
+            score=None, details={"error": "abandoned: the run stopped while this rollout was in flight"
+                                 + ("; its slot is run again" if rid in in_short else "")},
+            policy_versions=tuple(sorted({c.policy_version for c in calls})), t_end=time.time(),
+            num_calls=len(calls)))
+    return complete, short
+
+
+class Launcher:
+    """Starts groups of harness rollouts (``scheduler.interfaces.RolloutLauncher``)."""
+
+    def __init__(self, *, loop, harness_config, store, run_id: str, task_fn: Callable[[int], Any],
+                 group_size: int, workspace_root: str, on_group: Callable[[Group], None],
+                 work_s: Callable[[int], float], next_group: int = 0, launched: int = 0, faults=None):
+        self.loop, self.hc, self.store, self.run_id = loop, harness_config, store, run_id
+        self.task_fn, self.group_size, self.workspace_root = task_fn, group_size, workspace_root
+        self.on_group, self.work_s, self.faults = on_group, work_s, faults
+        self._lock = threading.Lock()
+        self._next_group = next_group
+        self._launched = launched
+        self._running = 0
+        self._groups_by_version: collections.Counter = collections.Counter()
+        self._rollouts_launched = 0
+        self.statuses: collections.Counter = collections.Counter()
+        self.results: list[dict] = []  # per finished rollout: small dict for metrics
+        self.group_failures: list[tuple[str, str]] = []  # (group id, error) of groups the harness could not run
+        self.rerun_rollouts = 0  # rollouts re-run at resume (their first attempt was cut off)
+        self._session = None
+        self._futures: list[concurrent.futures.Future] = []
+
+    # -- Protocol --
+    def launch(self, n_groups: int, version: int) -> None:
+        for _ in range(n_groups):
+            with self._lock:
+                g = self._next_group
+                self._next_group += 1
+            self._start(f"g{g:05d}", g, version, group_requests(self.task_fn(g), self.group_size, group_id=f"g{g:05d}"))
+
+    def resume(self, groups: Sequence[ResumedGroup]) -> None:
+        """Finish groups a killed run left short (``resume_plan``): run their missing slots."""
+        for rg in groups:
+            task = self.task_fn(rg.number)
+            reqs = [RolloutRequest(rollout_id=rid, task=task, group_id=rg.group_id) for rid in rg.rerun]
+            self.rerun_rollouts += len(reqs)
+            log.info("resume: group %s had %d of %d rollouts; running %s", rg.group_id, len(rg.finished),
+                     self.group_size, list(rg.rerun))
+            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished))
+
+    def _start(self, gid: str, number: int, version: int, reqs, finished: Sequence[str] = ()) -> None:
+        with self._lock:
+            self._launched += 1
+            self._running += len(reqs)
+            self._groups_by_version[version] += 1
+        if self.faults is not None:
+            reqs = [self.faults.apply(r, self) for r in reqs]
+        self._futures.append(self.loop.submit(self._run_group(gid, version, reqs, list(finished))))
+
+    def launched_groups(self) -> int:
+        return self._launched
+
+    def running_rollouts(self) -> int:
+        return self._running
+
+    def running_groups(self):
+        with self._lock:
+            return {v: n for v, n in self._groups_by_version.items() if n > 0}
+
+    def next_rollout_number(self) -> int:
+        with self._lock:
+            self._rollouts_launched += 1
+            return self._rollouts_launched
+
+    # -- the group coroutine (harness loop) --
+    async def _run_group(self, gid: str, version: int, reqs, finished: list[str]) -> None:
+        ids, tokens = list(finished), 0
+        left = {r.rollout_id: r for r in reqs}
+        try:
+            if self._session is None:
+                self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            async for res in iter_rollouts(reqs, self.hc, workspace_root=self.workspace_root, session=self._session):
+                calls = await asyncio.to_thread(self._calls_of, res.rollout_id)
+                outcome = res.to_outcome(self.run_id, policy_versions=sorted({c.policy_version for c in calls}),
+                                         num_calls=len(calls))
+                await asyncio.to_thread(self.store.append, outcome)
+                left.pop(res.rollout_id, None)
+                tokens += sum(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
+                ids.append(res.rollout_id)
+                self._finished(res.rollout_id, res.status, dict(
+                    rollout_id=res.rollout_id, status=res.status, score=res.score, retries=res.retries,
+                    calls=res.calls, version=version, gen_tokens=sum(int(c.output_ids.shape[0]) for c in calls),
+                    exact=bool(res.grader_details.get("exact", False))))
+        except asyncio.CancelledError:
+            raise  # the loop is closing
+        except Exception as e:  # noqa: BLE001 - the group must still end, or the policy waits for it forever
+            log.exception("group %s: the harness failed; %d rollouts recorded as infra_error", gid, len(left))
+            self.group_failures.append((gid, repr(e)))
+            for rid, req in left.items():
+                await asyncio.to_thread(self._record_failure, rid, req, gid, e)
+                ids.append(rid)
+                self._finished(rid, STATUS_INFRA_ERROR, dict(rollout_id=rid, status=STATUS_INFRA_ERROR, score=None,
+                                                             retries=0, calls=0, version=version, gen_tokens=0,
+                                                             exact=False))
+        with self._lock:
+            self._groups_by_version[version] -= 1
+        self.on_group(Group(gid, version, ids, self.work_s(tokens)))
+
+    def _finished(self, rid: str, status: str, result: dict) -> None:
+        with self._lock:
+            self._running -= 1
+            self.statuses[status] += 1
+            self.results.append(result)
+
+    def _record_failure(self, rid: str, req, gid: str, error: BaseException) -> None:
+        calls = self._calls_of(rid)
+        self.store.append(RolloutOutcome(
+            run_id=self.run_id, rollout_id=rid, task_id=req.task.task_id, group_id=gid, status=STATUS_INFRA_ERROR,
+            score=None, details={"error": f"harness failed: {error!r}"},
+            policy_versions=tuple(sorted({c.policy_version for c in calls})), t_end=time.time(), num_calls=len(calls)))
+
+    def _calls_of(self, rollout_id: str):
+        try:
+            return self.store.calls(rollout_id)
+        except KeyError:  # no call recorded (e.g. stalled until the deadline)
+            return []
+
+    def close(self) -> None:
+        for f in self._futures:
+            f.cancel()
+        if self._session is not None:
+            self.loop.submit(self._session.close()).result(10)

@@ -1,0 +1,134 @@
+"""The loop's numbers: one record per step (metrics.jsonl, TensorBoard) and the run summary.
+
+Everything a user needs to trust a step is in its record: reward and partial
+credit, failures by class, staleness, what the Jmax path budget dropped
+(trainable tokens and paths kept vs total), prefix-sharing savings, throughput,
+role switches and their failures, weight moves (bytes, seconds), cells that
+failed or went out of service.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from gyre_jax.rl import summary as summary_lib
+from gyre_jax.scheduler.vocab import ROLLOUT, TRAIN
+
+
+def scalars(rec: dict) -> dict:
+    """A step record as the metrics writer takes it: scalars and strings only."""
+    out = {}
+    for k, v in rec.items():
+        if k == "step" or v is None:
+            continue
+        if isinstance(v, (list, tuple)):
+            v = ",".join(str(x) for x in v)
+        out[k] = v
+    return out
+
+
+class StepRecorder:
+    """Turns the trainer's per-step info into a flat record; remembers counters between steps."""
+
+    def __init__(self, *, clock, server, timeline, launcher, pool):
+        self.clock, self.server, self.timeline, self.launcher, self.pool = clock, server, timeline, launcher, pool
+        self._t = clock.now()
+        self._gen = 0
+        self._switches = 0
+        self._moves = len(pool.moves())
+        self._failures = len(pool.failures)
+
+    def record(self, info: dict) -> dict:
+        now = self.clock.now()
+        rep, st = info["report"], info["stats"]
+        scores = np.asarray(info["scores"], np.float64)
+        counters = self.server.proxy.counters
+        gen = int(counters.get("completion_tokens", 0))
+        sw = self.timeline.switches[self._switches:]
+        moves = self.pool.moves()[self._moves:]
+        dt = max(now - self._t, 1e-9)
+        rec = {
+            "step": info["step"], "version": info["version"], "time_s": now,
+            "reward": float(scores.mean()) if scores.size else float("nan"),
+            "exact": float((scores == 1.0).mean()) if scores.size else float("nan"),
+            "partial_credit": float(((scores > 0) & (scores < 1)).mean()) if scores.size else float("nan"),
+            "rollouts": info["rollouts"], "trained_rollouts": st["trained_rollouts"],
+            **{f"failures/{k}": v for k, v in st["failures"].items()},
+            "staleness_mean": rep.staleness_mean, "staleness_max": rep.staleness_max,
+            "group_versions": info["group_versions"],
+            "dedup_factor": st["dedup_factor"], "rows": info["rows"], "micro_batches": info["micro_batches"],
+            # What the Jmax path budget cost this step (each unique trainable token once).
+            "trainable_tokens": st["trainable_unique"], "trainable_tokens_kept": st["trainable_selected"],
+            "trainable_tokens_dropped": st["trainable_dropped"], "paths": st["paths_total"],
+            "paths_kept": st["paths_selected"], "rollouts_truncated": st["rollouts_truncated"],
+            "max_dropped_fraction": st["max_dropped_fraction"],
+            "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate,
+            "grad_scale": rep.grad_scale,
+            **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
+            "gen_tokens_per_s": (gen - self._gen) / dt,
+            "train_tokens_per_s": st["packed_tokens"] / max(rep.seconds, 1e-9),
+            "train_step_s": rep.seconds,
+            "train_busy_cell_s": float(sum(done - pulled for _, pulled, done in rep.timeline)),
+            "process_s": info["process_s"], "cells_trained": info["cells_used"],
+            "failed_cells": [c for c, _ in rep.failed_cells],
+            "switches": len(sw), "switch_s_mean": float(np.mean([x[3] for x in sw])) if sw else 0.0,
+            "switch_s_max": float(np.max([x[3] for x in sw])) if sw else 0.0,
+            "switch_failures": len(self.pool.failures) - self._failures, "cells_out": len(self.pool.out),
+            "weight_moves": len(moves), "weight_move_bytes": int(sum(m.bytes for m in moves)),
+            "weight_move_s": float(sum(m.seconds for m in moves)),
+            "rollouts_in_flight": self.launcher.running_rollouts(), "roles": self.pool.roles(),
+            "engine_errors": int(counters.get("engine_errors", 0)),
+            "retries": int(sum(r["retries"] for r in self.launcher.results)),
+        }
+        self._t, self._gen, self._switches = now, gen, len(self.timeline.switches)
+        self._moves, self._failures = self._moves + len(moves), len(self.pool.failures)
+        return rec
+
+
+def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], segments, n_cells: int,
+                step_end_s: list[float], wall_rl: float, wall: float, launcher, timeline, pool, server, injected: dict,
+                sft_history: list[dict]) -> dict:
+    """summary.json (and the timeline PNG) of this run; printed as one line plus the modes table."""
+    h = history
+    k = min(cfg.first_last, max(1, len(h) // 2))
+    first = float(np.nanmean([r["reward"] for r in h[:k]])) if h else float("nan")
+    lastr = float(np.nanmean([r["reward"] for r in h[-k:]])) if h else float("nan")
+    util = summary_lib.utilization(segments, n_cells, wall_rl)
+    summary_lib.plot_timeline(segments, n_cells, step_end_s, os.path.join(workdir, "timeline.png"),
+                              title=f"gyre_jax RL loop, mode={cfg.scheduler.mode}: cell roles over time")
+    out = {
+        "mode": cfg.scheduler.mode, "updates_per_publication": cfg.scheduler.updates_per_publication,
+        "steps": len(h), "wall_s": wall, "rl_s": wall_rl,
+        "reward_first": first, "reward_last": lastr, "first_last_steps": k,
+        "util_rollout": util[ROLLOUT], "util_train": util[TRAIN], "util_switching": util["switching"],
+        # cell-time actually computing micro-batches (the rest of train role is waiting)
+        "util_train_busy": sum(r["train_busy_cell_s"] for r in h) / max(n_cells * wall_rl, 1e-9),
+        "staleness_mean": float(np.mean([r["staleness_mean"] for r in h])) if h else 0.0,
+        "staleness_max": float(max([r["staleness_max"] for r in h], default=0.0)),
+        "switches": len(timeline.switches), "switch_failures": len(pool.failures), "cells_out": dict(pool.out),
+        "statuses": dict(launcher.statuses), "group_failures": len(launcher.group_failures),
+        "rerun_rollouts": launcher.rerun_rollouts,
+        "trainable_tokens_dropped": int(sum(r["trainable_tokens_dropped"] for r in h)),
+        "trainable_tokens": int(sum(r["trainable_tokens"] for r in h)),
+        "weight_move_bytes": int(sum(r["weight_move_bytes"] for r in h)),
+        "engine_errors": int(server.proxy.counters.get("engine_errors", 0)),
+        "retries": int(sum(r["retries"] for r in launcher.results)),
+        "injected_faults": injected,
+        "sft_steps": len(sft_history), "sft_loss_last": sft_history[-1]["loss"] if sft_history else None,
+    }
+    if evals:  # held-out eval (config.eval): the starting policy's and the last one's
+        out.update(eval_first=evals[0]["eval_reward"], eval_last=evals[-1]["eval_reward"],
+                   eval_first_version=evals[0]["version"], eval_last_version=evals[-1]["version"],
+                   eval_exact_first=evals[0]["eval_exact"], eval_exact_last=evals[-1]["eval_exact"])
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    if h:
+        print(f"rl[{out['mode']}]: reward {first:.3f} -> {lastr:.3f} (mean of first/last {k} steps), "
+              f"{len(h)} steps in {wall_rl:.1f}s of RL ({wall:.1f}s total), staleness mean "
+              f"{out['staleness_mean']:.2f} max {out['staleness_max']:.0f}; statuses {out['statuses']}"
+              + (f"; held-out eval {out['eval_first']:.3f} -> {out['eval_last']:.3f} (versions "
+                 f"{out['eval_first_version']} -> {out['eval_last_version']})" if evals else ""), flush=True)
+    print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(workdir))), flush=True)
+    return out

@@ -1,0 +1,62 @@
+"""Small runtime pieces of the loop: its clock, the harness's event-loop thread, the role timeline."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from typing import Sequence
+
+from gyre_jax.scheduler.vocab import SWITCHING_ROLES, ROLLOUT, TRAIN
+
+
+class RealClock:
+    def __init__(self):
+        self.t0 = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread (the harness runs here)."""
+
+    def __init__(self, name: str = "gyre-harness"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+class Timeline:
+    """Role segments per cell (cell, t0, t1, role) and completed switch durations."""
+
+    def __init__(self, clock: RealClock, roles: Sequence[str]):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._open = {c: (r, 0.0) for c, r in enumerate(roles)}
+        self.segments: list[tuple[int, float, float, str]] = []
+        self.switches: list[tuple[int, str, float, float]] = []  # (cell, to_role, t_start, seconds)
+
+    def set(self, cell: int, role: str) -> None:
+        now = self.clock.now()
+        with self._lock:
+            prev, t0 = self._open[cell]
+            self.segments.append((cell, t0, now, prev))
+            self._open[cell] = (role, now)
+            if prev in SWITCHING_ROLES and role in (TRAIN, ROLLOUT):
+                self.switches.append((cell, role, t0, now - t0))
+
+    def close(self) -> list[tuple[int, float, float, str]]:
+        now = self.clock.now()
+        with self._lock:
+            for c, (r, t0) in self._open.items():
+                self.segments.append((c, t0, now, r))
+                self._open[c] = (r, now)
+            return list(self.segments)

@@ -1,0 +1,321 @@
+"""Finished groups -> the grain pipeline -> elastic steps (``scheduler.interfaces.Trainer``).
+
+Three stages, each on its own thread, connected by the dataset of packed rows:
+
+    take_groups (controller)  ->  processor thread: store -> process_step -> RowStream.add
+                              ->  trainer thread: StreamingDataset iterator -> ElasticStep
+
+* One-step mode (``multi_step=False``): once the open step holds ``groups_per_step``
+  groups, the processor packs the step's rollouts together (weights normalized
+  over the step's trained rollouts) and adds them as one chunk: the step is
+  globally shuffled. The trainer reads batches until ``last_in_step`` and runs
+  the update.
+* Multi-step mode: each group is packed and added as soon as it is taken, so the
+  core (and every cell in train role) computes its micro-batches while later
+  groups still run. Its rows are weighted over the step's nominal rollout count
+  ``G x group_size``; when the step's last group is in, the update is scaled by
+  nominal / trained rollouts (``ElasticStep.close(grad_scale=...)``), so a step's
+  gradient is the rollout-first mean over exactly the rollouts it trained.
+
+Both read the same ``StreamingDataset`` iterator, whose position is saved in
+every checkpoint; after an update it is the next step's start.
+
+Staleness is bounded by the policy's admission; every finished rollout is trained
+(or, for infra/verifier failures, marked dropped with its status as the reason)
+exactly once. A satellite that fails in a step is reported (``on_failed_cell``)
+and the step goes on; a failure of the core's step is the run's (``errors``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
+from gyre_jax.cells.train_step import MICRO_BATCH_KEYS
+from gyre_jax.scheduler.interfaces import TrainProgress
+from gyre_jax.scheduler.policy import ReadyGroup
+from gyre_jax.scheduler.vocab import TRAIN
+from gyre_jax.rl.launcher import Group
+from gyre_jax.trajectory.processor import ProcessorConfig, StepStats, process_step
+from gyre_jax.trajectory.serialize import pack_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _StepData:
+    """What the processor learned about a step (read by the trainer at its last batch)."""
+
+    groups: list[Group] = dataclasses.field(default_factory=list)
+    outcomes: list = dataclasses.field(default_factory=list)
+    stats: list[StepStats] = dataclasses.field(default_factory=list)
+    rows: int = 0
+    process_s: float = 0.0
+    grad_scale: float = 1.0
+
+
+def merge_stats(stats: Sequence[StepStats]) -> dict:
+    """One step's numbers from the StepStats of its chunks (one in one-step mode)."""
+    out: dict = {}
+    for k in ("rollouts", "trained_rollouts", "packed_tokens", "expanded_tokens", "trainable_targets", "paths_total",
+              "paths_selected", "trainable_unique", "trainable_selected", "trainable_dropped", "rollouts_truncated"):
+        out[k] = int(sum(getattr(s, k) for s in stats))
+    failures: dict = {}
+    for s in stats:
+        for k, v in s.failures.items():
+            failures[k] = failures.get(k, 0) + v
+    out["failures"] = failures
+    out["dedup_factor"] = out["expanded_tokens"] / out["packed_tokens"] if out["packed_tokens"] else 0.0
+    worst = max(stats, key=lambda s: s.max_dropped_fraction, default=None)
+    out["max_dropped_fraction"] = worst.max_dropped_fraction if worst is not None else 0.0
+    out["max_dropped_rollout"] = worst.max_dropped_rollout if worst is not None else None
+    return out
+
+
+class TrainerAdapter:
+    def __init__(self, *, trainer: ElasticTrainer, store, processor_config: ProcessorConfig, groups_per_step: int,
+                 group_size: int, micro_batch_rows: int, cells, cell_roles: Callable[[], list[str]],
+                 notify: Callable[[], None], on_step: Callable[[dict], None], work_s_per_row: float,
+                 stream, data_iterator, multi_step: bool, steps_done: int = 0, ready: Sequence[Group] = (),
+                 after_update: Callable[[int], None] | None = None,
+                 on_step_started: Callable[[int], None] | None = None,
+                 on_failed_cell: Callable[[int, str], None] | None = None, on_pull=None):
+        self.trainer, self.store, self.pc = trainer, store, processor_config
+        self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
+        self.cells, self.cell_roles, self.multi_step = cells, cell_roles, multi_step
+        self.notify, self.on_step, self.after_update = notify, on_step, after_update
+        self.on_step_started = on_step_started  # FaultConfig.pause_at_step; None in real runs
+        self.on_failed_cell, self.on_pull = on_failed_cell, on_pull
+        self.work_s_per_row = work_s_per_row
+        self.stream, self.it = stream, data_iterator
+        self._lock = threading.RLock()
+        self._ready: list[Group] = sorted(ready, key=lambda g: g.version)
+        self._taken: list[Group] = []  # in the open step, not yet handed to the processor (one-step)
+        self._in_step: list[Group] = []  # handed to the processor for the open step, not yet trained
+        self._queued_work_s = 0.0  # taken, not yet in the stream
+        self._steps_done = steps_done
+        self._updating = False
+        self._step: ElasticStep | None = None
+        self._data: dict[int, _StepData] = {}
+        self._proc_q: queue.Queue = queue.Queue()
+        self._latest = (trainer.version, jax.tree.map(lambda x: x.copy(), trainer.state.params))
+        self.errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._guard, args=(self._process_main, "processing"),
+                                          name="gyre-processor", daemon=True),
+                         threading.Thread(target=self._guard, args=(self._train_main, "training"),
+                                          name="gyre-trainer", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- Protocol --
+    def progress(self) -> TrainProgress:
+        with self._lock:
+            step = self._step
+            running = step.remaining() * self.b * self.work_s_per_row if step is not None else 0.0
+            return TrainProgress(
+                steps_done=self._steps_done,
+                open_step_taken=self.G if self._updating else len(self._taken) + len(self._in_step),
+                pending_work_s=self._queued_work_s + running,
+                update_in_progress=self._updating,
+                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s) for g in self._ready),
+            )
+
+    def take_groups(self, n: int) -> None:
+        with self._lock:
+            open_taken = len(self._taken) + len(self._in_step)
+            if self._updating or n > len(self._ready) or open_taken + n > self.G:
+                raise RuntimeError(f"take_groups({n}): {len(self._ready)} ready, {open_taken} taken, "
+                                   f"updating={self._updating}")
+            groups, self._ready = self._ready[:n], self._ready[n:]
+            self._queued_work_s += sum(g.work_s for g in groups)
+            step = self._steps_done
+            if self.multi_step:
+                self._in_step += groups
+                for g in groups:
+                    self._proc_q.put(("group", step, [g]))
+            else:
+                self._taken += groups
+            if open_taken + n == self.G:
+                self._updating = True
+                if self.multi_step:
+                    self._proc_q.put(("end", step, []))
+                else:
+                    self._in_step, self._taken = self._taken, []
+                    self._proc_q.put(("step", step, list(self._in_step)))
+
+    # -- inputs from other adapters --
+    def add_group(self, group: Group) -> None:
+        with self._lock:
+            # oldest version first, FIFO within a version (the policy's ordering)
+            i = len(self._ready)
+            while i > 0 and self._ready[i - 1].version > group.version:
+                i -= 1
+            self._ready.insert(i, group)
+        self.notify()
+
+    def buffered_rollouts(self) -> list[str]:
+        """Finished rollouts not yet trained: the open step's, then the ready ones."""
+        with self._lock:
+            return [r for g in self._in_step + self._taken + self._ready for r in g.rollout_ids]
+
+    def on_train_cell(self, cell: int) -> None:
+        """A satellite finished switching to train: join the step in progress, if any."""
+        with self._lock:
+            if self._step is not None and cell != 0:
+                self._step.join(self.cells[cell])
+
+    def leave_step(self, cell: int):
+        with self._lock:
+            return self._step.leave(self.cells[cell]) if self._step is not None and cell != 0 else None
+
+    def wait_cell_free(self, cell: int) -> None:
+        """A satellite wanted back for rollout leaves the running step: it finishes what it
+        pulled, the core and other cells take the rest (``ElasticStep.leave``)."""
+        fut = self.leave_step(cell)
+        if fut is not None:
+            fut.result()
+
+    def latest_params(self):
+        with self._lock:
+            return self._latest
+
+    @property
+    def steps_done(self) -> int:
+        return self._steps_done
+
+    def stop(self) -> None:
+        self._proc_q.put(None)
+        self.stream.close()
+        for t in self._threads:
+            t.join(60)
+
+    # -- threads --
+    def _guard(self, main, what: str) -> None:
+        try:
+            main()
+        except BaseException as e:  # noqa: BLE001 - surfaced by the loop, which ends the run
+            log.exception("%s failed", what)
+            self.errors.append(e)
+            self.notify()
+
+    def _process_main(self) -> None:
+        offsets: dict[int, int] = {}
+        while True:
+            ev = self._proc_q.get()
+            if ev is None:
+                return
+            kind, step, groups = ev
+            data = self._data.setdefault(step, _StepData())
+            if kind == "end":  # multi-step: the step's last group is in
+                self._end_step(step, data)
+                continue
+            t0 = time.perf_counter()
+            # One-step: groups (and rollouts within a group) arrive in finishing order; sorting
+            # by id makes the packed rows, hence the losses, a function of the step's rollouts
+            # alone (a resumed run reproduces an uninterrupted one).
+            groups = sorted(groups, key=lambda g: g.group_id) if kind == "step" else groups
+            rids = [r for g in groups for r in sorted(g.rollout_ids)]
+            outcomes = [self.store.outcome(r) for r in rids]
+            calls = [c for r in rids for c in self._calls(r)]
+            if kind == "step":
+                batch = process_step(calls, outcomes, self.pc)
+            else:
+                batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self.G * self.group_size,
+                                     rollout_index_offset=offsets.get(step, 0))
+                offsets[step] = offsets.get(step, 0) + len(batch.rollout_ids)
+            data.groups += groups
+            data.outcomes += outcomes
+            data.stats.append(batch.stats)
+            data.process_s += time.perf_counter() - t0
+            rows = int(batch.rows.tokens.shape[0])
+            if rows:
+                data.rows += rows
+                self.stream.add(step, batch.rows, batch.rollout_index)
+            with self._lock:
+                self._queued_work_s = max(0.0, self._queued_work_s - sum(g.work_s for g in groups))
+            if kind == "step":
+                self._end_step(step, data)
+
+    def _end_step(self, step: int, data: _StepData) -> None:
+        if not data.rows:  # every rollout failed: one empty row, so the step still runs (and counts)
+            empty = pack_rows([[]], self.pc.row_len)
+            self.stream.add(step, empty, np.full(empty.tokens.shape, -1, np.int32))
+            data.rows = 1
+        trained = sum(s.trained_rollouts for s in data.stats)
+        if self.multi_step and trained:
+            data.grad_scale = self.G * self.group_size / trained
+        self.stream.end_step(step)
+
+    def _calls(self, rid: str):
+        try:
+            return self.store.calls(rid)
+        except KeyError:  # a rollout that never reached the model
+            return []
+
+    def _train_main(self) -> None:
+        t0 = None
+        n_mb = 0
+        for batch in self.it:
+            step = int(batch["step"][0])
+            if step != self.trainer.version:
+                raise RuntimeError(f"data position is at step {step} but the trainer is at version "
+                                   f"{self.trainer.version}: checkpoint and data iterator disagree")
+            mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS}
+            with self._lock:
+                if self._step is None:
+                    t0, n_mb = time.perf_counter(), 0
+                    self._step = self.trainer.start_step([mb], more=True, on_pull=self.on_pull)
+                    for c, role in enumerate(self.cell_roles()):
+                        if c != 0 and role == TRAIN:
+                            self._step.join(self.cells[c])
+                else:
+                    self._step.add([mb])
+                n_mb += 1
+            if bool(batch["last_in_step"][0]):
+                self._finish(step, t0, n_mb)
+
+    def _finish(self, step: int, t0: float, n_mb: int) -> None:
+        data = self._data.pop(step)
+        self._step.close(grad_scale=data.grad_scale)
+        if self.on_step_started is not None:
+            self.on_step_started(step)  # the step runs; its update is neither kept nor saved yet
+        report: StepReport = self._step.wait()
+        version = self.trainer.version
+        outcomes = data.outcomes
+        trained = [o.rollout_id for o in outcomes if not o.is_failure]
+        failed = [o for o in outcomes if o.is_failure]
+        if trained:
+            self.store.mark_trained(trained, step=version - 1)
+        for status in sorted({o.status for o in failed}):
+            self.store.mark_dropped([o.rollout_id for o in failed if o.status == status], step=version - 1,
+                                    reason=status)
+        for cell, err in report.failed_cells:
+            if self.on_failed_cell is not None:
+                self.on_failed_cell(cell, f"training failed in step {step}: {err}")
+        params = jax.tree.map(lambda x: x.copy(), self.trainer.state.params)
+        cells_used = max(1, len(set(report.cell_of)))
+        measured = report.seconds * cells_used / max(n_mb * self.b, 1)
+        self.work_s_per_row = 0.7 * self.work_s_per_row + 0.3 * measured
+        scores = [o.score for o in outcomes if not o.is_failure]
+        info = dict(step=version - 1, version=version, groups=[g.group_id for g in data.groups],
+                    group_versions=[g.version for g in data.groups], rollouts=len(outcomes), report=report,
+                    stats=merge_stats(data.stats), scores=scores, rows=n_mb * self.b, micro_batches=n_mb,
+                    process_s=data.process_s, step_s=time.perf_counter() - t0, cells_used=sorted(set(report.cell_of)))
+        with self._lock:
+            self._latest = (version, params)
+            self._step = None
+            self._in_step = []
+        if self.after_update is not None:
+            self.after_update(version)  # checkpoint: before the policy may take the next step
+        self.on_step(info)  # before steps_done moves: a loop that sees the last step done has its record
+        with self._lock:
+            self._steps_done = version
+            self._updating = False
+        self.notify()
