@@ -163,7 +163,8 @@ def get_config() -> ml_collections.ConfigDict:
         pause_at_step=0,  # print PAUSED and block when step k starts (the kill -9 resume test)
         switch_delay_s=0.0,  # role switches, joins and leaves wait a random time in [0, x)
         switch_fail_every=0,  # every k-th switch attempt raises (retried)
-        satellite_fail_every=0,  # every k-th micro-batch a satellite pulls fails it (taken out of service)
+        satellite_fail_every=0,  # every k-th micro-batch a satellite pulls fails it (its work goes to the others)
         chaos_seed=0,
+        core_fail_at_step=0,  # the core fails when step k starts: the run saves what it can and exits 1
     ))
     return c

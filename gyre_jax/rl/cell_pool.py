@@ -16,9 +16,10 @@ cell's engine. Cells always serve the *published* version (multi-step mode keeps
 k updates between publications; a cell coming back does not skip ahead).
 
 Failures. A switch or a load that raises is retried (``retries`` times); a cell
-whose attempts all fail, or whose training worker failed in a step, is taken out
-of service: drained for good, role ``out``, no more work from the policy. The
-core cannot be taken out: its failure is the run's (``errors``).
+whose attempts all fail, or whose training worker failed in more than
+``retries`` steps, is taken out of service: drained for good, role ``out``, no
+more work from the policy. The core cannot be taken out, and a run with no cell
+left to serve cannot go on: both are the run's failure (``errors``).
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ class CellPoolAdapter:
         self.errors: list[BaseException] = []  # failures the run cannot survive (the core's)
         self.failures: list[tuple[int, str, str]] = []  # (cell, what, error) of every failed attempt
         self.out: dict[int, str] = {}  # cell -> why it was taken out of service
+        self._train_failures: dict[int, int] = {}
 
     # -- Protocol --
     def cell_ids(self):
@@ -144,6 +146,18 @@ class CellPoolAdapter:
 
         self._pool.submit(guarded)
 
+    def training_failed(self, cell: int, why: str) -> None:
+        """A satellite's worker failed in a step (its work went to the other cells): the cell
+        keeps its role and rejoins later steps, until it has failed ``retries + 1`` times."""
+        with self._lock:
+            self._train_failures[cell] = self._train_failures.get(cell, 0) + 1
+            n = self._train_failures[cell]
+        self.failures.append((cell, "training", why))
+        if n > self.retries:
+            self.take_out(cell, f"training failed {n} times, last: {why}")
+        else:
+            log.warning("cell %d: %s (failure %d of %d allowed)", cell, why, n, self.retries + 1)
+
     def take_out(self, cell: int, why: str, error: BaseException | None = None) -> None:
         """Out of service: never routed again, leaves any step, gets no work from the policy."""
         if cell == 0:
@@ -163,6 +177,9 @@ class CellPoolAdapter:
         if self.trainer is not None:
             self.trainer.leave_step(cell)
         self._set(cell, OUT)
+        if all(c in self.out for c in self.backends):
+            self.errors.append(RuntimeError(f"no cell left to serve rollouts: {self.out}"))
+            self.notify()
 
     def switch_to_train(self, cell: int) -> None:
         self._set(cell, TO_TRAIN)

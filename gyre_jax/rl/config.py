@@ -236,14 +236,18 @@ class FaultConfig:
     # and leave waits a random time in [0, switch_delay_s) at a random point.
     switch_delay_s: float = 0.0
     switch_fail_every: int = 0  # every k-th switch attempt raises once (transient: it is retried)
-    satellite_fail_every: int = 0  # every k-th micro-batch a satellite pulls fails it (its cell is taken out)
+    satellite_fail_every: int = 0  # every k-th micro-batch a satellite pulls fails it (work handed back)
     chaos_seed: int = 0  # seeds the random delays
+    # Not survivable: the core fails when step k starts (k >= 1), so the run saves what it can
+    # and stops with RunFailed; rerunning without it resumes (the failure path's test).
+    core_fail_at_step: int = 0
 
     def __post_init__(self):
         _ints(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step",
-                     "switch_fail_every", "satellite_fail_every", "chaos_seed"))
+                     "switch_fail_every", "satellite_fail_every", "chaos_seed", "core_fail_at_step"))
         _positive(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step",
-                         "switch_delay_s", "switch_fail_every", "satellite_fail_every", "chaos_seed"), allow_zero=True)
+                         "switch_delay_s", "switch_fail_every", "satellite_fail_every", "chaos_seed",
+                         "core_fail_at_step"), allow_zero=True)
 
     @property
     def any(self) -> bool:
@@ -253,7 +257,8 @@ class FaultConfig:
     @property
     def chaos(self) -> bool:
         """Whether the cells' switches and steps get random delays or failures."""
-        return bool(self.switch_delay_s or self.switch_fail_every or self.satellite_fail_every)
+        return bool(self.switch_delay_s or self.switch_fail_every or self.satellite_fail_every
+                    or self.core_fail_at_step)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

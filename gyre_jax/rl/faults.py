@@ -25,7 +25,9 @@ Cell chaos. ``Chaos(FaultConfig)`` perturbs the cells' timing and health: a
 random wait in ``[0, switch_delay_s)`` at random points of every role switch,
 join and leave; every k-th switch attempt raises once (the loop retries it);
 every k-th micro-batch a satellite pulls fails that satellite (its work goes back
-to the other cells and the cell is taken out of service).
+to the other cells; a cell that fails more than ``cells.switch_retries`` times is
+taken out of service); ``core_fail_at_step`` fails the core (the run cannot
+survive it: it saves what it can and stops, and a rerun resumes).
 
 :func:`pause_at_step` (``FaultConfig.pause_at_step``) is the kill -9 hook of the
 resume test: the trainer calls it when a step has started; at the chosen step it
@@ -196,6 +198,19 @@ class Chaos:
                 self.injected["switch_failure"] += 1
         if fail:
             raise InjectedFault(f"injected failure of switch #{self._switches} (cell {cell} -> {to_role})")
+
+    def on_pull_for_step(self, step: int):
+        """The ElasticStep ``on_pull`` hook for ``step`` (the core fails at ``core_fail_at_step``)."""
+        if not self.config.core_fail_at_step or step != self.config.core_fail_at_step:
+            return self.on_pull
+
+        def fail_core(cell: int, mb_index: int) -> None:
+            if cell == 0:
+                self.injected["core_failure"] += 1
+                raise InjectedFault(f"injected failure of the core cell at step {step}")
+            self.on_pull(cell, mb_index)
+
+        return fail_core
 
     def on_pull(self, cell: int, mb_index: int) -> None:
         """ElasticStep hook on every pull: satellites may fail, pulls may be slow."""

@@ -67,8 +67,10 @@ def group_number(group_id: str) -> int:
 def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: Sequence[str]):
     """(complete groups of ``pending`` rollout ids, short groups to finish) after a restart.
 
-    ``pending``: finished, untrained rollout ids (``resume_store``'s order). Writes an
-    ``infra_error`` outcome for every unfinished attempt of a short group.
+    ``pending``: finished, untrained rollout ids (``resume_store``'s order). A group
+    with any rollout finished or in flight at the stop was admitted: it is finished
+    (its missing slots re-run), never dropped. Writes an ``infra_error`` outcome for
+    every attempt the stop cut off.
     """
     unfinished = set(store.unfinished_rollouts())
     slots: dict[str, dict[int, list[str]]] = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -86,11 +88,10 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
     for gid in order:
         by_slot = slots[gid]
         finished = [r for k in sorted(by_slot) for r in by_slot[k] if r in pending_set]
-        if not finished:
-            continue  # nothing of it finished: its attempts are abandoned below with the rest
         done_slots = {k for k, ids in by_slot.items() if any(r in pending_set for r in ids)}
-        outcomes = [store.outcome(r) for r in finished]
-        versions = [v for o in outcomes for v in o.policy_versions]
+        # The group's admission version: the oldest policy that served any of its calls.
+        versions = [v for r in finished for v in store.outcome(r).policy_versions]
+        versions += [c.policy_version for k in by_slot for r in by_slot[k] if r in unfinished for c in store.calls(r)]
         version = min(versions) if versions else steps_done
         if len(done_slots) >= group_size:
             complete.append(Group(gid, version, finished, 0.0))
@@ -103,14 +104,13 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
             attempts = [int(m.group(3) or 0) for r in by_slot.get(k, []) if (m := _ROLLOUT_ID.match(r))]
             rerun.append(f"{gid}-{k}.r{max(attempts, default=0) + 1}")
         short.append(ResumedGroup(gid, group_number(gid), version, tuple(finished), tuple(rerun), abandoned))
-    in_short = {r for g in short for r in g.abandoned}
-    for rid in sorted(unfinished):  # every attempt the kill cut off gets its outcome now, once
+    for rid in sorted(unfinished):  # every attempt the stop cut off gets its outcome now, once
         calls = store.calls(rid)
         c0 = calls[0]
         store.append(RolloutOutcome(
             run_id=run_id, rollout_id=rid, task_id=c0.task_id, group_id=c0.group_id, status=STATUS_INFRA_ERROR,
-            score=None, details={"error": "abandoned: the run stopped while this rollout was in flight"
-                                 + ("; its slot is run again" if rid in in_short else "")},
+            score=None, details={"error": "abandoned: the run stopped while this rollout was in flight; "
+                                 "its slot is run again"},
             policy_versions=tuple(sorted({c.policy_version for c in calls})), t_end=time.time(),
             num_calls=len(calls)))
     return complete, short
@@ -154,7 +154,8 @@ class Launcher:
             self.rerun_rollouts += len(reqs)
             log.info("resume: group %s had %d of %d rollouts; running %s", rg.group_id, len(rg.finished),
                      self.group_size, list(rg.rerun))
-            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished))
+            # The cut-off attempts belong to the group too: consumed (dropped, infra_error) with it.
+            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished) + list(rg.abandoned))
 
     def _start(self, gid: str, number: int, version: int, reqs, finished: Sequence[str] = ()) -> None:
         with self._lock:
@@ -210,9 +211,11 @@ class Launcher:
                 self._finished(rid, STATUS_INFRA_ERROR, dict(rollout_id=rid, status=STATUS_INFRA_ERROR, score=None,
                                                              retries=0, calls=0, version=version, gen_tokens=0,
                                                              exact=False))
+        # Ready before it stops counting as running: the policy must never see the group in
+        # neither place, or it fills a step with a newer group and this one trains a step late.
+        self.on_group(Group(gid, version, ids, self.work_s(tokens)))
         with self._lock:
             self._groups_by_version[version] -= 1
-        self.on_group(Group(gid, version, ids, self.work_s(tokens)))
 
     def _finished(self, rid: str, status: str, result: dict) -> None:
         with self._lock:

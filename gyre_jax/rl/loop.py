@@ -368,8 +368,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows, cells=layout.cells,
         cell_roles=pool.roles, notify=wake.set, on_step=on_step, work_s_per_row=cfg.train.work_s_per_row,
         stream=stream, data_iterator=iterator, multi_step=s.multi_step, steps_done=steps_done, ready=ready,
-        after_update=after_update, on_step_started=pause, on_failed_cell=pool.take_out,
-        on_pull=chaos.on_pull if chaos is not None else None)
+        after_update=after_update, on_step_started=pause, on_failed_cell=pool.training_failed,
+        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None)
     c_box["trainer"] = trainer_ad
     pool.trainer = trainer_ad
     harness_loop = LoopThread()
@@ -500,6 +500,9 @@ def _save_after_failure(c: Components) -> None:
         version = c.trainer.steps_done
         last = c.ckpt.latest_step()
         if version > 0 and (last is None or last < version) and c.trainer.trainer._running is None:
+            # A failed step may have read some of its rows: the saved position is the step's
+            # start, whose rows the resumed run rebuilds from the buffered rollouts.
+            c.trainer.it.set_state({"step": version, "row": 0})
             _save(c.ckpt, c.trainer.trainer, c.trainer, c.store, c.trainer.it, c.cfg.scheduler.mode, version,
                   force=True)
             print(f"rl: saved checkpoint step {version} after the failure", flush=True)

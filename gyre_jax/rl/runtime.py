@@ -29,9 +29,23 @@ class LoopThread:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what still runs (agents, grader subprocesses), let it unwind, then stop."""
+
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for _ in range(3):  # killed graders' pipes close in callbacks: let them run before the loop stops
+                await asyncio.sleep(0.01)
+            await asyncio.get_running_loop().shutdown_default_executor()  # asyncio.to_thread's workers
+
+        try:
+            self.submit(cancel_all()).result(timeout)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
 
 
 class Timeline:

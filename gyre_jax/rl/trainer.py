@@ -86,13 +86,14 @@ class TrainerAdapter:
                  stream, data_iterator, multi_step: bool, steps_done: int = 0, ready: Sequence[Group] = (),
                  after_update: Callable[[int], None] | None = None,
                  on_step_started: Callable[[int], None] | None = None,
-                 on_failed_cell: Callable[[int, str], None] | None = None, on_pull=None):
+                 on_failed_cell: Callable[[int, str], None] | None = None,
+                 on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None):
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
         self.cells, self.cell_roles, self.multi_step = cells, cell_roles, multi_step
         self.notify, self.on_step, self.after_update = notify, on_step, after_update
         self.on_step_started = on_step_started  # FaultConfig.pause_at_step; None in real runs
-        self.on_failed_cell, self.on_pull = on_failed_cell, on_pull
+        self.on_failed_cell, self.on_pull_for_step = on_failed_cell, on_pull_for_step  # chaos (rl.faults)
         self.work_s_per_row = work_s_per_row
         self.stream, self.it = stream, data_iterator
         self._lock = threading.RLock()
@@ -271,7 +272,8 @@ class TrainerAdapter:
             with self._lock:
                 if self._step is None:
                     t0, n_mb = time.perf_counter(), 0
-                    self._step = self.trainer.start_step([mb], more=True, on_pull=self.on_pull)
+                    on_pull = self.on_pull_for_step(step) if self.on_pull_for_step is not None else None
+                    self._step = self.trainer.start_step([mb], more=True, on_pull=on_pull)
                     for c, role in enumerate(self.cell_roles()):
                         if c != 0 and role == TRAIN:
                             self._step.join(self.cells[c])

@@ -1,7 +1,8 @@
 """FakeBackend: a deterministic, JAX-free ``Backend`` for proxy and router tests.
 
 Its "model" is a pure function of the token sequence so far (``script``; by
-default a hash of the last tokens), so outputs are reproducible and a call moved
+default a hash of the last tokens; ``script_for(request)`` picks a script per
+call, e.g. from its rollout), so outputs are reproducible and a call moved
 between fake cells must continue with exactly the tokens it would have produced.
 Tokens are produced only as the consumer pulls (one ``await`` per token), so a
 test controls precisely how far a call has got when it drains a cell. The "KV"
@@ -36,6 +37,7 @@ class _FakeStream(TokenStream):
         r = req.resume
         self.tokens = [] if r is None else [int(t) for t in r.output_ids]
         self.logprobs = [] if r is None else [float(x) for x in r.output_logprobs]
+        self._script = b.script if b.script_for is None else b.script_for(req)
         self._fail = b.fail_when is not None and b.fail_when(req)
         self._fail_import = b.fail_imports and r is not None and r.kv is not None
         self._state = "running"  # running | moved | cancelled | done
@@ -66,7 +68,7 @@ class _FakeStream(TokenStream):
             raise StopAsyncIteration
         sp = self._req.sampling
         seq = [int(t) for t in self._req.prompt_ids] + self.tokens
-        tok = int(self._b.script(seq))
+        tok = int(self._script(seq))
         lp = -0.25 * (1 + tok % 4)
         self.tokens.append(tok)
         self.logprobs.append(lp)
@@ -90,10 +92,11 @@ class FakeBackend(Backend):
                  script: Callable[[Sequence[int]], int] = default_script,
                  fail_when: Callable[[GenerateRequest], bool] | None = None, fail_imports: bool = False,
                  policy_version: int = 0, on_export: Callable[[str], None] | None = None,
-                 before_token: Callable[[GenerateRequest, int], Awaitable[None]] | None = None):
+                 before_token: Callable[[GenerateRequest, int], Awaitable[None]] | None = None,
+                 script_for: Callable[[GenerateRequest], Callable[[Sequence[int]], int]] | None = None):
         self.name, self.vocab_size, self.capacity, self.max_context = name, vocab_size, capacity, max_context
         self.script, self.fail_when, self.fail_imports, self.on_export = script, fail_when, fail_imports, on_export
-        self.before_token = before_token
+        self.before_token, self.script_for = before_token, script_for
         self._version = policy_version
         self._live: dict[str, _FakeStream] = {}
         self.counters: collections.Counter = collections.Counter()

@@ -1,0 +1,225 @@
+"""The loop's failure model and modes, on the real cells with fake engines (fast):
+
+* multi-step mode (k = 2 updates per publication): rows stream into running steps,
+  the engines only ever load every k-th version, staleness stays within S, grader
+  crashes make the step's trained rollouts fewer than nominal and the update is
+  rescaled (grad_scale), every finished rollout is consumed once;
+* a failure the run cannot survive (the core fails when a step starts): drive saves
+  what it can and raises RunFailed with one line; the same config run again resumes,
+  re-runs the rollouts the stop cut off so no group trains short, and every finished
+  rollout is consumed exactly once;
+* ``resume_plan`` on a store a stop left behind: complete groups train, short ones
+  (some rollouts finished, some cut off in flight, some never recorded) get their cut-off
+  attempts an ``infra_error`` outcome and their missing slots new attempt ids;
+* bad config values through ``python -m launch.main``: exit 2 within seconds, one line
+  naming the field; ``--help`` lists the distributed flags;
+* progress off a terminal: one line per step, no carriage returns.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import demo as demo_config
+from gyre_jax.errors import RunFailed
+from gyre_jax.rl.config import RLConfig
+from gyre_jax.rl.loop import build, drive
+from gyre_jax.rl.progress import Progress
+from gyre_jax.testing.fake_engine import fake_tiny_backend
+from gyre_jax.trajectory.store import TrajectoryStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_config(steps: int, **over) -> RLConfig:
+    c = demo_config.get_config()
+    c.update(dict(steps=steps, progress=False, checkpoint_every=1, first_last=1))
+    c.model.update(dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64))
+    c.cells.update(dict(cell_size=2, max_slots=4))
+    c.scheduler.update(dict(groups_per_step=2, group_size=4, min_work_per_switch_s=0.0))
+    c.sft.steps = 0
+    c.eval.every = 0
+    for k, v in over.items():
+        section, _, field = k.partition(".")
+        c[section][field] = v
+    return RLConfig.from_config(c)
+
+
+def store_view(wd: str):
+    with TrajectoryStore(os.path.join(wd, "store"), run_id="rl", writable=False) as store:
+        outs = {r: store.outcome(r) for r in store.complete_rollouts()}
+        return outs, store.consumed(), store.unfinished_rollouts()
+
+
+def assert_consumed_once(outs, consumed):
+    assert set(consumed) == set(outs), (sorted(set(outs) - set(consumed)), sorted(set(consumed) - set(outs)))
+    for rid, o in outs.items():
+        assert consumed[rid]["state"] == ("dropped" if o.is_failure else "trained"), (rid, consumed[rid])
+
+
+def test_multi_step_mode_streams_rows_and_publishes_every_k(tmp_path):
+    cfg = fake_config(4, **{"scheduler.updates_per_publication": 2, "scheduler.staleness_bound": 1,
+                            "faults.grader_crash_every": 3})
+    c = build(cfg, str(tmp_path / "elastic"), make_backend=fake_tiny_backend)
+    engines = dict(c.pool.backends)
+    summary = drive(c)
+    assert summary["steps"] == 4 and summary["updates_per_publication"] == 2
+    assert 0 <= summary["staleness_mean"] <= summary["staleness_max"] <= 1  # reported, and within S
+    lines = [json.loads(x) for x in open(tmp_path / "elastic" / "metrics.jsonl")]
+    # Grader crashes: fewer trained rollouts than nominal, the update rescaled by exactly that ratio.
+    for r in lines:
+        assert r["grad_scale"] == pytest.approx(8 / r["trained_rollouts"]), r
+    assert any(r["grad_scale"] > 1 for r in lines)
+    for e in engines.values():  # publications every 2 updates: engines never see an odd version
+        assert all(v % 2 == 0 for v in e.engine.loads), e.engine.loads
+    assert any(e.engine.loads for e in engines.values())
+    outs, consumed, unfinished = store_view(str(tmp_path / "elastic"))
+    assert unfinished == [] and len(outs) == 4 * 8
+    assert_consumed_once(outs, consumed)
+
+
+def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
+    wd = str(tmp_path / "elastic")
+    failing = fake_config(4, **{"faults.core_fail_at_step": 2})
+    with pytest.raises(RunFailed) as e:
+        drive(build(failing, wd, make_backend=fake_tiny_backend))
+    msg = str(e.value)
+    assert "\n" not in msg and "step 2" in msg and "injected failure of the core" in msg and "rerun" in msg, msg
+    outs_at_stop, consumed_at_stop, _ = store_view(wd)
+    assert {e["step"] for e in consumed_at_stop.values()} == {0, 1}
+    # What a kill mid-rollout leaves (here, deterministically): the next group's rollout 1
+    # has a recorded call and no outcome; its other slots never reached the model.
+    with TrajectoryStore(os.path.join(wd, "store"), run_id="rl") as store:
+        n = 1 + max(int(r[1:6]) for r in store.rollout_ids())
+        gid = f"g{n:05d}"
+        store.append(dataclasses.replace(_call(f"{gid}-1", gid, 2), task_id=failing.task.make(
+            failing.seed * 1_000_003 + n).task_id))
+
+    # The same command, resumed (one step more, so the group added above fits the run's G x N groups).
+    summary = drive(build(fake_config(5), wd, make_backend=fake_tiny_backend))
+    assert summary["steps"] == 3  # this run trained steps 2, 3 and 4
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == []
+    for rid, entry in consumed_at_stop.items():
+        assert consumed[rid] == entry  # nothing trained twice
+    assert_consumed_once(outs, consumed)
+    # No group trained short: every slot of every group has one rollout that was not cut off.
+    slots = collections.defaultdict(set)
+    for rid, o in outs.items():
+        if "abandoned" not in (o.details.get("error") or ""):
+            slots[o.group_id].add(rid.split("-")[1].split(".")[0])
+    assert slots and all(len(s) == 4 for s in slots.values()), slots
+    reruns = sorted(r for r in outs if ".r" in r)
+    abandoned = [r for r, o in outs.items() if "abandoned" in (o.details.get("error") or "")]
+    assert f"{gid}-1" in abandoned and consumed[f"{gid}-1"]["state"] == "dropped"
+    assert [r for r in reruns if r.startswith(gid)] == [f"{gid}-{k}.r1" for k in range(4)]
+    assert summary["rerun_rollouts"] == len(reruns) and len(abandoned) <= len(reruns)
+
+
+def _launch(*args, timeout=60):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "launch.main", "--config", "configs/demo.py", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--config.scheduler.serve_reserve=2"], "config.scheduler.serve_reserve"),
+    (["--config.train.advantage=bogus"], "config.train.advantage"),
+    (["--config.scheduler.mode=async", "--config.scheduler.async_train_cells=4"], "config.scheduler.async_train_cells"),
+    (["--config.task.family=bogus", "--config.eval.every=0"], "config.task"),
+])
+def test_bad_values_exit_in_seconds_naming_the_field(tmp_path, flags, field):
+    p, seconds = _launch("--workdir", str(tmp_path), *flags)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith(f"error: {field}"), (p.returncode, p.stderr[-2000:])
+    assert seconds < 30
+    assert not os.path.exists(tmp_path / "elastic" / "checkpoints")  # failed before any work
+
+
+def test_help_lists_the_distributed_flags():
+    p, _ = _launch("--help")
+    for flag in ("--coordinator_address", "--num_processes", "--process_id", "--cluster"):
+        assert flag in p.stdout, flag
+
+
+def test_progress_off_a_terminal_is_one_line_per_step():
+    out = io.StringIO()  # not a TTY
+    bar = Progress(total=3, initial=1, desc="rl[elastic]", enabled=True, every_s=3600.0, stream=out)
+    bar.set_status("reward=0.5")
+    bar.step()
+    bar.set_status("reward=0.7")
+    bar.step()
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 2, lines
+    assert lines[0].startswith("rl[elastic]: step 2/3 | reward=0.5 |") and "ETA" in lines[0]
+    assert lines[1].startswith("rl[elastic]: step 3/3 | reward=0.7 |")
+    quiet = io.StringIO()
+    sft = Progress(total=100, desc="sft", enabled=True, every_s=3600.0, line_per_step=False, stream=quiet)
+    for _ in range(100):
+        sft.step()
+    assert len(quiet.getvalue().splitlines()) == 1  # fast loops: the last line only (and one per every_s)
+
+
+def _call(rid, gid, version):
+    import numpy as np
+
+    from gyre_jax.trajectory.records import ModelCallRecord
+
+    return ModelCallRecord(run_id="rl", rollout_id=rid, task_id="t-" + gid, group_id=gid, agent_id=0,
+                           parent_agent_id=None, role="main", call_index=0, prompt_ids=np.arange(1, 4, dtype=np.int32),
+                           output_ids=np.arange(5, 7, dtype=np.int32), output_logprobs=np.full(2, -0.5, np.float32),
+                           policy_version=version, t_start=1.0, t_end=2.0, finish_reason="stop")
+
+
+def _outcome(rid, gid, version):
+    from gyre_jax.trajectory.records import RolloutOutcome
+
+    return RolloutOutcome(run_id="rl", rollout_id=rid, task_id="t-" + gid, group_id=gid, status="completed",
+                          score=0.5, policy_versions=(version,), t_end=2.0, num_calls=1)
+
+
+def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
+    from gyre_jax.rl.launcher import resume_plan
+
+    with TrajectoryStore(str(tmp_path / "store"), run_id="rl") as store:
+        # g00001: all 4 finished. g00002: slots 0, 1 finished, 2 in flight (a call, no outcome),
+        # 3 never recorded; slot 1's first attempt was cut off by an earlier stop and re-run.
+        # g00003: only in flight. g00004: finished but already trained (not pending).
+        for k in range(4):
+            store.append(_call(f"g00001-{k}", "g00001", 3))
+            store.append(_outcome(f"g00001-{k}", "g00001", 3))
+        for rid in ("g00002-0", "g00002-1.r1"):
+            store.append(_call(rid, "g00002", 4))
+            store.append(_outcome(rid, "g00002", 4))
+        store.append(_call("g00002-2", "g00002", 2))
+        store.append(_call("g00003-1", "g00003", 5))
+        store.append(_call("g00004-0", "g00004", 3))
+        store.append(_outcome("g00004-0", "g00004", 3))
+        store.mark_trained(["g00004-0"], step=3)
+        pending = store.pending_rollouts()
+        complete, short = resume_plan(store, "rl", 4, 5, pending)
+        assert [(g.group_id, g.version, g.rollout_ids) for g in complete] == [
+            ("g00001", 3, [f"g00001-{k}" for k in range(4)])]
+        by_id = {g.group_id: g for g in short}
+        assert sorted(by_id) == ["g00002", "g00003"]
+        g2, g3 = by_id["g00002"], by_id["g00003"]
+        assert (g2.number, g2.version, g2.finished, g2.abandoned) == (2, 2, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
+        assert g2.rerun == ("g00002-2.r1", "g00002-3.r1")
+        assert (g3.version, g3.finished, g3.abandoned) == (5, (), ("g00003-1",))
+        assert g3.rerun == ("g00003-0.r1", "g00003-1.r1", "g00003-2.r1", "g00003-3.r1")
+        # The cut-off attempts now have an outcome: infra_error, never trained, and nothing is unfinished.
+        assert store.unfinished_rollouts() == []
+        for rid in ("g00002-2", "g00003-1"):
+            o = store.outcome(rid)
+            assert o.status == "infra_error" and o.score is None and "abandoned" in o.details["error"]
+            assert o.num_calls == 1
