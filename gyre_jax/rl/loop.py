@@ -299,7 +299,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         pending = resume_store(store, restored)
         ready, short = resume_plan(store, RUN_ID, s.group_size, steps_done, pending)
         damaged = store.damaged_rollouts()
-        if damaged:
+        if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
             log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
                         {r: d.reason for r, d in list(damaged.items())[:10]})
         print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
