@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     from gyre_jax.rl.config import RLConfig
     from gyre_jax.rl.evaluate import (HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows,
                                       score_text)
-    from gyre_jax.rl.loop import fresh_params
+    from gyre_jax.rl.build import fresh_params
     from gyre_jax.serving.tokenizer import ByteTokenizer
     from gyre_jax.trajectory.binpack import pack_trees
     from gyre_jax.trajectory.node import TreeNode

@@ -1,0 +1,375 @@
+"""``build(config) -> Components``: every part of the RL loop, made once and started.
+
+The cells and their layout (the trainer and the engines are placed from its role ->
+mesh map), the train state (the last checkpoint with its data position and buffered
+rollouts, or a fresh model warm-started by SFT), the engines on the serving cells
+behind the router and the recording proxy, the harness launcher (finishing groups a
+stop cut short), the grain pipeline that feeds the trainer, and the scheduler's
+controller over adapters of all of them. ``gyre_jax.rl.loop.drive`` runs them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from absl import logging as absl_logging
+
+from gyre_jax import cells as cells_lib
+from gyre_jax.agents.tasks import make_task
+from gyre_jax.cells.loss import policy_loss_fn
+from gyre_jax.cells.mesh import CellLayout, Role
+from gyre_jax.errors import ConfigError, RunFailed
+from gyre_jax.losses import METRIC_REDUCTIONS
+from gyre_jax.model import init_boxed, init_params, param_logical_axes
+from gyre_jax.rl import faults as faults_lib
+from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
+from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
+from gyre_jax.rl.config import RLConfig
+from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
+from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
+from gyre_jax.rl.metrics import MetricsWriter
+from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
+from gyre_jax.rl.sft import demo_examples, noisy_tasks, warm_start
+from gyre_jax.rl.trainer import TrainerAdapter
+from gyre_jax.scheduler import policy as policy_lib
+from gyre_jax.scheduler.controller import Controller
+from gyre_jax.scheduler.vocab import COLOCATE, FIXED_SPLIT_MODES, ROLLOUT
+from gyre_jax.serving.backend import GenerateRequest, SamplingParams
+from gyre_jax.serving.proxy import Proxy, ProxyConfig
+from gyre_jax.serving.router import Router
+from gyre_jax.serving.server_thread import ServerThread
+from gyre_jax.serving.tokenizer import ByteTokenizer
+from gyre_jax.trajectory.dataset import RowStream, StreamingDataset
+from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore
+
+log = logging.getLogger(__name__)
+RUN_ID = "rl"
+
+# make_backend(cfg, cell, params, version, name, tokenizer) -> a serving Backend whose
+# ``engine`` has ``publish(params, version)`` (the loop's one way to load weights).
+BackendFactory = Callable[[RLConfig, Any, Any, int, str, Any], Any]
+
+
+def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok):
+    """A JetStream engine of our model on the cell's serving mesh (the default)."""
+    # JetStream imports tensorflow (seconds): only once engines are built, so a bad config
+    # fails before that cost.
+    from gyre_jax.serving.engine import GyreEngine
+    from gyre_jax.serving.jetstream_backend import JetStreamBackend
+
+    special = (tok.special["<|bos|>"], tok.special["<|eos|>"], tok.special["<|pad|>"])
+    c = cfg.cells
+    engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
+                        version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call)
+    return JetStreamBackend(engine, name=name)
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Ask for ``n`` host devices before JAX starts its CPU backend (no effect on GPU/TPU).
+
+    If a backend is already up (e.g. tests: conftest sets 8), the count must match."""
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except Exception:  # noqa: BLE001 - backend already initialised
+        pass
+    if jax.default_backend() == "cpu" and len(jax.devices()) != n:
+        raise ConfigError(f"config.num_cpu_devices={n} but JAX already runs with {len(jax.devices())} CPU devices "
+                          "(the count is fixed once JAX starts)")
+
+
+@dataclasses.dataclass
+class Start:
+    """Where this run starts: a checkpoint's step, or a fresh (warm-started) model."""
+
+    steps_done: int
+    resumed: bool
+    ready: list[Group]
+    short: list[ResumedGroup]
+    sft_history: list[dict]
+    setup_s: float
+
+
+@dataclasses.dataclass
+class Components:
+    cfg: RLConfig
+    workdir: str
+    layout: CellLayout
+    trainer: TrainerAdapter
+    pool: CellPoolAdapter
+    proxy: ProxyAdapter
+    launcher: Launcher
+    controller: Controller
+    server: ServerThread
+    harness_loop: LoopThread
+    store: TrajectoryStore
+    ckpt: Checkpointer
+    metrics: MetricsWriter
+    evaluator: HeldOutEval | None
+    timeline: Timeline
+    clock: RealClock
+    wake: threading.Event
+    start: Start
+    faults: faults_lib.RLFaults | None
+    chaos: faults_lib.Chaos | None
+    records: list[dict] = dataclasses.field(default_factory=list)  # per-step infos from the trainer thread
+    evals: list[dict] = dataclasses.field(default_factory=list)
+    warm_thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Stop every thread and server; each part closes even if another fails to."""
+        for stop in (self.trainer.stop, self.launcher.close, self.pool.close, self.server.stop, self.harness_loop.stop,
+                     self.ckpt.close, self.metrics.close, self.store.close):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - close the rest
+                log.exception("closing %s failed", getattr(stop, "__qualname__", stop))
+        if self.warm_thread is not None:
+            self.warm_thread.join(60)
+
+
+# ---------------------------------------------------------------------------- build
+def _task_fn(cfg: RLConfig, g: int):
+    return cfg.task.make(cfg.seed * 1_000_003 + g)
+
+
+def fresh_params(cfg: RLConfig, tok):
+    """A new model's params, warm-started by SFT on scripted demonstrations (config.sft); (params, history)."""
+    params = init_params(cfg.model, jax.random.key(cfg.seed))
+    if cfg.sft.steps == 0:
+        return params, []
+    # Demonstration tasks come from seeds the RL run never draws (offset).
+    tasks = [cfg.task.make(2**30 + s) for s in range(cfg.sft.demos)]
+    if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)
+        tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.seed, cfg.sft.noisy_kind)
+    examples = demo_examples(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
+    return warm_start(params, cfg.model, examples, steps=cfg.sft.steps, rows=cfg.sft.rows, row_len=cfg.train.row_len,
+                      learning_rate=cfg.sft.learning_rate, seed=cfg.seed, progress=cfg.progress)
+
+
+def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
+    """The held-out eval (config.eval), or None when eval.every == 0."""
+    e = cfg.eval
+    if not e.every:
+        return None
+    # Seeds disjoint from the RL tasks' (seed * 1_000_003 + g) and the SFT demonstrations' (2**30 + s).
+    tasks = [make_task(cfg.task.family, 2**29 + s, **cfg.task.kwargs()) for s in range(e.tasks)]
+    try:
+        return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
+                           samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
+                           temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len)
+    except ValueError as err:
+        raise ConfigError(f"config.eval: {err}") from None
+
+
+def _warm_steps(steps, cs, cfg: RLConfig) -> None:
+    """Compile grad_step on every cell's training mesh (and the core's update) ahead of use:
+    a satellite joining a step would otherwise compile while holding a micro-batch."""
+    from gyre_jax.trajectory.binpack import pack_trees
+    from gyre_jax.trajectory.node import TreeNode
+
+    t = cfg.train
+    tree = TreeNode.span([1, 2, 3], children=[TreeNode.span([4, 5], trainable=True)])
+    mb = pack_trees([tree], [0.0], t.row_len, min_rows=t.micro_batch_rows).rows.as_dict()
+    t0 = time.perf_counter()
+    try:
+        for c in cs:
+            steps.warm(c.mesh(Role.TRAIN), mb, core=c.index == 0)
+    except Exception:  # noqa: BLE001 - only a speed-up; the step compiles on first use anyway
+        log.exception("warm-up compile failed")
+    log.info("rl: compiled the training steps of %d cells in %.1fs", len(cs), time.perf_counter() - t0)
+
+
+def _warm_engines(cfg: RLConfig, server: ServerThread, backends: dict, tok) -> None:
+    """One short call per engine with a real task's prompt, so prefill and generate are
+    compiled before any rollout's deadline starts running."""
+    import asyncio
+
+    prompt = np.asarray(first_call_prompt(_task_fn(cfg, 0), tok, cfg.harness.system_prompt or None), np.int32)
+
+    async def one(backend, i):
+        req = GenerateRequest(request_id=f"warm-{i}", prompt_ids=prompt, sampling=SamplingParams(max_tokens=2))
+        async for _ in backend.submit(req):
+            pass
+
+    async def all_():
+        await asyncio.gather(*(one(b, i) for i, b in enumerate(backends.values())))
+
+    t0 = time.perf_counter()
+    server.run(all_(), timeout=600)
+    log.info("rl: warmed %d engines in %.1fs", len(backends), time.perf_counter() - t0)
+
+
+def _serving_cells(mode: str, n_cells: int, async_train_cells: int) -> list[int]:
+    """Cells that may ever serve in this mode (each gets an engine)."""
+    if mode == COLOCATE:
+        return list(range(n_cells))
+    if mode in FIXED_SPLIT_MODES:
+        return list(range(async_train_cells, n_cells))
+    return list(range(1, n_cells))
+
+
+def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstream_backend) -> Components:
+    """Every part of the loop, started; ``drive`` runs it. ``make_backend`` puts an engine on a cell."""
+    t_start = time.perf_counter()
+    if absl_logging.get_verbosity() >= absl_logging.INFO:  # Orbax and JetStream log every save/step at INFO
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    ensure_cpu_devices(cfg.num_cpu_devices)
+    if jax.process_count() > 1:
+        raise ConfigError(f"the rl job runs in one process (this is process {jax.process_index()} of "
+                          f"{jax.process_count()}); cells in separate processes are not built yet")
+    n_cells = cfg.check_devices(len(jax.devices()))
+    tok = ByteTokenizer()
+    mc = cfg.model
+    if tok.vocab_size > mc.vocab_size:
+        raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the byte tokenizer's {tok.vocab_size} ids")
+    evaluator = _make_eval(cfg, tok)
+
+    # Cells and placement: the layout's role -> mesh map places the trainer and engines.
+    pc = cfg.policy_config(n_cells)
+    roles = policy_lib.initial_roles(pc, n_cells)
+    cs = cells_lib.split_cells(cfg.cell_config())
+    layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
+    core_mesh = layout.role_to_mesh()[Role.CORE][0]
+    opt = cfg.optimizer_config()
+    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
+                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
+    steps = cells_lib.CellSteps(spec, policy_loss_fn(mc, cfg.loss_config()), cells_lib.make_schedule(opt),
+                                reductions=METRIC_REDUCTIONS)
+    warm = threading.Thread(target=_warm_steps, args=(steps, cs, cfg), name="gyre-warm")  # joined at close
+    warm.start()  # compile every cell's training step while SFT and set-up run
+
+    # State: the last checkpoint (with the data position and the buffer), or a fresh model.
+    store = TrajectoryStore(os.path.join(workdir, "store"), run_id=RUN_ID, config=StoreConfig(vocab_size=mc.vocab_size))
+    ckpt = Checkpointer(CheckpointConfig(directory=os.path.join(workdir, "checkpoints"), max_to_keep=2,
+                                         save_interval_steps=cfg.checkpoint_every or cfg.steps))
+    s = cfg.scheduler
+    stream = RowStream(cfg.train.row_len)
+    iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
+    restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(core_mesh)),
+                                   data_iterator=iterator)
+    sft_history: list[dict] = []
+    short: list[ResumedGroup] = []
+    if restored is not None:
+        state, steps_done = restored.train_state, restored.step
+        pending = resume_store(store, restored)
+        ready, short = resume_plan(store, RUN_ID, s.group_size, steps_done, pending)
+        damaged = store.damaged_rollouts()
+        if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
+            log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
+                        {r: d.reason for r, d in list(damaged.items())[:10]})
+        print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
+              f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
+              f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
+    else:
+        params, sft_history = fresh_params(cfg, tok)
+        state = spec.state_from_params(params, core_mesh)
+        steps_done, ready = 0, []
+        iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
+    if iterator.get_state()["step"] != steps_done:
+        raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
+    trainer = cells_lib.ElasticTrainer(steps, layout.core, state)
+    if trainer.version != steps_done:
+        raise RunFailed(f"checkpoint step {steps_done} != policy version {trainer.version}")
+    if steps_done >= cfg.steps:
+        print(f"rl: already at step {steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
+
+    # Engines on the cells that may serve, behind the router and the recording proxy.
+    faults = faults_lib.RLFaults(cfg.faults) if cfg.faults.any else None
+    chaos = faults_lib.Chaos(cfg.faults) if cfg.faults.chaos else None
+    serving = _serving_cells(s.mode, n_cells, s.async_train_cells)
+    names = {c: f"cell{c}" for c in serving}
+    params0 = trainer.state.params
+
+    async def build_proxy():
+        backends = []
+        for c in serving:
+            b = make_backend(cfg, layout.cells[c], params0, steps_done, names[c], tok)
+            backends.append(faults.wrap(b) if faults is not None else b)
+        return Proxy(Router(backends, wait_for_cell_s=600.0), tok, store, ProxyConfig(max_tokens_cap=cfg.harness.max_tokens))
+
+    server = ServerThread(build_proxy)
+    url = server.start()
+    backends = {c: server.proxy.router.cells[names[c]] for c in serving}
+    _warm_engines(cfg, server, backends, tok)
+
+    # Adapters behind the scheduler's Protocols, and the controller.
+    clock = RealClock()
+    timeline = Timeline(clock, roles)
+    wake = threading.Event()
+    proxy_ad = ProxyAdapter(server, names, [c for c in serving if roles[c] == ROLLOUT])
+    publisher = cells_lib.WeightPublisher(spec.logical_params, spec.abstract_params)
+    for c in serving:  # the engines were born holding version steps_done
+        publisher.publish(params0, steps_done, layout.cells[c], Role.ROLLOUT)
+    publisher.history.clear()
+    pool = CellPoolAdapter(layout=layout, roles=roles, backends=backends, proxy=proxy_ad, timeline=timeline,
+                           notify=wake.set, publisher=publisher, published=(steps_done, params0),
+                           slots=cfg.cells.max_slots, retries=cfg.cells.switch_retries, chaos=chaos)
+    records: list[dict] = []
+    c_box: dict = {}
+
+    def on_step(info: dict) -> None:  # trainer thread: latest_params() is exactly this step's version here
+        if evaluator is not None and _eval_due(cfg, info["version"]):
+            info["eval_params"] = c_box["trainer"].latest_params()
+        records.append(info)
+        wake.set()
+
+    def after_update(version: int) -> None:
+        if ckpt.should_save(version) or version >= cfg.steps:
+            save_checkpoint(ckpt, c_box["trainer"], store, s.mode, version, force=version >= cfg.steps)
+
+    pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
+    trainer_ad = TrainerAdapter(
+        trainer=trainer, store=store, processor_config=cfg.processor_config(), groups_per_step=s.groups_per_step,
+        group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows, cells=layout.cells,
+        cell_roles=pool.roles, notify=wake.set, on_step=on_step, work_s_per_row=cfg.train.work_s_per_row,
+        stream=stream, data_iterator=iterator, multi_step=s.multi_step, steps_done=steps_done, ready=ready,
+        after_update=after_update, on_step_started=pause, on_failed_cell=pool.training_failed,
+        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None)
+    c_box["trainer"] = trainer_ad
+    pool.trainer = trainer_ad
+    harness_loop = LoopThread()
+    existing = [group_number(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"(g\d+)-", r))]
+    launcher = Launcher(loop=harness_loop, harness_config=cfg.harness_config(url + "/v1", RUN_ID), store=store,
+                        run_id=RUN_ID, task_fn=functools.partial(_task_fn, cfg), group_size=s.group_size,
+                        workspace_root=os.path.join(workdir, "workspaces"),
+                        on_group=trainer_ad.add_group,
+                        work_s=lambda tokens: trainer_ad.work_s_per_row * max(1.0, tokens / cfg.train.row_len),
+                        next_group=max(existing, default=-1) + 1,
+                        launched=steps_done * s.groups_per_step + len(ready), faults=faults)
+    launcher.resume(short)
+    controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
+    metrics = MetricsWriter(workdir, purge_step=steps_done)  # TensorBoard events + metrics.jsonl
+    setup_s = time.perf_counter() - t_start
+    print(f"rl: mode={s.mode}{f' (multi-step, k={s.updates_per_publication})' if s.multi_step else ''} "
+          f"cells={n_cells}x{cfg.cells.cell_size} devices, roles={''.join(r[0] for r in roles)}, "
+          f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {url}, "
+          f"setup {setup_s:.1f}s (SFT {len(sft_history)} steps), workdir {workdir}", flush=True)
+    return Components(cfg=cfg, workdir=workdir, layout=layout, trainer=trainer_ad, pool=pool, proxy=proxy_ad,
+                      launcher=launcher, controller=controller, server=server, harness_loop=harness_loop, store=store,
+                      ckpt=ckpt, metrics=metrics, evaluator=evaluator, timeline=timeline, clock=clock, wake=wake,
+                      start=Start(steps_done, restored is not None, ready, short, sft_history, setup_s),
+                      faults=faults, chaos=chaos, records=records, warm_thread=warm)
+
+
+def _eval_due(cfg: RLConfig, version: int) -> bool:
+    e = cfg.eval.every
+    return bool(e) and (version % e == 0 or version >= cfg.steps)
+
+
+def save_checkpoint(ckpt: Checkpointer, trainer: TrainerAdapter, store, mode: str, version: int, *,
+                    force: bool) -> None:
+    """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint."""
+    ckpt.save(version, train_state=trainer.trainer.state, store_cursor=store.cursor_state(),
+              buffer=trainer.buffered_rollouts(), data_iterator=trainer.it, meta={"mode": mode}, force=force)
+
+
