@@ -4,9 +4,10 @@ The controller only calls non-blocking methods; a switch or a publication runs i
 a small thread pool and reports through ``role()`` / ``published_version()`` and
 a ``notify()`` that wakes the loop.
 
-Placement. Roles live in one ``CellLayout`` (``gyre_jax.cells.mesh``): a cell
-serves on ``cell.mesh(Role.ROLLOUT)`` and trains on ``cell.mesh(Role.TRAIN)``;
-the scheduler's finer states (``to_train``, ``to_rollout``, ``out``) sit on top.
+Placement. The loop starts from a ``CellLayout`` (``gyre_jax.cells.mesh``) and its
+role -> mesh map: a cell serves on ``cell.mesh(Role.ROLLOUT)`` and trains on
+``cell.mesh(Role.TRAIN)``. From then on a cell's role is the scheduler's
+(``rollout``, ``train``, ``to_train``, ``to_rollout``, ``out``), held here.
 
 One publication path. Every weight move to a serving cell, a publication to all
 of them or the load of a cell that just turned to rollout, goes through one
@@ -87,7 +88,7 @@ class CellPoolAdapter:
     def __init__(self, *, layout: CellLayout, roles: Sequence[str], backends: dict[int, Any], proxy: ProxyAdapter,
                  timeline, notify: Callable[[], None], publisher: WeightPublisher, published: tuple[int, Any],
                  slots: int, retries: int, chaos=None):
-        self.layout, self.backends, self.proxy, self.timeline, self.notify = layout, backends, proxy, timeline, notify
+        self.cells, self.backends, self.proxy, self.timeline, self.notify = layout.cells, backends, proxy, timeline, notify
         self.publisher, self.retries, self.chaos = publisher, retries, chaos
         self._roles = list(roles)
         self._slots = slots
@@ -104,7 +105,7 @@ class CellPoolAdapter:
 
     # -- Protocol --
     def cell_ids(self):
-        return range(len(self.layout.cells))
+        return range(len(self.cells))
 
     def core_cell(self) -> int:
         return 0
@@ -121,8 +122,6 @@ class CellPoolAdapter:
     def _set(self, cell: int, role: str) -> None:
         with self._lock:
             self._roles[cell] = role
-            if cell != 0 and role in (TRAIN, ROLLOUT):
-                self.layout = self.layout.with_role(cell, Role.TRAIN if role == TRAIN else Role.ROLLOUT)
         self.timeline.set(cell, role)
         self.notify()
 
@@ -206,10 +205,10 @@ class CellPoolAdapter:
     def _load(self, cell: int, version: int, params) -> MoveStats | None:
         """Move ``params`` (policy ``version``) into the cell's engine, unless it already holds it."""
         with self._load_lock:
-            held = self.publisher.latest(self.layout.cells[cell])
+            held = self.publisher.latest(self.cells[cell])
             if held is not None and held.version >= version:
                 return None
-            pub = self.publisher.publish(params, version, self.layout.cells[cell], Role.ROLLOUT)
+            pub = self.publisher.publish(params, version, self.cells[cell], Role.ROLLOUT)
             self.backends[cell].engine.publish(pub.params, version)
             return pub.move
 
