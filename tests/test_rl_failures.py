@@ -123,6 +123,10 @@ def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
     assert f"{gid}-1" in abandoned and consumed[f"{gid}-1"]["state"] == "dropped"
     assert [r for r in reruns if r.startswith(gid)] == [f"{gid}-{k}.r1" for k in range(4)]
     assert summary["rerun_rollouts"] == len(reruns) and len(abandoned) <= len(reruns)
+    # Once more: the run is finished; nothing is trained and its summary is kept as it was.
+    assert drive(build(fake_config(5), wd, make_backend=fake_tiny_backend)) == summary
+    with open(os.path.join(wd, "summary.json")) as f:
+        assert json.load(f) == summary
 
 
 def _launch(*args, timeout=60):

@@ -30,6 +30,7 @@ metrics.jsonl, timeline.png, summary.json.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -71,6 +72,13 @@ def _errors(c: Components) -> list[tuple[str, BaseException]]:
 def drive(c: Components) -> dict:
     """Run the controller until the last step is trained; the summary dict."""
     cfg, t0 = c.cfg, time.perf_counter()
+    if c.start.steps_done >= cfg.steps:  # a finished run: train nothing, keep its summary
+        c.close()
+        path = os.path.join(c.workdir, "summary.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        return {"mode": cfg.scheduler.mode, "steps": 0}
     history: list[dict] = []
     step_end_s: list[float] = []
     recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher, pool=c.pool)
