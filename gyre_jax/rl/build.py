@@ -34,7 +34,7 @@ from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
-from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
+from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl.sft import demo_examples, noisy_tasks, warm_start
@@ -90,10 +90,7 @@ class Start:
     """Where this run starts: a checkpoint's step, or a fresh (warm-started) model."""
 
     steps_done: int
-    resumed: bool
-    ready: list[Group]
-    short: list[ResumedGroup]
-    sft_history: list[dict]
+    sft_history: list[dict]  # the warm start's per-step metrics (empty on resume)
     setup_s: float
 
 
@@ -274,7 +271,6 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         params, sft_history = fresh_params(cfg, tok)
         state = spec.state_from_params(params, core_mesh)
         steps_done, ready = 0, []
-        iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
     trainer = cells_lib.ElasticTrainer(steps, layout.core, state)
@@ -357,7 +353,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     return Components(cfg=cfg, workdir=workdir, layout=layout, trainer=trainer_ad, pool=pool, proxy=proxy_ad,
                       launcher=launcher, controller=controller, server=server, harness_loop=harness_loop, store=store,
                       ckpt=ckpt, metrics=metrics, evaluator=evaluator, timeline=timeline, clock=clock, wake=wake,
-                      start=Start(steps_done, restored is not None, ready, short, sft_history, setup_s),
+                      start=Start(steps_done, sft_history, setup_s),
                       faults=faults, chaos=chaos, records=records, warm_thread=warm)
 
 

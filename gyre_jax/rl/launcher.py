@@ -64,6 +64,14 @@ def group_number(group_id: str) -> int:
     return int(group_id[1:])
 
 
+def infra_error_outcome(run_id: str, rid: str, task_id: str, group_id: str, calls, error: str) -> RolloutOutcome:
+    """The outcome of a rollout the infrastructure cut off: recorded with its calls, never trained."""
+    return RolloutOutcome(run_id=run_id, rollout_id=rid, task_id=task_id, group_id=group_id, status=STATUS_INFRA_ERROR,
+                          score=None, details={"error": error},
+                          policy_versions=tuple(sorted({c.policy_version for c in calls})), t_end=time.time(),
+                          num_calls=len(calls))
+
+
 def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: Sequence[str]):
     """(complete groups of ``pending`` rollout ids, short groups to finish) after a restart.
 
@@ -106,13 +114,9 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
         short.append(ResumedGroup(gid, group_number(gid), version, tuple(finished), tuple(rerun), abandoned))
     for rid in sorted(unfinished):  # every attempt the stop cut off gets its outcome now, once
         calls = store.calls(rid)
-        c0 = calls[0]
-        store.append(RolloutOutcome(
-            run_id=run_id, rollout_id=rid, task_id=c0.task_id, group_id=c0.group_id, status=STATUS_INFRA_ERROR,
-            score=None, details={"error": "abandoned: the run stopped while this rollout was in flight; "
-                                 "its slot is run again"},
-            policy_versions=tuple(sorted({c.policy_version for c in calls})), t_end=time.time(),
-            num_calls=len(calls)))
+        store.append(infra_error_outcome(run_id, rid, calls[0].task_id, calls[0].group_id, calls,
+                                         "abandoned: the run stopped while this rollout was in flight; "
+                                         "its slot is run again"))
     return complete, short
 
 
@@ -224,11 +228,8 @@ class Launcher:
             self.results.append(result)
 
     def _record_failure(self, rid: str, req, gid: str, error: BaseException) -> None:
-        calls = self._calls_of(rid)
-        self.store.append(RolloutOutcome(
-            run_id=self.run_id, rollout_id=rid, task_id=req.task.task_id, group_id=gid, status=STATUS_INFRA_ERROR,
-            score=None, details={"error": f"harness failed: {error!r}"},
-            policy_versions=tuple(sorted({c.policy_version for c in calls})), t_end=time.time(), num_calls=len(calls)))
+        self.store.append(infra_error_outcome(self.run_id, rid, req.task.task_id, gid, self._calls_of(rid),
+                                              f"harness failed: {error!r}"))
 
     def _calls_of(self, rollout_id: str):
         try:
