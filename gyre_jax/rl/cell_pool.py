@@ -25,6 +25,7 @@ left to serve cannot go on: both are the run's failure (``errors``).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 from typing import Any, Callable, Sequence
@@ -125,25 +126,26 @@ class CellPoolAdapter:
         self.timeline.set(cell, role)
         self.notify()
 
+    def _retried(self, what: str, cell: int, attempt: Callable[[], None], *, chaos: bool) -> None:
+        """``attempt()``, retried; out of service (or a run error, for the core) if it keeps failing.
+        ``chaos``: the injected switch delays and failures (config.faults) apply to it."""
+        err = None
+        for n in range(self.retries + 1):
+            try:
+                if chaos and self.chaos is not None:
+                    self.chaos.delay()
+                    self.chaos.switch_attempt(cell, what)
+                attempt()
+                return
+            except Exception as e:  # noqa: BLE001 - retried, then the cell goes out of service
+                err = e
+                self.failures.append((cell, what, repr(e)))
+                log.warning("cell %d: %s failed (attempt %d of %d): %r", cell, what, n + 1, self.retries + 1, e)
+        self.take_out(cell, f"{what} failed {self.retries + 1} times, last: {err!r}", err)
+
     def _run(self, what: str, cell: int, attempt: Callable[[], None]) -> None:
-        """Run ``attempt`` in the pool, retried; out of service (or a run error, for the core) if it keeps failing."""
-
-        def guarded():
-            err = None
-            for n in range(self.retries + 1):
-                try:
-                    if self.chaos is not None:
-                        self.chaos.delay()
-                        self.chaos.switch_attempt(cell, what)
-                    attempt()
-                    return
-                except Exception as e:  # noqa: BLE001 - retried, then the cell goes out of service
-                    err = e
-                    self.failures.append((cell, what, repr(e)))
-                    log.warning("cell %d: %s failed (attempt %d of %d): %r", cell, what, n + 1, self.retries + 1, e)
-            self.take_out(cell, f"{what} failed {self.retries + 1} times, last: {err!r}", err)
-
-        self._pool.submit(guarded)
+        """A switch: ``attempt`` in the pool, retried (``_retried``)."""
+        self._pool.submit(self._retried, what, cell, attempt, chaos=True)
 
     def training_failed(self, cell: int, why: str) -> None:
         """A satellite's worker failed in a step (its work went to the other cells): the cell
@@ -229,23 +231,12 @@ class CellPoolAdapter:
             with self._load_lock:  # a cell turning to rollout meanwhile loads after us, the new version
                 for c in self.backends:
                     if self._roles[c] in SERVING_ROLES:
-                        self._load_retried(c, have, params)
+                        self._retried(f"publish of version {have}", c,
+                                      functools.partial(self._load, c, have, params), chaos=False)
                 self._published = (have, params)
         finally:
             self._publishing = False
             self.notify()
-
-    def _load_retried(self, cell: int, version: int, params) -> None:
-        err = None
-        for n in range(self.retries + 1):
-            try:
-                self._load(cell, version, params)
-                return
-            except Exception as e:  # noqa: BLE001 - retried, then the cell goes out of service
-                err = e
-                self.failures.append((cell, "publish", repr(e)))
-                log.warning("cell %d: publish of version %d failed (attempt %d): %r", cell, version, n + 1, e)
-        self.take_out(cell, f"publish of version {version} failed {self.retries + 1} times, last: {err!r}", err)
 
     def published_version(self) -> int:
         return self._published[0]
