@@ -59,6 +59,14 @@ class Tokenizer(abc.ABC):
     def bos_id(self) -> int:
         return self.special["<|bos|>"]
 
+    def tool_call_open_ids(self) -> list[int]:
+        """Ids that open a tool call in this tokenizer's chat format.
+
+        Constrained decoding of ``tool_choice`` ("required", a named function) forces
+        these first; a tokenizer family with another tool-call syntax overrides it.
+        """
+        return self._tok("<|tool_call|>")
+
     def _tok(self, name: str) -> list[int]:
         return [self.special[name]]
 
