@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.layers import dense_init, rope
+from gyre_jax.model.layers import RMSNorm, dense_init, rope, rope_inv_freq
 
 
 def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
@@ -81,9 +81,24 @@ class Attention(nn.Module):
         wo_NxHxD = w("o", (n, h, d), ("heads", "head_dim", "embed"), n * h)
 
         x = x_BxTxD.astype(dt)
-        q = rope(jnp.einsum("btd,dnh->btnh", x, wq_DxNxH), positions_BxT, cfg.rope_theta)
-        k = rope(jnp.einsum("btd,dkh->btkh", x, wk_DxKxH), positions_BxT, cfg.rope_theta)
+        q = jnp.einsum("btd,dnh->btnh", x, wq_DxNxH)
+        k = jnp.einsum("btd,dkh->btkh", x, wk_DxKxH)
         v = jnp.einsum("btd,dkh->btkh", x, wv_DxKxH)
+        if cfg.qkv_bias:  # Qwen2: biased q/k/v projections (zero-init; checkpoints overwrite)
+            def b(name, shape, axes):
+                return self.param(
+                    name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape, cfg.jnp_param_dtype
+                ).astype(dt)
+
+            q = q + b("q_bias", (n, h), ("heads", "head_dim"))
+            k = k + b("k_bias", (kv, h), ("kv_heads", "head_dim"))
+            v = v + b("v_bias", (kv, h), ("kv_heads", "head_dim"))
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+            q = RMSNorm(cfg, head_dim=True, name="q_norm")(q)
+            k = RMSNorm(cfg, head_dim=True, name="k_norm")(k)
+        inv_freq_F = None if cfg.rope_scaling == "none" else rope_inv_freq(cfg)
+        q = rope(q, positions_BxT, cfg.rope_theta, inv_freq_F=inv_freq_F)
+        k = rope(k, positions_BxT, cfg.rope_theta, inv_freq_F=inv_freq_F)
 
         if cache is None:
             out = attend(q, k, v, mask)

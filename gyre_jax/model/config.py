@@ -9,6 +9,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+ROPE_SCALINGS = ("none", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -28,6 +29,15 @@ class ModelConfig:
     param_dtype: str = "float32"  # stored parameters
     max_seq_len: int = 4096  # longest path position the model is meant to see; default KV-cache length
     remat: bool = False  # recompute each layer's activations in the backward pass (long rows)
+    # Checkpoint-family features (gyre_jax.model.hf maps a config.json onto these):
+    qkv_bias: bool = False  # q/k/v projections have a bias (Qwen2/Qwen2.5)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    rope_scaling: str = "none"  # "none" (plain theta) | "llama3" (Llama-3.1+ frequency-dependent scaling)
+    rope_factor: float = 1.0  # llama3 scaling: factor
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: low_freq_factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
+    rope_original_max_len: int = 8192  # llama3 scaling: original_max_position_embeddings
+    vocab_pad_multiple: int = 1  # embedding rows padded to a multiple of this (the mesh's vocab split); padded logits masked
 
     def __post_init__(self):
         where = "ModelConfig"
@@ -45,6 +55,21 @@ class ModelConfig:
             raise ValueError(f"{where}.rope_theta must be > 0, got {self.rope_theta}")
         if not self.norm_eps > 0:
             raise ValueError(f"{where}.norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"{where}.rope_scaling must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        if self.rope_scaling == "llama3" and not (
+            self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_max_len > 0
+        ):
+            raise ValueError(
+                f"{where}: llama3 rope scaling needs rope_factor >= 1, 0 < rope_low_freq_factor < "
+                f"rope_high_freq_factor and rope_original_max_len > 0, got factor={self.rope_factor}, "
+                f"low={self.rope_low_freq_factor}, high={self.rope_high_freq_factor}, "
+                f"original_max_len={self.rope_original_max_len}"
+            )
+        v = self.vocab_pad_multiple
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}.vocab_pad_multiple must be a positive int, got {v!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{where}.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
@@ -56,6 +81,12 @@ class ModelConfig:
     @property
     def jnp_param_dtype(self):
         return _DTYPES[self.param_dtype]
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding: vocab_size rounded up to vocab_pad_multiple (ids >= vocab_size never occur)."""
+        m = self.vocab_pad_multiple
+        return -(-self.vocab_size // m) * m
 
     @property
     def q_per_kv(self) -> int:

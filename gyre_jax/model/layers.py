@@ -5,9 +5,12 @@ mapping from logical names to mesh axes lives with the cells, not here.
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gyre_jax.model.config import ModelConfig
 
@@ -18,17 +21,23 @@ def dense_init(fan_in: int):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale, computed in float32 (bfloat16 variance is too coarse)."""
+    """x / rms(x) * scale over the last axis, computed in float32 (bfloat16 variance is too coarse).
+
+    Over d_model by default; ``head_dim=True`` normalizes each head's q or k vector
+    (Qwen3's q_norm/k_norm: one [H] scale shared by all heads).
+    """
 
     config: ModelConfig
+    head_dim: bool = False
 
     @nn.compact
     def __call__(self, x_BxLxD):
         cfg = self.config
+        width, axis = (cfg.head_dim, "head_dim") if self.head_dim else (cfg.d_model, "embed")
         scale_D = self.param(
             "scale",
-            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            (cfg.d_model,),
+            nn.with_logical_partitioning(nn.initializers.ones, (axis,)),
+            (width,),
             cfg.jnp_param_dtype,
         )
         x = x_BxLxD.astype(jnp.float32)
@@ -37,14 +46,37 @@ class RMSNorm(nn.Module):
         return y.astype(cfg.jnp_dtype)
 
 
-def rope(x_BxLxNxH, positions_BxL, theta: float):
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[H/2] inverse frequencies (float64, host): theta^(-2k/H), then the config's scaling.
+
+    ``llama3`` follows HF's ``_compute_llama3_parameters``: wavelengths longer than
+    original_max_len/low_freq_factor are divided by ``factor``, shorter than
+    original_max_len/high_freq_factor kept, and those between interpolated.
+    """
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    if cfg.rope_scaling == "none":
+        return inv
+    factor, lo, hi, old = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope(x_BxLxNxH, positions_BxL, theta: float, *, inv_freq_F=None):
     """Rotary embedding at explicit per-token positions (tree positions work as is).
 
     Uses the "rotate half" layout of HF Llama/Qwen (pairs (k, k + H/2)), so their
-    q/k projection weights load without a permutation.
+    q/k projection weights load without a permutation. ``inv_freq_F`` (from
+    ``rope_inv_freq``) overrides the plain ``theta`` frequencies (rope scaling).
     """
     h = x_BxLxNxH.shape[-1]
-    inv_freq_F = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if inv_freq_F is None:
+        inv_freq_F = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    inv_freq_F = jnp.asarray(inv_freq_F, jnp.float32)
     angle_BxLxF = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_F
     cos = jnp.cos(angle_BxLxF)[:, :, None, :]
     sin = jnp.sin(angle_BxLxF)[:, :, None, :]

@@ -30,6 +30,11 @@ from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import MLP, RMSNorm
 
 
+# Logit of a vocab-padding id: finite (p * log p stays 0, a temperature cannot make it -inf
+# overflow into NaN) and far below any real logit.
+PAD_LOGIT = -1e9
+
+
 class Block(nn.Module):
     """Pre-norm residual block; the scan body (carry = residual stream)."""
 
@@ -67,31 +72,44 @@ class Transformer(nn.Module):
         self.embedding = self.param(
             "embed",
             nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5), ("vocab", "embed")),
-            (cfg.vocab_size, cfg.d_model),
+            (cfg.padded_vocab, cfg.d_model),
             cfg.jnp_param_dtype,
         )
         if not cfg.tie_embeddings:
             self.unembedding = self.param(
                 "unembed",
                 nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.d_model**-0.5), ("embed", "vocab")),
-                (cfg.d_model, cfg.vocab_size),
+                (cfg.d_model, cfg.padded_vocab),
                 cfg.jnp_param_dtype,
             )
         self.layers = _scanned_blocks(cfg)(cfg, name="layers")
         self.final_norm = RMSNorm(cfg, name="final_norm")
 
-    def unembed_matrix(self):
-        """[D, V] matrix with logits = hidden @ unembed."""
-        u = self.embedding.T if self.config.tie_embeddings else self.unembedding
-        return u.astype(self.config.jnp_dtype)
+    def unembed_matrix(self, *, padded: bool = False):
+        """[D, V] matrix with logits = hidden @ unembed.
+
+        The embedding has ``padded_vocab`` rows (a multiple the mesh splits evenly);
+        unless ``padded``, the padding columns are cut off, so a loss sees exactly V.
+        """
+        cfg = self.config
+        u = self.embedding.T if cfg.tie_embeddings else self.unembedding
+        if not padded and cfg.padded_vocab != cfg.vocab_size:
+            u = u[:, : cfg.vocab_size]
+        return u.astype(cfg.jnp_dtype)
 
     def _embed(self, tokens_BxT):
         return jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.config.jnp_dtype)
 
     def _logits(self, hidden_BxTxD):
-        return jnp.einsum(
-            "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(), preferred_element_type=jnp.float32
+        """[B, T, padded_vocab] float32 logits; padding ids get PAD_LOGIT so nothing samples them."""
+        cfg = self.config
+        logits = jnp.einsum(
+            "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(padded=True), preferred_element_type=jnp.float32
         )
+        if cfg.padded_vocab != cfg.vocab_size:
+            real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
+            logits = jnp.where(real_V, logits, PAD_LOGIT)
+        return logits
 
     def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL, subtree_end_BxL, *, return_hidden=False):
         """Forward over packed rows with the tree attention mask.

@@ -1,0 +1,278 @@
+"""``load_pretrained`` / ``save_pretrained``: HF safetensors checkpoints in and out.
+
+Import streams one tensor at a time from disk onto its devices: the sharding of each
+param comes from the rules table (cells/sharding.py) applied to ``param_logical_axes``;
+a per-layer tensor is written into its slot of the stacked ``[Y, ...]`` param on the
+devices (a donated ``dynamic_update_slice``), so the host never holds more than one
+tensor (plus its transposed copy). Export fetches one layer's slice at a time and
+writes HF names, shapes and dtypes, sharded with ``model.safetensors.index.json``
+above ``max_shard_bytes``; import -> export -> import is bit-exact (pure reshapes).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from gyre_jax.cells.sharding import RULES, tree_shardings
+from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.hf.config_map import UnsupportedCheckpoint, config_from_hf, hf_config
+from gyre_jax.model.hf.st_io import SafetensorsReader, write_safetensors
+from gyre_jax.model.hf.tensors import IGNORED_SUFFIXES, Entry, entries
+from gyre_jax.model.transformer import init_params, param_logical_axes
+
+log = logging.getLogger(__name__)
+INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
+# Files a serving stack needs beside the weights; save_pretrained(like=...) copies them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+class _Checkpoint:
+    """The tensors of a checkpoint directory (single file or sharded), opened lazily."""
+
+    def __init__(self, path: str):
+        self.path = path
+        idx = os.path.join(path, INDEX)
+        if os.path.exists(idx):
+            with open(idx) as f:
+                wm = json.load(f).get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise UnsupportedCheckpoint(f"{idx}: no 'weight_map'")
+            self.file_of = dict(wm)
+        elif os.path.exists(os.path.join(path, SINGLE)):
+            with SafetensorsReader(os.path.join(path, SINGLE)) as r:
+                self.file_of = {n: SINGLE for n in r.tensors}
+        else:
+            raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} is there")
+        self._open: dict[str, SafetensorsReader] = {}
+
+    def _reader(self, name: str) -> SafetensorsReader:
+        fn = self.file_of[name]
+        if fn not in self._open:
+            p = os.path.join(self.path, fn)
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"{p}: listed in {INDEX} for tensor {name!r} but missing")
+            self._open[fn] = SafetensorsReader(p)
+        r = self._open[fn]
+        if name not in r.tensors:
+            raise UnsupportedCheckpoint(f"{r.path}: tensor {name!r} is listed in {INDEX} but not in the file")
+        return r
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._reader(name).shape(name)
+
+    def read(self, name: str) -> np.ndarray:
+        return self._reader(name).read(name)
+
+    def close(self):
+        for r in self._open.values():
+            r.close()
+        self._open.clear()
+
+    def largest_file_bytes(self) -> int:
+        return max(os.path.getsize(os.path.join(self.path, f)) for f in set(self.file_of.values()))
+
+
+def vocab_multiple(mesh, rules=RULES) -> int:
+    """How many ways ``mesh`` splits the vocab axis (the embedding must be a multiple of it)."""
+    if mesh is None:
+        return 1
+    axes = dict(rules).get("vocab")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape], dtype=np.int64))
+
+
+def read_config(path: str) -> dict[str, Any]:
+    p = os.path.join(path, CONFIG)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"{p}: no config.json (is {path!r} a Hugging Face checkpoint directory?)")
+    with open(p) as f:
+        return json.load(f)
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+@functools.cache
+def _zeros(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _write_layer(sharding):
+    return jax.jit(lambda s, x, i: jax.lax.dynamic_update_slice_in_dim(s, x, i, 0), donate_argnums=0,
+                   out_shardings=sharding)
+
+
+def _slice_sharding(sharding):
+    """Sharding of one [1, ...] layer slice of a stacked param (the layers axis unsplit)."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+        return NamedSharding(sharding.mesh, PartitionSpec(None, *spec[1:]))
+    return sharding
+
+
+def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad_multiple: int | None = None,
+                    max_seq_len: int | None = None, rules=RULES) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, {"params": ...}) of a HF checkpoint directory, params placed on ``mesh``.
+
+    ``dtype``: the params' dtype ("bfloat16", "float32"; default the file's torch_dtype).
+    ``vocab_pad_multiple`` defaults to what ``mesh`` needs to split the vocab axis.
+    Without a mesh, params go to the first device.
+    """
+    hf = read_config(path)
+    if vocab_pad_multiple is None:
+        vocab_pad_multiple = vocab_multiple(mesh, rules)
+    cfg = config_from_hf(hf, dtype=dtype, vocab_pad_multiple=vocab_pad_multiple, max_seq_len=max_seq_len,
+                         where=os.path.join(path, CONFIG))
+    abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))["params"]
+    if mesh is None:
+        one = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, abstract)
+    else:
+        shardings = tree_shardings(param_logical_axes(cfg)["params"], mesh, abstract, rules=rules)
+    ck = _Checkpoint(path)
+    try:
+        plan = entries(cfg)
+        _check_names(ck, cfg, plan)
+        params: dict = {}
+        t0, last, done, nbytes = time.perf_counter(), time.perf_counter(), 0, 0
+        total = sum(cfg.n_layers if e.per_layer else 1 for e in plan)
+        for e in plan:
+            a, sh = _get(abstract, e.path), _get(shardings, e.path)
+            if not e.per_layer:
+                w = _read(ck, e, None, a.dtype)
+                _set(params, e.path, jax.device_put(w, sh))
+                done, nbytes = done + 1, nbytes + w.nbytes
+                continue
+            stacked = _zeros(a.shape, a.dtype, sh)()
+            put, one_sh = _write_layer(sh), _slice_sharding(sh)
+            for i in range(cfg.n_layers):
+                w = _read(ck, e, i, a.dtype)
+                stacked = put(stacked, jax.device_put(w[None], one_sh), np.int32(i))
+                done, nbytes = done + 1, nbytes + w.nbytes
+                del w
+                if time.perf_counter() - last > 10:
+                    last, el = time.perf_counter(), time.perf_counter() - t0
+                    log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.2f GB/s), ETA %.0fs", done, total, nbytes / 1e9,
+                             el, nbytes / 1e9 / el, el * (total - done) / done)
+            _set(params, e.path, stacked)
+        log.info("hf: loaded %s (%d tensors, %.2f GB) in %.1fs", path, total, nbytes / 1e9, time.perf_counter() - t0)
+    finally:
+        ck.close()
+    return cfg, {"params": params}
+
+
+def _check_names(ck: _Checkpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
+    expected = {e.name(i) for e in plan for i in (range(cfg.n_layers) if e.per_layer else [None])}
+    have = set(ck.file_of)
+    missing = sorted(expected - have)
+    if missing:
+        raise UnsupportedCheckpoint(f"{ck.path}: {len(missing)} tensors the config implies are missing, e.g. "
+                                    f"{missing[:5]}")
+    extra = sorted(n for n in have - expected if not n.endswith(IGNORED_SUFFIXES))
+    if cfg.tie_embeddings and "lm_head.weight" in extra:  # a tied checkpoint that also stores the copy
+        log.warning("hf: %s has lm_head.weight but tie_word_embeddings=true; using the embedding", ck.path)
+        extra.remove("lm_head.weight")
+    if extra:
+        raise UnsupportedCheckpoint(f"{ck.path}: {len(extra)} tensors this model has no place for (a feature it does "
+                                    f"not compute?), e.g. {extra[:5]}")
+
+
+def _read(ck: _Checkpoint, e: Entry, i: int | None, dtype) -> np.ndarray:
+    name = e.name(i)
+    got = ck.shape(name)
+    if got != e.hf_shape:
+        raise UnsupportedCheckpoint(f"{ck.path}: tensor {name!r} ({ck.file_of[name]}) has shape {got}, "
+                                    f"config.json implies {e.hf_shape}")
+    w = e.to_ours(ck.read(name))
+    return np.ascontiguousarray(w.astype(np.dtype(dtype), copy=False))
+
+
+def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None = None,
+                    max_shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> list[str]:
+    """Write ``params`` as a HF checkpoint (config.json + safetensors) into ``path``.
+
+    ``like``: a source checkpoint directory whose config.json fields we do not own
+    (token ids, ...) are kept and whose tokenizer files are copied, so the result is
+    servable as is. ``dtype`` defaults to the params'. Returns the files written.
+    """
+    tree = params["params"] if "params" in params else params
+    out_dt = np.dtype(jnp.dtype(dtype or config.param_dtype))
+    os.makedirs(path, exist_ok=True)
+    specs, makers = [], []
+    plan = entries(config)
+    for e in plan:  # HF order: embeddings, layer by layer, final norm, head
+        if not e.per_layer and e.path == ("embed",):
+            specs.append((e.name(), e.hf_shape, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, None, out_dt))
+    for i in range(config.n_layers):
+        for e in plan:
+            if e.per_layer:
+                specs.append((e.name(i), e.hf_shape, out_dt))
+                makers.append(functools.partial(_fetch, tree, e, i, out_dt))
+    for e in plan:
+        if not e.per_layer and e.path != ("embed",):
+            specs.append((e.name(), e.hf_shape, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, None, out_dt))
+    shards: list[list[int]] = [[]]
+    size = 0
+    for k, (_, shape, dt) in enumerate(specs):
+        nb = int(np.prod(shape)) * dt.itemsize
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nb
+    names = [SINGLE] if len(shards) == 1 else [f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for j in range(len(shards))]
+    total, weight_map = 0, {}
+    for fn, ks in zip(names, shards):
+        total += write_safetensors(os.path.join(path, fn), [specs[k] for k in ks], (makers[k]() for k in ks))
+        weight_map.update({specs[k][0]: fn for k in ks})
+    written = list(names)
+    if len(names) > 1:
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append(INDEX)
+    else:
+        stale = os.path.join(path, INDEX)
+        if os.path.exists(stale):
+            os.remove(stale)
+    base = read_config(like) if like else None
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump(hf_config(config, base), f, indent=2)
+    written.append(CONFIG)
+    if like:
+        for fn in TOKENIZER_FILES:
+            src = os.path.join(like, fn)
+            if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, fn)):
+                shutil.copyfile(src, os.path.join(path, fn))
+                written.append(fn)
+    log.info("hf: wrote %s (%d files, %.2f GB)", path, len(names), total / 1e9)
+    return written
+
+
+def _fetch(tree, e: Entry, i: int | None, dt) -> np.ndarray:
+    leaf = _get(tree, e.path)
+    a = np.asarray(jax.device_get(leaf if i is None else leaf[i]))
+    return np.ascontiguousarray(e.to_hf(a).astype(dt, copy=False))

@@ -1,0 +1,122 @@
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` for the dense Llama/Qwen families.
+
+Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: q/k/v bias), ``Qwen3ForCausalLM`` (q/k
+RMSNorm over head_dim, no bias) and ``LlamaForCausalLM`` (Llama-3.x, plain or ``llama3``
+rope scaling). Anything the model here does not compute (sliding windows, MoE, other
+rope scalings, MLP or output-projection biases, another activation) raises
+``UnsupportedCheckpoint`` naming the field, instead of loading a model that computes
+something else.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gyre_jax.model.config import ModelConfig
+
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16",
+                "torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16"}
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint this model cannot compute faithfully (the message names the field or tensor)."""
+
+
+def family_of(hf: dict[str, Any], where: str = "config.json") -> str:
+    archs = hf.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise UnsupportedCheckpoint(
+            f"{where}: architectures={archs!r} (model_type={hf.get('model_type')!r}) is not supported; "
+            f"supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[known[0]]
+
+
+def _rope_params(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from either the classic or the transformers-v5 layout."""
+    rp = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    theta = hf.get("rope_theta")
+    if isinstance(rp, dict):
+        theta = rp.get("rope_theta", theta)
+        scaling = scaling or rp
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, vocab_pad_multiple: int = 1,
+                   max_seq_len: int | None = None, where: str = "config.json") -> ModelConfig:
+    """ModelConfig of a checkpoint's config.json (dtype: the params' dtype; default the file's)."""
+    fam = family_of(hf, where)
+
+    def need(key):
+        if key not in hf:
+            raise UnsupportedCheckpoint(f"{where}: required field {key!r} is missing")
+        return hf[key]
+
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpoint(f"{where}: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedCheckpoint(f"{where}: use_sliding_window=true is not supported (full attention only)")
+    if hf.get("mlp_bias"):
+        raise UnsupportedCheckpoint(f"{where}: mlp_bias=true is not supported")
+    if fam != "qwen2" and hf.get("attention_bias"):
+        raise UnsupportedCheckpoint(f"{where}: attention_bias=true ({fam}: biases on q/k/v and o) is not supported")
+    theta, scaling = _rope_params(hf)
+    rope = {}
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise UnsupportedCheckpoint(f"{where}: rope_scaling type {kind!r} is not supported; supported: llama3")
+        rope = dict(rope_scaling="llama3", rope_factor=float(scaling["factor"]),
+                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                    rope_original_max_len=int(scaling["original_max_position_embeddings"]))
+    d, n = int(need("hidden_size")), int(need("num_attention_heads"))
+    file_dtype = _DTYPE_NAMES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
+    if file_dtype is None:
+        raise UnsupportedCheckpoint(f"{where}: torch_dtype={hf.get('torch_dtype')!r} is not supported")
+    dt = dtype or file_dtype
+    try:
+        return ModelConfig(
+            vocab_size=int(need("vocab_size")), d_model=d, n_layers=int(need("num_hidden_layers")), n_heads=n,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or d // n),
+            d_ff=int(need("intermediate_size")), rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", fam != "llama")), dtype=dt, param_dtype=dt,
+            max_seq_len=int(max_seq_len or hf.get("max_position_embeddings") or 4096),
+            qkv_bias=fam == "qwen2", qk_norm=fam == "qwen3", vocab_pad_multiple=vocab_pad_multiple, **rope)
+    except ValueError as e:
+        raise UnsupportedCheckpoint(f"{where}: {e}") from None
+
+
+def family_of_config(cfg: ModelConfig) -> str:
+    """The HF family a ModelConfig exports as (its features pick it)."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise UnsupportedCheckpoint("ModelConfig has both qkv_bias and qk_norm: no HF family computes that")
+    return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+
+
+def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for ``cfg``: ``base`` (the source checkpoint's, to keep token ids etc.) with our fields set."""
+    fam = family_of_config(cfg)
+    arch = {v: k for k, v in ARCHITECTURES.items()}[fam]
+    out = dict(base or {})
+    for k in ("rope_parameters", "dtype"):  # rewritten below in the classic layout
+        out.pop(k, None)
+    out.update(
+        architectures=[arch], model_type=fam, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, torch_dtype=cfg.param_dtype,
+        max_position_embeddings=out.get("max_position_embeddings", cfg.max_seq_len))
+    out["rope_scaling"] = None if cfg.rope_scaling == "none" else dict(
+        rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor, original_max_position_embeddings=cfg.rope_original_max_len)
+    if fam != "qwen2":
+        out["attention_bias"] = False
+    if fam == "llama":
+        out["mlp_bias"] = False
+    else:
+        out["use_sliding_window"] = False
+    return out
