@@ -109,16 +109,36 @@ class ChatCall:
 
 
 class AssistantStream:
-    """Incremental ``parse_assistant``: feed ids, get ("text", str) / ("tool_call", dict) events."""
+    """Incremental ``parse_assistant``: feed ids, get ("text", str) / ("tool_call", dict) events.
+
+    Three tool-call syntaxes, picked by the tokenizer's ``tool_format``: ours (the
+    default: ``<|tool_call|>`` ... ``<|/tool_call|>`` special ids), Qwen's (``<tool_call>``
+    ... ``</tool_call>`` tokens; the ``"\n"`` the template puts before a call is held back
+    until the next token shows whether a call follows) and Llama-3's JSON message (a
+    message that opens with ``{`` or ``<|python_tag|>`` is buffered and parsed whole at
+    its end; any other message streams as text). The events always add up to
+    ``tok.parse_assistant`` of the same ids.
+    """
 
     def __init__(self, tok: Tokenizer, *, parse_tools: bool = True, stop_ids=None):
         self.tok = tok
-        self._open = tok.special["<|tool_call|>"] if parse_tools else None
-        self._close = tok.special["<|/tool_call|>"]
+        fmt = getattr(tok, "tool_format", "gyre")
+        self._open = self._close = None
+        self._hold = ""  # text kept back at the end of a run: the template's separator before a call
+        self._keep_marks = False  # a malformed call's open/close tokens are text (Qwen) or dropped specials (ours)
+        self._json_message = parse_tools and fmt == "llama3_json"
+        if parse_tools and fmt == "gyre":
+            self._open, self._close = tok.special["<|tool_call|>"], tok.special["<|/tool_call|>"]
+        elif parse_tools and fmt == "qwen":
+            self._open, self._close = tok.special["<|tool_call|>"], tok.special["<|/tool_call|>"]
+            self._hold, self._keep_marks = "\n", True
+        self._parse_span = getattr(tok, "parse_call_span", None) or (lambda ids: _parse_call(tok.decode(ids)))
         self._stop = set(tok.stop_ids if stop_ids is None else stop_ids)
         self._span: list[int] | None = None
         self._run: list[int] = []  # current text run (generic tokenizers re-decode it)
         self._emitted = 0
+        self._message: list[int] | None = [] if self._json_message else None  # undecided / buffered JSON message
+        self._buffering = False
         self._bytes = isinstance(tok, ByteTokenizer)
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stopped = False
@@ -129,30 +149,55 @@ class AssistantStream:
             return []
         if t in self._stop:
             self.stopped = True
-            return self._flush_text(final=True)
+            return self._end_message() + self._flush_text(final=True)
+        if self._message is not None:
+            return self._feed_message(t)
         if self._open is not None and t == self._open and self._span is None:
-            out = self._flush_text(final=True)
             self._span = []
-            return out
+            return [] if self._hold else self._flush_text(final=True)
         if self._span is not None:
             if t != self._close:
                 self._span.append(t)
                 return []
             span, self._span = self._span, None
-            call = _parse_call(self.tok.decode(span))
+            call = self._parse_span(span)
             if call is None:
-                return self._text_ids(span)
+                return self._text_ids([self._open] + span + [self._close] if self._keep_marks else span)
+            out = self._flush_text(final=True, strip=self._hold)
             call.setdefault("id", f"call_{self.n_calls}")
             self.n_calls += 1
-            return [("tool_call", call)]
+            return out + [("tool_call", call)]
         return self._text_ids([t])
 
     def finish(self) -> list[tuple[str, Any]]:
-        out = []
+        out = self._end_message()
         if self._span is not None:  # unterminated tool call: its text
             span, self._span = self._span, None
-            out += self._text_ids(span)
+            out += self._text_ids([self._open] + span if self._keep_marks else span)
         return out + self._flush_text(final=True)
+
+    def _feed_message(self, t: int) -> list[tuple[str, Any]]:
+        """Llama-3 JSON: decide from the first non-blank text whether the message is a tool call."""
+        self._message.append(t)
+        if self._buffering:
+            return []
+        text = self.tok.decode(self._message)
+        if self._message[0] == getattr(self.tok, "python_tag_id", None) or text.lstrip().startswith("{"):
+            self._buffering = True
+            return []
+        if not text.strip():
+            return []
+        ids, self._message = self._message, None
+        return self._text_ids(ids)
+
+    def _end_message(self) -> list[tuple[str, Any]]:
+        if self._message is None:
+            return []
+        ids, self._message = self._message, None
+        parsed = self.tok.parse_assistant(ids)
+        out = [("text", parsed["content"])] if parsed["content"] else []
+        self.n_calls += len(parsed["tool_calls"])
+        return out + [("tool_call", c) for c in parsed["tool_calls"]]
 
     def _text_ids(self, ids: list[int]) -> list[tuple[str, Any]]:
         if self._bytes:
@@ -161,17 +206,21 @@ class AssistantStream:
         self._run += ids
         s = self.tok.decode(self._run)
         keep = len(s) - (1 if s.endswith("\ufffd") else 0)  # maybe a partial character
+        if self._hold and s[:keep].endswith(self._hold):  # maybe the separator before a tool call
+            keep -= len(self._hold)
         if keep > self._emitted:
             d, self._emitted = s[self._emitted:keep], keep
             return [("text", d)]
         return []
 
-    def _flush_text(self, *, final: bool) -> list[tuple[str, Any]]:
+    def _flush_text(self, *, final: bool, strip: str = "") -> list[tuple[str, Any]]:
         if self._bytes:
             s = self._dec.decode(b"", final=True)
             self._dec.reset()
             return [("text", s)] if s else []
         s = self.tok.decode(self._run)
+        if strip and s.endswith(strip):
+            s = s[: -len(strip)]
         d = s[self._emitted:]
         self._run, self._emitted = [], 0
         return [("text", d)] if d else []

@@ -226,14 +226,39 @@ def _require(module: str, package: str):
         raise ImportError(f"this tokenizer file needs the {package!r} package: pip install {package}") from None
 
 
+def _has_chat_template(directory: str) -> bool:
+    import os
+
+    p = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(os.path.join(directory, "chat_template.jinja")):
+        return True
+    if not os.path.exists(p):
+        return False
+    with open(p) as f:
+        return bool(json.load(f).get("chat_template"))
+
+
 def load_tokenizer(spec: str = "byte") -> Tokenizer:
-    """``"byte"`` (built in) or ``"<kind>:<path>"`` with kind hf | sentencepiece | tiktoken."""
+    """``"byte"`` (built in) or ``"<kind>:<path>"`` with kind hf | sentencepiece | tiktoken.
+
+    ``hf:DIR`` (or ``hf:DIR/tokenizer.json`` beside a tokenizer_config.json with a
+    ``chat_template``) is the checkpoint's own tokenizer, template and tool-call syntax
+    (``HFChatTokenizer``); a bare tokenizer.json gets our token-level template.
+    """
     if spec == "byte":
         return ByteTokenizer()
     kind, sep, path = spec.partition(":")
     if not sep or not path:
         raise ValueError(f"tokenizer spec {spec!r}: expected 'byte' or '<hf|sentencepiece|tiktoken>:<path>'")
     if kind == "hf":
+        import os
+
+        d = path if os.path.isdir(path) else os.path.dirname(path)
+        if os.path.isdir(path) or _has_chat_template(d):  # a checkpoint's own template and tool-call syntax
+            _require("tokenizers", "tokenizers")
+            from gyre_jax.serving.hf_tokenizer import HFChatTokenizer
+
+            return HFChatTokenizer.from_dir(d)
         tk = _require("tokenizers", "tokenizers").Tokenizer.from_file(path)
         known = {n: tk.token_to_id(n) for n in SPECIAL_TOKENS if tk.token_to_id(n) is not None}
         return FileTokenizer(encode_fn=lambda s: tk.encode(s, add_special_tokens=False).ids,
