@@ -46,7 +46,7 @@ from gyre_jax.serving.backend import GenerateRequest, SamplingParams
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
 from gyre_jax.serving.router import Router
 from gyre_jax.serving.server_thread import ServerThread
-from gyre_jax.serving.tokenizer import ByteTokenizer
+from gyre_jax.serving.tokenizer import ByteTokenizer, load_tokenizer
 from gyre_jax.trajectory.dataset import RowStream, StreamingDataset
 from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore
 
@@ -137,9 +137,10 @@ def _task_fn(cfg: RLConfig, g: int):
     return cfg.task.make(cfg.seed * 1_000_003 + g)
 
 
-def fresh_params(cfg: RLConfig, tok):
-    """A new model's params, warm-started by SFT on scripted demonstrations (config.sft); (params, history)."""
-    params = init_params(cfg.model, jax.random.key(cfg.seed))
+def fresh_params(cfg: RLConfig, tok, mesh=None):
+    """A new model's params (config.model.hf_path's weights, born on ``mesh``, or a random init), warm-started
+    by SFT on scripted demonstrations (config.sft); (params, history)."""
+    params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.seed))
     if cfg.sft.steps == 0:
         return params, []
     # Demonstration tasks come from seeds the RL run never draws (offset).
@@ -149,6 +150,34 @@ def fresh_params(cfg: RLConfig, tok):
     examples = demo_examples(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
     return warm_start(params, cfg.model, examples, steps=cfg.sft.steps, rows=cfg.sft.rows, row_len=cfg.train.row_len,
                       learning_rate=cfg.sft.learning_rate, seed=cfg.seed, progress=cfg.progress)
+
+
+def _hf_params(cfg: RLConfig, mesh):
+    from gyre_jax.model.hf import load_pretrained
+
+    mc = cfg.model
+    loaded, params = load_pretrained(cfg.hf_path, mesh=mesh, dtype=mc.param_dtype,
+                                     vocab_pad_multiple=mc.vocab_pad_multiple, max_seq_len=mc.max_seq_len)
+    if loaded.replace(remat=mc.remat, dtype=mc.dtype) != mc:
+        raise RunFailed(f"{cfg.hf_path} changed since the config was read: {loaded} != {mc}")
+    return params
+
+
+def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
+    """The policy as a HF checkpoint in <workdir>/hf_export (servable by vLLM/SGLang); its path."""
+    from gyre_jax.model.hf import read_config, save_pretrained
+
+    out = os.path.join(workdir, "hf_export")
+    t0 = time.perf_counter()
+    # In the source's dtype (bf16 for released checkpoints: what servers expect), else the params'.
+    dtype = read_config(cfg.hf_path).get("torch_dtype") if cfg.hf_path else None
+    save_pretrained(params, cfg.model, out, like=cfg.hf_path or None,
+                    dtype=dtype if dtype in ("bfloat16", "float16", "float32") else None)
+    with open(os.path.join(out, "gyre_version.txt"), "w") as f:
+        f.write(f"{version}\n")
+    print(f"rl: exported policy version {version} as a Hugging Face checkpoint to {out} "
+          f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    return out
 
 
 def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
@@ -225,10 +254,10 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         raise ConfigError(f"the rl job runs in one process (this is process {jax.process_index()} of "
                           f"{jax.process_count()}); cells in separate processes are not built yet")
     n_cells = cfg.check_devices(len(jax.devices()))
-    tok = ByteTokenizer()
+    tok = load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
     mc = cfg.model
     if tok.vocab_size > mc.vocab_size:
-        raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the byte tokenizer's {tok.vocab_size} ids")
+        raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the tokenizer's {tok.vocab_size} ids")
     evaluator = _make_eval(cfg, tok)
 
     # Cells and placement: the layout's role -> mesh map places the trainer and engines.
@@ -268,7 +297,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
               f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
               f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
     else:
-        params, sft_history = fresh_params(cfg, tok)
+        params, sft_history = fresh_params(cfg, tok, core_mesh)
         state = spec.state_from_params(params, core_mesh)
         steps_done, ready = 0, []
     if iterator.get_state()["step"] != steps_done:
@@ -322,6 +351,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     def after_update(version: int) -> None:
         if ckpt.should_save(version) or version >= cfg.steps:
             save_checkpoint(ckpt, c_box["trainer"], store, s.mode, version, force=version >= cfg.steps)
+        if cfg.hf_export and version >= cfg.steps:
+            export_hf(cfg, c_box["trainer"].trainer.state.params, workdir, version)
 
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
     trainer_ad = TrainerAdapter(

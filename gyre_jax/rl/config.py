@@ -272,6 +272,11 @@ class RLConfig:
     progress: bool = True  # a bar on a terminal, one line per step otherwise
     progress_every_s: float = 60.0  # off a terminal: a line at least this often while a step runs
     model: ModelConfig
+    # config.model.hf_path: a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json,
+    # tokenizer_config.json with its chat template). Set, the model's shape comes from its config.json, the
+    # params from its weights and the proxy speaks its chat template and tool-call syntax.
+    hf_path: str = ""
+    hf_export: bool = False  # config.model.hf_export: save_pretrained into <workdir>/hf_export after the last step
     cells: CellsConfig = CellsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     task: TaskConfig = TaskConfig()
@@ -393,12 +398,45 @@ class RLConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "model" not in d:
+            raise ConfigError("config.model is required")
+        model = dict(d["model"])
+        hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
         kw = {}
         for k, v in d.items():
-            kw[k] = _build(nested[k], v, k) if k in nested else v
-        if "model" not in kw:
-            raise ConfigError("config.model is required")
-        return cls(**kw)
+            if k != "model":
+                kw[k] = _build(nested[k], v, k) if k in nested else v
+        if hf_path:
+            kw["model"] = _hf_model_config(hf_path, model, kw.get("cells", CellsConfig()))
+        elif "vocab_size" not in model:
+            raise ConfigError("config.model.hf_path is empty and the config gives no model shape: set "
+                              "--config.model.hf_path=/path/to/hf/checkpoint")
+        else:
+            kw["model"] = _build(ModelConfig, model, "model")
+        return cls(hf_path=hf_path, hf_export=hf_export, **kw)
+
+
+# ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
+HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+
+
+def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) -> ModelConfig:
+    """ModelConfig from ``path``/config.json, vocab padded for the cells' tensor splits."""
+    import math
+
+    from gyre_jax.model.hf import config_from_hf, read_config
+
+    bad = sorted(set(model) - set(HF_MODEL_OVERRIDES))
+    if bad:
+        raise ConfigError(f"config.model: {bad} come from {path}/config.json when model.hf_path is set; only "
+                          f"{list(HF_MODEL_OVERRIDES)} may be given")
+    try:
+        cfg = config_from_hf(read_config(path), dtype=model.get("param_dtype") or None,
+                             vocab_pad_multiple=math.lcm(cells.train_tensor, cells.serve_tensor),
+                             max_seq_len=model.get("max_seq_len") or None)
+        return cfg.replace(**{k: model[k] for k in ("remat", "dtype") if model.get(k) not in (None, "")})
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config.model.hf_path={path!r}: {e}") from None
 
 
 def _build(klass, value: Mapping[str, Any], where: str):

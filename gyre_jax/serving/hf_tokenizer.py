@@ -188,7 +188,7 @@ class HFChatTokenizer(Tokenizer):
 
         try:
             return self._template.render(messages=hf_msgs, add_generation_prompt=add_generation_prompt, **kw)
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, TypeError, KeyError, AttributeError) as e:  # a 400, not a 500
             raise ValueError(f"chat template: {e}") from None
 
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,

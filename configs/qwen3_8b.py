@@ -1,0 +1,96 @@
+"""RL on a Qwen3 checkpoint you already have (job 'rl'): the elastic loop, its proxy speaking
+Qwen3's own chat template and ``<tool_call>`` syntax, the repo_spec agent tasks.
+
+Command (the checkpoint is a Hugging Face directory: config.json, model*.safetensors,
+tokenizer.json, tokenizer_config.json; nothing is downloaded):
+
+    python -m launch.main --config configs/qwen3_8b.py --workdir /tmp/qwen3 \\
+        --config.model.hf_path=/ckpt/Qwen3-8B
+
+Other sizes of the family need no other file (Qwen3-0.6B ... 32B; Qwen2.5 loads too):
+the shape comes from the checkpoint's config.json, only the layout below changes.
+At the end of the run the policy is written to <workdir>/elastic/hf_export as a HF
+checkpoint (the source's dtype and tokenizer files), which vLLM or SGLang serve as is.
+
+Cell layout (parallelism) to pick:
+
+* **8-GPU node (8x H100 80 GB), one process** -- the defaults below: ``cell_size=4`` gives
+  2 cells. Training mesh ('fsdp', 'tensor') = (4, 1): Qwen3-8B's f32 master params and
+  Adam moments (~128 GB with the gradients) are sharded 4 ways, activations rematerialized
+  per layer (``remat``); serving mesh ('data', 'tensor') = (1, 4): weights split over 4 GPUs
+  (32 q / 8 kv heads divide by 4), 64 decode slots of up to 32K tokens per engine. Cell 0
+  (the core) holds the optimizer state; elastic mode moves cell 1 between serving and
+  training as the scheduler decides. Qwen3-32B: ``--config.cells.cell_size=8
+  --config.cells.serve_tensor=8`` (one cell: ``--config.scheduler.mode=colocate``).
+* **TPU v5p-8 (4 chips, 95 GB HBM each, one host)**: ``--config.cells.cell_size=4
+  --config.cells.serve_tensor=4 --config.scheduler.mode=colocate`` (one cell that serves
+  and trains in turn). Larger v5p slices (v5p-16 and up) span several hosts, and this
+  loop runs in one process today (rl/build.py refuses more): on them run one process per
+  host once the multi-process loop lands; the layout would be ``cell_size=8`` (a 2x2x2
+  sub-cube per cell, fsdp=8 for training, tensor=4 x data=2 for serving).
+
+These layouts are what the memory arithmetic above gives; they were not run here (this
+machine has no accelerator). On CPU the loop builds, loads a tiny Qwen3-layout checkpoint
+and takes a step (tests/test_hf_rl.py, ~1 min); expected result on a real 8B checkpoint
+and node: not measured.
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.job = "rl"
+    c.seed = 0
+    c.steps = 200  # RL optimizer steps
+    c.num_cpu_devices = 8  # only used on CPU
+    c.first_last = 10
+    c.checkpoint_every = 20  # Orbax checkpoint (params + Adam state + data position) every k steps
+    c.progress = True
+    c.progress_every_s = 60.0
+    c.model = ml_collections.ConfigDict(dict(
+        hf_path="",  # REQUIRED: a HF checkpoint directory (--config.model.hf_path=/ckpt/Qwen3-8B)
+        hf_export=True,  # save_pretrained the policy into <workdir>/<mode>/hf_export after the last step
+        max_seq_len=32768,  # longest context trained/served (<= the checkpoint's max_position_embeddings)
+        remat=True,  # recompute each layer in the backward pass: long rows fit
+        dtype="bfloat16",  # activations and matmul inputs
+        param_dtype="float32",  # master params and Adam moments (the bf16 file upcasts exactly)
+    ))
+    c.cells = ml_collections.ConfigDict(dict(
+        cell_size=4,  # devices per cell: an 8-GPU node -> 2 cells
+        train_tensor=1,  # training mesh ('fsdp', 'tensor') = (4, 1)
+        serve_tensor=4,  # serving mesh ('data', 'tensor') = (1, 4)
+        max_slots=64,  # concurrent decode slots per engine
+        max_len=32768,  # KV-cache length per slot
+        tokens_per_call=8,
+        switch_retries=2,
+    ))
+    c.scheduler = ml_collections.ConfigDict(dict(
+        mode="elastic", groups_per_step=8, group_size=8, staleness_bound=1, updates_per_publication=1,
+        async_train_cells=1, min_work_per_switch_s=5.0, serve_reserve=1.0, poll_s=0.05,
+    ))
+    c.task = ml_collections.ConfigDict(dict(family="repo_spec", ops="copy", min_len=3, max_len=4))
+    c.harness = ml_collections.ConfigDict(dict(
+        max_tokens=2048,  # per model call
+        temperature=1.0,
+        max_turns=30,  # model calls per agent
+        deadline_s=1800.0,
+        request_timeout_s=600.0,
+        max_retries=2,
+        backoff_base_s=0.5,
+        grader_timeout_s=120.0,
+        system_prompt="",  # "" = the task's own
+    ))
+    c.train = ml_collections.ConfigDict(dict(
+        row_len=32768, micro_batch_rows=4,  # a multiple of the fsdp size (4)
+        learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, max_grad_norm=1.0, adam_b2=0.999, adam_eps=1e-8,
+        eps_low=0.2, eps_high=0.28, entropy_coef=0.0, log_ratio_clamp=20.0, clip_c=0.0,
+        advantage="mean_std", negative_advantage_scale=1.0, work_s_per_row=2.0,
+    ))
+    c.sft = ml_collections.ConfigDict(dict(steps=0, rows=6, learning_rate=1e-5, demos=64, noisy_fraction=0.0,
+                                           noisy_kind="reverse"))  # a real checkpoint needs no warm start
+    c.eval = ml_collections.ConfigDict(dict(every=20, tasks=32, samples_per_task=4, temperature=1.0))
+    c.faults = ml_collections.ConfigDict(dict(
+        grader_crash_every=0, timeout_every=0, engine_error_every=0, pause_at_step=0, switch_delay_s=0.0,
+        switch_fail_every=0, satellite_fail_every=0, chaos_seed=0, core_fail_at_step=0,
+    ))
+    return c

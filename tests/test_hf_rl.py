@@ -1,0 +1,102 @@
+"""The RL loop on a Hugging Face checkpoint: configs/qwen3_8b.py and configs/llama3_8b.py with
+``--config.model.hf_path`` pointing at a tiny checkpoint written here (random weights in the
+exact HF layout, a BPE tokenizer.json trained here, the family's chat template). The real
+stack runs (cells, JetStream engines, the HTTP proxy rendering the checkpoint's template
+and parsing its tool-call syntax, the harness, the elastic step) for one step, and the
+policy comes back out as a HF checkpoint that loads again.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from gyre_jax import jobs
+from gyre_jax.errors import ConfigError
+from gyre_jax.model.hf import load_pretrained
+from gyre_jax.rl.config import RLConfig
+from gyre_jax.serving.tokenizer import load_tokenizer
+from gyre_jax.testing.tiny_hf_checkpoint import write_tiny_hf_checkpoint
+from gyre_jax.testing.tiny_hf_tokenizer import write_tiny_hf_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def tiny_checkpoint(path, family):
+    """A checkpoint directory: weights + config.json + tokenizer files; an odd vocab (padding is exercised)."""
+    n = write_tiny_hf_tokenizer(str(path), "qwen3" if family != "llama3" else "llama3")
+    write_tiny_hf_checkpoint(str(path), family, vocab_size=n + 1, seed=1)
+    return str(path)
+
+
+def tiny_rl_config(name, hf_path, steps=1):
+    c = _config(name)
+    c.steps = steps
+    c.progress = False
+    c.checkpoint_every = 1
+    c.first_last = 1
+    c.model.update(dict(hf_path=hf_path, max_seq_len=256, remat=False, dtype="float32", param_dtype="float32"))
+    c.cells.update(dict(cell_size=4, train_tensor=2, serve_tensor=2, max_slots=4, max_len=256, tokens_per_call=4))
+    c.scheduler.update(dict(groups_per_step=1, group_size=4, min_work_per_switch_s=0.0))
+    c.task.update(dict(family="tiny", ops="copy", min_len=3, max_len=3))
+    c.harness.update(dict(max_tokens=8, max_turns=1, deadline_s=30.0, request_timeout_s=30.0, grader_timeout_s=30.0,
+                          system_prompt="Write the answer to answer.txt."))
+    c.train.update(dict(row_len=256, micro_batch_rows=2, learning_rate=1e-3, work_s_per_row=0.05))
+    c.eval.every = 0
+    return c
+
+
+def test_config_takes_the_shape_from_the_checkpoint(tmp_path):
+    d = tiny_checkpoint(tmp_path / "ck", "qwen3")
+    cfg = RLConfig.from_config(tiny_rl_config("qwen3_8b", d))
+    assert cfg.hf_path == d and cfg.hf_export and cfg.model.qk_norm and not cfg.model.qkv_bias
+    assert cfg.model.vocab_size == 407 and cfg.model.padded_vocab == 408  # tensor 2 splits the vocab
+    assert cfg.model.max_seq_len == 256
+    with pytest.raises(ConfigError, match="hf_path is empty"):
+        RLConfig.from_config(tiny_rl_config("qwen3_8b", ""))
+    c = tiny_rl_config("qwen3_8b", d)
+    c.model.d_model = 64
+    with pytest.raises(ConfigError, match=r"\['d_model'\] come from"):
+        RLConfig.from_config(c)
+    with pytest.raises(ConfigError, match="config.model.hf_path=.*config.json"):
+        RLConfig.from_config(tiny_rl_config("qwen3_8b", str(tmp_path)))
+
+
+@pytest.mark.parametrize("name,family", [("qwen3_8b", "qwen3"),
+                                         pytest.param("llama3_8b", "llama3", marks=pytest.mark.slow)])
+def test_rl_step_on_a_hf_checkpoint_and_export(tmp_path, name, family):
+    d = tiny_checkpoint(tmp_path / "ck", family)
+    c = tiny_rl_config(name, d)
+    summary = jobs.get(c.job)(c, str(tmp_path / "run"))
+    wd = os.path.join(tmp_path, "run", "elastic")
+    lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    assert [r["step"] for r in lines] == [0] and sum(summary["statuses"].values()) == 4
+    # The proxy rendered the checkpoint's own template: every recorded prompt is its rendering.
+    from gyre_jax.trajectory.store import TrajectoryStore
+
+    tok = load_tokenizer(f"hf:{d}")
+    with TrajectoryStore(os.path.join(wd, "store"), run_id="rl", writable=False) as store:
+        calls = [c for r in store.rollout_ids() for c in store.calls(r)]
+    assert calls
+    turn_start = tok.tk.token_to_id("<|im_start|>" if family == "qwen3" else "<|start_header_id|>")
+    for call in calls:
+        assert turn_start in call.prompt_ids.tolist()
+        assert int(call.prompt_ids.max()) < tok.vocab_size
+    # The policy came back out as a HF checkpoint with the source's tokenizer files.
+    out = os.path.join(wd, "hf_export")
+    for fn in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.exists(os.path.join(out, fn)), fn
+    cfg2, params2 = load_pretrained(out)
+    cfg1, params1 = load_pretrained(d)
+    assert cfg2 == cfg1
+    assert np.asarray(params2["params"]["embed"]).shape == (cfg1.vocab_size, 32)
