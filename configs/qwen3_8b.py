@@ -79,6 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
         backoff_base_s=0.5,
         grader_timeout_s=120.0,
         system_prompt="",  # "" = the task's own
+        send_tools_schema=True,  # tools in the template's tools section; calls in the model's <tool_call> syntax
     ))
     c.train = ml_collections.ConfigDict(dict(
         row_len=32768, micro_batch_rows=4,  # a multiple of the fsdp size (4)

@@ -144,6 +144,9 @@ class HarnessKnobs:
     backoff_base_s: float = 0.05
     grader_timeout_s: float = 30.0
     system_prompt: str = ""  # overrides the task's system prompt when non-empty (shorter contexts)
+    # True: the harness sends tool schemas and reads the API's tool_calls (a chat model's own tool-call
+    # syntax, parsed by the proxy); False: text-format calls in the reply's content (the byte-level demo).
+    send_tools_schema: bool = False
 
     def __post_init__(self):
         _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s"))
@@ -382,7 +385,7 @@ class RLConfig:
         h = self.harness
         return _built("harness", lambda: HarnessConfig(
             base_url=base_url, run_id=run_id, max_tokens=h.max_tokens, temperature=h.temperature,
-            send_tools_schema=False, bytes_per_token=1.0, max_turns=h.max_turns,
+            send_tools_schema=h.send_tools_schema, bytes_per_token=1.0, max_turns=h.max_turns,
             context_budget_tokens=self.cells.max_len, deadline_s=h.deadline_s, request_timeout_s=h.request_timeout_s,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None))
