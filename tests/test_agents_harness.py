@@ -185,12 +185,18 @@ def test_unreachable_server_and_client_error_are_infra_errors(tmp_path):
     assert "HTTP 400" in bad.error and "prompt too long" in bad.error and len(srv.requests) == 1
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _processes_running(argv: list[str]) -> list[int]:
+    """Host pids whose command line is exactly ``argv``."""
+    want = ("\0".join(argv) + "\0").encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() == want:
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def test_deadline_grades_workspace_for_partial_credit(repo_task, tmp_path):
@@ -202,7 +208,7 @@ def test_deadline_grades_workspace_for_partial_credit(repo_task, tmp_path):
             return tool_calls(*partial)
         if req.header(H.HEADER_ROLLOUT) == "hang":  # the model stops answering
             return FakeReply(hang=True)
-        return tool_calls(("run", {"command": "echo $$ > cmd.pid; exec sleep 60", "timeout_s": 120}))
+        return tool_calls(("run", {"command": "exec sleep 61.25", "timeout_s": 120}))
 
     reqs = [RolloutRequest(rollout_id=r, task=repo_task, group_id="g") for r in ("hang", "cmd")]
     srv, res = _serve_and_run(responder, reqs, tmp_path, deadline_s=1.0, command_timeout_s=120.0)
@@ -217,9 +223,9 @@ def test_deadline_grades_workspace_for_partial_credit(repo_task, tmp_path):
         assert outcome.status == "timeout" and not outcome.is_failure and outcome.score == r.score
         # "hang": its second call never answered; "cmd": its second call answered, its command hung.
         assert outcome.details["harness"]["calls"] == r.calls == {"hang": 1, "cmd": 2}[r.rollout_id]
-    # The command running at the deadline was killed, not left behind.
-    pid = int((tmp_path / "cmd" / "cmd.pid").read_text())
-    assert not _pid_alive(pid)
+    # The command running at the deadline was killed, not left behind (its pid is its
+    # sandbox's: look for it on the host by its command line).
+    assert not _processes_running(["sleep", "61.25"])
 
 
 _BAD_GRADERS = textwrap.dedent("""

@@ -1,16 +1,22 @@
 """Runs one module's unit checks against agent-written code, in its own process.
 
-``python -m gyre_jax.agents.check_runner`` with cwd = the workspace and a JSON spec on
-stdin: ``{"module": "pkg.mod", "functions": [{"name", "cases": [{"args", "expected"}]}],
+``python3 -I check_runner.py`` (this file as a script: it imports only the standard library,
+so it runs in the grader's sandbox without gyre_jax) with cwd = the workspace snapshot and a
+JSON spec on stdin: ``{"module": "pkg.mod", "functions": [{"name", "cases": [{"args"}]}],
 "case_timeout_s": 2.0}``. Emits one JSON line per check, as it completes:
-``{"check": name, "ok": bool, "note": str}`` with names from :func:`check_names`.
+``{"check": name, "ok": bool, "note": str}`` with names from :func:`check_names`; a case's
+line has ``"got"``, the JSON value the call returned (``ok``: it returned).
+
+The expected values never enter this process: the grader compares ``got`` with them. Agent
+code runs in this process and can forge anything it prints, but a forged ``got`` is only a
+value the function itself could have returned, so forging gains nothing.
 
 Why a separate process: agent code may hang, exit, crash the interpreter or print
 anything. Here that only fails the agent's checks (a genuine partial score); it must
 never take the grader down (which would be a verifier error). Result lines go to a
 duplicate of the original stdout; fd 1 is pointed at stderr before agent code is
-imported, so its prints cannot forge results. A hang is cut per call with SIGALRM and
-the parent also bounds the whole process. Not a security sandbox.
+imported, so its stray prints do not garble results. A hang is cut per call with SIGALRM
+and the parent also bounds the whole process.
 """
 from __future__ import annotations
 
@@ -55,8 +61,8 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
-    def emit(name, ok, note=""):
-        out.write(json.dumps({"check": name, "ok": bool(ok), "note": str(note)[:300]}) + "\n")
+    def emit(name, ok, note="", **got):
+        out.write(json.dumps({"check": name, "ok": bool(ok), "note": str(note)[:300], **got}) + "\n")
         out.flush()
 
     signal.signal(signal.SIGALRM, _on_alarm)
@@ -85,8 +91,7 @@ def main() -> None:
             except BaseException as e:
                 emit(name, False, f"{type(e).__name__}: {e}")
                 continue
-            emit(name, got == case["expected"], "" if got == case["expected"] else
-                 f"args {case['args']!r}: expected {case['expected']!r}, got {got!r}")
+            emit(name, True, got=got)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import os
 import types
 from typing import Any, Mapping
 
+from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.serving.identity import check_id
 
 
@@ -50,6 +51,8 @@ class HarnessConfig:
     concurrency: int = 8  # rollouts in flight
     grader_timeout_s: float = 60.0
     grader_concurrency: int = 0  # grader subprocesses at once; 0 = os.cpu_count()
+    # Where tool commands run (gyre_jax.agents.sandbox): kind auto = bubblewrap where it works.
+    sandbox: SandboxConfig = SandboxConfig()
 
     def __post_init__(self):
         if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
@@ -62,6 +65,8 @@ class HarnessConfig:
         if reserved:
             raise ValueError(f"HarnessConfig.extra_body may not set {sorted(reserved)}; use the fields")
         object.__setattr__(self, "extra_body", types.MappingProxyType(dict(self.extra_body)))
+        if not isinstance(self.sandbox, SandboxConfig):
+            raise ValueError(f"HarnessConfig.sandbox must be a SandboxConfig, got {type(self.sandbox).__name__}")
         positive = ("max_tokens", "max_turns", "context_budget_tokens", "bytes_per_token", "command_timeout_s",
                     "max_tool_output_bytes", "deadline_s", "request_timeout_s", "backoff_max_s", "concurrency",
                     "grader_timeout_s")

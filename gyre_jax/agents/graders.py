@@ -1,6 +1,15 @@
 """Grading a workspace in a subprocess with a time limit.
 
-``run_grader`` starts ``python -m gyre_jax.agents.grader_main --workspace DIR`` with the
+The grader never reads the live workspace: ``snapshot_workspace`` copies its regular files
+and directories (no symlinks, fifos or devices: nothing the agent made can point the grader
+elsewhere or block it) after the rollout's last command ended, and the grader reads that
+copy. It runs outside the agent's sandbox from the trainer's own code (``python -P``: the
+current directory is not on its import path), with the task (expected answers included) on
+stdin, so nothing the agent could write is code or data the grader trusts. Graders that run
+agent code do it in a sandbox of their own (``sandbox.untrusted_python``, told which kind
+by ``GYRE_GRADER_SANDBOX``).
+
+``run_grader`` starts ``python -P -m gyre_jax.agents.grader_main --workspace DIR`` with the
 task's JSON on stdin; the grader prints one line ``GYRE-GRADE {"score", "details"}``.
 Anything else (a crash, a non-zero exit, no or malformed result line, a score outside
 [0, 1], running past the time limit) is a verifier failure: ``ok=False`` with the reason,
@@ -13,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -25,6 +35,53 @@ if TYPE_CHECKING:  # runtime import would cycle through gyre_jax.agents.tasks
     from gyre_jax.agents.tasks.base import Task
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_bytes: int) -> dict:
+    """Copy ``src``'s directories and regular files (at most ``max_bytes`` in all) to ``dst``,
+    owned by us and not writable by others; returns what was copied and skipped."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=False)
+    os.chmod(dst, 0o755)
+    stats = {"files": 0, "bytes": 0, "skipped": 0, "truncated": False}
+
+    def copy_dir(s: Path, d: Path) -> None:
+        try:
+            entries = sorted(os.scandir(s), key=lambda e: e.name)
+        except OSError:
+            stats["skipped"] += 1
+            return
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                (d / e.name).mkdir(mode=0o755)
+                copy_dir(Path(e.path), d / e.name)
+            elif e.is_file(follow_symlinks=False):
+                size = e.stat(follow_symlinks=False).st_size
+                if stats["bytes"] + size > max_bytes:
+                    stats["truncated"] = True
+                    stats["skipped"] += 1
+                    continue
+                try:
+                    fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                except OSError:
+                    stats["skipped"] += 1
+                    continue
+                with os.fdopen(fd, "rb") as fin, open(d / e.name, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+                os.chmod(d / e.name, 0o644)
+                stats["files"] += 1
+                stats["bytes"] += size
+            else:  # symlinks, fifos, sockets, devices
+                stats["skipped"] += 1
+
+    copy_dir(src, dst)
+    return stats
+
+
+def grader_sandbox_env(kind: str, limits, image: str | None = None) -> dict[str, str]:
+    """The GYRE_GRADER_SANDBOX variable: how graders confine the agent code they run."""
+    from gyre_jax.agents.sandbox import GRADER_SANDBOX_ENV
+    return {GRADER_SANDBOX_ENV: json.dumps({"kind": kind, "limits": dataclasses.asdict(limits), "image": image})}
 
 
 def subprocess_env() -> dict[str, str]:
@@ -66,12 +123,14 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     return float(score), details, None
 
 
-async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float) -> GraderOutcome:
+async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float,
+                     env: dict[str, str] | None = None) -> GraderOutcome:
+    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox)."""
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gyre_jax.agents.grader_main", "--workspace", str(workspace),
+        sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=subprocess_env(), start_new_session=True)  # own group: a kill takes its check runners too
+        env={**subprocess_env(), **(env or {})}, cwd="/", start_new_session=True)  # own group: a kill takes its check runners too
     try:
         out, err = await asyncio.wait_for(proc.communicate(task.to_json().encode()), timeout_s)
     except TimeoutError:

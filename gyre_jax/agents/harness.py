@@ -14,7 +14,11 @@ Status of a rollout (``gyre_jax.trajectory.vocab.STATUSES``):
 
 ``score`` is None unless the status is completed or timeout: a failure is never a 0.
 Each rollout works in ``workspace_root/<rollout_id>`` (which must not already hold
-files), left on disk afterwards.
+files), its commands confined by its own sandbox (``config.sandbox``; see
+``gyre_jax.agents.sandbox``). When the agent has ended (its commands all dead) the
+workspace's files are copied to ``workspace_root/.snapshots/<rollout_id>``, which the
+grader reads and which stays on disk; a plain workspace is left as it was, a tmpfs one
+(see sandbox.py) is unmounted and gets the snapshot's files. ``RolloutResult.sandbox`` says what the commands ran into.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -30,11 +35,12 @@ from typing import AsyncIterator, Sequence
 
 import aiohttp
 
+from gyre_jax.agents import sandbox as sandbox_lib
 from gyre_jax.agents import tools
 from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, Transport
 from gyre_jax.agents.client import ChatClient, InfraError
 from gyre_jax.agents.config import HarnessConfig
-from gyre_jax.agents.graders import run_grader
+from gyre_jax.agents.graders import grader_sandbox_env, run_grader, snapshot_workspace
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.serving.identity import check_id
 from gyre_jax.trajectory.vocab import (
@@ -82,6 +88,9 @@ class RolloutResult:
     grader_time_s: float
     workspace: str
     t_end: float  # unix seconds when the result was ready
+    snapshot: str = ""  # the copy of the workspace the grader read
+    # SandboxStats.to_dict() plus "snapshot" (files, bytes, skipped, truncated)
+    sandbox: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,7 +102,7 @@ class RolloutResult:
         from gyre_jax.trajectory.records import RolloutOutcome  # numpy: only when records are made
         harness = {k: getattr(self, k) for k in (
             "calls", "retries", "compactions", "subagents", "tool_calls", "tool_errors", "finish_reason",
-            "wall_time_s", "agent_time_s", "grader_time_s", "workspace")}
+            "wall_time_s", "agent_time_s", "grader_time_s", "workspace", "snapshot", "sandbox")}
         return RolloutOutcome(run_id=run_id, rollout_id=self.rollout_id, task_id=self.task_id,
                               group_id=self.group_id, status=self.status, score=self.score,
                               details={"grader": self.grader_details, "harness": harness, "error": self.error},
@@ -106,13 +115,22 @@ def http_transport(client: ChatClient) -> Transport:
     return transport
 
 
-def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task) -> Path:
+SNAPSHOTS = ".snapshots"  # under workspace_root: the graded copies
+
+
+def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task,
+                      sandbox: sandbox_lib.Sandbox | None = None) -> Path:
+    """Make the rollout's (empty) workspace, let its sandbox own it, write the task's files."""
+    if rollout_id == SNAPSHOTS:
+        raise ValueError(f"rollout id {rollout_id!r} is reserved for the graded snapshots")
     path = Path(workspace_root) / rollout_id
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"workspace {path} for rollout {rollout_id!r} already holds files; "
                               "rollout ids must be unique")
     path.mkdir(parents=True, exist_ok=True)
-    ws = tools.Workspace(path)
+    if sandbox is not None:
+        sandbox.prepare()
+    ws = tools.Workspace(path, sandbox=sandbox)
     for rel, content in task.setup_files.items():
         ws.write_file(rel, content)
     return path
@@ -124,11 +142,50 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
     failures (they become the status); raises only for caller errors (bad workspace)."""
     t0 = time.monotonic()
     task = request.task
-    path = prepare_workspace(workspace_root, request.rollout_id, task)
-    ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
-                         command_timeout_s=config.command_timeout_s)
-    ctx = RolloutContext(config=config, task=task, rollout_id=request.rollout_id, group_id=request.group_id,
-                         workspace=ws, transport=transport)
+    path = Path(workspace_root) / request.rollout_id
+    snapshot = Path(workspace_root) / SNAPSHOTS / request.rollout_id
+    if snapshot.exists():
+        raise FileExistsError(f"snapshot {snapshot} for rollout {request.rollout_id!r} exists; "
+                              "rollout ids must be unique")
+    sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=request.rollout_id)
+    try:
+        prepare_workspace(workspace_root, request.rollout_id, task, sandbox)
+        ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
+                             command_timeout_s=config.command_timeout_s, sandbox=sandbox)
+        ctx = RolloutContext(config=config, task=task, rollout_id=request.rollout_id, group_id=request.group_id,
+                             workspace=ws, transport=transport)
+        status, error, finish_reason = await _run_agent(ctx, config, task)
+        agent_time = time.monotonic() - t0
+        # The agent has ended and every command with it: what the grader sees is fixed now.
+        snap = await asyncio.to_thread(snapshot_workspace, path, snapshot, max_bytes=config.sandbox.limits.disk_bytes)
+    finally:
+        tmpfs = sandbox.tmpfs
+        sandbox.release()  # synchronous: a second cancellation must not leave a tmpfs mounted
+    if tmpfs:  # the unmounted workspace shows what was graded
+        await asyncio.to_thread(shutil.copytree, snapshot, path, dirs_exist_ok=True)
+    sandbox_info = {**sandbox.stats.to_dict(), "snapshot": snap}
+
+    score, details, grader_time = None, {}, 0.0
+    if status in (None, STATUS_TIMEOUT):
+        async with grader_slots or contextlib.nullcontext():
+            g = await run_grader(task, snapshot, timeout_s=config.grader_timeout_s,
+                                 env=grader_sandbox_env(sandbox.kind, config.sandbox.limits, sandbox.image))
+        grader_time = g.wall_time_s
+        if g.ok:
+            score, details, status = g.score, g.details, status or STATUS_COMPLETED
+        else:
+            status, error = STATUS_VERIFIER_ERROR, g.error
+    s = ctx.stats
+    return RolloutResult(
+        rollout_id=request.rollout_id, task_id=task.task_id, group_id=request.group_id, status=status,
+        score=score, grader_details=details, calls=s.calls, retries=s.retries, compactions=s.compactions,
+        subagents=s.subagents, tool_calls=s.tool_calls, tool_errors=s.tool_errors, finish_reason=finish_reason,
+        error=error, wall_time_s=time.monotonic() - t0, agent_time_s=agent_time, grader_time_s=grader_time,
+        workspace=str(path), t_end=time.time(), snapshot=str(snapshot), sandbox=sandbox_info)
+
+
+async def _run_agent(ctx: RolloutContext, config: HarnessConfig, task: Task):
+    """(status, error, finish_reason) of the main agent under the deadline; status None: it ended."""
     status = error = finish_reason = None
     deadline = asyncio.timeout(config.deadline_s)
     try:
@@ -146,24 +203,7 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
         status, error = STATUS_INFRA_ERROR, str(e)
     except Exception:  # a harness bug must surface as a failure, never as a score
         status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
-    agent_time = time.monotonic() - t0
-
-    score, details, grader_time = None, {}, 0.0
-    if status in (None, STATUS_TIMEOUT):
-        async with grader_slots or contextlib.nullcontext():
-            g = await run_grader(task, path, timeout_s=config.grader_timeout_s)
-        grader_time = g.wall_time_s
-        if g.ok:
-            score, details, status = g.score, g.details, status or STATUS_COMPLETED
-        else:
-            status, error = STATUS_VERIFIER_ERROR, g.error
-    s = ctx.stats
-    return RolloutResult(
-        rollout_id=request.rollout_id, task_id=task.task_id, group_id=request.group_id, status=status,
-        score=score, grader_details=details, calls=s.calls, retries=s.retries, compactions=s.compactions,
-        subagents=s.subagents, tool_calls=s.tool_calls, tool_errors=s.tool_errors, finish_reason=finish_reason,
-        error=error, wall_time_s=time.monotonic() - t0, agent_time_s=agent_time, grader_time_s=grader_time,
-        workspace=str(path), t_end=time.time())
+    return status, error, finish_reason
 
 
 class _Progress:

@@ -19,8 +19,12 @@ Two ways a model can call a tool, both accepted on every turn:
 A malformed call (bad JSON, unknown tool, wrong argument) is not dropped: it is answered
 with ``error: ...`` so the model can correct itself, and counted as a tool error.
 
-The workspace is a directory, not a sandbox: ``run`` executes a shell command there
-with a time limit. Paths are checked to stay inside the workspace.
+``run`` executes a shell command in the workspace through the rollout's sandbox
+(``gyre_jax.agents.sandbox``: read-only system, the workspace the only writable place, no
+network, rlimits, every process killed at the command's end); the harness always passes
+one. Without one (scripted demonstrations, tests of the tools themselves) it is plain
+``bash -c`` on the host. The file tools run in the trainer and check that paths stay
+inside the workspace.
 """
 from __future__ import annotations
 
@@ -31,7 +35,10 @@ import os
 import re
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gyre_jax.agents.sandbox import Sandbox
 
 # Handled by the agent loop itself, not by Workspace.
 FINISH = "finish"
@@ -189,11 +196,12 @@ class Workspace:
     """File and command tools rooted at one rollout's directory."""
 
     def __init__(self, root: str | os.PathLike, *, max_output_bytes: int = 4096,
-                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20):
+                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20, sandbox: "Sandbox | None" = None):
         self.root = Path(root).resolve()
         self.max_output_bytes = max_output_bytes
         self.command_timeout_s = command_timeout_s
         self.max_file_bytes = max_file_bytes
+        self.sandbox = sandbox
 
     def resolve(self, rel: str) -> Path:
         if not rel or os.path.isabs(rel):
@@ -212,16 +220,20 @@ class Workspace:
             raise ToolError(f"write_file: {path!r} is a directory")
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
+        if self.sandbox is not None:  # written by the trainer: hand it to the rollout's user
+            self.sandbox.chown_new(p)
         return f"wrote {len(data)} bytes to {path}"
 
     def read_file(self, path: str) -> str:
         p = self.resolve(path)
         if not p.is_file():
             raise ToolError(f"read_file: no file {path!r}")
-        data = p.read_bytes()
-        text = data[: self.max_output_bytes].decode(errors="replace")
-        if len(data) > self.max_output_bytes:
-            text += f"\n[... {len(data) - self.max_output_bytes} more bytes]"
+        size = p.stat().st_size
+        with open(p, "rb") as f:  # no more than is shown: the file may be as large as the disk limit
+            data = f.read(self.max_output_bytes)
+        text = data.decode(errors="replace")
+        if size > len(data):
+            text += f"\n[... {size - len(data)} more bytes]"
         return text
 
     def list_files(self, path: str = ".", limit: int = 200) -> str:
@@ -242,28 +254,39 @@ class Workspace:
         limit = self.command_timeout_s if timeout_s is None else min(float(timeout_s), self.command_timeout_s)
         if limit <= 0:
             raise ToolError(f"run: timeout_s must be > 0, got {timeout_s}")
+        launch = self.sandbox.launch(command) if self.sandbox is not None else None
+        argv = launch.argv if launch is not None else ["bash", "-c", command]
         proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", command, cwd=self.root, stdin=asyncio.subprocess.DEVNULL,
+            *argv, cwd=self.root, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True)  # own process group: a timeout kills its children too
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), limit)
         except TimeoutError:
-            _kill_group(proc)
+            await _stop(proc, launch)
             try:  # what the command printed before the kill (partial: communicate was cut)
                 out = await asyncio.wait_for(proc.stdout.read(), 1.0)
             except TimeoutError:  # a grandchild escaped the group and holds the pipe
                 out = b""
             await proc.wait()
-            return f"timed out after {limit:g} s\n" + truncate_tail(out.decode(errors="replace"), self.max_output_bytes)
+            text = out.decode(errors="replace")
+            return (f"timed out after {limit:g} s\n" + truncate_tail(text, self.max_output_bytes)
+                    + self._observe(text, timed_out=True))
         except BaseException:  # deadline cancellation: never leave a command running
-            _kill_group(proc)
-            try:  # reap it, so no transport outlives the event loop
-                await asyncio.wait_for(proc.wait(), 5.0)
+            try:
+                await _stop(proc, launch)
+                await asyncio.wait_for(proc.wait(), 5.0)  # reap it, so no transport outlives the event loop
             except BaseException:
                 pass
             raise
-        return f"exit code {proc.returncode}\n" + truncate_tail(out.decode(errors="replace"), self.max_output_bytes)
+        text = out.decode(errors="replace")
+        return (f"exit code {proc.returncode}\n" + truncate_tail(text, self.max_output_bytes)
+                + self._observe(text, timed_out=False))
+
+    def _observe(self, text: str, *, timed_out: bool) -> str:
+        if self.sandbox is None:
+            return ""
+        return self.sandbox.observe(text, timed_out=timed_out, truncated=len(text.encode()) > self.max_output_bytes)
 
     async def call(self, name: str, args: dict) -> str:
         """Run a workspace tool (everything but finish / spawn_subagent)."""
@@ -285,3 +308,13 @@ def _kill_group(proc) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+async def _stop(proc, launch) -> None:
+    """SIGKILL the command's process group (a bubblewrap sandbox's pid namespace dies with it);
+    a container is stopped by its runtime."""
+    _kill_group(proc)
+    if launch is not None and launch.kill_argv:
+        killer = await asyncio.create_subprocess_exec(*launch.kill_argv, stdout=asyncio.subprocess.DEVNULL,
+                                                      stderr=asyncio.subprocess.DEVNULL)
+        await killer.wait()

@@ -11,19 +11,22 @@ same (score = passed / total):
   case:<pkg.mod.fn>[k]    hidden unit cases (the prompt shows case 0 only)
   readme:<word>           README.md mentions the package / each module
 
-Agent code runs in ``check_runner`` subprocesses (one per module), so a hang, crash or
-``sys.exit`` in it fails its checks instead of crashing the grader.
+Agent code runs in ``check_runner`` subprocesses (one per module) inside the grader's
+sandbox (``sandbox.untrusted_python``), so a hang, crash or ``sys.exit`` in it fails its
+checks instead of crashing the grader; the runner reports the values returned and this
+grader compares them with the expected ones, which never reach agent code.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
+from gyre_jax.agents import check_runner
 from gyre_jax.agents.check_runner import check_names, import_check_name
-from gyre_jax.agents.graders import subprocess_env
+from gyre_jax.agents.sandbox import untrusted_python
 from gyre_jax.agents.scoring import Checks, Grade
 from gyre_jax.agents.tasks.base import Task
 
@@ -142,13 +145,15 @@ def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
 
 
 def _run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str, dict]:
-    spec = {"module": mod["import"], "case_timeout_s": timeout_s,
-            "functions": [{"name": f["name"], "cases": f["cases"]} for f in mod["functions"]]}
+    spec = {"module": mod["import"], "case_timeout_s": timeout_s,  # the arguments only: never the answers
+            "functions": [{"name": f["name"], "cases": [{"args": c["args"]} for c in f["cases"]]}
+                          for f in mod["functions"]]}
     n_cases = sum(len(f["cases"]) for f in mod["functions"])
     try:
-        proc = subprocess.run([sys.executable, "-m", "gyre_jax.agents.check_runner"], input=json.dumps(spec).encode(),
-                              capture_output=True, cwd=workspace, env=subprocess_env(),
-                              timeout=timeout_s * (n_cases + 1) + 10)
+        with untrusted_python(workspace, check_runner.__file__) as argv:
+            proc = subprocess.run(argv, input=json.dumps(spec).encode(), capture_output=True, cwd=workspace,
+                                  env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": os.environ.get("PATH", "")},
+                                  timeout=timeout_s * (n_cases + 1) + 10)
         stdout = proc.stdout
         why = f"check runner exited with {proc.returncode}: {proc.stderr.decode(errors='replace')[-300:]}"
     except subprocess.TimeoutExpired as e:  # checks it finished before the cut still count
@@ -181,9 +186,17 @@ def grade(task: Task, workspace: Path) -> Grade:
         why = results.get("_why_missing", {}).get("note", "file missing")
         if names[0] in results and not results[names[0]]["ok"]:
             why = "the module did not import"
+        expected = {name: case["expected"] for fn in mod["functions"]
+                    for name, case in zip(check_names(mod["import"], fn["name"], len(fn["cases"]))[1], fn["cases"])}
         for name in names:
             r = results.get(name)
-            checks.add(name, bool(r and r["ok"]), r["note"] if r else f"no result ({why})")
+            if r is None:
+                checks.add(name, False, f"no result ({why})")
+            elif name in expected and r["ok"]:
+                ok = "got" in r and r["got"] == expected[name]
+                checks.add(name, ok, "" if ok else f"expected {expected[name]!r}, got {r.get('got')!r}")
+            else:
+                checks.add(name, bool(r["ok"]), r["note"])
     readme = workspace / README
     text = readme.read_text(errors="replace").lower() if readme.is_file() else ""
     checks.add(f"exists:{README}", readme.is_file())

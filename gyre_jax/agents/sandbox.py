@@ -1,0 +1,519 @@
+"""Where a rollout's tool commands run: one sandbox per rollout, chosen in the harness config.
+
+Under RL the policy is optimised to raise its reward, so its commands are treated as hostile:
+they must not write outside their workspace, read other rollouts or the trainer's files,
+reach the network (the proxy included) or the grader, or starve the host.
+
+Kinds (``SandboxConfig.kind``):
+
+  bubblewrap  ``bwrap`` per command: the system dirs (/usr, /etc) read-only, nothing else of
+              the host (no /home, /root, /work: not the venv, the repo or other workspaces),
+              the workspace bound at /workspace as the only writable place, a private
+              size-limited /tmp, a fresh /proc and /dev, an empty environment, every
+              namespace unshared (a fresh loopback: no network, no proxy) unless the task
+              family allows the network. The command runs as pid 2 of its own pid namespace
+              whose init dies with it, so no process of a command (background, setsid'd,
+              SIGTERM-ignoring) outlives it; on a timeout the whole group is SIGKILLed.
+  docker /    a fresh container per command (``run --rm --init``, an image per task family,
+  podman      ``--network none``, ``--read-only``, ``--pids-limit``, ``--memory``, dropped
+              capabilities): for clusters. Not runnable on the dev machine; its command line
+              is unit-tested.
+  none        ``bash -c`` on the host, as the trainer's user: for debugging only; loudly
+              warned about.
+  auto        bubblewrap where ``bwrap`` works, else none (with the warning).
+
+Limits (``SandboxLimits``): wall time is the harness's command timeout; CPU time, address
+space, open files, file size and processes are rlimits set by ``ulimit`` inside the sandbox
+(the shell builtin: no extra binary needed). Processes are an rlimit per *user*, so when the
+trainer runs as root each rollout gets its own uid (``uid_base`` + slot) and its workspace is
+owned by it; run as another user, the limit is set above that user's current process count.
+The workspace's disk size is bounded by mounting a size-limited tmpfs on it (root only: a
+per-rollout quota without any filesystem support; its pages are RAM, so the default is small);
+without root it is measured after every command and reported as a limit hit.
+
+Every command's refusals (writes to read-only places, network attempts) and limits hit are
+counted from the error messages they print (a lower bound: a command can hide them) in
+``SandboxStats``, which the harness records per rollout.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Mapping
+
+log = logging.getLogger(__name__)
+
+KINDS = ("auto", "bubblewrap", "docker", "podman", "none")
+WORKSPACE_MOUNT = "/workspace"  # where the workspace is inside a sandbox
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Host dirs a bubblewrap sandbox sees read-only (those that exist); everything else is absent.
+SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+NONE_WARNING = ("SANDBOX DISABLED (sandbox.kind='none'): tool commands run on the host as the trainer's user; "
+                "a policy can edit its grader, read credentials and reach the network. Debugging only.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    cpu_s: int = 120  # CPU seconds per process (RLIMIT_CPU)
+    memory_bytes: int = 4 << 30  # address space per process (RLIMIT_AS)
+    processes: int = 256  # processes + threads of the sandbox's user (RLIMIT_NPROC)
+    open_files: int = 1024  # RLIMIT_NOFILE
+    file_bytes: int = 128 << 20  # largest file a command may write (RLIMIT_FSIZE)
+    disk_bytes: int = 256 << 20  # the workspace in total (tmpfs size, or checked after each command)
+    tmp_bytes: int = 64 << 20  # the private /tmp (a tmpfs)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"SandboxLimits.{f.name} must be a positive int, got {v!r}")
+        if self.file_bytes < 1024:
+            raise ValueError(f"SandboxLimits.file_bytes must be >= 1024, got {self.file_bytes}")
+
+    def ulimit_args(self, processes: int) -> str:
+        """``ulimit`` flags (bash units: -v KiB, -f 1024-byte blocks), hard and soft."""
+        return (f"-t {self.cpu_s} -v {self.memory_bytes // 1024} -u {processes} -n {self.open_files} "
+                f"-f {self.file_bytes // 1024}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    kind: str = "auto"
+    limits: SandboxLimits = SandboxLimits()
+    # Task families whose commands may use the network (also a family module's SANDBOX_NETWORK = True).
+    # Network on means the host's network namespace: the proxy on 127.0.0.1 is reachable too.
+    network_families: tuple[str, ...] = ()
+    # Containers: the image per task family, else default_image.
+    images: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    default_image: str = "python:3.11-slim"
+    # Extra host paths visible read-only in a bubblewrap sandbox (e.g. a toolchain under /opt).
+    extra_ro_paths: tuple[str, ...] = ()
+    # First uid of the per-rollout users when the trainer runs as root (bubblewrap, containers).
+    uid_base: int = 1 << 30
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"SandboxConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.limits, SandboxLimits):
+            raise ValueError(f"SandboxConfig.limits must be a SandboxLimits, got {type(self.limits).__name__}")
+        object.__setattr__(self, "network_families", tuple(self.network_families))
+        object.__setattr__(self, "extra_ro_paths", tuple(self.extra_ro_paths))
+        for p in self.extra_ro_paths:
+            if not os.path.isabs(p):
+                raise ValueError(f"SandboxConfig.extra_ro_paths: {p!r} is not an absolute path")
+        object.__setattr__(self, "images", dict(self.images))
+        if not 1000 <= self.uid_base <= (1 << 31) - (1 << 27):
+            raise ValueError(f"SandboxConfig.uid_base must be in [1000, 2**31 - 2**27], got {self.uid_base}")
+
+
+@dataclasses.dataclass
+class SandboxStats:
+    """What one rollout's commands did (all its agents share it)."""
+    kind: str
+    commands: int = 0
+    violations: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    limits_hit: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "commands": self.commands, "violations": dict(self.violations),
+                "limits_hit": dict(self.limits_hit)}
+
+
+# Error text -> what was refused / which limit was hit. Counted once per command and kind.
+_VIOLATIONS = {
+    "write_outside_workspace": re.compile(r"Read-only file system|EROFS"),
+    "network": re.compile(r"Network is unreachable|Connection refused|Temporary failure in name resolution|"
+                          r"Could not resolve host|Name or service not known|ENETUNREACH|ECONNREFUSED"),
+}
+_LIMITS = {
+    "cpu_time": re.compile(r"CPU time limit exceeded"),
+    "file_size": re.compile(r"File size limit exceeded|File too large"),
+    "processes": re.compile(r"fork: (retry: )?Resource temporarily unavailable|can't fork|"
+                            r"Resource temporarily unavailable.*fork|BlockingIOError: \[Errno 11\]"),
+    "memory": re.compile(r"Cannot allocate memory|MemoryError|bad_alloc|out of memory"),
+    "disk": re.compile(r"No space left on device|Disk quota exceeded"),
+}
+
+
+def classify(output: str, *, network: bool) -> tuple[list[str], list[str]]:
+    """(violations, limits) named in a command's output. With the network allowed a refused
+    connection is ordinary, not a violation."""
+    v = [k for k, rx in _VIOLATIONS.items() if rx.search(output) and (k != "network" or not network)]
+    return v, [k for k, rx in _LIMITS.items() if rx.search(output)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How to start one command: the argv, and the argv that stops it where killing our child
+    is not enough (a container outlives its client)."""
+    argv: list[str]
+    kill_argv: list[str] | None = None
+
+
+class _UidPool:
+    """Per-rollout uids for a root trainer: unique among this process's live rollouts, and
+    (through the pid) unlikely to meet another trainer's on the same host."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._used: set[int] = set()
+
+    def take(self, base: int) -> int:
+        start = base + ((os.getpid() & 0xFFFF) << 11)
+        with self._lock:
+            for uid in range(start, start + (1 << 11)):
+                if uid not in self._used:
+                    self._used.add(uid)
+                    return uid
+        raise RuntimeError("sandbox: more than 2048 rollouts at once in one process")
+
+    def give(self, uid: int) -> None:
+        with self._lock:
+            self._used.discard(uid)
+
+
+_UIDS = _UidPool()
+_warned_none = False
+
+
+def bwrap_usable() -> tuple[bool, str]:
+    """Whether ``bwrap`` is installed and can build our sandbox here (why not, if not)."""
+    if shutil.which("bwrap") is None:
+        return False, "bwrap is not installed (apt-get install bubblewrap)"
+    uid = None
+    if os.geteuid() == 0:
+        uid = _UIDS.take(SandboxConfig().uid_base)
+    try:
+        argv = bwrap_argv(network=False, uid=uid, tmp_bytes=1 << 20) + ["true"]
+        r = subprocess.run(argv, capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"bwrap failed to start: {e}"
+    finally:
+        if uid is not None:
+            _UIDS.give(uid)
+    if r.returncode != 0:
+        return False, f"bwrap cannot build a sandbox here: {r.stderr.decode(errors='replace').strip()[-300:]}"
+    return True, ""
+
+
+_usable_cache: tuple[bool, str] | None = None
+
+
+def resolve_kind(kind: str) -> str:
+    """``auto`` -> bubblewrap if usable, else none (warned); an explicit bubblewrap that cannot
+    work is an error naming why."""
+    global _usable_cache
+    if kind in ("auto", "bubblewrap"):
+        if _usable_cache is None:
+            _usable_cache = bwrap_usable()
+        ok, why = _usable_cache
+        if ok:
+            return "bubblewrap"
+        if kind == "bubblewrap":
+            raise RuntimeError(f"sandbox.kind='bubblewrap' but {why}")
+        log.warning("sandbox.kind='auto': %s; falling back to kind='none'", why)
+        return "none"
+    return kind
+
+
+def _merged_usr_links() -> list[str]:
+    """/bin, /lib... as the host has them: symlinks into /usr (merged /usr) or bound dirs."""
+    out = []
+    for d in SYSTEM_DIRS[2:]:
+        if os.path.islink(d):
+            out += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            out += ["--ro-bind", d, d]
+    return out
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Processes + threads the user owns now (what RLIMIT_NPROC counts)."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        m_uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
+        m_thr = re.search(r"^Threads:\s+(\d+)", status, re.M)
+        if m_uid and int(m_uid.group(1)) == uid:
+            n += int(m_thr.group(1)) if m_thr else 1
+    return n
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+class Sandbox:
+    """One rollout's sandbox: ``prepare`` its workspace, ``launch`` each command, ``release``
+    at the rollout's end. Subclasses build the command line."""
+
+    kind = "none"
+
+    def __init__(self, config: SandboxConfig, workspace: Path, *, network: bool = False, image: str | None = None):
+        self.config, self.limits = config, config.limits
+        self.workspace = Path(workspace)
+        self.network, self.image = network, image
+        self.stats = SandboxStats(self.kind)
+        self.uid: int | None = None  # the rollout's own uid (root trainer), else None
+        self.tmpfs = False  # the workspace is a size-limited tmpfs we mounted
+
+    # -- per rollout --
+    def prepare(self) -> None:
+        """Own the (still empty) workspace: a fresh uid and a size-limited tmpfs when root."""
+        if os.geteuid() != 0 or self.kind == "none":
+            return
+        if any(self.workspace.iterdir()):
+            raise FileExistsError(f"sandbox: workspace {self.workspace} must be empty before prepare()")
+        self.uid = _UIDS.take(self.config.uid_base)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                            f"size={self.limits.disk_bytes},mode=0700,uid={self.uid},gid={self.uid},nosuid,nodev",
+                            "gyre-workspace", str(self.workspace)], capture_output=True)
+        self.tmpfs = r.returncode == 0
+        if not self.tmpfs:
+            log.warning("sandbox: cannot mount a tmpfs on %s (%s); the workspace size is checked after each "
+                        "command instead", self.workspace, r.stderr.decode(errors="replace").strip())
+            os.chown(self.workspace, self.uid, self.uid)
+            os.chmod(self.workspace, 0o700)
+
+    def chown_tree(self, path: Path) -> None:
+        """Give ``path`` (and what is under it) to the rollout's uid: files the harness writes
+        (write_file runs in the trainer) must stay writable to the agent's commands."""
+        if self.uid is None:
+            return
+        for dirpath, dirnames, files in os.walk(path):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + files)]:
+                os.lchown(name, self.uid, self.uid)
+        if path.is_file():
+            os.lchown(path, self.uid, self.uid)
+
+    def chown_new(self, path: Path) -> None:
+        """After the harness wrote ``path``: chown it and the parent dirs it may have made."""
+        if self.uid is None:
+            return
+        p = path
+        while p != self.workspace and self.workspace in p.parents:
+            os.lchown(p, self.uid, self.uid)
+            p = p.parent
+
+    def release(self) -> None:
+        """End of the rollout (after the snapshot): unmount the tmpfs, free the uid."""
+        if self.tmpfs:
+            r = subprocess.run(["umount", "--lazy", str(self.workspace)], capture_output=True)
+            if r.returncode != 0:
+                log.warning("sandbox: umount %s failed: %s", self.workspace, r.stderr.decode(errors="replace"))
+            self.tmpfs = False
+        if self.uid is not None:
+            _UIDS.give(self.uid)
+            self.uid = None
+
+    # -- per command --
+    def launch(self, command: str) -> Launch:
+        raise NotImplementedError
+
+    def _nproc(self) -> int:
+        if self.uid is not None:
+            return self.limits.processes
+        return _tasks_of_uid(os.getuid()) + self.limits.processes  # shared with the trainer's own
+
+    def _limited(self, command: str) -> list[str]:
+        return limited_shell(self.limits, self._nproc(), ["bash", "-c", command])
+
+    def observe(self, output: str, *, timed_out: bool, truncated: bool) -> str:
+        """Count what the command ran into; returns a note for the agent ('' if none)."""
+        self.stats.commands += 1
+        violations, limits = classify(output, network=self.network)
+        self.stats.violations.update(violations)
+        limits += ["wall_time"] * timed_out + ["output_size"] * truncated
+        note = ""
+        if not self.tmpfs and self.kind != "none":
+            used = _tree_bytes(self.workspace)
+            if used > self.limits.disk_bytes:
+                limits.append("disk")
+                note = (f"\n[sandbox: the workspace holds {used} bytes, over its limit of "
+                        f"{self.limits.disk_bytes}; delete files]")
+        self.stats.limits_hit.update(set(limits))
+        return note
+
+
+class NoSandbox(Sandbox):
+    kind = "none"
+
+    def launch(self, command: str) -> Launch:
+        return Launch(["bash", "-c", command])
+
+    def observe(self, output: str, *, timed_out: bool, truncated: bool) -> str:
+        self.stats.commands += 1
+        self.stats.limits_hit.update(["wall_time"] * timed_out + ["output_size"] * truncated)
+        return ""
+
+
+def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths=(),
+               binds: tuple[tuple[str, str, str], ...] = ()) -> list[str]:
+    """bwrap up to (and including) the command's user switch. ``binds``: (option, host path,
+    sandbox path), e.g. ("--bind", workspace, "/workspace").
+
+    As root (``uid`` set) bwrap runs privileged without a user namespace, so the command's
+    kernel uid really is ``uid`` (RLIMIT_NPROC counts per kernel uid; inside a user namespace
+    made by root it would still be uid 0, which the limit exempts): setpriv switches to it,
+    the only capabilities kept for that being SETUID/SETGID, lost at the switch. Otherwise
+    bwrap makes a user namespace (``--unshare-all``) and the command keeps our uid."""
+    if uid is not None:
+        ns = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+              *([] if network else ["--unshare-net"]), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
+              "--cap-add", "CAP_SETGID"]
+    else:
+        ns = ["--unshare-all", *(["--share-net"] if network else [])]
+    argv = ["bwrap", *ns, "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
+            "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+            "--hostname", "sandbox"]
+    for d in (*SYSTEM_DIRS[:2], *extra_ro_paths):
+        argv += ["--ro-bind-try", d, d]
+    argv += _merged_usr_links()
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    for opt, src, dst in binds:
+        argv += [opt, src, dst]
+    # Started in /: bwrap itself (root without CAP_DAC_OVERRIDE) may not enter the uid's 0700
+    # workspace; the command's shell does, as that uid (see ``limited_shell``).
+    argv += ["--chdir", "/", "--"]
+    if uid is not None:
+        argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
+    return argv
+
+
+def limited_shell(limits: SandboxLimits, nproc: int, argv: list[str]) -> list[str]:
+    """bash that enters the workspace, sets the rlimits, then execs ``argv`` (no extra process)."""
+    return ["bash", "-c", f"cd {WORKSPACE_MOUNT} && ulimit -S -H {limits.ulimit_args(nproc)} && exec \"$@\"",
+            "gyre-sandbox", *argv]
+
+
+class BubblewrapSandbox(Sandbox):
+    kind = "bubblewrap"
+
+    def launch(self, command: str) -> Launch:
+        argv = bwrap_argv(network=self.network, uid=self.uid, tmp_bytes=self.limits.tmp_bytes,
+                          extra_ro_paths=self.config.extra_ro_paths,
+                          binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT),))
+        return Launch(argv + self._limited(command))
+
+
+class ContainerSandbox(Sandbox):
+    """docker / podman: a fresh container per command, so a command's processes end with it
+    (``--init`` reaps, ``--rm`` removes). ``kill_argv`` stops it on a timeout: killing the
+    client does not stop the container."""
+
+    def __init__(self, config: SandboxConfig, workspace: Path, *, runtime: str, network: bool = False,
+                 image: str | None = None, name: str = "gyre"):
+        self.kind = runtime
+        super().__init__(config, workspace, network=network, image=image or config.default_image)
+        self.name_prefix = re.sub(r"[^a-zA-Z0-9_.-]", "_", name)
+        self._n = 0
+
+    def launch(self, command: str) -> Launch:
+        self._n += 1
+        name = f"{self.name_prefix}-{self._n}"
+        lim = self.limits
+        user = self.uid if self.uid is not None else os.getuid()  # owns the workspace
+        argv = [self.kind, "run", "--rm", "--init", "--name", name, "--network", "bridge" if self.network else "none",
+                "--read-only", "--tmpfs", f"/tmp:rw,nosuid,nodev,size={lim.tmp_bytes},mode=1777",
+                "--volume", f"{self.workspace}:{WORKSPACE_MOUNT}:rw", "--workdir", WORKSPACE_MOUNT,
+                "--user", f"{user}:{user}", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                "--pids-limit", str(lim.processes), "--memory", str(lim.memory_bytes),
+                "--memory-swap", str(lim.memory_bytes), "--ulimit", f"cpu={lim.cpu_s}:{lim.cpu_s}",
+                "--ulimit", f"fsize={lim.file_bytes}:{lim.file_bytes}",
+                "--ulimit", f"nofile={lim.open_files}:{lim.open_files}",
+                "--env", "HOME=/tmp", "--env", "PYTHONDONTWRITEBYTECODE=1", self.image, "bash", "-c", command]
+        return Launch(argv, kill_argv=[self.kind, "kill", name])
+
+
+def make_sandbox(config: SandboxConfig, workspace: Path, *, family: str, name: str) -> Sandbox:
+    """The sandbox for one rollout of a task of ``family`` (``name``: the rollout id)."""
+    kind = resolve_kind(config.kind)
+    network = family in config.network_families or family_allows_network(family)
+    if kind == "none":
+        global _warned_none
+        if not _warned_none:
+            log.warning(NONE_WARNING)
+            _warned_none = True
+        return NoSandbox(config, workspace, network=True)
+    if kind == "bubblewrap":
+        return BubblewrapSandbox(config, workspace, network=network)
+    return ContainerSandbox(config, workspace, runtime=kind, network=network,
+                            image=config.images.get(family), name=f"gyre-{name}")
+
+
+def family_allows_network(family: str) -> bool:
+    """A task family module may declare ``SANDBOX_NETWORK = True``."""
+    from gyre_jax.agents import tasks
+    if family not in tasks.FAMILIES:
+        return False
+    return bool(getattr(tasks.family(family), "SANDBOX_NETWORK", False))
+
+
+def describe(launch: Launch) -> str:
+    """The command line, for logs and errors."""
+    return shlex.join(launch.argv)
+
+
+GRADER_SANDBOX_ENV = "GYRE_GRADER_SANDBOX"  # set by graders.run_grader: {"kind", "limits", "image"}
+
+
+@contextlib.contextmanager
+def untrusted_python(workspace: str | os.PathLike, script: str | os.PathLike):
+    """The argv that runs the standard-library-only ``script`` (``python3 -I -c SOURCE``: the
+    source travels in the argv, no file of ours is mounted) on agent code in ``workspace`` (a
+    snapshot), for a grader: confined as the rollout's commands were (``GYRE_GRADER_SANDBOX``;
+    unset: kind none, a plain subprocess), the workspace read-only, no network. Run it with
+    cwd = ``workspace``; stdin and stdout are the script's channel."""
+    spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
+    kind = spec["kind"]
+    limits = SandboxLimits(**spec.get("limits", {}))
+    workspace = str(Path(workspace).resolve())
+    source = Path(script).read_text()
+    if kind == "none":
+        yield [sys.executable, "-I", "-B", "-c", source]
+        return
+    if kind == "bubblewrap":
+        uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
+        try:
+            argv = bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes,
+                              binds=(("--ro-bind", workspace, WORKSPACE_MOUNT),))
+            nproc = limits.processes if uid is not None else _tasks_of_uid(os.getuid()) + limits.processes
+            yield argv + limited_shell(limits, nproc, ["python3", "-I", "-B", "-c", source])
+        finally:
+            if uid is not None:
+                _UIDS.give(uid)
+        return
+    if kind in ("docker", "podman"):
+        yield [kind, "run", "--rm", "--init", "-i", "--network", "none", "--read-only",
+               "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_bytes},mode=1777",
+               "--volume", f"{workspace}:{WORKSPACE_MOUNT}:ro", "--workdir", WORKSPACE_MOUNT,
+               "--user", "65534:65534", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+               "--pids-limit", str(limits.processes), "--memory", str(limits.memory_bytes),
+               "--ulimit", f"cpu={limits.cpu_s}:{limits.cpu_s}",
+               spec.get("image") or SandboxConfig().default_image, "python3", "-I", "-B", "-c", source]
+        return
+    raise ValueError(f"{GRADER_SANDBOX_ENV}: unknown sandbox kind {kind!r}")
