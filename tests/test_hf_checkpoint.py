@@ -105,6 +105,20 @@ def _our_logits(cfg, params, ids, positions):
     return np.asarray(_forward(cfg)(params, row(ids), row(positions), row(np.ones(L)), row(np.full(L, L))))[0]
 
 
+def _hidden_and_cached(cfg, params, ids, positions):
+    """(hidden, unembed) of the return_hidden path; also checks the KV-cache path's logits equal the forward's."""
+    L = len(ids)
+    row = lambda a: np.asarray(a, np.int32)[None]  # noqa: E731
+    m = Transformer(cfg)
+    hidden, unembed = m.apply(params, row(ids), row(positions), row(np.ones(L)), row(np.full(L, L)),
+                              return_hidden=True)
+    kv = np.zeros((cfg.n_layers, 1, L, cfg.n_kv_heads, cfg.head_dim), np.float32)
+    cached, _ = m.apply(params, row(ids), row(positions), np.tril(np.ones((L, L), bool))[None], kv, kv,
+                        np.zeros(1, np.int32), method=Transformer.with_cache)
+    np.testing.assert_allclose(np.asarray(cached)[0], _our_logits(cfg, params, ids, positions), rtol=1e-5, atol=1e-5)
+    return np.asarray(hidden, np.float64), np.asarray(unembed, np.float64)
+
+
 def _mesh():
     return Mesh(np.array(jax.devices()).reshape(4, 2), (FSDP, TENSOR))
 
@@ -138,6 +152,10 @@ def test_imported_logits_match_hf_reference(tmp_path, case):
     np.testing.assert_allclose(got[:, : cfg.vocab_size], want, rtol=1e-5, atol=1e-5)
     assert (got[:, cfg.vocab_size:] == PAD_LOGIT).all()
     assert got.shape[-1] == cfg.padded_vocab
+    if on_mesh:  # the loss's path (hidden @ unembed, padding cut off) and the KV-cache path agree
+        hidden, unembed = _hidden_and_cached(cfg, params, ids, positions)
+        assert unembed.shape == (cfg.d_model, cfg.vocab_size)
+        np.testing.assert_allclose(hidden[0] @ unembed, want, rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_scaling_changes_the_answer(tmp_path):
