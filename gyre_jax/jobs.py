@@ -11,6 +11,7 @@ _JOBS = {
     "rl": "gyre_jax.rl.loop:run",  # the RL loop (configs/demo.py)
     "train_synthetic": "gyre_jax.synthetic_train:run",  # supervised training on synthetic trees (configs/synthetic_train.py)
     "simulate": "gyre_jax.scheduler.cli:run",
+    "serve": "gyre_jax.serving.serve_job:run",  # the model behind the recording proxy (configs/serve.py)
 }
 
 

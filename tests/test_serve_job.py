@@ -1,0 +1,69 @@
+"""`python -m launch.main --config configs/serve.py`: a real subprocess, asked in both API formats over HTTP,
+then stopped with SIGTERM; the calls it answered are in its trajectory store."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from gyre_jax.trajectory.store import TrajectoryStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _post(url, body, key):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "launch.main", "--config", "configs/serve.py", "--workdir", str(tmp_path),
+           "--config.num_cpu_devices=1", "--config.model.max_seq_len=256"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    out, url, t0 = [], None, time.time()
+    try:
+        while "engines ready" not in "".join(out[-1:]):
+            try:
+                out.append(lines.get(timeout=max(0.1, 60 - (time.time() - t0))))
+            except queue.Empty:
+                pytest.fail("serve did not get ready in 60 s:\n" + "".join(out))
+            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", out[-1])
+            url = m.group(1) if m else url
+        text = "".join(out)
+        for needle in ("OpenAI SDK:", "Anthropic SDK:", "ANTHROPIC_BASE_URL=", "mini -m openai/gyre", "gyre:serve:"):
+            assert needle in text, needle
+        key = "gyre:serve:r-curl"
+        chat = _post(url + "/v1/chat/completions",
+                     {"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, key)
+        assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 4
+        msg = _post(url + "/v1/messages",
+                    {"model": "gyre", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}, key)
+        assert msg["type"] == "message" and msg["usage"]["output_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    while not lines.empty():
+        out.append(lines.get())
+    assert "stopped cleanly; 2 calls recorded" in "".join(out), "".join(out[-20:])
+    store = TrajectoryStore(str(tmp_path / "store"), run_id="serve", writable=False)
+    calls = store.calls("r-curl")
+    assert [(c.call_index, len(c.output_ids)) for c in calls] == [(0, 4), (1, 3)]
+    store.close()
