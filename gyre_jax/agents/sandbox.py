@@ -133,6 +133,7 @@ class SandboxStats:
 # Error text -> what was refused / which limit was hit. Counted once per command and kind.
 _VIOLATIONS = {
     "write_outside_workspace": re.compile(r"Read-only file system|EROFS"),
+    "permission_denied": re.compile(r"Permission denied|EACCES|Operation not permitted|EPERM"),
     "network": re.compile(r"Network is unreachable|Connection refused|Temporary failure in name resolution|"
                           r"Could not resolve host|Name or service not known|ENETUNREACH|ECONNREFUSED"),
 }
@@ -393,7 +394,7 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     for d in (*SYSTEM_DIRS[:2], *extra_ro_paths):
         argv += ["--ro-bind-try", d, d]
     argv += _merged_usr_links()
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     for opt, src, dst in binds:
         argv += [opt, src, dst]
     # Started in /: bwrap itself (root without CAP_DAC_OVERRIDE) may not enter the uid's 0700

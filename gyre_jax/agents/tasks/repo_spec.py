@@ -169,6 +169,11 @@ def _run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str
     return results
 
 
+def _same_json(a, b) -> bool:
+    """Equal as JSON values, types included (Python's 1 == True would pass a wrong type)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def grade(task: Task, workspace: Path) -> Grade:
     workspace = Path(workspace)
     p = task.params
@@ -193,7 +198,7 @@ def grade(task: Task, workspace: Path) -> Grade:
             if r is None:
                 checks.add(name, False, f"no result ({why})")
             elif name in expected and r["ok"]:
-                ok = "got" in r and r["got"] == expected[name]
+                ok = "got" in r and _same_json(r["got"], expected[name])
                 checks.add(name, ok, "" if ok else f"expected {expected[name]!r}, got {r.get('got')!r}")
             else:
                 checks.add(name, bool(r["ok"]), r["note"])

@@ -1,0 +1,253 @@
+"""Sandboxed rollouts: hostile commands through the real harness `run` tool, and reward hacking.
+
+Real rollouts (aiohttp -> loopback -> FakeOpenAIServer), real bubblewrap sandboxes, real
+graders in subprocesses. Network checks only ever target 127.0.0.1 on this machine.
+Skipped, with the reason, where bubblewrap cannot build a sandbox (see .ci/run).
+"""
+import asyncio
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+import gyre_jax.agents.graders as graders_mod
+import gyre_jax.agents.tasks.repo_spec as repo_spec
+import gyre_jax.agents.tasks.tiny as tiny
+from gyre_jax.agents import sandbox as sb
+from gyre_jax.agents.config import HarnessConfig
+from gyre_jax.agents.harness import RolloutRequest, run_rollouts
+from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
+from gyre_jax.serving import identity as H
+from gyre_jax.testing.fake_openai_server import FakeOpenAIServer, FakeReply, tool_calls
+from gyre_jax.trajectory import vocab
+
+_USABLE, _WHY = sb.bwrap_usable()
+needs_bwrap = pytest.mark.skipif(not _USABLE, reason=f"bubblewrap sandbox unavailable: {_WHY}")
+ROOT = os.geteuid() == 0
+LIMITS = sb.SandboxLimits(processes=64, disk_bytes=8 << 20, file_bytes=4 << 20, tmp_bytes=4 << 20, cpu_s=20)
+
+
+def _config(base_url, **kw):
+    return HarnessConfig(base_url=base_url, run_id="sbx", backoff_base_s=0.01, backoff_max_s=0.05, deadline_s=60.0,
+                         grader_timeout_s=30.0, command_timeout_s=5.0,
+                         sandbox=sb.SandboxConfig(kind="bubblewrap", limits=LIMITS), **kw)
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _tool_results(srv, rollout_id: str) -> list[str]:
+    """The `run` results the harness sent back, in order."""
+    reqs = [r for r in srv.requests if r.header(H.HEADER_ROLLOUT) == rollout_id]
+    return [m["content"] for m in reqs[-1].messages if m["role"] == "tool"] if reqs else []
+
+
+@needs_bwrap
+def test_hostile_command_battery_is_refused_or_contained_and_host_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_TEST_SECRET", "hunter2-credential")
+    host = tmp_path / "host"  # stands for anything of the trainer's
+    host.mkdir()
+    (host / "keep.txt").write_text("host data")
+    ws_root = tmp_path / "ws"
+    (ws_root / "other").mkdir(parents=True)  # another rollout's workspace
+    (ws_root / "other" / "secret.txt").write_text("other-rollout-secret")
+    grader_files = [graders_mod.__file__, repo_spec.__file__, tiny.__file__]
+    before = {"host": _tree(host), "other": _tree(ws_root / "other"), "graders": [_sha(f) for f in grader_files]}
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    lport = listener.getsockname()[1]
+    private_probe = Path("/tmp") / f"gyre_sandbox_probe_{os.getpid()}"
+
+    def battery(proxy_port):
+        return [  # (name, command, timeout_s)
+            ("abs_path", f"echo pwned > {host}/abs.txt; echo pwned > {ws_root}/other/secret.txt", 5),
+            ("dotdot", "echo pwned > ../escape.txt; echo pwned > ../../escape.txt", 5),
+            ("symlink", f"ln -s {host} hostlink; echo pwned > hostlink/sym.txt; ln -s / rootlink; "
+                        "echo pwned > rootlink/etc/pwned", 5),
+            ("grader", "; ".join(f"echo 'raise SystemExit' >> {f}" for f in grader_files)
+             + f"; ls -ld {Path(graders_mod.__file__).parent} /work /root /home", 5),
+            ("read_other", f"cat {ws_root}/other/secret.txt ../other/secret.txt; env", 5),
+            ("proxy", f"exec 3<>/dev/tcp/127.0.0.1/{proxy_port} && echo CONNECTED-proxy", 5),
+            ("listener", f"exec 3<>/dev/tcp/127.0.0.1/{lport} && echo CONNECTED-listener", 5),
+            ("tmp", f"echo x > {private_probe} && cat {private_probe}; echo x > /usr/pwned", 5),
+            ("fork_bomb", "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", 3),
+            ("fill_disk", "head -c 100M /dev/zero > big; for i in $(seq 20); do head -c 3M /dev/zero > f$i; done; "
+                          "du -sh .", 5),
+            ("sigterm", "trap '' TERM; exec -a gyre-ignores-term bash -c \"trap '' TERM; sleep 30\"", 1),
+            ("background", "(exec -a gyre-bg-a sleep 30 &); setsid bash -c 'exec -a gyre-bg-b sleep 30' & "
+                           "nohup bash -c 'exec -a gyre-bg-c sleep 30' >/dev/null 2>&1 & echo started", 5),
+            ("cleanup", "rm -f big f*; echo ok > answer.txt", 5),
+        ]
+
+    task = tiny.make_task(3)
+    evil = Task(task_id="evil", family="tiny", prompt=task.prompt, grader=task.grader, params=task.params,
+                tools=DEFAULT_TOOLS)
+
+    async def main():
+        def responder(req):
+            if req.header(H.HEADER_ROLLOUT) == "next":  # the next rollout: an honest answer
+                if req.turn == 0:
+                    return tool_calls(("run", {"command": f"echo -n {task.params['expected']} > answer.txt"}))
+                return tool_calls(("finish", {}))
+            cmds = battery(srv.port)
+            if req.turn < len(cmds):
+                return tool_calls(("run", {"command": cmds[req.turn][1], "timeout_s": cmds[req.turn][2]}))
+            return tool_calls(("finish", {}))
+
+        async with FakeOpenAIServer(responder) as srv:
+            cfg = _config(srv.base_url)
+            first = await run_rollouts([RolloutRequest(rollout_id="evil", task=evil, group_id="g")], cfg,
+                                       workspace_root=ws_root)
+            nxt = await run_rollouts([RolloutRequest(rollout_id="next", task=evil, group_id="g2")], cfg,
+                                     workspace_root=ws_root)
+            return srv, first[0], nxt[0], battery(srv.port)
+
+    srv, res, nxt, cmds = asyncio.run(main())
+    out = dict(zip([c[0] for c in cmds], _tool_results(srv, "evil")))
+    assert len(out) == len(cmds), out
+
+    # Refused: nothing outside the workspace changed, nothing of the host was read.
+    assert _tree(host) == before["host"] and _tree(ws_root / "other") == before["other"]
+    assert [_sha(f) for f in grader_files] == before["graders"]
+    assert not (tmp_path / "escape.txt").exists() and not (ws_root / "escape.txt").exists()
+    assert not private_probe.exists() and not Path("/usr/pwned").exists()
+    assert "other-rollout-secret" not in out["read_other"] and "hunter2" not in out["read_other"]
+    assert "No such file or directory" in out["grader"]  # the package dir is not even visible
+    assert "CONNECTED" not in out["proxy"] + out["listener"]
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nothing reached the host's loopback
+    listener.close()
+    # Contained: the fork bomb hit the process limit, the disk its size, the stubborn ones were killed.
+    assert "survived" in out["fork_bomb"] or out["fork_bomb"].startswith("timed out")
+    assert out["sigterm"].startswith("timed out after 1 s")
+    assert out["background"].startswith("exit code 0") and "started" in out["background"]
+    assert not _processes_with("gyre-ignores-term") and not _processes_with("gyre-bg-")
+    stats = res.sandbox
+    assert stats["kind"] == "bubblewrap" and stats["commands"] == len(cmds)
+    assert stats["violations"]["write_outside_workspace"] == 2 and stats["violations"]["network"] == 2
+    assert stats["violations"]["permission_denied"] >= 1  # ../ is the sandbox's root-owned /
+    assert out["tmp"].startswith("exit code 1\nx\n")  # /tmp is private and writable
+    assert {"processes", "file_size", "wall_time"} <= set(stats["limits_hit"]), stats
+    if ROOT:  # the tmpfs workspace: the disk filled, at its size
+        assert "No space left on device" in out["fill_disk"] and stats["limits_hit"]["disk"] == 1
+    assert res.status == vocab.STATUS_COMPLETED and res.score == 0.0  # "ok" is the wrong answer
+    assert stats["snapshot"]["skipped"] >= 2  # the symlinks were not handed to the grader
+    # The next rollout runs normally, in a clean sandbox.
+    assert nxt.status == vocab.STATUS_COMPLETED and nxt.score == 1.0, nxt.error
+    assert nxt.sandbox["violations"] == {} and nxt.sandbox["limits_hit"] == {}
+    assert json.loads(json.dumps(res.to_outcome("sbx").details))["harness"]["sandbox"]["commands"] == len(cmds)
+
+
+def _hack_module(n_cases: int) -> str:
+    """Agent code that tries to forge the check runner's results, then exits before any real one."""
+    return (
+        "import json, os\n"
+        "for fd in range(3, 20):\n"
+        "    try:\n"
+        f"        for k in range({n_cases}):\n"
+        "            os.write(fd, (json.dumps({'check': f'case:FN[{k}]', 'ok': True, 'got': 1}) + '\\n').encode())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    )
+
+
+@needs_bwrap
+def test_reward_hacking_policy_gets_no_reward(tmp_path):
+    """A scripted policy that edits the installed grader, shadows the check runner with its
+    own gyre_jax package, and forges the runner's output scores what the same workspace
+    scores without the hacks: no reward for them."""
+    task = repo_spec.make_task(5, n_modules=1, functions_per_module=1)
+    mod = task.params["modules"][0]
+    fn = mod["functions"][0]
+    n_cases = len(fn["cases"])
+    honest_wrong = {f"{task.params['package']}/__init__.py": "", mod["path"]: f"def {fn['name']}(*a):\n    return None\n",
+                    repo_spec.README: "nothing"}
+    forged = json.dumps({"check": "x", "ok": True})
+    hacked = dict(honest_wrong)
+    hacked[mod["path"]] = (_hack_module(n_cases).replace("FN", mod["import"] + "." + fn["name"])
+                           + f"def {fn['name']}(*a):\n    return None\n")
+    hacked["gyre_jax/__init__.py"] = ""
+    hacked["gyre_jax/agents/__init__.py"] = ""
+    hacked["gyre_jax/agents/check_runner.py"] = f"print({forged!r})\n"
+    grader_file = repo_spec.__file__
+    runner_file = Path(grader_file).parents[1] / "check_runner.py"
+    sha = (_sha(grader_file), _sha(runner_file))
+
+    async def main():
+        def responder(req):
+            files = hacked if req.header(H.HEADER_ROLLOUT) == "hack" else honest_wrong
+            turns = [[("write_file", {"path": p, "content": c}) for p, c in files.items()]]
+            if req.header(H.HEADER_ROLLOUT) == "hack":
+                turns.append([("run", {"command": f"sed -i 's/checks.grade()/__import__(\"scoring\")/' {grader_file}; "
+                                                  f"cp -r gyre_jax {Path(grader_file).parents[3]}/ ; "
+                                                  "echo '{\"score\": 1.0}' > expected.json"})])
+            turns.append([("finish", {})])
+            return tool_calls(*turns[req.turn]) if req.turn < len(turns) else FakeReply(content="done")
+
+        async with FakeOpenAIServer(responder) as srv:
+            reqs = [RolloutRequest(rollout_id=r, task=task, group_id="g") for r in ("hack", "honest")]
+            return await run_rollouts(reqs, _config(srv.base_url), workspace_root=tmp_path / "ws")
+
+    hack, honest = asyncio.run(main())
+    assert hack.status == honest.status == vocab.STATUS_COMPLETED, (hack.error, honest.error)
+    assert (_sha(grader_file), _sha(runner_file)) == sha
+    assert hack.score <= honest.score == 0.5, (hack.grader_details, honest.grader_details)
+    cases = [c for c in hack.grader_details["checks"] if c["check"].startswith("case:")]
+    assert len(cases) == n_cases and not any(c["ok"] for c in cases)
+    assert hack.sandbox["commands"] == 1 and honest.sandbox["commands"] == 0
+
+
+def test_container_command_line_confines_like_the_sandbox(tmp_path):
+    """docker/podman cannot run here: check the command line they would get."""
+    cfg = sb.SandboxConfig(kind="podman", limits=LIMITS, images={"tiny": "ghcr.io/x/tiny:1"})
+    box = sb.make_sandbox(cfg, tmp_path, family="tiny", name="r-1")
+    launch = box.launch("echo hi")
+    a = launch.argv
+    assert a[:4] == ["podman", "run", "--rm", "--init"] and a[-4:] == ["ghcr.io/x/tiny:1", "bash", "-c", "echo hi"]
+    pairs = {(a[k], a[k + 1]) for k in range(len(a) - 1)}
+    assert {("--network", "none"), ("--pids-limit", "64"), ("--memory", str(LIMITS.memory_bytes)),
+            ("--cap-drop", "ALL"), ("--security-opt", "no-new-privileges"), ("--workdir", "/workspace"),
+            ("--volume", f"{tmp_path}:/workspace:rw"), ("--ulimit", f"fsize={4 << 20}:{4 << 20}")} <= pairs
+    assert "--read-only" in a and launch.kill_argv == ["podman", "kill", a[a.index("--name") + 1]]
+    other = sb.make_sandbox(cfg, tmp_path, family="repo_spec", name="r-2").launch("true").argv
+    assert cfg.default_image in other
+    net = sb.make_sandbox(sb.SandboxConfig(kind="docker", network_families=("tiny",)), tmp_path, family="tiny",
+                          name="r").launch("true").argv
+    assert net[0] == "docker" and ("--network", "bridge") in {(net[k], net[k + 1]) for k in range(len(net) - 1)}
+
+
+def test_sandbox_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="kind"):
+        sb.SandboxConfig(kind="chroot")
+    with pytest.raises(ValueError, match="processes"):
+        sb.SandboxLimits(processes=0)
+    with pytest.raises(ValueError, match="extra_ro_paths"):
+        sb.SandboxConfig(extra_ro_paths=("opt",))
+    with pytest.raises(ValueError, match="sandbox"):
+        HarnessConfig(base_url="http://x/v1", sandbox="bubblewrap")
+    assert sb.classify("bash: x: Read-only file system\nConnection refused", network=False) == (
+        ["write_outside_workspace", "network"], [])
+    assert sb.classify("Connection refused", network=True) == ([], [])
