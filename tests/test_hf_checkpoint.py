@@ -207,6 +207,13 @@ def test_single_file_export_reads_back_with_safetensors(tmp_path):
     assert set(back) == set(tensors)
     for k, v in tensors.items():
         np.testing.assert_array_equal(back[k], v, err_msg=k)
+    save_pretrained(params, cfg, out, dtype="bfloat16")  # a f32 policy written for serving in bf16
+    back = load_file(os.path.join(out, "model.safetensors"))
+    for k, v in tensors.items():
+        assert back[k].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(back[k], v.astype(ml_dtypes.bfloat16), err_msg=k)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
 
 
 def _edit(path, fn, **changes):

@@ -70,6 +70,10 @@ def test_config_takes_the_shape_from_the_checkpoint(tmp_path):
     c.model.d_model = 64
     with pytest.raises(ConfigError, match=r"\['d_model'\] come from"):
         RLConfig.from_config(c)
+    c = tiny_rl_config("qwen3_8b", d)
+    c.cells.serve_tensor = 4
+    with pytest.raises(ConfigError, match="cells.serve_tensor=4 does not divide the checkpoint's n_kv_heads=2"):
+        RLConfig.from_config(c)
     with pytest.raises(ConfigError, match="config.model.hf_path=.*config.json"):
         RLConfig.from_config(tiny_rl_config("qwen3_8b", str(tmp_path)))
 

@@ -147,6 +147,9 @@ class HarnessKnobs:
     # True: the harness sends tool schemas and reads the API's tool_calls (a chat model's own tool-call
     # syntax, parsed by the proxy); False: text-format calls in the reply's content (the byte-level demo).
     send_tools_schema: bool = False
+    # Where tool commands run (gyre_jax.agents.sandbox): auto = bubblewrap where it works, else none
+    # with a warning; bubblewrap (an error if it cannot work here), docker, podman, none.
+    sandbox: str = "auto"
 
     def __post_init__(self):
         _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s"))
@@ -381,6 +384,7 @@ class RLConfig:
 
     def harness_config(self, base_url: str, run_id: str = "rl"):
         from gyre_jax.agents.config import HarnessConfig
+        from gyre_jax.agents.sandbox import SandboxConfig
 
         h = self.harness
         return _built("harness", lambda: HarnessConfig(
@@ -388,7 +392,8 @@ class RLConfig:
             send_tools_schema=h.send_tools_schema, bytes_per_token=1.0, max_turns=h.max_turns,
             context_budget_tokens=self.cells.max_len, deadline_s=h.deadline_s, request_timeout_s=h.request_timeout_s,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
-            grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None))
+            grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None,
+            sandbox=SandboxConfig(kind=h.sandbox)), renames={"kind": "harness.sandbox"})
 
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":
@@ -437,9 +442,16 @@ def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) ->
         cfg = config_from_hf(read_config(path), dtype=model.get("param_dtype") or None,
                              vocab_pad_multiple=math.lcm(cells.train_tensor, cells.serve_tensor),
                              max_seq_len=model.get("max_seq_len") or None)
-        return cfg.replace(**{k: model[k] for k in ("remat", "dtype") if model.get(k) not in (None, "")})
+        cfg = cfg.replace(**{k: model[k] for k in ("remat", "dtype") if model.get(k) not in (None, "")})
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.model.hf_path={path!r}: {e}") from None
+    for knob in ("train_tensor", "serve_tensor"):  # the rules table splits these over 'tensor'
+        t = getattr(cells, knob)
+        bad = [f"{n}={getattr(cfg, n)}" for n in ("n_heads", "n_kv_heads", "d_ff") if getattr(cfg, n) % t]
+        if bad:
+            raise ConfigError(f"config.cells.{knob}={t} does not divide the checkpoint's {', '.join(bad)} "
+                              f"({path}/config.json)")
+    return cfg
 
 
 def _build(klass, value: Mapping[str, Any], where: str):

@@ -217,7 +217,8 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
     servable as is. ``dtype`` defaults to the params'. Returns the files written.
     """
     tree = params["params"] if "params" in params else params
-    out_dt = np.dtype(jnp.dtype(dtype or config.param_dtype))
+    dtype = dtype or config.param_dtype
+    out_dt = np.dtype(jnp.dtype(dtype))
     os.makedirs(path, exist_ok=True)
     specs, makers = [], []
     plan = entries(config)
@@ -260,7 +261,7 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
             os.remove(stale)
     base = read_config(like) if like else None
     with open(os.path.join(path, CONFIG), "w") as f:
-        json.dump(hf_config(config, base), f, indent=2)
+        json.dump(hf_config(config.replace(param_dtype=dtype), base), f, indent=2)  # torch_dtype: the files' dtype
     written.append(CONFIG)
     if like:
         for fn in TOKENIZER_FILES:
