@@ -1,7 +1,7 @@
 """The loop's numbers: one record per step (metrics.jsonl, TensorBoard) and the run summary.
 
 Everything a user needs to trust a step is in its record: reward and partial
-credit, failures by class, staleness, what the Jmax path budget dropped
+credit, failures by class, what rollout sandboxes refused, staleness, what the Jmax path budget dropped
 (trainable tokens and paths kept vs total), prefix-sharing savings, throughput,
 role switches and their failures, weight moves (bytes, seconds), cells that
 failed or went out of service.
@@ -81,6 +81,9 @@ class StepRecorder:
             "rollouts_in_flight": self.launcher.running_rollouts(), "roles": self.pool.roles(),
             "engine_errors": int(counters.get("engine_errors", 0)),
             "retries": int(sum(r["retries"] for r in self.launcher.results)),
+            # Tool commands run in rollout sandboxes, refusals and limits hit (cumulative, like retries).
+            **{k: int(sum(r.get(k, 0) for r in self.launcher.results))
+               for k in ("sandbox_commands", "sandbox_violations", "sandbox_limits_hit")},
         }
         self._t, self._gen, self._switches = now, gen, len(self.timeline.switches)
         self._moves, self._failures = self._moves + len(moves), len(self.pool.failures)
