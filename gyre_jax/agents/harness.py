@@ -147,9 +147,10 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
     if snapshot.exists():
         raise FileExistsError(f"snapshot {snapshot} for rollout {request.rollout_id!r} exists; "
                               "rollout ids must be unique")
-    sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=request.rollout_id)
+    sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=request.rollout_id,
+                                       commands="run" in task.tools)
     try:
-        prepare_workspace(workspace_root, request.rollout_id, task, sandbox)
+        await asyncio.to_thread(prepare_workspace, workspace_root, request.rollout_id, task, sandbox)
         ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
                              command_timeout_s=config.command_timeout_s, sandbox=sandbox)
         ctx = RolloutContext(config=config, task=task, rollout_id=request.rollout_id, group_id=request.group_id,

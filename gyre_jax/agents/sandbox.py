@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -162,6 +163,17 @@ class Launch:
     kill_argv: list[str] | None = None
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+def _mount_tmpfs(path: Path, options: str) -> str | None:
+    """mount(2) a tmpfs (the syscall: a mount binary per rollout costs ~ms of CPU); the error or None."""
+    rc = _LIBC.mount(b"gyre-workspace", os.fsencode(path), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV),
+                     options.encode())
+    return None if rc == 0 else os.strerror(ctypes.get_errno())
+
+
 class _UidPool:
     """Per-rollout uids for a root trainer: unique among this process's live rollouts, and
     (through the pid) unlikely to meet another trainer's on the same host."""
@@ -274,8 +286,10 @@ class Sandbox:
 
     kind = "none"
 
-    def __init__(self, config: SandboxConfig, workspace: Path, *, network: bool = False, image: str | None = None):
+    def __init__(self, config: SandboxConfig, workspace: Path, *, network: bool = False, image: str | None = None,
+                 commands: bool = True):
         self.config, self.limits = config, config.limits
+        self.commands = commands  # False: the task has no `run` tool, so nothing of the agent's ever executes
         self.workspace = Path(workspace)
         self.network, self.image = network, image
         self.stats = SandboxStats(self.kind)
@@ -285,18 +299,16 @@ class Sandbox:
     # -- per rollout --
     def prepare(self) -> None:
         """Own the (still empty) workspace: a fresh uid and a size-limited tmpfs when root."""
-        if os.geteuid() != 0 or self.kind == "none":
+        if os.geteuid() != 0 or self.kind == "none" or not self.commands:
             return
         if any(self.workspace.iterdir()):
             raise FileExistsError(f"sandbox: workspace {self.workspace} must be empty before prepare()")
         self.uid = _UIDS.take(self.config.uid_base)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o",
-                            f"size={self.limits.disk_bytes},mode=0700,uid={self.uid},gid={self.uid},nosuid,nodev",
-                            "gyre-workspace", str(self.workspace)], capture_output=True)
-        self.tmpfs = r.returncode == 0
-        if not self.tmpfs:
+        error = _mount_tmpfs(self.workspace, f"size={self.limits.disk_bytes},mode=0700,uid={self.uid},gid={self.uid}")
+        self.tmpfs = error is None
+        if error is not None:
             log.warning("sandbox: cannot mount a tmpfs on %s (%s); the workspace size is checked after each "
-                        "command instead", self.workspace, r.stderr.decode(errors="replace").strip())
+                        "command instead", self.workspace, error)
             os.chown(self.workspace, self.uid, self.uid)
             os.chmod(self.workspace, 0o700)
 
@@ -323,9 +335,8 @@ class Sandbox:
     def release(self) -> None:
         """End of the rollout (after the snapshot): unmount the tmpfs, free the uid."""
         if self.tmpfs:
-            r = subprocess.run(["umount", "--lazy", str(self.workspace)], capture_output=True)
-            if r.returncode != 0:
-                log.warning("sandbox: umount %s failed: %s", self.workspace, r.stderr.decode(errors="replace"))
+            if _LIBC.umount2(os.fsencode(self.workspace), _MNT_DETACH) != 0:
+                log.warning("sandbox: umount %s failed: %s", self.workspace, os.strerror(ctypes.get_errno()))
             self.tmpfs = False
         if self.uid is not None:
             _UIDS.give(self.uid)
@@ -334,6 +345,10 @@ class Sandbox:
     # -- per command --
     def launch(self, command: str) -> Launch:
         raise NotImplementedError
+
+    def _check_commands(self) -> None:
+        if not self.commands:
+            raise RuntimeError(f"sandbox of {self.workspace}: made for a task without commands")
 
     def _nproc(self) -> int:
         if self.uid is not None:
@@ -415,6 +430,7 @@ class BubblewrapSandbox(Sandbox):
     kind = "bubblewrap"
 
     def launch(self, command: str) -> Launch:
+        self._check_commands()
         argv = bwrap_argv(network=self.network, uid=self.uid, tmp_bytes=self.limits.tmp_bytes,
                           extra_ro_paths=self.config.extra_ro_paths,
                           binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT),))
@@ -427,13 +443,14 @@ class ContainerSandbox(Sandbox):
     client does not stop the container."""
 
     def __init__(self, config: SandboxConfig, workspace: Path, *, runtime: str, network: bool = False,
-                 image: str | None = None, name: str = "gyre"):
+                 image: str | None = None, name: str = "gyre", commands: bool = True):
         self.kind = runtime
-        super().__init__(config, workspace, network=network, image=image or config.default_image)
+        super().__init__(config, workspace, network=network, image=image or config.default_image, commands=commands)
         self.name_prefix = re.sub(r"[^a-zA-Z0-9_.-]", "_", name)
         self._n = 0
 
     def launch(self, command: str) -> Launch:
+        self._check_commands()
         self._n += 1
         name = f"{self.name_prefix}-{self._n}"
         lim = self.limits
@@ -450,8 +467,9 @@ class ContainerSandbox(Sandbox):
         return Launch(argv, kill_argv=[self.kind, "kill", name])
 
 
-def make_sandbox(config: SandboxConfig, workspace: Path, *, family: str, name: str) -> Sandbox:
-    """The sandbox for one rollout of a task of ``family`` (``name``: the rollout id)."""
+def make_sandbox(config: SandboxConfig, workspace: Path, *, family: str, name: str, commands: bool = True) -> Sandbox:
+    """The sandbox for one rollout of a task of ``family`` (``name``: the rollout id).
+    ``commands=False`` (the task offers no `run` tool): no uid or tmpfs is set up."""
     kind = resolve_kind(config.kind)
     network = family in config.network_families or family_allows_network(family)
     if kind == "none":
@@ -459,10 +477,10 @@ def make_sandbox(config: SandboxConfig, workspace: Path, *, family: str, name: s
         if not _warned_none:
             log.warning(NONE_WARNING)
             _warned_none = True
-        return NoSandbox(config, workspace, network=True)
+        return NoSandbox(config, workspace, network=True, commands=commands)
     if kind == "bubblewrap":
-        return BubblewrapSandbox(config, workspace, network=network)
-    return ContainerSandbox(config, workspace, runtime=kind, network=network,
+        return BubblewrapSandbox(config, workspace, network=network, commands=commands)
+    return ContainerSandbox(config, workspace, runtime=kind, network=network, commands=commands,
                             image=config.images.get(family), name=f"gyre-{name}")
 
 
