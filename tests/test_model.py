@@ -157,7 +157,11 @@ def test_bfloat16_and_remat():
     def grads(c):
         return jax.jit(jax.grad(lambda p: jnp.sum(Transformer(c).apply(p, *args) ** 2)))(params)
 
-    chex.assert_trees_all_close(grads(cfg.replace(remat=True)), grads(cfg), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(grads(cfg.replace(remat=True, attention_impl="dense")),
+                                grads(cfg.replace(attention_impl="dense")), rtol=1e-5, atol=1e-6)
+    # Blockwise: XLA fuses the recomputed tiles differently, so float32 sums reassociate;
+    # gradient entries here are O(5), so atol 1e-5 is ~2e-6 of the leaf's scale.
+    chex.assert_trees_all_close(grads(cfg.replace(remat=True)), grads(cfg), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_are_named(model):

@@ -4,9 +4,10 @@ Tree mask (docs/design.md, "Tree packing"): query i attends key j iff
 
     segment[i] == segment[j]  and  j <= i < subtree_end[j]
 
-A plain causal sequence is segment = 1, subtree_end = L. The mask is dense
-[B, L, L] booleans: exact and simple on CPU; a block-sparse fused kernel can
-replace ``attend`` later without changing the mask's meaning.
+A plain causal sequence is segment = 1, subtree_end = L. ``attend`` takes the
+mask either dense ([B, T, S] booleans: the reference, O(L^2)) or as O(L) metadata
+(``TreeMask`` / ``CacheMask`` from tree_attention.py: blockwise, tiles the tree
+masks skipped, never an [L, L] array); config.attention_impl picks which.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import RMSNorm, dense_init, rope, rope_inv_freq
+from gyre_jax.model.tree_attention import CacheMask, TreeMask, attend_structured
 
 
 def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
@@ -30,9 +32,12 @@ def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
     """Softmax attention with GQA (N query heads share K k/v heads); float32 softmax.
 
+    ``mask_BxTxS``: dense booleans, or a TreeMask/CacheMask (blockwise path, same result).
     Every query row must have at least one visible key (the tree rule always
     includes the token itself), so no row is all -inf.
     """
+    if isinstance(mask_BxTxS, (TreeMask, CacheMask)):
+        return attend_structured(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS)
     b, t, n, h = q_BxTxNxH.shape
     kv = k_BxSxKxH.shape[2]
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h)

@@ -10,6 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 ROPE_SCALINGS = ("none", "llama3")
+ATTENTION_IMPLS = ("blockwise", "dense")  # blockwise: tree_attention.py (O(L) memory); dense: [B, L, L] reference
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -29,6 +30,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # stored parameters
     max_seq_len: int = 4096  # longest path position the model is meant to see; default KV-cache length
     remat: bool = False  # recompute each layer's activations in the backward pass (long rows)
+    attention_impl: str = "blockwise"  # one of ATTENTION_IMPLS; both give the same result
+    attention_block_q: int = 512  # blockwise: queries per tile
+    attention_block_k: int = 512  # blockwise: keys per tile (a tile the tree masks entirely is skipped)
     # Checkpoint-family features (gyre_jax.model.hf maps a config.json onto these):
     qkv_bias: bool = False  # q/k/v projections have a bias (Qwen2/Qwen2.5)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
@@ -41,7 +45,8 @@ class ModelConfig:
 
     def __post_init__(self):
         where = "ModelConfig"
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
+                     "attention_block_q", "attention_block_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{where}.{name} must be a positive int, got {v!r}")
@@ -55,6 +60,8 @@ class ModelConfig:
             raise ValueError(f"{where}.rope_theta must be > 0, got {self.rope_theta}")
         if not self.norm_eps > 0:
             raise ValueError(f"{where}.norm_eps must be > 0, got {self.norm_eps}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{where}.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"{where}.rope_scaling must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
         if self.rope_scaling == "llama3" and not (

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.transformer import Transformer
+from gyre_jax.model.transformer import Transformer, cache_mask
 
 
 @flax.struct.dataclass
@@ -89,13 +89,13 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     k_buf = pad if prefix is None else jnp.concatenate([prefix.k, pad], axis=1)
     v_buf = pad if prefix is None else jnp.concatenate([prefix.v, pad], axis=1)
     positions_T = start + jnp.arange(t, dtype=jnp.int32)
-    # Query t sees every buffer entry up to its own position (prefix then causal).
-    mask_TxS = jnp.arange(p + t, dtype=jnp.int32)[None, :] <= positions_T[:, None]
+    # Query t sees every buffer entry up to its own position (prefix then causal); blockwise
+    # by default, so a long prompt never forms a [T, P+T] mask or scores.
     logits, (k, v) = Transformer(config).apply(
         params,
         tokens_T[None],
         positions_T[None],
-        mask_TxS[None],
+        cache_mask(config, positions_T[None], p + t),
         k_buf[:, None],
         v_buf[:, None],
         start[None],

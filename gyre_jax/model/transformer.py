@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gyre_jax.model.attention import Attention, tree_attention_mask
+from gyre_jax.model.tree_attention import CacheMask, TreeMask
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import MLP, RMSNorm
 
@@ -121,20 +122,29 @@ class Transformer(nn.Module):
             "Transformer", tokens=tokens_BxL, positions=positions_BxL, segment_ids=segment_ids_BxL,
             subtree_end=subtree_end_BxL,
         )
-        mask_BxLxL = tree_attention_mask(segment_ids_BxL, subtree_end_BxL)
         x = self._embed(tokens_BxL)
-        x, _ = self.layers(x, None, positions_BxL, mask_BxLxL, None)
+        x, _ = self.layers(x, None, positions_BxL, self._tree_mask(segment_ids_BxL, subtree_end_BxL), None)
         hidden = self.final_norm(x)
         if return_hidden:
             return hidden, self.unembed_matrix()
         return self._logits(hidden)
+
+    def _tree_mask(self, segment_ids_BxL, subtree_end_BxL):
+        """The tree rule in the form config.attention_impl attends with (dense [B, L, L] only for "dense")."""
+        cfg = self.config
+        if cfg.attention_impl == "dense":
+            return tree_attention_mask(segment_ids_BxL, subtree_end_BxL)
+        return TreeMask(segment_ids_BxL.astype(jnp.int32), subtree_end_BxL.astype(jnp.int32),
+                        block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
 
     def with_cache(self, tokens_BxT, positions_BxT, mask_BxTxS, k_YxBxSxKxH, v_YxBxSxKxH, cache_index_B):
         """T new tokens per row against a per-row KV cache.
 
         Row b's new k/v are written at cache[:, b, cache_index[b] : cache_index[b]+T]
         first; ``mask_BxTxS`` then says which cache entries (old and just written)
-        each new token sees. Returns (logits_BxTxV float32, (k_cache, v_cache)).
+        each new token sees: dense booleans [B, T, S], or a ``CacheMask`` (O(T)
+        metadata, blockwise; what ``cache_mask(config, ...)`` gives). Returns
+        (logits_BxTxV float32, (k_cache, v_cache)).
         """
         where = "Transformer.with_cache"
         _check_int_BxL(where, tokens=tokens_BxT, positions=positions_BxT)
@@ -144,12 +154,24 @@ class Transformer(nn.Module):
         chex.assert_shape(k_YxBxSxKxH, kv_shape, custom_message=f"{where}: k cache must be [Y, B, S, K, H]")
         chex.assert_shape(v_YxBxSxKxH, k_YxBxSxKxH.shape, custom_message=f"{where}: v cache must match the k cache")
         s = k_YxBxSxKxH.shape[2]
-        chex.assert_shape(mask_BxTxS, (b, t, s), custom_message=f"{where}: mask must be [B, T, S]")
-        chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
+        if isinstance(mask_BxTxS, CacheMask):
+            chex.assert_shape(mask_BxTxS.q_index, (b, t), custom_message=f"{where}: CacheMask.q_index must be [B, T]")
+        else:
+            chex.assert_shape(mask_BxTxS, (b, t, s), custom_message=f"{where}: mask must be [B, T, S]")
+            chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
         chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
         x = self._embed(tokens_BxT)
         x, (k, v) = self.layers(x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS, cache_index_B)
         return self._logits(self.final_norm(x)), (k, v)
+
+
+def cache_mask(config: ModelConfig, q_index_BxT, cache_len: int):
+    """``with_cache``'s mask where query t sees cache entries 0..q_index[t]: a CacheMask
+    (blockwise, O(T)) or, for attention_impl="dense", dense [B, T, cache_len] booleans."""
+    if config.attention_impl == "dense":
+        return jnp.arange(cache_len, dtype=jnp.int32)[None, None, :] <= q_index_BxT[:, :, None]
+    return CacheMask(q_index_BxT.astype(jnp.int32), block_q=config.attention_block_q,
+                     block_k=config.attention_block_k)
 
 
 def _check_int_BxL(where, **named):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,3 +293,30 @@ def tile_fractions_np(segment_ids_L, subtree_end_L, block_q, block_k):
         np.add.at(diff, hi_tile[sl] + 1, -1)
         any_visible[:, kt] = np.cumsum(diff)[:tq] > 0
     return float(1.0 - vis.mean()), float(1.0 - any_visible.mean())
+
+
+@flax.struct.dataclass
+class TreeMask:
+    """The tree rule of packed rows as O(L) metadata: what ``attend`` takes instead of a dense mask."""
+
+    segment_ids: jax.Array  # int32[B, L]
+    subtree_end: jax.Array  # int32[B, L]
+    block_q: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+    block_k: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+
+
+@flax.struct.dataclass
+class CacheMask:
+    """Queries against a linear KV cache: query t sees entries 0..q_index[t] (O(T) metadata)."""
+
+    q_index: jax.Array  # int32[B, T]: each query's own cache index
+    block_q: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+    block_k: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+
+
+def attend_structured(q, k, v, mask):
+    """Blockwise attention for a TreeMask or CacheMask (``attention.attend`` dispatches here)."""
+    blocks = dict(block_q=mask.block_q, block_k=mask.block_k)
+    if isinstance(mask, TreeMask):
+        return packed_tree_attention(q, k, v, mask.segment_ids, mask.subtree_end, **blocks)
+    return causal_cache_attention(q, k, v, mask.q_index, **blocks)
