@@ -282,6 +282,7 @@ def test_models_health_metrics_and_loopback(server):
 
 def test_client_disconnect_mid_stream_is_not_recorded(server):
     st, store = server
+    gone0 = st.proxy.counters["calls_unrecorded_client_gone"]
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -297,6 +298,7 @@ def test_client_disconnect_mid_stream_is_not_recorded(server):
     with pytest.raises(KeyError):
         store.calls("r-gone")
     assert sum(b.num_active() for b in st.proxy.router.cells.values()) == 0
+    assert st.proxy.counters["calls_unrecorded_client_gone"] - gone0 == 1  # counted once
 
 
 async def _drained(st):

@@ -5,10 +5,13 @@ as text or text blocks, user/assistant messages with text, tool_use and
 tool_result blocks, custom tools (input_schema), streaming with the events
 message_start, content_block_start, content_block_delta (text_delta /
 input_json_delta), content_block_stop, message_delta, message_stop.
-Unsupported inputs (images, documents, thinking blocks, text stop_sequences,
-top_k) are refused with 400 naming the field; options that do not change the
-tokens (metadata, cache_control, tool_choice, thinking settings) are accepted and
-listed in the ``X-Gyre-Ignored-Fields`` response header. ``system`` messages
+Unsupported inputs (images, documents, thinking blocks, top_k) are refused with 400
+naming the field; ``stop_sequences`` are matched on the decoded text (stop_reason
+"stop_sequence"); ``tool_choice`` (auto / any / tool / none) is honoured as on the
+OpenAI API; options that do not change the tokens (metadata, cache_control,
+thinking settings, ``disable_parallel_tool_use``) are accepted and listed in the
+``X-Gyre-Ignored-Fields`` response header. Tool-use ids are the model's own (no
+``toolu_`` rewrite), or invented ones the template does not render. ``system`` messages
 inside ``messages`` (Claude Code's mid-conversation system turns) are kept in place.
 """
 from __future__ import annotations
@@ -18,15 +21,15 @@ import json
 
 import numpy as np
 
-from gyre_jax.serving.api_common import (ApiError, AssistantStream, ChatCall, bad, get_bool, get_float, get_int,
-                                         get_list, get_str, get_stop_token_ids)
+from gyre_jax.serving.api_common import (ApiError, ChatCall, bad, get_bool, get_float, get_int, get_list, get_str,
+                                         get_stop_strings, get_stop_token_ids, tool_choice_plan)
 from gyre_jax.serving.tokenizer import Tokenizer
 
 _KNOWN = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream",
           "tools", "tool_choice", "metadata", "thinking", "stop_token_ids", "return_token_ids", "service_tier",
           "context_management", "output_config"}
 # Accepted, but they cannot change the tokens we produce (reported in X-Gyre-Ignored-Fields).
-_NO_EFFECT = {"tool_choice", "metadata", "thinking", "context_management", "output_config", "service_tier"}
+_NO_EFFECT = {"metadata", "thinking", "context_management", "output_config", "service_tier"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -101,8 +104,7 @@ def _messages(body: dict) -> list[dict]:
 def parse_messages(body: dict, tok: Tokenizer) -> ChatCall:
     if get_int(body, "top_k", None) is not None:
         raise bad("top_k: not supported (sampling must match what the trainer assumes)", "top_k")
-    if get_list(body, "stop_sequences"):
-        raise bad("stop_sequences: text stop sequences are not supported; use stop_token_ids", "stop_sequences")
+    stops = get_stop_strings(body, "stop_sequences", limit=16)
     tools = []
     for i, t in enumerate(get_list(body, "tools")):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type", "custom") != "custom":
@@ -113,14 +115,31 @@ def parse_messages(body: dict, tok: Tokenizer) -> ChatCall:
         prompt = tok.render_chat(_messages(body), tools)
     except ValueError as e:
         raise bad(str(e)) from None
-    return ChatCall(api="anthropic.messages", model=get_str(body, "model"), prompt_ids=np.asarray(prompt, np.int32),
+    forced, stop_extra, parse_tools, not_honoured = _tool_choice(body, tok, tools)
+    return ChatCall(api="anthropic.messages", model=get_str(body, "model"),
+                    prompt_ids=np.asarray(prompt + list(forced), np.int32),
                     max_tokens=get_int(body, "max_tokens", None, lo=1) or _required("max_tokens"),
                     temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=1.0),
                     top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True), seed=None,
-                    stop_ids=tuple(tok.stop_ids) + get_stop_token_ids(body, tok.vocab_size),
-                    stream=get_bool(body, "stream"), parse_tools=True,
-                    ignored=tuple(sorted(set(body) - _KNOWN | (_NO_EFFECT & set(body)))),
+                    stop_ids=tuple(tok.stop_ids) + stop_extra + get_stop_token_ids(body, tok.vocab_size),
+                    stream=get_bool(body, "stream"), parse_tools=parse_tools, forced_ids=forced, stop_strings=stops,
+                    ignored=tuple(sorted(set(body) - _KNOWN | (_NO_EFFECT & set(body)) | not_honoured)),
                     extras={"return_token_ids": get_bool(body, "return_token_ids")})
+
+
+def _tool_choice(body: dict, tok: Tokenizer, tools: list[dict]):
+    """Anthropic ``tool_choice``: {"type": "auto" | "any" | "tool" (+ "name") | "none"}; the not honoured
+    ``disable_parallel_tool_use`` is reported as ``tool_choice.disable_parallel_tool_use``."""
+    tc = body.get("tool_choice")
+    if tc is None:
+        return tool_choice_plan(tok, "auto", None, tools, "tool_choice") + (set(),)
+    kinds = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+    if not isinstance(tc, dict) or tc.get("type") not in kinds:
+        raise bad("tool_choice: expected {'type': 'auto' | 'any' | 'tool' | 'none'}", "tool_choice")
+    if tc["type"] == "tool" and not isinstance(tc.get("name"), str):
+        raise bad("tool_choice.name: required string for type 'tool'", "tool_choice")
+    ignored = {"tool_choice.disable_parallel_tool_use"} if tc.get("disable_parallel_tool_use") else set()
+    return tool_choice_plan(tok, kinds[tc["type"]], tc.get("name"), tools, "tool_choice.name") + (ignored,)
 
 
 def _required(name: str):
@@ -133,7 +152,9 @@ def count_tokens(body: dict, tok: Tokenizer) -> dict:
     return {"input_tokens": len(tok.render_chat(_messages(body), tools))}
 
 
-def stop_reason(finish: str, n_tool_calls: int) -> str:
+def stop_reason(finish: str, n_tool_calls: int, stop_sequence: str | None = None) -> str:
+    if stop_sequence is not None:
+        return "stop_sequence"
     return STOP_REASONS["tool_calls" if finish == "stop" and n_tool_calls else finish]
 
 
@@ -160,7 +181,7 @@ class BlockBuilder:
             else:
                 out += self._close_text()
                 self.n_tool_calls += 1
-                cid = val["id"] if val["id"].startswith("toolu_") else f"toolu_{val['id']}"
+                cid = val["id"]  # the model's own id, or one invented by CallIds (exact round trips)
                 self.blocks.append({"type": "tool_use", "id": cid, "name": val["name"], "input": val["arguments"]})
                 i = len(self.blocks) - 1
                 out += [("content_block_start", {"type": "content_block_start", "index": i, "content_block": {
@@ -192,24 +213,22 @@ def message_start(call: ChatCall, mid: str) -> dict:
         "stop_sequence": None, "usage": {"input_tokens": int(len(call.prompt_ids)), "output_tokens": 0}}}
 
 
-def message_delta(finish: str, n_tool_calls: int, n_out: int) -> dict:
-    return {"type": "message_delta", "delta": {"stop_reason": stop_reason(finish, n_tool_calls), "stop_sequence": None},
-            "usage": {"output_tokens": n_out}}
+def message_delta(finish: str, n_tool_calls: int, n_out: int, stop_sequence: str | None = None) -> dict:
+    return {"type": "message_delta", "delta": {"stop_reason": stop_reason(finish, n_tool_calls, stop_sequence),
+                                                "stop_sequence": stop_sequence}, "usage": {"output_tokens": n_out}}
 
 
-def message_response(call: ChatCall, tok: Tokenizer, mid: str, out_ids, finish: str) -> dict:
-    s = AssistantStream(tok)
+def message_response(call: ChatCall, tok: Tokenizer, mid: str, sample) -> dict:
     b = BlockBuilder()
-    for t in out_ids:
-        b.events(s.feed(int(t)))
-    b.events(s.finish())
+    b.events(sample.events)
     b.finish()
     out = {"id": mid, "type": "message", "role": "assistant", "model": call.model, "content": b.blocks,
-           "stop_reason": stop_reason(finish, b.n_tool_calls), "stop_sequence": None,
-           "usage": {"input_tokens": int(len(call.prompt_ids)), "output_tokens": len(out_ids)}}
+           "stop_reason": stop_reason(sample.finish, b.n_tool_calls, sample.stop_sequence),
+           "stop_sequence": sample.stop_sequence,
+           "usage": {"input_tokens": int(len(call.prompt_ids)), "output_tokens": len(sample.tokens)}}
     if call.extras.get("return_token_ids"):
         out["prompt_token_ids"] = [int(t) for t in call.prompt_ids]
-        out["token_ids"] = [int(t) for t in out_ids]
+        out["token_ids"] = [int(t) for t in sample.tokens]
     return out
 
 

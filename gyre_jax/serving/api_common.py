@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.serving.tokenizer import ByteTokenizer, Tokenizer, _parse_call
+from gyre_jax.serving.tokenizer import ByteTokenizer, Tokenizer, _parse_call, invented_call_id, is_invented_call_id
 
 
 class ApiError(Exception):
@@ -106,6 +106,135 @@ class ChatCall:
     parse_tools: bool  # chat APIs parse tool calls out of the output
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # API-specific options
     ignored: tuple[str, ...] = ()  # request fields we do not act on (reported in a header)
+    stop_strings: tuple[str, ...] = ()  # text stop sequences, matched on the decoded text
+    # tool_choice forcing a call: ids put after the rendered prompt (prefilled, recorded as prompt:
+    # the model did not choose them) and shown to the client as the start of its output.
+    forced_ids: tuple[int, ...] = ()
+    n: int = 1  # samples of this prompt (recorded as n calls of the rollout)
+
+
+def get_stop_strings(body: dict, key: str, *, limit: int) -> tuple[str, ...]:
+    """``stop`` / ``stop_sequences``: one string or a list of non-empty strings."""
+    v = body.get(key)
+    if v is None or v == "" or v == []:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+        raise bad(f"{key}: expected a non-empty string or a list of non-empty strings", key)
+    if len(items) > limit:
+        raise bad(f"{key}: at most {limit} stop sequences, got {len(items)}", key)
+    return tuple(dict.fromkeys(items))
+
+
+def tool_choice_plan(tok: Tokenizer, mode: str, name: str | None, tools: list[dict], where: str):
+    """(forced_ids, extra_stop_ids, parse_tools) that honour a tool choice.
+
+    mode "auto": nothing. "none": generation stops at the tool-call opening when that is a special token
+    (so no call is emitted), else calls are not parsed (the model's text is returned as text).
+    "required" / "named": the tool-call opening (``tok.tool_call_open_ids()``) and, when the function is
+    known (named, or the only tool), its name and the tokens up to its arguments are forced; the arguments
+    are the model's own free JSON.
+    """
+    if mode == "auto":
+        return (), (), True
+    if mode == "none":
+        opening = tok.tool_call_open_ids()
+        if opening and opening[0] in set(tok.special.values()):
+            return (), (opening[0],), True
+        return (), (), False
+    if not tools:
+        raise bad(f"{where}: requires a tool call but the request has no tools", where.split(".")[0])
+    names = [t["name"] for t in tools]
+    if mode == "named" and name not in names:
+        raise bad(f"{where}: function {name!r} is not among the request's tools {names}", where.split(".")[0])
+    if mode == "required" and len(names) > 1:
+        return tuple(tok.tool_call_open_ids()), (), True
+    return tuple(forced_call_prefix(tok, name or names[0])), (), True
+
+
+def forced_call_prefix(tok: Tokenizer, name: str) -> list[int]:
+    """The ids of a call to ``name`` up to its arguments, as the template renders them: the common
+    prefix of two renderings that differ only in the arguments (so it tokenizes as the full call does)."""
+    a = tok.render_tool_call({"name": name, "arguments": {}})
+    b = tok.render_tool_call({"name": name, "arguments": {"a": 0}})
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    opening = tok.tool_call_open_ids()
+    return a[:k] if a[:len(opening)] == opening else opening
+
+
+class CallIds:
+    """The ids a client sees for the model's tool calls, chosen so a conversation echoed back renders to
+    exactly the tokens the model produced: an id the model wrote is passed through unchanged (in both
+    APIs); a call without one (or any call in a format that carries no ids) gets an invented id that the
+    template recognizes and does not render, unique per response (``nonce``)."""
+
+    def __init__(self, tok: Tokenizer, nonce: str, prefix: str):
+        self._keep = getattr(tok, "tool_format", "gyre") == "gyre"
+        self._nonce, self._prefix, self._k = "".join(c for c in nonce.lower() if c in "0123456789abcdef")[-10:], \
+            prefix, 0
+
+    def __call__(self, call: dict) -> dict:
+        cid = call.get("id") or ""
+        if not (self._keep and cid and not is_invented_call_id(cid)):
+            cid = invented_call_id(self._k, nonce=self._nonce, prefix=self._prefix)
+        self._k += 1
+        return {**call, "id": cid}
+
+
+class OutputText:
+    """One sample's client-visible output: ``AssistantStream`` events with the forced opening fed first,
+    the client's tool-call ids (``CallIds``) and text stop sequences applied. Text that may be the start of
+    a stop sequence is held back; once one matches, ``hit`` names it, the text before it is the last text
+    and the caller stops generating (the tokens so far are recorded as generated)."""
+
+    def __init__(self, tok: Tokenizer, call: ChatCall, ids: CallIds):
+        self._asm = AssistantStream(tok, parse_tools=call.parse_tools,
+                                    stop_ids=None if call.parse_tools else call.stop_ids)
+        self._ids, self._stops = ids, call.stop_strings
+        self._held = ""
+        self.hit: str | None = None
+        self.n_calls = 0
+        self._pending = [ev for t in call.forced_ids for ev in self._asm.feed(int(t))]
+
+    def feed(self, t: int) -> list[tuple[str, Any]]:
+        evs, self._pending = self._pending + self._asm.feed(int(t)), []
+        return self._filter(evs)
+
+    def finish(self) -> list[tuple[str, Any]]:
+        evs, self._pending = self._pending + self._asm.finish(), []
+        out = self._filter(evs)
+        if self.hit is None and self._held:
+            out.append(("text", self._held))
+        self._held = ""
+        return out
+
+    def _filter(self, evs) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, val in evs:
+            if self.hit is not None:
+                break
+            if kind != "text":
+                if self._held:
+                    out.append(("text", self._held))
+                    self._held = ""
+                self.n_calls += 1
+                out.append((kind, self._ids(val)))
+                continue
+            s = self._held + val
+            found = [(i, x) for x in self._stops if (i := s.find(x)) >= 0]
+            if found:
+                i, self.hit = min(found)
+                if i:
+                    out.append(("text", s[:i]))
+                self._held = ""
+                continue
+            keep = max((k for x in self._stops for k in range(1, len(x)) if s.endswith(x[:k])), default=0)
+            if len(s) > keep:
+                out.append(("text", s[:len(s) - keep]))
+            self._held = s[len(s) - keep:]
+        return out
 
 
 class AssistantStream:
@@ -127,6 +256,7 @@ class AssistantStream:
         self._hold = ""  # text kept back at the end of a run: the template's separator before a call
         self._keep_marks = False  # a malformed call's open/close tokens are text (Qwen) or dropped specials (ours)
         self._json_message = parse_tools and fmt == "llama3_json"
+        self._ids_rendered = fmt == "gyre"  # the other formats carry no ids: parse_assistant names them call_<k>
         if parse_tools and fmt == "gyre":
             self._open, self._close = tok.special["<|tool_call|>"], tok.special["<|/tool_call|>"]
         elif parse_tools and fmt == "qwen":
@@ -164,7 +294,7 @@ class AssistantStream:
             if call is None:
                 return self._text_ids([self._open] + span + [self._close] if self._keep_marks else span)
             out = self._flush_text(final=True, strip=self._hold)
-            call.setdefault("id", f"call_{self.n_calls}")
+            call.setdefault("id", invented_call_id(self.n_calls) if self._ids_rendered else f"call_{self.n_calls}")
             self.n_calls += 1
             return out + [("tool_call", call)]
         return self._text_ids([t])

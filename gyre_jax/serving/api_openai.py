@@ -7,8 +7,12 @@ and ``/v1/completions`` (``prompt`` as a string or a list of token ids).
 Extensions: ``stop_token_ids`` (token-level stops), ``ignore_eos`` (completions:
 do not stop at <|eos|>, as in vLLM) and ``return_token_ids``
 (adds ``prompt_token_ids`` / ``token_ids`` to the response, for harnesses that
-keep tokens themselves). Text ``stop`` sequences, ``n`` > 1, ``echo`` and
-``best_of`` are refused with 400 rather than silently ignored.
+keep tokens themselves). Text ``stop`` sequences are matched on the decoded text
+(cut from the reply; the tokens are recorded as generated); ``n`` > 1 samples the
+prompt n times (n calls of the rollout; not with streaming); ``tool_choice``
+("none", "required", a named function) is honoured (``api_common.tool_choice_plan``).
+``echo``, ``best_of`` and penalties are refused with 400 rather than silently ignored;
+``parallel_tool_calls: false`` is not enforced and is listed in ``X-Gyre-Ignored-Fields``.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from gyre_jax.serving.api_common import (ApiError, ChatCall, bad, get_bool, get_float, get_int, get_list, get_str,
-                                         get_stop_token_ids)
+                                         get_stop_strings, get_stop_token_ids, tool_choice_plan)
 from gyre_jax.serving.tokenizer import Tokenizer
 
 _CHAT_KNOWN = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens",
@@ -31,12 +35,13 @@ _COMPLETION_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "n
                      "presence_penalty", "frequency_penalty", "suffix", "ignore_eos"}
 
 
+MAX_N = 16  # samples per request
+
+
 def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
-    if get_int(body, "n", 1, lo=1) != 1:
-        raise bad("n: only n=1 is supported (send separate requests)", "n")
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise bad("stop: text stop sequences are not supported; use stop_token_ids", "stop")
+    n = get_int(body, "n", 1, lo=1, hi=MAX_N)
+    if n > 1 and body.get("stream"):
+        raise bad("n: n > 1 is not supported with stream=true (send n=1 streams, or stream=false)", "n")
     for k in ("presence_penalty", "frequency_penalty"):
         if body.get(k) not in (None, 0, 0.0):
             raise bad(f"{k}: not supported (sampling must match what the trainer assumes)", k)
@@ -51,7 +56,23 @@ def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
         stream=get_bool(body, "stream"),
         ignored=tuple(sorted(set(body) - known)),
         include_usage=bool(so.get("include_usage", False)),
+        n=n, stop_strings=get_stop_strings(body, "stop", limit=4),
     )
+
+
+def _tool_choice(body: dict, tok: Tokenizer, tools: list[dict]):
+    """OpenAI ``tool_choice``: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}."""
+    tc = body.get("tool_choice")
+    if tc is None or tc == "auto":
+        return tool_choice_plan(tok, "auto", None, tools, "tool_choice")
+    if tc in ("none", "required"):
+        return tool_choice_plan(tok, tc, None, tools, "tool_choice")
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(tc, dict) or tc.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
+        raise bad("tool_choice: expected 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                  "{'name': ...}}", "tool_choice")
+    return tool_choice_plan(tok, "named", fn["name"], tools, "tool_choice.function.name")
 
 
 def _content_text(content, where: str) -> str:
@@ -117,15 +138,18 @@ def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
         prompt = tok.render_chat(msgs, tools)
     except ValueError as e:
         raise bad(str(e)) from None
+    forced, stop_extra, parse_tools = _tool_choice(body, tok, tools)
+    ignored = c["ignored"] + (("parallel_tool_calls",) if body.get("parallel_tool_calls") is False else ())
     lp = get_bool(body, "logprobs")
     if get_int(body, "top_logprobs", 0, lo=0) not in (0, None):
         raise bad("top_logprobs: only 0 is supported (the sampled token's log-prob is returned)", "top_logprobs")
     mt = get_int(body, "max_completion_tokens", None, lo=1)
     mt = get_int(body, "max_tokens", mt, lo=1)
-    return ChatCall(api="openai.chat", model=c["model"], prompt_ids=np.asarray(prompt, np.int32), max_tokens=mt,
-                    temperature=c["temperature"], top_p=c["top_p"], seed=c["seed"],
-                    stop_ids=tuple(tok.stop_ids) + get_stop_token_ids(body, tok.vocab_size), stream=c["stream"],
-                    parse_tools=True, ignored=c["ignored"],
+    return ChatCall(api="openai.chat", model=c["model"], prompt_ids=np.asarray(prompt + list(forced), np.int32),
+                    max_tokens=mt, temperature=c["temperature"], top_p=c["top_p"], seed=c["seed"],
+                    stop_ids=tuple(tok.stop_ids) + stop_extra + get_stop_token_ids(body, tok.vocab_size),
+                    stream=c["stream"], parse_tools=parse_tools, ignored=ignored, forced_ids=forced,
+                    stop_strings=c["stop_strings"], n=c["n"],
                     extras={"logprobs": lp, "include_usage": c["include_usage"],
                             "return_token_ids": get_bool(body, "return_token_ids")})
 
@@ -154,8 +178,8 @@ def parse_completion(body: dict, tok: Tokenizer, vocab_size: int) -> ChatCall:
                     max_tokens=get_int(body, "max_tokens", 16, lo=1), temperature=c["temperature"], top_p=c["top_p"],
                     seed=c["seed"], stop_ids=(() if get_bool(body, "ignore_eos") else (tok.special["<|eos|>"],))
                     + get_stop_token_ids(body, vocab_size),
-                    stream=c["stream"], parse_tools=False, ignored=c["ignored"],
-                    extras={"logprobs": lp is not None, "include_usage": c["include_usage"],
+                    stream=c["stream"], parse_tools=False, ignored=c["ignored"], stop_strings=c["stop_strings"],
+                    n=c["n"], extras={"logprobs": lp is not None, "include_usage": c["include_usage"],
                             "return_token_ids": get_bool(body, "return_token_ids")})
 
 
@@ -181,18 +205,22 @@ def usage(n_prompt: int, n_out: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-def chat_response(call: ChatCall, tok: Tokenizer, rid: str, out_ids, out_lps, finish: str) -> dict:
-    parsed = tok.parse_assistant(out_ids)
-    msg: dict[str, Any] = {"role": "assistant", "content": parsed["content"]}
-    if parsed["tool_calls"]:
-        msg["tool_calls"] = _tool_calls_json(parsed["tool_calls"])
-    choice = {"index": 0, "message": msg, "finish_reason": finish_reason(finish, len(parsed["tool_calls"])),
-              "logprobs": _logprobs(tok, out_ids, out_lps) if call.extras.get("logprobs") else None}
+def chat_response(call: ChatCall, tok: Tokenizer, rid: str, samples) -> dict:
+    """samples: one ``Sample`` (proxy) per choice."""
+    choices = []
+    for i, sm in enumerate(samples):
+        msg: dict[str, Any] = {"role": "assistant", "content": sm.text}
+        if sm.calls:
+            msg["tool_calls"] = _tool_calls_json(sm.calls)
+        choice = {"index": i, "message": msg, "finish_reason": finish_reason(sm.finish, len(sm.calls)),
+                  "logprobs": _logprobs(tok, sm.tokens, sm.logprobs) if call.extras.get("logprobs") else None}
+        if call.extras.get("return_token_ids"):
+            choice["token_ids"] = [int(t) for t in sm.tokens]
+        choices.append(choice)
     out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": call.model,
-           "choices": [choice], "usage": usage(len(call.prompt_ids), len(out_ids))}
+           "choices": choices, "usage": usage(len(call.prompt_ids), sum(len(sm.tokens) for sm in samples))}
     if call.extras.get("return_token_ids"):
         out["prompt_token_ids"] = [int(t) for t in call.prompt_ids]
-        choice["token_ids"] = [int(t) for t in out_ids]
     return out
 
 
@@ -209,18 +237,20 @@ def tool_call_delta(index: int, c: dict) -> dict:
     return {"tool_calls": [j]}
 
 
-def completion_response(call: ChatCall, tok: Tokenizer, rid: str, out_ids, out_lps, finish: str) -> dict:
-    stop_set = set(call.stop_ids)
-    text_ids = [t for t in out_ids if t not in stop_set]
-    choice = {"index": 0, "text": tok.decode(text_ids), "finish_reason": "stop" if finish == "stop" else "length",
-              "logprobs": None}
-    if call.extras.get("logprobs"):
-        choice["logprobs"] = {"tokens": [tok.decode([t]) for t in out_ids], "token_logprobs": [float(x) for x in out_lps],
-                              "top_logprobs": None, "text_offset": None}
-    if call.extras.get("return_token_ids"):
-        choice["token_ids"] = [int(t) for t in out_ids]
+def completion_response(call: ChatCall, tok: Tokenizer, rid: str, samples) -> dict:
+    choices = []
+    for i, sm in enumerate(samples):
+        choice = {"index": i, "text": sm.text, "finish_reason": "stop" if sm.finish == "stop" else "length",
+                  "logprobs": None}
+        if call.extras.get("logprobs"):
+            choice["logprobs"] = {"tokens": [tok.decode([t]) for t in sm.tokens],
+                                  "token_logprobs": [float(x) for x in sm.logprobs], "top_logprobs": None,
+                                  "text_offset": None}
+        if call.extras.get("return_token_ids"):
+            choice["token_ids"] = [int(t) for t in sm.tokens]
+        choices.append(choice)
     out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": call.model,
-           "choices": [choice], "usage": usage(len(call.prompt_ids), len(out_ids))}
+           "choices": choices, "usage": usage(len(call.prompt_ids), sum(len(sm.tokens) for sm in samples))}
     if call.extras.get("return_token_ids"):
         out["prompt_token_ids"] = [int(t) for t in call.prompt_ids]
     return out

@@ -81,6 +81,24 @@ def parse_api_key(key: str) -> tuple[str, str] | None:
     return parts[1], parts[2]
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why a key that claims the ``gyre:`` form is not a valid rollout key; None if it is valid or is
+    not in that form at all (a plain token). The proxy answers such a key with 400, not "unbound"."""
+    if key.startswith("Bearer "):
+        key = key[len("Bearer "):]
+    key = key.strip()
+    if not key.startswith(API_KEY_PREFIX + ":"):
+        return None
+    parts = key.split(":")
+    if len(parts) != 3:
+        return (f"API key {key!r}: a rollout key is {API_KEY_PREFIX}:<run>:<rollout> (3 parts separated by ':'), "
+                f"got {len(parts)} parts")
+    for what, v in (("run", parts[1]), ("rollout", parts[2])):
+        if not _ID_RE.fullmatch(v):
+            return f"API key {key!r}: {what} id {v!r} must be a non-empty string of [A-Za-z0-9_.-]"
+    return None
+
+
 def call_headers(*, run_id: str, rollout_id: str, task_id: str, group_id: str, agent_id: int,
                  parent_agent_id: int | None, role: str, call_index: int, attempt: int) -> dict[str, str]:
     """The headers of one model call (see the module docstring)."""

@@ -5,8 +5,10 @@ a mature streaming response for SSE, a loopback test client, and needs no ASGI
 server; FastAPI + uvicorn would add two dependencies for the same features.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/messages`` (+ ``/v1/messages/count_tokens``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text).
+``POST /v1/messages`` (+ ``/v1/messages/count_tokens``), ``GET /v1/models`` (+ ``/{id}``),
+``GET /health``, ``GET /metrics`` (Prometheus text). Every error, on every route
+(unknown paths and methods too), is JSON in the API's own format: Anthropic's for
+``/v1/messages*`` or a request with an ``anthropic-version`` header, else OpenAI's.
 
 Tying a call to a rollout: headers or a per-rollout API key (proxy_identity).
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -43,16 +44,18 @@ from aiohttp import web
 
 from gyre_jax.serving import api_anthropic as A
 from gyre_jax.serving import api_openai as O
-from gyre_jax.serving.api_common import ApiError, ChatCall, bad
+from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
-from gyre_jax.serving.identity import check_id
+from gyre_jax.serving.identity import HEADER_CALL, check_id
 from gyre_jax.serving.proxy_identity import Binding, authorize, resolve_binding
-from gyre_jax.serving.proxy_stream import stream_response
+from gyre_jax.serving.proxy_stream import Sample, consume, stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
 from gyre_jax.trajectory.records import ModelCallRecord, RecordError
 
 log = logging.getLogger(__name__)
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens",
+          "GET /v1/models", "GET /v1/models/{id}", "GET /health", "GET /metrics")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,6 +114,7 @@ class Proxy:
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -143,22 +147,36 @@ class Proxy:
     async def _guard(self, request: web.Request, handler):
         try:
             return await handler(request)
-        except web.HTTPException as e:
-            if e.status == 413:
-                return self._error(request.path, ApiError(413, f"request body over the {self.cfg.max_request_bytes} byte limit", kind="request_too_large"))
-            raise
+        except web.HTTPException as e:  # routing (404, 405) and aiohttp's own limits (413), in the API's format
+            if e.status < 400:
+                raise
+            return self._error(request, self._http_error(request, e))
         except ApiError as e:
-            return self._error(request.path, e)
+            return self._error(request, e)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
             log.exception("unhandled error on %s", request.path)
             self.counters["internal_errors"] += 1
-            return self._error(request.path, ApiError(500, f"internal error: {type(e).__name__}", kind="api_error"))
+            return self._error(request, ApiError(500, f"internal error: {type(e).__name__}", kind="api_error"))
 
-    def _error(self, path: str, e: ApiError) -> web.Response:
+    def _http_error(self, request: web.Request, e: web.HTTPException) -> ApiError:
+        if e.status == 413:
+            return ApiError(413, f"request body over the {self.cfg.max_request_bytes} byte limit",
+                            kind="request_too_large")
+        if e.status == 404:
+            return ApiError(404, f"no route {request.method} {request.path}; this server serves {ROUTES}",
+                            kind="not_found_error")
+        if e.status == 405:
+            allowed = sorted(getattr(e, "allowed_methods", ()) or ())
+            return ApiError(405, f"method {request.method} not allowed on {request.path}; allowed: {allowed}",
+                            kind="invalid_request_error")
+        return ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind="api_error")
+
+    def _error(self, request: web.Request, e: ApiError) -> web.Response:
         self.counters[f"http_{e.status}"] += 1
-        body = A.error_body(e) if path.startswith("/v1/messages") else O.error_body(e)
+        anthropic = request.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+        body = A.error_body(e) if anthropic else O.error_body(e)
         return web.json_response(body, status=e.status)
 
     def _authorize(self, request: web.Request) -> tuple[str, str] | None:
@@ -232,20 +250,26 @@ class Proxy:
         self._check_model(call.model)
         binding = self._binding(request, keyed)
         sampling = self._sampling(call)
-        if self._inflight >= self.cfg.max_concurrent_calls:
+        if self._inflight + call.n > self.cfg.max_concurrent_calls:
             raise ApiError(503, f"over {self.cfg.max_concurrent_calls} concurrent calls; retry later", kind="overloaded_error")
-        if binding.call_index is None:
+        if call.n > 1 and binding.call_index is not None:
+            raise bad(f"n: {call.n} samples are {call.n} calls of the rollout, numbered by the proxy; do not send "
+                      f"{HEADER_CALL} with n > 1", "n")
+        if binding.call_index is None:  # the next n numbers of this rollout
             key = (binding.run_id, binding.rollout_id)
             binding = dataclasses.replace(binding, call_index=self._next_call[key])
-            self._next_call[key] += 1
-        req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=call.prompt_ids, sampling=sampling,
-                              cache_key=f"{binding.run_id}/{binding.rollout_id}/{binding.agent_id}")
-        routed = self.router.start(req, affinity=f"{binding.run_id}/{binding.rollout_id}")
-        self._inflight += 1
-        self.counters["prompt_tokens"] += int(call.prompt_ids.shape[0])
+            self._next_call[key] += call.n
+        routed = []
+        for i in range(call.n):  # same affinity: the samples land on one cell, whose prefix cache holds the prompt
+            sp = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**31)
+            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=call.prompt_ids, sampling=sp,
+                                  cache_key=f"{binding.run_id}/{binding.rollout_id}/{binding.agent_id}")
+            routed.append(self.router.start(req, affinity=f"{binding.run_id}/{binding.rollout_id}"))
+        self._inflight += call.n
+        self.counters["prompt_tokens"] += int(call.prompt_ids.shape[0]) * call.n
         try:
             if call.stream:
-                return await self._stream(request, call, routed, binding, t0)
+                return await stream_response(self, request, call, routed[0], binding, t0)
             return await self._whole(call, routed, binding, t0)
         except (EngineError, NoCellError) as e:
             self.counters["engine_errors"] += 1
@@ -255,46 +279,49 @@ class Proxy:
             raise ApiError(500, f"the call could not be recorded: {e}", kind="api_error") from None
         except ValueError as e:  # the backend refused the request
             raise bad(str(e)) from None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away (counted once: the stream does not count this)
             self.counters["calls_unrecorded_client_gone"] += 1
             raise
         finally:
-            self._inflight -= 1
+            self._inflight -= call.n
 
     def _headers(self, call: ChatCall) -> dict[str, str]:
         return {"X-Gyre-Ignored-Fields": ",".join(call.ignored)} if call.ignored else {}
 
+    def output(self, call: ChatCall, routed) -> OutputText:
+        """What the client sees of one sample (tool-call ids, stop sequences applied)."""
+        prefix = "toolu" if call.api.startswith("anthropic") else "call"
+        return OutputText(self.tok, call, CallIds(self.tok, routed.request_id, prefix))
+
     async def _whole(self, call, routed, binding, t0) -> web.Response:
-        async with contextlib.aclosing(routed.__aiter__()) as events:
-            async for _ in events:
-                pass
-        await self._record(call, routed, binding, t0)
-        rid = f"{'msg' if call.api.startswith('anthropic') else 'gyre'}-{routed.request_id}"
+        async def one(i, r) -> Sample:
+            out = self.output(call, r)
+            sample = await consume(r, out)
+            await self._record(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
+            return sample
+
+        samples = await asyncio.gather(*(one(i, r) for i, r in enumerate(routed)))
+        rid = f"{'msg' if call.api.startswith('anthropic') else 'gyre'}-{routed[0].request_id}"
         if call.api == "openai.chat":
-            body = O.chat_response(call, self.tok, rid, routed.tokens, routed.logprobs, routed.finish)
+            body = O.chat_response(call, self.tok, rid, samples)
         elif call.api == "openai.completions":
-            body = O.completion_response(call, self.tok, rid, routed.tokens, routed.logprobs, routed.finish)
+            body = O.completion_response(call, self.tok, rid, samples)
         else:
-            body = A.message_response(call, self.tok, rid, routed.tokens, routed.finish)
+            body = A.message_response(call, self.tok, rid, samples[0])
         return web.json_response(body, headers=self._headers(call))
 
-    async def _stream(self, request, call: ChatCall, routed, binding, t0) -> web.StreamResponse:
-        return await stream_response(self, request, call, routed, binding, t0)
-
-    async def _record(self, call: ChatCall, routed, binding: Binding, t0: float) -> None:
+    async def _record(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""
         key = (binding.run_id, binding.rollout_id, binding.call_index)
         if binding.attempt > 0 and key in self._recorded:
             self.counters["retry_already_recorded"] += 1
             return
-        fin = routed.finish
-        if fin == "stop" and call.parse_tools and self.tok.parse_assistant(routed.tokens)["tool_calls"]:
-            fin = "tool_calls"
+        fin = "tool_calls" if sample.finish == "stop" and sample.calls else sample.finish
         rec = ModelCallRecord(
             run_id=binding.run_id, rollout_id=binding.rollout_id, task_id=binding.task_id, group_id=binding.group_id,
             agent_id=binding.agent_id, parent_agent_id=binding.parent_agent_id, role=binding.role,
-            call_index=binding.call_index, prompt_ids=call.prompt_ids, output_ids=np.asarray(routed.tokens, np.int32),
-            output_logprobs=np.asarray(routed.logprobs, np.float32), policy_version=int(routed.policy_version or 0),
+            call_index=binding.call_index, prompt_ids=call.prompt_ids, output_ids=np.asarray(sample.tokens, np.int32),
+            output_logprobs=np.asarray(sample.logprobs, np.float32), policy_version=int(routed.policy_version or 0),
             t_start=t0, t_end=max(t0, time.time()), finish_reason=fin if fin in ("stop", "length", "tool_calls") else "abort")
         fut = asyncio.get_running_loop().run_in_executor(self._writer, self.sink.append, rec)
         try:
@@ -304,7 +331,7 @@ class Proxy:
             raise
         self._recorded.add(key)
         self.counters["records_written"] += 1
-        self.counters["completion_tokens"] += len(routed.tokens)
+        self.counters["completion_tokens"] += len(sample.tokens)
         self.counters["moves_kv"] += routed.moves_kv
         self._lat.append(time.time() - t0)
 
@@ -313,13 +340,23 @@ class Proxy:
         self._authorize(request)
         return web.json_response(A.count_tokens(await self._json(request), self.tok))
 
+    @staticmethod
+    def _model_object(m: str) -> dict:  # the fields of both APIs' model objects
+        return {"id": m, "object": "model", "type": "model", "owned_by": "gyre", "display_name": m, "created": 0,
+                "created_at": "1970-01-01T00:00:00Z"}
+
     async def _models(self, request):
         self._authorize(request)
         m = self.cfg.model_name
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "type": "model",
-                                                              "owned_by": "gyre", "display_name": m,
-                                                              "created": 0, "created_at": "1970-01-01T00:00:00Z"}],
+        return web.json_response({"object": "list", "data": [self._model_object(m)],
                                   "has_more": False, "first_id": m, "last_id": m})
+
+    async def _model(self, request):
+        """``GET /v1/models/{id}`` (openai ``models.retrieve``, anthropic ``models.retrieve``)."""
+        self._authorize(request)
+        name = request.match_info["model_id"]
+        self._check_model(name)
+        return web.json_response(self._model_object(name))
 
     async def _health(self, request):
         return web.json_response({"status": "ok", "cells": {n: n in self.router.admitting() for n in self.router.cells},

@@ -55,7 +55,12 @@ def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], a
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                            kind="authentication_error")
         return None
-    return wire.parse_api_key(key) if key else None
+    if not key:
+        return None
+    problem = wire.api_key_problem(key)
+    if problem is not None:  # meant as a rollout key: serving it as "unbound" would lose the rollout
+        raise bad(problem)
+    return wire.parse_api_key(key)
 
 
 def _int_header(h: Mapping[str, str], name: str, default=None):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 
@@ -10,12 +11,53 @@ from aiohttp import web
 
 from gyre_jax.serving import api_anthropic as A
 from gyre_jax.serving import api_openai as O
-from gyre_jax.serving.api_common import ApiError, AssistantStream, ChatCall
+from gyre_jax.serving.api_common import ApiError, ChatCall, OutputText
 from gyre_jax.serving.backend import EngineError
 from gyre_jax.serving.router import NoCellError
 from gyre_jax.trajectory.records import RecordError
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Sample:
+    """One generated sample as recorded (tokens exactly as generated) and as the client sees it (events)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str  # "stop" (a stop id or a stop sequence) | "length" | "cancelled"
+    events: list  # OutputText events: ("text", str) / ("tool_call", dict)
+    stop_sequence: str | None = None  # the text stop sequence that ended it
+
+    @property
+    def text(self) -> str:
+        return "".join(v for k, v in self.events if k == "text")
+
+    @property
+    def calls(self) -> list[dict]:
+        return [v for k, v in self.events if k != "text"]
+
+
+async def consume(routed, out: OutputText, emit=None) -> Sample:
+    """Run one routed call to its end through ``out``; ``emit(events, token_id | None)`` streams them.
+    A text stop sequence ends generation at the token that completed it (the call is cancelled)."""
+    events: list = []
+    async with contextlib.aclosing(routed.__aiter__()) as stream:
+        async for ev in stream:
+            evs = out.feed(ev.token_id)
+            events += evs
+            if emit is not None:
+                await emit(evs, ev.token_id)
+            if out.hit is not None:
+                break
+    evs = out.finish()
+    events += evs
+    if emit is not None:
+        await emit(evs, None)
+    finish = "stop" if out.hit is not None else routed.finish
+    return Sample(list(routed.tokens), list(routed.logprobs), finish, events, out.hit)
+
+
 
 
 async def stream_response(proxy, request, call: ChatCall, routed, binding, t0) -> web.StreamResponse:
@@ -31,13 +73,13 @@ async def stream_response(proxy, request, call: ChatCall, routed, binding, t0) -
         head = f"event: {event}\n" if event else ""
         await resp.write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
 
-    asm = AssistantStream(proxy.tok, parse_tools=call.parse_tools,
-                          stop_ids=None if call.parse_tools else call.stop_ids)
     blocks = A.BlockBuilder()
     n_calls = 0
+    want_ids = bool(call.extras.get("return_token_ids"))
 
-    async def emit(evs, token_ids=None):
+    async def emit(evs, token_id):
         nonlocal n_calls
+        token_ids = [token_id] if want_ids and token_id is not None else None
         if anthropic:
             for name, obj in blocks.events(evs):
                 await send(obj, name)
@@ -54,26 +96,25 @@ async def stream_response(proxy, request, call: ChatCall, routed, binding, t0) -
         if token_ids and call.api == "openai.completions":  # a stop id: no text, still report the id
             await send(O.completion_chunk(call, rid, "", None, token_ids))
 
-    want_ids = bool(call.extras.get("return_token_ids"))
+    recorded = False
     try:
         if anthropic:
             await send(A.message_start(call, rid), "message_start")
         elif call.api == "openai.chat":
             await send(O.chat_chunk(call, rid, {"role": "assistant", "content": ""}))
-        async with contextlib.aclosing(routed.__aiter__()) as events:
-            async for ev in events:
-                await emit(asm.feed(ev.token_id), [ev.token_id] if want_ids else None)
-        await emit(asm.finish())
-        await proxy._record(call, routed, binding, t0)
-        n_out = len(routed.tokens)
+        sample = await consume(routed, proxy.output(call, routed), emit)
+        await proxy._record(call, routed, binding, t0, sample)
+        recorded = True
+        n_out = len(sample.tokens)
         if anthropic:
             for name, obj in blocks.finish():
                 await send(obj, name)
-            await send(A.message_delta(routed.finish, blocks.n_tool_calls, n_out), "message_delta")
+            await send(A.message_delta(sample.finish, blocks.n_tool_calls, n_out, sample.stop_sequence),
+                       "message_delta")
             await send({"type": "message_stop"}, "message_stop")
         else:
-            fin = O.finish_reason(routed.finish, n_calls) if call.api == "openai.chat" else (
-                "stop" if routed.finish == "stop" else "length")
+            fin = O.finish_reason(sample.finish, n_calls) if call.api == "openai.chat" else (
+                "stop" if sample.finish == "stop" else "length")
             if call.api == "openai.chat":
                 await send(O.chat_chunk(call, rid, {}, fin))
             else:
@@ -82,9 +123,10 @@ async def stream_response(proxy, request, call: ChatCall, routed, binding, t0) -
                 await send({"id": rid, "object": "chat.completion.chunk", "choices": [],
                             "usage": O.usage(len(call.prompt_ids), n_out)})
             await resp.write(b"data: [DONE]\n\n")
-    except (ConnectionError, asyncio.CancelledError):
-        proxy.counters["calls_unrecorded_client_gone"] += 1
+    except asyncio.CancelledError:  # the client went away: counted once, by the proxy's _serve
         raise
+    except ConnectionError:  # the client went away mid-write: counted here (the handler returns normally)
+        proxy.counters["calls_unrecorded_client_gone" if not recorded else "calls_recorded_client_gone"] += 1
     except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
         if not isinstance(e, (EngineError, NoCellError, RecordError, ApiError)):
             log.exception("error while streaming %s", rid)

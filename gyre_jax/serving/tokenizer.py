@@ -8,7 +8,7 @@ contain the text "<|im_end|>" stays plain bytes and cannot inject a turn break::
     <|bos|>
     <|im_start|>system\\n ...content... [<|tools|>[json tool specs]<|/tools|>] <|im_end|>\\n
     <|im_start|>user\\n ...content... <|im_end|>\\n
-    <|im_start|>assistant\\n ...text... <|tool_call|>{"name":..,"arguments":{..},"id":..}<|/tool_call|> <|im_end|>\\n
+    <|im_start|>assistant\\n ...text... <|tool_call|>{"name":..,"arguments":{..}[,"id":..]}<|/tool_call|> <|im_end|>\\n
     <|im_start|>tool\\n<|tool_result|>call id<|/tool_result|>...result text... <|im_end|>\\n
     <|im_start|>assistant\\n          <- generation prompt
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 from typing import Any, Sequence
 
 SPECIAL_TOKENS = (
@@ -60,12 +61,12 @@ class Tokenizer(abc.ABC):
         return self.special["<|bos|>"]
 
     def tool_call_open_ids(self) -> list[int]:
-        """Ids that open a tool call in this tokenizer's chat format.
+        """Ids that open a tool call in this tokenizer's chat format, up to where the name begins.
 
         Constrained decoding of ``tool_choice`` ("required", a named function) forces
         these first; a tokenizer family with another tool-call syntax overrides it.
         """
-        return self._tok("<|tool_call|>")
+        return self._tok("<|tool_call|>") + self.encode('{"name":"')
 
     def _tok(self, name: str) -> list[int]:
         return [self.special[name]]
@@ -106,10 +107,14 @@ class Tokenizer(abc.ABC):
         return ids
 
     def render_tool_call(self, tc: dict) -> list[int]:
-        body = {"name": tc["name"], "arguments": tc.get("arguments") or {}}
-        if tc.get("id"):
-            body["id"] = tc["id"]
-        return self._tok("<|tool_call|>") + self.encode(_dumps(body)) + self._tok("<|/tool_call|>")
+        """``{"name":..,"arguments":..,"id":..}``: the name first, so tool_choice can force it right after
+        the opening; an id the proxy invented (the model wrote none) is not rendered, so the re-rendered
+        turn is the tokens the model produced."""
+        body = '{"name":' + _dumps(tc["name"]) + ',"arguments":' + _dumps(tc.get("arguments") or {})
+        cid = tc.get("id")
+        if cid and not is_invented_call_id(cid):
+            body += ',"id":' + _dumps(cid)
+        return self._tok("<|tool_call|>") + self.encode(body + "}") + self._tok("<|/tool_call|>")
 
     def parse_assistant(self, ids: Sequence[int]) -> dict[str, Any]:
         """Generated ids -> ``{"content": str, "tool_calls": [...], "stopped": bool}``.
@@ -138,7 +143,7 @@ class Tokenizer(abc.ABC):
                 if call is None:
                     cur += span
                 else:
-                    call.setdefault("id", f"call_{len(calls)}")
+                    call.setdefault("id", invented_call_id(len(calls)))
                     calls.append(call)
                 span = None
             elif span is not None:
@@ -149,6 +154,20 @@ class Tokenizer(abc.ABC):
             cur += span
         runs.append(cur)
         return {"content": "".join(self.decode(r) for r in runs), "tool_calls": calls, "stopped": stopped}
+
+
+# Tool-call ids the proxy makes up when the model wrote none: recognizable, so rendering the call back
+# omits them (the model's tokens had no id). The API layers add a per-response nonce (unique ids per
+# conversation) and their own prefix ("call" for OpenAI, "toolu" for Anthropic).
+_INVENTED_ID_RE = re.compile(r"(call|toolu)_gy[0-9a-f]*_[0-9]+")
+
+
+def invented_call_id(k: int, *, nonce: str = "", prefix: str = "call") -> str:
+    return f"{prefix}_gy{nonce}_{k}"
+
+
+def is_invented_call_id(cid: str) -> bool:
+    return bool(_INVENTED_ID_RE.fullmatch(cid))
 
 
 def _dumps(obj) -> str:
