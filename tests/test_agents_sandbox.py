@@ -251,3 +251,70 @@ def test_sandbox_config_rejects_bad_values():
     assert sb.classify("bash: x: Read-only file system\nConnection refused", network=False) == (
         ["write_outside_workspace", "network"], [])
     assert sb.classify("Connection refused", network=True) == ([], [])
+
+
+def test_snapshot_copies_only_regular_files_and_directories(tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "pkg").mkdir(parents=True)
+    (ws / "pkg" / "a.py").write_text("x = 1\n")
+    (ws / "big.bin").write_bytes(b"\0" * 5000)
+    (ws / "link").symlink_to("/etc/passwd")
+    (ws / "dirlink").symlink_to(tmp_path)
+    os.mkfifo(ws / "fifo")  # would block a grader that opened it
+    deep = ws
+    for k in range(80):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "bottom.txt").write_text("deep")
+    stats = graders_mod.snapshot_workspace(ws, tmp_path / "snap", max_bytes=1000)
+    snap = tmp_path / "snap"
+    assert (snap / "pkg" / "a.py").read_text() == "x = 1\n"
+    assert not (snap / "big.bin").exists() and stats["truncated"]  # over max_bytes
+    assert not any(p.is_symlink() for p in snap.rglob("*")) and not (snap / "fifo").exists()
+    assert not list(snap.rglob("bottom.txt"))  # deeper than SNAPSHOT_MAX_DEPTH
+    assert stats["files"] == 1 and stats["bytes"] == 6 and stats["skipped"] == 5
+    many = tmp_path / "many"
+    many.mkdir()
+    for k in range(30):
+        (many / f"f{k}").write_text("")
+    assert graders_mod.snapshot_workspace(many, tmp_path / "snap2", max_bytes=1 << 20, max_entries=10)["files"] == 10
+
+
+def test_kind_none_is_loud(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(sb, "_warned_none", False)
+    with caplog.at_level("WARNING", logger="gyre_jax.agents.sandbox"):
+        box = sb.make_sandbox(sb.SandboxConfig(kind="none"), tmp_path, family="tiny", name="r")
+    assert box.kind == "none" and "SANDBOX DISABLED" in caplog.text
+
+
+@needs_bwrap
+def test_agent_code_the_grader_runs_is_confined_too(tmp_path):
+    """repo_spec imports the agent's module to check it: that code runs in the grader's own
+    sandbox (the snapshot read-only, no network, not the trainer's files)."""
+    task = repo_spec.make_task(5, n_modules=1, functions_per_module=1)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    files = repo_spec.reference_files(task)
+    mod = task.params["modules"][0]["path"]
+    files[mod] = ("import os, socket\n"
+                  "for target in ['tamper.txt', '" + str(tmp_path / "outside.txt") + "']:\n"
+                  "    try:\n        open(target, 'w').write('x')\n    except OSError:\n        pass\n"
+                  f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\nexcept OSError:\n    pass\n"
+                  + files[mod])
+    ws = tmp_path / "snap"
+    for rel, content in files.items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(content)
+    os.environ[sb.GRADER_SANDBOX_ENV] = json.dumps({"kind": "bubblewrap", "limits": {}, "image": None})
+    try:
+        grade = repo_spec.grade(task, ws)
+    finally:
+        del os.environ[sb.GRADER_SANDBOX_ENV]
+    assert grade.score == 1.0, grade.details  # the code itself is right
+    assert not (ws / "tamper.txt").exists() and not (tmp_path / "outside.txt").exists()
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -37,24 +36,39 @@ if TYPE_CHECKING:  # runtime import would cycle through gyre_jax.agents.tasks
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_bytes: int) -> dict:
-    """Copy ``src``'s directories and regular files (at most ``max_bytes`` in all) to ``dst``,
-    owned by us and not writable by others; returns what was copied and skipped."""
+SNAPSHOT_MAX_DEPTH = 64  # directory levels copied (deeper ones are skipped)
+
+
+def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_bytes: int,
+                       max_entries: int = 65536) -> dict:
+    """Copy ``src``'s directories and regular files (at most ``max_bytes`` and ``max_entries``
+    in all, ``SNAPSHOT_MAX_DEPTH`` levels) to ``dst``, owned by us and not writable by others;
+    returns what was copied and skipped. Iterative: no tree the agent builds can exhaust it."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=False)
     os.chmod(dst, 0o755)
     stats = {"files": 0, "bytes": 0, "skipped": 0, "truncated": False}
-
-    def copy_dir(s: Path, d: Path) -> None:
+    stack, entries = [(src, dst, 0)], 0
+    while stack:
+        s, d, depth = stack.pop()
         try:
-            entries = sorted(os.scandir(s), key=lambda e: e.name)
+            listing = sorted(os.scandir(s), key=lambda e: e.name)
         except OSError:
             stats["skipped"] += 1
-            return
-        for e in entries:
+            continue
+        for e in listing:
+            entries += 1
+            if entries > max_entries:
+                stats["truncated"] = True
+                stats["skipped"] += 1
+                continue
             if e.is_dir(follow_symlinks=False):
+                if depth + 1 > SNAPSHOT_MAX_DEPTH:
+                    stats["truncated"] = True
+                    stats["skipped"] += 1
+                    continue
                 (d / e.name).mkdir(mode=0o755)
-                copy_dir(Path(e.path), d / e.name)
+                stack.append((Path(e.path), d / e.name, depth + 1))
             elif e.is_file(follow_symlinks=False):
                 size = e.stat(follow_symlinks=False).st_size
                 if stats["bytes"] + size > max_bytes:
@@ -67,14 +81,15 @@ def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_by
                     stats["skipped"] += 1
                     continue
                 with os.fdopen(fd, "rb") as fin, open(d / e.name, "wb") as fout:
-                    shutil.copyfileobj(fin, fout)
+                    left = size  # no more than was counted, even if something still writes to it
+                    while left > 0 and (chunk := fin.read(min(left, 1 << 20))):
+                        fout.write(chunk)
+                        left -= len(chunk)
                 os.chmod(d / e.name, 0o644)
                 stats["files"] += 1
                 stats["bytes"] += size
             else:  # symlinks, fifos, sockets, devices
                 stats["skipped"] += 1
-
-    copy_dir(src, dst)
     return stats
 
 

@@ -158,11 +158,18 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
         status, error, finish_reason = await _run_agent(ctx, config, task)
         agent_time = time.monotonic() - t0
         # The agent has ended and every command with it: what the grader sees is fixed now.
-        snap = await asyncio.to_thread(snapshot_workspace, path, snapshot, max_bytes=config.sandbox.limits.disk_bytes)
+        try:
+            snap = await asyncio.to_thread(snapshot_workspace, path, snapshot,
+                                           max_bytes=config.sandbox.limits.disk_bytes,
+                                           max_entries=config.sandbox.limits.max_files)
+        except OSError as e:  # the grader cannot see the workspace: no score, and say why
+            snap = {"error": f"{type(e).__name__}: {e}"}
+            if status in (None, STATUS_TIMEOUT):
+                status, error = STATUS_VERIFIER_ERROR, f"workspace snapshot failed: {snap['error']}"
     finally:
         tmpfs = sandbox.tmpfs
         sandbox.release()  # synchronous: a second cancellation must not leave a tmpfs mounted
-    if tmpfs:  # the unmounted workspace shows what was graded
+    if tmpfs and snapshot.is_dir():  # the unmounted workspace shows what was graded
         await asyncio.to_thread(shutil.copytree, snapshot, path, dirs_exist_ok=True)
     sandbox_info = {**sandbox.stats.to_dict(), "snapshot": snap}
 

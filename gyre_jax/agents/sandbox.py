@@ -73,6 +73,7 @@ class SandboxLimits:
     file_bytes: int = 128 << 20  # largest file a command may write (RLIMIT_FSIZE)
     disk_bytes: int = 256 << 20  # the workspace in total (tmpfs size, or checked after each command)
     tmp_bytes: int = 64 << 20  # the private /tmp (a tmpfs)
+    max_files: int = 65536  # files + dirs in the workspace (tmpfs inodes; the snapshot copies no more)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -304,7 +305,8 @@ class Sandbox:
         if any(self.workspace.iterdir()):
             raise FileExistsError(f"sandbox: workspace {self.workspace} must be empty before prepare()")
         self.uid = _UIDS.take(self.config.uid_base)
-        error = _mount_tmpfs(self.workspace, f"size={self.limits.disk_bytes},mode=0700,uid={self.uid},gid={self.uid}")
+        error = _mount_tmpfs(self.workspace, f"size={self.limits.disk_bytes},nr_inodes={self.limits.max_files},"
+                                             f"mode=0700,uid={self.uid},gid={self.uid}")
         self.tmpfs = error is None
         if error is not None:
             log.warning("sandbox: cannot mount a tmpfs on %s (%s); the workspace size is checked after each "
