@@ -27,6 +27,14 @@ def _post(url, body, key):
         return json.loads(r.read())
 
 
+def _metric(url, name):
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
@@ -54,6 +62,12 @@ def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
         msg = _post(url + "/v1/messages",
                     {"model": "gyre", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}, key)
         assert msg["type"] == "message" and msg["usage"]["output_tokens"] == 3
+        # n=2: the prompt is prefilled once (the engine's prefix cache), each sample only feeds its last token
+        before = _metric(url, 'gyre_cell_prefill_tokens{cell="cell0"}')
+        two = _post(url + "/v1/chat/completions", {"model": "gyre", "max_tokens": 2, "n": 2,
+                                                  "messages": [{"role": "user", "content": "twice"}]}, "gyre:serve:r-n")
+        assert [c["index"] for c in two["choices"]] == [0, 1]
+        assert _metric(url, 'gyre_cell_prefill_tokens{cell="cell0"}') - before == two["usage"]["prompt_tokens"] - 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -62,8 +76,9 @@ def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
             proc.wait()
     while not lines.empty():
         out.append(lines.get())
-    assert "stopped cleanly; 2 calls recorded" in "".join(out), "".join(out[-20:])
+    assert "stopped cleanly; 4 calls recorded" in "".join(out), "".join(out[-20:])
     store = TrajectoryStore(str(tmp_path / "store"), run_id="serve", writable=False)
     calls = store.calls("r-curl")
     assert [(c.call_index, len(c.output_ids)) for c in calls] == [(0, 4), (1, 3)]
+    assert [c.call_index for c in store.calls("r-n")] == [0, 1]
     store.close()

@@ -259,15 +259,17 @@ class Proxy:
             key = (binding.run_id, binding.rollout_id)
             binding = dataclasses.replace(binding, call_index=self._next_call[key])
             self._next_call[key] += call.n
-        routed = []
-        for i in range(call.n):  # same affinity: the samples land on one cell, whose prefix cache holds the prompt
-            sp = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**31)
-            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=call.prompt_ids, sampling=sp,
-                                  cache_key=f"{binding.run_id}/{binding.rollout_id}/{binding.agent_id}")
-            routed.append(self.router.start(req, affinity=f"{binding.run_id}/{binding.rollout_id}"))
+        affinity = f"{binding.run_id}/{binding.rollout_id}"
+        reqs = [GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=call.prompt_ids,
+                                sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**31),
+                                cache_key=f"{binding.run_id}/{binding.rollout_id}/{binding.agent_id}")
+                for i in range(call.n)]
         self._inflight += call.n
         self.counters["prompt_tokens"] += int(call.prompt_ids.shape[0]) * call.n
         try:
+            if call.n > 1:  # the prompt is prefilled once; the samples (same affinity, same cell) reuse its KV
+                await self.router.share_prefill(reqs[0], affinity=affinity)
+            routed = [self.router.start(r, affinity=affinity) for r in reqs]
             if call.stream:
                 return await stream_response(self, request, call, routed[0], binding, t0)
             return await self._whole(call, routed, binding, t0)

@@ -205,6 +205,29 @@ class Router:
         self.counters["calls"] += 1
         return RoutedCall(self, request, affinity)
 
+    async def share_prefill(self, request: GenerateRequest, *, affinity: str) -> bool:
+        """Prefill ``request``'s prompt once on the cell ``affinity`` leads to, leaving its KV in that
+        backend's prefix cache under ``request.cache_key``: the n samples of one prompt, started next
+        with the same affinity, then each prefill only its last token instead of the whole prompt.
+
+        Best effort (False when not done): a backend without a prefix cache (no ``settle``), no cache
+        key, or an engine error leaves the samples to prefill on their own."""
+        backend = await self._acquire(affinity)
+        if not request.cache_key or not hasattr(backend, "settle"):
+            return False
+        warm = dataclasses.replace(request, request_id=f"{request.request_id}-prefill",
+                                   sampling=dataclasses.replace(request.sampling, max_tokens=1))
+        try:
+            async for _ in backend.submit(warm):
+                pass
+            await backend.settle()  # the finished call's KV is in the cache
+        except (EngineError, ValueError) as e:
+            log.warning("shared prefill of %s on %s failed (%s); its samples prefill on their own",
+                        request.request_id, backend.name, e)
+            return False
+        self.counters["shared_prefills"] += 1
+        return True
+
     async def drain(self, cell: str) -> dict[str, int]:
         """Stop admitting on ``cell`` and move its running calls elsewhere; returns
         once no call runs there. Counts: exported (moved with KV or recompute) and
