@@ -131,3 +131,33 @@ def test_warm_started_qwen3_checkpoint_makes_tool_calls_through_the_proxy(tmp_pa
     assert sum(open_id in o.tolist() for o in outs) >= len(outs) // 2, summary
     assert len(with_calls) >= len(outs) // 2
     assert summary["reward_last"] > 0
+
+
+def test_sft_targets_are_the_templates_own_turns(tmp_path):
+    """The warm start trains what the template renders for an assistant turn (Qwen3: empty think block,
+    newline-separated <tool_call> spans), so a warm-started model's turns re-render to the same tokens;
+    a template that cannot render a demonstration (Llama-3.1: one tool call per turn) is a ConfigError."""
+    from gyre_jax.rl.sft import demo_examples
+    from gyre_jax.serving.api_openai import parse_chat
+
+    d = tiny_checkpoint(tmp_path / "q", "qwen3")
+    cfg = RLConfig.from_config(tiny_rl_config("qwen3_8b", d))
+    tok = load_tokenizer(f"hf:{d}")
+    hc = cfg.harness_config("http://x.invalid/v1")
+    [(prompt, target)] = demo_examples([cfg.task.make(2**30)], hc, tok)
+    target = target.tolist()
+    assert target[-1] in tok.stop_ids and tok.decode(target).startswith("<think>\n\n</think>\n\n")
+    parsed = tok.parse_assistant(target)
+    assert [c["name"] for c in parsed["tool_calls"]] == ["write_file", "finish"]
+    body = {"model": hc.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    msg = {"role": "assistant", "content": parsed["content"], "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        for c in parsed["tool_calls"]]}
+    before = list(parse_chat(body, tok).prompt_ids)
+    after = list(parse_chat({**body, "messages": body["messages"] + [msg]}, tok).prompt_ids)
+    assert after[len(before): len(before) + len(target)] == target  # the re-render gives the trained tokens
+
+    d = tiny_checkpoint(tmp_path / "l", "llama3")
+    cfg = RLConfig.from_config(tiny_rl_config("llama3_8b", d))
+    with pytest.raises(ConfigError, match="config.sft: demonstration of task .* one tool|single tool"):
+        demo_examples([cfg.task.make(2**30)], cfg.harness_config("http://x.invalid/v1"), load_tokenizer(f"hf:{d}"))

@@ -30,6 +30,8 @@ from gyre_jax.losses import token_logprobs
 from gyre_jax.model import ModelConfig, Transformer
 from gyre_jax.rl.config import NOISE_KINDS
 from gyre_jax.rl.progress import Progress
+from gyre_jax.errors import ConfigError
+from gyre_jax.serving.api_common import ApiError
 from gyre_jax.serving.api_openai import parse_chat
 from gyre_jax.serving.tokenizer import Tokenizer
 from gyre_jax.trajectory.binpack import pack_trees
@@ -39,20 +41,23 @@ log = logging.getLogger(__name__)
 _KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_weights", "loss_mask")
 
 
-def assistant_ids(message: dict, tok: Tokenizer) -> list[int]:
-    """What the model generates for an assistant message: text, tool-call tokens, end of turn."""
-    ids = tok.encode(message.get("content") or "")
-    for tc in message.get("tool_calls") or ():
-        fn = tc.get("function", tc)
-        args = fn.get("arguments") or {}
-        if isinstance(args, str):
-            import json
+def assistant_ids(prompt: Sequence[int], extended: Sequence[int], tok: Tokenizer, *, where: str) -> list[int]:
+    """What the model generates for an assistant turn: the template's own rendering of it.
 
-            args = json.loads(args)
-        ids += tok.render_tool_call({"name": fn["name"], "arguments": args, "id": tc.get("id") or ""})
-    return ids + [tok.special["<|im_end|>"]]
-
-
+    ``extended`` renders the conversation up to and including the turn; the target is
+    what follows ``prompt`` up to and including the first stop id. Building it from
+    the template (not from content + tool-call spans) matters for real chat templates:
+    Qwen's puts a newline before a call and an empty think block in the latest turn, so
+    a warm start on any other form would teach the model a turn whose re-render drifts.
+    """
+    if list(extended[: len(prompt)]) != list(prompt):
+        raise ValueError(f"{where}: rendering the assistant turn changed the prompt before it (template not prefix-stable)")
+    rest = list(extended[len(prompt):])
+    stops = set(tok.stop_ids)
+    for i, t in enumerate(rest):
+        if t in stops:
+            return rest[: i + 1]
+    raise ValueError(f"{where}: the rendered assistant turn has no end-of-turn token")
 
 
 def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "reverse"
@@ -120,8 +125,14 @@ def demo_examples(tasks: Sequence[Task], harness: HarnessConfig, tok: Tokenizer)
             body = {"model": harness.model, "messages": demo.messages[:k], "max_tokens": 1}
             if demo.tools:
                 body["tools"] = demo.tools
-            prompt = parse_chat(body, tok).prompt_ids
-            out.append((np.asarray(prompt, np.int32), np.asarray(assistant_ids(m, tok), np.int32)))
+            where = f"config.sft: demonstration of task {task.task_id}, turn {k}"
+            try:
+                prompt = parse_chat(body, tok).prompt_ids
+                extended = parse_chat({**body, "messages": demo.messages[: k + 1]}, tok).prompt_ids
+            except ApiError as e:  # e.g. Llama-3.1's template refuses several tool calls in one turn
+                raise ConfigError(f"{where}: the chat template cannot render it: {e}") from None
+            target = assistant_ids(prompt, extended, tok, where=where)
+            out.append((np.asarray(prompt, np.int32), np.asarray(target, np.int32)))
     return out
 
 
