@@ -25,28 +25,35 @@ from gyre_jax.trajectory.store import TrajectoryStore
 CLAUDE = os.environ.get("GYRE_CLAUDE_BIN") or shutil.which("claude")
 TOK = ByteTokenizer()
 GEN = [TOK.special["<|im_start|>"]] + TOK.encode("assistant\n")
-TOOL = TOK.render_tool_call({"name": "Bash", "arguments": {"command": "echo gyre-tool-ok", "description": "echo"},
-                             "id": "toolu_01"}) + [TOK.special["<|im_end|>"]]
 FINAL = TOK.encode("the tool said gyre-tool-ok") + [TOK.special["<|im_end|>"]]
 
 
-def script(seq):
-    """First turn: call Bash; once a tool result with its output is in the prompt: answer."""
-    seq = [int(t) for t in seq]
-    for i in range(len(seq) - len(GEN), -1, -1):
-        if seq[i:i + len(GEN)] == GEN:
-            answer = FINAL if b"gyre-tool-ok\n" in bytes(t for t in seq[:i] if t < 256) else TOOL
-            return answer[min(len(seq) - i - len(GEN), len(answer) - 1)]
-    return TOK.special["<|im_end|>"]
+def tool_answer(model_id):
+    tc = {"name": "Bash", "arguments": {"command": "echo gyre-tool-ok", "description": "echo"}}
+    return TOK.render_tool_call({**tc, "id": model_id} if model_id else tc) + [TOK.special["<|im_end|>"]]
+
+
+def make_script(tool):
+    def script(seq):
+        """First turn: call Bash; once a tool result with its output is in the prompt: answer."""
+        seq = [int(t) for t in seq]
+        for i in range(len(seq) - len(GEN), -1, -1):
+            if seq[i:i + len(GEN)] == GEN:
+                answer = FINAL if b"gyre-tool-ok\n" in bytes(t for t in seq[:i] if t < 256) else tool
+                return answer[min(len(seq) - i - len(GEN), len(answer) - 1)]
+        return TOK.special["<|im_end|>"]
+    return script
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(CLAUDE is None, reason="Claude Code CLI not installed (set GYRE_CLAUDE_BIN)")
-def test_claude_code_cli_runs_a_tool_through_the_proxy(tmp_path):
+@pytest.mark.parametrize("model_id", ["toolu_01", "call_x1", None])  # the model's own id, or none (invented)
+def test_claude_code_cli_runs_a_tool_through_the_proxy(tmp_path, model_id):
     store = TrajectoryStore(str(tmp_path / "store"), run_id="cc")
+    TOOL = tool_answer(model_id)
 
     async def build():
-        return Proxy(Router([FakeBackend("A", script=script, max_context=1_000_000)]), TOK, store,
+        return Proxy(Router([FakeBackend("A", script=make_script(TOOL), max_context=1_000_000)]), TOK, store,
                      ProxyConfig(model_aliases=("claude-*",), clamp_max_tokens=True, max_tokens_cap=4096))
 
     st = ServerThread(build)
