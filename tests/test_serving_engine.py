@@ -19,6 +19,7 @@ from gyre_jax.serving.engine_state import (
     CACHE_LOGICAL,
     PrefillInput,
     decode_result_pairs,
+    kv_bytes_per_slot,
     kv_shardings,
 )
 
@@ -238,3 +239,34 @@ def test_kv_cache_shardings_come_from_the_rules_table(params, slots):
     cache, block = kv_shardings(CFG, MAX_LEN, slots, wide)
     assert cache.spec == (PartitionSpec(None, "data") if slots % 2 == 0 else PartitionSpec())
     assert block.spec == PartitionSpec()
+
+
+def test_long_prompts_are_prefilled_in_chunks(params, ref_logits):
+    """prefill_chunk=16: a 150-token prompt runs as chunks into one buffer (the last one
+    overlapping), and a prefix-cache hit prefills only its new tokens, chunked too;
+    greedy outputs equal the full-forward reference."""
+    eng = GyreEngine(CFG, params, max_slots=2, max_len=MAX_LEN, prefill_chunk=16)
+    rs = np.random.RandomState(3)
+    p1 = rs.randint(0, 256, size=150).astype(np.int32)
+    r = Runner(eng)
+    r.insert(0, pinput("c1", p1, max_tokens=6, temperature=0.0))
+    r.step(7)
+    out1 = [t for t, _ in r.out[0]]
+    assert out1 == ref_greedy(ref_logits, p1, 6)
+    assert eng.counters["prefill_tokens"] == len(p1) - 1
+    snap = eng.release("c1", snapshot=True)
+    r.ds = eng._service(r.ds)
+    block = snap.result(timeout=30).kv
+    p2 = np.concatenate([p1, out1, rs.randint(0, 256, size=40).astype(np.int32)])
+    inp = pinput("c2", p2, max_tokens=6, temperature=0.0)
+    pre = eng.prefill(params=eng.params_ref, existing_prefix=block, padded_tokens=inp, true_length=0)
+    assert eng.counters["prefill_tokens"] == len(p1) - 1 + len(p2) - 1 - block.length
+    r.ds = eng.insert(pre, r.ds, 1)
+    r.out[1], _ = [], r.live.add(1)
+    r.step(7)
+    assert [t for t, _ in r.out[1]] == ref_greedy(ref_logits, p2, 6)
+
+
+def test_kv_budget_too_small_names_the_plan(params):
+    with pytest.raises(ValueError, match=r"16 slots x max_len=256 .* 3 slots fit at this max_len"):
+        GyreEngine(CFG, params, max_slots=16, max_len=256, kv_budget_bytes=3.5 * kv_bytes_per_slot(CFG, 256))

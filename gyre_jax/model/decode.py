@@ -19,10 +19,13 @@ Position of a token = its index in its slot (one sequence per slot).
 """
 from __future__ import annotations
 
+import functools
+
 import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.transformer import Transformer, cache_mask
@@ -105,6 +108,78 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     new_k = jax.lax.dynamic_slice(k[:, 0], (0, start, 0, 0), kv_shape)
     new_v = jax.lax.dynamic_slice(v[:, 0], (0, start, 0, 0), kv_shape)
     return logits[0, n - 1], KV(k=new_k, v=new_v)
+
+
+def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_length=None):
+    """Run T new tokens into a KV buffer [Y, P, K, H] whose first ``start`` entries hold the context.
+
+    Their k/v are written at buf[:, start : start+T] and each attends to buffer entries
+    up to its own position (blockwise by default: no [T, P] mask). One compile per
+    (T, P): a long prompt is prefilled chunk after chunk into one buffer (chunked
+    prefill). The caller keeps start + T <= P (a write past the end would be clamped).
+
+    Returns (logits_V float32 at the last real token, the updated buffer).
+    """
+    chex.assert_rank(tokens_T, 1, custom_message="prefill_into: tokens_T must be [T] (one sequence)")
+    (t,) = tokens_T.shape
+    p = buf.k.shape[1]
+    if t > p:
+        raise ValueError(f"prefill_into: {t} tokens do not fit a buffer of {p}")
+    if isinstance(start, int) and start + t > p:
+        raise ValueError(f"prefill_into: {t} tokens at start={start} overflow the buffer of {p}")
+    start = jnp.asarray(start, jnp.int32)
+    n = jnp.asarray(t if true_length is None else true_length, jnp.int32)
+    positions_T = start + jnp.arange(t, dtype=jnp.int32)
+    logits, (k, v) = Transformer(config).apply(
+        params, tokens_T[None], positions_T[None], cache_mask(config, positions_T[None], p),
+        buf.k[:, None], buf.v[:, None], start[None], method=Transformer.with_cache,
+    )
+    return logits[0, n - 1], KV(k=k[:, 0], v=v[:, 0])
+
+
+def chunk_starts(n: int, chunk: int, buf_len: int, first: int = 0) -> list[tuple[int, int]]:
+    """(start, real tokens) of each chunk that prefills tokens first..n-1 into a buffer of buf_len.
+
+    Every chunk is ``chunk`` long (one compile); where the buffer is not a multiple of
+    ``chunk`` the last chunk starts earlier and recomputes a few tokens (same k/v).
+    """
+    if n > buf_len:
+        raise ValueError(f"chunk_starts: {n} tokens do not fit a buffer of {buf_len}")
+    if chunk > buf_len:
+        raise ValueError(f"chunk_starts: chunk {chunk} is longer than the buffer of {buf_len}")
+    out, s = [], first
+    while s < n:
+        start = min(s, buf_len - chunk)
+        out.append((start, min(n, s + chunk) - start))
+        s += chunk
+    return out
+
+
+def prefill_chunked(params, config: ModelConfig, tokens_T, *, cache_len: int, chunk: int):
+    """Prefill a long prompt chunk by chunk into slot 0 of a fresh one-slot cache of ``cache_len``.
+
+    Returns (KVCache holding the prompt, logits_V at its last token). Memory is one
+    chunk's activations plus the cache; attention is blockwise against the cache.
+    """
+    toks = np.asarray(tokens_T, np.int32)
+    n = int(toks.shape[0])
+    if n + 1 > cache_len:
+        raise ValueError(f"prefill_chunked: a {n}-token prompt (+1 to decode) does not fit cache_len={cache_len}")
+    step = _prefill_into_jit()
+    shape = (config.n_layers, cache_len, config.n_kv_heads, config.head_dim)
+    buf = KV(k=jnp.zeros(shape, config.jnp_dtype), v=jnp.zeros(shape, config.jnp_dtype))
+    logits = None
+    for start, real in chunk_starts(n, chunk, cache_len):
+        padded = np.zeros((chunk,), np.int32)
+        padded[:real] = toks[start: start + real]
+        logits, buf = step(params, config, jnp.asarray(padded), buf, np.int32(start), np.int32(real))
+    cache = KVCache(k=buf.k[:, None], v=buf.v[:, None], lengths=jnp.full((1,), n, jnp.int32))
+    return cache, logits
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_into_jit():
+    return jax.jit(prefill_into, static_argnums=1, donate_argnames="buf")
 
 
 def insert(cache: KVCache, kv: KV, slot, *, start=0, length=None) -> KVCache:

@@ -60,8 +60,11 @@ from jax.sharding import Mesh
 
 from gyre_jax.cells.sharding import tree_shardings
 from gyre_jax.model import ModelConfig, param_logical_axes
+from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
-from gyre_jax.serving.engine_state import DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns
+from gyre_jax.serving.engine_state import (
+    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_memory_plan,
+)
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
 log = logging.getLogger(__name__)
@@ -112,7 +115,7 @@ class GyreEngine(engine_api.Engine):
     def __init__(self, config: ModelConfig, params, *, mesh: Mesh | None = None, max_slots: int = 8,
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
-                 max_decode_pause_s: float = 0.1):
+                 max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None):
         """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
 
         mesh: the cell's serving mesh (axes 'data', 'tensor'); default: device 0.
@@ -124,6 +127,13 @@ class GyreEngine(engine_api.Engine):
           ``tokens_per_call`` steps.
         max_decode_pause_s: how long decoding may wait for requests being
           prefilled to join the batch (see ``generate``); 0 disables the wait.
+        max_len: KV capacity per slot (tokens); prompts longer than
+          ``prefill_chunk`` (a power of two) are prefilled chunk by chunk into
+          the slot's buffer with blockwise attention, so a 75K prompt needs one
+          chunk's activations, not a [75K, 75K] mask.
+        kv_budget_bytes: if set, the decode cache (max_slots x max_len) must fit
+          it; otherwise a ValueError gives the plan (slots that fit, longest
+          context at one slot; engine_state.kv_memory_plan).
         """
         if max_slots < 1:
             raise ValueError(f"GyreEngine.max_slots must be >= 1, got {max_slots}")
@@ -134,6 +144,17 @@ class GyreEngine(engine_api.Engine):
         self.max_len = config.max_seq_len if max_len is None else int(max_len)
         if not 2 <= self.max_len <= config.max_seq_len:
             raise ValueError(f"GyreEngine.max_len={self.max_len} must be in [2, config.max_seq_len={config.max_seq_len}]")
+        if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"GyreEngine.prefill_chunk must be a power of two >= {MIN_BUCKET}, got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
+        if kv_budget_bytes is not None:
+            plan = kv_memory_plan(config, self.max_len, int(kv_budget_bytes))
+            if plan["slots_that_fit"] < max_slots:
+                raise ValueError(
+                    f"GyreEngine: {max_slots} slots x max_len={self.max_len} need "
+                    f"{max_slots * plan['bytes_per_slot'] / 2**30:.2f} GiB of KV cache, more than "
+                    f"kv_budget_bytes={kv_budget_bytes / 2**30:.2f} GiB; {plan['slots_that_fit']} slots fit at this "
+                    f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens")
         self._slots = max_slots
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
@@ -222,7 +243,8 @@ class GyreEngine(engine_api.Engine):
         toks = np.asarray(inp.tokens, np.int32)
         n_all = int(toks.shape[0])
         if n_all + 1 > self.max_len - 1:
-            raise ValueError(f"sequence of {n_all + 1} tokens does not fit the cache length {self.max_len}")
+            raise ValueError(f"sequence of {n_all + 1} tokens does not fit the cache length {self.max_len} "
+                             f"(the engine's max_len: KV capacity per slot, one entry kept spare)")
         c = 0
         if inp.kv is not None:
             kv = inp.kv
@@ -237,6 +259,9 @@ class GyreEngine(engine_api.Engine):
                 k, v = self._fit(z, z, MIN_BUCKET)
             else:
                 k, v = self._fit(k, v, self.bucket(c))
+        elif new.shape[0] > self.prefill_chunk:
+            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None)
+            self.counters["prefill_tokens"] += int(new.shape[0])
         else:
             tb = self.bucket(new.shape[0])
             padded = np.zeros((tb,), np.int32)
@@ -254,6 +279,24 @@ class GyreEngine(engine_api.Engine):
                      np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return out
+
+    def _prefill_chunks(self, params, toks, c, k, v):
+        """Chunked prefill: tokens c.. of ``toks`` into one buffer of bucket(len) entries,
+        ``prefill_chunk`` at a time (one compile per buffer bucket)."""
+        n_all = int(toks.shape[0])
+        lb = self.bucket(n_all)
+        if k is None:
+            z = jnp.zeros((self.config.n_layers, lb, self.config.n_kv_heads, self.config.head_dim),
+                          self.config.jnp_dtype)
+            k, v = self._fit(z, z, lb)
+        else:
+            k, v = self._fit(k, v, lb)
+        chunk = min(self.prefill_chunk, lb)
+        for start, real in mdecode.chunk_starts(n_all, chunk, lb, first=c):
+            padded = np.zeros((chunk,), np.int32)
+            padded[:real] = toks[start: start + real]
+            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start))
+        return k, v
 
     def _dead_prefix(self, request_id: str) -> Prefix:
         return Prefix(None, None, np.zeros(5, np.int32), np.zeros(2, np.float32),

@@ -111,6 +111,19 @@ def decode_result_pairs(token_ids) -> list[tuple[int, float]]:
 
 
 @functools.lru_cache(maxsize=32)
+def kv_bytes_per_slot(cfg: ModelConfig, max_len: int) -> int:
+    """Bytes of one slot's k and v cache over all layers."""
+    return 2 * cfg.n_layers * max_len * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
+
+
+def kv_memory_plan(cfg: ModelConfig, max_len: int, budget_bytes: int) -> dict:
+    """How many decode slots of ``max_len`` tokens the KV budget holds (and the longest context at 1 slot)."""
+    per_slot = kv_bytes_per_slot(cfg, max_len)
+    per_token = kv_bytes_per_slot(cfg, 1)
+    return {"max_len": int(max_len), "bytes_per_slot": int(per_slot), "budget_bytes": int(budget_bytes),
+            "slots_that_fit": int(budget_bytes // per_slot), "max_len_one_slot": int(budget_bytes // per_token)}
+
+
 def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -> dict:
     """Jitted device functions of an engine, shared by engines with the same
     config, cache shape and mesh (so a second engine costs no compile)."""
@@ -131,6 +144,10 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
         k = jax.lax.dynamic_update_slice(jnp.concatenate([pk, pad], 1), kv.k.astype(pk.dtype), (0, c, 0, 0))
         v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
         return k[:, :lb], v[:, :lb]
+
+    def prefill_into(params, tokens_T, n, k, v, c):  # one chunk of a long prompt, into a buffer (chunked prefill)
+        _, kv = mdecode.prefill_into(params, cfg, tokens_T, mdecode.KV(k, v), c, true_length=n)
+        return kv.k, kv.v
 
     def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
         if k.shape[1] >= lb:
@@ -202,6 +219,7 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
 
     out["prefill_new"] = jax.jit(prefill_new, out_shardings=(blk, blk))
     out["prefill_on"] = jax.jit(prefill_on, out_shardings=(blk, blk))
+    out["prefill_into"] = jax.jit(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk))
     out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
     out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
