@@ -123,6 +123,7 @@ def get_config() -> ml_collections.ConfigDict:
         max_len=3,
     ))
     c.harness = ml_collections.ConfigDict(dict(
+        sandbox="auto",  # where tool commands run: auto (bubblewrap where it works) | bubblewrap | docker | podman | none
         max_tokens=88,  # per call (the ideal answer is 76 tokens)
         temperature=1.0,  # sampling temperature of rollouts
         max_turns=1,  # one model call per rollout: the ideal transcript is one call

@@ -74,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
     ))
     c.task = ml_collections.ConfigDict(dict(family="repo_spec", ops="copy", min_len=3, max_len=4))
     c.harness = ml_collections.ConfigDict(dict(
+        sandbox="auto",  # where tool commands run: auto (bubblewrap where it works) | bubblewrap | docker | podman | none
         max_tokens=2048,  # per model call
         temperature=1.0,
         max_turns=30,  # model calls per agent

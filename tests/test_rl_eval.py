@@ -156,3 +156,22 @@ def test_config_and_size_validation_name_the_field():
         _eval(_tasks(), temperature=0.0, max_len=40)
     with pytest.raises(ValueError, match="max_seq_len"):
         _eval(_tasks(), temperature=0.0, max_len=CFG.max_seq_len + 1)
+
+
+def test_eval_runs_a_replys_commands_in_the_rollout_sandbox(tmp_path):
+    """A held-out reply's `run` call is model output: it runs confined like a rollout's commands
+    (the host file it aims at is never written; with kind 'none' it is, so the test can fail)."""
+    from gyre_jax.agents.sandbox import SandboxConfig, bwrap_usable
+    from gyre_jax.rl.evaluate import score_text
+
+    ok, why = bwrap_usable()
+    if not ok:
+        pytest.skip(f"bubblewrap cannot run here: {why}")
+    task = make_task("repo_spec", 3)
+    assert "run" in task.tools
+    target = tmp_path / "escaped.txt"
+    reply = f'<tool>run {{"command": "echo pwned > {target}"}}</tool><tool>finish</tool>'
+    score, parsed = score_text(task, reply, SandboxConfig(kind="bubblewrap"))
+    assert parsed and score is not None and not target.exists()
+    score_text(task, reply, SandboxConfig(kind="none"))
+    assert target.read_text() == "pwned\n"

@@ -33,6 +33,7 @@ from gyre_jax.rl import faults as faults_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
 from gyre_jax.rl.config import RLConfig
+from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
 from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter
@@ -190,7 +191,8 @@ def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
     try:
         return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
                            samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
-                           temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len)
+                           temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len,
+                           sandbox=SandboxConfig(kind=cfg.harness.sandbox))
     except ValueError as err:
         raise ConfigError(f"config.eval: {err}") from None
 

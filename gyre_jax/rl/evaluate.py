@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -33,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gyre_jax.agents import tools
-from gyre_jax.agents.graders import grade_in_process
+from gyre_jax.agents.graders import grade_in_process, snapshot_workspace
+from gyre_jax.agents.harness import prepare_workspace
+from gyre_jax.agents.sandbox import SandboxConfig, make_sandbox
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.model import ModelConfig
 from gyre_jax.model.decode import init_cache, decode_step, prefill
@@ -110,33 +113,44 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     return out
 
 
-def score_text(task: Task, text: str) -> tuple[float | None, bool]:
+def score_text(task: Task, text: str, sandbox: SandboxConfig | None = None) -> tuple[float | None, bool]:
     """(grader score or None if the grader failed, whether >= 1 tool call parsed) of one reply.
 
     The reply's plain-text tool calls run in a fresh workspace holding the task's setup
-    files, in order; execution stops at ``finish`` (the harness ends the agent there), at a
-    call that did not parse, at a tool the task does not offer, or at a tool error.
+    files, in order, confined by ``sandbox`` exactly as the harness confines a rollout's
+    commands (model output never runs on the host unsandboxed; default: ``auto``);
+    execution stops at ``finish`` (the harness ends the agent there), at a call that did
+    not parse, at a tool the task does not offer, or at a tool error.
     """
     calls = tools.parse_text_tool_calls(text)
     parsed = any(c.error is None for c in calls)
-    with tempfile.TemporaryDirectory(prefix="gyre-eval-") as d:
-        ws = tools.Workspace(d)
-        for rel, content in task.setup_files.items():
-            ws.write_file(rel, content)
-
-        async def run_calls():
-            for c in calls:
-                if c.error is not None or c.name == "finish" or c.name not in task.tools:
-                    return
-                try:
-                    await ws.call(c.name, c.arguments)
-                except tools.ToolError:
-                    return
-
-        if calls:
-            asyncio.run(run_calls())
+    with tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
+        d = Path(root) / "workspace"
+        box = make_sandbox(sandbox or SandboxConfig(), d, family=task.family, name=f"eval-{task.task_id}",
+                           commands="run" in task.tools)
+        prepare_workspace(root, "workspace", task, box)
         try:
-            score = float(grade_in_process(task, d).score)
+            ws = tools.Workspace(d, sandbox=box)
+
+            async def run_calls():
+                for c in calls:
+                    if c.error is not None or c.name == "finish" or c.name not in task.tools:
+                        return
+                    try:
+                        await ws.call(c.name, c.arguments)
+                    except tools.ToolError:
+                        return
+
+            if calls:
+                asyncio.run(run_calls())
+            # As in the harness: the grader reads a copy of the workspace's regular files only.
+            limits = (sandbox or SandboxConfig()).limits
+            snap = Path(root) / "snapshot"
+            snapshot_workspace(d, snap, max_bytes=limits.disk_bytes, max_entries=limits.max_files)
+        finally:
+            box.release()
+        try:
+            score = float(grade_in_process(task, snap).score)
         except Exception:  # noqa: BLE001 - a verifier failure is not a score (as in the harness)
             score = None
     return score, parsed
@@ -163,13 +177,14 @@ class HeldOutEval:
 
     def __init__(self, model_cfg: ModelConfig, tasks: Sequence[Task], tokenizer: Tokenizer, *,
                  system_prompt: str | None, samples_per_task: int, max_tokens: int, temperature: float, seed: int,
-                 max_len: int, device=None):
+                 max_len: int, device=None, sandbox: SandboxConfig | None = None):
         if not tasks:
             raise ValueError("HeldOutEval: tasks must not be empty")
         if samples_per_task <= 0 or max_tokens <= 0 or temperature < 0:
             raise ValueError(f"HeldOutEval: need samples_per_task > 0, max_tokens > 0, temperature >= 0; got "
                              f"{samples_per_task}, {max_tokens}, {temperature}")
         self.tasks, self.tok, self.k = list(tasks), tokenizer, samples_per_task
+        self.sandbox = sandbox
         prompts = [first_call_prompt(t, tokenizer, system_prompt) for t in self.tasks]
         t_max = max(len(p) for p in prompts)
         if t_max + max_tokens > max_len:
@@ -199,7 +214,7 @@ class HeldOutEval:
             text = self.tok.decode(cut_at_stop(ids, self.stop_ids))
             key = (i // self.k, text)
             if key not in memo:
-                memo[key] = score_text(self.tasks[i // self.k], text)
+                memo[key] = score_text(self.tasks[i // self.k], text, self.sandbox)
             scores.append(memo[key][0])
             parsed.append(memo[key][1])
         return summarize(scores, parsed)
