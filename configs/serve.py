@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
         n_kv_heads=2,  # grouped-query attention
         head_dim=16,
         d_ff=128,  # SwiGLU hidden width
-        max_seq_len=1024,  # longest context (prompt + answer)
+        max_seq_len=8192,  # longest context (prompt + answer): mini-swe-agent's first prompt is ~3.1k byte tokens
     ))
     c.cells = ml_collections.ConfigDict(dict(
         cell_size=1,  # devices per cell: one engine per cell

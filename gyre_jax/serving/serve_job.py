@@ -134,9 +134,9 @@ Anthropic SDK:
   print(c.messages.create(model="{model}", max_tokens=16, messages=[{{"role": "user", "content": "hi"}}]).content)
 Claude Code (serve with --config.proxy.model_aliases='claude-*'):
   ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY={key} CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude -p "say hi"
-mini-swe-agent (litellm):
+mini-swe-agent (litellm; its first prompt is ~3.1k tokens):
   OPENAI_API_BASE={url}/v1 OPENAI_API_KEY={key} MSWEA_COST_TRACKING=ignore_errors LITELLM_LOCAL_MODEL_COST_MAP=True \\
-    mini -m openai/{model} -t "say hi"
+    MSWEA_CONFIGURED=true mini -m openai/{model} -t "say hi" -y -l 0 -c mini.yaml -c agent.step_limit=5
 curl:
   curl -s {url}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "max_tokens": 8, "messages": [{{"role": "user", "content": "hi"}}]}}'
