@@ -202,6 +202,10 @@ def test_tool_choice_none_and_anthropic_choices(served):
     assert "tool_choice.disable_parallel_tool_use" in raw.headers["X-Gyre-Ignored-Fields"]
     r = c.messages.create(model="gyre", messages=msgs, tools=TOOLS_AN, max_tokens=120, tool_choice={"type": "none"})
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "ok "
+    raw = oa(st, "oa-ignored").chat.completions.with_raw_response.create(
+        model="gyre", messages=msgs, tools=TOOLS_OA, max_tokens=120, parallel_tool_calls=False, user="u",
+        extra_body={"response_format": {"type": "text"}})
+    assert raw.headers["X-Gyre-Ignored-Fields"] == "parallel_tool_calls,response_format,user"
     with pytest.raises(openai.BadRequestError, match="'nope' is not among"):
         oa(st, "oa-bad").chat.completions.create(model="gyre", messages=msgs, tools=TOOLS_OA, max_tokens=9,
                                                  tool_choice={"type": "function", "function": {"name": "nope"}})

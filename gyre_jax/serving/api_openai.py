@@ -36,6 +36,8 @@ _COMPLETION_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "n
 
 
 MAX_N = 16  # samples per request
+# Accepted, but they cannot change the tokens we produce (reported in X-Gyre-Ignored-Fields).
+_NO_EFFECT = {"user", "metadata", "store"}
 
 
 def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
@@ -54,7 +56,7 @@ def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
         top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         seed=get_int(body, "seed", None, lo=0, hi=2**31 - 1),
         stream=get_bool(body, "stream"),
-        ignored=tuple(sorted(set(body) - known)),
+        ignored=tuple(sorted((set(body) - known) | (_NO_EFFECT & set(body)))),
         include_usage=bool(so.get("include_usage", False)),
         n=n, stop_strings=get_stop_strings(body, "stop", limit=4),
     )
@@ -139,7 +141,8 @@ def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
     except ValueError as e:
         raise bad(str(e)) from None
     forced, stop_extra, parse_tools = _tool_choice(body, tok, tools)
-    ignored = c["ignored"] + (("parallel_tool_calls",) if body.get("parallel_tool_calls") is False else ())
+    ignored = tuple(sorted(c["ignored"] + (("parallel_tool_calls",) if body.get("parallel_tool_calls") is False
+                                           else ())))
     lp = get_bool(body, "logprobs")
     if get_int(body, "top_logprobs", 0, lo=0) not in (0, None):
         raise bad("top_logprobs: only 0 is supported (the sampled token's log-prob is returned)", "top_logprobs")
