@@ -265,6 +265,18 @@ def test_engine_error_fails_one_call_only(server):
     assert status == 200 and json.loads(text)["status"] == "ok"
 
 
+def test_failed_samples_of_n_record_nothing_and_free_their_slots(server):
+    st, store = server
+    for stream in (False, True):
+        status, text, _ = post(st.url + "/v1/completions", {"model": "gyre", "prompt": [1, 2, 7], "max_tokens": 3,
+                                                             "n": 2, "stream": stream}, {"x-api-key": "gyre:run1:r-n-err"})
+        assert "injected failure" in text and status == (200 if stream else 500)
+    with pytest.raises(KeyError):
+        store.calls("r-n-err")
+    st.run(_drained(st))
+    assert sum(b.num_active() for b in st.proxy.router.cells.values()) == 0
+
+
 async def _get(url, hdrs=None):
     async with aiohttp.ClientSession() as s:
         async with s.get(url, headers=hdrs or {}) as r:

@@ -236,9 +236,13 @@ def test_n_samples_are_calls_of_one_rollout(served):
     recs = store.calls("oa-n")
     assert [c.call_index for c in recs] == [0, 1]
     assert recs[0].prompt_ids.tolist() == recs[1].prompt_ids.tolist()
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        oa(st, "oa-n").chat.completions.create(model="gyre", messages=[{"role": "user", "content": "hi"}], n=2,
-                                               max_tokens=3, stream=True)
+    chunks = list(oa(st, "oa-n").chat.completions.create(model="gyre", messages=[{"role": "user", "content": "hi"}],
+                                                          n=3, max_tokens=30, stream=True))
+    texts = {i: "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+             for i in range(3)}
+    assert texts == {i: "plain answer" for i in range(3)}
+    assert sorted(ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason) == [0, 1, 2]
+    assert [c.call_index for c in store.calls("oa-n")] == [0, 1, 2, 3, 4]
 
 
 def test_models_retrieve_bad_keys_and_json_errors_everywhere(served):

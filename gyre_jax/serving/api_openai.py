@@ -9,7 +9,7 @@ do not stop at <|eos|>, as in vLLM) and ``return_token_ids``
 (adds ``prompt_token_ids`` / ``token_ids`` to the response, for harnesses that
 keep tokens themselves). Text ``stop`` sequences are matched on the decoded text
 (cut from the reply; the tokens are recorded as generated); ``n`` > 1 samples the
-prompt n times (n calls of the rollout; not with streaming); ``tool_choice``
+prompt n times (n calls of the rollout; streamed, each chunk names its choice index); ``tool_choice``
 ("none", "required", a named function) is honoured (``api_common.tool_choice_plan``).
 ``echo``, ``best_of`` and penalties are refused with 400 rather than silently ignored;
 ``parallel_tool_calls: false`` is not enforced and is listed in ``X-Gyre-Ignored-Fields``.
@@ -42,8 +42,6 @@ _NO_EFFECT = {"user", "metadata", "store"}
 
 def _common(body: dict, api: str, known: set[str]) -> dict[str, Any]:
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
-    if n > 1 and body.get("stream"):
-        raise bad("n: n > 1 is not supported with stream=true (send n=1 streams, or stream=false)", "n")
     for k in ("presence_penalty", "frequency_penalty"):
         if body.get(k) not in (None, 0, 0.0):
             raise bad(f"{k}: not supported (sampling must match what the trainer assumes)", k)
@@ -227,9 +225,9 @@ def chat_response(call: ChatCall, tok: Tokenizer, rid: str, samples) -> dict:
     return out
 
 
-def chat_chunk(call: ChatCall, rid: str, delta: dict, finish: str | None = None, **extra) -> dict:
+def chat_chunk(call: ChatCall, rid: str, delta: dict, finish: str | None = None, *, index: int = 0, **extra) -> dict:
     d = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": call.model,
-         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+         "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
     d.update(extra)
     return d
 
@@ -259,8 +257,8 @@ def completion_response(call: ChatCall, tok: Tokenizer, rid: str, samples) -> di
     return out
 
 
-def completion_chunk(call: ChatCall, rid: str, text: str, finish: str | None, token_ids=None) -> dict:
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+def completion_chunk(call: ChatCall, rid: str, text: str, finish: str | None, token_ids=None, *, index: int = 0) -> dict:
+    choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": call.model,

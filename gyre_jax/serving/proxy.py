@@ -48,7 +48,7 @@ from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText,
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
 from gyre_jax.serving.identity import HEADER_CALL, check_id
 from gyre_jax.serving.proxy_identity import Binding, authorize, resolve_binding
-from gyre_jax.serving.proxy_stream import Sample, consume, stream_response
+from gyre_jax.serving.proxy_stream import Sample, consume, gather_samples, stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
 from gyre_jax.trajectory.records import ModelCallRecord, RecordError
@@ -271,7 +271,7 @@ class Proxy:
                 await self.router.share_prefill(reqs[0], affinity=affinity)
             routed = [self.router.start(r, affinity=affinity) for r in reqs]
             if call.stream:
-                return await stream_response(self, request, call, routed[0], binding, t0)
+                return await stream_response(self, request, call, routed, binding, t0)
             return await self._whole(call, routed, binding, t0)
         except (EngineError, NoCellError) as e:
             self.counters["engine_errors"] += 1
@@ -302,7 +302,7 @@ class Proxy:
             await self._record(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
             return sample
 
-        samples = await asyncio.gather(*(one(i, r) for i, r in enumerate(routed)))
+        samples = await gather_samples(one(i, r) for i, r in enumerate(routed))
         rid = f"{'msg' if call.api.startswith('anthropic') else 'gyre'}-{routed[0].request_id}"
         if call.api == "openai.chat":
             body = O.chat_response(call, self.tok, rid, samples)

@@ -60,65 +60,85 @@ async def consume(routed, out: OutputText, emit=None) -> Sample:
 
 
 
-async def stream_response(proxy, request, call: ChatCall, routed, binding, t0) -> web.StreamResponse:
-    """Server-sent events for one call, in the API's own event shapes; the record is
-    written (proxy._record) before the final event, errors become an error event."""
+async def gather_samples(coros) -> list:
+    """Run a call's samples together; if one fails, the others are cancelled (their slots freed,
+    nothing recorded for them) before the error propagates."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+
+
+async def stream_response(proxy, request, call: ChatCall, routed: list, binding, t0) -> web.StreamResponse:
+    """Server-sent events for a call's samples (``routed``: one per choice; Anthropic has one), in the
+    API's own event shapes; each record is written (proxy._record) before the final events, errors
+    become an error event."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        **proxy._headers(call)})
     await resp.prepare(request)
     anthropic = call.api.startswith("anthropic")
-    rid = f"{'msg' if anthropic else 'gyre'}-{routed.request_id}"
+    rid = f"{'msg' if anthropic else 'gyre'}-{routed[0].request_id}"
+    lock = asyncio.Lock()  # the samples' events are whole SSE messages, never interleaved
 
     async def send(obj, event: str | None = None):
         head = f"event: {event}\n" if event else ""
-        await resp.write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+        async with lock:
+            await resp.write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
 
     blocks = A.BlockBuilder()
-    n_calls = 0
+    n_calls = [0] * len(routed)
     want_ids = bool(call.extras.get("return_token_ids"))
 
-    async def emit(evs, token_id):
-        nonlocal n_calls
-        token_ids = [token_id] if want_ids and token_id is not None else None
-        if anthropic:
-            for name, obj in blocks.events(evs):
-                await send(obj, name)
-            return
-        for kind, val in evs:
-            if call.api == "openai.completions":
-                await send(O.completion_chunk(call, rid, val, None, token_ids))
-                token_ids = None
-            elif kind == "text":
-                await send(O.chat_chunk(call, rid, {"content": val}))
-            else:
-                await send(O.chat_chunk(call, rid, O.tool_call_delta(n_calls, val)))
-                n_calls += 1
-        if token_ids and call.api == "openai.completions":  # a stop id: no text, still report the id
-            await send(O.completion_chunk(call, rid, "", None, token_ids))
+    def emitter(i: int):
+        async def emit(evs, token_id):
+            token_ids = [token_id] if want_ids and token_id is not None else None
+            if anthropic:
+                for name, obj in blocks.events(evs):
+                    await send(obj, name)
+                return
+            for kind, val in evs:
+                if call.api == "openai.completions":
+                    await send(O.completion_chunk(call, rid, val, None, token_ids, index=i))
+                    token_ids = None
+                elif kind == "text":
+                    await send(O.chat_chunk(call, rid, {"content": val}, index=i))
+                else:
+                    await send(O.chat_chunk(call, rid, O.tool_call_delta(n_calls[i], val), index=i))
+                    n_calls[i] += 1
+            if token_ids and call.api == "openai.completions":  # a stop id: no text, still report the id
+                await send(O.completion_chunk(call, rid, "", None, token_ids, index=i))
+        return emit
+
+    async def one(i: int, r) -> Sample:
+        sample = await consume(r, proxy.output(call, r), emitter(i))
+        await proxy._record(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
+        return sample
 
     recorded = False
     try:
         if anthropic:
             await send(A.message_start(call, rid), "message_start")
         elif call.api == "openai.chat":
-            await send(O.chat_chunk(call, rid, {"role": "assistant", "content": ""}))
-        sample = await consume(routed, proxy.output(call, routed), emit)
-        await proxy._record(call, routed, binding, t0, sample)
+            for i in range(len(routed)):
+                await send(O.chat_chunk(call, rid, {"role": "assistant", "content": ""}, index=i))
+        samples = await gather_samples(one(i, r) for i, r in enumerate(routed))
         recorded = True
-        n_out = len(sample.tokens)
+        n_out = sum(len(sm.tokens) for sm in samples)
         if anthropic:
             for name, obj in blocks.finish():
                 await send(obj, name)
-            await send(A.message_delta(sample.finish, blocks.n_tool_calls, n_out, sample.stop_sequence),
+            await send(A.message_delta(samples[0].finish, blocks.n_tool_calls, n_out, samples[0].stop_sequence),
                        "message_delta")
             await send({"type": "message_stop"}, "message_stop")
         else:
-            fin = O.finish_reason(sample.finish, n_calls) if call.api == "openai.chat" else (
-                "stop" if sample.finish == "stop" else "length")
-            if call.api == "openai.chat":
-                await send(O.chat_chunk(call, rid, {}, fin))
-            else:
-                await send(O.completion_chunk(call, rid, "", fin))
+            for i, sm in enumerate(samples):
+                if call.api == "openai.chat":
+                    await send(O.chat_chunk(call, rid, {}, O.finish_reason(sm.finish, n_calls[i]), index=i))
+                else:
+                    await send(O.completion_chunk(call, rid, "", "stop" if sm.finish == "stop" else "length", index=i))
             if call.extras.get("include_usage"):
                 await send({"id": rid, "object": "chat.completion.chunk", "choices": [],
                             "usage": O.usage(len(call.prompt_ids), n_out)})
