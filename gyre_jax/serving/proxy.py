@@ -20,11 +20,22 @@ went away before the end is not recorded (the harness never saw it and will
 retry it). A retry (``X-Gyre-Attempt`` > 0) of a call index this proxy already
 recorded is served but not recorded again.
 
+Exact round trips: the ids the model writes are the ids the client sees (both APIs);
+ids it did not write are invented in a form the template does not render
+(``tokenizer.is_invented_call_id``), so a conversation the client echoes back renders
+to the tokens the model produced and every call's prompt extends the previous
+prompt + output. ``tool_choice`` forces the tool-call opening (and the name) as
+prompt tokens (recorded as prompt: the model did not choose them); text stop
+sequences end generation at the token completing them (cut from the reply, the
+tokens recorded as generated); ``n`` > 1 prefills the prompt once
+(``Router.share_prefill``) and records n calls of the rollout.
+
 Security: binds 127.0.0.1 unless told otherwise; optional bearer token
 (``auth_token``); request body size limit (413); ``max_tokens`` cap; malformed
 JSON -> 400 naming the position; unknown model -> 404; prompt + max_tokens over
 the context -> 400 naming the limit; engine failure -> 500 for that call only;
-any other exception is turned into a 500 for that request.
+any other exception is turned into a 500 for that request; a ``gyre:`` API key that
+is not ``gyre:<run>:<rollout>`` -> 400 naming it (never served as "unbound").
 """
 from __future__ import annotations
 
