@@ -1,0 +1,68 @@
+"""Long context: the model's blockwise path = dense at tile sizes that really tile, and
+context parallelism (sequence split over 8 host devices) = one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gyre_jax.model.config import model_config_tiny
+from gyre_jax.model.context_parallel import context_parallel_tree_attention
+from gyre_jax.model.transformer import Transformer, init_params
+from gyre_jax.model.tree_attention import packed_tree_attention
+from tests.test_tree_attention_blockwise import qkv, random_rows
+
+TOL = 1e-5
+
+
+def test_transformer_blockwise_equals_dense_logits_and_grads():
+    seg, sub = random_rows(4, row_len=96, batch=2)
+    cfg = model_config_tiny(attention_block_q=16, attention_block_k=32)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, seg.shape), jnp.int32)
+    positions = jnp.asarray(np.random.default_rng(1).integers(0, 96, seg.shape), jnp.int32)
+    args = (tokens, positions, jnp.asarray(seg), jnp.asarray(sub))
+
+    def logits_and_grads(c):
+        def loss(p):
+            lg = Transformer(c).apply(p, *args)
+            return jnp.sum(jax.nn.log_softmax(lg)[..., 0]), lg
+        (_, lg), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return lg, g
+
+    lg_b, g_b = logits_and_grads(cfg)
+    lg_d, g_d = logits_and_grads(cfg.replace(attention_impl="dense"))
+    np.testing.assert_allclose(np.asarray(lg_b), np.asarray(lg_d), atol=TOL, rtol=TOL)
+    for path, a in jax.tree_util.tree_leaves_with_path(g_b):
+        b = g_d
+        for key in path:
+            b = b[key.key]
+        scale = float(np.abs(np.asarray(b)).max())
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL * max(1.0, scale), rtol=TOL,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("block", [8, pytest.param(16, marks=pytest.mark.slow)])
+def test_context_parallel_equals_single_device(block):
+    """8 sequence shards of 24 tokens (a tile size that does and one that does not
+    divide a shard): forward and gradients equal the single-device blockwise result."""
+    seg, sub = random_rows(5, row_len=192, batch=2)
+    q, k, v, d_out = (jnp.asarray(x, jnp.float32) for x in qkv(6, 2, 192, 192))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("seq",))
+    sharded = NamedSharding(mesh, PartitionSpec(None, "seq"))
+    seg_j, sub_j = jnp.asarray(seg), jnp.asarray(sub)
+
+    def grads(fn, *qkv_in):
+        def loss(q, k, v):
+            o = fn(q, k, v)
+            return jnp.sum(o * d_out), o
+        (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*qkv_in)
+        return [np.asarray(x) for x in (o, *g)]
+
+    want = grads(lambda q, k, v: packed_tree_attention(q, k, v, seg_j, sub_j, block_q=block, block_k=block), q, k, v)
+    seg_s, sub_s = jax.device_put(seg_j, sharded), jax.device_put(sub_j, sharded)
+    got = grads(lambda q, k, v: context_parallel_tree_attention(
+        q, k, v, seg_s, sub_s, mesh=mesh, axis="seq", block_q=block, block_k=block),
+        *(jax.device_put(x, sharded) for x in (q, k, v)))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=TOL, rtol=TOL, err_msg=name)
