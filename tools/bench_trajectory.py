@@ -14,7 +14,8 @@ without prefix sharing train on): ``expanded_tokens``; ``expanded_over_packed``
 is the training-token saving of the packed tree over it.
 
 Targets (issue 3): ``packed_over_unique <= 1.02`` and ``seconds <= 5`` for the
-paper-scale rollout. ``unique_tokens`` in the JSON line is the unique tokens of
+paper-scale rollout. Issue 12: ``packed_over_unique_cp_row <= 1.02`` with rows as long
+as a cell's context-parallel capacity (``--cp-row-len``, default 8 x 128K). ``unique_tokens`` in the JSON line is the unique tokens of
 the *selected* tree (what is packed); ``tree_unique_tokens`` is the whole tree's.
 """
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main(argv=None):
     ap.add_argument("--row-len", type=int, default=None, help="row length of the final JSON line "
                     "(default: the longest recorded context rounded up to a multiple of 1024)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per config (min is reported)")
+    ap.add_argument("--cp-row-len", type=int, default=8 * 131072,
+                    help="also pack into rows of a cell's context-parallel capacity (devices x per-device context, "
+                         "gyre_jax/model/context_parallel.py); 0: skip")
     ap.add_argument("--step-rollouts", type=int, default=8,
                     help="also pack a step of this many rollouts (one group) to show cross-rollout fill; 0: skip")
     args = ap.parse_args(argv)
@@ -106,6 +110,13 @@ def main(argv=None):
                f"{s['rebuild']:.3f}", f"{s['select']:.3f}", f"{s['pack']:.3f}", f"{s['total']:.3f}")
         print(" ".join(f"{str(v):>10}" for v in row), flush=True)
 
+    cp = None
+    if args.cp_row_len > 0:  # one row spans the cell: the shared prefix is packed once
+        cp = process_step(calls, [outcome], ProcessorConfig(row_len=args.cp_row_len,
+                                                            select=SelectConfig(mode=args.mode))).stats
+        print(f"context-parallel row ({args.mode}, row_len={args.cp_row_len}): rows={cp.rows} "
+              f"packed_over_unique={cp.packed_over_unique:.4f} fill={cp.fill:.3f}", flush=True)
+
     if args.step_rollouts > 0:
         step = [_rollout(args.preset, args.seed, i) for i in range(args.step_rollouts)]
         step_calls = [c for cs, _ in step for c in cs]
@@ -132,6 +143,8 @@ def main(argv=None):
         "packed_over_unique_lower_bound": round(lb, 5),
         "packed_over_unique_2x_row": round(results[(args.mode, 2 * base_L)][0].packed_over_unique, 5),
         "packed_over_unique_4x_row": round(results[(args.mode, 4 * base_L)][0].packed_over_unique, 5),
+        "cp_row_len": args.cp_row_len,
+        "packed_over_unique_cp_row": None if cp is None else round(cp.packed_over_unique, 5),
         "expanded_over_packed": round(st.dedup_factor, 3),
         "duplicated_tokens": st.duplicated_tokens,
         "fill": round(st.fill, 4),
