@@ -234,7 +234,7 @@ def message_response(call: ChatCall, tok: Tokenizer, mid: str, sample) -> dict:
 
 def error_body(e: ApiError) -> dict:
     kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-             413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+             405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
     return {"type": "error", "error": {"type": kinds.get(e.status, "api_error"), "message": e.message}}
 
 

@@ -176,7 +176,7 @@ class Proxy:
             return ApiError(413, f"request body over the {self.cfg.max_request_bytes} byte limit",
                             kind="request_too_large")
         if e.status == 404:
-            return ApiError(404, f"no route {request.method} {request.path}; this server serves {ROUTES}",
+            return ApiError(404, f"no route {request.method} {request.path}; this server serves {', '.join(ROUTES)}",
                             kind="not_found_error")
         if e.status == 405:
             allowed = sorted(getattr(e, "allowed_methods", ()) or ())
