@@ -58,6 +58,8 @@ class DistributedConfig:
     cluster: str = "auto"  # see module docstring: auto | none | jax | a JAX cluster method name
     cpu_collectives: str = "gloo"  # CPU cross-process collectives: gloo | mpi | none
     initialization_timeout_s: int = 300  # how long processes wait for each other at start
+    recoverable: bool = False  # the run survives a process's death (pods: satellites are expendable)
+    heartbeat_timeout_s: int = 100  # after this long without heartbeats a process counts as dead
 
     def __post_init__(self):
         w = "DistributedConfig"
@@ -86,6 +88,8 @@ class DistributedConfig:
             )
         if self.local_device_ids is not None:
             object.__setattr__(self, "local_device_ids", tuple(int(i) for i in self.local_device_ids))
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"{w}.heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if not self.initialization_timeout_s > 0:
             raise ValueError(f"{w}.initialization_timeout_s must be > 0, got {self.initialization_timeout_s}")
 
@@ -206,8 +210,12 @@ def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, e
     if cfg.cpu_collectives != "none":
         # Only the CPU backend reads it; on GPU/TPU it is harmless and covers host-side CPU arrays.
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    # Recoverable: the coordination service does not take every process down with one that
+    # died (without it, a killed satellite ends the run); set before the service starts.
+    jax.config.update("jax_enable_recoverability", bool(cfg.recoverable))
     log.info("jax.distributed.initialize(%s) [%s]", kwargs, how)
-    jax.distributed.initialize(initialization_timeout=int(cfg.initialization_timeout_s), **kwargs)
+    jax.distributed.initialize(initialization_timeout=int(cfg.initialization_timeout_s),
+                               heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s), **kwargs)
     return how
 
 

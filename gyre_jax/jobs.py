@@ -10,6 +10,7 @@ from typing import Any, Callable
 _JOBS = {
     "rl": "gyre_jax.rl.loop:run",  # the RL loop (configs/demo.py)
     "train_synthetic": "gyre_jax.synthetic_train:run",  # supervised training on synthetic trees (configs/synthetic_train.py)
+    "pods_dp": "gyre_jax.pods.dp_job:run",  # elastic steps with satellites in other processes (configs/pods_dp.py)
     "simulate": "gyre_jax.scheduler.cli:run",
     "serve": "gyre_jax.serving.serve_job:run",  # the model behind the recording proxy (configs/serve.py)
 }

@@ -43,7 +43,7 @@ _CPU_COLLECTIVES = flags.DEFINE_enum(
 _TIMEOUT = flags.DEFINE_integer("distributed_timeout_s", 300, "How long processes wait for each other at start.")
 
 
-def distributed_config() -> distributed.DistributedConfig:
+def distributed_config(config) -> distributed.DistributedConfig:
     ids = _LOCAL_DEVICE_IDS.value
     return distributed.DistributedConfig(
         coordinator_address=_COORDINATOR.value,
@@ -53,6 +53,7 @@ def distributed_config() -> distributed.DistributedConfig:
         cluster=_CLUSTER.value,
         cpu_collectives=_CPU_COLLECTIVES.value,
         initialization_timeout_s=_TIMEOUT.value,
+        recoverable=bool(config.get("recoverable_processes", False)),  # a job whose processes may die alone (pods)
     )
 
 
@@ -70,7 +71,7 @@ def main(argv):
     n_cpu = config.get("num_cpu_devices", None)
     if n_cpu:
         jax.config.update("jax_num_cpu_devices", int(n_cpu))
-    info = distributed.layout(distributed.initialize(distributed_config()))
+    info = distributed.layout(distributed.initialize(distributed_config(config)))
     workdir = _WORKDIR.value or config.get("workdir", None) or f"/tmp/gyre_jax/{config.job}"
     kinds = sorted({d.device_kind for d in info.local_devices})
     line = (f"process {info.process_index} of {info.process_count} ({info.how}): {len(info.local_devices)} local "

@@ -321,6 +321,9 @@ class ElasticStep:
                 raise
 
     def _satellite(self, cell: Cell, core_params) -> None:
+        if getattr(cell, "link", None) is not None:  # a cell in another process (gyre_jax.pods.RemoteCell)
+            self._remote_loop(cell, core_params)
+            return
         snap, stats = move(
             core_params,
             self._t.steps.param_shardings(cell.train_mesh),
@@ -345,12 +348,8 @@ class ElasticStep:
             if i is None:
                 while pending:
                     self._done(cell, *pending.popleft())
-                with self._cv:  # a join may have cancelled the leave while we finished
-                    if cell.index in self._leaving or self._error is not None:
-                        self._leaving.discard(cell.index)
-                        return
-                    if self._exhausted(cell):
-                        return
+                if self._stopping(cell):
+                    return
                 continue
             t_pull = time.perf_counter() - self._t0
             if self._on_pull is not None:
@@ -367,6 +366,56 @@ class ElasticStep:
             pending.append((i, stats, t_pull))
             while len(pending) >= self._t.in_flight:
                 self._done(cell, *pending.popleft())
+
+    def _stopping(self, cell) -> bool:
+        """After a pull found nothing: whether the worker ends (a join may have cancelled the leave meanwhile)."""
+        with self._cv:
+            if cell.index in self._leaving or self._error is not None:
+                self._leaving.discard(cell.index)
+                return True
+            return self._exhausted(cell)
+
+    def _remote_loop(self, cell, core_params) -> None:
+        """A satellite in another process: mail it micro-batches, pull back (grads, stats) onto the core.
+
+        A micro-batch counts as delivered only once its gradient is on the core, so
+        a satellite that dies mid-step (its pull raises) hands back everything it held.
+        """
+        link = cell.link
+        pending: collections.deque = collections.deque()
+        began = False
+        while True:
+            i = self._pull(cell)
+            if i is None:
+                while pending:
+                    self._deliver_remote(cell, *pending.popleft())
+                if self._stopping(cell):
+                    return
+                continue
+            t_pull = time.perf_counter() - self._t0
+            if self._on_pull is not None:
+                self._on_pull(cell.index, i)
+            first = not began
+            if first:  # offered with the first micro-batch: a satellite that gets none pulls nothing
+                link.begin(core_params, self._t.version)
+                began = True
+            pending.append((i, link.submit(i, self._mbs[i]), t_pull, first))
+            while len(pending) >= self._t.in_flight:
+                self._deliver_remote(cell, *pending.popleft())
+
+    def _deliver_remote(self, cell, i: int, result, t_pull: float, first: bool) -> None:
+        grads, stats = cell.link.collect(result)
+        snap = cell.link.snapshot_stats(self._t.version, cell.index) if first else None  # pulled before this result
+        with self._cv:
+            self._results[i] = (grads, stats)
+            self._cell_of[i] = cell.index
+            self._pulled_by[cell.index].discard(i)
+            if snap is not None:
+                self._snapshots.append(snap)
+            self._cv.notify_all()
+        self._timeline[i] = (cell.index, t_pull, time.perf_counter() - self._t0)
+        if self._on_done is not None:
+            self._on_done(cell.index, i)
 
     def _done(self, cell: Cell, i: int, stats, t_pull: float) -> None:
         jax.block_until_ready(stats)

@@ -1,0 +1,170 @@
+"""A training satellite in another process: the core's handle (``RemoteCell``) and the satellite's loop (``serve``).
+
+The core's ``ElasticStep`` treats a ``RemoteCell`` like a local satellite
+(``join``, ``leave``, work-stealing, failure requeue; cells/elastic.py), but its
+worker drives a ``SatelliteLink`` instead of computing: for every micro-batch it
+pulls from the step's queue, it offers the micro-batch on the core's transfer
+server, mails the satellite a ``grad`` message and starts pulling the result
+into the core's layout. The satellite process, in ``serve``, pulls the step's
+params snapshot once (the ``params`` message, sent with its first micro-batch
+of a step), then for each ``grad`` message pulls the micro-batch, runs the same
+jitted ``CellSteps.grad_step`` as a local cell, and offers (grads, stats) back.
+The core's reducer sums them in micro-batch index order with everyone else's,
+so the new params are bit-identical to a single-process step.
+
+Messages (``Mailbox``, JSON): ``{"op": "params", "uuid", "version", "core"}``,
+``{"op": "grad", "i", "in", "out", "shapes", "core"}``, ``{"op": "stop"}``.
+
+A satellite killed mid-step: the core's pull of its result fails when its
+server's socket closes, the worker raises, and ``ElasticStep`` gives the
+micro-batches it held to the other cells (``StepReport.failed_cells``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gyre_jax.cells.publish import TO_TRAIN, MoveStats
+from gyre_jax.cells.train_step import CellSteps
+from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
+
+log = logging.getLogger(__name__)
+
+HELLO = "pods/hello/{process}"  # a satellite's "serving": JSON {"process", "devices"}
+SNAPSHOT = "pods/snapshot/{process}/{uuid}"  # a satellite's params pull: JSON PullStats fields
+
+
+class SatelliteLink:
+    """The core's side of one satellite process: offers, mails and pulls for ``ElasticStep``."""
+
+    def __init__(self, transport: Transport, process: int, steps: CellSteps, core_mesh):
+        self.t = transport
+        self.process = int(process)
+        self.steps = steps
+        self.core_mesh = core_mesh
+        self.mail = Mailbox(transport.kv, process)
+        self._grads_like = abstract(steps.spec.abstract_params, steps.param_shardings(core_mesh))
+        self._stats_like: dict[tuple, Any] = {}
+        self._snapshot_uuid: int | None = None
+
+    def begin(self, params, version: int) -> None:
+        """Offer the step's params snapshot; the satellite pulls it before its first micro-batch."""
+        uuid = self.t.new_uuid()
+        self.t.offer(uuid, params)
+        self._snapshot_uuid = uuid
+        self.mail.send({"op": "params", "uuid": uuid, "version": int(version), "core": self.t.process})
+
+    def snapshot_stats(self, version: int, cell_index: int) -> MoveStats | None:
+        """The satellite's own measure of its last snapshot pull (after its first result came back)."""
+        if self._snapshot_uuid is None:
+            return None
+        raw = self.t.kv.key_value_try_get(SNAPSHOT.format(process=self.process, uuid=self._snapshot_uuid))
+        d = json.loads(raw)
+        return MoveStats(TO_TRAIN, int(version), cell_index, int(d["bytes"]), float(d["seconds"]))
+
+    def submit(self, i: int, mb: Mapping[str, np.ndarray]):
+        """Send micro-batch ``i``; returns its (grads, stats), still arriving (``collect`` waits)."""
+        bsh = self.steps.batch_sharding(self.core_mesh)
+        on_core = jax.device_put(dict(mb), bsh)
+        uin, uout = self.t.new_uuid(), self.t.new_uuid()
+        self.t.offer(uin, on_core)
+        shapes = {k: [list(v.shape), str(v.dtype)] for k, v in mb.items()}
+        self.mail.send({"op": "grad", "i": int(i), "in": uin, "out": uout, "shapes": shapes, "core": self.t.process})
+        return self.t.pull(self.process, uout, (self._grads_like, self._stats_for(mb)))
+
+    @staticmethod
+    def collect(result):
+        """Wait for a submitted micro-batch's (grads, stats); raises if the satellite died meanwhile."""
+        return jax.block_until_ready(result)
+
+    def stop(self) -> None:
+        self.mail.send({"op": "stop"})
+
+    def _stats_for(self, mb):
+        key = tuple((k, v.shape, str(v.dtype)) for k, v in sorted(mb.items()))
+        if key not in self._stats_like:
+            mb_like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in mb.items()}
+            _, stats = jax.eval_shape(self.steps.grad_fn, self.steps.spec.abstract_params, mb_like)
+            self._stats_like[key] = abstract(stats, NamedSharding(self.core_mesh, PartitionSpec()))
+        return self._stats_like[key]
+
+
+@dataclasses.dataclass(eq=False)
+class RemoteCell:
+    """A cell that lives in another process, as ``ElasticStep.join`` sees it (no local devices)."""
+
+    index: int
+    process: int
+    link: SatelliteLink
+    devices: tuple = ()
+
+    @classmethod
+    def connect(cls, transport: Transport, process: int, steps: CellSteps, core_mesh, *, index: int | None = None,
+                timeout_s: float = 300.0) -> "RemoteCell":
+        """Wait for ``process`` to serve (its hello), connect to it; ``index`` defaults to the process index."""
+        hello = json.loads(get(transport.kv, HELLO.format(process=process), timeout_s=timeout_s))
+        transport.connect(process, timeout_s=timeout_s)
+        log.info("pods: satellite process %d serving on %d devices", process, len(hello["devices"]))
+        return cls(index=process if index is None else index, process=process,
+                   link=SatelliteLink(transport, process, steps, core_mesh))
+
+    def __repr__(self) -> str:
+        return f"RemoteCell({self.index}, process={self.process})"
+
+
+def serve(transport: Transport, steps: CellSteps, mesh, *,
+          on_grad: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Serve the core's messages until ``stop``: the satellite process's main loop.
+
+    ``on_grad(n, i)`` runs before the n-th micro-batch (index ``i``) is computed
+    (fault injection and pacing). Returns counts for the caller's summary.
+    """
+    me = transport.process
+    mail = Mailbox(transport.kv, me)
+    params_like = abstract(steps.spec.abstract_params, steps.param_shardings(mesh))
+    bsh = steps.batch_sharding(mesh)
+    grad_step = steps.grad_step(mesh)
+    transport.kv.key_value_set(HELLO.format(process=me), json.dumps({"process": me, "devices": [d.id for d in mesh.devices.flat]}),
+                               allow_overwrite=True)
+    params, version = None, None
+    done = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0}
+    while True:
+        msg = mail.recv()
+        op = msg.get("op")
+        if op == "stop":
+            return done
+        if op == "params":
+            params, st = transport.pull_ready(int(msg["core"]), int(msg["uuid"]), params_like)
+            version = int(msg["version"])
+            transport.kv.key_value_set(SNAPSHOT.format(process=me, uuid=msg["uuid"]),
+                                       json.dumps({"bytes": st.bytes, "seconds": st.seconds}))
+            done["snapshots"] += 1
+            done["snapshot_bytes"] += st.bytes
+            done["snapshot_seconds"] += st.seconds
+            log.info("pods satellite %d: params v%d pulled, %.2f MB in %.3f s (%.2f GB/s)",
+                     me, version, st.bytes / 1e6, st.seconds, st.gbps)
+        elif op == "grad":
+            if params is None:
+                raise RuntimeError(f"pods satellite {me}: micro-batch {msg['i']} before any params snapshot")
+            if on_grad is not None:
+                on_grad(done["micro_batches"], int(msg["i"]))
+            like = {k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=bsh) for k, (s, d) in msg["shapes"].items()}
+            mb = transport.pull(int(msg["core"]), int(msg["in"]), like)
+            transport.offer(int(msg["out"]), grad_step(params, mb))
+            done["micro_batches"] += 1
+        else:
+            raise ValueError(f"pods satellite {me}: unknown message {msg!r}")
+
+
+def hold_forever(reason: str) -> None:
+    """Block this thread for good (a fault-injection point: the test kills the process here)."""
+    print(reason, flush=True)
+    threading.Event().wait()

@@ -1,0 +1,164 @@
+"""Arrays and control messages between processes, on JAX's own distributed runtime.
+
+Arrays: ``jax.experimental.transfer``. Every process starts one transfer server
+on its local devices; the owner of a pytree *offers* it under a uuid
+(``await_pull``), the other side *pulls* it with a pytree of
+``ShapeDtypeStruct``s whose shardings are where it should land (its own
+devices, its own layout). The bytes go device to device over the servers'
+sockets; nothing here touches them.
+
+Control: the key-value store of ``jax.distributed`` (the coordination service
+process 0 runs). Each process publishes its transfer server's address under
+``pods/addr/<process>``; a ``Mailbox`` is an ordered queue of small JSON
+messages to one process (``pods/mail/<process>/<n>``), read in order and
+deleted once read.
+
+Failure: ``jax.distributed`` must run with ``jax_enable_recoverability`` (so
+one process's death is not everyone's; ``gyre_jax.distributed.initialize``
+sets it with ``recoverable=True``). A pull from a peer that is killed while the
+pull waits fails within about a second (the server's socket closes): that is
+how the core learns a satellite died. Connecting to a peer that is already
+dead can hang, so connections are made once, when the peer says hello.
+
+Uuids are unique per run: the high bits are the allocating process, the low
+bits a counter, so two processes never offer under the same uuid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import threading
+import time
+from typing import Any
+
+import jax
+from jax.experimental import transfer
+
+from gyre_jax.cells.publish import tree_bytes
+
+ADDR = "pods/addr/{process}"
+MAIL = "pods/mail/{process}/{n}"
+POLL_MS = 60_000  # a blocking KV read waits this long per try, then looks again
+
+
+def kv_client():
+    """The ``jax.distributed`` client of this process (its key-value store); raises if there is none."""
+    from jax._src.distributed import global_state  # the KV store has no public accessor yet
+
+    if global_state.client is None:
+        raise RuntimeError(
+            "pods: JAX's distributed runtime is not initialized; start every process with "
+            "--coordinator_address/--num_processes/--process_id (or tools/launch_local.py)"
+        )
+    return global_state.client
+
+
+@dataclasses.dataclass(frozen=True)
+class PullStats:
+    """One pytree moved between processes: bytes and the seconds until it was on this side's devices."""
+
+    uuid: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def abstract(tree, shardings) -> Any:
+    """ShapeDtypeStructs of ``tree`` (arrays or ShapeDtypeStructs) placed on ``shardings`` (a pytree or one)."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+
+
+class Transport:
+    """This process's end: a transfer server, a KV client, connections to peers by process index."""
+
+    def __init__(self, *, host: str = "127.0.0.1", client=None, process_index: int | None = None):
+        self.kv = kv_client() if client is None else client
+        self.process = jax.process_index() if process_index is None else int(process_index)
+        device_client = jax.local_devices()[0].client
+        self.server = transfer.start_transfer_server(device_client, f"{host}:0", [f"{host}:0"])
+        self._counter = itertools.count(1)
+        self._conns: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.kv.key_value_set(ADDR.format(process=self.process), self.server.address(), allow_overwrite=True)
+
+    def new_uuid(self) -> int:
+        return (self.process + 1) << 40 | next(self._counter)
+
+    # ---- arrays ----------------------------------------------------------------
+    def offer(self, uuid: int, tree) -> None:
+        """Let a peer pull ``tree`` once under ``uuid`` (returns at once; the server holds the arrays until then)."""
+        self.server.await_pull(uuid, tree)
+
+    def connect(self, process: int, *, timeout_s: float = 300.0):
+        """The connection to ``process``'s server (waits for its address; made once per process)."""
+        with self._lock:
+            conn = self._conns.get(process)
+        if conn is None:
+            addr = get(self.kv, ADDR.format(process=process), timeout_s=timeout_s)
+            conn = self.server.connect(addr)
+            with self._lock:
+                self._conns[process] = conn
+        return conn
+
+    def forget(self, process: int) -> None:
+        """Drop the connection to a peer that died (a restarted one publishes a new address)."""
+        with self._lock:
+            self._conns.pop(process, None)
+
+    def pull(self, process: int, uuid: int, like) -> Any:
+        """Start pulling ``uuid`` from ``process`` into ``like``'s shapes and shardings; returns arrays at once
+        (they become ready when the bytes are in; ``block_until_ready`` raises if the peer died)."""
+        return self.connect(process).pull(uuid, like)
+
+    def pull_ready(self, process: int, uuid: int, like) -> tuple[Any, PullStats]:
+        """``pull`` and wait: (arrays, stats)."""
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(self.pull(process, uuid, like))
+        return out, PullStats(uuid, tree_bytes(like), time.perf_counter() - t0)
+
+
+def get(kv, key: str, *, timeout_s: float | None = None) -> str:
+    """Blocking KV read; ``timeout_s=None`` waits for ever (in POLL_MS slices, so a stuck wait stays visible)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left_ms = POLL_MS if deadline is None else int(max(1, min(POLL_MS, (deadline - time.monotonic()) * 1000)))
+        try:
+            return kv.blocking_key_value_get(key, left_ms)
+        except Exception as e:  # the runtime raises JaxRuntimeError(DEADLINE_EXCEEDED) on timeout
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"pods: no value for {key!r} after {timeout_s:.0f} s") from None
+
+
+class Mailbox:
+    """Ordered JSON messages to one process over the KV store: ``send`` from anyone, ``recv`` by the owner.
+
+    One sender per mailbox (the core): it numbers the messages itself.
+    """
+
+    def __init__(self, kv, process: int):
+        self.kv = kv
+        self.process = int(process)
+        self._sent = 0
+        self._read = 0
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict) -> None:
+        with self._lock:
+            n = self._sent
+            self._sent += 1
+            self.kv.key_value_set(MAIL.format(process=self.process, n=n), json.dumps(msg))
+
+    def recv(self, *, timeout_s: float | None = None) -> dict:
+        key = MAIL.format(process=self.process, n=self._read)
+        msg = json.loads(get(self.kv, key, timeout_s=timeout_s))
+        self.kv.key_value_delete(key)
+        self._read += 1
+        return msg
