@@ -15,6 +15,15 @@ dispatch until the target cell holds every byte:
                to the same sharding on the satellite's 4 devices in one batched
                device_put. Same bytes, same devices, no layout change: the limit.
 
+  * cross_process: the same params pulled by another process (a satellite
+               cell of 4 CPU devices, its own JAX program) from the core's
+               process, in the training layout, on gyre_jax.pods' transport
+               (jax.experimental.transfer over loopback, control on the
+               jax.distributed KV store). Two child processes of 4 devices each
+               (--cross_process 0 skips them); cross_process_gbps = param bytes /
+               median pull seconds (offer to every byte on the satellite's devices).
+               Target: >= 0.3 x plain copy.
+
 Each kind of move runs in blocks of --repeats, the kinds alternating over
 --rounds; times are medians over all blocks. The first move of each kind is
 shown apart (it includes one-time work such as compiling the slices of a
@@ -23,7 +32,7 @@ nothing for its old role, as in a real switch (the plain copy likewise). copy_gb
 the slower of the two moves: param_bytes / max(to_train_s, to_rollout_s).
 Target: copy_gbps >= 0.5 * plain_copy_gbps.
 
-    python tools/bench_role_switch.py     # ~490 MB model, ~1 min on 2 cores
+    python tools/bench_role_switch.py     # ~490 MB model, ~1.5 min on 2 cores; ~3 GB of host memory in all
     python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
 """
 from __future__ import annotations
@@ -33,14 +42,18 @@ import sys
 
 import jax
 
-# Before any backend use: 8 host devices = two cells of 4.
-jax.config.update("jax_num_cpu_devices", 8)
+# Before any backend use: 8 host devices = two cells of 4 (a cross-process peer: 4, after its initialize).
+PEER = "--_peer" in sys.argv
+if not PEER:
+    jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
@@ -67,7 +80,74 @@ def parse_args(argv=None):
     p.add_argument("--d_ff", type=int, default=2816)
     p.add_argument("--repeats", type=int, default=5, help="timed moves per block")
     p.add_argument("--rounds", type=int, default=3, help="blocks of each kind, alternating")
+    p.add_argument("--cross_process", type=int, default=1, help="1: also time the move between two processes")
+    p.add_argument("--_peer", nargs=2, type=int, metavar=("PROCESS_ID", "PORT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                       n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, tie_embeddings=False)
+
+
+def cross_process(args, argv) -> dict:
+    """Start the two peer processes (core, satellite); the satellite's pull times, as the core prints them."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--_peer", str(i), str(port)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"cross-process peer {i} exited {p.returncode}:\n{err[-3000:]}")
+    line = [ln for ln in outs[0][0].splitlines() if ln.startswith("PEER ")]
+    return json.loads(line[-1][len("PEER "):])
+
+
+def peer(args) -> None:
+    """One of the two cross-process peers: 0 = core (offers its params), 1 = satellite (pulls them)."""
+    from gyre_jax import distributed
+    from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
+
+    pid, port = args._peer
+    distributed.initialize(distributed.DistributedConfig(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid))
+    jax.config.update("jax_num_cpu_devices", 4)
+    t = Transport()
+    (cell,) = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=1, serve_tensor=4), jax.local_devices())
+    model = model_config(args)
+    spec = cells.StateSpec.create(functools.partial(init_boxed, model), cells.make_optimizer(
+        cells.OptimizerConfig(learning_rate=1e-4), param_logical_axes(model)))
+    shardings = spec.param_shardings(cell.train_mesh)
+    n = 1 + args.rounds * args.repeats
+    if pid == 0:
+        params = jax.jit(lambda r: nn.unbox(init_boxed(model, r)), out_shardings=shardings)(jax.random.key(0))
+        params = jax.block_until_ready(params)
+        mail = Mailbox(t.kv, 1)
+        for _ in range(n):  # offered at once: the server only keeps references until each is pulled
+            uuid = t.new_uuid()
+            t.offer(uuid, params)
+            mail.send({"uuid": uuid})
+        times = json.loads(get(t.kv, "bench/pull_times", timeout_s=900))
+        print("PEER " + json.dumps({"param_bytes": cells.tree_bytes(params), "times": times}), flush=True)
+    else:
+        mail = Mailbox(t.kv, 1)
+        like = abstract(spec.abstract_params, shardings)
+        times = []
+        for _ in range(n):
+            uuid = mail.recv(timeout_s=900)["uuid"]
+            out, st = t.pull_ready(0, uuid, like)
+            times.append(st.seconds)
+            del out
+        t.kv.key_value_set("bench/pull_times", json.dumps(times))
 
 
 def timed(fn):
@@ -80,17 +160,12 @@ def timed(fn):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    model = ModelConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        d_ff=args.d_ff,
-        tie_embeddings=False,
-    )
+    if args._peer is not None:
+        peer(args)
+        return
+    model = model_config(args)
     core, sat = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=1, serve_tensor=4))
     logical = param_logical_axes(model)
     spec = cells.StateSpec.create(functools.partial(init_boxed, model), cells.make_optimizer(
@@ -168,6 +243,18 @@ def main(argv=None):
     ratio = copy_gbps / plain_gbps
     print(f"\ncopy_gbps (slower move) = {copy_gbps:.2f} GB/s = {ratio:.2f} x plain copy "
           f"({'meets' if ratio >= 0.5 else 'MISSES'} target 0.5x)")
+    xp = {}
+    if args.cross_process:
+        del src, params  # the peers hold their own copies
+        res = cross_process(args, argv)
+        xt = res["times"][1:]
+        xp = {"cross_process_s": statistics.median(xt), "cross_process_first_s": res["times"][0],
+              "cross_process_gbps": res["param_bytes"] / statistics.median(xt) / gb}
+        xr = xp["cross_process_gbps"] / plain_gbps
+        print(f"cross-process pull (train fsdp=4 in process 0 -> train fsdp=4 in process 1): {res['param_bytes'] / 1e6:.1f} MB, "
+              f"first {res['times'][0]:.3f} s, median {xp['cross_process_s']:.4f} s, min {min(xt):.4f} s, "
+              f"{xp['cross_process_gbps']:.2f} GB/s = {xr:.2f} x plain copy ({'meets' if xr >= 0.3 else 'MISSES'} target 0.3x)")
+        xp = {k: round(v, 4) for k, v in xp.items()} | {"cross_process_ratio": round(xr, 3)}
     print(json.dumps({
         "param_bytes": int(param_bytes),
         "to_train_s": round(to_train_s, 5),
@@ -179,6 +266,7 @@ def main(argv=None):
         "to_rollout_first_s": round(first["to_rollout"], 4),
         "n_arrays": n_leaves,
         "devices_per_cell": 4,
+        **xp,
     }))
 
 
