@@ -33,6 +33,23 @@ def test_transformer_blockwise_equals_dense_logits_and_grads():
     lg_b, g_b = logits_and_grads(cfg)
     lg_d, g_d = logits_and_grads(cfg.replace(attention_impl="dense"))
     np.testing.assert_allclose(np.asarray(lg_b), np.asarray(lg_d), atol=TOL, rtol=TOL)
+    check_grads_close(g_b, g_d)
+
+
+@pytest.mark.slow
+def test_transformer_with_the_pallas_kernel_config():
+    """attention_kernel='pallas_interpret' reaches the Pallas kernel through the model's config."""
+    seg, sub = random_rows(4, row_len=96, batch=1)
+    cfg = model_config_tiny(attention_block_q=16, attention_block_k=32)
+    params = init_params(cfg, jax.random.key(0))
+    args = (jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, seg.shape), jnp.int32),
+            jnp.asarray(np.arange(96)[None]), jnp.asarray(seg), jnp.asarray(sub))
+    want = Transformer(cfg).apply(params, *args)
+    got = jax.jit(Transformer(cfg.replace(attention_kernel="pallas_interpret")).apply)(params, *args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
+
+
+def check_grads_close(g_b, g_d):
     for path, a in jax.tree_util.tree_leaves_with_path(g_b):
         b = g_d
         for key in path:

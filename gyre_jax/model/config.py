@@ -33,6 +33,7 @@ class ModelConfig:
     attention_impl: str = "blockwise"  # one of ATTENTION_IMPLS; both give the same result
     attention_block_q: int = 512  # blockwise: queries per tile
     attention_block_k: int = 512  # blockwise: keys per tile (a tile the tree masks entirely is skipped)
+    attention_kernel: str = "xla"  # blockwise: "xla" (pure JAX) | "pallas" (GPU/TPU kernel, untested there) | "pallas_interpret"
     # Checkpoint-family features (gyre_jax.model.hf maps a config.json onto these):
     qkv_bias: bool = False  # q/k/v projections have a bias (Qwen2/Qwen2.5)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
@@ -60,6 +61,9 @@ class ModelConfig:
             raise ValueError(f"{where}.rope_theta must be > 0, got {self.rope_theta}")
         if not self.norm_eps > 0:
             raise ValueError(f"{where}.norm_eps must be > 0, got {self.norm_eps}")
+        if self.attention_kernel not in ("xla", "pallas", "pallas_interpret"):
+            raise ValueError(f"{where}.attention_kernel must be 'xla', 'pallas' or 'pallas_interpret', "
+                             f"got {self.attention_kernel!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{where}.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.rope_scaling not in ROPE_SCALINGS:

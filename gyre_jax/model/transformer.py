@@ -135,7 +135,7 @@ class Transformer(nn.Module):
         if cfg.attention_impl == "dense":
             return tree_attention_mask(segment_ids_BxL, subtree_end_BxL)
         return TreeMask(segment_ids_BxL.astype(jnp.int32), subtree_end_BxL.astype(jnp.int32),
-                        block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+                        block_q=cfg.attention_block_q, block_k=cfg.attention_block_k, impl=cfg.attention_kernel)
 
     def with_cache(self, tokens_BxT, positions_BxT, mask_BxTxS, k_YxBxSxKxH, v_YxBxSxKxH, cache_index_B):
         """T new tokens per row against a per-row KV cache.
@@ -171,7 +171,7 @@ def cache_mask(config: ModelConfig, q_index_BxT, cache_len: int):
     if config.attention_impl == "dense":
         return jnp.arange(cache_len, dtype=jnp.int32)[None, None, :] <= q_index_BxT[:, :, None]
     return CacheMask(q_index_BxT.astype(jnp.int32), block_q=config.attention_block_q,
-                     block_k=config.attention_block_k)
+                     block_k=config.attention_block_k, impl=config.attention_kernel)
 
 
 def _check_int_BxL(where, **named):

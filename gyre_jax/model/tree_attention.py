@@ -209,18 +209,32 @@ def _backward(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, out, lse, t
     return dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _tree_attention_padded(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk):
-    out, _, _ = _forward(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk)
+IMPLS = ("xla", "pallas", "pallas_interpret")  # pallas_interpret: the Pallas kernel run by the interpreter (CPU)
+
+
+def _forward_any(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, impl):
+    if impl == "xla":
+        return _forward(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk)
+    from gyre_jax.model.tree_attention_pallas import pallas_forward  # pallas only when asked for
+
+    tiles = _tile_lists(tile_visibility(q_index, q_segment, k_segment, k_end, bq, bk))
+    out, lse = pallas_forward(q, k, v, q_index, q_segment, k_segment, k_end, *tiles, bq=bq, bk=bk,
+                              interpret=impl == "pallas_interpret")
+    return out, lse, tiles
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _tree_attention_padded(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, impl):
+    out, _, _ = _forward_any(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, impl)
     return out
 
 
-def _fwd(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk):
-    out, lse, tiles = _forward(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk)
+def _fwd(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, impl):
+    out, lse, tiles = _forward_any(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, impl)
     return out, (q, k, v, q_index, q_segment, k_segment, k_end, out, lse, tiles)
 
 
-def _bwd(bq, bk, res, d_out):
+def _bwd(bq, bk, impl, res, d_out):
     q, k, v, q_index, q_segment, k_segment, k_end, out, lse, tiles = res
     dq, dk, dv = _backward(q, k, v, q_index, q_segment, k_segment, k_end, bq, bk, out, lse, tiles, d_out)
     return dq, dk, dv, None, None, None, None
@@ -230,11 +244,16 @@ _tree_attention_padded.defvjp(_fwd, _bwd)
 
 
 def tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_index_BxT, q_segment_BxT, k_segment_BxS, k_end_BxS,
-                   *, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK):
+                   *, block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, impl: str = "xla"):
     """GQA attention under the tree rule above, blockwise; returns [B, T, N, H] in q's dtype.
 
     Differentiable in q, k, v (custom VJP with recompute); the integer metadata is not.
+    ``impl``: "xla" (pure JAX, the reference path), "pallas" (tree_attention_pallas.py's
+    forward kernel; the backward is the same recompute), "pallas_interpret" (that kernel
+    in Pallas interpret mode, on CPU).
     """
+    if impl not in IMPLS:
+        raise ValueError(f"tree_attention: impl must be one of {IMPLS}, got {impl!r}")
     b, t, n, h = q_BxTxNxH.shape
     if n % k_BxSxKxH.shape[2]:
         raise ValueError(f"tree_attention: {n} query heads is not a multiple of {k_BxSxKxH.shape[2]} k/v heads")
@@ -242,7 +261,7 @@ def tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_index_BxT, q_segment_BxT, 
         raise ValueError(f"tree_attention: block sizes must be positive, got block_q={block_q} block_k={block_k}")
     args = _prepare(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_index_BxT, q_segment_BxT, k_segment_BxS, k_end_BxS,
                     block_q, block_k)
-    return _tree_attention_padded(*args)[:, :t]
+    return _tree_attention_padded(*args, impl)[:, :t]
 
 
 def packed_tree_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, subtree_end_BxL, **blocks):
@@ -303,6 +322,7 @@ class TreeMask:
     subtree_end: jax.Array  # int32[B, L]
     block_q: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
     block_k: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+    impl: str = flax.struct.field(pytree_node=False, default="xla")  # one of IMPLS
 
 
 @flax.struct.dataclass
@@ -312,11 +332,12 @@ class CacheMask:
     q_index: jax.Array  # int32[B, T]: each query's own cache index
     block_q: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
     block_k: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
+    impl: str = flax.struct.field(pytree_node=False, default="xla")  # one of IMPLS
 
 
 def attend_structured(q, k, v, mask):
     """Blockwise attention for a TreeMask or CacheMask (``attention.attend`` dispatches here)."""
-    blocks = dict(block_q=mask.block_q, block_k=mask.block_k)
+    blocks = dict(block_q=mask.block_q, block_k=mask.block_k, impl=mask.impl)
     if isinstance(mask, TreeMask):
         return packed_tree_attention(q, k, v, mask.segment_ids, mask.subtree_end, **blocks)
     return causal_cache_attention(q, k, v, mask.q_index, **blocks)
