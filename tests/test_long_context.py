@@ -83,3 +83,21 @@ def test_context_parallel_equals_single_device(block):
         *(jax.device_put(x, sharded) for x in (q, k, v)))
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(g, w, atol=TOL, rtol=TOL, err_msg=name)
+
+
+@pytest.mark.slow
+def test_transformer_context_parallel_equals_one_device():
+    """config.context_parallel_axis: the whole model over rows split 8 ways along their sequence
+    (jax.set_mesh) gives the single-device logits."""
+    seg, sub = random_rows(9, row_len=128, batch=1)
+    cfg = model_config_tiny(attention_block_q=8, attention_block_k=8)
+    params = init_params(cfg, jax.random.key(0))
+    args = [jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, seg.shape), jnp.int32),
+            jnp.asarray(np.arange(128)[None], jnp.int32), jnp.asarray(seg), jnp.asarray(sub)]
+    want = jax.jit(Transformer(cfg).apply)(params, *args)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("seq",))
+    sharded = NamedSharding(mesh, PartitionSpec(None, "seq"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(Transformer(cfg.replace(context_parallel_axis="seq")).apply)(
+            params, *(jax.device_put(a, sharded) for a in args))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)

@@ -34,6 +34,7 @@ class ModelConfig:
     attention_block_q: int = 512  # blockwise: queries per tile
     attention_block_k: int = 512  # blockwise: keys per tile (a tile the tree masks entirely is skipped)
     attention_kernel: str = "xla"  # blockwise: "xla" (pure JAX) | "pallas" (GPU/TPU kernel, untested there) | "pallas_interpret"
+    context_parallel_axis: str | None = None  # blockwise: mesh axis the rows' sequence is split over (jax.set_mesh)
     # Checkpoint-family features (gyre_jax.model.hf maps a config.json onto these):
     qkv_bias: bool = False  # q/k/v projections have a bias (Qwen2/Qwen2.5)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)

@@ -11,6 +11,9 @@ reduce-scatter, so dk/dv land back on the device that owns each key.
 Exact: every query sees exactly the keys it sees on one device, in the same tile
 order, so results equal the single-device blockwise attention.
 
+In the model: ModelConfig.context_parallel_axis names the mesh axis; run the step under
+``jax.set_mesh(mesh)`` with the rows' [B, L] inputs sharded along L on that axis.
+
 Balance: with a DFS row, later shards see more keys (causal-like); a zig-zag layout
 would even that out and is not done here.
 """
@@ -27,7 +30,7 @@ from gyre_jax.model.tree_attention import DEFAULT_BLOCK, tree_attention
 
 def context_parallel_tree_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, subtree_end_BxL, *,
                                     mesh, axis: str, batch_axes=None, block_q: int = DEFAULT_BLOCK,
-                                    block_k: int = DEFAULT_BLOCK):
+                                    block_k: int = DEFAULT_BLOCK, impl: str = "xla"):
     """Packed-row tree attention with the sequence axis split over ``mesh`` axis ``axis``.
 
     ``batch_axes``: mesh axes the rows (B) are split over, or None. L must be a multiple
@@ -51,7 +54,8 @@ def context_parallel_tree_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids
         seg_all = jax.lax.all_gather(seg, axis, axis=1, tiled=True)
         end_all = jax.lax.all_gather(end, axis, axis=1, tiled=True)
         q_index = jnp.broadcast_to(offset + jnp.arange(shard_len, dtype=jnp.int32), seg.shape)
-        return tree_attention(q, k_all, v_all, q_index, seg, seg_all, end_all, block_q=block_q, block_k=block_k)
+        return tree_attention(q, k_all, v_all, q_index, seg, seg_all, end_all, block_q=block_q, block_k=block_k,
+                              impl=impl)
 
     return local(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL.astype(jnp.int32),
                  subtree_end_BxL.astype(jnp.int32))

@@ -135,7 +135,8 @@ class Transformer(nn.Module):
         if cfg.attention_impl == "dense":
             return tree_attention_mask(segment_ids_BxL, subtree_end_BxL)
         return TreeMask(segment_ids_BxL.astype(jnp.int32), subtree_end_BxL.astype(jnp.int32),
-                        block_q=cfg.attention_block_q, block_k=cfg.attention_block_k, impl=cfg.attention_kernel)
+                        block_q=cfg.attention_block_q, block_k=cfg.attention_block_k, impl=cfg.attention_kernel,
+                        context_axis=cfg.context_parallel_axis)
 
     def with_cache(self, tokens_BxT, positions_BxT, mask_BxTxS, k_YxBxSxKxH, v_YxBxSxKxH, cache_index_B):
         """T new tokens per row against a per-row KV cache.
