@@ -23,8 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_cpu_devices = 2  # host devices on CPU (set before JAX starts); one engine per cell
     c.run_id = "serve"  # calls are recorded under this run id (the rollout key's <run>)
     c.model = ml_collections.ConfigDict(dict(
-        # A Hugging Face checkpoint directory (config.json, safetensors, tokenizer files). Empty: the tiny
-        # random model with the byte tokenizer. Loading a checkpoint here is the real-models work (not yet wired).
+        # A Hugging Face checkpoint directory (config.json, safetensors, tokenizer files): its shape, weights,
+        # tokenizer and chat template are served (only max_seq_len below applies). Empty: the tiny random model
+        # with the byte tokenizer.
         hf_path="",
         vocab_size=272,  # byte tokenizer: 256 bytes + 11 special tokens, rounded up
         d_model=64,  # residual width

@@ -82,3 +82,37 @@ def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
     assert [(c.call_index, len(c.output_ids)) for c in calls] == [(0, 4), (1, 3)]
     assert [c.call_index for c in store.calls("r-n")] == [0, 1]
     store.close()
+
+
+def test_serve_builds_on_a_hf_checkpoint(tmp_path):
+    """config.model.hf_path: the checkpoint's shape, weights, tokenizer and chat template are served
+    (in-process: build_server, one call through the real proxy, recorded with the template's prompt)."""
+    import importlib.util
+
+    from gyre_jax.serving.serve_job import build_server
+    from gyre_jax.serving.tokenizer import load_tokenizer
+    from gyre_jax.testing.tiny_hf_checkpoint import write_tiny_hf_checkpoint
+    from gyre_jax.testing.tiny_hf_tokenizer import write_tiny_hf_tokenizer
+
+    ck = str(tmp_path / "ck")
+    n = write_tiny_hf_tokenizer(ck, "qwen3")
+    write_tiny_hf_checkpoint(ck, "qwen3", vocab_size=n + 1, seed=1)
+    spec = importlib.util.spec_from_file_location("serve_cfg", os.path.join(ROOT, "configs", "serve.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    c.model.hf_path, c.model.max_seq_len = ck, 256
+    c.cells.update(dict(cell_size=8, serve_tensor=2, max_slots=2, tokens_per_call=4))
+    server, store, tok = build_server(c, str(tmp_path / "w"))
+    try:
+        url = server.start()
+        messages = [{"role": "user", "content": "hi"}]
+        chat = _post(url + "/v1/chat/completions", {"model": "gyre", "max_tokens": 3, "messages": messages},
+                     "gyre:serve:r-hf")
+        assert chat["usage"]["completion_tokens"] <= 3
+    finally:
+        server.stop()
+    [call] = store.calls("r-hf")
+    ref = load_tokenizer(f"hf:{ck}")
+    assert list(call.prompt_ids) == ref.render_chat(messages) and type(tok) is type(ref)
+    store.close()

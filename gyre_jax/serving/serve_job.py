@@ -22,18 +22,44 @@ EXAMPLE_ROLLOUT = "rollout-0"
 
 
 def _model_config(c):
+    """The tiny model's ModelConfig from config.model (a checkpoint's comes from its config.json)."""
     from gyre_jax.model.config import ModelConfig
 
     m = dict(c.model)
-    hf_path = m.pop("hf_path", "")
-    if hf_path:
-        # The hook the real-models work fills: shape, weights and tokenizer from the checkpoint.
-        raise ConfigError(f"config.model.hf_path={hf_path!r}: serving a Hugging Face checkpoint is not wired into "
-                          "the serve job yet; leave it empty for the tiny model")
+    m.pop("hf_path", None)
     try:
         return ModelConfig(**m)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
+
+
+def _model(c, cells):
+    """(ModelConfig, params, tokenizer): a Hugging Face checkpoint (its shape, weights, tokenizer and chat
+    template; only config.model.max_seq_len is taken from the config) or the tiny random model."""
+    from gyre_jax.cells.mesh import Role
+    from gyre_jax.model import init_params
+    from gyre_jax.serving.tokenizer import ByteTokenizer, load_tokenizer
+
+    hf_path = str(c.model.get("hf_path", "") or "")
+    if not hf_path:
+        mc = _model_config(c)
+        tok = ByteTokenizer()
+        if tok.vocab_size > mc.vocab_size:
+            raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the tokenizer's {tok.vocab_size} ids")
+        return mc, init_params(mc, jax.random.key(c.seed)), tok
+    from gyre_jax.model.hf import load_pretrained
+
+    try:
+        tok = load_tokenizer(f"hf:{hf_path}")
+        # Loaded once onto the first cell's serving mesh; every engine puts them in its own shardings.
+        mc, params = load_pretrained(hf_path, mesh=cells[0].mesh(Role.ROLLOUT), max_seq_len=int(c.model.max_seq_len),
+                                     vocab_pad_multiple=int(c.cells.serve_tensor))
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"config.model.hf_path={hf_path!r}: {e}") from None
+    if tok.vocab_size > mc.vocab_size:
+        raise ConfigError(f"config.model.hf_path={hf_path!r}: the tokenizer has {tok.vocab_size} ids, the model "
+                          f"{mc.vocab_size}")
+    return mc, params, tok
 
 
 def _proxy_config(c, model_name_default: str = "gyre"):
@@ -59,26 +85,20 @@ def _ensure_cpu_devices(n: int) -> None:
 def build_server(c, workdir: str):
     """(ServerThread not yet started, TrajectoryStore): engines on the cells, router, proxy."""
     from gyre_jax.cells.mesh import CellConfig, Role, split_cells
-    from gyre_jax.model import init_params
     from gyre_jax.serving.engine import GyreEngine
     from gyre_jax.serving.jetstream_backend import JetStreamBackend
     from gyre_jax.serving.proxy import Proxy
     from gyre_jax.serving.router import Router
     from gyre_jax.serving.server_thread import ServerThread
-    from gyre_jax.serving.tokenizer import ByteTokenizer
     from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore
 
     identity.check_id(c.run_id, "config.run_id")
-    mc = _model_config(c)
     pc = _proxy_config(c)
-    tok = ByteTokenizer()
-    if tok.vocab_size > mc.vocab_size:
-        raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the tokenizer's {tok.vocab_size} ids")
     try:
         cells = split_cells(CellConfig(cell_size=c.cells.cell_size, serve_tensor=c.cells.serve_tensor))
     except ValueError as e:
         raise ConfigError(f"config.cells: {e}") from None
-    params = init_params(mc, jax.random.key(c.seed))
+    mc, params, tok = _model(c, cells)
     store = TrajectoryStore(os.path.join(workdir, "store"), run_id=c.run_id,
                             config=StoreConfig(vocab_size=mc.vocab_size))
     special = (tok.special["<|bos|>"], tok.special["<|eos|>"], tok.special["<|pad|>"])
