@@ -10,7 +10,8 @@ context is unchanged).
 
 Prints tables, then ONE final JSON line:
   * ``skipped_tile_fraction`` / ``masked_tile_fraction``: tile pairs (``--block`` square)
-    the blockwise kernel skips vs tile pairs whose exact tree mask is all False.
+    the blockwise kernel skips vs tile pairs whose exact tree mask is all False; also for the
+    whole selected tree in one context-parallel row (``--cp-row-len``, ``*_whole_tree``).
   * ``speedup_vs_dense_4k``: tiny model forward+backward (the training loss), L=4,096,
     dense [L, L] mask / blockwise, min of ``--repeats`` timed runs after compile; reported
     for the paper-like tree row and a plain causal row; the field is the smaller (causal
@@ -205,6 +206,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree-row-len", type=int, default=131072, help="row length the paper tree is packed into")
     ap.add_argument("--block", type=int, default=512, help="tile size (queries and keys)")
+    ap.add_argument("--cp-row-len", type=int, default=8 * 131072,
+                    help="also the tile fractions of the whole tree packed in one row this long; 0: skip")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-len", type=int, default=65536, help="longest row of the fwd+bwd ladder")
     ap.add_argument("--mem-limit-gib", type=float, default=16.0)
@@ -231,6 +234,14 @@ def main(argv=None):
         tiles[block] = tile_fractions_np(row["segment_ids"][0], row["subtree_end"][0], block, block)
         print(f"{block:>6} {tiles[block][0]:8.4f} {tiles[block][1]:8.4f}", flush=True)
     skipped, masked = tiles[args.block]
+    whole = None
+    if args.cp_row_len:  # the whole selected tree in one context-parallel row: sub-agents and branches skip more
+        cp_row = paper_tree_row(args.cp_row_len)
+        n_cp = int((cp_row["segment_ids"] > 0).sum())
+        whole = tile_fractions_np(cp_row["segment_ids"][0][:n_cp], cp_row["subtree_end"][0][:n_cp], args.block,
+                                  args.block)
+        print(f"whole tree in one row of {args.cp_row_len}: {n_cp} tokens, skipped {whole[0]:.4f} "
+              f"masked {whole[1]:.4f}", flush=True)
 
     print(f"{'L':>7} {'rc':>3} {'peak_rss_GiB':>12} {'run_s':>7} {'wall_s':>7}  (fwd+bwd, remat, chunked vocab)")
     ladder, max_ok = [], 0
@@ -265,6 +276,9 @@ def main(argv=None):
         "tree_row_real_tokens": n_real,
         "skipped_tile_fraction": round(skipped, 4),
         "masked_tile_fraction": round(masked, 4),
+        "whole_tree_row_tokens": None if whole is None else n_cp,
+        "skipped_tile_fraction_whole_tree": None if whole is None else round(whole[0], 4),
+        "masked_tile_fraction_whole_tree": None if whole is None else round(whole[1], 4),
         "speedup_vs_dense_4k": round(min(speed.values()), 3),
         "speedup_vs_dense_4k_tree": round(speed["tree"], 3),
         "speedup_vs_dense_4k_causal": round(speed["causal"], 3),
