@@ -12,6 +12,9 @@ def run_on_fakes(cfg):
     fc = fake_cluster(cfg, rollouts, P.initial_roles(cfg.policy, cfg.cluster.n_cells))
     ctl = Controller(cfg.policy, cells=fc.cells, proxy=fc.proxy, rollouts=fc.rollouts, trainer=fc.trainer,
                      clock=fc.clock)
+    # the controller samples load every sample_s: a real loop polls that often at least
+    for i in range(1, 10_000):
+        fc.clock.at(i * ctl.sample_s, lambda: None)
     ticks = 0
     while not ctl.done():
         ctl.tick()  # after every instant, call events included: more often than the simulator

@@ -61,12 +61,46 @@ def test_serving_first_pulls_training_cells_back_when_agents_arrive():
 
 
 def test_switch_only_when_enough_work_per_cell():
-    # 100 cell-seconds with the core training: a second cell gets 50 s (>= 24), a third
-    # 33 s, a fourth 25 s, a fifth would get 20 s: three switches.
+    # 100 cell-seconds with the core training, a prior switch cost of 24 s: a second cell
+    # gets 50 s (>= 24), a third 33 s, a fourth 25 s, a fifth would get 20 s: three switches.
     s = state(pending_work_s=100.0, launched_groups=40, open_step_taken=1, running_groups=())
-    acts = P.decide(s, cfg(total_steps=10, groups_per_step=4))
+    acts = P.decide(s, cfg(total_steps=10, groups_per_step=4, min_work_per_switch_s=24.0))
     assert len(of(acts, P.ToTrain)) == 3
     assert of(P.decide(dataclasses.replace(s, pending_work_s=0.0), cfg(total_steps=10)), P.ToTrain) == []
+    # a measured round trip replaces the prior: 100 / 12 -> 8 training cells, 7 switches
+    measured = P.Measured(switch_round_trip_s=12.0)
+    acts = P.decide(dataclasses.replace(s, measured=measured), cfg(total_steps=10, min_work_per_switch_s=24.0))
+    assert len(of(acts, P.ToTrain)) == 7
+
+
+def test_work_coming_from_running_agents_pays_for_a_switch():
+    # The open step holds nothing yet, but 60 running agents will each hand in 2 cell-seconds:
+    # 120 s coming, 12 s per switch round trip -> 10 training cells (9 switches), as many as
+    # serving can spare (60 agents at a reserve of 0.5 need 4 of the 15 satellites).
+    # (serving 0.5 cell-seconds per rollout: the steady-state split wants 12+ training cells)
+    m = P.Measured(work_s_per_rollout=2.0, serve_s_per_rollout=0.5, switch_round_trip_s=12.0, call_share=0.5)
+    s = state(running_rollouts=60, running_groups=((0, 30),), launched_groups=30, measured=m)
+    c = cfg(groups_per_step=30, staleness_bound=0, total_steps=1)
+    assert P.train_cells_target(s, c) >= 10
+    assert len(of(P.decide(s, c), P.ToTrain)) == 9
+    # counting only the open step's work (none) would keep every cell serving
+    assert of(P.decide(dataclasses.replace(s, measured=P.Measured(switch_round_trip_s=12.0)), c), P.ToTrain) == []
+    # beyond the steady-state split only work already there moves cells (the tail)
+    few = dataclasses.replace(m, serve_s_per_rollout=100.0)  # serving-bound: the split keeps the core alone
+    assert P.train_cells_target(dataclasses.replace(s, measured=few), c) == 1
+    assert of(P.decide(dataclasses.replace(s, measured=few), c), P.ToTrain) == []
+    assert len(of(P.decide(dataclasses.replace(s, measured=few, pending_work_s=36.0), c), P.ToTrain)) == 2
+
+
+def test_steady_state_split_is_the_best_fixed_split_of_the_step_model():
+    # brute force over k of max(serve / (n - k), train / k + update) against the bisection
+    for serve, work, upd in ((0.1, 0.03, 10.0), (1.0, 0.01, 0.0), (0.01, 1.0, 5.0), (0.5, 0.5, 100.0)):
+        m = P.Measured(serve_s_per_rollout=serve, work_s_per_rollout=work, update_s=upd)
+        c = cfg(groups_per_step=16, group_size=8)
+        R = 128
+        want = min(range(1, 16), key=lambda k: (max(serve * R / (16 - k), work * R / k + upd), k))
+        assert P.train_cells_target(state(measured=m), c) == want
+    assert P.train_cells_target(state(), cfg()) == 1  # nothing measured: the core alone
 
 
 def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():

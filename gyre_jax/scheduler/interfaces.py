@@ -31,6 +31,9 @@ class CellPool(Protocol):
 
     def core_cell(self) -> int: ...
 
+    # Optional: ``changed_cells() -> set[int]``, the cells whose role changed since the
+    # last call. A pool that has it lets the controller re-read only those each tick.
+
     def role(self, cell: int) -> str:
         """One of vocab.CELL_ROLES: 'rollout' | 'train' | 'to_train' | 'to_rollout' (the last two while switching)."""
 
@@ -91,6 +94,7 @@ class TrainProgress:
     pending_work_s: float  # assigned, not yet computed (cell-seconds)
     update_in_progress: bool
     ready_groups: tuple[ReadyGroup, ...]  # finished groups waiting; oldest version first, FIFO within
+    ready_work_s: float | None = None  # their summed work_s, if kept incrementally (None: the policy sums)
 
 
 @runtime_checkable

@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from typing import Union
+from typing import NamedTuple, Union
 
 from gyre_jax.scheduler.vocab import (
     COLOCATE,
@@ -53,6 +53,12 @@ from gyre_jax.scheduler.vocab import (
 )
 
 
+# The priors' defaults: one source for the simulator (PolicyConfig), the RL loop
+# (rl/config.py) and configs/*.py. PolicyConfig's comments say where each comes from.
+DEFAULT_SERVE_RESERVE = 1.0
+DEFAULT_MIN_WORK_PER_SWITCH_S = 0.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
     mode: str  # one of MODES
@@ -61,15 +67,24 @@ class PolicyConfig:
     group_size: int  # rollouts per group
     staleness_bound: int = 2  # S: max optimizer updates between a rollout's version and its step
     async_train_cells: int = 0  # async modes: cells 0..k-1 (core = 0) train; 0 = balanced split chosen by the simulator
-    # Slots kept per running agent (1.0: every agent's next call finds a slot at once; the
-    # fraction of its time an agent spends in model calls keeps just the expected load).
-    serve_reserve: float = 1.0
-    # A switch costs a round trip (~8.5 s + ~3.5 s); only move a cell to training when each
-    # training cell then has at least this many cell-seconds of work available.
-    min_work_per_switch_s: float = 24.0
+    # Priors, used only until the controller has measured the real value (scheduler.estimates;
+    # the same code in the simulator and the RL loop):
+    # * serve_reserve: slots kept per running agent. Measured: model calls (running + queued)
+    #   per running agent, time-weighted. Prior 1.0 = a slot for every agent's next call, the
+    #   only value that cannot queue a call whatever the workload.
+    serve_reserve: float = DEFAULT_SERVE_RESERVE
+    # * min_work_per_switch_s: what a role switch costs, as cell-seconds of work each training
+    #   cell must have coming before one more cell moves to training. Measured: the round trip
+    #   (rollout -> train + train -> rollout) the controller timed. Prior 0: the cost is unknown
+    #   until a cell has switched once, and a higher prior would keep a small cluster (the demo's
+    #   switches take about a second) from ever switching, so from ever measuring it.
+    min_work_per_switch_s: float = DEFAULT_MIN_WORK_PER_SWITCH_S
     # k: optimizer updates per weight publication. 1 = one-step mode; k >= 2 = multi-step
     # mode: k updates train on rollouts of one published version before the next publication.
     updates_per_publication: int = 1
+    # Async baselines only: the split per optimizer step (an oracle that knows each step's
+    # rollouts; the benchmark's per-step async). Empty = async_train_cells for every step.
+    async_split_by_step: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -96,6 +111,13 @@ class PolicyConfig:
                              f"- 1 = {k - 1}: k updates train on rollouts of one published version")
         if self.min_work_per_switch_s < 0:
             raise ValueError(f"PolicyConfig.min_work_per_switch_s={self.min_work_per_switch_s} must be >= 0")
+        if any(k < 1 for k in self.async_split_by_step):
+            raise ValueError(f"PolicyConfig.async_split_by_step={self.async_split_by_step}: every split must be >= 1")
+
+    def async_split(self, step: int) -> int:
+        """Training cells of the async modes at optimizer step `step`."""
+        sched = self.async_split_by_step
+        return sched[min(step, len(sched) - 1)] if sched else self.async_train_cells
 
     @property
     def streaming(self) -> bool:
@@ -123,6 +145,21 @@ class ReadyGroup:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What the controller measured online (``scheduler.estimates``); None = not yet
+    measured, so the policy uses the config's prior."""
+
+    call_share: float | None = None  # model calls (running + queued) per running agent: the serve_reserve
+    serve_s_per_rollout: float | None = None  # serving cell-seconds (slot-seconds / slots) per finished rollout
+    work_s_per_rollout: float | None = None  # training cell-seconds per rollout
+    switch_round_trip_s: float | None = None  # rollout -> train + train -> rollout, seconds
+    update_s: float | None = None  # the core's optimizer update, seconds
+
+
+NOT_MEASURED = Measured()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterState:
     cells: tuple[CellView, ...]
     queued_calls: int  # calls waiting for a slot at the proxy
@@ -136,6 +173,8 @@ class ClusterState:
     update_in_progress: bool  # the core is applying step `steps_done`'s update
     published_version: int  # version the rollout cells serve
     publish_in_progress: bool
+    measured: Measured = NOT_MEASURED
+    ready_work_s: float | None = None  # sum of ready_groups' work_s when the trainer keeps it (else summed here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +213,10 @@ def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
     if config.mode == COLOCATE:
         return (ROLLOUT,) * n_cells
     if config.mode in FIXED_SPLIT_MODES:
-        k = config.async_train_cells
-        if not 1 <= k < n_cells:
-            raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
+        for k in (config.async_train_cells,) + config.async_split_by_step:
+            if not 1 <= k < n_cells:
+                raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
+        k = config.async_split(0)
         return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
     return (TRAIN,) + (ROLLOUT,) * (n_cells - 1)
 
@@ -249,23 +289,107 @@ def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) 
     return max(0, min(by_bound, by_capacity, G * N - state.launched_groups))
 
 
+class _Census(NamedTuple):
+    live: int  # cells not out of service, core included
+    training: int  # cells training or switching to it, core included
+    sats: int  # live satellites
+    sat_slots: int  # their slots
+    serving: int  # live satellites serving or switching to it
+    slots: int  # slots of one satellite (cells are alike)
+
+
+_census_cache: list = [None, None]  # (cells tuple, its census): a controller passes the same tuple until a cell changes
+
+
+def _census(cells: tuple[CellView, ...]) -> _Census:
+    """One pass over the cells (cached while the controller passes the same tuple)."""
+    if _census_cache[0] is cells:
+        return _census_cache[1]
+    live = training = sats = sat_slots = serving = slots = 0
+    for c in cells:
+        r = c.role
+        if r == OUT:
+            continue
+        live += 1
+        if r in TRAINING_ROLES:
+            training += 1
+        if not c.is_core:
+            sats += 1
+            sat_slots += c.slots
+            slots = slots or c.slots
+            if r in SERVING_ROLES:
+                serving += 1
+    out = _Census(live, training, sats, sat_slots, serving, slots)
+    _census_cache[0], _census_cache[1] = cells, out
+    return out
+
+
 def max_running_rollouts(state: ClusterState, config: PolicyConfig) -> int:
-    """Agents the cells that may serve in this mode can hold at `serve_reserve` slots each."""
+    """Agents the cells that may serve in this mode can hold at the reserve's slots each.
+
+    Elastic: the cells the steady-state split leaves to serving (``train_cells_target``):
+    admitting more agents would only take cells from training that the work coming needs."""
     if config.mode == COLOCATE:
-        serving = list(state.cells)
+        serving = [c for c in state.cells if c.role != OUT]
     elif config.mode in FIXED_SPLIT_MODES:
-        serving = [c for c in state.cells if c.id >= config.async_train_cells]
+        k = config.async_split(state.steps_done)
+        serving = [c for c in state.cells if c.id >= k and c.role != OUT]
     else:
-        serving = [c for c in state.cells if not c.is_core]
-    serving = [c for c in serving if c.role != OUT]
-    return math.floor(sum(c.slots for c in serving) / config.serve_reserve + 1e-9)
+        cen = _census(state.cells)
+        extra = train_cells_target(state, config) - 1
+        keep = max(1, cen.sats - extra) if cen.sats else 0
+        return math.floor(keep * cen.slots / serve_reserve(state, config) + 1e-9)
+    return math.floor(sum(c.slots for c in serving) / serve_reserve(state, config) + 1e-9)
 
 
-def serving_cells_needed(running_rollouts: int, slots_per_cell: int, config: PolicyConfig) -> int:
-    """Cells that keep a slot for the next call of every running agent, scaled by
-    `serve_reserve`. Deliberately not the instantaneous call count: that changes on
-    every call, and a role switch costs seconds, so following it would thrash."""
-    return math.ceil(running_rollouts * config.serve_reserve / slots_per_cell - 1e-9)
+def serve_reserve(state: ClusterState, config: PolicyConfig) -> float:
+    """Slots kept per running agent: the measured call share, else the config's prior.
+    Floored at 2% (an agent whose calls were all fast could not else be bounded)."""
+    share = state.measured.call_share
+    return config.serve_reserve if share is None else min(1.0, max(0.02, share))
+
+
+def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
+    """Cells (core included) that training needs in steady state, from measured costs.
+
+    A step of R rollouts costs ``a_s * R`` serving cell-seconds and ``a_t * R`` training
+    cell-seconds plus the core's update U (training cells wait for it). With k training
+    cells a step takes ``max(a_s R / (n - k), a_t R / k + U)``; the k that minimizes it is
+    the best fixed split (what async at its best split would pick in hindsight). Elastic
+    admits agents for the other n - k cells and moves cells beyond that only when the work
+    coming pays for the switch. 1 (the core) until both costs are measured."""
+    m = state.measured
+    if m.serve_s_per_rollout is None or m.work_s_per_rollout is None:
+        return 1
+    cen = _census(state.cells)
+    n = cen.live
+    if n < 3:
+        return 1
+    R = config.groups_per_step * config.group_size
+    serve, train, upd = m.serve_s_per_rollout * R, m.work_s_per_rollout * R, m.update_s or 0.0
+
+    def step_s(k):
+        return max(serve / (n - k), train / k + upd)
+
+    lo, hi = 1, n - 1  # the serving time rises with k, the training time falls: bisect the crossing
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if serve / (n - mid) >= train / mid + upd:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = min((k for k in (lo - 1, lo) if k >= 1), key=lambda k: (step_s(k), k))
+    # Hysteresis: estimates are noisy and each move costs a switch round trip, so the
+    # cells training now stay the target while their step time is within 3% of the best.
+    now = min(n - 1, max(1, cen.training))
+    return now if step_s(now) <= 1.03 * step_s(best) else best
+
+
+def serving_cells_needed(running_rollouts: int, slots_per_cell: int, reserve: float) -> int:
+    """Cells that keep a slot for the next call of every running agent, scaled by the
+    reserve. Deliberately not the instantaneous call count: that changes on every call,
+    and a role switch costs seconds, so following it would thrash."""
+    return math.ceil(running_rollouts * reserve / slots_per_cell - 1e-9)
 
 
 def publication_due(state: ClusterState, config: PolicyConfig) -> bool:
@@ -290,13 +414,19 @@ def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
     if n_launch:
         acts.append(Launch(n_launch, state.published_version))
     taken = state.open_step_taken + n_take
-    work_s = state.pending_work_s + sum(g.work_s for g in state.ready_groups[:n_take])
     running = state.running_rollouts + n_launch * config.group_size
-    acts.extend(_roles(state, config, taken=taken, work_s=work_s, running=running))
+    # Training work coming: assigned and not computed, finished and waiting, and what the
+    # running agents will hand in (measured work per rollout), not only the open step's.
+    a_t = state.measured.work_s_per_rollout or 0.0
+    ready_s = state.ready_work_s if state.ready_work_s is not None else sum(g.work_s for g in state.ready_groups)
+    available_s = state.pending_work_s + ready_s
+    acts.extend(_roles(state, config, taken=taken, work_s=available_s + a_t * running, available_s=available_s,
+                       running=running))
     return tuple(acts)
 
 
-def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, running: int) -> list[Action]:
+def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, available_s: float,
+           running: int) -> list[Action]:
     cells = state.cells
     if config.mode == COLOCATE:
         training = taken == config.groups_per_step or state.update_in_progress
@@ -305,27 +435,37 @@ def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: flo
         return [ToRollout(c.id) for c in cells if c.role == TRAIN]
     if config.mode in FIXED_SPLIT_MODES:
         out: list[Action] = []
+        k = config.async_split(state.steps_done)
         for c in cells:
-            want_train = c.id < config.async_train_cells
+            want_train = c.id < k
             if want_train and c.role == ROLLOUT:
                 out.append(ToTrain(c.id))
             elif not want_train and c.role == TRAIN:
                 out.append(ToRollout(c.id))
         return out
-    # elastic: serving first (keep a slot for every running agent), spare cells train
-    # when there is enough work to pay for the switch.
-    sats = [c for c in cells if not c.is_core and c.role != OUT]
-    if not sats:
+    # elastic: serving first (keep a slot for every running agent; admission keeps that
+    # need within the steady-state split), spare cells train when the work coming pays
+    # for the switch.
+    cen = _census(cells)
+    if not cen.sats:
         return []
-    slots = sats[0].slots
-    need = min(len(sats), serving_cells_needed(running, slots, config))
-    serving = [c for c in sats if c.role in SERVING_ROLES]
-    if need > len(serving):
-        back = sorted((c for c in sats if c.role == TRAIN), key=lambda c: c.id)
-        return [ToRollout(c.id) for c in back[: need - len(serving)]]
-    n_train = sum(1 for c in cells if c.role in TRAINING_ROLES)
-    spare = sorted((c for c in sats if c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))
-    k, limit = 0, min(len(spare), len(serving) - need)
-    while k < limit and work_s / (n_train + k + 1) >= max(config.min_work_per_switch_s, 1e-9):
-        k += 1
+    need = min(cen.sats, serving_cells_needed(running, cen.slots, serve_reserve(state, config)))
+    if need > cen.serving:
+        back = sorted((c for c in cells if not c.is_core and c.role == TRAIN), key=lambda c: c.id)
+        return [ToRollout(c.id) for c in back[: need - cen.serving]]
+    limit = cen.serving - need
+    if limit <= 0 or work_s <= 0:
+        return []
+    n_train = cen.training
+    rt = state.measured.switch_round_trip_s
+    cost = max(config.min_work_per_switch_s if rt is None else rt, 1e-9)
+    # Up to the steady-state split, the work coming (running agents' included) decides:
+    # largest k with work / (n_train + k) >= cost. Beyond it (the tail: the staleness bound
+    # holds admission back, agents finish, serving cells idle), only work already there
+    # does: a cell moved for work that has not arrived waits, then is pulled back.
+    k = min(limit, max(0, train_cells_target(state, config) - n_train), max(0, math.floor(work_s / cost) - n_train))
+    k += min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+    if k <= 0:
+        return []
+    spare = sorted((c for c in cells if not c.is_core and c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))
     return [ToTrain(c.id) for c in spare[:k]]

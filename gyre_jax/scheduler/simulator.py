@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import collections
 import heapq
+import itertools
 import math
 import time
 
@@ -40,7 +41,7 @@ from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
 from gyre_jax.scheduler.vocab import FIXED_SPLIT_MODES, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
 from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, rollouts_for
 
-_CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE = range(7)
+_CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE, _POLL = range(8)
 
 
 class SimCluster:
@@ -77,6 +78,7 @@ class SimCluster:
         self._running_groups: dict[int, int] = {}
         self._ready: list[tuple[int, int]] = []  # (version, gid), FIFO within version
         self._ready_view: list[ReadyGroup] = []  # the same groups, as the policy sees them
+        self._ready_work = 0.0  # their summed work_s
         self._steps_done = 0
         self._taken = 0
         self._pending = 0.0
@@ -87,7 +89,7 @@ class SimCluster:
         self._published = 0
         self._publishing = False
         self._heap: list = []
-        self._seq = 0
+        self._seq = itertools.count(1)  # tie-breaker: same-time events in push order (deterministic)
         self._now = 0.0
         # metrics
         self._busy_slot_s = 0.0  # slot-seconds served: + a call's time at start, - what a cut removes
@@ -102,6 +104,7 @@ class SimCluster:
         self._state_time = dict.fromkeys(STATES, 0.0)
         self._series: list[tuple[float, int, int, int, int]] = []
         self.events = 0
+        self._changed: set[int] = set()  # cells whose role changed since the controller last asked
 
     # ---- Clock
     def now(self) -> float:
@@ -117,6 +120,11 @@ class SimCluster:
     def role(self, cell: int) -> str:
         return self._role[cell]
 
+    def changed_cells(self) -> set[int]:
+        """Cells whose role changed since the last call (lets a controller tick stay O(changed))."""
+        out, self._changed = self._changed, set()
+        return out
+
     def slots(self, cell: int) -> int:
         return self._slots
 
@@ -125,6 +133,7 @@ class SimCluster:
             raise RuntimeError(f"switch_to_train({cell}): role {self._role[cell]}, routable {self._routable[cell]}, "
                                f"{self._active[cell]} calls; drain it first")
         self._role[cell] = TO_TRAIN
+        self._changed.add(cell)
         self._touch(cell)
         self._push(self._now + self.config.cluster.switch_to_train_s, _SWITCH_DONE, cell, 0)
 
@@ -133,6 +142,7 @@ class SimCluster:
             raise RuntimeError(f"switch_to_rollout({cell}): role is {self._role[cell]}, not 'train'")
         self._advance()
         self._role[cell] = TO_ROLLOUT
+        self._changed.add(cell)
         self._rate -= 1
         self._reschedule()
         self._touch(cell)
@@ -202,7 +212,14 @@ class SimCluster:
             for _ in range(k):
                 rid = self._next_rollout
                 self._next_rollout += 1
-                self._push(self._now, _CALL_READY, rid, 0)
+                # the first call is requested at once (as a harness does), so the load a
+                # controller sees after launching includes it
+                if self._open:
+                    self._start(rid, self._open[0], self._now + self._ro.call_s[self._r_idx[rid]])
+                else:
+                    self._queue.append(rid)
+                    self._r_queued[rid] = True
+                    self._n_queued += 1
                 if timeout != math.inf:
                     self._push(self._now + timeout, _DEADLINE, rid, 0)
         self._running_rollouts += n_groups * k
@@ -227,6 +244,7 @@ class SimCluster:
             pending_work_s=pending,
             update_in_progress=self._update,
             ready_groups=tuple(self._ready_view),
+            ready_work_s=self._ready_work,
         )
 
     def take_groups(self, n: int) -> None:
@@ -238,6 +256,9 @@ class SimCluster:
         for v, g in self._ready[:n]:
             self._staleness.append(self._steps_done - v)
             self._pending += self._g_tokens[g] / rate
+        self._ready_work -= sum(g.work_s for g in self._ready_view[:n])
+        if not self._ready_view[n:]:
+            self._ready_work = 0.0  # no rounding residue once the buffer is empty
         del self._ready[:n]
         del self._ready_view[:n]
         self._taken += n
@@ -248,8 +269,7 @@ class SimCluster:
 
     # ---- internals
     def _push(self, t, kind, a, b):
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+        heapq.heappush(self._heap, (t, next(self._seq), kind, a, b))
 
     def _start(self, rid, cell, end):
         # (the hot copy of this is inlined in run())
@@ -294,7 +314,9 @@ class SimCluster:
                 del self._running_groups[v]
             i = bisect.bisect(self._ready, (v, g))
             self._ready.insert(i, (v, g))
-            self._ready_view.insert(i, ReadyGroup(version=v, work_s=self._g_tokens[g] / self.config.workload.train_tokens_per_s_per_cell))
+            work = self._g_tokens[g] / self.config.workload.train_tokens_per_s_per_cell
+            self._ready_view.insert(i, ReadyGroup(version=v, work_s=work))
+            self._ready_work += work
 
     def _advance(self):
         if self._rate and self._pending > 0:
@@ -341,7 +363,12 @@ class SimCluster:
         r_cell, r_end, r_tokens, r_queued = self._r_cell, self._r_end, self._r_tokens, self._r_queued
         active, routable, open_, queue, slots = self._active, self._routable, self._open, self._queue, self._slots
         insort = bisect.insort
+        nseq = self._seq.__next__
+        events = 0
         wall0 = last_log = time.perf_counter()
+        poll_s = controller.sample_s if controller.estimates is not None else 0.0
+        if poll_s > 0:  # the controller samples load on a grid: tick there (a real loop polls)
+            self._push(poll_s, _POLL, 0, 0)
         controller.tick()
         self._record_series()
         while self._steps_done < N:
@@ -353,7 +380,7 @@ class SimCluster:
             relevant = False
             while heap and heap[0][0] == t:
                 _, _, kind, a, b = pop(heap)
-                self.events += 1
+                events += 1
                 if kind == _CALL_END:
                     if b != r_token[a]:
                         continue
@@ -369,8 +396,7 @@ class SimCluster:
                         self._finish(a)
                         relevant = True
                     else:
-                        self._seq += 1
-                        push(heap, (t + tool_s[i], self._seq, _CALL_READY, a, b))
+                        push(heap, (t + tool_s[i], nseq(), _CALL_READY, a, b))
                     while queue and open_:  # a slot is free: start the oldest queued call (inlined _fill)
                         q = queue.popleft()
                         if not r_queued[q]:
@@ -389,8 +415,7 @@ class SimCluster:
                             del open_[0]
                         r_cell[q] = c
                         r_end[q] = t + rem
-                        self._seq += 1
-                        push(heap, (t + rem, self._seq, _CALL_END, q, r_token[q]))
+                        push(heap, (t + rem, nseq(), _CALL_END, q, r_token[q]))
                 elif kind == _CALL_READY:
                     if b != r_token[a]:
                         continue
@@ -403,8 +428,7 @@ class SimCluster:
                             del open_[0]
                         r_cell[a] = c
                         r_end[a] = t + d
-                        self._seq += 1
-                        push(heap, (t + d, self._seq, _CALL_END, a, b))
+                        push(heap, (t + d, nseq(), _CALL_END, a, b))
                     else:
                         queue.append(a)
                         r_queued[a] = True
@@ -440,6 +464,7 @@ class SimCluster:
                         self._reschedule()
                     else:
                         self._role[a] = ROLLOUT
+                    self._changed.add(a)
                     self._touch(a)
                     relevant = True
                 elif kind == _UPDATE_DONE:
@@ -452,7 +477,12 @@ class SimCluster:
                     self._published = a
                     self._publishing = False
                     relevant = True
+                elif kind == _POLL:
+                    if heap:  # (nothing else pending: let the stuck check see it)
+                        push(heap, (t + poll_s, nseq(), _POLL, 0, 0))
+                    relevant = True
             if relevant:
+                self.events = events
                 controller.tick()
                 self._record_series()
             if progress and time.perf_counter() - last_log > 5.0:
@@ -460,15 +490,15 @@ class SimCluster:
                 el = last_log - wall0
                 eta = el / max(self._steps_done, 1) * (N - self._steps_done)
                 print(f"  [{self.config.policy.mode}] step {self._steps_done}/{N} sim t={t / 3600:.2f} h "
-                      f"events={self.events} ({self.events / el:,.0f}/s) ETA {eta:.0f}s", flush=True)
+                      f"events={events} ({events / el:,.0f}/s) ETA {eta:.0f}s", flush=True)
+        self.events = events
         self._advance()
         for c in range(len(self._role)):
             self._segments.append((c, self._seg_t0[c], self._now, self._seg_state[c]))
             self._state_time[self._seg_state[c]] += self._now - self._seg_t0[c]
 
     def _record_series(self):
-        n_train = sum(1 for r in self._role if r == TRAIN)
-        self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, n_train))
+        self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, self._rate))
 
 
 def simulate(config: SimConfig, *, rollouts: Rollouts | None = None, progress: bool = False,

@@ -1,0 +1,93 @@
+"""Elastic is never worse than the best baseline by more than 2%.
+
+The baselines at their strongest: colocate, and async at its best fixed split in
+hindsight (every split simulated). Workloads are drawn at random (hypothesis): one model
+call or forty, no tools or 30-second ones, training from 5% to 70% of the work, batches
+of one wave of slots or several, on the issue's 16-cell cluster with the presets'
+staleness bound of 2. The one-wave uniform-short workload that elastic used to lose
+(1.76x slower than colocate) is pinned as its own test.
+
+Where the claim does not hold (stated, not hidden): clusters of a few cells, where the
+core cell (pinned to training) is a large share of serving capacity, and runs of a
+handful of steps with very heavy tails, where the best of 15 splits picked in hindsight
+is partly luck. tools/bench_scheduler.py reports the ratio on the presets.
+"""
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gyre_jax.scheduler import baselines, presets
+from gyre_jax.scheduler.policy import PolicyConfig
+from gyre_jax.scheduler.simulator import simulate
+from gyre_jax.scheduler.workloads import (ClusterConfig, SimConfig, WorkloadConfig, batch_filling_cluster,
+                                          mean_call_s, rollouts_for)
+
+FLOOR = 0.98
+
+
+def elastic_vs_best_baseline(cfg: SimConfig) -> tuple[float, dict]:
+    ro = rollouts_for(cfg)
+    sweep = baselines.async_sweep(cfg, ro, per_step=False)
+    co = baselines.colocate(cfg, ro)
+    el = simulate(cfg.replace(**{"policy.mode": "elastic"}), rollouts=ro, record_decisions=False)
+    best = min(co.makespan_s, sweep.best.makespan_s)
+    info = dict(colocate=co.makespan_s, async_best=sweep.best.makespan_s, split=sweep.best_split,
+                elastic=el.makespan_s, switches=el.switches)
+    return best / el.makespan_s, info
+
+
+@st.composite
+def workloads(draw, max_steps=8):
+    slots = draw(st.sampled_from([4, 8, 16]))
+    calls = draw(st.sampled_from([1, 3, 8, 20]))
+    w = dict(name="random", calls_median=float(calls), calls_shape=draw(st.floats(0.01, 0.8)), calls_max=calls * 6,
+             decode_tokens_median=draw(st.floats(50, 800)), decode_tokens_sigma=draw(st.floats(0, 0.6)),
+             context_tokens_median=draw(st.floats(100, 2000)), context_tokens_sigma=draw(st.floats(0, 0.6)),
+             decode_tok_s=draw(st.floats(20, 50)), prefill_tok_s=draw(st.floats(1000, 20000)),
+             tool_s_median=draw(st.sampled_from([0.0, 2.0, 10.0, 30.0])), tool_s_sigma=draw(st.floats(0, 1.0)),
+             optimizer_s=draw(st.floats(0, 20)), train_tokens_per_s_per_cell=1.0)
+    # training throughput set so that training is `share` of the work
+    share = draw(st.floats(0.05, 0.7))
+    serve_per_call = mean_call_s(WorkloadConfig(**w)) / slots
+    w["train_tokens_per_s_per_cell"] = (w["decode_tokens_median"] + w["context_tokens_median"]) / (
+        serve_per_call * share / (1 - share))
+    wl = WorkloadConfig(**w)
+    cl = ClusterConfig(accelerators=16, cell_size=1, slots_per_cell=slots, publish_s=draw(st.floats(1, 30)))
+    gs = draw(st.sampled_from([4, 8]))
+    G = batch_filling_cluster(cl, wl, gs) * draw(st.sampled_from([1, 2]))
+    pol = PolicyConfig(mode="elastic", total_steps=draw(st.integers(6, max_steps)), groups_per_step=G, group_size=gs,
+                       staleness_bound=2)
+    return SimConfig(cluster=cl, workload=wl, policy=pol, seed=draw(st.integers(0, 999)))
+
+
+def one_wave_uniform_short(steps: int = 20) -> SimConfig:
+    """The issue's case: 256 accelerators in 16 cells, one 13 s call per rollout, one wave of slots."""
+    prefill_s = 300 / 20000
+    wl = presets._wl_122b("one_wave_13s", calls_median=1, calls_shape=0.01, calls_max=1,
+                          decode_tokens_median=(13 - prefill_s) * 45, decode_tokens_sigma=0.0,
+                          context_tokens_median=300, context_tokens_sigma=0.0, tool_s_median=0, tool_s_sigma=0,
+                          rollout_timeout_s=math.inf)
+    return presets._make(presets._CELL_122B, wl, "elastic", steps, group_size=16, waves=1)
+
+
+def test_one_wave_uniform_short_is_no_longer_lost():
+    ratio, info = elastic_vs_best_baseline(one_wave_uniform_short())
+    assert ratio >= FLOOR, info
+    assert info["elastic"] < info["colocate"]  # was 1.76x slower than colocate
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=workloads(max_steps=6))
+def test_elastic_within_2pct_of_the_best_baseline(cfg):
+    ratio, info = elastic_vs_best_baseline(cfg)
+    assert ratio >= FLOOR, info
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=workloads())
+def test_elastic_within_2pct_of_the_best_baseline_many(cfg):
+    ratio, info = elastic_vs_best_baseline(cfg)
+    assert ratio >= FLOOR, info
