@@ -67,6 +67,8 @@ Every field can be overridden, e.g. ``--config.steps=10``.
 """
 import ml_collections
 
+from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -112,8 +114,9 @@ def get_config() -> ml_collections.ConfigDict:
         # shuffled); >= 2 = multi-step (rows stream into the running step; needs S >= k - 1)
         updates_per_publication=1,
         async_train_cells=1,  # async modes: cells 0..k-1 train, the rest serve
-        min_work_per_switch_s=0.3,  # elastic: training cell-seconds that pay for a role switch
-        serve_reserve=1.0,  # slots kept per running agent
+        # priors until the controller measured them (the policy's defaults; scheduler/policy.py says why)
+        min_work_per_switch_s=DEFAULT_MIN_WORK_PER_SWITCH_S,  # elastic: cell-seconds a role switch costs
+        serve_reserve=DEFAULT_SERVE_RESERVE,  # slots kept per running agent
         poll_s=0.05,  # controller tick (it also wakes on every event)
     ))
     c.task = ml_collections.ConfigDict(dict(

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Mapping
 
 from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
+from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
 from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES  # the scheduler owns the policy modes
 
 
@@ -87,8 +88,11 @@ class SchedulerConfig:
     # finish, k updates train on rollouts of the last published version).
     updates_per_publication: int = 1
     async_train_cells: int = 1  # async modes: cells 0..k-1 train (k >= 1)
-    min_work_per_switch_s: float = 0.5  # elastic: cell-seconds of work that pay for a switch
-    serve_reserve: float = 1.0
+    # Priors until the controller has measured them (switch round trip; calls per running
+    # agent): the policy's own defaults, so the loop runs the controller the simulator predicts
+    # (gyre_jax/scheduler/policy.py says where each value comes from).
+    min_work_per_switch_s: float = DEFAULT_MIN_WORK_PER_SWITCH_S
+    serve_reserve: float = DEFAULT_SERVE_RESERVE
     poll_s: float = 0.05  # controller tick period (it also wakes on every event)
 
     def __post_init__(self):
