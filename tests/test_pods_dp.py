@@ -124,6 +124,9 @@ def test_satellite_process_matches_one_process(tmp_path):
     assert m["loss"] == want_losses[0]
     assert len(m["cell_of"]) == MBS and set(m["cell_of"]) == {0, 1} and m["cell_of"][:JOIN_AFTER] == [0] * JOIN_AFTER
     assert [s["cell"] for s in m["snapshots"]] == [1] and not m["failed_cells"]
+    # The new version published to the satellite's serving layout (a reshard on the way), every byte.
+    assert [(p["cell"], p["version"], p["bytes"]) for p in m["published"]] == [(1, 1, sum(v.nbytes for v in want_params.values()))]
+    assert "serving version 1 " in out
 
 
 @pytest.mark.slow

@@ -148,9 +148,13 @@ def _satellite(cfg, steps, cell, transport) -> dict:
         if me == cfg.hold_satellite and n == 0:
             hold_forever(f"pods satellite {me}: holding micro-batch {i} (fault injection)")
 
-    done = serve(transport, steps, cell.train_mesh, on_grad=on_grad)
+    publisher = cells.WeightPublisher(steps.spec.logical_params, steps.spec.abstract_params)
+    done = serve(transport, steps, cell.train_mesh, serve_shardings=publisher.shardings(cell, cells.Role.ROLLOUT),
+                 on_grad=on_grad)
     print(f"pods satellite {me}: {done['micro_batches']} micro-batches, {done['snapshots']} snapshots "
-          f"({done['snapshot_bytes'] / 1e6:.2f} MB in {done['snapshot_seconds']:.3f} s)", flush=True)
+          f"({done['snapshot_bytes'] / 1e6:.2f} MB in {done['snapshot_seconds']:.3f} s), serving version "
+          f"{done['published_version']} ({done['publish_bytes'] / 1e6:.2f} MB published in "
+          f"{done['publish_seconds']:.3f} s)", flush=True)
     transport.kv.key_value_set(BYE.format(process=me), "1")
     return done
 
@@ -165,28 +169,34 @@ def _core(cfg, model, spec, steps, core, transport, workdir) -> dict:
     t_run = time.perf_counter()
     for s in range(cfg.steps):
         report = _one_step(cfg, trainer, core, remotes, micro_batches(cfg, model, s, trainer.version))
-        by_cell = {c: report.cell_of.count(c) for c in sorted(set(report.cell_of))}
-        snaps = [dict(cell=m.cell_index, bytes=m.bytes, seconds=m.seconds, gbps=m.gbps) for m in report.snapshots]
-        line = dict(step=s, version=report.version, loss=report.loss, grad_norm=report.grad_norm,
-                    cell_of=list(report.cell_of), failed_cells=[list(f) for f in report.failed_cells],
-                    snapshots=snaps, seconds=report.seconds)
-        lines.append(line)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-        pulls = ", ".join(f"cell {m['cell']} {m['bytes'] / 1e6:.2f} MB {m['gbps']:.2f} GB/s" for m in snaps)
-        failed = f" failed {report.failed_cells}" if report.failed_cells else ""
-        print(f"pods_dp: step {s} loss {report.loss:.6f} grad_norm {report.grad_norm:.4f} micro-batches by cell "
-              f"{by_cell} snapshots [{pulls}]{failed} {report.seconds:.2f} s", flush=True)
         dead = {c for c, _ in report.failed_cells}
         for r in remotes:
             if r.index in dead:  # its server is gone: never connect to it again (a connect could hang)
                 transport.forget(r.process)
         remotes = [r for r in remotes if r.index not in dead]
+        # Publish the new version to every live satellite's serving layout (as to its engine).
+        pubs = [r.link.publish(trainer.state.params, trainer.version, r.index) for r in remotes]
+        by_cell = {c: report.cell_of.count(c) for c in sorted(set(report.cell_of))}
+        snaps = [dict(cell=m.cell_index, bytes=m.bytes, seconds=m.seconds, gbps=m.gbps) for m in report.snapshots]
+        line = dict(step=s, version=report.version, loss=report.loss, grad_norm=report.grad_norm,
+                    cell_of=list(report.cell_of), failed_cells=[list(f) for f in report.failed_cells],
+                    snapshots=snaps, seconds=report.seconds,
+                    published=[dict(cell=m.cell_index, version=m.version, bytes=m.bytes, seconds=m.seconds) for m in pubs])
+        lines.append(line)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        pulls = ", ".join(f"cell {m['cell']} {m['bytes'] / 1e6:.2f} MB {m['gbps']:.2f} GB/s" for m in snaps)
+        failed = f" failed {report.failed_cells}" if report.failed_cells else ""
+        pub = ", ".join(f"cell {m.cell_index} {m.bytes / 1e6:.2f} MB {m.seconds:.3f} s" for m in pubs)
+        print(f"pods_dp: step {s} loss {report.loss:.6f} grad_norm {report.grad_norm:.4f} micro-batches by cell "
+              f"{by_cell} snapshots [{pulls}] published v{trainer.version} [{pub}]{failed} {report.seconds:.2f} s",
+              flush=True)
     failed = {c for ln in lines for c, _ in ln["failed_cells"]}
     for r in remotes:
         r.link.stop()
-    for r in remotes:  # the coordination service lives in this process: let live satellites leave first
+    for r in remotes:  # the coordination service lives in this process: live satellites shut down first
         get(transport.kv, BYE.format(process=r.process), timeout_s=120)
+        transport.wait_gone(r.process)
     np.savez(os.path.join(workdir, "params.npz"), **flat_params(trainer.state.params))
     summary = dict(steps=cfg.steps, processes=jax.process_count(), seconds=time.perf_counter() - t_run,
                    failed_cells=sorted(failed), final_loss=lines[-1]["loss"])

@@ -12,8 +12,14 @@ jitted ``CellSteps.grad_step`` as a local cell, and offers (grads, stats) back.
 The core's reducer sums them in micro-batch index order with everyone else's,
 so the new params are bit-identical to a single-process step.
 
+Publication: ``SatelliteLink.publish`` offers a new policy version; the
+satellite pulls it in the training layout (a pull cannot change the layout),
+reshards it locally into its *serving* layout (train fsdp -> serve tensor) and
+reports bytes and seconds (``published``), as an engine there would load it.
+
 Messages (``Mailbox``, JSON): ``{"op": "params", "uuid", "version", "core"}``,
-``{"op": "grad", "i", "in", "out", "shapes", "core"}``, ``{"op": "stop"}``.
+``{"op": "grad", "i", "in", "out", "shapes", "core"}``, ``{"op": "publish",
+"uuid", "version", "core"}``, ``{"op": "stop"}``.
 
 A satellite killed mid-step: the core's pull of its result fails when its
 server's socket closes, the worker raises, and ``ElasticStep`` gives the
@@ -25,6 +31,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gyre_jax.cells.publish import TO_TRAIN, MoveStats
+from gyre_jax.cells.publish import TO_ROLLOUT, TO_TRAIN, MoveStats
 from gyre_jax.cells.train_step import CellSteps
 from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
 
@@ -40,6 +47,7 @@ log = logging.getLogger(__name__)
 
 HELLO = "pods/hello/{process}"  # a satellite's "serving": JSON {"process", "devices"}
 SNAPSHOT = "pods/snapshot/{process}/{uuid}"  # a satellite's params pull: JSON PullStats fields
+PUBLISHED = "pods/published/{process}/{version}"  # a satellite holds this version for serving: JSON PullStats fields
 
 
 class SatelliteLink:
@@ -85,6 +93,14 @@ class SatelliteLink:
         """Wait for a submitted micro-batch's (grads, stats); raises if the satellite died meanwhile."""
         return jax.block_until_ready(result)
 
+    def publish(self, params, version: int, cell_index: int, *, timeout_s: float = 300.0) -> MoveStats:
+        """Move policy ``version`` to the satellite's serving layout; returns once it holds it (its bytes, seconds)."""
+        uuid = self.t.new_uuid()
+        self.t.offer(uuid, params)
+        self.mail.send({"op": "publish", "uuid": uuid, "version": int(version), "core": self.t.process})
+        d = json.loads(get(self.t.kv, PUBLISHED.format(process=self.process, version=int(version)), timeout_s=timeout_s))
+        return MoveStats(TO_ROLLOUT, int(version), cell_index, int(d["bytes"]), float(d["seconds"]))
+
     def stop(self) -> None:
         self.mail.send({"op": "stop"})
 
@@ -120,12 +136,15 @@ class RemoteCell:
         return f"RemoteCell({self.index}, process={self.process})"
 
 
-def serve(transport: Transport, steps: CellSteps, mesh, *,
+def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
           on_grad: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Serve the core's messages until ``stop``: the satellite process's main loop.
 
-    ``on_grad(n, i)`` runs before the n-th micro-batch (index ``i``) is computed
-    (fault injection and pacing). Returns counts for the caller's summary.
+    ``mesh``: the cell's training mesh; ``serve_shardings``: the params' serving
+    layout (``WeightPublisher.shardings(cell, Role.ROLLOUT)``), where publications
+    land (default: the training layout). ``on_grad(n, i)`` runs before the n-th
+    micro-batch (index ``i``) is computed (fault injection and pacing). Returns
+    counts and the latest published version for the caller's summary.
     """
     me = transport.process
     mail = Mailbox(transport.kv, me)
@@ -135,7 +154,9 @@ def serve(transport: Transport, steps: CellSteps, mesh, *,
     transport.kv.key_value_set(HELLO.format(process=me), json.dumps({"process": me, "devices": [d.id for d in mesh.devices.flat]}),
                                allow_overwrite=True)
     params, version = None, None
-    done = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0}
+    done = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0,
+            "published_version": None, "publish_bytes": 0, "publish_seconds": 0.0}
+    published = None  # (version, params in the serving layout): what an engine here would serve
     while True:
         msg = mail.recv()
         op = msg.get("op")
@@ -151,6 +172,22 @@ def serve(transport: Transport, steps: CellSteps, mesh, *,
             done["snapshot_seconds"] += st.seconds
             log.info("pods satellite %d: params v%d pulled, %.2f MB in %.3f s (%.2f GB/s)",
                      me, version, st.bytes / 1e6, st.seconds, st.gbps)
+        elif op == "publish":
+            published = None  # drop the old version first, as a role switch does
+            t0 = time.perf_counter()
+            # A pull cannot change the layout (jax 0.10.2: "Async transfer object was deleted before transfers
+            # completed" when the target sharding differs), so: the core's layout across, the reshard here.
+            p, st = transport.pull_ready(int(msg["core"]), int(msg["uuid"]), params_like)
+            if serve_shardings is not None:
+                p = jax.block_until_ready(jax.device_put(p, serve_shardings))
+            seconds = time.perf_counter() - t0
+            published = (int(msg["version"]), p)
+            transport.kv.key_value_set(PUBLISHED.format(process=me, version=published[0]),
+                                       json.dumps({"bytes": st.bytes, "seconds": seconds, "pull_seconds": st.seconds}),
+                                       allow_overwrite=True)
+            done["published_version"] = published[0]
+            done["publish_bytes"] += st.bytes
+            done["publish_seconds"] += seconds
         elif op == "grad":
             if params is None:
                 raise RuntimeError(f"pods satellite {me}: micro-batch {msg['i']} before any params snapshot")

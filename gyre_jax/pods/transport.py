@@ -26,6 +26,7 @@ bits a counter, so two processes never offer under the same uuid.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import json
 import threading
@@ -33,7 +34,9 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import transfer
+from jax.sharding import SingleDeviceSharding
 
 from gyre_jax.cells.publish import tree_bytes
 
@@ -115,6 +118,21 @@ class Transport:
         """Start pulling ``uuid`` from ``process`` into ``like``'s shapes and shardings; returns arrays at once
         (they become ready when the bytes are in; ``block_until_ready`` raises if the peer died)."""
         return self.connect(process).pull(uuid, like)
+
+    def wait_gone(self, process: int, *, timeout_s: float = 120.0) -> str:
+        """Block until ``process`` has exited (its transfer server's socket closes); the error that said so.
+
+        Pulls a uuid nobody offers: the pull can only end by the peer going away (or
+        the timeout). The core runs the coordination service, so it must outlive every
+        satellite's own ``jax.distributed`` shutdown; a KV message cannot say "I am gone".
+        """
+        like = jax.ShapeDtypeStruct((1,), np.int8, sharding=SingleDeviceSharding(jax.local_devices()[0]))
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        try:
+            jax.block_until_ready(self.connect(process).pull(self.new_uuid(), {"x": like}, timeout=deadline))
+        except Exception as e:  # noqa: BLE001 - the expected way out
+            return str(e)
+        raise RuntimeError(f"pods: process {process} answered a pull nobody offered")
 
     def pull_ready(self, process: int, uuid: int, like) -> tuple[Any, PullStats]:
         """``pull`` and wait: (arrays, stats)."""
