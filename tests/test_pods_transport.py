@@ -1,0 +1,63 @@
+"""gyre_jax.pods.transport in one process: two Transports (two transfer servers) on one coordination service.
+
+The multi-process paths are in tests/test_pods_dp.py; here the pieces, fast:
+a pytree of sharded arrays offered on one server and pulled by the other onto
+other devices, bit for bit; pull uuids from different processes never collide;
+the mailbox keeps order and deletes what it delivered; a KV wait names its key
+when it times out.
+"""
+import socket
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
+
+
+@pytest.fixture(scope="module")
+def kv():
+    from jax._src.lib import _jax  # the runtime jax.distributed.initialize starts, without making this process global
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = _jax.get_distributed_runtime_service(f"127.0.0.1:{port}", 1)
+    client = _jax.get_distributed_runtime_client(f"127.0.0.1:{port}", 0, init_timeout=60)
+    client.connect()
+    yield client
+    client.shutdown()
+    service.shutdown()
+
+
+def test_pull_pytree_onto_other_devices(kv):
+    a, b = Transport(client=kv, process_index=0), Transport(client=kv, process_index=1)
+    devs = jax.devices()
+    src = NamedSharding(Mesh(np.array(devs[:2]), ("x",)), P("x"))
+    dst = NamedSharding(Mesh(np.array(devs[2:4]), ("x",)), P("x"))
+    rng = np.random.default_rng(0)
+    host = {"w": rng.standard_normal((4, 6)).astype(np.float32), "b": rng.integers(0, 9, (2,)).astype(np.int32)}
+    tree = jax.device_put(host, src)
+    uuid = a.new_uuid()
+    assert uuid != b.new_uuid()  # per-process high bits
+    a.offer(uuid, tree)
+    out, st = b.pull_ready(0, uuid, abstract(tree, dst))
+    assert st.bytes == sum(v.nbytes for v in host.values())
+    for k in host:
+        assert out[k].sharding == dst
+        assert {d for d in out[k].devices()} == set(devs[2:4])
+        np.testing.assert_array_equal(np.asarray(out[k]), host[k])
+
+
+def test_mailbox_order_and_timeout(kv):
+    out, inbox = Mailbox(kv, 7), Mailbox(kv, 7)
+    for i in range(3):
+        out.send({"op": "grad", "i": i})
+    assert [inbox.recv(timeout_s=5)["i"] for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(Exception, match="NOT_FOUND"):  # delivered messages are gone from the store
+        kv.key_value_try_get("pods/mail/7/0")
+    with pytest.raises(TimeoutError, match="pods/mail/7/3"):
+        inbox.recv(timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="no value for 'nothing/here'"):
+        get(kv, "nothing/here", timeout_s=0.2)
