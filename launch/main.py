@@ -15,6 +15,11 @@ e.g. a Cloud TPU VM pod's metadata server). On this machine, two processes of
     for i in 0 1; do python -m launch.main --config configs/synthetic_train.py \\
         --config.num_cpu_devices=2 --coordinator_address=127.0.0.1:12355 \\
         --num_processes=2 --process_id=$i --workdir /tmp/synth2 & done; wait
+
+``tools/launch_local.py -n N -- <these flags>`` does that for N processes (logs
+prefixed ``[pI]``, all killed if one fails), e.g. the pods job, cells in
+separate processes: ``python tools/launch_local.py -n 3 -- --config configs/pods_dp.py``.
+A config with ``recoverable_processes=True`` keeps the run going when one process dies.
 """
 import sys
 

@@ -254,7 +254,9 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     ensure_cpu_devices(cfg.num_cpu_devices)
     if jax.process_count() > 1:
         raise ConfigError(f"the rl job runs in one process (this is process {jax.process_index()} of "
-                          f"{jax.process_count()}); cells in separate processes are not built yet")
+                          f"{jax.process_count()}); cells in separate processes train with job pods_dp "
+                          "(tools/launch_local.py -n 3 -- --config configs/pods_dp.py), the RL loop across "
+                          "processes is not built yet")
     n_cells = cfg.check_devices(len(jax.devices()))
     tok = load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
     mc = cfg.model
