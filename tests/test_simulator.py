@@ -1,4 +1,5 @@
 """The discrete-event simulator: determinism, staleness bound, nothing dropped, outputs."""
+import dataclasses
 import math
 
 import numpy as np
@@ -123,3 +124,22 @@ def test_lower_bound_critical_path_matches_a_per_rollout_loop():
     assert kind == "critical_path" and lb == pytest.approx(longest + cfg.workload.optimizer_s, rel=1e-12)
     lb, kind = lower_bound(cfg, ro, serving_slot_s=8 * 2 * 1e4, train_work_s=0.0)  # 8 cells x 2 slots busy 1e4 s
     assert kind == "work" and lb == pytest.approx(1e4 + 6 * 2.0 / 8)
+
+
+def test_drift_scales_tokens_per_call_and_calls_per_rollout_with_launch_order():
+    w = tiny_sim_config().workload
+    n = 2000
+    base = workloads.sample_rollouts(w, n, 5)
+    grown = workloads.sample_rollouts(dataclasses.replace(w, drift_tokens=2.0), n, 5)
+    # same draws, each call's tokens times its rollout's factor 1 + r / (n - 1)
+    assert grown.offsets == base.offsets
+    owner = np.repeat(np.arange(n), np.diff(base.offsets))
+    np.testing.assert_allclose(grown.tokens, np.asarray(base.tokens) * (1 + owner / (n - 1)), rtol=1e-12)
+    np.testing.assert_allclose(grown.call_s, np.asarray(base.call_s) * (1 + owner / (n - 1)), rtol=1e-12)
+    calls = np.diff(workloads.sample_rollouts(dataclasses.replace(w, drift_calls=3.0, calls_shape=0.3), n, 5).offsets)
+    flat = np.diff(workloads.sample_rollouts(dataclasses.replace(w, calls_shape=0.3), n, 5).offsets)
+    # the last fifth (mean factor 2.8) against the first (1.2): ~2.33x as many calls
+    ratio = calls[-n // 5:].mean() / calls[: n // 5].mean()
+    assert 2.1 < ratio < 2.6 and 0.9 < flat[-n // 5:].mean() / flat[: n // 5].mean() < 1.1
+    with pytest.raises(ValueError, match="drift_calls"):
+        dataclasses.replace(w, drift_calls=0.0)

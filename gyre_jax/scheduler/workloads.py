@@ -55,6 +55,12 @@ class WorkloadConfig:
     rollout_timeout_s: float = math.inf  # harness deadline from launch; inf = none
     train_tokens_per_s_per_cell: float  # forward+backward tokens/s of one training cell
     optimizer_s: float  # gradient reduce + optimizer update on the core, per step
+    # Drift: rollouts grow as the policy learns (agents take more turns and write more per
+    # turn). Calls per rollout and tokens per call (generated and new context alike) are
+    # scaled by factors rising linearly with launch order from 1 (first rollout) to these
+    # (last rollout). 1 = no drift. calls_max scales with drift_calls.
+    drift_calls: float = 1.0
+    drift_tokens: float = 1.0
 
     def __post_init__(self):
         if self.calls_dist not in CALL_DISTS:
@@ -64,6 +70,9 @@ class WorkloadConfig:
         for n in ("decode_tokens_sigma", "context_tokens_sigma", "tool_s_sigma", "tool_s_median", "optimizer_s"):
             if getattr(self, n) < 0:
                 raise ValueError(f"WorkloadConfig({self.name}).{n}={getattr(self, n)} must be >= 0")
+        for n in ("drift_calls", "drift_tokens"):
+            if not getattr(self, n) > 0:
+                raise ValueError(f"WorkloadConfig({self.name}).{n}={getattr(self, n)} must be > 0")
         if self.calls_max < 1 or self.calls_max < self.calls_median:
             raise ValueError(f"WorkloadConfig({self.name}).calls_max={self.calls_max} must be >= max(1, calls_median)")
 
@@ -144,13 +153,20 @@ class Rollouts:
         return len(self.offsets) - 1
 
 
+def drift_factor(final: float, n: int) -> np.ndarray:
+    """Per-rollout scale, rising linearly with launch order from 1 to `final`."""
+    return 1.0 + (final - 1.0) * np.arange(n) / max(n - 1, 1)
+
+
 def sample_calls(w: WorkloadConfig, n: int, rng: np.random.Generator) -> np.ndarray:
     if w.calls_dist == "lognormal":
         x = rng.lognormal(math.log(w.calls_median), w.calls_shape, n)
     else:  # Pareto with the given median: scale * 2**(1/alpha) = median
         scale = w.calls_median / 2.0 ** (1.0 / w.calls_shape)
         x = scale * (1.0 + rng.pareto(w.calls_shape, n))
-    return np.clip(np.round(x), 1, w.calls_max).astype(np.int64)
+    if w.drift_calls != 1.0:
+        x = x * drift_factor(w.drift_calls, n)
+    return np.clip(np.round(x), 1, max(w.calls_max, round(w.calls_max * w.drift_calls))).astype(np.int64)
 
 
 def sample_rollouts(w: WorkloadConfig, n: int, seed: int, *, merge: int = 1) -> Rollouts:
@@ -160,6 +176,9 @@ def sample_rollouts(w: WorkloadConfig, n: int, seed: int, *, merge: int = 1) -> 
     decode = rng.lognormal(math.log(w.decode_tokens_median), w.decode_tokens_sigma, total)
     context = rng.lognormal(math.log(w.context_tokens_median), w.context_tokens_sigma, total)
     tool = rng.lognormal(math.log(max(w.tool_s_median, 1e-12)), w.tool_s_sigma, total) if w.tool_s_median > 0 else np.zeros(total)
+    if w.drift_tokens != 1.0:
+        per_call = np.repeat(drift_factor(w.drift_tokens, n), calls)
+        decode, context = decode * per_call, context * per_call
     call_s = context / w.prefill_tok_s + decode / w.decode_tok_s
     tokens = decode + context
     offsets = np.concatenate([[0], np.cumsum(calls)])
