@@ -34,6 +34,13 @@ not depend on which cell computed which micro-batch, nor on when a satellite
 joined, left or failed. The cost: one gradient-sized transfer per micro-batch
 a satellite computes, instead of one per satellite.
 
+Other processes. ``join`` also takes a cell that lives in another process
+(``gyre_jax.pods.RemoteCell``: no local devices, a ``link``). Its worker here
+mails it each micro-batch it pulls and pulls the gradient back onto the core's
+shardings (``jax.experimental.transfer``); the params snapshot goes with its
+first micro-batch. A micro-batch is delivered only once its gradient is on the
+core, so a killed satellite process (its pull fails) hands all it held back.
+
 Overlap. Each cell runs in its own thread and keeps up to ``in_flight``
 micro-batches dispatched (JAX async dispatch), so cells compute concurrently
 and the reducer's additions overlap with them; a cell only blocks to learn that
@@ -342,18 +349,8 @@ class ElasticStep:
         bsh = steps.batch_sharding(mesh)
         is_core = cell is self._t.core
         core_ps = steps.param_shardings(self._t.core.train_mesh)
-        pending: collections.deque = collections.deque()
-        while True:
-            i = self._pull(cell)
-            if i is None:
-                while pending:
-                    self._done(cell, *pending.popleft())
-                if self._stopping(cell):
-                    return
-                continue
-            t_pull = time.perf_counter() - self._t0
-            if self._on_pull is not None:
-                self._on_pull(cell.index, i)
+
+        def dispatch(i):
             grads, stats = grad_step(params, jax.device_put(self._mbs[i], bsh))
             if not is_core:
                 grads = jax.device_put(grads, core_ps)
@@ -362,10 +359,45 @@ class ElasticStep:
                 self._cell_of[i] = cell.index
                 self._pulled_by[cell.index].discard(i)
                 self._cv.notify_all()
-            # Wait on stats, never on grads: the reducer may already have donated them.
-            pending.append((i, stats, t_pull))
+            return stats  # wait on stats, never on grads: the reducer may already have donated them
+
+        self._pull_loop(cell, dispatch, lambda i, stats, t_pull: self._done(cell, i, stats, t_pull))
+
+    def _remote_loop(self, cell, core_params) -> None:
+        """A satellite in another process: mail it micro-batches, pull back (grads, stats) onto the core.
+
+        A micro-batch counts as delivered only once its gradient is on the core, so
+        a satellite that dies mid-step (its pull raises) hands back everything it held.
+        """
+        link = cell.link
+        began = [False]
+
+        def dispatch(i):
+            first = not began[0]
+            if first:  # offered with the first micro-batch: a satellite that gets none pulls nothing
+                link.begin(core_params, self._t.version)
+                began[0] = True
+            return link.submit(i, self._mbs[i]), first
+
+        self._pull_loop(cell, dispatch, lambda i, sent, t_pull: self._deliver_remote(cell, i, *sent, t_pull))
+
+    def _pull_loop(self, cell, dispatch, finish) -> None:
+        """Pull, ``dispatch(i)``, keep up to ``in_flight`` dispatched; ``finish`` the oldest before pulling more."""
+        pending: collections.deque = collections.deque()
+        while True:
+            i = self._pull(cell)
+            if i is None:
+                while pending:
+                    finish(*pending.popleft())
+                if self._stopping(cell):
+                    return
+                continue
+            t_pull = time.perf_counter() - self._t0
+            if self._on_pull is not None:
+                self._on_pull(cell.index, i)
+            pending.append((i, dispatch(i), t_pull))
             while len(pending) >= self._t.in_flight:
-                self._done(cell, *pending.popleft())
+                finish(*pending.popleft())
 
     def _stopping(self, cell) -> bool:
         """After a pull found nothing: whether the worker ends (a join may have cancelled the leave meanwhile)."""
@@ -375,35 +407,7 @@ class ElasticStep:
                 return True
             return self._exhausted(cell)
 
-    def _remote_loop(self, cell, core_params) -> None:
-        """A satellite in another process: mail it micro-batches, pull back (grads, stats) onto the core.
-
-        A micro-batch counts as delivered only once its gradient is on the core, so
-        a satellite that dies mid-step (its pull raises) hands back everything it held.
-        """
-        link = cell.link
-        pending: collections.deque = collections.deque()
-        began = False
-        while True:
-            i = self._pull(cell)
-            if i is None:
-                while pending:
-                    self._deliver_remote(cell, *pending.popleft())
-                if self._stopping(cell):
-                    return
-                continue
-            t_pull = time.perf_counter() - self._t0
-            if self._on_pull is not None:
-                self._on_pull(cell.index, i)
-            first = not began
-            if first:  # offered with the first micro-batch: a satellite that gets none pulls nothing
-                link.begin(core_params, self._t.version)
-                began = True
-            pending.append((i, link.submit(i, self._mbs[i]), t_pull, first))
-            while len(pending) >= self._t.in_flight:
-                self._deliver_remote(cell, *pending.popleft())
-
-    def _deliver_remote(self, cell, i: int, result, t_pull: float, first: bool) -> None:
+    def _deliver_remote(self, cell, i: int, result, first: bool, t_pull: float) -> None:
         grads, stats = cell.link.collect(result)
         snap = cell.link.snapshot_stats(self._t.version, cell.index) if first else None  # pulled before this result
         with self._cv:
