@@ -29,6 +29,8 @@ import dataclasses
 import datetime
 import itertools
 import json
+import os
+import socket
 import threading
 import time
 from typing import Any
@@ -57,6 +59,19 @@ def kv_client():
     return global_state.client
 
 
+def transfer_host() -> str:
+    """The address this process's transfer server binds and announces: ``GYRE_TRANSFER_HOST`` if set, loopback when
+    the coordinator is on loopback (one machine), else this host's address (a cluster: peers on other hosts)."""
+    from jax._src.distributed import global_state
+
+    if os.environ.get("GYRE_TRANSFER_HOST"):
+        return os.environ["GYRE_TRANSFER_HOST"]
+    coord = global_state.coordinator_address or "127.0.0.1:0"
+    if coord.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
 @dataclasses.dataclass(frozen=True)
 class PullStats:
     """One pytree moved between processes: bytes and the seconds until it was on this side's devices."""
@@ -80,8 +95,9 @@ def abstract(tree, shardings) -> Any:
 class Transport:
     """This process's end: a transfer server, a KV client, connections to peers by process index."""
 
-    def __init__(self, *, host: str = "127.0.0.1", client=None, process_index: int | None = None):
+    def __init__(self, *, host: str | None = None, client=None, process_index: int | None = None):
         self.kv = kv_client() if client is None else client
+        host = host or transfer_host()
         self.process = jax.process_index() if process_index is None else int(process_index)
         device_client = jax.local_devices()[0].client
         self.server = transfer.start_transfer_server(device_client, f"{host}:0", [f"{host}:0"])
