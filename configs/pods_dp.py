@@ -16,6 +16,8 @@ step), workdir/params.npz (the final params, bit-identical to one process runnin
 the same steps alone: tests/test_pods_dp.py) and workdir/summary.json.
 Fault injection: ``--config.hold_satellite=2`` makes process 2 stop at its first
 micro-batch and print ``holding``; kill it (kill -9) and the step completes on the others.
+Restart it (the same launch.main command, same --process_id, without the hold) and it
+rejoins at the next step boundary; ``--config.min_satellites=2`` makes the core wait for it.
 """
 import ml_collections
 
@@ -33,6 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.join_after = 2  # the core computes this many micro-batches of a step before the satellites join
     c.in_flight = 2  # micro-batches a cell keeps dispatched (a satellite: mailed and not yet pulled back)
     c.hold_satellite = -1  # fault injection: this satellite process blocks at its first micro-batch (-1: none)
+    c.min_satellites = 0  # before a step, wait for this many live satellites (a restarted one rejoins)
+    c.rejoin_wait_s = 300.0  # ... for at most this long, then go on with those there are
     c.learning_rate = 1e-3  # AdamW
     c.weight_decay = 0.01
     c.max_grad_norm = 1.0

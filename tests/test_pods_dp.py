@@ -14,7 +14,8 @@ compute some of them.
 the test kills it with SIGKILL; the step completes on the others, names cell 2
 as failed, every micro-batch is computed exactly once (cell 0 or 1) and the
 params are still bit-identical to the one-process run (a micro-batch summed
-twice or never would change them); the next step runs without it.
+twice or never would change them). The test restarts process 2 with the same
+command; it rejoins and trains in the next step.
 """
 import json
 import os
@@ -150,24 +151,46 @@ def test_satellite_processes_match_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_killed_satellite(tmp_path):
+    """Kill -9 satellite 2 mid-step, restart it: step 0 completes without it, step 1 waits for it
+    (``min_satellites=2``) and trains with it again; params bit-identical throughout."""
     cfg = _config()
-    killed = []
+    killed, restarted, port = [], [], []
 
     def on_line(line, pids):
+        m = re.match(r"^launch_local: coordinator (\S+)$", line.strip())
+        if m:
+            port.append(m.group(1))
         if line.startswith("[p2] pods satellite 2: holding") and not killed:
             os.kill(pids[2], signal.SIGKILL)  # kill -9, mid-step: it holds micro-batches it never returns
             killed.append(pids[2])
+            # The same command again, as a cluster's restart would run it (without the fault).
+            cmd = [sys.executable, "-m", "launch.main", *FLAGS, f"--config.steps={STEPS}", "--config.min_satellites=2",
+                   f"--workdir={tmp_path}", f"--coordinator_address={port[0]}", "--num_processes=3", "--process_id=2"]
+            restarted.append(subprocess.Popen(cmd, cwd=ROOT, env={**_env(), "JAX_NUM_CPU_DEVICES": "2"},
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
 
-    rc, lines = _launch(tmp_path, extra=["--config.hold_satellite=2"], launcher=["--expendable=2"], on_line=on_line)
-    out = "".join(lines)
-    assert rc == 0, out[-6000:]
-    assert killed, out[-4000:]
+    try:
+        rc, lines = _launch(tmp_path, extra=["--config.hold_satellite=2", "--config.min_satellites=2"],
+                            launcher=["--expendable=2"], on_line=on_line)
+        out = "".join(lines)
+        assert rc == 0, out[-6000:]
+        assert killed and restarted, out[-4000:]
+        r_out, _ = restarted[0].communicate(timeout=TIMEOUT_S)
+        assert restarted[0].returncode == 0, r_out[-4000:]
+    finally:
+        for p in restarted:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert "launch_local: process 2 exited -9 (expendable" in out
+    assert "pods_dp: satellite 2 rejoined" in out
+    assert "pods satellite 2: " in r_out and "micro-batches" in r_out
     metrics, params = _results(tmp_path)
     first, second = metrics
     assert [c for c, _ in first["failed_cells"]] == [2]
     assert len(first["cell_of"]) == MBS and set(first["cell_of"]) <= {0, 1} and 1 in first["cell_of"]
-    assert set(second["cell_of"]) <= {0, 1} and not second["failed_cells"]
+    assert first["satellites"] == [1]
+    assert second["satellites"] == [1, 2] and set(second["cell_of"]) == {0, 1, 2} and not second["failed_cells"]
     want_params, want_losses = one_process_reference(cfg)
     _assert_bit_identical(params, want_params)
     assert [m["loss"] for m in metrics] == want_losses

@@ -56,8 +56,8 @@ def test_mailbox_order_and_timeout(kv):
         out.send({"op": "grad", "i": i})
     assert [inbox.recv(timeout_s=5)["i"] for _ in range(3)] == [0, 1, 2]
     with pytest.raises(Exception, match="NOT_FOUND"):  # delivered messages are gone from the store
-        kv.key_value_try_get("pods/mail/7/0")
-    with pytest.raises(TimeoutError, match="pods/mail/7/3"):
+        kv.key_value_try_get("pods/mail/7/0/0")
+    with pytest.raises(TimeoutError, match="pods/mail/7/0/3"):
         inbox.recv(timeout_s=0.2)
     with pytest.raises(TimeoutError, match="no value for 'nothing/here'"):
         get(kv, "nothing/here", timeout_s=0.2)

@@ -54,6 +54,7 @@ def launch(n: int, flags: list[str], *, port: int | None = None, devices_per_pro
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     lock = threading.Lock()
     procs, threads = [], []
+    print(f"launch_local: coordinator 127.0.0.1:{port}", flush=True)  # a restarted process joins with it
     for i in range(n):
         cmd = [python, "-m", "launch.main", *flags, f"--coordinator_address=127.0.0.1:{port}",
                f"--num_processes={n}", f"--process_id={i}"]

@@ -45,6 +45,8 @@ class PodsDPConfig:
     join_after: int = 2
     in_flight: int = 2
     hold_satellite: int = -1
+    min_satellites: int = 0
+    rejoin_wait_s: float = 300.0
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
@@ -54,6 +56,9 @@ class PodsDPConfig:
         for name in ("steps", "micro_batches", "rows", "row_len", "in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_satellites < 0 or not self.rejoin_wait_s > 0:
+            raise ConfigError(f"config.min_satellites must be >= 0 and rejoin_wait_s > 0, got "
+                              f"{self.min_satellites}, {self.rejoin_wait_s}")
         if not 0 <= self.join_after < self.micro_batches:
             raise ConfigError(f"config.join_after must be in [0, micro_batches={self.micro_batches}), got {self.join_after}")
 
@@ -155,7 +160,7 @@ def _satellite(cfg, steps, cell, transport) -> dict:
           f"({done['snapshot_bytes'] / 1e6:.2f} MB in {done['snapshot_seconds']:.3f} s), serving version "
           f"{done['published_version']} ({done['publish_bytes'] / 1e6:.2f} MB published in "
           f"{done['publish_seconds']:.3f} s)", flush=True)
-    transport.kv.key_value_set(BYE.format(process=me), "1")
+    transport.kv.key_value_set(BYE.format(process=me), "1", allow_overwrite=True)
     return done
 
 
@@ -167,12 +172,15 @@ def _core(cfg, model, spec, steps, core, transport, workdir) -> dict:
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     lines = []
     t_run = time.perf_counter()
+    gone: list[RemoteCell] = []  # satellites that failed; a restarted one (new hello) rejoins at a step boundary
     for s in range(cfg.steps):
+        remotes, gone = _rejoin(cfg, transport, steps, core, remotes, gone)
         report = _one_step(cfg, trainer, core, remotes, micro_batches(cfg, model, s, trainer.version))
         dead = {c for c, _ in report.failed_cells}
         for r in remotes:
             if r.index in dead:  # its server is gone: never connect to it again (a connect could hang)
                 transport.forget(r.process)
+        gone += [r for r in remotes if r.index in dead]
         remotes = [r for r in remotes if r.index not in dead]
         # Publish the new version to every live satellite's serving layout (as to its engine).
         pubs = [r.link.publish(trainer.state.params, trainer.version, r.index) for r in remotes]
@@ -181,7 +189,8 @@ def _core(cfg, model, spec, steps, core, transport, workdir) -> dict:
         line = dict(step=s, version=report.version, loss=report.loss, grad_norm=report.grad_norm,
                     cell_of=list(report.cell_of), failed_cells=[list(f) for f in report.failed_cells],
                     snapshots=snaps, seconds=report.seconds,
-                    published=[dict(cell=m.cell_index, version=m.version, bytes=m.bytes, seconds=m.seconds) for m in pubs])
+                    published=[dict(cell=m.cell_index, version=m.version, bytes=m.bytes, seconds=m.seconds) for m in pubs],
+                    satellites=sorted(r.index for r in remotes))
         lines.append(line)
         with open(metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -204,6 +213,25 @@ def _core(cfg, model, spec, steps, core, transport, workdir) -> dict:
         json.dump(summary, f, indent=1)
     print(f"pods_dp: done {json.dumps(summary)}", flush=True)
     return summary
+
+
+def _rejoin(cfg, transport, steps, core, remotes, gone):
+    """Reconnect restarted satellites; with ``min_satellites``, wait (up to ``rejoin_wait_s``) until that many are live."""
+    deadline = time.monotonic() + cfg.rejoin_wait_s
+    while True:
+        for r in list(gone):
+            back = RemoteCell.reconnect(transport, r, steps, core.train_mesh)
+            if back is not None:
+                print(f"pods_dp: satellite {r.index} rejoined (process restarted)", flush=True)
+                gone.remove(r)
+                remotes = remotes + [back]
+        if len(remotes) >= cfg.min_satellites or not gone:
+            return remotes, gone
+        if time.monotonic() > deadline:
+            log.warning("pods_dp: %d satellites live after %.0f s, config.min_satellites=%d; going on without %s",
+                        len(remotes), cfg.rejoin_wait_s, cfg.min_satellites, [r.index for r in gone])
+            return remotes, gone
+        time.sleep(0.5)  # polls the KV store for a restarted satellite's hello
 
 
 def _one_step(cfg, trainer, core, remotes, mbs):

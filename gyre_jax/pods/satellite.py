@@ -32,6 +32,7 @@ import json
 import logging
 import threading
 import time
+import uuid as uuid_lib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +46,7 @@ from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
 
 log = logging.getLogger(__name__)
 
-HELLO = "pods/hello/{process}"  # a satellite's "serving": JSON {"process", "devices"}
+HELLO = "pods/hello/{process}"  # a satellite's "serving": JSON {"process", "generation", "devices"}
 SNAPSHOT = "pods/snapshot/{process}/{uuid}"  # a satellite's params pull: JSON PullStats fields
 PUBLISHED = "pods/published/{process}/{version}"  # a satellite holds this version for serving: JSON PullStats fields
 
@@ -53,12 +54,13 @@ PUBLISHED = "pods/published/{process}/{version}"  # a satellite holds this versi
 class SatelliteLink:
     """The core's side of one satellite process: offers, mails and pulls for ``ElasticStep``."""
 
-    def __init__(self, transport: Transport, process: int, steps: CellSteps, core_mesh):
+    def __init__(self, transport: Transport, process: int, steps: CellSteps, core_mesh, generation: str = "0"):
         self.t = transport
         self.process = int(process)
+        self.generation = str(generation)
         self.steps = steps
         self.core_mesh = core_mesh
-        self.mail = Mailbox(transport.kv, process)
+        self.mail = Mailbox(transport.kv, process, generation)
         self._grads_like = abstract(steps.spec.abstract_params, steps.param_shardings(core_mesh))
         self._stats_like: dict[tuple, Any] = {}
         self._snapshot_uuid: int | None = None
@@ -127,10 +129,27 @@ class RemoteCell:
                 timeout_s: float = 300.0) -> "RemoteCell":
         """Wait for ``process`` to serve (its hello), connect to it; ``index`` defaults to the process index."""
         hello = json.loads(get(transport.kv, HELLO.format(process=process), timeout_s=timeout_s))
+        return cls._from_hello(transport, process, steps, core_mesh, hello, index, timeout_s)
+
+    @classmethod
+    def reconnect(cls, transport: Transport, dead: "RemoteCell", steps: CellSteps, core_mesh) -> "RemoteCell | None":
+        """The satellite ``dead`` again if its process was restarted (a hello of a new generation), else None."""
+        try:
+            hello = json.loads(transport.kv.key_value_try_get(HELLO.format(process=dead.process)))
+        except Exception:  # noqa: BLE001 - NOT_FOUND: never said hello
+            return None
+        if hello["generation"] == dead.link.generation:
+            return None
+        transport.forget(dead.process)  # its new server has a new address
+        return cls._from_hello(transport, dead.process, steps, core_mesh, hello, dead.index, 300.0)
+
+    @classmethod
+    def _from_hello(cls, transport, process, steps, core_mesh, hello, index, timeout_s) -> "RemoteCell":
         transport.connect(process, timeout_s=timeout_s)
-        log.info("pods: satellite process %d serving on %d devices", process, len(hello["devices"]))
+        log.info("pods: satellite process %d (generation %s) serving on %d devices", process, hello["generation"],
+                 len(hello["devices"]))
         return cls(index=process if index is None else index, process=process,
-                   link=SatelliteLink(transport, process, steps, core_mesh))
+                   link=SatelliteLink(transport, process, steps, core_mesh, hello["generation"]))
 
     def __repr__(self) -> str:
         return f"RemoteCell({self.index}, process={self.process})"
@@ -147,12 +166,13 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
     counts and the latest published version for the caller's summary.
     """
     me = transport.process
-    mail = Mailbox(transport.kv, me)
+    generation = uuid_lib.uuid4().hex  # this life of the process: a restart gets a fresh mailbox
+    mail = Mailbox(transport.kv, me, generation)
     params_like = abstract(steps.spec.abstract_params, steps.param_shardings(mesh))
     bsh = steps.batch_sharding(mesh)
     grad_step = steps.grad_step(mesh)
-    transport.kv.key_value_set(HELLO.format(process=me), json.dumps({"process": me, "devices": [d.id for d in mesh.devices.flat]}),
-                               allow_overwrite=True)
+    transport.kv.key_value_set(HELLO.format(process=me), json.dumps(
+        {"process": me, "generation": generation, "devices": [d.id for d in mesh.devices.flat]}), allow_overwrite=True)
     params, version = None, None
     done = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0,
             "published_version": None, "publish_bytes": 0, "publish_seconds": 0.0}

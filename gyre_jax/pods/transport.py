@@ -43,7 +43,7 @@ from jax.sharding import SingleDeviceSharding
 from gyre_jax.cells.publish import tree_bytes
 
 ADDR = "pods/addr/{process}"
-MAIL = "pods/mail/{process}/{n}"
+MAIL = "pods/mail/{process}/{generation}/{n}"
 POLL_MS = 60_000  # a blocking KV read waits this long per try, then looks again
 
 
@@ -174,12 +174,14 @@ def get(kv, key: str, *, timeout_s: float | None = None) -> str:
 class Mailbox:
     """Ordered JSON messages to one process over the KV store: ``send`` from anyone, ``recv`` by the owner.
 
-    One sender per mailbox (the core): it numbers the messages itself.
+    One sender per mailbox (the core): it numbers the messages itself. ``generation``
+    names one life of the receiving process: a restarted satellite reads a fresh queue.
     """
 
-    def __init__(self, kv, process: int):
+    def __init__(self, kv, process: int, generation: str = "0"):
         self.kv = kv
         self.process = int(process)
+        self.generation = str(generation)
         self._sent = 0
         self._read = 0
         self._lock = threading.Lock()
@@ -188,10 +190,10 @@ class Mailbox:
         with self._lock:
             n = self._sent
             self._sent += 1
-            self.kv.key_value_set(MAIL.format(process=self.process, n=n), json.dumps(msg))
+            self.kv.key_value_set(MAIL.format(process=self.process, generation=self.generation, n=n), json.dumps(msg))
 
     def recv(self, *, timeout_s: float | None = None) -> dict:
-        key = MAIL.format(process=self.process, n=self._read)
+        key = MAIL.format(process=self.process, generation=self.generation, n=self._read)
         msg = json.loads(get(self.kv, key, timeout_s=timeout_s))
         self.kv.key_value_delete(key)
         self._read += 1
