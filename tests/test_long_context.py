@@ -101,3 +101,34 @@ def test_transformer_context_parallel_equals_one_device():
         got = jax.jit(Transformer(cfg.replace(context_parallel_axis="seq")).apply)(
             params, *(jax.device_put(a, sharded) for a in args))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.slow  # the JetStream driver takes ~10 s to stop
+def test_prefix_cache_is_bounded_in_bytes():
+    """prefix_cache_bytes evicts least-recently-used prefixes by k/v size (one long prefix can be GiBs)."""
+    import asyncio
+
+    from gyre_jax.serving.engine import GyreEngine
+    from gyre_jax.serving.engine_state import KVBlock
+    from gyre_jax.serving.jetstream_backend import JetStreamBackend
+    from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
+
+    def block(n):
+        z = jnp.zeros((CFG.n_layers, n, CFG.n_kv_heads, CFG.head_dim), CFG.jnp_dtype)
+        return KVBlock(z, z, n)
+
+    per = 2 * block(32).k.nbytes
+    be = JetStreamBackend(GyreEngine(CFG, sharp_params(), max_slots=2, max_len=64), prefix_cache_bytes=int(2.5 * per))
+    try:
+        seq = np.arange(1, 40, dtype=np.int32)
+        for key in ("a", "b", "c"):
+            be._store(key, be.policy_version, seq, block(32))
+        assert list(be._cache) == ["b", "c"] and be.prefix_cache_bytes() == 2 * per
+        assert be._lookup("a", seq) is None and be._lookup("b", seq) is not None  # b is now most recent
+        be._store("d", be.policy_version, seq, block(32))
+        assert list(be._cache) == ["b", "d"]
+        be._store("long", be.policy_version, seq, block(128))  # over the budget alone: kept, the rest evicted
+        assert list(be._cache) == ["long"]
+        assert be.stats()["prefix_cache_evicted"] == 4
+    finally:
+        asyncio.run(be.close())

@@ -201,7 +201,9 @@ class JetStreamBackend(Backend):
     """``Backend`` over one GyreEngine and its JetStream Driver (one cell)."""
 
     def __init__(self, engine: GyreEngine, *, name: str | None = None, prefix_cache_entries: int = 64,
-                 min_cached_prefix: int = 16):
+                 min_cached_prefix: int = 16, prefix_cache_bytes: int | None = None):
+        """prefix_cache_bytes: also evict least-recently-used prefixes while their k/v exceed
+        this many bytes (long contexts: one 128K-token prefix can be GiBs); None = entries only."""
         self.engine = engine
         self.name = name or engine.name
         self.max_context = engine.max_len - 1  # one cache entry stays spare (engine.py)
@@ -218,6 +220,7 @@ class JetStreamBackend(Backend):
         # block is only reused under the weights that computed it.
         self._cache: collections.OrderedDict[str, tuple[int, np.ndarray, KVBlock]] = collections.OrderedDict()
         self._cache_entries, self._min_cached = prefix_cache_entries, min_cached_prefix
+        self._cache_bytes_limit = prefix_cache_bytes
         self._counts = collections.Counter()
         self._pending: set[asyncio.Future] = set()
         self._closed = False
@@ -322,8 +325,16 @@ class JetStreamBackend(Backend):
     def _store(self, key: str, version: int, seq: np.ndarray, kv: KVBlock) -> None:
         self._cache[key] = (version, seq, kv)
         self._cache.move_to_end(key)
-        while len(self._cache) > self._cache_entries:
+        while len(self._cache) > self._cache_entries or (
+            self._cache_bytes_limit is not None and len(self._cache) > 1
+            and self.prefix_cache_bytes() > self._cache_bytes_limit
+        ):
             self._cache.popitem(last=False)
+            self._counts["prefix_cache_evicted"] += 1
+
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of k/v the prefix cache holds now."""
+        return sum(int(kv.k.nbytes) + int(kv.v.nbytes) for _, _, kv in self._cache.values())
 
     def _lookup(self, key: str, needed: np.ndarray) -> KVBlock | None:
         hit = self._cache.get(key)
