@@ -3,14 +3,16 @@
 Command:
   python -m launch.main --config configs/sim_paper.py --workdir /tmp/sim
 
-Expected runtime: ~1 min of CPU (5 simulations of 48 steps on 1,024 accelerators,
-~4.5M events and ~10 s CPU each, plus the plots); more wall time on a loaded machine.
+Expected runtime: a few minutes of CPU (5 simulations of 48 steps on 1,024 accelerators,
+~4.5M events each, plus the plots); more wall time on a loaded machine.
 Expected result (seed 0): report.json, report.txt, timelines.png and
-timeline_<mode>.png in the workdir, with makespans colocate ~297 h, async ~215 h
-(9 of 16 cells training), async_stream ~211 h, elastic_no_stream ~201 h, elastic
-~201 h: elastic_vs_async ~1.07, elastic_vs_colocate ~1.48, elastic_over_lower_bound
-~1.035, mean staleness ~1.94 (bound 2). Every preset parameter and its source is in
-gyre_jax/scheduler/presets.py; tools/bench_scheduler.py runs all presets.
+timeline_<mode>.png in the workdir. Measured by tools/bench_scheduler.py on the same
+rollouts (Dec 2026): colocate ~297 h, async ~218 h with the split balanced on the
+first step (9 of 16 cells training; 215 h at the best split in hindsight, 8 cells),
+elastic ~211 h: elastic_vs_async 1.03 (1.018 against the best split), elastic_vs_colocate
+~1.41, elastic ~1.09x its lower bound, mean staleness ~0.83 (bound 2). The async modes
+here take the split balanced on the whole run's work. Every preset parameter and its
+source is in gyre_jax/scheduler/presets.py; tools/bench_scheduler.py runs all presets.
 """
 from ml_collections import config_dict
 
