@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
             tie_embeddings=True,  # unembedding = embedding.T
             dtype="float32",  # activations ("bfloat16" selectable)
             param_dtype="float32",  # stored parameters
+            attention_impl="blockwise",  # tiled tree attention (the default); "dense" = the [L, L]-mask reference
             max_seq_len=128,  # longest position used
             remat=False,  # recompute activations in the backward pass
         )
