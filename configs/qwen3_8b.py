@@ -40,6 +40,8 @@ took 19 s and transformers loads and generates from the exported checkpoint.
 """
 import ml_collections
 
+from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -70,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     ))
     c.scheduler = ml_collections.ConfigDict(dict(
         mode="elastic", groups_per_step=8, group_size=8, staleness_bound=1, updates_per_publication=1,
-        async_train_cells=1, min_work_per_switch_s=5.0, serve_reserve=1.0, poll_s=0.05,
+        async_train_cells=1, min_work_per_switch_s=DEFAULT_MIN_WORK_PER_SWITCH_S, serve_reserve=1.0, poll_s=0.05,
     ))
     c.task = ml_collections.ConfigDict(dict(family="repo_spec", ops="copy", min_len=3, max_len=4))
     c.harness = ml_collections.ConfigDict(dict(
