@@ -43,6 +43,8 @@ from typing import Any, Mapping
 
 import jax
 
+from gyre_jax.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 CLUSTERS = ("auto", "none", "jax", "slurm", "ompi", "gcetpu", "gketpu", "mpi4py")
@@ -226,3 +228,16 @@ def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None
     distributed system) returns the current layout.
     """
     return layout(initialize(config, env=env))
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Ask for ``n`` host devices before JAX starts its CPU backend (no effect on GPU/TPU).
+
+    If a backend is already up (e.g. tests: conftest sets 8), the count must match."""
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except Exception:  # noqa: BLE001 - backend already initialised
+        pass
+    if jax.default_backend() == "cpu" and len(jax.devices()) != n:
+        raise ConfigError(f"config.num_cpu_devices={n} but JAX already runs with {len(jax.devices())} CPU devices "
+                          "(the count is fixed once JAX starts)")

@@ -26,6 +26,7 @@ from gyre_jax import cells as cells_lib
 from gyre_jax.agents.tasks import make_task
 from gyre_jax.cells.loss import policy_loss_fn
 from gyre_jax.cells.mesh import CellLayout, Role
+from gyre_jax.distributed import ensure_cpu_devices
 from gyre_jax.errors import ConfigError, RunFailed
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, init_params, param_logical_axes
@@ -71,19 +72,6 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call)
     return JetStreamBackend(engine, name=name)
-
-
-def ensure_cpu_devices(n: int) -> None:
-    """Ask for ``n`` host devices before JAX starts its CPU backend (no effect on GPU/TPU).
-
-    If a backend is already up (e.g. tests: conftest sets 8), the count must match."""
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except Exception:  # noqa: BLE001 - backend already initialised
-        pass
-    if jax.default_backend() == "cpu" and len(jax.devices()) != n:
-        raise ConfigError(f"config.num_cpu_devices={n} but JAX already runs with {len(jax.devices())} CPU devices "
-                          "(the count is fixed once JAX starts)")
 
 
 @dataclasses.dataclass

@@ -124,9 +124,10 @@ def score_text(task: Task, text: str, sandbox: SandboxConfig | None = None) -> t
     """
     calls = tools.parse_text_tool_calls(text)
     parsed = any(c.error is None for c in calls)
+    sandbox = sandbox or SandboxConfig()
     with tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
         d = Path(root) / "workspace"
-        box = make_sandbox(sandbox or SandboxConfig(), d, family=task.family, name=f"eval-{task.task_id}",
+        box = make_sandbox(sandbox, d, family=task.family, name=f"eval-{task.task_id}",
                            commands="run" in task.tools)
         prepare_workspace(root, "workspace", task, box)
         try:
@@ -144,9 +145,8 @@ def score_text(task: Task, text: str, sandbox: SandboxConfig | None = None) -> t
             if calls:
                 asyncio.run(run_calls())
             # As in the harness: the grader reads a copy of the workspace's regular files only.
-            limits = (sandbox or SandboxConfig()).limits
             snap = Path(root) / "snapshot"
-            snapshot_workspace(d, snap, max_bytes=limits.disk_bytes, max_entries=limits.max_files)
+            snapshot_workspace(d, snap, max_bytes=sandbox.limits.disk_bytes, max_entries=sandbox.limits.max_files)
         finally:
             box.release()
         try:

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from gyre_jax.distributed import ensure_cpu_devices
 from gyre_jax.errors import ConfigError
 from gyre_jax.serving import identity
 
@@ -73,13 +74,6 @@ def _proxy_config(c, model_name_default: str = "gyre"):
                            clamp_max_tokens=bool(p.clamp_max_tokens))
     except ValueError as e:
         raise ConfigError(f"config.proxy: {e}") from None
-
-
-def _ensure_cpu_devices(n: int) -> None:
-    try:
-        jax.config.update("jax_num_cpu_devices", int(n))
-    except Exception:  # noqa: BLE001 - the backend is already up (the launcher set the count)
-        pass
 
 
 def build_server(c, workdir: str):
@@ -167,7 +161,7 @@ def run(config, workdir: str) -> None:
     t0 = time.perf_counter()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
-    _ensure_cpu_devices(config.num_cpu_devices)
+    ensure_cpu_devices(config.num_cpu_devices)
     server, store, tok = build_server(config, workdir)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
