@@ -230,10 +230,41 @@ def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None
     return layout(initialize(config, env=env))
 
 
+# XLA:CPU runs every multi-device program's per-device parts on one client thread
+# pool (PJRT_NPROC threads, default: the core count, at least the device count), and a
+# launch blocks a pool thread while its device already has 32 computations in flight.
+# Once every pool thread is held by such launches, the part of a running collective
+# that still needs a thread never gets one: its all-gather peer waits 40 s and XLA
+# aborts the process ("Termination timeout for `all gather ...`"). The RL loop has ~25
+# threads that dispatch to 2-device cells (4 JetStream driver threads per engine, a
+# worker per training cell, the reducer, the publisher), and a loaded machine lets the
+# queues fill: that is how the demo died at step 55 with two busy loops beside it.
+# tests/test_cpu_dispatch.py reproduces it in 8 threads (a pool of 2 x threads or less
+# deadlocks; one of more does not). The pool is sized for the threads, not the cores:
+# idle threads cost nothing, and the larger pool cost ~10% on tiny matmul programs.
+CPU_THREADS_PER_DEVICE = 16
+MAX_CPU_CLIENT_THREADS = 256
+
+
+def cpu_client_threads(n_devices: int) -> int:
+    """Threads for XLA:CPU's client pool with ``n_devices`` host devices (see the note above)."""
+    return min(MAX_CPU_CLIENT_THREADS, max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * max(1, int(n_devices))))
+
+
+def size_cpu_client_threads(n_devices: int) -> None:
+    """Set ``PJRT_NPROC`` before the CPU backend starts, unless the user set it (then theirs wins).
+
+    No effect once a backend runs (XLA reads it when the client is made); harmless on
+    GPU/TPU, whose clients only size host-side helper pools from it."""
+    if "PJRT_NPROC" not in os.environ and not _backend_started():
+        os.environ["PJRT_NPROC"] = str(cpu_client_threads(n_devices))
+
+
 def ensure_cpu_devices(n: int) -> None:
     """Ask for ``n`` host devices before JAX starts its CPU backend (no effect on GPU/TPU).
 
     If a backend is already up (e.g. tests: conftest sets 8), the count must match."""
+    size_cpu_client_threads(n)
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except Exception:  # noqa: BLE001 - backend already initialised

@@ -21,6 +21,7 @@ prefixed ``[pI]``, all killed if one fails), e.g. the pods job, cells in
 separate processes: ``python tools/launch_local.py -n 3 -- --config configs/pods_dp.py``.
 A config with ``recoverable_processes=True`` keeps the run going when one process dies.
 """
+import os
 import sys
 
 from absl import app, flags, logging
@@ -76,6 +77,8 @@ def main(argv):
     n_cpu = config.get("num_cpu_devices", None)
     if n_cpu:
         jax.config.update("jax_num_cpu_devices", int(n_cpu))
+    # Sized for the threads that dispatch to the devices (distributed.cpu_client_threads).
+    distributed.size_cpu_client_threads(int(n_cpu or os.environ.get("JAX_NUM_CPU_DEVICES") or 1))
     info = distributed.layout(distributed.initialize(distributed_config(config)))
     workdir = _WORKDIR.value or config.get("workdir", None) or f"/tmp/gyre_jax/{config.job}"
     kinds = sorted({d.device_kind for d in info.local_devices})

@@ -15,6 +15,9 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+from gyre_jax.distributed import size_cpu_client_threads  # noqa: E402
+
+size_cpu_client_threads(8)  # as launch.main does: the RL-loop tests dispatch from many threads
 jax.config.update("jax_enable_x64", False)
 
 NUM_TEST_DEVICES = 8
