@@ -41,6 +41,10 @@ def get_config() -> ml_collections.ConfigDict:
         serve_tensor=1,  # tensor-parallel degree of each engine
         max_slots=8,  # concurrent decode slots per engine
         tokens_per_call=8,  # decode steps per engine call (amortizes JetStream's host work on CPU)
+        # Long prompts (Claude Code's first request is ~76K byte tokens: set model.max_seq_len=98304 and
+        # max_slots=1 on a small machine) are prefilled in chunks of this many tokens (a power of two).
+        prefill_chunk=4096,
+        kv_budget_gib=0.0,  # > 0: refuse at start a decode cache (max_slots x max_seq_len) larger than this
     ))
     c.proxy = ml_collections.ConfigDict(dict(
         host="127.0.0.1",  # loopback only; 0.0.0.0 exposes it (then set auth_token)

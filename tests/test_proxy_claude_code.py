@@ -3,15 +3,23 @@
 Needs the CLI: ``npm install @anthropic-ai/claude-code`` (then ``node install.cjs``
 in the package folder) and ``GYRE_CLAUDE_BIN=/path/to/bin/claude.exe`` (or
 ``claude`` on PATH); skipped otherwise. The model behind the proxy is a scripted
-fake (the CLI's first prompt is ~76k byte tokens, beyond the tiny CPU model), so
-this checks the API surface: request parsing (system turns, 24 tools,
-tool_result), streamed events, the tool round trip, and one record per call.
+fake, so the first test checks the API surface: request parsing (system turns,
+24 tools, tool_result), streamed events, the tool round trip, and one record per
+call. The second sends the CLI's real first request (~76K byte tokens) to the tiny
+real model behind ``python -m launch.main --config configs/serve.py``: the engine
+prefills it in chunks (blockwise attention) and the CLI gets an answer it parses.
 """
 from __future__ import annotations
 
 import os
+import queue
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -79,4 +87,56 @@ def test_claude_code_cli_runs_a_tool_through_the_proxy(tmp_path, model_id):
     shared = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
     print(f"\ncall 1 prompt+output {len(first)} tokens; call 2 prompt {len(second)} tokens; shared prefix {shared}")
     assert shared == len(first)  # re-rendered exactly: the rollout's calls form one prefix-sharing path
+    store.close()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CLAUDE is None, reason="Claude Code CLI not installed (set GYRE_CLAUDE_BIN)")
+def test_claude_code_first_request_is_prefilled_by_the_real_engine(tmp_path):
+    """The serve command with a 96K context answers the CLI's ~76K-token first request (several minutes on CPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "launch.main", "--config", "configs/serve.py", "--workdir", str(tmp_path / "serve"),
+           "--config.num_cpu_devices=1", "--config.model.max_seq_len=98304", "--config.cells.max_slots=1",
+           "--config.cells.kv_budget_gib=1.0", "--config.proxy.model_aliases=claude-*", "--config.proxy.max_tokens_cap=8",
+           "--config.run_id=cc"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    out, url, t0 = [], None, time.time()
+    try:
+        while "engines ready" not in "".join(out[-1:]):
+            try:
+                out.append(lines.get(timeout=max(0.1, 300 - (time.time() - t0))))
+            except queue.Empty:
+                pytest.fail("serve did not get ready in 300 s:\n" + "".join(out))
+            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", out[-1])
+            url = m.group(1) if m else url
+        home = tmp_path / "home"
+        home.mkdir()
+        cc_env = dict(os.environ, ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="gyre:cc:rollout-long",
+                      CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", HOME=str(home),
+                      API_TIMEOUT_MS="1800000", CLAUDE_CODE_MAX_RETRIES="0")
+        t1 = time.time()
+        p = subprocess.run([CLAUDE, "-p", "say hi"], env=cc_env, capture_output=True, text=True, timeout=1800,
+                           cwd=tmp_path)
+        answer_s = time.time() - t1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:], "".join(out[-30:]))
+    store = TrajectoryStore(str(tmp_path / "serve" / "store"), run_id="cc", writable=False)
+    calls = store.calls("rollout-long")
+    assert len(calls) >= 1
+    first = calls[0]
+    print(f"\nfirst request: {len(first.prompt_ids)} prompt tokens, {len(first.output_ids)} output tokens, "
+          f"CLI answered in {answer_s:.0f} s; stdout {p.stdout.strip()[:80]!r}")
+    assert len(first.prompt_ids) > 65_000  # the CLI's real system prompt and 24 tool schemas, as byte tokens
+    assert 1 <= len(first.output_ids) <= 8
     store.close()

@@ -47,9 +47,9 @@ def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
     try:
         while "engines ready" not in "".join(out[-1:]):
             try:
-                out.append(lines.get(timeout=max(0.1, 60 - (time.time() - t0))))
+                out.append(lines.get(timeout=max(0.1, 180 - (time.time() - t0))))
             except queue.Empty:
-                pytest.fail("serve did not get ready in 60 s:\n" + "".join(out))
+                pytest.fail("serve did not get ready in 180 s:\n" + "".join(out))
             m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", out[-1])
             url = m.group(1) if m else url
         text = "".join(out)

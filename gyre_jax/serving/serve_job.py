@@ -100,11 +100,18 @@ def build_server(c, workdir: str):
     async def build():
         backends = [JetStreamBackend(GyreEngine(mc, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.cells.max_slots,
                                                 max_len=mc.max_seq_len, name=f"cell{cell.index}", special_ids=special,
-                                                tokens_per_call=c.cells.tokens_per_call), name=f"cell{cell.index}")
+                                                tokens_per_call=c.cells.tokens_per_call,
+                                                prefill_chunk=c.cells.get("prefill_chunk", 4096),
+                                                kv_budget_bytes=_kv_budget(c)), name=f"cell{cell.index}")
                     for cell in cells]
         return Proxy(Router(backends), tok, store, pc)
 
     return ServerThread(build), store, tok
+
+
+def _kv_budget(c) -> int | None:
+    gib = float(c.cells.get("kv_budget_gib", 0.0))
+    return int(gib * 2**30) if gib > 0 else None
 
 
 def _warm(server, tok) -> None:
