@@ -130,7 +130,10 @@ def test_claude_code_first_request_is_prefilled_by_the_real_engine(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:], "".join(out[-30:]))
+    # The random tiny model rarely ends its turn within the 8-token cap: then the CLI read the whole stream
+    # up to message_delta's stop_reason "max_tokens" and says so (exit 1), which is a parsed answer too.
+    parsed = p.returncode == 0 or "output token maximum" in p.stdout
+    assert parsed, (p.returncode, p.stdout[-2000:], p.stderr[-2000:], "".join(out[-30:]))
     store = TrajectoryStore(str(tmp_path / "serve" / "store"), run_id="cc", writable=False)
     calls = store.calls("rollout-long")
     assert len(calls) >= 1
@@ -139,4 +142,5 @@ def test_claude_code_first_request_is_prefilled_by_the_real_engine(tmp_path):
           f"CLI answered in {answer_s:.0f} s; stdout {p.stdout.strip()[:80]!r}")
     assert len(first.prompt_ids) > 65_000  # the CLI's real system prompt and 24 tool schemas, as byte tokens
     assert 1 <= len(first.output_ids) <= 8
+    assert first.finish_reason == ("length" if p.returncode else "stop"), (first.finish_reason, p.returncode)
     store.close()
