@@ -132,3 +132,89 @@ def test_prefix_cache_is_bounded_in_bytes():
         assert be.stats()["prefix_cache_evicted"] == 4
     finally:
         asyncio.run(be.close())
+
+
+# ----------------------------------------------------------------------------- training memory
+def test_memory_plan_from_row_length():
+    """Short rows: plain; rows >= long_row_len: per-layer remat + chunked logits; big vocab: chunked
+    logits only; the config and an explicit logits_chunk override the rule."""
+    from gyre_jax.cells.loss import memory_plan
+
+    def _plan(*a, **k):
+        p = memory_plan(*a, **k)
+        return p.remat, p.logits_chunk
+
+    tiny = model_config_tiny(max_seq_len=1 << 17)
+    assert _plan(tiny, 4, 256) == (False, None)
+    assert _plan(tiny, 1, 8191) == (False, None)
+    assert _plan(tiny, 1, 8192) == (True, 4096)
+    assert _plan(tiny, 1, 65536) == (True, 4096)
+    assert _plan(tiny, 1, 1000) == (False, None)
+    assert _plan(tiny.replace(long_row_len=1000), 1, 1000) == (True, 1000)  # chunk <= row_len
+    assert _plan(tiny.replace(long_row_len=0), 1, 65536) == (False, None)  # rule off
+    assert _plan(tiny.replace(remat=True), 4, 256) == (True, None)
+    assert _plan(tiny, 1, 65536, logits_chunk=None) == (True, None)
+    qwen_vocab = tiny.replace(vocab_size=151_936)  # 4096 x 151,936 f32 logits = 2.3 GiB > the budget
+    assert _plan(qwen_vocab, 1, 4096) == (False, 128)
+    assert _plan(qwen_vocab, 1, 512) == (False, None)
+    with pytest.raises(ValueError, match="long_row_len"):
+        tiny.replace(long_row_len=-1)
+    with pytest.raises(ValueError, match="remat_policy"):
+        tiny.replace(remat_policy="some")
+
+
+def _policy_batch(row_len, rows, seed):
+    from gyre_jax.cells.train_step import device_micro_batch
+    from gyre_jax.trajectory.binpack import pack_trees
+    from tests.test_serialize import random_tree
+
+    rng = np.random.default_rng(seed)
+    trees = [random_tree(rng, max_depth=4) for _ in range(6)]
+    mb = device_micro_batch(pack_trees(trees, rng.standard_normal(6), row_len, min_rows=rows).rows)
+    mb = {k: jnp.asarray(v[:rows]) for k, v in mb.items()}  # the first rows (their weights need not sum to 1)
+    assert mb["tokens"].shape[0] == rows and mb["loss_mask"].any()
+    return mb
+
+
+def _long_row_plan_equals_plain(monkeypatch, remat_policy):
+    import gyre_jax.cells.loss as cell_loss
+    from gyre_jax.losses import PolicyLossConfig, policy_gradient_loss
+
+    monkeypatch.setattr(cell_loss, "MIN_CHUNK", 16)
+    monkeypatch.setattr(cell_loss, "MAX_CHUNK", 16)  # 3 chunks over 40 positions, the last padded
+    cfg = model_config_tiny(attention_block_q=16, attention_block_k=16, long_row_len=32, remat_policy=remat_policy)
+    mb = _policy_batch(40, 2, seed=3)
+    loss_cfg = PolicyLossConfig()
+    params = init_params(cfg, jax.random.key(1))
+    plan = cell_loss.memory_plan(cfg, 2, 40)
+    assert (plan.remat, plan.logits_chunk) == (True, 16)
+
+    def reference(p):
+        logits = Transformer(cfg.replace(attention_impl="dense", long_row_len=0)).apply(
+            p, mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), mb["targets"][..., None], -1)[..., 0]
+        w = jnp.where(mb["loss_mask"].astype(bool), mb["loss_weights"], 0.0)
+        return policy_gradient_loss(logp, mb["behavior_logprobs"], mb["advantages"], w, **loss_cfg.loss_kwargs())[0]
+
+    want_loss, want_g = jax.jit(jax.value_and_grad(reference))(params)
+    auto = cell_loss.policy_loss_fn(cfg, loss_cfg)
+    plain = cell_loss.policy_loss_fn(cfg.replace(long_row_len=0), loss_cfg, logits_chunk=None)
+    # remat2 = jax.checkpoint: once for the scanned layer, once for the chunk of the vocab projection
+    assert str(jax.make_jaxpr(lambda p: auto(p, mb)[0])(params)).count("remat2[") == 2
+    assert "remat2[" not in str(jax.make_jaxpr(lambda p: plain(p, mb)[0])(params))
+    for f in (auto, plain):
+        loss, g = jax.jit(jax.value_and_grad(lambda p: f(p, mb)[0]))(params)
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=TOL, atol=TOL)
+        check_grads_close(g, want_g)
+
+
+def test_long_row_plan_loss_and_grads_equal_plain(monkeypatch):
+    """The automatic long-row plan (per-layer remat, logits in chunks that do not divide the
+    row) gives the loss and gradients of full logits without remat, both checked against an
+    independent reference: dense-mask attention, log_softmax of the whole logits."""
+    _long_row_plan_equals_plain(monkeypatch, "full")
+
+
+@pytest.mark.slow
+def test_long_row_plan_with_save_dots_policy(monkeypatch):
+    _long_row_plan_equals_plain(monkeypatch, "save_dots")

@@ -3,24 +3,97 @@
 Glue only: the model (gyre_jax.model) and the loss math (gyre_jax.losses) live
 elsewhere. Returns a ``loss_fn(params, micro_batch) -> (loss, metrics)`` for
 ``CellSteps``; combine its metrics with ``gyre_jax.losses.METRIC_REDUCTIONS``.
+
+Training memory is planned from the micro-batch's shape when the step is traced
+(``memory_plan``), so a config with long rows trains within memory without
+naming any knob:
+
+* rows of ``model_config.long_row_len`` tokens or more (default 8192; 0 turns
+  the rule off) recompute each layer in the backward pass (``remat``, with
+  ``model_config.remat_policy``) and project hidden states onto the vocabulary
+  in chunks of positions (``loss_from_hidden``), never holding [B, L, V] logits;
+* shorter rows project in chunks too when their full float32 logits would
+  exceed ``LOGITS_BYTES_BUDGET`` (a 150K vocabulary at a few thousand tokens);
+* ``model_config.remat=True`` remats at any length; ``policy_loss_fn(logits_chunk=...)``
+  fixes the projection (None: full logits, an int: that chunk size).
+
+The plan changes how the result is computed, never the result (tests/test_long_context.py).
 """
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 from gyre_jax.losses import PolicyLossConfig, loss_from_hidden, loss_from_logits
 from gyre_jax.model import ModelConfig, Transformer
 
+log = logging.getLogger(__name__)
 
-def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = PolicyLossConfig(), *, logits_chunk: int | None = None):
-    """``logits_chunk``: scan the vocab projection over chunks of this many positions
-    (never materialising [B, L, V] logits, for long rows); None = full logits.
+LOGITS_BYTES_BUDGET = 512 << 20  # full float32 logits of a micro-batch above this: chunked projection
+CHUNK_BYTES = 64 << 20  # target float32 logits of one chunk of positions
+MIN_CHUNK, MAX_CHUNK = 128, 4096  # positions per chunk (more chunks only cost loop steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """How one micro-batch shape trains: per-layer remat, and the vocab projection's chunk (None: whole)."""
+
+    remat: bool
+    logits_chunk: int | None
+    why: str
+
+
+def _chunk_for(model_config: ModelConfig, rows: int) -> int:
+    """Positions per chunk: a power of two with about CHUNK_BYTES of float32 logits, in [MIN_CHUNK, MAX_CHUNK]."""
+    per_position = max(1, rows) * model_config.padded_vocab * 4
+    fit = max(1, CHUNK_BYTES // per_position)
+    return int(min(MAX_CHUNK, max(MIN_CHUNK, 1 << (fit.bit_length() - 1))))
+
+
+def memory_plan(model_config: ModelConfig, rows: int, row_len: int, *, logits_chunk="auto") -> MemoryPlan:
+    """The training memory plan for micro-batches of ``rows`` x ``row_len`` tokens (module docstring)."""
+    long = model_config.long_row_len > 0 and row_len >= model_config.long_row_len
+    remat = model_config.remat or long
+    logits_bytes = rows * row_len * model_config.padded_vocab * 4
+    if logits_chunk != "auto":
+        chunk, why_chunk = logits_chunk, "logits_chunk given"
+    elif long or logits_bytes > LOGITS_BYTES_BUDGET:
+        chunk = min(row_len, _chunk_for(model_config, rows))
+        why_chunk = f"row_len >= long_row_len={model_config.long_row_len}" if long else (
+            f"full logits would be {logits_bytes / 2**30:.2f} GiB > {LOGITS_BYTES_BUDGET / 2**30:.2f} GiB")
+    else:
+        chunk, why_chunk = None, "short rows, small logits"
+    why_remat = ("model_config.remat" if model_config.remat else
+                 f"row_len {row_len} >= long_row_len={model_config.long_row_len}" if long else "short rows")
+    return MemoryPlan(remat=remat, logits_chunk=chunk, why=f"remat: {why_remat}; logits: {why_chunk}")
+
+
+def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = PolicyLossConfig(), *,
+                   logits_chunk: int | None | str = "auto"):
+    """``logits_chunk``: "auto" (``memory_plan`` decides from each micro-batch's shape), None
+    (full [B, L, V] logits), or scan the vocab projection over chunks of this many positions.
+
+    The returned ``loss_fn`` carries ``context_parallel_axis`` (the model config's), which
+    ``CellSteps`` reads to split rows along their sequence over that mesh axis.
     """
-    model = Transformer(model_config)
+    if logits_chunk not in ("auto", None) and (not isinstance(logits_chunk, int) or logits_chunk < 1):
+        raise ValueError(f"policy_loss_fn: logits_chunk must be 'auto', None or a positive int, got {logits_chunk!r}")
+    models: dict[bool, Transformer] = {}
 
     def loss_fn(params, mb):
+        rows, row_len = mb["tokens"].shape  # static at trace time: one plan per compiled shape
+        plan = memory_plan(model_config, rows, row_len, logits_chunk=logits_chunk)
+        if plan.remat or plan.logits_chunk is not None:
+            log.info("training memory plan for [%d, %d] rows: %s", rows, row_len, plan.why)
+        if plan.remat not in models:  # remat changes the computation, not the parameters
+            models[plan.remat] = Transformer(model_config.replace(remat=plan.remat))
+        model = models[plan.remat]
         inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
-        if logits_chunk is None:
+        if plan.logits_chunk is None:
             return loss_from_logits(model.apply(params, *inputs), mb, loss_config)
         hidden_BxLxD, unembed_DxV = model.apply(params, *inputs, return_hidden=True)
-        return loss_from_hidden(hidden_BxLxD, unembed_DxV, mb, loss_config, chunk_size=logits_chunk, layout="DxV")
+        return loss_from_hidden(hidden_BxLxD, unembed_DxV, mb, loss_config, chunk_size=plan.logits_chunk,
+                                layout="DxV")
 
+    loss_fn.context_parallel_axis = model_config.context_parallel_axis
     return loss_fn

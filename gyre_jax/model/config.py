@@ -10,6 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 ROPE_SCALINGS = ("none", "llama3")
+REMAT_POLICIES = ("full", "save_dots")  # what a rematerialised layer keeps (transformer._REMAT_POLICY)
 ATTENTION_IMPLS = ("blockwise", "dense")  # blockwise: tree_attention.py (O(L) memory); dense: [B, L, L] reference
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -29,7 +30,11 @@ class ModelConfig:
     dtype: str = "float32"  # activations and matmul inputs; softmax, norms and logits stay float32
     param_dtype: str = "float32"  # stored parameters
     max_seq_len: int = 4096  # longest path position the model is meant to see; default KV-cache length
-    remat: bool = False  # recompute each layer's activations in the backward pass (long rows)
+    remat: bool = False  # recompute each layer's activations in the backward pass, at any row length
+    remat_policy: str = "full"  # per rematerialised layer: "full" keeps only its input; "save_dots" also its matmuls
+    # Training rows at least this long get per-layer remat and the chunked vocab projection
+    # automatically (gyre_jax.cells.loss.memory_plan); 0 = never automatically (then only `remat`).
+    long_row_len: int = 8192
     attention_impl: str = "blockwise"  # one of ATTENTION_IMPLS; both give the same result
     attention_block_q: int = 512  # blockwise: queries per tile
     attention_block_k: int = 512  # blockwise: keys per tile (a tile the tree masks entirely is skipped)
@@ -65,6 +70,11 @@ class ModelConfig:
         if self.attention_kernel not in ("xla", "pallas", "pallas_interpret"):
             raise ValueError(f"{where}.attention_kernel must be 'xla', 'pallas' or 'pallas_interpret', "
                              f"got {self.attention_kernel!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"{where}.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        lr = self.long_row_len
+        if not isinstance(lr, int) or isinstance(lr, bool) or lr < 0:
+            raise ValueError(f"{where}.long_row_len must be an int >= 0 (0 = no automatic remat), got {lr!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{where}.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.rope_scaling not in ROPE_SCALINGS:

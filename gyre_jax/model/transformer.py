@@ -51,10 +51,17 @@ class Block(nn.Module):
         return x, new_cache
 
 
+# What a rematerialised layer saves for the backward pass (the rest is recomputed):
+# "full" only the layer's input (the least memory: one [B, L, D] per layer); "save_dots"
+# also the matmul outputs without batch dims (projections, MLP), so the backward
+# recomputes only norms, RoPE, activations and the attention itself.
+_REMAT_POLICY = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 def _scanned_blocks(config: ModelConfig):
     block = Block
-    if config.remat:
-        block = nn.remat(Block, prevent_cse=False)
+    if config.remat:  # per layer: the scan body is the checkpointed unit
+        block = nn.remat(Block, prevent_cse=False, policy=_REMAT_POLICY[config.remat_policy])
     return nn.scan(
         block,
         variable_axes={"params": 0},
