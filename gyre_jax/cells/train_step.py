@@ -14,6 +14,13 @@ on which cell computed which micro-batch.
 
 ``CellSteps`` builds every jitted function once per mesh and keeps it, so adding
 or removing cells never recompiles a layout it has seen.
+
+Context parallelism: when the loss's model config names ``context_parallel_axis``
+(``policy_loss_fn`` passes it on), a micro-batch's rows are split along their
+sequence over that axis of the cell's mesh (rows no longer split over it), and
+attention all-gathers keys and values inside the step (gyre_jax/model/context_parallel.py).
+One packed row can then be as long as the cell's devices hold together; the
+gradient equals the one-device gradient (tests/test_context_parallel_train.py).
 """
 from __future__ import annotations
 
@@ -44,6 +51,21 @@ MICRO_BATCH_KEYS = (
 )
 
 LossFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def context_parallel_rules(rules, axis: str):
+    """``rules`` with a packed row's sequence ("length") split over mesh ``axis`` and rows ("batch") not."""
+    out = []
+    for name, axes in rules:
+        if name == "length":
+            axes = axis
+        elif name == "batch":
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            axes = tuple(a for a in axes if a != axis) or None
+        out.append((name, axes))
+    if "length" not in dict(out):
+        raise ValueError("context_parallel_rules: the rules have no 'length' axis to split")
+    return tuple(out)
 
 
 def device_micro_batch(rows: Mapping[str, Any], *, where: str = "micro-batch") -> dict[str, np.ndarray]:
@@ -150,7 +172,13 @@ class CellSteps:
         *,
         reductions: Mapping[str, str] | None = None,
         rules=RULES,
+        context_parallel_axis: str | None = None,
     ):
+        """``context_parallel_axis``: mesh axis to split rows' sequence over; default the
+        ``loss_fn.context_parallel_axis`` that ``policy_loss_fn`` sets from the model config."""
+        self.context_parallel_axis = context_parallel_axis or getattr(loss_fn, "context_parallel_axis", None)
+        if self.context_parallel_axis is not None:
+            rules = context_parallel_rules(rules, self.context_parallel_axis)
         self.spec = spec
         self.reductions = reductions  # how each stat combines over micro-batches (None: all sum)
         self.loss_fn = loss_fn
@@ -176,6 +204,21 @@ class CellSteps:
     def batch_sharding(self, mesh: Mesh) -> NamedSharding:
         return batch_sharding(mesh, rules=self.rules)
 
+    def _in_mesh(self, fn, mesh: Mesh):
+        """``fn`` traced with ``mesh`` as the abstract mesh when rows are context-parallel (the
+        model's attention finds its sequence axis there); ``fn`` itself otherwise."""
+        if self.context_parallel_axis is None:
+            return fn
+        if self.context_parallel_axis not in mesh.shape:
+            raise ValueError(f"context_parallel_axis={self.context_parallel_axis!r} is not an axis of the cell's "
+                             f"mesh {dict(mesh.shape)}")
+
+        def wrapped(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args)
+
+        return wrapped
+
     def grad_step(self, mesh: Mesh):
         """Jitted (params, micro_batch) -> (grads, stats): grads in this mesh's param layout."""
 
@@ -183,7 +226,7 @@ class CellSteps:
             ps = self.param_shardings(mesh)
             rep = NamedSharding(mesh, PartitionSpec())
             return jax.jit(
-                self.grad_fn, in_shardings=(ps, self.batch_sharding(mesh)), out_shardings=(ps, rep)
+                self._in_mesh(self.grad_fn, mesh), in_shardings=(ps, self.batch_sharding(mesh)), out_shardings=(ps, rep)
             )
 
         return self._get("grad_step", mesh, build)
@@ -262,7 +305,8 @@ class CellSteps:
             b = self.batch_sharding(mesh)
             stacked = NamedSharding(mesh, PartitionSpec(None, *b.spec))
             rep = NamedSharding(mesh, PartitionSpec())
-            return jax.jit(step, in_shardings=(ss, stacked), out_shardings=(ss, rep), donate_argnums=0)
+            return jax.jit(self._in_mesh(step, mesh), in_shardings=(ss, stacked), out_shardings=(ss, rep),
+                           donate_argnums=0)
 
         return self._get("train_step", mesh, build)
 
