@@ -124,6 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
         ops="copy",  # tiny ops drawn per task (copy: learnable by a 2-layer model in ~1 min of SFT)
         min_len=3,  # argument length range
         max_len=3,
+        # tiny_tests family (family="tiny_tests"): x each task's run_tests suite time, 1-30 s heavy-tailed at 1.0
+        # (tools/bench_demo_modes.py runs the three modes on it; see the README's demo section)
+        run_tests_scale=1.0,
     ))
     c.harness = ml_collections.ConfigDict(dict(
         sandbox="auto",  # where tool commands run: auto (bubblewrap where it works) | bubblewrap | docker | podman | none

@@ -19,7 +19,7 @@ from gyre_jax.agents.client import ChatReply
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grade_in_process
 from gyre_jax.trajectory.vocab import ROLE_MAIN
-from gyre_jax.agents.tasks import solution_turns
+from gyre_jax.agents.tasks import solution_turns, test_suite
 from gyre_jax.agents.tasks.base import Task
 
 # Only the prompt / tool knobs matter here; the URL is never contacted.
@@ -51,7 +51,8 @@ async def ademonstration(task: Task, config: HarnessConfig | None = None, *, tex
 
     with tempfile.TemporaryDirectory(prefix="gyre_demo_") as tmp:
         ws = tools.Workspace(tmp, max_output_bytes=config.max_tool_output_bytes,
-                             command_timeout_s=config.command_timeout_s)
+                             command_timeout_s=config.command_timeout_s, test_suite=test_suite(task),
+                             test_wait=False)  # the suite's result text, not its 1-30 s, shapes the transcript
         for rel, content in task.setup_files.items():
             ws.write_file(rel, content)
         ctx = RolloutContext(config=config, task=task, rollout_id="demo", group_id="demo", workspace=ws,

@@ -41,6 +41,7 @@ from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, 
 from gyre_jax.agents.client import ChatClient, InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grader_sandbox_env, run_grader, snapshot_workspace
+from gyre_jax.agents.tasks import test_suite as task_test_suite
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.serving.identity import check_id
 from gyre_jax.trajectory.vocab import (
@@ -148,11 +149,12 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
         raise FileExistsError(f"snapshot {snapshot} for rollout {request.rollout_id!r} exists; "
                               "rollout ids must be unique")
     sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=request.rollout_id,
-                                       commands="run" in task.tools)
+                                       commands="run" in task.tools or tools.RUN_TESTS in task.tools)
     try:
         await asyncio.to_thread(prepare_workspace, workspace_root, request.rollout_id, task, sandbox)
         ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
-                             command_timeout_s=config.command_timeout_s, sandbox=sandbox)
+                             command_timeout_s=config.command_timeout_s, sandbox=sandbox,
+                             test_suite=task_test_suite(task) if tools.RUN_TESTS in task.tools else None)
         ctx = RolloutContext(config=config, task=task, rollout_id=request.rollout_id, group_id=request.group_id,
                              workspace=ws, transport=transport)
         status, error, finish_reason = await _run_agent(ctx, config, task)

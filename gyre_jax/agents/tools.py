@@ -24,7 +24,8 @@ with ``error: ...`` so the model can correct itself, and counted as a tool error
 network, rlimits, every process killed at the command's end); the harness always passes
 one. Without one (scripted demonstrations, tests of the tools themselves) it is plain
 ``bash -c`` on the host. The file tools run in the trainer and check that paths stay
-inside the workspace.
+inside the workspace. ``run_tests`` runs the task's own test suite
+(``gyre_jax.agents.test_suite``) the same way; only tasks that list it offer it.
 """
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gyre_jax.agents.sandbox import Sandbox
+    from gyre_jax.agents.test_suite import TestSuite
 
 # Handled by the agent loop itself, not by Workspace.
 FINISH = "finish"
 SPAWN_SUBAGENT = "spawn_subagent"
+RUN_TESTS = "run_tests"
 
 TOOL_SCHEMAS: dict[str, dict] = {
     "write_file": {
@@ -68,6 +71,11 @@ TOOL_SCHEMAS: dict[str, dict] = {
             "properties": {"command": {"type": "string"}, "timeout_s": {"type": "number"}},
             "required": ["command"],
         },
+    },
+    RUN_TESTS: {
+        "description": "Run the task's test suite on the workspace (it takes seconds to tens of seconds); "
+                       "returns each test's result.",
+        "parameters": {"type": "object", "properties": {}, "required": []},
     },
     FINISH: {
         "description": "Finish the task; optionally report what was done.",
@@ -196,12 +204,17 @@ class Workspace:
     """File and command tools rooted at one rollout's directory."""
 
     def __init__(self, root: str | os.PathLike, *, max_output_bytes: int = 4096,
-                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20, sandbox: "Sandbox | None" = None):
+                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20, sandbox: "Sandbox | None" = None,
+                 test_suite: "TestSuite | None" = None, test_wait: bool = True):
         self.root = Path(root).resolve()
         self.max_output_bytes = max_output_bytes
         self.command_timeout_s = command_timeout_s
         self.max_file_bytes = max_file_bytes
         self.sandbox = sandbox
+        self.test_suite = test_suite  # what run_tests runs (None: the task has no suite)
+        # False: run_tests skips the suite's waiting (scripted demonstrations replay hundreds of
+        # transcripts; the tool's text does not depend on how long the suite took)
+        self.test_wait = test_wait
 
     def resolve(self, rel: str) -> Path:
         if not rel or os.path.isabs(rel):
@@ -254,6 +267,31 @@ class Workspace:
         limit = self.command_timeout_s if timeout_s is None else min(float(timeout_s), self.command_timeout_s)
         if limit <= 0:
             raise ToolError(f"run: timeout_s must be > 0, got {timeout_s}")
+        return (await self._exec(command, limit))[0]
+
+    async def run_tests(self) -> str:
+        """Run the task's suite in the sandbox; on a normal exit write the receipt of what it tested."""
+        from gyre_jax.agents import test_suite as ts  # light; only tasks with a suite get here
+
+        suite = self.test_suite
+        if suite is None:
+            raise ToolError("run_tests: this task has no test suite")
+        if not self.test_wait:
+            suite = dataclasses.replace(suite, duration_s=0.0)
+        text, code = await self._exec(suite.command(), suite.timeout_s)
+        if code is not None:  # the suite finished (passed or failed): it tested the current answer
+            answer = self.root / suite.answer_file
+            tested = answer.read_bytes().strip() if answer.is_file() else b""
+            receipt = self.root / ts.RECEIPT_FILE
+            if receipt.is_symlink() or receipt.is_dir():  # an agent's object in the way: not followed
+                raise ToolError(f"run_tests: {ts.RECEIPT_FILE} must not be a link or directory")
+            receipt.write_text(ts.receipt(suite.receipt_key, tested))
+            if self.sandbox is not None:
+                self.sandbox.chown_new(receipt)
+        return text
+
+    async def _exec(self, command: str, limit: float) -> tuple[str, int | None]:
+        """(tool text, exit code or None if it timed out) of ``command`` in the sandbox."""
         launch = self.sandbox.launch(command) if self.sandbox is not None else None
         argv = launch.argv if launch is not None else ["bash", "-c", command]
         proc = await asyncio.create_subprocess_exec(
@@ -271,7 +309,7 @@ class Workspace:
             await proc.wait()
             text = out.decode(errors="replace")
             return (f"timed out after {limit:g} s\n" + truncate_tail(text, self.max_output_bytes)
-                    + self._observe(text, timed_out=True))
+                    + self._observe(text, timed_out=True)), None
         except BaseException:  # deadline cancellation: never leave a command running
             try:
                 await _stop(proc, launch)
@@ -281,7 +319,7 @@ class Workspace:
             raise
         text = out.decode(errors="replace")
         return (f"exit code {proc.returncode}\n" + truncate_tail(text, self.max_output_bytes)
-                + self._observe(text, timed_out=False))
+                + self._observe(text, timed_out=False)), proc.returncode
 
     def _observe(self, text: str, *, timed_out: bool) -> str:
         if self.sandbox is None:
@@ -299,6 +337,8 @@ class Workspace:
             return self.list_files(args.get("path", "."))
         if name == "run":
             return await self.run(args["command"], args.get("timeout_s"))
+        if name == RUN_TESTS:
+            return await self.run_tests()
         raise ToolError(f"{name} is not a workspace tool")
 
 

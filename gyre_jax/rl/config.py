@@ -115,9 +115,11 @@ class TaskConfig:
     ops: str = "copy,upper,reverse"  # tiny family: comma-separated ops
     min_len: int = 3
     max_len: int = 4
+    run_tests_scale: float = 1.0  # tiny_tests family: x each task's test-suite seconds (1-30 s at 1)
 
     def __post_init__(self):
         _positive(self, ("min_len", "max_len"))
+        _positive(self, ("run_tests_scale",), allow_zero=True)
         if not self.ops_tuple:
             raise ConfigError("config.task.ops must name at least one op")
 
@@ -128,6 +130,9 @@ class TaskConfig:
     def kwargs(self) -> dict:
         if self.family == "tiny":
             return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len)
+        if self.family == "tiny_tests":
+            return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len,
+                        test_time_scale=self.run_tests_scale)
         return {}
 
     def make(self, seed: int):

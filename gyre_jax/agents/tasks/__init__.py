@@ -1,6 +1,7 @@
 """Task families, by name. Each family module provides ``make_task(seed, **kw) -> Task``,
 ``solution_turns(task)`` (the scripted ideal actions, for demonstrations) and
-``grade(task, workspace) -> Grade`` (run in the grader subprocess)."""
+``grade(task, workspace) -> Grade`` (run in the grader subprocess); a family whose tasks
+offer ``run_tests`` also provides ``test_suite(task) -> test_suite.TestSuite``."""
 from __future__ import annotations
 
 import importlib
@@ -10,7 +11,8 @@ from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
 
 # Family name -> module, imported on first use: the grader subprocess (one per rollout)
 # then imports only its own family, not every family's dependencies.
-FAMILIES: dict[str, str] = {"repo_spec": "gyre_jax.agents.tasks.repo_spec", "tiny": "gyre_jax.agents.tasks.tiny"}
+FAMILIES: dict[str, str] = {"repo_spec": "gyre_jax.agents.tasks.repo_spec", "tiny": "gyre_jax.agents.tasks.tiny",
+                         "tiny_tests": "gyre_jax.agents.tasks.tiny_tests"}
 
 
 def family(name: str) -> types.ModuleType:
@@ -27,8 +29,17 @@ def make_task(family_name: str, seed: int, **kwargs) -> Task:
     return family(family_name).make_task(seed, **kwargs)
 
 
+def test_suite(task: Task):
+    """The suite ``run_tests`` runs for ``task`` (None: its family has none)."""
+    fn = getattr(family(task.family), "test_suite", None) if task.family in FAMILIES else None
+    return fn(task) if fn is not None else None
+
+
+test_suite.__test__ = False  # not a pytest test
+
+
 def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
     return family(task.family).solution_turns(task)
 
 
-__all__ = ["DEFAULT_TOOLS", "FAMILIES", "Task", "family", "make_task", "solution_turns"]
+__all__ = ["DEFAULT_TOOLS", "FAMILIES", "Task", "family", "make_task", "solution_turns", "test_suite"]

@@ -7,10 +7,11 @@ import re
 import types
 from typing import Any, Mapping
 
-from gyre_jax.agents.tools import TOOL_NAMES
+from gyre_jax.agents.tools import RUN_TESTS, TOOL_NAMES
 from gyre_jax.serving.identity import check_id
 
-DEFAULT_TOOLS = TOOL_NAMES  # every tool, sub-agents included
+# every tool, sub-agents included, but run_tests: only a family with a test suite offers it
+DEFAULT_TOOLS = tuple(n for n in TOOL_NAMES if n != RUN_TESTS)
 _GRADER_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 

@@ -1,0 +1,130 @@
+"""The demo's three modes on the tiny_tests family: elastic vs colocate vs async, for real.
+
+  python tools/bench_demo_modes.py [--steps 8] [--workdir /tmp/gyre_bench_modes] [--run_tests_scale 1.0]
+
+Each mode runs ``python -m launch.main --config configs/demo.py`` in its own process (one
+after the other, same workdir, same seed, same steps and overrides) on the 'tiny_tests'
+family: every rollout writes its answer, then calls ``run_tests``, a real sandboxed
+subprocess that takes 1-30 s of wall time (heavy-tailed, per task; median 3 s). While
+the suites run the rollouts hold no decode slot: elastic can hand those cells to
+training, colocate cannot train until the whole batch is in, async trains on a fixed
+cell. The held-out eval is off (it runs one model call without the suites, so it would
+not measure this family) and contexts are 192 tokens (the transcript with run_tests is
+~107 tokens after a ~60-token prompt).
+
+Throughput = trained rollouts per second of the RL phase (``rl_s`` in summary.json: from
+the controller's start to the last step's end; the SFT warm start, compiles and imports
+before it are the same in every mode and left out). Every mode trains the same
+``steps x groups_per_step x group_size`` rollouts, so the ratios are also rl_s ratios.
+Prints a table, then ONE final JSON line:
+
+  elastic_vs_colocate, elastic_vs_async   throughput ratios (elastic / baseline; > 1: elastic faster)
+  seconds_<mode>, rl_seconds_<mode>       whole process / RL phase per mode
+  rollouts_per_s_<mode>, tested_fraction_<mode> (finished rollouts that ran their suite), reward_last_<mode>
+  steps, groups_per_step, group_size, run_tests_scale, async_train_cells, load_avg_{before,after}_<mode>
+
+The machine is shared: the load average before and after each mode is in the JSON, and
+a ratio measured beside other jobs says how the modes compare under that load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+MODES = ("elastic", "colocate", "async")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the family needs of the demo config (not tuned per mode: every mode runs these).
+FAMILY_OVERRIDES = (
+    "--config.task.family=tiny_tests",
+    "--config.eval.every=0",
+    "--config.model.max_seq_len=192", "--config.cells.max_len=192", "--config.train.row_len=192",
+    "--config.harness.max_tokens=120",
+    "--config.progress=False",
+)
+
+
+def run_mode(mode: str, args) -> dict:
+    workdir = os.path.join(args.workdir, mode)
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume
+    cmd = [sys.executable, "-m", "launch.main", "--config", "configs/demo.py", "--workdir", args.workdir,
+           f"--config.scheduler.mode={mode}", f"--config.steps={args.steps}",
+           f"--config.scheduler.groups_per_step={args.groups_per_step}",
+           f"--config.scheduler.group_size={args.group_size}",
+           f"--config.task.run_tests_scale={args.run_tests_scale}", f"--config.sft.steps={args.sft_steps}",
+           *FAMILY_OVERRIDES, *args.extra]
+    load_before = os.getloadavg()[0]
+    log_path = os.path.join(args.workdir, f"{mode}.log")
+    print(f"[{mode}] {' '.join(cmd[1:])}\n[{mode}] log: {log_path} (load {load_before:.2f})", flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise SystemExit(f"error: mode {mode} exited with {proc.returncode}; log tail:\n{tail}")
+    with open(os.path.join(args.workdir, mode, "summary.json")) as f:
+        summary = json.load(f)
+    commands = 0  # sandbox_commands is the run's running total: its last value counts every suite run
+    with open(os.path.join(args.workdir, mode, "metrics.jsonl")) as f:
+        for line in f:
+            commands = max(commands, int(json.loads(line).get("sandbox_commands", 0)))
+    rollouts = summary["steps"] * args.groups_per_step * args.group_size
+    finished = sum(summary["statuses"].values()) or 1
+    out = {"mode": mode, "seconds": seconds, "rl_s": summary["rl_s"], "steps": summary["steps"], "rollouts": rollouts,
+           "rollouts_per_s": rollouts / summary["rl_s"], "tested_fraction": commands / finished,
+           "reward_last": summary["reward_last"], "util_rollout": summary["util_rollout"],
+           "util_train": summary["util_train"], "util_train_busy": summary["util_train_busy"],
+           "switches": summary["switches"], "load_before": load_before, "load_after": os.getloadavg()[0]}
+    print(f"[{mode}] {seconds:.0f} s, RL phase {summary['rl_s']:.1f} s, {out['rollouts_per_s']:.3f} rollouts/s, "
+          f"{out['tested_fraction']:.2f} of rollouts ran their suite", flush=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="RL steps per mode")
+    ap.add_argument("--groups_per_step", type=int, default=8)
+    ap.add_argument("--group_size", type=int, default=8)
+    ap.add_argument("--sft_steps", type=int, default=600, help="supervised warm start (the policy must learn to "
+                    "call run_tests)")
+    ap.add_argument("--run_tests_scale", type=float, default=1.0, help="x every suite's 1-30 s")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--workdir", default="/tmp/gyre_bench_modes")
+    ap.add_argument("extra", nargs="*", help="more --config.* overrides, after --")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    os.makedirs(args.workdir, exist_ok=True)
+    res = {m: run_mode(m, args) for m in modes}
+
+    cols = ["mode", "seconds", "rl_s", "rollouts", "rollouts_per_s", "tested_fraction", "reward_last", "util_rollout",
+            "util_train", "util_train_busy", "switches", "load_before", "load_after"]
+    rows = [cols] + [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in res.values()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    print()
+    for row in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+    final = {"throughput": "trained rollouts per second of the RL phase (rl_s)", "steps": args.steps,
+             "groups_per_step": args.groups_per_step, "group_size": args.group_size,
+             "run_tests_scale": args.run_tests_scale, "sft_steps": args.sft_steps, "extra_overrides": args.extra}
+    for m, r in res.items():
+        final.update({f"seconds_{m}": round(r["seconds"], 1), f"rl_seconds_{m}": round(r["rl_s"], 1),
+                      f"rollouts_per_s_{m}": round(r["rollouts_per_s"], 4),
+                      f"tested_fraction_{m}": round(r["tested_fraction"], 3),
+                      f"reward_last_{m}": round(r["reward_last"], 3), f"switches_{m}": r["switches"],
+                      f"load_avg_before_{m}": round(r["load_before"], 2), f"load_avg_after_{m}": round(r["load_after"], 2)})
+    if "elastic" in res:
+        for base in ("colocate", "async"):
+            if base in res:
+                final[f"elastic_vs_{base}"] = round(res["elastic"]["rollouts_per_s"] / res[base]["rollouts_per_s"], 3)
+    print(json.dumps(final), flush=True)
+
+
+if __name__ == "__main__":
+    main()
