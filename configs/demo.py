@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0  # tasks, init, SFT order
     c.steps = 60  # RL optimizer steps (N)
     c.num_cpu_devices = 8  # host devices on CPU (set before JAX starts)
+    c.recoverable_processes = True  # pods (one process per cell): a satellite process may die alone
     c.first_last = 10  # steps averaged for "reward first -> last"
     c.checkpoint_every = 10  # Orbax checkpoint every k steps (and at the end)
     c.progress = True  # a progress bar on a terminal; one line per step in a log file

@@ -24,10 +24,12 @@ Cell layout (parallelism) to pick:
   --config.cells.serve_tensor=8`` (one cell: ``--config.scheduler.mode=colocate``).
 * **TPU v5p-8 (4 chips, 95 GB HBM each, one host)**: ``--config.cells.cell_size=4
   --config.cells.serve_tensor=4 --config.scheduler.mode=colocate`` (one cell that serves
-  and trains in turn). Larger v5p slices (v5p-16 and up) span several hosts, and this
-  loop runs in one process today (rl/build.py refuses more): on them run one process per
-  host once the multi-process loop lands; the layout would be ``cell_size=8`` (a 2x2x2
-  sub-cube per cell, fsdp=8 for training, tensor=4 x data=2 for serving).
+  and trains in turn). Larger v5p slices (v5p-16 and up) span several hosts: run one
+  process per host (README: SLURM / JobSet lines), each host's 4 chips one cell
+  (``cell_size=4``; process 0 is the core, the others satellites that serve or train).
+  A cell that spans hosts (``cell_size=8``, a 2x2x2 sub-cube) is refused for now: the
+  multi-process loop (gyre_jax/pods/rl_job.py) runs exactly one cell per process.
+  Several 8-GPU nodes: ``cell_size=8`` per node the same way.
 
 These layouts are what the memory arithmetic above gives; they were not run here (this
 machine has no accelerator); expected runtime and reward on a real 8B checkpoint: not
@@ -49,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.steps = 200  # RL optimizer steps
     c.num_cpu_devices = 8  # only used on CPU
+    c.recoverable_processes = True  # pods (one process per cell): a satellite process may die alone
     c.first_last = 10
     c.checkpoint_every = 20  # Orbax checkpoint (params + Adam state + data position) every k steps
     c.progress = True

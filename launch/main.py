@@ -18,7 +18,9 @@ e.g. a Cloud TPU VM pod's metadata server). On this machine, two processes of
 
 ``tools/launch_local.py -n N -- <these flags>`` does that for N processes (logs
 prefixed ``[pI]``, all killed if one fails), e.g. the pods job, cells in
-separate processes: ``python tools/launch_local.py -n 3 -- --config configs/pods_dp.py``.
+separate processes: ``python tools/launch_local.py -n 3 -- --config configs/pods_dp.py``,
+or the RL job with one cell per process (process 0 the core):
+``python tools/launch_local.py -n 4 -- --config configs/demo.py``.
 A config with ``recoverable_processes=True`` keeps the run going when one process dies.
 """
 import os

@@ -71,12 +71,11 @@ def _env():
     return env
 
 
-def _launch(workdir, n=3, steps=STEPS, extra=(), launcher=(), on_line=None):
-    """Run tools/launch_local.py -n N; (exit code, output lines). ``on_line(line, pids)`` sees each line as it comes."""
-    cmd = [sys.executable, "tools/launch_local.py", "-n", str(n), *launcher, "--", *FLAGS, f"--config.steps={steps}",
-           f"--workdir={workdir}", *extra]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+def run_launch_local(args, *, timeout_s=TIMEOUT_S, on_line=None):
+    """Run ``tools/launch_local.py *args``; (exit code, output lines). ``on_line(line, pids)`` sees each line as it
+    comes (``pids``: process index -> pid, from the launcher's own lines). Shared with tests/test_pods_rl.py."""
+    p = subprocess.Popen([sys.executable, "tools/launch_local.py", *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, pids = [], {}
 
     def read():
@@ -91,13 +90,18 @@ def _launch(workdir, n=3, steps=STEPS, extra=(), launcher=(), on_line=None):
     t = threading.Thread(target=read, daemon=True)
     t.start()
     try:
-        rc = p.wait(timeout=TIMEOUT_S)
+        rc = p.wait(timeout=timeout_s)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         t.join(timeout=10)
     return rc, lines
+
+
+def _launch(workdir, n=3, steps=STEPS, extra=(), launcher=(), on_line=None):
+    return run_launch_local(["-n", str(n), *launcher, "--", *FLAGS, f"--config.steps={steps}", f"--workdir={workdir}",
+                             *extra], on_line=on_line)
 
 
 def _results(workdir):

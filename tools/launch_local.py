@@ -4,8 +4,10 @@
 
 Each process gets ``--coordinator_address=127.0.0.1:PORT --num_processes=N
 --process_id=I`` (a free port unless ``--port``) and ``JAX_NUM_CPU_DEVICES``
-host devices (``--devices_per_process``, default 2; a config's own
-``num_cpu_devices`` wins). Their stdout and stderr are streamed line by line
+host devices (``--devices_per_process``, default 2; for a config with a
+``num_cpu_devices`` field the launcher passes ``--config.num_cpu_devices=D`` too,
+unless the flags set it: the RL demo's 8 devices in one process become N
+processes of D, one cell each). Their stdout and stderr are streamed line by line
 with a ``[pI]`` prefix. If a process exits non-zero, every other one is killed
 and this launcher exits with that code, unless the process is listed in
 ``--expendable`` (satellites whose death the run survives: the launcher logs it
@@ -36,6 +38,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _with_device_flag(flags: list[str], devices: int) -> list[str]:
+    """``flags`` plus ``--config.num_cpu_devices=devices`` when the config has that field and the flags leave it."""
+    import importlib.util
+
+    if any(f.startswith("--config.num_cpu_devices") for f in flags):
+        return flags
+    path = next((f.split("=", 1)[1] for f in flags if f.startswith("--config=")), None)
+    if path is None and "--config" in flags and flags.index("--config") + 1 < len(flags):
+        path = flags[flags.index("--config") + 1]
+    if path is None:
+        return flags
+    spec = importlib.util.spec_from_file_location("_launch_local_config", os.path.join(ROOT, path))
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, ROOT)
+    try:
+        spec.loader.exec_module(mod)
+        has = "num_cpu_devices" in mod.get_config()
+    finally:
+        sys.path.remove(ROOT)
+    return [*flags, f"--config.num_cpu_devices={devices}"] if has else flags
+
+
 def _stream(i: int, pipe, lock: threading.Lock) -> None:
     for line in iter(pipe.readline, ""):
         with lock:
@@ -48,6 +72,7 @@ def launch(n: int, flags: list[str], *, port: int | None = None, devices_per_pro
            expendable: frozenset[int] = frozenset(), python: str = sys.executable) -> int:
     """Run the N processes to the end; 0 if every non-expendable process exited 0, else the first failure's code."""
     port = port or free_port()
+    flags = _with_device_flag(flags, devices_per_process)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
     env.pop("XLA_FLAGS", None)  # the device count comes from JAX_NUM_CPU_DEVICES (or the config)
     env.update(JAX_NUM_CPU_DEVICES=str(devices_per_process), PYTHONUNBUFFERED="1",

@@ -222,6 +222,7 @@ def bwrap_usable() -> tuple[bool, str]:
 
 
 _usable_cache: tuple[bool, str] | None = None
+_warned_fallback = False
 
 
 def resolve_kind(kind: str) -> str:
@@ -236,7 +237,10 @@ def resolve_kind(kind: str) -> str:
             return "bubblewrap"
         if kind == "bubblewrap":
             raise RuntimeError(f"sandbox.kind='bubblewrap' but {why}")
-        log.warning("sandbox.kind='auto': %s; falling back to kind='none'", why)
+        global _warned_fallback
+        if not _warned_fallback:  # once per process: it is resolved for every rollout
+            _warned_fallback = True
+            log.warning("sandbox.kind='auto': %s; falling back to kind='none'", why)
         return "none"
     return kind
 

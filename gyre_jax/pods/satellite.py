@@ -156,17 +156,21 @@ class RemoteCell:
 
 
 def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
-          on_grad: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+          on_grad: Callable[[int, int], None] | None = None,
+          on_publish: Callable[[int, Any], None] | None = None, generation: str | None = None) -> dict[str, Any]:
     """Serve the core's messages until ``stop``: the satellite process's main loop.
 
     ``mesh``: the cell's training mesh; ``serve_shardings``: the params' serving
     layout (``WeightPublisher.shardings(cell, Role.ROLLOUT)``), where publications
     land (default: the training layout). ``on_grad(n, i)`` runs before the n-th
-    micro-batch (index ``i``) is computed (fault injection and pacing). Returns
+    micro-batch (index ``i``) is computed (fault injection and pacing).
+    ``on_publish(version, params)`` gets each publication in the serving layout
+    (the rl job loads it into this process's engine) before the core hears it is
+    held. Returns
     counts and the latest published version for the caller's summary.
     """
     me = transport.process
-    generation = uuid_lib.uuid4().hex  # this life of the process: a restart gets a fresh mailbox
+    generation = generation or uuid_lib.uuid4().hex  # this life of the process: a restart gets a fresh mailbox
     mail = Mailbox(transport.kv, me, generation)
     params_like = abstract(steps.spec.abstract_params, steps.param_shardings(mesh))
     bsh = steps.batch_sharding(mesh)
@@ -201,6 +205,8 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
             if serve_shardings is not None:
                 p = jax.block_until_ready(jax.device_put(p, serve_shardings))
             seconds = time.perf_counter() - t0
+            if on_publish is not None:
+                on_publish(int(msg["version"]), p)
             published = (int(msg["version"]), p)
             transport.kv.key_value_set(PUBLISHED.format(process=me, version=published[0]),
                                        json.dumps({"bytes": st.bytes, "seconds": seconds, "pull_seconds": st.seconds}),

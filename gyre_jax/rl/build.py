@@ -108,11 +108,13 @@ class Components:
     records: list[dict] = dataclasses.field(default_factory=list)  # per-step infos from the trainer thread
     evals: list[dict] = dataclasses.field(default_factory=list)
     warm_thread: threading.Thread | None = None
+    satellites: Any = None  # gyre_jax.pods.rl_job.Satellites when the cells run in separate processes
 
     def close(self) -> None:
         """Stop every thread and server; each part closes even if another fails to."""
+        sats = () if self.satellites is None else (self.satellites.stop,)  # after the trainer and proxy stopped
         for stop in (self.trainer.stop, self.launcher.close, self.pool.close, self.server.stop, self.harness_loop.stop,
-                     self.ckpt.close, self.metrics.close, self.store.close):
+                     *sats, self.ckpt.close, self.metrics.close, self.store.close):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - close the rest
@@ -239,12 +241,9 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         absl_logging.set_verbosity(absl_logging.WARNING)
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
-    ensure_cpu_devices(cfg.num_cpu_devices)
-    if jax.process_count() > 1:
-        raise ConfigError(f"the rl job runs in one process (this is process {jax.process_index()} of "
-                          f"{jax.process_count()}); cells in separate processes train with job pods_dp "
-                          "(tools/launch_local.py -n 3 -- --config configs/pods_dp.py), the RL loop across "
-                          "processes is not built yet")
+    multi = jax.process_count() > 1  # pods: this is process 0, the core; cell k runs in process k
+    if not multi:
+        ensure_cpu_devices(cfg.num_cpu_devices)
     n_cells = cfg.check_devices(len(jax.devices()))
     tok = load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
     mc = cfg.model
@@ -256,20 +255,23 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     pc = cfg.policy_config(n_cells)
     roles = policy_lib.initial_roles(pc, n_cells)
     cs = cells_lib.split_cells(cfg.cell_config())
+    if multi:
+        from gyre_jax.pods.rl_job import check_layout
+
+        check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
     core_mesh = layout.role_to_mesh()[Role.CORE][0]
-    opt = cfg.optimizer_config()
-    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
-                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
-    steps = cells_lib.CellSteps(spec, policy_loss_fn(mc, cfg.loss_config()), cells_lib.make_schedule(opt),
-                                reductions=METRIC_REDUCTIONS)
-    warm = threading.Thread(target=_warm_steps, args=(steps, cs, cfg), name="gyre-warm")  # joined at close
+    steps = _cell_steps(cfg)
+    spec = steps.spec
+    # Each satellite process compiles its own cell's step.
+    warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if multi else cs, cfg), name="gyre-warm")
     warm.start()  # compile every cell's training step while SFT and set-up run
 
     # State: the last checkpoint (with the data position and the buffer), or a fresh model.
     store = TrajectoryStore(os.path.join(workdir, "store"), run_id=RUN_ID, config=StoreConfig(vocab_size=mc.vocab_size))
     ckpt = Checkpointer(CheckpointConfig(directory=os.path.join(workdir, "checkpoints"), max_to_keep=2,
-                                         save_interval_steps=cfg.checkpoint_every or cfg.steps))
+                                         save_interval_steps=cfg.checkpoint_every or cfg.steps,
+                                         this_process_only=multi))  # pods: the core alone owns and saves the state
     s = cfg.scheduler
     stream = RowStream(cfg.train.row_len)
     iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
@@ -306,11 +308,18 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     serving = _serving_cells(s.mode, n_cells, s.async_train_cells)
     names = {c: f"cell{c}" for c in serving}
     params0 = trainer.state.params
+    sats, remote_backends = None, {}
+    if multi:  # the satellite processes' cells: training handles, and engines built on the starting policy
+        from gyre_jax.pods.rl_job import Satellites
+
+        sats = Satellites(steps, core_mesh)
+        remote_backends = sats.start_engines(params0, steps_done)
 
     async def build_proxy():
         backends = []
         for c in serving:
-            b = make_backend(cfg, layout.cells[c], params0, steps_done, names[c], tok)
+            b = remote_backends[c] if c in remote_backends else make_backend(cfg, layout.cells[c], params0, steps_done,
+                                                                             names[c], tok)
             backends.append(faults.wrap(b) if faults is not None else b)
         return Proxy(Router(backends, wait_for_cell_s=600.0), tok, store, ProxyConfig(max_tokens_cap=cfg.harness.max_tokens))
 
@@ -326,11 +335,15 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     proxy_ad = ProxyAdapter(server, names, [c for c in serving if roles[c] == ROLLOUT])
     publisher = cells_lib.WeightPublisher(spec.logical_params, spec.abstract_params)
     for c in serving:  # the engines were born holding version steps_done
-        publisher.publish(params0, steps_done, layout.cells[c], Role.ROLLOUT)
+        if c not in remote_backends:
+            publisher.publish(params0, steps_done, layout.cells[c], Role.ROLLOUT)
     publisher.history.clear()
     pool = CellPoolAdapter(layout=layout, roles=roles, backends=backends, proxy=proxy_ad, timeline=timeline,
                            notify=wake.set, publisher=publisher, published=(steps_done, params0),
-                           slots=cfg.cells.max_slots, retries=cfg.cells.switch_retries, chaos=chaos)
+                           slots=cfg.cells.max_slots, retries=cfg.cells.switch_retries, chaos=chaos,
+                           remote={c: (sats.remotes[c], b) for c, b in remote_backends.items()})
+    for c, b in remote_backends.items():  # a satellite that stops answering calls is taken out (its calls retried)
+        b.on_unreachable = functools.partial(_take_out_later, pool, c)
     records: list[dict] = []
     c_box: dict = {}
 
@@ -349,7 +362,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
     trainer_ad = TrainerAdapter(
         trainer=trainer, store=store, processor_config=cfg.processor_config(), groups_per_step=s.groups_per_step,
-        group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows, cells=layout.cells,
+        group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
+        cells=[sats.remotes[c] if sats is not None and c in sats.remotes else cell for c, cell in enumerate(layout.cells)],
         cell_roles=pool.roles, notify=wake.set, on_step=on_step, work_s_per_row=cfg.train.work_s_per_row,
         stream=stream, data_iterator=iterator, multi_step=s.multi_step, steps_done=steps_done, ready=ready,
         after_update=after_update, on_step_started=pause, on_failed_cell=pool.training_failed,
@@ -377,7 +391,33 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
                       launcher=launcher, controller=controller, server=server, harness_loop=harness_loop, store=store,
                       ckpt=ckpt, metrics=metrics, evaluator=evaluator, timeline=timeline, clock=clock, wake=wake,
                       start=Start(steps_done, sft_history, setup_s),
-                      faults=faults, chaos=chaos, records=records, warm_thread=warm)
+                      faults=faults, chaos=chaos, records=records, warm_thread=warm, satellites=sats)
+
+
+def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:
+    """Take ``cell`` out of service from a thread of its own (the caller is the proxy's event loop)."""
+    threading.Thread(target=pool.take_out, args=(cell, why), name=f"gyre-out-{cell}", daemon=True).start()
+
+
+def _cell_steps(cfg: RLConfig) -> cells_lib.CellSteps:
+    """The state spec and jitted steps of every cell: the same in every process."""
+    mc, opt = cfg.model, cfg.optimizer_config()
+    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
+                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
+    return cells_lib.CellSteps(spec, policy_loss_fn(mc, cfg.loss_config()), cells_lib.make_schedule(opt),
+                               reductions=METRIC_REDUCTIONS)
+
+
+def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_backend) -> dict:
+    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word."""
+    from gyre_jax.pods.rl_job import check_layout, satellite_main
+
+    if absl_logging.get_verbosity() >= absl_logging.INFO:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    cfg.check_devices(len(jax.devices()))
+    check_layout(cfg, cells_lib.split_cells(cfg.cell_config()))
+    tok = load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
+    return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
 
 
 def _eval_due(cfg: RLConfig, version: int) -> bool:

@@ -88,7 +88,7 @@ class CellPoolAdapter:
 
     def __init__(self, *, layout: CellLayout, roles: Sequence[str], backends: dict[int, Any], proxy: ProxyAdapter,
                  timeline, notify: Callable[[], None], publisher: WeightPublisher, published: tuple[int, Any],
-                 slots: int, retries: int, chaos=None):
+                 slots: int, retries: int, chaos=None, remote: dict[int, Any] | None = None):
         self.cells, self.backends, self.proxy, self.timeline, self.notify = layout.cells, backends, proxy, timeline, notify
         self.publisher, self.retries, self.chaos = publisher, retries, chaos
         self._roles = list(roles)
@@ -103,6 +103,11 @@ class CellPoolAdapter:
         self.failures: list[tuple[int, str, str]] = []  # (cell, what, error) of every failed attempt
         self.out: dict[int, str] = {}  # cell -> why it was taken out of service
         self._train_failures: dict[int, int] = {}
+        # Pods: cells in satellite processes, cell -> (gyre_jax.pods RemoteCell, RemoteBackend); their weights move
+        # on the transfer server (SatelliteLink.publish). _remote_held: the version each one's engine serves.
+        self.remote = dict(remote or {})
+        self._remote_held = {c: published[0] for c in self.remote}
+        self._remote_moves: list[MoveStats] = []
 
     # -- Protocol --
     def cell_ids(self):
@@ -207,6 +212,15 @@ class CellPoolAdapter:
     def _load(self, cell: int, version: int, params) -> MoveStats | None:
         """Move ``params`` (policy ``version``) into the cell's engine, unless it already holds it."""
         with self._load_lock:
+            if cell in self.remote:
+                if self._remote_held[cell] >= version:
+                    return None
+                rcell, rbackend = self.remote[cell]
+                move = rcell.link.publish(params, version, cell)
+                self._remote_held[cell] = version
+                self._remote_moves.append(move)
+                rbackend.set_version(version)
+                return move
             held = self.publisher.latest(self.cells[cell])
             if held is not None and held.version >= version:
                 return None
@@ -245,7 +259,7 @@ class CellPoolAdapter:
         return self._publishing
 
     def moves(self) -> list[MoveStats]:
-        return list(self.publisher.history)
+        return list(self.publisher.history) + list(self._remote_moves)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -83,6 +83,9 @@ class CheckpointConfig:
     max_to_keep: int = 3  # most recent checkpoints kept; older ones deleted after a newer one is final
     save_interval_steps: int = 1  # save when step % save_interval_steps == 0 (or force=True)
     async_save: bool = False  # write in a background thread; device->host copy still happens in save()
+    # Multi-process runs: False = every process calls save with global arrays (one SPMD program);
+    # True = this process alone saves its own arrays (pods: the core owns the state, satellites never save).
+    this_process_only: bool = False
 
     def __post_init__(self):
         w = "CheckpointConfig"
@@ -153,9 +156,10 @@ def _check_target(abstract) -> None:
         )
 
 
-def _check_global(tree) -> None:
-    """Multi-process: every process calls save; each array must be one global array over all of them."""
-    if jax.process_count() == 1:
+def _check_global(tree, this_process_only: bool = False) -> None:
+    """Multi-process: every process calls save; each array must be one global array over all of them
+    (unless this process alone saves its own arrays: ``CheckpointConfig.this_process_only``)."""
+    if jax.process_count() == 1 or this_process_only:
         return
     local = [
         jax.tree_util.keystr(path)
@@ -194,6 +198,9 @@ class Checkpointer:
         # A handler per item, so reading metadata or restoring knows every item (without
         # them Orbax warns once per item per read that it "could not be restored").
         json_ = ocp.JsonCheckpointHandler
+        multi = jax.process_count() > 1 and config.this_process_only
+        if multi:  # Orbax refuses create=True with active_processes set: the core makes the directory
+            os.makedirs(self.directory, exist_ok=True)
         self._mngr = ocp.CheckpointManager(
             self.directory,
             item_handlers=dict(state=ocp.StandardCheckpointHandler(), rng=json_(), cursor=json_(), buffer=json_(),
@@ -203,7 +210,12 @@ class Checkpointer:
                 save_interval_steps=config.save_interval_steps,
                 enable_async_checkpointing=config.async_save,
                 cleanup_tmp_directories=True,  # a save killed mid-write left one
-                create=True,
+                create=not multi,
+                # Pods: only this process (the core) checkpoints; without this Orbax waits at barriers
+                # for every process of the run, and satellite processes never save.
+                multiprocessing_options=(ocp.options.MultiprocessingOptions(
+                    primary_host=jax.process_index(), active_processes={jax.process_index()})
+                    if multi else ocp.options.MultiprocessingOptions()),
             ),
         )
 
@@ -242,12 +254,16 @@ class Checkpointer:
         if not isinstance(store_cursor, Mapping) or "consumed" not in store_cursor:
             raise ValueError("Checkpointer.save: store_cursor must be TrajectoryStore.cursor_state() (a dict with 'consumed')")
         ids = _check_buffer(buffer, store_cursor)
-        _check_global(train_state)
+        _check_global(train_state, self.config.this_process_only)
         meta = dict(meta or {})
         for k in ("format", "format_version", "step"):
             if k in meta:
                 raise ValueError(f"Checkpointer.save: meta key {k!r} is reserved")
         meta.update(format=FORMAT, format_version=FORMAT_VERSION, step=step)
+        if self.config.this_process_only and jax.process_count() > 1:
+            # Orbax serializes only global arrays in a multi-process run; this process's own arrays
+            # (the core's sub-mesh) are written as host numpy copies and laid out again on restore.
+            train_state = jax.device_get(train_state)
         items = dict(
             state=ocp.args.StandardSave(train_state),
             cursor=ocp.args.JsonSave(dict(store_cursor)),
@@ -293,8 +309,10 @@ class Checkpointer:
         missing = {"state", "cursor", "buffer", "meta"} - have
         if missing:
             raise ValueError(f"checkpoint {self.directory}/{step} lacks items {sorted(missing)} (has {sorted(have)})")
+        host_only = self.config.this_process_only and jax.process_count() > 1
         items = dict(
-            state=ocp.args.StandardRestore(target),
+            state=ocp.args.StandardRestore(
+                jax.tree.map(lambda x: np.empty(x.shape, x.dtype), target) if host_only else target),
             cursor=ocp.args.JsonRestore(),
             buffer=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
@@ -316,9 +334,12 @@ class Checkpointer:
         for k in ("format", "format_version", "step"):
             meta.pop(k)
         log.info("checkpoint: restored step %d from %s", step, self.directory)
+        state = out["state"]
+        if host_only:
+            state = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), state, target)
         return Restored(
             step=int(step),
-            train_state=out["state"],
+            train_state=state,
             rng=_rng_from_json(out["rng"]) if "rng" in out else None,
             store_cursor=dict(out["cursor"]),
             buffer=list(out["buffer"]["rollout_ids"]),

@@ -407,7 +407,7 @@ class RLConfig:
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":
         d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        d = {k: v for k, v in d.items() if k not in ("job", "workdir")}
+        d = {k: v for k, v in d.items() if k not in ("job", "workdir", "recoverable_processes")}  # launcher's keys
         nested = dict(model=ModelConfig, cells=CellsConfig, scheduler=SchedulerConfig, task=TaskConfig,
                       harness=HarnessKnobs, train=TrainConfig, sft=SFTConfig, eval=EvalConfig,
                       faults=FaultConfig)

@@ -35,8 +35,10 @@ import logging
 import os
 import time
 
+import jax
+
 from gyre_jax.errors import RunFailed
-from gyre_jax.rl.build import Components, build, save_checkpoint
+from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.progress import Progress
 from gyre_jax.rl.report import StepRecorder, run_summary, scalars
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 def run(config, workdir: str) -> dict:
     """Job 'rl' (gyre_jax.jobs): the loop in ``<workdir>/<mode>``; returns the summary dict."""
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
+    if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
+        return run_satellite(cfg)
     c = build(cfg, os.path.join(workdir, cfg.scheduler.mode))
     return drive(c)
 
