@@ -12,6 +12,8 @@ import re
 import signal
 import threading
 
+import pytest
+
 from tests.test_pods_dp import run_launch_local
 from tests.test_rl_loop import _check_run
 
@@ -63,6 +65,7 @@ def test_rl_job_runs_with_a_satellite_process_and_resumes(tmp_path):
     assert os.path.isdir(os.path.join(run, "checkpoints", "3"))
 
 
+@pytest.mark.slow  # ~75 s (as test_pods_dp.py::test_killed_satellite)
 def test_satellite_process_killed_mid_run_every_rollout_trained_once(tmp_path):
     """kill -9 satellite 2 of 3 processes after the first step: the run finishes on the core and satellite 1."""
     workdir = str(tmp_path / "run")

@@ -87,6 +87,7 @@ def test_multi_step_mode_streams_rows_and_publishes_every_k(tmp_path):
     assert_consumed_once(outs, consumed)
 
 
+@pytest.mark.slow  # ~95 s; resume after a crash stays in the default run (test_rl_resume, test_pods_rl)
 def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
     wd = str(tmp_path / "elastic")
     failing = fake_config(4, **{"faults.core_fail_at_step": 2})

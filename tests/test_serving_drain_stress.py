@@ -33,6 +33,11 @@ async def _stress(n_calls: int, n_cells: int, seed: int):
     engines = [GyreEngine(CFG, params, mesh=Mesh(np.array(devs[i:i + 1]).reshape(1, 1), ("data", "tensor")),
                           max_slots=16, max_len=256, name=f"c{i}", tokens_per_call=8) for i in range(n_cells)]
     backends = [JetStreamBackend(e) for e in engines]
+    for b in backends:  # compile prefill and decode first: the bound is for a call, not for XLA on a loaded machine
+        warm = b.submit(GenerateRequest(request_id=f"warm-{b.name}", prompt_ids=np.asarray([1, 7, 9], np.int32),
+                                        sampling=SamplingParams(max_tokens=9, temperature=1.0, seed=0)))
+        async for _ in warm:
+            pass
     router = Router(backends, wait_for_cell_s=CALL_BOUND_S)
     rng = random.Random(seed)
     routed = asyncio.Event()
@@ -81,7 +86,7 @@ async def _stress(n_calls: int, n_cells: int, seed: int):
     return router.counters
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_drain_admit_publish_stress_every_call_finishes(seed):
     c = asyncio.run(_stress(n_calls=120, n_cells=3, seed=seed))
     assert c["drains"] > 3, c
