@@ -26,7 +26,7 @@ import numpy as np
 
 from gyre_jax import cells
 from gyre_jax.errors import ConfigError
-from gyre_jax.pods.satellite import RemoteCell, hold_forever, serve
+from gyre_jax.pods.satellite import RemoteCell, hold_forever, say_done, serve
 from gyre_jax.pods.transport import Transport, get
 
 log = logging.getLogger(__name__)
@@ -156,11 +156,7 @@ def _satellite(cfg, steps, cell, transport) -> dict:
     publisher = cells.WeightPublisher(steps.spec.logical_params, steps.spec.abstract_params)
     done = serve(transport, steps, cell.train_mesh, serve_shardings=publisher.shardings(cell, cells.Role.ROLLOUT),
                  on_grad=on_grad)
-    print(f"pods satellite {me}: {done['micro_batches']} micro-batches, {done['snapshots']} snapshots "
-          f"({done['snapshot_bytes'] / 1e6:.2f} MB in {done['snapshot_seconds']:.3f} s), serving version "
-          f"{done['published_version']} ({done['publish_bytes'] / 1e6:.2f} MB published in "
-          f"{done['publish_seconds']:.3f} s)", flush=True)
-    transport.kv.key_value_set(BYE.format(process=me), "1", allow_overwrite=True)
+    say_done(transport, BYE, done)
     return done
 
 

@@ -17,6 +17,7 @@ retries the call on the cells still routable (the core takes the dead cell out).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -122,9 +123,7 @@ class _RemoteStream(TokenStream):
             if self._resp is None:
                 r = self._req
                 body = {"request_id": r.request_id, "prompt_ids": r.prompt_ids.tolist(), "cache_key": r.cache_key,
-                        "sampling": {"max_tokens": r.sampling.max_tokens, "temperature": r.sampling.temperature,
-                                     "top_p": r.sampling.top_p, "seed": r.sampling.seed,
-                                     "stop_ids": list(r.sampling.stop_ids)},
+                        "sampling": dataclasses.asdict(r.sampling),  # every field, one added later too
                         "resume": _resume_to_json(r.resume.without_kv() if r.resume is not None else None)}
                 self._resp = await self._b.session().post(self._b.url + "/generate", json=body)
                 if self._resp.status != 200:
@@ -148,9 +147,8 @@ class _RemoteStream(TokenStream):
             raise EngineError(f"{self._b.name}: {d['error']}")
         self.finish = d["finish"]
         self.resume = _resume_from_json(d["resume"])
-        if self.resume is not None:
-            self.resume = ResumeState(prompt_ids=self.resume.prompt_ids, output_ids=self.resume.output_ids,
-                                      output_logprobs=self.resume.output_logprobs, source=self._b.name)
+        if self.resume is not None:  # the core's name for the cell it left
+            self.resume = dataclasses.replace(self.resume, source=self._b.name)
         self._b._stats = d.get("stats", self._b._stats)
         raise StopAsyncIteration
 

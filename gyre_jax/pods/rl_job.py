@@ -35,7 +35,7 @@ from gyre_jax import cells as cells_lib
 from gyre_jax.cells.mesh import Role
 from gyre_jax.errors import ConfigError
 from gyre_jax.pods.remote_engine import EngineServer, RemoteBackend
-from gyre_jax.pods.satellite import RemoteCell, serve
+from gyre_jax.pods.satellite import RemoteCell, say_done, serve
 from gyre_jax.pods.transport import Transport, get, transfer_host
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,7 @@ def satellite_main(cfg, steps, make_backend, tok) -> dict:
         if "server" in box:
             asyncio.run_coroutine_threadsafe(box["server"].stop(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
-    print(f"pods satellite {me}: {done['micro_batches']} micro-batches trained, {done['snapshots']} snapshots "
-          f"({done['snapshot_bytes'] / 1e6:.2f} MB in {done['snapshot_seconds']:.3f} s), serving version "
-          f"{done['published_version']} ({done['publish_bytes'] / 1e6:.2f} MB published in "
-          f"{done['publish_seconds']:.3f} s)", flush=True)
-    transport.kv.key_value_set(BYE.format(process=me), "1", allow_overwrite=True)
+    say_done(transport, BYE, done)
     return done
 
 

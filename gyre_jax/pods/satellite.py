@@ -231,3 +231,13 @@ def hold_forever(reason: str) -> None:
     """Block this thread for good (a fault-injection point: the test kills the process here)."""
     print(reason, flush=True)
     threading.Event().wait()
+
+
+def say_done(transport: Transport, bye_key: str, done: dict[str, Any]) -> None:
+    """Print what ``serve`` did in this process (its counts) and leave ``bye_key`` in the KV store for the core."""
+    me = transport.process
+    print(f"pods satellite {me}: {done['micro_batches']} micro-batches trained, {done['snapshots']} snapshots "
+          f"({done['snapshot_bytes'] / 1e6:.2f} MB in {done['snapshot_seconds']:.3f} s), serving version "
+          f"{done['published_version']} ({done['publish_bytes'] / 1e6:.2f} MB published in "
+          f"{done['publish_seconds']:.3f} s)", flush=True)
+    transport.kv.key_value_set(bye_key.format(process=me), "1", allow_overwrite=True)

@@ -237,15 +237,14 @@ def _serving_cells(mode: str, n_cells: int, async_train_cells: int) -> list[int]
 def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstream_backend) -> Components:
     """Every part of the loop, started; ``drive`` runs it. ``make_backend`` puts an engine on a cell."""
     t_start = time.perf_counter()
-    if absl_logging.get_verbosity() >= absl_logging.INFO:  # Orbax and JetStream log every save/step at INFO
-        absl_logging.set_verbosity(absl_logging.WARNING)
+    _quiet_absl()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     multi = jax.process_count() > 1  # pods: this is process 0, the core; cell k runs in process k
     if not multi:
         ensure_cpu_devices(cfg.num_cpu_devices)
     n_cells = cfg.check_devices(len(jax.devices()))
-    tok = load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
+    tok = _tokenizer(cfg)
     mc = cfg.model
     if tok.vocab_size > mc.vocab_size:
         raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the tokenizer's {tok.vocab_size} ids")
@@ -394,6 +393,15 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
                       faults=faults, chaos=chaos, records=records, warm_thread=warm, satellites=sats)
 
 
+def _quiet_absl() -> None:
+    if absl_logging.get_verbosity() >= absl_logging.INFO:  # Orbax and JetStream log every save/step at INFO
+        absl_logging.set_verbosity(absl_logging.WARNING)
+
+
+def _tokenizer(cfg: RLConfig):
+    return load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
+
+
 def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:
     """Take ``cell`` out of service from a thread of its own (the caller is the proxy's event loop)."""
     threading.Thread(target=pool.take_out, args=(cell, why), name=f"gyre-out-{cell}", daemon=True).start()
@@ -412,11 +420,10 @@ def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_bac
     """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word."""
     from gyre_jax.pods.rl_job import check_layout, satellite_main
 
-    if absl_logging.get_verbosity() >= absl_logging.INFO:
-        absl_logging.set_verbosity(absl_logging.WARNING)
+    _quiet_absl()
     cfg.check_devices(len(jax.devices()))
     check_layout(cfg, cells_lib.split_cells(cfg.cell_config()))
-    tok = load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
+    tok = _tokenizer(cfg)
     return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
 
 

@@ -198,7 +198,8 @@ class Checkpointer:
         # A handler per item, so reading metadata or restoring knows every item (without
         # them Orbax warns once per item per read that it "could not be restored").
         json_ = ocp.JsonCheckpointHandler
-        multi = jax.process_count() > 1 and config.this_process_only
+        # Pods: this process alone saves its own (host-local) arrays, as host copies.
+        self._host_only = multi = jax.process_count() > 1 and config.this_process_only
         if multi:  # Orbax refuses create=True with active_processes set: the core makes the directory
             os.makedirs(self.directory, exist_ok=True)
         self._mngr = ocp.CheckpointManager(
@@ -260,7 +261,7 @@ class Checkpointer:
             if k in meta:
                 raise ValueError(f"Checkpointer.save: meta key {k!r} is reserved")
         meta.update(format=FORMAT, format_version=FORMAT_VERSION, step=step)
-        if self.config.this_process_only and jax.process_count() > 1:
+        if self._host_only:
             # Orbax serializes only global arrays in a multi-process run; this process's own arrays
             # (the core's sub-mesh) are written as host numpy copies and laid out again on restore.
             train_state = jax.device_get(train_state)
@@ -309,10 +310,9 @@ class Checkpointer:
         missing = {"state", "cursor", "buffer", "meta"} - have
         if missing:
             raise ValueError(f"checkpoint {self.directory}/{step} lacks items {sorted(missing)} (has {sorted(have)})")
-        host_only = self.config.this_process_only and jax.process_count() > 1
         items = dict(
             state=ocp.args.StandardRestore(
-                jax.tree.map(lambda x: np.empty(x.shape, x.dtype), target) if host_only else target),
+                jax.tree.map(lambda x: np.empty(x.shape, x.dtype), target) if self._host_only else target),
             cursor=ocp.args.JsonRestore(),
             buffer=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
@@ -335,7 +335,7 @@ class Checkpointer:
             meta.pop(k)
         log.info("checkpoint: restored step %d from %s", step, self.directory)
         state = out["state"]
-        if host_only:
+        if self._host_only:
             state = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), state, target)
         return Restored(
             step=int(step),
