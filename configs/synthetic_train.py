@@ -11,8 +11,9 @@ The floor is well above 0: the first token of every model output is random.
 Every field can be overridden, e.g. ``--config.steps=100``.
 
 Data parallel over every device of every process (rows must split evenly), e.g.
-two processes of 2 CPU devices each, training like one process of 4 (the same
-gradients bit for bit, the logged loss to an ulp; tests/test_multihost.py):
+two processes of 2 CPU devices each, training like one process of 4 (loss and
+gradient norm to an ulp or two: the cross-process all-reduce sums in another order;
+params within 1e-6; tests/test_multihost.py):
     for i in 0 1; do python -m launch.main --config configs/synthetic_train.py --config.num_cpu_devices=2 \
         --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=$i --workdir /tmp/synth2 & done; wait
 Process 0 prints and writes the metrics; the others train silently.
@@ -41,6 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.compaction_prob = 0.3  # chance a tree gets a fresh context sharing only the system prompt
     c.max_step = 3  # progression step s drawn from 1..max_step per tree
     c.log_every = 20  # steps averaged for the first/last loss summary line
+    c.save_params = False  # write <workdir>/params.npz at the end (tests compare process layouts with it)
     c.model = ml_collections.ConfigDict(
         dict(
             vocab_size=64,  # token ids 1..63 (0 is padding)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import time
@@ -55,6 +56,7 @@ class DemoConfig:
     compaction_prob: float
     max_step: int  # progression steps s are drawn from 1..max_step
     log_every: int
+    save_params: bool = False  # write workdir/params.npz at the end (process 0: params are replicated)
 
     def __post_init__(self):
         for name in ("steps", "rows", "row_len", "prompt_len", "node_len", "depth", "max_branches", "max_step", "log_every"):
@@ -180,6 +182,15 @@ def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
 
 
+def params_digest(params) -> str:
+    """sha256 of every leaf's bytes in tree order: two runs trained the same params iff equal.
+    Params are replicated, so each process hashes its own copy."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.ascontiguousarray(np.asarray(leaf.addressable_shards[0].data)).tobytes())
+    return h.hexdigest()
+
+
 def run(config, workdir: str) -> list[dict]:
     """Train, print loss with a progress bar, write ``workdir/metrics.jsonl``; return the metrics.
 
@@ -243,4 +254,9 @@ def run(config, workdir: str) -> list[dict]:
     last = np.mean([h["loss"] for h in history[-cfg.log_every :]])
     say(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
         f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}")
+    say(f"train_synthetic: final params sha256 {params_digest(params)}")
+    if cfg.save_params and primary:
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        np.savez(os.path.join(workdir, "params.npz"),
+                 **{jax.tree_util.keystr(k): np.asarray(v.addressable_shards[0].data) for k, v in leaves})
     return history
