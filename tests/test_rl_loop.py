@@ -51,6 +51,10 @@ def _check_run(workdir, summary, *, steps, rollouts):
     for key in ("reward", "partial_credit", "staleness_mean", "staleness_max", "dedup_factor", "gen_tokens_per_s",
                 "train_tokens_per_s", "switch_s_mean", "failures/verifier_error", "failures/infra_error", "roles"):
         assert key in lines[0], key
+    # What the controller measured and concluded, per step (None until measured: then absent).
+    last = lines[-1]
+    assert last["sched/work_s_per_rollout"] > 0 and 1 <= last["sched/train_cells_target"] <= 3, last
+    assert last["sched/max_running_rollouts"] >= 1
     assert os.path.getsize(os.path.join(workdir, "timeline.png")) > 1000
     assert os.path.isdir(os.path.join(workdir, "checkpoints", str(steps)))
     outs, consumed, _ = _outcomes(workdir)
@@ -263,12 +267,14 @@ def test_loop_resumes_without_losing_or_retraining(tmp_path):
 
 @pytest.mark.slow
 def test_full_demo(tmp_path):
-    """The README's command (configs/demo.py as is); ~6-8 min on 2 cores. RL must raise the
-    held-out reward (fixed tasks, fixed sampling key) over the SFT warm start's."""
+    """The README's command (configs/demo.py as is); ~6-8 min on 2 idle cores, up to ~17 on a
+    slow or loaded host. RL must raise the held-out reward (fixed tasks, fixed sampling key) over
+    the SFT warm start's. Its wall time is the README's measured figure, not asserted here (a
+    host's speed is no property of the code: tools/bench_demo_modes.py times the modes)."""
     c = demo_config.get_config()
     c.progress = False
     summary = jobs.get(c.job)(c, str(tmp_path))
-    assert summary["steps"] == c.steps and summary["wall_s"] < 600, summary
+    assert summary["steps"] == c.steps, summary
     assert summary["eval_first"] > 0.5, summary  # the SFT warm start works
     assert summary["eval_last"] > summary["eval_first"] + 0.02, summary
     assert summary["reward_last"] > summary["reward_first"], summary

@@ -85,7 +85,8 @@ def drive(c: Components) -> dict:
         return {"mode": cfg.scheduler.mode, "steps": 0}
     history: list[dict] = []
     step_end_s: list[float] = []
-    recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher, pool=c.pool)
+    recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher, pool=c.pool,
+                            controller=c.controller)
     # The starting policy's eval (version steps_done) goes into the first step record of
     # this run as eval/*_start, so metrics.jsonl stays one line per step.
     start_eval = {}

@@ -8,12 +8,14 @@ failed or went out of service.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 
 from gyre_jax.rl import summary as summary_lib
+from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.vocab import ROLLOUT, TRAIN
 
 
@@ -32,8 +34,9 @@ def scalars(rec: dict) -> dict:
 class StepRecorder:
     """Turns the trainer's per-step info into a flat record; remembers counters between steps."""
 
-    def __init__(self, *, clock, server, timeline, launcher, pool):
+    def __init__(self, *, clock, server, timeline, launcher, pool, controller=None):
         self.clock, self.server, self.timeline, self.launcher, self.pool = clock, server, timeline, launcher, pool
+        self.controller = controller  # its online estimates go into each record as sched/*
         self._t = clock.now()
         self._gen = 0
         self._switches = 0
@@ -85,9 +88,24 @@ class StepRecorder:
             **{k: int(sum(r.get(k, 0) for r in self.launcher.results))
                for k in ("sandbox_commands", "sandbox_violations", "sandbox_limits_hit")},
         }
+        rec.update(self._scheduler_view())
         self._t, self._gen, self._switches = now, gen, len(self.timeline.switches)
         self._moves, self._failures = self._moves + len(moves), len(self.pool.failures)
         return rec
+
+    def _scheduler_view(self) -> dict:
+        """What the controller measured and what its policy concludes from it now: the
+        numbers behind each role switch and admission (None = not measured yet: the prior)."""
+        ctl = self.controller
+        if ctl is None or ctl.estimates is None:
+            return {}
+        state = ctl.last_state  # read, not observed: observing would feed the estimates from this thread
+        if state is None:
+            return {}
+        out = {f"sched/{k}": v for k, v in dataclasses.asdict(state.measured).items()}
+        out["sched/train_cells_target"] = policy_lib.train_cells_target(state, ctl.config)
+        out["sched/max_running_rollouts"] = policy_lib.max_running_rollouts(state, ctl.config)
+        return out
 
 
 def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], segments, n_cells: int,

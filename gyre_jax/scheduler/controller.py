@@ -70,6 +70,7 @@ class Controller:
         self._changed = getattr(cells, "changed_cells", None)
         self._switching: dict[int, tuple[str, float]] = {}  # cell -> (role it is switching to, when asked)
         self._sample_due = False
+        self.last_state: ClusterState | None = None  # what the last tick decided on (for reports)
         # estimate=False: the config's priors only (a reproducible policy for tests of it).
         # sample_s: the load-sampling grid (estimates.py); a clock that only ticks on events
         # (the simulator) schedules a tick on it.
@@ -177,7 +178,7 @@ class Controller:
 
     def tick(self) -> tuple[policy_lib.Action, ...]:
         self.reconcile()
-        state = self.observe()
+        state = self.last_state = self.observe()
         actions = policy_lib.decide(state, self.config)
         if self._changed is not None and any(isinstance(a, policy_lib.ToTrain) for a in actions):
             # which cells to drain depends on their in-flight calls: read them fresh, decide again
@@ -197,6 +198,7 @@ class Controller:
         if actions and self.record:
             self.decisions.append(Decision(self.clock.now(), actions))
         return actions
+
     def done(self) -> bool:
         return self.trainer.progress().steps_done >= self.config.total_steps
 
