@@ -298,13 +298,18 @@ class _Census(NamedTuple):
     slots: int  # slots of one satellite (cells are alike)
 
 
-_census_cache: list = [None, None]  # (cells tuple, its census): a controller passes the same tuple until a cell changes
+# (cells tuple, its census): a controller passes the same tuple until a cell changes. One tuple,
+# swapped whole, so a reader on another thread (the RL loop's step report) never pairs one
+# cells tuple with another's census.
+_census_cache: tuple = (None, None)
 
 
 def _census(cells: tuple[CellView, ...]) -> _Census:
     """One pass over the cells (cached while the controller passes the same tuple)."""
-    if _census_cache[0] is cells:
-        return _census_cache[1]
+    global _census_cache
+    cached_cells, cached = _census_cache
+    if cached_cells is cells:
+        return cached
     live = training = sats = sat_slots = serving = slots = 0
     for c in cells:
         r = c.role
@@ -320,7 +325,7 @@ def _census(cells: tuple[CellView, ...]) -> _Census:
             if r in SERVING_ROLES:
                 serving += 1
     out = _Census(live, training, sats, sat_slots, serving, slots)
-    _census_cache[0], _census_cache[1] = cells, out
+    _census_cache = (cells, out)
     return out
 
 
