@@ -10,7 +10,13 @@ staleness bound of 2. The one-wave uniform-short workload that elastic used to l
 Where the claim does not hold (stated, not hidden): clusters of a few cells, where the
 core cell (pinned to training) is a large share of serving capacity, and runs of a
 handful of steps with very heavy tails, where the best of 15 splits picked in hindsight
-is partly luck. tools/bench_scheduler.py reports the ratio on the presets.
+is partly luck. And (found by the slow random test on Dec 2, pinned below as a strict
+xfail) training-heavy work on one-accelerator cells: elastic settles on the integer
+split (10-11 of 16 training), admission stays pinned to it, so its training cells idle
+~7% of each step while serving is the bottleneck; colocate's alternation wastes less
+(elastic 0.97 / 0.95 / 0.93 of colocate at 6 / 12 / 24 steps). Fixing it needs the
+admission cap to follow the cells training actually needs, without thrashing the
+cells back and forth: not done yet. tools/bench_scheduler.py reports the ratio on the presets.
 """
 import math
 
@@ -90,4 +96,25 @@ def test_elastic_within_2pct_of_the_best_baseline(cfg):
 @given(cfg=workloads())
 def test_elastic_within_2pct_of_the_best_baseline_many(cfg):
     ratio, info = elastic_vs_best_baseline(cfg)
+    assert ratio >= FLOOR, info
+
+
+def training_heavy_one_accelerator_cells(steps: int = 12) -> SimConfig:
+    """The slow random test's counterexample: 16 cells of 1 accelerator, 4 slots, 20 calls of
+    15 s per rollout, no tools, training ~2x the serving cell-seconds."""
+    wl = WorkloadConfig(name="random", calls_dist="lognormal", calls_median=20.0, calls_shape=0.1121605270261317,
+                        calls_max=120, decode_tokens_median=300.0, decode_tokens_sigma=0.0, context_tokens_median=100.0,
+                        context_tokens_sigma=0.0, decode_tok_s=20.0, prefill_tok_s=1000.0, tool_s_median=0.0,
+                        tool_s_sigma=0.0, rollout_timeout_s=math.inf, train_tokens_per_s_per_cell=52.27568705891288,
+                        optimizer_s=0.0)
+    cl = ClusterConfig(accelerators=16, cell_size=1, slots_per_cell=4, switch_to_train_s=8.5, switch_to_rollout_s=3.5,
+                       kv_move_s=0.5, publish_s=1.0)
+    pol = PolicyConfig(mode="elastic", total_steps=steps, groups_per_step=32, group_size=4, staleness_bound=2)
+    return SimConfig(cluster=cl, workload=wl, policy=pol, seed=0)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (module docstring): admission pinned to the integer split; "
+                   "measured 0.945 of colocate. A fix turns this into an XPASS: then drop the mark.")
+def test_training_heavy_one_accelerator_cells():
+    ratio, info = elastic_vs_best_baseline(training_heavy_one_accelerator_cells())
     assert ratio >= FLOOR, info
