@@ -10,13 +10,13 @@ staleness bound of 2. The one-wave uniform-short workload that elastic used to l
 Where the claim does not hold (stated, not hidden): clusters of a few cells, where the
 core cell (pinned to training) is a large share of serving capacity, and runs of a
 handful of steps with very heavy tails, where the best of 15 splits picked in hindsight
-is partly luck. And (found by the slow random test on Dec 2, pinned below as a strict
-xfail) training-heavy work on one-accelerator cells: elastic settles on the integer
-split (10-11 of 16 training), admission stays pinned to it, so its training cells idle
-~7% of each step while serving is the bottleneck; colocate's alternation wastes less
-(elastic 0.97 / 0.95 / 0.93 of colocate at 6 / 12 / 24 steps). Fixing it needs the
-admission cap to follow the cells training actually needs, without thrashing the
-cells back and forth: not done yet. tools/bench_scheduler.py reports the ratio on the presets.
+is partly luck. tools/bench_scheduler.py reports the ratio on the presets.
+
+Pinned too: training-heavy work on one-accelerator cells, found by the slow random test
+on Dec 2. Elastic took the split minimizing the step model (11 of 16 training: serving-
+bound), admission stayed pinned to it and the training cells idled ~7% of each step
+(0.97 / 0.95 / 0.93 of colocate at 6 / 12 / 24 steps); it now takes the training-bound
+split beside it (10), whose serving slack is lent to training (1.02 at each length).
 """
 import math
 
@@ -113,8 +113,6 @@ def training_heavy_one_accelerator_cells(steps: int = 12) -> SimConfig:
     return SimConfig(cluster=cl, workload=wl, policy=pol, seed=0)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (module docstring): admission pinned to the integer split; "
-                   "measured 0.945 of colocate. A fix turns this into an XPASS: then drop the mark.")
-def test_training_heavy_one_accelerator_cells():
+def test_training_heavy_one_accelerator_cells():  # was 0.945 of colocate: the serving-bound split idled training
     ratio, info = elastic_vs_best_baseline(training_heavy_one_accelerator_cells())
     assert ratio >= FLOOR, info
