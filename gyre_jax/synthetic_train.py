@@ -182,12 +182,17 @@ def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
 
 
-def params_digest(params) -> str:
-    """sha256 of every leaf's bytes in tree order: two runs trained the same params iff equal.
-    Params are replicated, so each process hashes its own copy."""
+def local_params(params) -> dict[str, np.ndarray]:
+    """This process's copy of every (replicated) leaf, keyed by its tree path, in tree order."""
+    return {jax.tree_util.keystr(k): np.asarray(v.addressable_shards[0].data)
+            for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def params_digest(host_params: dict[str, np.ndarray]) -> str:
+    """sha256 of every leaf's bytes in tree order: two runs trained the same params iff equal."""
     h = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        h.update(np.ascontiguousarray(np.asarray(leaf.addressable_shards[0].data)).tobytes())
+    for leaf in host_params.values():
+        h.update(np.ascontiguousarray(leaf).tobytes())
     return h.hexdigest()
 
 
@@ -254,9 +259,9 @@ def run(config, workdir: str) -> list[dict]:
     last = np.mean([h["loss"] for h in history[-cfg.log_every :]])
     say(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
         f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}")
-    say(f"train_synthetic: final params sha256 {params_digest(params)}")
-    if cfg.save_params and primary:
-        leaves = jax.tree_util.tree_leaves_with_path(params)
-        np.savez(os.path.join(workdir, "params.npz"),
-                 **{jax.tree_util.keystr(k): np.asarray(v.addressable_shards[0].data) for k, v in leaves})
+    if primary:
+        final = local_params(params)
+        say(f"train_synthetic: final params sha256 {params_digest(final)}")
+        if cfg.save_params:
+            np.savez(os.path.join(workdir, "params.npz"), **final)
     return history

@@ -99,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--workdir", default="/tmp/gyre_bench_modes")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode, interleaved (elastic, colocate, "
                     "async, elastic, ...) so a slow spell of the machine hits every mode; the ratios use each "
-                    "mode's median")
+                    "mode's median round (the slower middle one of an even count)")
     ap.add_argument("extra", nargs="*", help="more --config.* overrides, after --")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]

@@ -178,7 +178,7 @@ class Controller:
 
     def tick(self) -> tuple[policy_lib.Action, ...]:
         self.reconcile()
-        state = self.last_state = self.observe()
+        state = self.observe()
         actions = policy_lib.decide(state, self.config)
         if self._changed is not None and any(isinstance(a, policy_lib.ToTrain) for a in actions):
             # which cells to drain depends on their in-flight calls: read them fresh, decide again
@@ -189,6 +189,7 @@ class Controller:
                 self._views_tuple = tuple(self._views)
             state = dataclasses.replace(state, cells=self._views_tuple)
             actions = policy_lib.decide(state, self.config)
+        self.last_state = state
         self.apply(actions, state)
         if self.estimates is not None:
             if any(isinstance(a, policy_lib.TakeGroups) for a in actions) and self.trainer.progress().update_in_progress:

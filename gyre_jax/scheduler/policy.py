@@ -387,10 +387,7 @@ def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
             hi = mid
         else:
             lo = mid + 1
-    # Elastic lends idle serving cells to training (the tail rule in _roles) but admission keeps
-    # training cells from serving, so of the two splits around the crossing it takes the
-    # training-bound one: there the serving side's slack is lent, on the other side the training
-    # side's slack idles.
+    # the crossing's training-bound side (the docstring says why)
     serving_bound = serve / (n - lo) >= train / lo + upd
     best = lo - 1 if serving_bound and lo > 1 else lo
     # Hysteresis: estimates are noisy and each move costs a switch round trip, so the
