@@ -1,5 +1,7 @@
 """The loop's failure model and modes, on the real cells with fake engines (fast):
 
+* streaming (elastic) vs batch (async) modes at one update per publication: a chunk of
+  rows per group, rescaled by nominal / trained rollouts, vs one chunk per step;
 * multi-step mode (k = 2 updates per publication): rows stream into running steps,
   the engines only ever load every k-th version, staleness stays within S, grader
   crashes make the step's trained rollouts fewer than nominal and the update is
@@ -84,6 +86,30 @@ def test_multi_step_mode_streams_rows_and_publishes_every_k(tmp_path):
     assert any(e.engine.loads for e in engines.values())
     outs, consumed, unfinished = store_view(str(tmp_path / "elastic"))
     assert unfinished == [] and len(outs) == 4 * 8
+    assert_consumed_once(outs, consumed)
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async"])
+def test_streaming_modes_train_each_group_as_taken_batch_modes_the_whole_step(tmp_path, mode):
+    """One update per publication. elastic (streaming): each group is a chunk of rows the
+    running step trains while later groups run, and the update is rescaled by nominal /
+    trained rollouts (grader crashes make them fewer); async (a batch mode): the whole
+    step is one globally shuffled chunk, normalized over its trained rollouts."""
+    cfg = fake_config(3, **{"scheduler.mode": mode, "faults.grader_crash_every": 3})
+    summary = drive(build(cfg, str(tmp_path / mode), make_backend=fake_tiny_backend))
+    assert summary["steps"] == 3
+    lines = [json.loads(x) for x in open(tmp_path / mode / "metrics.jsonl")]
+    assert len(lines) == 3
+    for r in lines:
+        assert r["after_last_group_s"] >= 0, r
+        if mode == "elastic":
+            assert r["row_chunks"] == 2, r  # groups_per_step
+            assert r["grad_scale"] == pytest.approx(8 / r["trained_rollouts"]), r
+        else:
+            assert r["row_chunks"] == 1 and r["grad_scale"] == 1.0, r
+    assert any(r["trained_rollouts"] < 8 for r in lines)  # the crashes reached a step
+    outs, consumed, unfinished = store_view(str(tmp_path / mode))
+    assert unfinished == [] and len(outs) == 3 * 8
     assert_consumed_once(outs, consumed)
 
 

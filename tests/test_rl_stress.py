@@ -7,8 +7,9 @@ Every step must complete, every finished rollout must be trained (or dropped wit
 failure class) exactly once, and the params must equal, bit for bit, a run without the
 chaos: the same steps' rollouts (read back from the store) trained one step at a time on
 the core alone through the same pipeline (process_step -> the grain dataset -> one
-elastic step, no satellite). One-step mode; the fake engines are deterministic per
-rollout, like greedy decoding.
+elastic step, no satellite), each group added as the step took it (the record's
+``groups``). One update per publication, streamed; the fake engines are deterministic
+per rollout, like greedy decoding.
 
 Default run: two seeds. ``-m slow``: more seeds, each with two busy processes competing
 for the CPU.
@@ -57,9 +58,11 @@ def chaos_config(seed: int) -> RLConfig:
     return RLConfig.from_config(c)
 
 
-def replay(cfg: RLConfig, store_dir: str):
+def replay(cfg: RLConfig, store_dir: str, groups_by_step: list[list[str]]):
     """The same steps without chaos: each step's rollouts (from the store), packed as the
-    trainer packs a one-step step, trained on the core alone. Returns the final params."""
+    trainer packs a streaming step (a chunk per group, in the order the step took them,
+    weighted over the nominal rollouts and rescaled at the end), trained on the core
+    alone. Returns the final params."""
     mc = cfg.model
     cs = cells_lib.split_cells(cfg.cell_config())
     opt = cfg.optimizer_config()
@@ -72,18 +75,28 @@ def replay(cfg: RLConfig, store_dir: str):
     it = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
     with TrajectoryStore(store_dir, run_id="rl", writable=False) as store:
         consumed = store.consumed()
+        nominal = cfg.scheduler.groups_per_step * cfg.scheduler.group_size
         for step in range(cfg.steps):
             outs = [store.outcome(r) for r in consumed if consumed[r]["step"] == step]
-            rids = [o.rollout_id for o in sorted(outs, key=lambda o: (o.group_id, o.rollout_id))]
-            calls = [c for r in rids for c in (store.calls(r) if store.outcome(r).num_calls else [])]
-            batch = process_step(calls, [store.outcome(r) for r in rids], cfg.processor_config())
-            stream.add(step, batch.rows, batch.rollout_index)
+            assert sorted({o.group_id for o in outs}) == sorted(groups_by_step[step])
+            offset = trained = 0
+            for gid in groups_by_step[step]:
+                rids = sorted(o.rollout_id for o in outs if o.group_id == gid)
+                calls = [c for r in rids for c in (store.calls(r) if store.outcome(r).num_calls else [])]
+                batch = process_step(calls, [store.outcome(r) for r in rids], cfg.processor_config(),
+                                     num_step_rollouts=nominal, rollout_index_offset=offset)
+                offset += len(batch.rollout_ids)
+                trained += batch.stats.trained_rollouts
+                if batch.rows.tokens.shape[0]:
+                    stream.add(step, batch.rows, batch.rollout_index)
             stream.end_step(step)
             mbs = []
             while not mbs or not mbs[-1].pop("last"):
                 b = next(it)
                 mbs.append({**{k: b[k] for k in cells_lib.MICRO_BATCH_KEYS}, "last": bool(b["last_in_step"][0])})
-            trainer.run_step(mbs)
+            run = trainer.start_step(mbs, more=True)
+            run.close(grad_scale=nominal / trained if trained else 1.0)
+            run.wait()
     return jax.device_get(trainer.state.params), spec, mesh
 
 
@@ -110,7 +123,8 @@ def check_chaos_run(tmp_path, seed: int) -> dict:
     # Staleness stays within the admission bound however the cells' timing goes.
     assert max(r["staleness_max"] for r in lines) <= cfg.scheduler.staleness_bound, lines
 
-    ref, spec, mesh = replay(cfg, os.path.join(wd, "store"))
+    assert all(r["row_chunks"] == cfg.scheduler.groups_per_step for r in lines), lines  # streamed, a chunk per group
+    ref, spec, mesh = replay(cfg, os.path.join(wd, "store"), [r["groups"].split(",") for r in lines])
     with Checkpointer(CheckpointConfig(directory=os.path.join(wd, "checkpoints"))) as ck:
         assert ck.latest_step() == STEPS
         it = iter(StreamingDataset(RowStream(cfg.train.row_len), batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))

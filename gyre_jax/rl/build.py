@@ -364,7 +364,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
         cells=[sats.remotes[c] if sats is not None and c in sats.remotes else cell for c, cell in enumerate(layout.cells)],
         cell_roles=pool.roles, notify=wake.set, on_step=on_step, work_s_per_row=cfg.train.work_s_per_row,
-        stream=stream, data_iterator=iterator, multi_step=s.multi_step, steps_done=steps_done, ready=ready,
+        stream=stream, data_iterator=iterator, stream_groups=s.stream_groups, steps_done=steps_done, ready=ready,
         after_update=after_update, on_step_started=pause, on_failed_cell=pool.training_failed,
         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None)
     c_box["trainer"] = trainer_ad

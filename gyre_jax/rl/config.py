@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Mapping
 from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
-from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES  # the scheduler owns the policy modes
+from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES, STREAMING_MODES  # the scheduler owns the policy modes
 
 
 def _positive(obj, names, *, allow_zero=False):
@@ -82,10 +82,10 @@ class SchedulerConfig:
     groups_per_step: int = 2  # G: groups trained per optimizer step
     group_size: int = 4  # rollouts per group (advantage baseline)
     staleness_bound: int = 1  # S: admission bound, in optimizer updates
-    # k: optimizer updates per weight publication. 1 = one-step mode (a step's rows are
-    # globally shuffled, the update is published before the next step's rollouts are
-    # admitted); k >= 2 = multi-step mode (rows stream into the running step as groups
-    # finish, k updates train on rollouts of the last published version).
+    # k: optimizer updates per weight publication. 1 = one-step mode (one update per
+    # publication; the streaming modes train each group as it is taken, the batch modes
+    # pack and globally shuffle the whole step); k >= 2 = multi-step mode (rows stream into
+    # the running step as groups finish, k updates train on rollouts of the last published version).
     updates_per_publication: int = 1
     async_train_cells: int = 1  # async modes: cells 0..k-1 train (k >= 1)
     # Priors until the controller has measured them (switch round trip; calls per running
@@ -106,6 +106,12 @@ class SchedulerConfig:
     @property
     def multi_step(self) -> bool:
         return self.updates_per_publication > 1
+
+    @property
+    def stream_groups(self) -> bool:
+        """Groups are packed and trained as they are taken (the streaming modes, as the
+        simulator models them, and multi-step), not once the step's batch is whole."""
+        return self.multi_step or self.mode in STREAMING_MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -60,7 +60,7 @@ class StepRecorder:
             "rollouts": info["rollouts"], "trained_rollouts": st["trained_rollouts"],
             **{f"failures/{k}": v for k, v in st["failures"].items()},
             "staleness_mean": rep.staleness_mean, "staleness_max": rep.staleness_max,
-            "group_versions": info["group_versions"],
+            "groups": info["groups"], "group_versions": info["group_versions"],  # in the order the step took them
             "dedup_factor": st["dedup_factor"], "rows": info["rows"], "micro_batches": info["micro_batches"],
             # What the Jmax path budget cost this step (each unique trainable token once).
             "trainable_tokens": st["trainable_unique"], "trainable_tokens_kept": st["trainable_selected"],
@@ -75,6 +75,9 @@ class StepRecorder:
             "train_step_s": rep.seconds,
             "train_busy_cell_s": float(sum(done - pulled for _, pulled, done in rep.timeline)),
             "process_s": info["process_s"], "cells_trained": info["cells_used"],
+            # Streaming: rows came in one chunk per group, and only the last group's rows and the
+            # update were left once it was in; a whole step: one chunk, all its training after.
+            "row_chunks": info["row_chunks"], "after_last_group_s": info["after_last_group_s"],
             "failed_cells": [c for c, _ in rep.failed_cells],
             "switches": len(sw), "switch_s_mean": float(np.mean([x[3] for x in sw])) if sw else 0.0,
             "switch_s_max": float(np.max([x[3] for x in sw])) if sw else 0.0,

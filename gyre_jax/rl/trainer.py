@@ -5,17 +5,23 @@ Three stages, each on its own thread, connected by the dataset of packed rows:
     take_groups (controller)  ->  processor thread: store -> process_step -> RowStream.add
                               ->  trainer thread: StreamingDataset iterator -> ElasticStep
 
-* One-step mode (``multi_step=False``): once the open step holds ``groups_per_step``
-  groups, the processor packs the step's rollouts together (weights normalized
-  over the step's trained rollouts) and adds them as one chunk: the step is
-  globally shuffled. The trainer reads batches until ``last_in_step`` and runs
-  the update.
-* Multi-step mode: each group is packed and added as soon as it is taken, so the
-  core (and every cell in train role) computes its micro-batches while later
-  groups still run. Its rows are weighted over the step's nominal rollout count
-  ``G x group_size``; when the step's last group is in, the update is scaled by
-  nominal / trained rollouts (``ElasticStep.close(grad_scale=...)``), so a step's
-  gradient is the rollout-first mean over exactly the rollouts it trained.
+* Whole steps (``stream_groups=False``: the batch modes colocate, async and
+  elastic_no_stream, one update per publication): once the open step holds
+  ``groups_per_step`` groups, the processor packs the step's rollouts together
+  (weights normalized over the step's trained rollouts) and adds them as one
+  chunk: the step is globally shuffled and its rows are a function of its
+  rollouts alone. The trainer reads batches until ``last_in_step`` and runs the
+  update; all of the step's training comes after its last group.
+* Streamed groups (the streaming modes elastic and async_stream, and multi-step
+  mode): each group is packed and added as soon as it is taken, so the core (and
+  every cell in train role) computes its micro-batches while later groups still
+  run, and only the last group's rows and the update remain once it is in. Its
+  rows are weighted over the step's nominal rollout count ``G x group_size``;
+  when the step's last group is in, the update is scaled by nominal / trained
+  rollouts (``ElasticStep.close(grad_scale=...)``), so a step's gradient is the
+  rollout-first mean over exactly the rollouts it trained: with one update per
+  publication the same gradient as the whole step's (a sum over micro-batches
+  does not depend on how rows were grouped), summed in arrival order.
 
 Both read the same ``StreamingDataset`` iterator, whose position is saved in
 every checkpoint; after an update it is the next step's start.
@@ -62,7 +68,7 @@ class _StepData:
 
 
 def merge_stats(stats: Sequence[StepStats]) -> dict:
-    """One step's numbers from the StepStats of its chunks (one in one-step mode)."""
+    """One step's numbers from the StepStats of its chunks (one for a whole step)."""
     out: dict = {}
     for k in ("rollouts", "trained_rollouts", "packed_tokens", "expanded_tokens", "trainable_targets", "paths_total",
               "paths_selected", "trainable_unique", "trainable_selected", "trainable_dropped", "rollouts_truncated"):
@@ -83,14 +89,14 @@ class TrainerAdapter:
     def __init__(self, *, trainer: ElasticTrainer, store, processor_config: ProcessorConfig, groups_per_step: int,
                  group_size: int, micro_batch_rows: int, cells, cell_roles: Callable[[], list[str]],
                  notify: Callable[[], None], on_step: Callable[[dict], None], work_s_per_row: float,
-                 stream, data_iterator, multi_step: bool, steps_done: int = 0, ready: Sequence[Group] = (),
+                 stream, data_iterator, stream_groups: bool, steps_done: int = 0, ready: Sequence[Group] = (),
                  after_update: Callable[[int], None] | None = None,
                  on_step_started: Callable[[int], None] | None = None,
                  on_failed_cell: Callable[[int, str], None] | None = None,
                  on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None):
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
-        self.cells, self.cell_roles, self.multi_step = cells, cell_roles, multi_step
+        self.cells, self.cell_roles, self.stream_groups = cells, cell_roles, stream_groups
         self.notify, self.on_step, self.after_update = notify, on_step, after_update
         self.on_step_started = on_step_started  # FaultConfig.pause_at_step; None in real runs
         self.on_failed_cell, self.on_pull_for_step = on_failed_cell, on_pull_for_step  # chaos (rl.faults)
@@ -98,11 +104,12 @@ class TrainerAdapter:
         self.stream, self.it = stream, data_iterator
         self._lock = threading.RLock()
         self._ready: list[Group] = sorted(ready, key=lambda g: g.version)
-        self._taken: list[Group] = []  # in the open step, not yet handed to the processor (one-step)
+        self._taken: list[Group] = []  # in the open step, not yet handed to the processor (whole steps)
         self._in_step: list[Group] = []  # handed to the processor for the open step, not yet trained
         self._queued_work_s = 0.0  # taken, not yet in the stream
         self._steps_done = steps_done
         self._updating = False
+        self._last_group_t = 0.0  # when the open step took its last group (its training's remaining part starts)
         self._step: ElasticStep | None = None
         self._data: dict[int, _StepData] = {}
         self._proc_q: queue.Queue = queue.Queue()
@@ -137,7 +144,7 @@ class TrainerAdapter:
             groups, self._ready = self._ready[:n], self._ready[n:]
             self._queued_work_s += sum(g.work_s for g in groups)
             step = self._steps_done
-            if self.multi_step:
+            if self.stream_groups:
                 self._in_step += groups
                 for g in groups:
                     self._proc_q.put(("group", step, [g]))
@@ -145,7 +152,8 @@ class TrainerAdapter:
                 self._taken += groups
             if open_taken + n == self.G:
                 self._updating = True
-                if self.multi_step:
+                self._last_group_t = time.perf_counter()
+                if self.stream_groups:
                     self._proc_q.put(("end", step, []))
                 else:
                     self._in_step, self._taken = self._taken, []
@@ -218,7 +226,7 @@ class TrainerAdapter:
                 self._end_step(step, data)
                 continue
             t0 = time.perf_counter()
-            # One-step: groups (and rollouts within a group) arrive in finishing order; sorting
+            # Whole steps: groups (and rollouts within a group) arrive in finishing order; sorting
             # by id makes the packed rows, hence the losses, a function of the step's rollouts
             # alone (a resumed run reproduces an uninterrupted one).
             groups = sorted(groups, key=lambda g: g.group_id) if kind == "step" else groups
@@ -250,7 +258,7 @@ class TrainerAdapter:
             self.stream.add(step, empty, np.full(empty.tokens.shape, -1, np.int32))
             data.rows = 1
         trained = sum(s.trained_rollouts for s in data.stats)
-        if self.multi_step and trained:
+        if self.stream_groups and trained:
             data.grad_scale = self.G * self.group_size / trained
         self.stream.end_step(step)
 
@@ -309,7 +317,8 @@ class TrainerAdapter:
         info = dict(step=version - 1, version=version, groups=[g.group_id for g in data.groups],
                     group_versions=[g.version for g in data.groups], rollouts=len(outcomes), report=report,
                     stats=merge_stats(data.stats), scores=scores, rows=n_mb * self.b, micro_batches=n_mb,
-                    process_s=data.process_s, step_s=time.perf_counter() - t0, cells_used=sorted(set(report.cell_of)))
+                    process_s=data.process_s, step_s=time.perf_counter() - t0, cells_used=sorted(set(report.cell_of)),
+                    row_chunks=len(data.stats), after_last_group_s=time.perf_counter() - self._last_group_t)
         with self._lock:
             self._latest = (version, params)
             self._step = None

@@ -12,13 +12,14 @@ arrival order, a step at a time; ``end_step`` closes a step (its partial last
 batch is padded). A batch that might be the step's last is held until more rows
 arrive or the step ends, so ``last_in_step`` is exact. Within one added chunk the
 rows are shuffled with a seed derived from (seed, step, chunk), so the order is a
-pure function of (seed, sequence of adds). The two modes of the loop (PAPER.md,
-"one-step" vs "multi-step") are two ways of adding:
+pure function of (seed, sequence of adds). The loop adds in one of two ways
+(``rl.trainer``):
 
-  * one-step: all rows of a finished step as one chunk, so the step is globally
-    shuffled;
-  * multi-step: a chunk per rollout group as it is taken into the running step,
-    so rows reach the cells while later groups still run (no global shuffle).
+  * whole steps (the batch modes, one-step): all rows of a finished step as one
+    chunk, so the step is globally shuffled;
+  * streamed groups (the streaming modes, and multi-step): a chunk per rollout
+    group as it is taken into the running step, so rows reach the cells while
+    later groups still run (no global shuffle).
 
 The iterator's state is (step, row offset); after a step's last batch it is the
 next step's start. Save it with ``grain.checkpoint.CheckpointSave(it)`` inside an
