@@ -19,9 +19,18 @@ before it are the same in every mode and left out). Every mode trains the same
 Prints a table, then ONE final JSON line:
 
   elastic_vs_colocate, elastic_vs_async   throughput ratios (elastic / baseline; > 1: elastic faster), of
-                                          each mode's median round with --repeats; *_by_round: every round's
+                                          each mode's median round with --repeats; *_by_round: every round's.
+                                          With --modes ...,async_stream also elastic_vs_async_stream: async with
+                                          streaming, so the ratio is the role switching's share alone
   seconds_<mode>, rl_seconds_<mode>       whole process / RL phase per mode
   rollouts_per_s_<mode>, tested_fraction_<mode> (finished rollouts that ran their suite), reward_last_<mode>
+  after_last_group_s_<mode>               mean per step: training left once the step's last group was in (the
+                                          streaming modes train each group as it is taken; the batch modes,
+                                          colocate and async, the whole step after its last group)
+  suite_bound_rl_s_<mode>, of_suite_bound_<mode>   the RL phase with free compute (only the suites and the
+                                          staleness bound cost time: ``suite_bound_rl_s`` simulates it with
+                                          the same policy and tasks), and bound / measured: how close a mode
+                                          is to what no scheduler can beat on this machine
   steps, groups_per_step, group_size, run_tests_scale, repeats, load_avg_{before,after}_<mode> (median round)
 
 The machine is shared: the load average before and after each mode is in the JSON, and
@@ -72,19 +81,72 @@ def run_mode(mode: str, args) -> dict:
     with open(os.path.join(args.workdir, mode, "summary.json")) as f:
         summary = json.load(f)
     commands = 0  # sandbox_commands is the run's running total: its last value counts every suite run
+    tails = []  # per step: training left once its last group was in (streaming: the last group's rows + update)
     with open(os.path.join(args.workdir, mode, "metrics.jsonl")) as f:
         for line in f:
-            commands = max(commands, int(json.loads(line).get("sandbox_commands", 0)))
+            rec = json.loads(line)
+            commands = max(commands, int(rec.get("sandbox_commands", 0)))
+            tails.append(float(rec["after_last_group_s"]))
     rollouts = summary["steps"] * args.groups_per_step * args.group_size
     finished = sum(summary["statuses"].values()) or 1
     out = {"mode": mode, "seconds": seconds, "rl_s": summary["rl_s"], "steps": summary["steps"], "rollouts": rollouts,
            "rollouts_per_s": rollouts / summary["rl_s"], "tested_fraction": commands / finished,
            "reward_last": summary["reward_last"], "util_rollout": summary["util_rollout"],
            "util_train": summary["util_train"], "util_train_busy": summary["util_train_busy"],
-           "switches": summary["switches"], "load_before": load_before, "load_after": os.getloadavg()[0]}
+           "switches": summary["switches"], "after_last_group_s": sum(tails) / max(len(tails), 1),
+           "load_before": load_before, "load_after": os.getloadavg()[0]}
     print(f"[{mode}] {seconds:.0f} s, RL phase {summary['rl_s']:.1f} s, {out['rollouts_per_s']:.3f} rollouts/s, "
           f"{out['tested_fraction']:.2f} of rollouts ran their suite", flush=True)
     return out
+
+
+def suite_bound_rl_s(args, mode: str) -> float:
+    """The RL phase with free compute: the same tasks' suites in launch order (every rollout
+    tests; the suite time is per task, so a group's rollouts share it), every model call,
+    training step, switch and publication instant, the same policy (mode, G, group size,
+    staleness bound, 4 cells) admitting groups. What only the suites and the staleness
+    bound cost: no scheduler can finish this run's RL phase faster (up to the ~10% of
+    rollouts that skip their suite)."""
+    from configs import demo as demo_config
+    from gyre_jax.agents.tasks import test_suite
+    from gyre_jax.rl.config import RLConfig
+    from gyre_jax.scheduler import simulator
+    from gyre_jax.scheduler.policy import PolicyConfig
+    from gyre_jax.scheduler.workloads import ClusterConfig, Rollouts, SimConfig, WorkloadConfig
+
+    c = demo_config.get_config()
+    for flag in args.extra:  # the run's own overrides (e.g. the staleness bound), typed as the config's fields
+        key, _, value = flag.removeprefix("--config.").partition("=")
+        *path, leaf = key.split(".")
+        node = c
+        for part in path:
+            node = node[part]
+        old = node[leaf]
+        node[leaf] = value.lower() == "true" if isinstance(old, bool) else type(old)(value)
+    c.task.family, c.task.run_tests_scale = "tiny_tests", args.run_tests_scale
+    cfg = RLConfig.from_config(c)
+    k, groups = args.group_size, args.steps * args.groups_per_step
+    offsets, call_s, tool_s, tokens = [0], [], [], []
+    for g in range(groups):
+        suite_s = test_suite(cfg.task.make(cfg.seed * 1_000_003 + g)).duration_s
+        for _ in range(k):  # one model call, the suite, the finishing call
+            call_s += [1e-6, 1e-6]
+            tool_s += [suite_s, 0.0]
+            tokens += [1.0, 1.0]
+            offsets.append(len(call_s))
+    free = dict(decode_tok_s=1e9, prefill_tok_s=1e9, train_tokens_per_s_per_cell=1e9, optimizer_s=0.0)
+    workload = WorkloadConfig(name="demo_suites", calls_median=2, calls_shape=1.0, calls_max=2, decode_tokens_median=1,
+                              decode_tokens_sigma=0.0, context_tokens_median=1, context_tokens_sigma=0.0,
+                              tool_s_median=1.0, tool_s_sigma=0.0, **free)
+    n_cells = cfg.num_cpu_devices // cfg.cells.cell_size
+    cluster = ClusterConfig(accelerators=n_cells, cell_size=1, slots_per_cell=cfg.cells.max_slots,
+                            switch_to_train_s=0.0, switch_to_rollout_s=0.0, kv_move_s=0.0, publish_s=0.0)
+    s = cfg.scheduler
+    policy = PolicyConfig(mode=mode, total_steps=args.steps, groups_per_step=args.groups_per_step, group_size=k,
+                          staleness_bound=s.staleness_bound, async_train_cells=s.async_train_cells)
+    rollouts = Rollouts(offsets=offsets, call_s=call_s, tool_s=tool_s, tokens=tokens)
+    return simulator.simulate(SimConfig(cluster=cluster, workload=workload, policy=policy), rollouts=rollouts,
+                              record_decisions=False).makespan_s
 
 
 def main(argv=None):
@@ -116,7 +178,7 @@ def main(argv=None):
            for m in modes}
 
     cols = ["mode", "seconds", "rl_s", "rollouts", "rollouts_per_s", "tested_fraction", "reward_last", "util_rollout",
-            "util_train", "util_train_busy", "switches", "load_before", "load_after"]
+            "util_train", "util_train_busy", "switches", "after_last_group_s", "load_before", "load_after"]
     rows = [cols] + [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in res.values()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     print()
@@ -128,13 +190,16 @@ def main(argv=None):
              "run_tests_scale": args.run_tests_scale, "sft_steps": args.sft_steps, "extra_overrides": args.extra,
              "repeats": args.repeats}
     for m, r in res.items():
+        bound = suite_bound_rl_s(args, m)
+        final.update({f"suite_bound_rl_s_{m}": round(bound, 1), f"of_suite_bound_{m}": round(bound / r["rl_s"], 3)})
         final.update({f"seconds_{m}": round(r["seconds"], 1), f"rl_seconds_{m}": round(r["rl_s"], 1),
                       f"rollouts_per_s_{m}": round(r["rollouts_per_s"], 4),
                       f"tested_fraction_{m}": round(r["tested_fraction"], 3),
                       f"reward_last_{m}": round(r["reward_last"], 3), f"switches_{m}": r["switches"],
+                      f"after_last_group_s_{m}": round(r["after_last_group_s"], 3),
                       f"load_avg_before_{m}": round(r["load_before"], 2), f"load_avg_after_{m}": round(r["load_after"], 2)})
     if "elastic" in res:
-        for base in ("colocate", "async"):
+        for base in ("colocate", "async", "async_stream"):
             if base in res:
                 final[f"elastic_vs_{base}"] = round(res["elastic"]["rollouts_per_s"] / res[base]["rollouts_per_s"], 3)
                 final[f"elastic_vs_{base}_by_round"] = [

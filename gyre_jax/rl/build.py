@@ -382,7 +382,9 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
     metrics = MetricsWriter(workdir, purge_step=steps_done)  # TensorBoard events + metrics.jsonl
     setup_s = time.perf_counter() - t_start
-    print(f"rl: mode={s.mode}{f' (multi-step, k={s.updates_per_publication})' if s.multi_step else ''} "
+    how = (f" (multi-step, k={s.updates_per_publication})" if s.multi_step else
+           " (groups train as they finish)" if s.stream_groups else " (whole batches)")
+    print(f"rl: mode={s.mode}{how} "
           f"cells={n_cells}x{cfg.cells.cell_size} devices, roles={''.join(r[0] for r in roles)}, "
           f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {url}, "
           f"setup {setup_s:.1f}s (SFT {len(sft_history)} steps), workdir {workdir}", flush=True)
