@@ -35,9 +35,10 @@ The 'tiny' tasks finish in one model call, so rollout cells are never idle and o
 2-core CPU (8 "devices" sharing two cores) elastic has nothing to reclaim: it pays for
 its drains and KV moves. Rollouts that wait on their environment are where it wins:
 ``--config.task.family=tiny_tests`` makes every rollout run a 1-30 s test suite, and
-``python tools/bench_demo_modes.py`` runs the three modes on it (5 rounds of 8 steps,
-Dec 1-2: elastic 1.46-1.72x colocate every round; vs async 0.98-1.28x, median 1.04, so
-within this host's run-to-run noise; the README has every round).
+``python tools/bench_demo_modes.py`` runs the three modes on it (rounds of 8 steps,
+Dec 1-2: elastic 1.46-1.72x colocate every round; vs async median 1.04 while the loop
+trained a step only once its last group was in, 0.90-1.10, median 1.09, since elastic
+trains each group as it is taken; the README has every round and why the spread).
 At cluster scale the gains are simulated by tools/bench_scheduler.py. The
 SFT warm start brings the mean partial-credit reward to ~0.76 (exact answers ~0.52 at
 temperature 1: argmax is right, sampling drops characters); RL then raises it: held-out

@@ -107,6 +107,8 @@ def suite_bound_rl_s(args, mode: str) -> float:
     staleness bound, 4 cells) admitting groups. What only the suites and the staleness
     bound cost: no scheduler can finish this run's RL phase faster (up to the ~10% of
     rollouts that skip their suite)."""
+    if ROOT not in sys.path:  # run as a script, tools/ is on the path, not the checkout
+        sys.path.insert(0, ROOT)
     from configs import demo as demo_config
     from gyre_jax.agents.tasks import test_suite
     from gyre_jax.rl.config import RLConfig
