@@ -58,10 +58,16 @@ def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
         key = "gyre:serve:r-curl"
         chat = _post(url + "/v1/chat/completions",
                      {"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, key)
-        assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 4
+        # The random-init model samples: it may draw its end token before the limit (seen once in a
+        # CI run: 3 of 4). Then the reply must say it stopped; otherwise it used exactly the limit.
+        assert chat["object"] == "chat.completion"
+        n, why = chat["usage"]["completion_tokens"], chat["choices"][0]["finish_reason"]
+        assert (n, why) == (4, "length") or (1 <= n < 4 and why == "stop"), chat
         msg = _post(url + "/v1/messages",
                     {"model": "gyre", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}, key)
-        assert msg["type"] == "message" and msg["usage"]["output_tokens"] == 3
+        assert msg["type"] == "message"
+        n, why = msg["usage"]["output_tokens"], msg["stop_reason"]
+        assert (n, why) == (3, "max_tokens") or (1 <= n < 3 and why == "end_turn"), msg
         # n=2: the prompt is prefilled once (the engine's prefix cache), each sample only feeds its last token
         before = _metric(url, 'gyre_cell_prefill_tokens{cell="cell0"}')
         two = _post(url + "/v1/chat/completions", {"model": "gyre", "max_tokens": 2, "n": 2,
