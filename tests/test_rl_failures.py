@@ -128,8 +128,7 @@ def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
     with TrajectoryStore(os.path.join(wd, "store"), run_id="rl") as store:
         n = 1 + max(int(r[1:6]) for r in store.rollout_ids())
         gid = f"g{n:05d}"
-        store.append(dataclasses.replace(_call(f"{gid}-1", gid, 2), task_id=failing.task.make(
-            failing.seed * 1_000_003 + n).task_id))
+        store.append(dataclasses.replace(_call(f"{gid}-1", gid, 2), task_id=failing.group_task(n).task_id))
 
     # The same command, resumed (one step more, so the group added above fits the run's G x N groups).
     summary = drive(build(fake_config(5), wd, make_backend=fake_tiny_backend))

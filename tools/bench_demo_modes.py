@@ -58,15 +58,20 @@ FAMILY_OVERRIDES = (
 )
 
 
+def mode_flags(mode: str, args) -> list[str]:
+    """The --config.* overrides every mode's run gets (and the free-compute bound reads)."""
+    return [f"--config.scheduler.mode={mode}", f"--config.steps={args.steps}",
+            f"--config.scheduler.groups_per_step={args.groups_per_step}",
+            f"--config.scheduler.group_size={args.group_size}",
+            f"--config.task.run_tests_scale={args.run_tests_scale}", f"--config.sft.steps={args.sft_steps}",
+            *FAMILY_OVERRIDES, *args.extra]
+
+
 def run_mode(mode: str, args) -> dict:
     workdir = os.path.join(args.workdir, mode)
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume
     cmd = [sys.executable, "-m", "launch.main", "--config", "configs/demo.py", "--workdir", args.workdir,
-           f"--config.scheduler.mode={mode}", f"--config.steps={args.steps}",
-           f"--config.scheduler.groups_per_step={args.groups_per_step}",
-           f"--config.scheduler.group_size={args.group_size}",
-           f"--config.task.run_tests_scale={args.run_tests_scale}", f"--config.sft.steps={args.sft_steps}",
-           *FAMILY_OVERRIDES, *args.extra]
+           *mode_flags(mode, args)]
     load_before = os.getloadavg()[0]
     log_path = os.path.join(args.workdir, f"{mode}.log")
     print(f"[{mode}] {' '.join(cmd[1:])}\n[{mode}] log: {log_path} (load {load_before:.2f})", flush=True)
@@ -103,34 +108,28 @@ def run_mode(mode: str, args) -> dict:
 def suite_bound_rl_s(args, mode: str) -> float:
     """The RL phase with free compute: the same tasks' suites in launch order (every rollout
     tests; the suite time is per task, so a group's rollouts share it), every model call,
-    training step, switch and publication instant, the same policy (mode, G, group size,
-    staleness bound, 4 cells) admitting groups. What only the suites and the staleness
+    training step, switch and publication instant, the run's own policy config (from the same
+    config file and overrides) admitting groups on its cells. What only the suites and the staleness
     bound cost: no scheduler can finish this run's RL phase faster (up to the ~10% of
     rollouts that skip their suite)."""
-    if ROOT not in sys.path:  # run as a script, tools/ is on the path, not the checkout
-        sys.path.insert(0, ROOT)
-    from configs import demo as demo_config
+    from absl import flags
+    from ml_collections import config_flags
+
     from gyre_jax.agents.tasks import test_suite
     from gyre_jax.rl.config import RLConfig
     from gyre_jax.scheduler import simulator
-    from gyre_jax.scheduler.policy import PolicyConfig
     from gyre_jax.scheduler.workloads import ClusterConfig, Rollouts, SimConfig, WorkloadConfig
 
-    c = demo_config.get_config()
-    for flag in args.extra:  # the run's own overrides (e.g. the staleness bound), typed as the config's fields
-        key, _, value = flag.removeprefix("--config.").partition("=")
-        *path, leaf = key.split(".")
-        node = c
-        for part in path:
-            node = node[part]
-        old = node[leaf]
-        node[leaf] = value.lower() == "true" if isinstance(old, bool) else type(old)(value)
-    c.task.family, c.task.run_tests_scale = "tiny_tests", args.run_tests_scale
-    cfg = RLConfig.from_config(c)
-    k, groups = args.group_size, args.steps * args.groups_per_step
+    # The run's config as launch.main reads it: the same file and overrides, parsed by the same flags.
+    argv = ["bench", f"--config={os.path.join(ROOT, 'configs', 'demo.py')}", *mode_flags(mode, args)]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=argv)  # overrides come from argv
+    fv(argv)
+    cfg = RLConfig.from_config(fv.config)
+    k, groups = cfg.scheduler.group_size, cfg.steps * cfg.scheduler.groups_per_step
     offsets, call_s, tool_s, tokens = [0], [], [], []
     for g in range(groups):
-        suite_s = test_suite(cfg.task.make(cfg.seed * 1_000_003 + g)).duration_s
+        suite_s = test_suite(cfg.group_task(g)).duration_s
         for _ in range(k):  # one model call, the suite, the finishing call
             call_s += [1e-6, 1e-6]
             tool_s += [suite_s, 0.0]
@@ -140,12 +139,10 @@ def suite_bound_rl_s(args, mode: str) -> float:
     workload = WorkloadConfig(name="demo_suites", calls_median=2, calls_shape=1.0, calls_max=2, decode_tokens_median=1,
                               decode_tokens_sigma=0.0, context_tokens_median=1, context_tokens_sigma=0.0,
                               tool_s_median=1.0, tool_s_sigma=0.0, **free)
-    n_cells = cfg.num_cpu_devices // cfg.cells.cell_size
+    n_cells = cfg.check_devices(cfg.num_cpu_devices)
     cluster = ClusterConfig(accelerators=n_cells, cell_size=1, slots_per_cell=cfg.cells.max_slots,
                             switch_to_train_s=0.0, switch_to_rollout_s=0.0, kv_move_s=0.0, publish_s=0.0)
-    s = cfg.scheduler
-    policy = PolicyConfig(mode=mode, total_steps=args.steps, groups_per_step=args.groups_per_step, group_size=k,
-                          staleness_bound=s.staleness_bound, async_train_cells=s.async_train_cells)
+    policy = cfg.policy_config(n_cells)  # the loop's own policy config, priors included
     rollouts = Rollouts(offsets=offsets, call_s=call_s, tool_s=tool_s, tokens=tokens)
     return simulator.simulate(SimConfig(cluster=cluster, workload=workload, policy=policy), rollouts=rollouts,
                               record_decisions=False).makespan_s

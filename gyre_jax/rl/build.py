@@ -124,10 +124,6 @@ class Components:
 
 
 # ---------------------------------------------------------------------------- build
-def _task_fn(cfg: RLConfig, g: int):
-    return cfg.task.make(cfg.seed * 1_000_003 + g)
-
-
 def fresh_params(cfg: RLConfig, tok, mesh=None):
     """A new model's params (config.model.hf_path's weights, born on ``mesh``, or a random init), warm-started
     by SFT on scripted demonstrations (config.sft); (params, history)."""
@@ -210,7 +206,7 @@ def _warm_engines(cfg: RLConfig, server: ServerThread, backends: dict, tok) -> N
     compiled before any rollout's deadline starts running."""
     import asyncio
 
-    prompt = np.asarray(first_call_prompt(_task_fn(cfg, 0), tok, cfg.harness.system_prompt or None), np.int32)
+    prompt = np.asarray(first_call_prompt(cfg.group_task(0), tok, cfg.harness.system_prompt or None), np.int32)
 
     async def one(backend, i):
         req = GenerateRequest(request_id=f"warm-{i}", prompt_ids=prompt, sampling=SamplingParams(max_tokens=2))
@@ -372,7 +368,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     harness_loop = LoopThread()
     existing = [group_number(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"(g\d+)-", r))]
     launcher = Launcher(loop=harness_loop, harness_config=cfg.harness_config(url + "/v1", RUN_ID), store=store,
-                        run_id=RUN_ID, task_fn=functools.partial(_task_fn, cfg), group_size=s.group_size,
+                        run_id=RUN_ID, task_fn=cfg.group_task, group_size=s.group_size,
                         workspace_root=os.path.join(workdir, "workspaces"),
                         on_group=trainer_ad.add_group,
                         work_s=lambda tokens: trainer_ad.work_s_per_row * max(1.0, tokens / cfg.train.row_len),

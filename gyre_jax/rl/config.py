@@ -365,6 +365,10 @@ class RLConfig:
         self.policy_config(n_cells)
         return n_cells
 
+    def group_task(self, g: int):
+        """The task of the run's g-th launched group (its seeds: disjoint from eval's and SFT's)."""
+        return self.task.make(self.seed * 1_000_003 + g)
+
     def processor_config(self):
         from gyre_jax.trajectory.processor import ProcessorConfig
         from gyre_jax.trajectory.rewards import AdvantageConfig
