@@ -73,6 +73,7 @@ Every field can be overridden, e.g. ``--config.steps=10``.
 """
 import ml_collections
 
+from gyre_jax.rl.config import HarnessKnobs, section
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
 
 
@@ -134,8 +135,11 @@ def get_config() -> ml_collections.ConfigDict:
         # tiny_tests family (family="tiny_tests"): x each task's run_tests suite time, 1-30 s heavy-tailed at 1.0
         # (tools/bench_demo_modes.py runs the three modes on it; see the README's demo section)
         run_tests_scale=1.0,
+        dataset="",  # a JSONL task file instead of a family (configs/external.py shows one)
+        eval_dataset="",
     ))
-    c.harness = ml_collections.ConfigDict(dict(
+    c.harness = ml_collections.ConfigDict(section(
+        HarnessKnobs,  # kind, entry, command, env, ...: the built-in agent here (configs/external.py: others)
         sandbox="auto",  # where tool commands run: auto (bubblewrap where it works) | bubblewrap | docker | podman | none
         max_tokens=88,  # per call (the ideal answer is 76 tokens)
         temperature=1.0,  # sampling temperature of rollouts
@@ -173,11 +177,15 @@ def get_config() -> ml_collections.ConfigDict:
         noisy_fraction=0.0,  # share of deliberately bad demonstrations (off: see the docstring)
         noisy_kind="reverse",  # how they are bad: reverse | one_char | random | give_up
     ))
-    c.eval = ml_collections.ConfigDict(dict(  # held-out eval (gyre_jax.rl.evaluate), logged as eval/* per step
+    c.eval = ml_collections.ConfigDict(dict(  # held-out eval, logged as eval/* per step
         every=10,  # evaluate before step 0, after every 10th step and after the last (0 = off)
+        # first_call: the fast extra for one-call families (gyre_jax.rl.evaluate; 'tiny' ends in one call, so it
+        # is the whole episode here); episodes: whole episodes through the harness (gyre_jax.rl.episode_eval)
+        kind="first_call",
         tasks=32,  # fixed tasks, seeds disjoint from the RL and SFT tasks
         samples_per_task=8,  # first model call sampled 8x per task with one fixed key (~2 s per eval on 2 cores)
         temperature=1.0,  # the rollouts' temperature (0 = greedy)
+        pass_score=1.0,  # pass@k counts samples scoring at least this
     ))
     c.faults = ml_collections.ConfigDict(dict(  # injected faults (gyre_jax.rl.faults); 0 = off
         grader_crash_every=0,  # every k-th rollout's grader crashes -> verifier_error, never trained

@@ -42,6 +42,7 @@ took 19 s and transformers loads and generates from the exported checkpoint.
 """
 import ml_collections
 
+from gyre_jax.rl.config import EvalConfig, HarnessKnobs, TaskConfig, section
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
 
 
@@ -77,8 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
         mode="elastic", groups_per_step=8, group_size=8, staleness_bound=1, updates_per_publication=1,
         async_train_cells=1, min_work_per_switch_s=DEFAULT_MIN_WORK_PER_SWITCH_S, serve_reserve=1.0, poll_s=0.05,
     ))
-    c.task = ml_collections.ConfigDict(dict(family="repo_spec", ops="copy", min_len=3, max_len=4))
-    c.harness = ml_collections.ConfigDict(dict(
+    c.task = ml_collections.ConfigDict(section(TaskConfig, family="repo_spec"))  # or dataset=<your tasks.jsonl>
+    c.harness = ml_collections.ConfigDict(section(
+        HarnessKnobs,  # kind=builtin here; kind=command / python bring your own agent (configs/external.py)
         sandbox="auto",  # where tool commands run: auto (bubblewrap where it works) | bubblewrap | docker | podman | none
         max_tokens=2048,  # per model call
         temperature=1.0,
@@ -99,7 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
     ))
     c.sft = ml_collections.ConfigDict(dict(steps=0, rows=6, learning_rate=1e-5, demos=64, noisy_fraction=0.0,
                                            noisy_kind="reverse"))  # a real checkpoint needs no warm start
-    c.eval = ml_collections.ConfigDict(dict(every=20, tasks=32, samples_per_task=4, temperature=1.0))
+    c.eval = ml_collections.ConfigDict(section(EvalConfig, every=20, tasks=32, samples_per_task=4))  # whole episodes
     c.faults = ml_collections.ConfigDict(dict(
         grader_crash_every=0, timeout_every=0, engine_error_every=0, pause_at_step=0, switch_delay_s=0.0,
         switch_fail_every=0, satellite_fail_every=0, chaos_seed=0, core_fail_at_step=0,

@@ -93,10 +93,14 @@ AGENT = textwrap.dedent("""
 def test_command_harness_runs_in_sandbox_reaches_only_the_proxy_and_is_graded(proxy, tmp_path):
     st, store, sock = proxy
     port = st.url.rsplit(":", 1)[1]
-    path = _task_file(tmp_path, [{"id": "say-hello", "instruction": "Say hello.", "files": {"agent.py": AGENT},
+    path = _task_file(tmp_path, [{"id": "say-hello", "instruction": "Say hello.",
                                   "grader": 'test "$(cat answer.txt)" = hello'}])
     (task, _), = dataset.load_task_file(path)
-    harness = make_harness("command", command="python agent.py", unix_socket=sock, env={"HOST_PORT": port})
+    agent_dir = tmp_path / "agent"  # the agent's own code, read-only (under the host's /tmp: over the sandbox's)
+    agent_dir.mkdir()
+    (agent_dir / "agent.py").write_text(AGENT)
+    harness = make_harness("command", command=f"python {agent_dir}/agent.py; touch {agent_dir}/x 2>/dev/null; true",
+                           unix_socket=sock, env={"HOST_PORT": port}, ro_paths=(str(agent_dir),))
     reqs = [RolloutRequest(rollout_id=f"g0-{k}", task=task, group_id="g0") for k in range(2)]
     results = asyncio.run(run_rollouts(reqs, _config(st.url), workspace_root=tmp_path / "ws", harness=harness,
                                        keys=st.proxy))
@@ -109,6 +113,7 @@ def test_command_harness_runs_in_sandbox_reaches_only_the_proxy_and_is_graded(pr
         assert (rec.run_id, rec.task_id, rec.group_id, rec.call_index) == (RUN, "say-hello", "g0", 0)
         assert TOK.decode(rec.output_ids.tolist()).startswith("hello")
     assert not st.proxy._keys  # every key revoked at its rollout's end
+    assert sorted(os.listdir(agent_dir)) == ["agent.py"]  # read-only inside
 
 
 @needs_bwrap

@@ -268,3 +268,48 @@ def test_models_retrieve_bad_keys_and_json_errors_everywhere(served):
     assert status == 405 and body["type"] == "error"
     status, body = raw("POST", st.url + "/v1/messages/nope", {})
     assert status == 404 and body["type"] == "error" and body["error"]["type"] == "not_found_error"
+
+
+def test_a_silent_prefill_gets_keepalives_that_both_sdks_ignore(tmp_path):
+    """A long prompt's prefill sends no token for minutes: the stream hears a keep-alive every
+    stream_keepalive_s (Anthropic `ping` events, OpenAI SSE comments), and the SDKs read the
+    reply as if there had been none."""
+    import asyncio
+
+    store = TrajectoryStore(str(tmp_path / "store"), run_id="ka")
+    proxy_box = []
+
+    async def slow_first_token(req, k):  # "prefill": no first token until the client heard 2 pings
+        if k == 0:
+            before = proxy_box[0].counters["stream_keepalives"]
+            while proxy_box[0].counters["stream_keepalives"] < before + 2:
+                await asyncio.sleep(0.01)
+
+    async def build():
+        p = Proxy(Router([FakeBackend("A", script=agent_script, max_context=2048, before_token=slow_first_token)]),
+                  TOK, store, ProxyConfig(max_tokens_cap=64, stream_keepalive_s=0.05))
+        proxy_box.append(p)
+        return p
+
+    st = ServerThread(build)
+    st.start()
+    try:
+        raw = urllib.request.Request(st.url + "/v1/chat/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "gyre", "stream": True, "max_tokens": 16,
+                                                      "messages": [{"role": "user", "content": "hi"}]}).encode())
+        body = urllib.request.urlopen(raw, timeout=30).read().decode()
+        assert body.count(": keep-alive\n\n") >= 2 and body.rstrip().endswith("data: [DONE]")
+        oa = openai.OpenAI(base_url=st.url + "/v1", api_key="x", max_retries=0)
+        text = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+            model="gyre", stream=True, max_tokens=16, messages=[{"role": "user", "content": "hi"}]) if c.choices)
+        an = anthropic.Anthropic(base_url=st.url, api_key="x", max_retries=0)
+        with an.messages.stream(model="gyre", max_tokens=16, messages=[{"role": "user", "content": "hi"}]) as s:
+            kinds = [ev.type for ev in s]
+            an_text = s.get_final_message().content[0].text
+        assert text == an_text == "plain answer"
+        assert "ping" not in kinds or kinds.count("ping") >= 2  # the SDK passes pings through as events
+        assert proxy_box[0].counters["stream_keepalives"] >= 6
+    finally:
+        st.stop()
+        store.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gyre_jax.serving.api_common import CallIds, ChatCall, OutputText, forced_call_prefix, tool_choice_plan
-from gyre_jax.serving.tokenizer import ByteTokenizer, is_invented_call_id, load_tokenizer
+from gyre_jax.serving.tokenizer import QUOTED_ID, ByteTokenizer, is_invented_call_id, load_tokenizer
 from gyre_jax.testing.tiny_hf_tokenizer import write_tiny_hf_tokenizer
 
 TOOLS = [{"name": "grep", "description": "", "parameters": {}}, {"name": "ls", "description": "", "parameters": {}}]
@@ -76,6 +76,19 @@ def test_model_ids_pass_unchanged_and_invented_ones_are_unique_per_response():
     b = [v["id"] for t in ids for k, v in out.feed(t) if k == "tool_call"]
     assert a[0] == b[0] == "toolu_own" and is_invented_call_id(a[1]) and is_invented_call_id(b[1]) and a[1] != b[1]
     assert b[1].startswith("toolu_")
+
+
+@pytest.mark.parametrize("model_id", ["call_gy0123_4", "toolu_gyab_0", "gyq_call_gy1_0", "gyq_x"])
+def test_model_ids_that_look_invented_survive_the_round_trip(model_id):
+    """An id the model wrote that looks like one the proxy invents (or like its escape) reaches the
+    client escaped, and the client's echo renders the model's own tokens again."""
+    tok = ByteTokenizer()
+    ids = tok.render_tool_call({**CALL, "id": QUOTED_ID + model_id}) + [tok.stop_ids[0]]  # the model writes model_id
+    assert f'"id":"{model_id}"}}' in tok.decode(ids)
+    call = [v for k, v in _events(tok, _call(tok), ids)[0] if k == "tool_call"][0]
+    assert call["id"] != model_id and call["id"].endswith(model_id)
+    assert not is_invented_call_id(call["id"])
+    assert tok.render_tool_call(call) + [tok.stop_ids[0]] == ids
 
 
 def test_stop_strings_hold_back_a_possible_start_and_cut_at_the_first_match():

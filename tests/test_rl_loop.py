@@ -212,7 +212,7 @@ def test_loop_elastic_with_faults(tmp_path):
     """2 elastic steps; every class of fault injected and counted as its class."""
     c = tiny_config("elastic", grader_crash_every=5, timeout_every=7, engine_error_every=3)
     c.harness.deadline_s = 5.0  # the stalled rollouts wait this long; the others need well under 1 s
-    c.eval = dict(every=1, tasks=4, samples_per_task=2, temperature=1.0)  # held-out eval: start + each step
+    c.eval = dict(kind="first_call", every=1, tasks=4, samples_per_task=2, temperature=1.0)  # start + each step
     summary = jobs.get(c.job)(c, str(tmp_path))
     wd = os.path.join(tmp_path, "elastic")
     lines, outs = _check_run(wd, summary, steps=2, rollouts=16)

@@ -442,10 +442,13 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
                 out += ["--perms", "0755", "--dir", q]
         return out
 
-    for d in (*SYSTEM_DIRS[:2], *extra_ro_paths):
+    for d in SYSTEM_DIRS[:2]:
         argv += parents(d) + ["--ro-bind-try", d, d]
     argv += _merged_usr_links()
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    made.add("/tmp")  # the private tmpfs: a read-only path under the host's /tmp is bound on top of it
+    for d in extra_ro_paths:
+        argv += parents(d) + ["--ro-bind-try", d, d]
     for opt, src, dst in binds:
         argv += parents(dst) + [opt, src, dst]
     # Started in /: bwrap itself (root without CAP_DAC_OVERRIDE) may not enter the uid's 0700

@@ -14,6 +14,8 @@ import functools
 import logging
 import os
 import re
+import secrets
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -23,7 +25,6 @@ import numpy as np
 from absl import logging as absl_logging
 
 from gyre_jax import cells as cells_lib
-from gyre_jax.agents.tasks import make_task
 from gyre_jax.cells.loss import policy_loss_fn
 from gyre_jax.cells.mesh import CellLayout, Role
 from gyre_jax.distributed import ensure_cpu_devices
@@ -35,6 +36,7 @@ from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.agents.sandbox import SandboxConfig
+from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
 from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter
@@ -98,7 +100,7 @@ class Components:
     store: TrajectoryStore
     ckpt: Checkpointer
     metrics: MetricsWriter
-    evaluator: HeldOutEval | None
+    evaluator: HeldOutEval | BackgroundEval | None
     timeline: Timeline
     clock: RealClock
     wake: threading.Event
@@ -113,8 +115,9 @@ class Components:
     def close(self) -> None:
         """Stop every thread and server; each part closes even if another fails to."""
         sats = () if self.satellites is None else (self.satellites.stop,)  # after the trainer and proxy stopped
+        evals = (self.evaluator.close,) if isinstance(self.evaluator, BackgroundEval) else ()
         for stop in (self.trainer.stop, self.launcher.close, self.pool.close, self.server.stop, self.harness_loop.stop,
-                     *sats, self.ckpt.close, self.metrics.close, self.store.close):
+                     *sats, *evals, self.ckpt.close, self.metrics.close, self.store.close):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - close the rest
@@ -130,8 +133,8 @@ def fresh_params(cfg: RLConfig, tok, mesh=None):
     params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.seed))
     if cfg.sft.steps == 0:
         return params, []
-    # Demonstration tasks come from seeds the RL run never draws (offset).
-    tasks = [cfg.task.make(2**30 + s) for s in range(cfg.sft.demos)]
+    # Demonstration tasks: a stream the RL run never draws (gyre_jax.agents.task_sources).
+    tasks = cfg.task_source.demo_tasks(cfg.sft.demos)
     if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)
         tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.seed, cfg.sft.noisy_kind)
     examples = demo_examples(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
@@ -168,12 +171,12 @@ def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
 
 
 def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
-    """The held-out eval (config.eval), or None when eval.every == 0."""
+    """The first-call held-out eval (config.eval.kind=first_call), or None (off, or whole episodes:
+    ``_episode_eval`` builds that one once the cells exist)."""
     e = cfg.eval
-    if not e.every:
+    if not e.every or e.kind != "first_call":
         return None
-    # Seeds disjoint from the RL tasks' (seed * 1_000_003 + g) and the SFT demonstrations' (2**30 + s).
-    tasks = [make_task(cfg.task.family, 2**29 + s, **cfg.task.kwargs()) for s in range(e.tasks)]
+    tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
     try:
         return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
                            samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
@@ -181,6 +184,18 @@ def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
                            sandbox=SandboxConfig(kind=cfg.harness.sandbox))
     except ValueError as err:
         raise ConfigError(f"config.eval: {err}") from None
+
+
+def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdir: str) -> BackgroundEval:
+    """Whole-episode held-out eval (config.eval.kind=episodes) on its own engine on ``cell``, on a thread."""
+    e = cfg.eval
+    hc = dataclasses.replace(cfg.harness_config("http://127.0.0.1:1/v1"), temperature=e.temperature)
+    ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
+                     pass_score=e.pass_score, harness_config=hc, make_harness=cfg.harness.make,
+                     make_backend=lambda params, version: make_backend(cfg, cell, params, version, "eval", tok),
+                     tokenizer=tok, workdir=os.path.join(workdir, "eval"), seed=cfg.seed,
+                     max_tokens_cap=cfg.harness.max_tokens)
+    return BackgroundEval(ev, log_dir=os.path.join(workdir, "eval"), on_close=(ev.close,))
 
 
 def _warm_steps(steps, cs, cfg: RLConfig) -> None:
@@ -256,6 +271,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
     core_mesh = layout.role_to_mesh()[Role.CORE][0]
+    if cfg.eval.every and cfg.eval.kind == "episodes":  # its own engine, on the core cell's devices
+        evaluator = _episode_eval(cfg, tok, layout.cells[0], make_backend, workdir)
     steps = _cell_steps(cfg)
     spec = steps.spec
     # Each satellite process compiles its own cell's step.
@@ -294,6 +311,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     trainer = cells_lib.ElasticTrainer(steps, layout.core, state)
     if trainer.version != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} != policy version {trainer.version}")
+    if isinstance(evaluator, BackgroundEval):  # eval.jsonl keeps the lineage's versions; none is evaluated twice
+        evaluator.start(resume_step=steps_done if restored is not None else None)
     if steps_done >= cfg.steps:
         print(f"rl: already at step {steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
 
@@ -316,8 +335,13 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
             b = remote_backends[c] if c in remote_backends else make_backend(cfg, layout.cells[c], params0, steps_done,
                                                                              names[c], tok)
             backends.append(faults.wrap(b) if faults is not None else b)
-        return Proxy(Router(backends, wait_for_cell_s=600.0), tok, store, ProxyConfig(max_tokens_cap=cfg.harness.max_tokens))
+        # Only keys the launcher issues (one per rollout, revoked at its end) or the run's own token are
+        # credentials; any model name is this policy; a harness asking more tokens than the cap gets the cap.
+        return Proxy(Router(backends, wait_for_cell_s=600.0), tok, store,
+                     ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
+                                 auth_token=secrets.token_hex(16), unix_path=sock))
 
+    sock = _socket_path(workdir, "proxy.sock")
     server = ServerThread(build_proxy)
     url = server.start()
     backends = {c: server.proxy.router.cells[names[c]] for c in serving}
@@ -368,6 +392,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     harness_loop = LoopThread()
     existing = [group_number(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"(g\d+)-", r))]
     launcher = Launcher(loop=harness_loop, harness_config=cfg.harness_config(url + "/v1", RUN_ID), store=store,
+                        harness=cfg.harness.make(sock), keys=server.proxy,
                         run_id=RUN_ID, task_fn=cfg.group_task, group_size=s.group_size,
                         workspace_root=os.path.join(workdir, "workspaces"),
                         on_group=trainer_ad.add_group,
@@ -389,6 +414,14 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
                       ckpt=ckpt, metrics=metrics, evaluator=evaluator, timeline=timeline, clock=clock, wake=wake,
                       start=Start(steps_done, sft_history, setup_s),
                       faults=faults, chaos=chaos, records=records, warm_thread=warm, satellites=sats)
+
+
+def _socket_path(workdir: str, name: str) -> str:
+    """``<workdir>/<name>``, or a fresh short directory's when that is over a unix socket path's 100 bytes."""
+    path = os.path.join(workdir, name)
+    if len(path.encode()) <= 100:
+        return path
+    return os.path.join(tempfile.mkdtemp(prefix="gyre-"), name)
 
 
 def _quiet_absl() -> None:

@@ -11,6 +11,7 @@ dotted name (``config.scheduler.serve_reserve=2 must be in (0, 1]``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, ClassVar, Mapping
 
@@ -18,6 +19,24 @@ from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
 from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES, STREAMING_MODES  # the scheduler owns the policy modes
+
+
+def section(cls, **overrides) -> dict:
+    """Every field of a config section (e.g. ``HarnessKnobs``) with its default, then ``overrides``:
+    what a ``configs/*.py`` file puts in its ConfigDict, so every field can be overridden from the
+    command line (``--config.harness.kind=command``) and the defaults live in one place."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(overrides) - names)
+    if bad:
+        raise ConfigError(f"config.{cls._SECTION}: unknown field(s) {bad}; known: {sorted(names)}")
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    out.update(overrides)
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
 
 def _positive(obj, names, *, allow_zero=False):
@@ -122,12 +141,18 @@ class TaskConfig:
     min_len: int = 3
     max_len: int = 4
     run_tests_scale: float = 1.0  # tiny_tests family: x each task's test-suite seconds (1-30 s at 1)
+    # A JSONL task file (gyre_jax.agents.tasks.dataset); set, it replaces `family`. eval_dataset: a
+    # second file of held-out tasks (besides the first file's split=eval lines).
+    dataset: str = ""
+    eval_dataset: str = ""
 
     def __post_init__(self):
         _positive(self, ("min_len", "max_len"))
         _positive(self, ("run_tests_scale",), allow_zero=True)
         if not self.ops_tuple:
             raise ConfigError("config.task.ops must name at least one op")
+        if self.eval_dataset and not self.dataset:
+            raise ConfigError("config.task.eval_dataset needs config.task.dataset (the training tasks' file)")
 
     @property
     def ops_tuple(self) -> tuple[str, ...]:
@@ -141,10 +166,13 @@ class TaskConfig:
                         test_time_scale=self.run_tests_scale)
         return {}
 
-    def make(self, seed: int):
-        from gyre_jax.agents.tasks import make_task  # light: families load on first use
+    def source(self, seed: int):
+        """The run's TaskSource (gyre_jax.agents.task_sources): the task file's, else the family's."""
+        from gyre_jax.agents.task_sources import make_source  # light: families load on first use
 
-        return make_task(self.family, seed % (2**31), **self.kwargs())
+        if self.dataset:
+            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed)
+        return make_source("family", family=self.family, seed=seed, kwargs=self.kwargs())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,13 +190,38 @@ class HarnessKnobs:
     # True: the harness sends tool schemas and reads the API's tool_calls (a chat model's own tool-call
     # syntax, parsed by the proxy); False: text-format calls in the reply's content (the byte-level demo).
     send_tools_schema: bool = False
-    # Where tool commands run (gyre_jax.agents.sandbox): auto = bubblewrap where it works, else none
-    # with a warning; bubblewrap (an error if it cannot work here), docker, podman, none.
+    # Where the policy's commands run (gyre_jax.agents.sandbox): auto = bubblewrap where it works;
+    # where it cannot and the harness runs commands, the run refuses to start (fail closed) unless
+    # `none` is chosen explicitly; bubblewrap, docker, podman, none.
     sandbox: str = "auto"
+    # What runs an episode (gyre_jax.agents.harnesses): builtin (the example agent), python
+    # (`entry`: module:function), command (`command`: a shell command run inside the sandbox).
+    kind: str = "builtin"
+    entry: str = ""  # kind=python: "module:function", called as `await function(task, client)`
+    # kind=command: e.g. "mini -y --exit-immediately -t \"$(cat {instruction_file})\"" ({instruction_file},
+    # {workspace}, {task_id} are replaced, shell-quoted); OPENAI_/ANTHROPIC_BASE_URL and _API_KEY are set.
+    command: str = ""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # kind=command: extra environment
+    ro_paths: str = ""  # kind=command: comma-separated host paths it sees read-only (default: this Python's)
+    nonzero_exit: str = "infra_error"  # kind=command: infra_error | graded (its non-zero exit means "gave up")
+    output_bytes: int = 16384  # kind=command: bytes of its output kept from the start, and from the end
+    cpu_s: int = 3600  # kind=command: CPU seconds per process of the harness
+    memory_bytes: int = 8 << 30  # kind=command: address space per process (node needs several GiB)
 
     def __post_init__(self):
-        _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s"))
+        _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s",
+                         "output_bytes", "cpu_s", "memory_bytes"))
         _positive(self, ("temperature", "max_retries", "backoff_base_s"), allow_zero=True)
+        object.__setattr__(self, "env", dict(self.env))
+
+    def make(self, unix_socket: str | None = None):
+        """The harness object (gyre_jax.agents.harnesses); ``unix_socket``: the proxy's, for kind=command."""
+        from gyre_jax.agents.harnesses import make_harness
+
+        return make_harness(self.kind, entry=self.entry, command=self.command, env=self.env,
+                            ro_paths=tuple(p.strip() for p in self.ro_paths.split(",") if p.strip()),
+                            nonzero_exit=self.nonzero_exit, output_bytes=self.output_bytes, cpu_s=self.cpu_s,
+                            memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,18 +280,28 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """Held-out eval (gyre_jax.rl.evaluate): the first model call of fixed tasks, fixed sampling key."""
+    """Held-out eval of fixed tasks at a fixed policy version and fixed sampling seeds.
+
+    kind=episodes (gyre_jax.rl.episode_eval): whole episodes through the run's own harness on a
+    dedicated engine; mean score, pass@1, pass@k. kind=first_call (gyre_jax.rl.evaluate): a fast
+    extra for one-call families: the built-in agent's FIRST model call only, in-process."""
 
     _SECTION: ClassVar[str] = "eval"
     every: int = 0  # evaluate after every k-th step (and before the first, after the last); 0 = off
-    tasks: int = 32  # held-out tasks, seeds 2**29 + s (RL draws seed*1_000_003 + g, SFT 2**30 + s)
-    samples_per_task: int = 8
+    kind: str = "episodes"  # episodes | first_call
+    tasks: int = 32  # held-out tasks (a family's seeds 2**29 + s; a task file's split=eval lines)
+    samples_per_task: int = 8  # k of pass@k
     temperature: float = 1.0  # 0 = greedy; default = the harness's rollout temperature
+    pass_score: float = 1.0  # an episode scoring at least this counts as passed (pass@k)
 
     def __post_init__(self):
         _positive(self, ("every",), allow_zero=True)
         _positive(self, ("tasks", "samples_per_task"))
         _positive(self, ("temperature",), allow_zero=True)
+        if self.kind not in ("episodes", "first_call"):
+            raise ConfigError(f"config.eval.kind={self.kind!r}; known: ('episodes', 'first_call')")
+        if not 0.0 < self.pass_score <= 1.0:
+            raise ConfigError(f"config.eval.pass_score must be in (0, 1], got {self.pass_score!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -333,10 +396,42 @@ class RLConfig:
         self.optimizer_config()
         self.cell_config()
         self.harness_config("http://127.0.0.1:1/v1")
-        _built("task", lambda: self.task.make(self.seed))
+        harness = _built("harness", lambda: self.harness.make("/nonexistent.sock"))
+        source = self.task_source
+        first = _built("task", lambda: source.train_task(0))
         if self.sft.noisy_fraction and self.task.family != "tiny":
             raise ConfigError(f"config.sft.noisy_fraction={self.sft.noisy_fraction} needs task.family='tiny' "
                               f"(got {self.task.family!r})")
+        if self.sft.steps:
+            try:
+                source.demo_tasks(1)
+            except LookupError as e:
+                raise ConfigError(f"config.sft.steps={self.sft.steps}: {e}") from None
+        if self.eval.every and not source.eval_tasks(1):
+            raise ConfigError(f"config.eval.every={self.eval.every}: {source.describe()} has no held-out tasks "
+                              "(split=eval lines, or config.task.eval_dataset)")
+        if self.eval.kind == "first_call" and self.harness.kind != "builtin":
+            raise ConfigError("config.eval.kind='first_call' scores the built-in agent's first call only; with "
+                              f"harness.kind={self.harness.kind!r} use eval.kind='episodes'")
+        self._check_sandbox(harness.needs_commands(first))
+
+    @functools.cached_property
+    def task_source(self):
+        """The run's TaskSource, built (and its file read) once."""
+        return _built("task", lambda: self.task.source(self.seed))
+
+    def _check_sandbox(self, runs_commands: bool) -> None:
+        """Fail closed: a harness that runs the policy's commands needs a working sandbox, or
+        harness.sandbox='none' chosen explicitly."""
+        if not runs_commands or self.harness.sandbox != "auto":
+            return
+        from gyre_jax.agents.sandbox import bwrap_usable
+
+        ok, why = bwrap_usable()
+        if not ok:
+            raise ConfigError(f"config.harness.sandbox='auto': {why}, and the policy's commands must not run on "
+                              "this host unconfined. Install bubblewrap (apt-get install bubblewrap) or set "
+                              "--config.harness.sandbox=none to run them on the host deliberately")
 
     # ---- the objects the loop builds from the config (validated here) ----
     def policy_config(self, n_cells: int | None = None):
@@ -366,8 +461,8 @@ class RLConfig:
         return n_cells
 
     def group_task(self, g: int):
-        """The task of the run's g-th launched group (its seeds: disjoint from eval's and SFT's)."""
-        return self.task.make(self.seed * 1_000_003 + g)
+        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's)."""
+        return self.task_source.train_task(g)
 
     def processor_config(self):
         from gyre_jax.trajectory.processor import ProcessorConfig

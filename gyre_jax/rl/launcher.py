@@ -125,8 +125,12 @@ class Launcher:
 
     def __init__(self, *, loop, harness_config, store, run_id: str, task_fn: Callable[[int], Any],
                  group_size: int, workspace_root: str, on_group: Callable[[Group], None],
-                 work_s: Callable[[int], float], next_group: int = 0, launched: int = 0, faults=None):
+                 work_s: Callable[[int], float], next_group: int = 0, launched: int = 0, faults=None,
+                 harness=None, keys=None):
+        """``harness``: what runs each rollout (gyre_jax.agents.harnesses; None: the built-in agent);
+        ``keys``: who issues and revokes rollout keys (the proxy; None: the plain gyre:run:rollout form)."""
         self.loop, self.hc, self.store, self.run_id = loop, harness_config, store, run_id
+        self.harness, self.keys = harness, keys
         self.task_fn, self.group_size, self.workspace_root = task_fn, group_size, workspace_root
         self.on_group, self.work_s, self.faults = on_group, work_s, faults
         self._lock = threading.Lock()
@@ -192,7 +196,8 @@ class Launcher:
         try:
             if self._session is None:
                 self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-            async for res in iter_rollouts(reqs, self.hc, workspace_root=self.workspace_root, session=self._session):
+            async for res in iter_rollouts(reqs, self.hc, workspace_root=self.workspace_root, session=self._session,
+                                           harness=self.harness, keys=self.keys):
                 calls = await asyncio.to_thread(self._calls_of, res.rollout_id)
                 outcome = res.to_outcome(self.run_id, policy_versions=sorted({c.policy_version for c in calls}),
                                          num_calls=len(calls))

@@ -56,7 +56,11 @@ def run(config, workdir: str) -> dict:
 
 
 def _run_eval(c: Components, version: int, params) -> dict:
-    """One held-out eval on the main thread (~2 s for the demo); a failure is logged, not fatal."""
+    """One held-out eval: whole episodes are queued on the eval's own thread (results in eval/eval.jsonl
+    and the summary); the first-call eval runs here (~2 s for the demo). A failure is logged, not fatal."""
+    if getattr(c.evaluator, "background", False):
+        c.evaluator.submit(version, params)
+        return {}
     t0 = time.perf_counter()
     try:
         r = c.evaluator(params)
@@ -125,6 +129,8 @@ def drive(c: Components) -> dict:
             c.wake.wait(cfg.scheduler.poll_s)
             c.wake.clear()
         take_records()  # the last step's
+        if getattr(c.evaluator, "background", False):  # the last version's episodes, then every result
+            c.evals.extend(c.evaluator.finish())
     except BaseException as e:  # noqa: BLE001 - save what we can, then one clear line
         failure = e
     finally:

@@ -103,6 +103,11 @@ class MetricsWriter:
         self._tb = SummaryWriter(logdir=self.logdir, purge_step=purge_step, flush_secs=flush_secs)
         self._jsonl = open(self.jsonl_path, "a", buffering=1)  # line-buffered: a crash loses at most a line
 
+    @property
+    def last_step(self) -> int | None:
+        """The newest step in the JSONL (after a purge: the newest kept); None if none."""
+        return self._last_step
+
     def _read_jsonl(self) -> list[tuple[str, dict]]:
         if not os.path.exists(self.jsonl_path):
             return []

@@ -146,6 +146,9 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         out.update(eval_first=evals[0]["eval_reward"], eval_last=evals[-1]["eval_reward"],
                    eval_first_version=evals[0]["version"], eval_last_version=evals[-1]["version"],
                    eval_exact_first=evals[0]["eval_exact"], eval_exact_last=evals[-1]["eval_exact"])
+        if "eval_pass_at_k" in evals[-1]:  # whole episodes (eval.kind=episodes): pass@k and the whole curve
+            out.update(eval_pass_at_k_first=evals[0]["eval_pass_at_k"], eval_pass_at_k_last=evals[-1]["eval_pass_at_k"],
+                       eval_k=evals[-1]["eval_k"], evals=evals)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(out, f, indent=1)
     if h:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.serving.tokenizer import ByteTokenizer, Tokenizer, _parse_call, invented_call_id, is_invented_call_id
+from gyre_jax.serving.tokenizer import ByteTokenizer, Tokenizer, _parse_call, client_call_id, invented_call_id, is_invented_call_id
 
 
 class ApiError(Exception):
@@ -167,7 +167,7 @@ def forced_call_prefix(tok: Tokenizer, name: str) -> list[int]:
 class CallIds:
     """The ids a client sees for the model's tool calls, chosen so a conversation echoed back renders to
     exactly the tokens the model produced: an id the model wrote is passed through unchanged (in both
-    APIs); a call without one (or any call in a format that carries no ids) gets an invented id that the
+    APIs; escaped by ``tokenizer.client_call_id`` if it looks like one we invent); a call without one (or any call in a format that carries no ids) gets an invented id that the
     template recognizes and does not render, unique per response (``nonce``)."""
 
     def __init__(self, tok: Tokenizer, nonce: str, prefix: str):
@@ -294,6 +294,8 @@ class AssistantStream:
             if call is None:
                 return self._text_ids([self._open] + span + [self._close] if self._keep_marks else span)
             out = self._flush_text(final=True, strip=self._hold)
+            if "id" in call and self._ids_rendered:  # the model's own id, escaped if it looks like one we invent
+                call["id"] = client_call_id(call["id"])
             call.setdefault("id", invented_call_id(self.n_calls) if self._ids_rendered else f"call_{self.n_calls}")
             self.n_calls += 1
             return out + [("tool_call", call)]

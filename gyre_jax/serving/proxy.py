@@ -44,6 +44,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import fnmatch
+import hashlib
 import json
 import logging
 import os
@@ -89,6 +90,12 @@ class ProxyConfig:
     # Also serve on this unix socket (mode 0666): a sandboxed harness's only door (its network
     # namespace has no route to the host; see gyre_jax.agents.harnesses.command). None: TCP only.
     unix_path: str | None = None
+    # Set: a call that sends no `seed` samples with one derived from (salt, rollout, call index), so
+    # the held-out eval (one run id per version) draws the same randomness at every version.
+    seed_salt: int | None = None
+    # A stream that has sent nothing for this long gets a keep-alive (Anthropic's `ping` event, an SSE
+    # comment for OpenAI): a long prompt's prefill can take minutes, and clients give up on a silent stream.
+    stream_keepalive_s: float = 10.0
 
     def __post_init__(self):
         if not self.model_name:
@@ -96,6 +103,8 @@ class ProxyConfig:
         for f in ("max_request_bytes", "max_tokens_cap", "max_concurrent_calls"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ValueError(f"ProxyConfig.{f} must be a positive int, got {getattr(self, f)!r}")
+        if not self.stream_keepalive_s > 0:
+            raise ValueError(f"ProxyConfig.stream_keepalive_s must be > 0, got {self.stream_keepalive_s!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"ProxyConfig.port={self.port} out of range")
         if self.auth_token is not None and len(self.auth_token) < 8:
@@ -300,6 +309,9 @@ class Proxy:
             key = (binding.run_id, binding.rollout_id)
             binding = dataclasses.replace(binding, call_index=self._next_call[key])
             self._next_call[key] += call.n
+        if self.cfg.seed_salt is not None and call.seed is None:
+            digest = hashlib.sha256(f"{self.cfg.seed_salt}/{binding.rollout_id}/{binding.call_index}".encode()).digest()
+            sampling = dataclasses.replace(sampling, seed=int.from_bytes(digest[:4], "little") % 2**31)
         affinity = f"{binding.run_id}/{binding.rollout_id}"
         reqs = [GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=call.prompt_ids,
                                 sampling=dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**31),

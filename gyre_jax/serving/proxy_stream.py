@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 
 from aiohttp import web
 
@@ -82,11 +83,26 @@ async def stream_response(proxy, request, call: ChatCall, routed: list, binding,
     anthropic = call.api.startswith("anthropic")
     rid = f"{'msg' if anthropic else 'gyre'}-{routed[0].request_id}"
     lock = asyncio.Lock()  # the samples' events are whole SSE messages, never interleaved
+    last_write = [time.monotonic()]
+
+    async def write(data: bytes):
+        async with lock:
+            await resp.write(data)
+            last_write[0] = time.monotonic()
 
     async def send(obj, event: str | None = None):
         head = f"event: {event}\n" if event else ""
-        async with lock:
-            await resp.write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+        await write(f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode())
+
+    ping = b'event: ping\ndata: {"type": "ping"}\n\n' if anthropic else b": keep-alive\n\n"
+    every = proxy.cfg.stream_keepalive_s
+
+    async def keep_alive():  # while the prompt prefills (or a slow sample waits), the client hears something
+        while True:
+            await asyncio.sleep(max(0.0, last_write[0] + every - time.monotonic()))
+            if time.monotonic() - last_write[0] >= every:
+                await write(ping)
+                proxy.counters["stream_keepalives"] += 1
 
     blocks = A.BlockBuilder()
     n_calls = [0] * len(routed)
@@ -118,6 +134,7 @@ async def stream_response(proxy, request, call: ChatCall, routed: list, binding,
         return sample
 
     recorded = False
+    pinger = asyncio.ensure_future(keep_alive())
     try:
         if anthropic:
             await send(A.message_start(call, rid), "message_start")
@@ -155,6 +172,10 @@ async def stream_response(proxy, request, call: ChatCall, routed: list, binding,
         err = ApiError(500, msg, kind="api_error")
         with contextlib.suppress(ConnectionError, RuntimeError):
             await send(A.error_body(err) if anthropic else O.error_body(err), "error" if anthropic else None)
+    finally:
+        pinger.cancel()
+        with contextlib.suppress(BaseException):
+            await pinger
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write_eof()
     return resp

@@ -111,8 +111,8 @@ class Tokenizer(abc.ABC):
         the opening; an id the proxy invented (the model wrote none) is not rendered, so the re-rendered
         turn is the tokens the model produced."""
         body = '{"name":' + _dumps(tc["name"]) + ',"arguments":' + _dumps(tc.get("arguments") or {})
-        cid = tc.get("id")
-        if cid and not is_invented_call_id(cid):
+        cid = rendered_call_id(tc.get("id") or "")
+        if cid:
             body += ',"id":' + _dumps(cid)
         return self._tok("<|tool_call|>") + self.encode(body + "}") + self._tok("<|/tool_call|>")
 
@@ -168,6 +168,24 @@ def invented_call_id(k: int, *, nonce: str = "", prefix: str = "call") -> str:
 
 def is_invented_call_id(cid: str) -> bool:
     return bool(_INVENTED_ID_RE.fullmatch(cid))
+
+
+# An id the model itself wrote that looks like one of ours (or starts with the escape) reaches the client
+# escaped, so that echoing it back renders the model's own id, not nothing: one QUOTED_ID prefix added
+# on the way out (client_call_id), exactly one removed when rendering (rendered_call_id).
+QUOTED_ID = "gyq_"
+
+
+def client_call_id(model_id: str) -> str:
+    """The id a client sees for an id the model wrote."""
+    return QUOTED_ID + model_id if is_invented_call_id(model_id) or model_id.startswith(QUOTED_ID) else model_id
+
+
+def rendered_call_id(cid: str) -> str | None:
+    """The id text a call the client echoes renders (None: one we invented, the model wrote none)."""
+    if cid.startswith(QUOTED_ID):
+        return cid[len(QUOTED_ID):]
+    return None if is_invented_call_id(cid) else cid
 
 
 def _dumps(obj) -> str:

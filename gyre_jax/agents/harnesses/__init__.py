@@ -124,6 +124,14 @@ def make_harness(kind: str, **kwargs) -> Harness:
 BUILTIN_ENTRY = "gyre_jax.agents.agent:run_episode"
 
 
+def _builtin(*, entry: str = "", **kw) -> Harness:
+    from gyre_jax.agents.harnesses.python_entry import PythonHarness
+
+    if entry and entry != BUILTIN_ENTRY:
+        raise ValueError(f"harness.entry={entry!r} is for harness.kind='python'; kind='builtin' runs {BUILTIN_ENTRY}")
+    return PythonHarness(entry=BUILTIN_ENTRY, **kw)
+
+
 def _register_builtins() -> None:
     if HARNESSES:
         return
@@ -131,5 +139,5 @@ def _register_builtins() -> None:
     from gyre_jax.agents.harnesses.python_entry import PythonHarness
 
     register_harness(PythonHarness.kind, PythonHarness)
-    register_harness("builtin", lambda **kw: PythonHarness(entry=BUILTIN_ENTRY, **kw))
+    register_harness("builtin", _builtin)
     register_harness(CommandHarness.kind, CommandHarness)

@@ -16,9 +16,9 @@ bound in, served on ``127.0.0.1:PORT`` by ``bridge.py``). Its environment:
 
 In the command, ``{instruction_file}``, ``{workspace}`` and ``{task_id}`` are replaced by
 those values, shell-quoted (nothing else is touched: ``${VAR}`` and JSON braces stay).
-``ro_paths`` are host paths the harness sees read-only (by default the running Python's
-prefix and base prefix, so a CLI installed in this venv runs; add e.g. a node install for
-Claude Code); their ``bin`` directories lead PATH.
+The harness sees read-only the running Python's prefix and base prefix (so a CLI installed
+in this venv runs) plus ``ro_paths`` (e.g. its config files, a node install for Claude Code);
+their ``bin`` directories lead PATH.
 
 Ending: exit 0 is a finished episode (graded). A non-zero exit, a death by signal or a bridge
 that could not start is ``HarnessFailed`` (``infra_error``, never a score), unless
@@ -87,7 +87,7 @@ class CommandHarness:
         if output_bytes < 256:
             raise ValueError(f"harness.output_bytes must be >= 256, got {output_bytes}")
         self.command, self.env, self.nonzero_exit = command, env, nonzero_exit
-        self.ro_paths = tuple(ro_paths) or default_ro_paths()
+        self.ro_paths = tuple(dict.fromkeys((*default_ro_paths(), *ro_paths)))
         self.output_bytes = output_bytes
         self.limits = SandboxLimits(cpu_s=cpu_s, memory_bytes=memory_bytes, tmp_bytes=tmp_bytes)
         self.unix_socket = unix_socket
