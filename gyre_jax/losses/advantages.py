@@ -73,7 +73,8 @@ def _batch_norm(xp, x, v, eps):
     c = xp.where(v, xs - mean, 0.0)
     std = xp.sqrt((c * c).sum() / xp.maximum(m, 1))
     hi, lo = xp.max(xp.where(v, xs, -xp.inf)), xp.min(xp.where(v, xs, xp.inf))
-    return xp.where(v & (m >= 2) & (hi > lo), c / (std + eps), 0.0)
+    spread = (m >= 2) & (hi > lo)
+    return xp.where(v & spread, c / xp.where(spread, std + eps, 1.0), 0.0)  # no 0 / 0 in the branch not taken
 
 
 @ADVANTAGE_ESTIMATORS.register(
@@ -82,7 +83,7 @@ def _batch_norm(xp, x, v, eps):
     paper="Shao et al. 2024, DeepSeekMath (GRPO)")
 def grpo(scores_GxN, valid_GxN, cfg: NormConfig):
     xp, v, n, c, std, spread = _groups(scores_GxN, valid_GxN)
-    return xp.where(v & spread, c / (std + cfg.eps), 0.0), _metrics(xp, n, spread)
+    return xp.where(v & spread, c / xp.where(spread, std + cfg.eps, 1.0), 0.0), _metrics(xp, n, spread)
 
 
 @ADVANTAGE_ESTIMATORS.register(
