@@ -325,7 +325,7 @@ def test_config_errors_name_the_field():
         C(loss="gspo", clip_c=2.0)
     with pytest.raises(ValueError, match=r"mismatch_low does not apply to mismatch 'tis' \(its options: \['mismatch_cap'\]\)"):
         C(mismatch="tis", mismatch_low=0.5)
-    with pytest.raises(ValueError, match="mismatch_cap is set but mismatch is 'off'"):
+    with pytest.raises(ValueError, match="mismatch_cap is set but mismatch is off"):
         C(mismatch_cap=2.0)
     with pytest.raises(LookupError, match=r"unknown policy loss 'ppo2'; known: \['cispo', 'decoupled_ppo', 'gspo', "):
         C(loss="ppo2")

@@ -22,24 +22,26 @@ Use the losses in your own project::
     import jax, jax.numpy as jnp, numpy as np
     from gyre_jax.losses import PolicyLossConfig, build_loss_weights, loss_from_logits
 
-    B, L, V = 2, 8, 32
+    B, L, V, D = 2, 8, 32, 16
     rng = np.random.default_rng(0)
-    loss_mask = rng.random((B, L)) < 0.5                 # which targets the policy generated
-    rollout_ids = np.array([[0] * L, [1] * 4 + [2] * 4])  # rollout of each token, R = 3 in the step
+    loss_mask = rng.random((B, L)) < 0.5                   # which targets the policy generated
+    rollout_ids = np.array([[0] * L, [1] * 4 + [2] * 4])    # rollout of each token: R = 3 in the step
     weights, _ = build_loss_weights("rollout_token_mean", loss_mask, rollout_ids, 3)  # w = 1 / (N_r * R)
     batch = {"targets": rng.integers(0, V, (B, L)).astype(np.int32), "loss_mask": loss_mask,
-             "loss_weights": weights, "sequence_ids": rollout_ids,  # gspo's sequences, whole in the batch
-             "behavior_logprobs": np.full((B, L), -3.0, np.float32),  # recorded by the sampler
+             "loss_weights": weights, "sequence_ids": rollout_ids,    # GSPO's sequences, whole in a row
+             "behavior_logprobs": np.full((B, L), -3.0, np.float32),  # the sampler's log-probs
              "advantages": np.where(rollout_ids == 1, -0.5, 1.0).astype(np.float32)}
     config = PolicyLossConfig.create(loss="gspo", eps_low=3e-4, eps_high=4e-4)
 
-    def loss_fn(w_DxV, hidden_BxLxD):
-        logits_BxLxV = hidden_BxLxD @ w_DxV              # your model here
-        return loss_from_logits(logits_BxLxV, batch, config)
+    @jax.jit
+    def grad_fn(w_DxV, h_BxLxD, mb):                        # your model here: logits = h @ w
+        return jax.value_and_grad(lambda w: loss_from_logits(h_BxLxD @ w, mb, config), has_aux=True)(w_DxV)
 
-    w, h = jnp.ones((16, V)) * 0.01, jnp.ones((B, L, 16))
-    (loss, metrics), grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(w, h)
-    print(float(loss), float(metrics["clip_frac"]), float(metrics["entropy"]))
+    w, h = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((D, V), (B, L, D)))
+    (loss, metrics), g = grad_fn(w, h, batch)
+    (l0, _), g0 = grad_fn(w, h[:1], {k: v[:1] for k, v in batch.items()})  # a micro-batch: row 0
+    (l1, _), g1 = grad_fn(w, h[1:], {k: v[1:] for k, v in batch.items()})  # and row 1
+    print(float(loss), float(l0 + l1), float(jnp.abs(g0 + g1 - g).max()), float(metrics["clip_frac"]))
 
 Metrics are weighted sums, counts or min/max (``METRIC_REDUCTIONS``): combine
 micro-batches of one step with ``combine_metrics``; over a whole step the sums are

@@ -286,6 +286,6 @@ class NLLConfig:
 @POLICY_LOSSES.register(
     "nll", config=NLLConfig, metrics={}, inputs=(),
     summary="negative log-likelihood of the targets (supervised fine-tuning)",
-    paper="maximum likelihood; the SFT warm start")
+    paper="Maximum likelihood; the loop's SFT warm start")
 def nll(x: PolicyInputs, cfg: NLLConfig):
     return -x.logp, {}

@@ -139,7 +139,7 @@ class PolicyLossConfig:
                 raise ValueError(f"{where}mismatch={self.mismatch!r}: loss {self.loss!r} reads no behaviour "
                                  f"log-probs, so there is nothing to correct")
         elif self.mismatch_config is not None:
-            raise ValueError(f"{where}mismatch_config is set but mismatch is 'off'")
+            raise ValueError(f"{where}mismatch_config is set but mismatch is off")
         for name in ("kl_coef", "entropy_coef"):
             check_number(where, name, getattr(self, name), lo=0.0)
         get_kl_estimator(self.kl_estimator)
@@ -172,7 +172,7 @@ class PolicyLossConfig:
             mc = ce.config(**mis_opts)
         elif mis_opts:
             k = sorted(mis_opts)[0]
-            raise ValueError(f"{where}{MISMATCH_PREFIX}{k} is set but mismatch is 'off'")
+            raise ValueError(f"{where}{MISMATCH_PREFIX}{k} is set but mismatch is off")
         return cls(loss=loss, objective=entry.config(**obj_opts), mismatch=mismatch, mismatch_config=mc,
                    kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
                    entropy_metric=entropy_metric, log_ratio_clamp=log_ratio_clamp)

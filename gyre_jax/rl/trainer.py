@@ -68,6 +68,7 @@ from gyre_jax.trajectory.rewards import has_signal
 from gyre_jax.trajectory.serialize import pack_rows
 
 log = logging.getLogger(__name__)
+NO_SIGNAL = "no_signal"  # the store's drop reason for DAPO's dynamic sampling
 
 
 @dataclasses.dataclass
@@ -143,7 +144,10 @@ class TrainerAdapter:
         self._versions = {self._latest[0]: self._latest[1]}
         # DAPO dynamic sampling: groups without signal dropped (and replaced), at most this many.
         self.drop_budget = int(dynamic_sampling_budget)
-        self._dropped_groups = 0
+        self._dropped_groups = 0  # by this process: what the controller nets out of its launch count
+        # Spent before a resume counts against the budget too (the store keeps the reasons).
+        self._dropped_before = len({r.split("-")[0] for r, e in store.consumed().items()
+                                    if e.get("reason") == NO_SIGNAL}) if self.drop_budget else 0
         self._dropped_reported = 0
         self.errors: list[BaseException] = []
         self._threads = [threading.Thread(target=self._guard, args=(self._process_main, "processing"),
@@ -209,7 +213,7 @@ class TrainerAdapter:
 
     def _admit(self, group: Group) -> bool:
         """DAPO dynamic sampling: False (the group marked dropped) if it has no signal and budget is left."""
-        if not self.drop_budget or self._dropped_groups >= self.drop_budget:
+        if not self.drop_budget or self._dropped_before + self._dropped_groups >= self.drop_budget:
             return True
         outcomes = [self.store.outcome(r) for r in group.rollout_ids]
         lengths = None
@@ -220,12 +224,12 @@ class TrainerAdapter:
         step = self._steps_done
         valid = [o.rollout_id for o in outcomes if not o.is_failure]
         if valid:
-            self.store.mark_dropped(valid, step=step, reason="no_signal")
+            self.store.mark_dropped(valid, step=step, reason=NO_SIGNAL)
         for status in sorted({o.status for o in outcomes if o.is_failure}):
             self.store.mark_dropped([o.rollout_id for o in outcomes if o.status == status], step=step, reason=status)
         with self._lock:
             self._dropped_groups += 1
-            n = self._dropped_groups
+            n = self._dropped_before + self._dropped_groups
         log.info("dynamic sampling: group %s has no signal (rewards all equal); dropped, %d of %d so far",
                  group.group_id, n, self.drop_budget)
         if n == self.drop_budget:
