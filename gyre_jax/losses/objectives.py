@@ -26,6 +26,9 @@ correction is on), ``A`` the advantage, ``C`` = ``log_ratio_clamp``, ``sg`` stop
   clip is on ``r = pi_theta / pi_prox`` (the proximal policy: the trainer's params at
   the step's start, recomputed on the step's rows), and the token is weighted by
   ``b = sg(pi_prox / pi_behav)``; tokens with ``b > behavior_cap`` get weight 0 (AReaL).
+  The RL loop applies one optimizer update per step, so at the gradient ``pi_theta =
+  pi_prox`` (r = 1, the clip never acts) and the objective is the behaviour-weighted
+  policy gradient ``-b A grad logp``: AReaL's with one mini-batch per step.
 * ``reinforce`` (Williams 1992 with IS weights; truncation as IMPALA's, Espeholt et al. 2018):
   ``pg = -sg(min(r, is_cap)) A logp`` (``is_cap`` None: the plain IS weight ``r``).
 * ``nll`` (maximum likelihood, the SFT objective): ``pg = -logp``; no advantage, no ratio.

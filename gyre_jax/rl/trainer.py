@@ -338,7 +338,8 @@ class TrainerAdapter:
             data.rows = 1
         units = sum(s.weight_units for s in data.stats)
         if self.stream_groups and units:  # weights were divided by a nominal normaliser: the actual one now
-            data.grad_scale = data.stats[0].weight_normalizer / units
+            # every chunk with rollouts used the same nominal normaliser (a chunk of failures alone: 0)
+            data.grad_scale = max(s.weight_normalizer for s in data.stats) / units
         self.stream.end_step(step)
 
     def _calls(self, rid: str):
