@@ -27,7 +27,7 @@ from gyre_jax.agents.client import ChatReply, InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.serving import identity
-from gyre_jax.trajectory.vocab import ROLE_SUBAGENT, ROLE_SUMMARY
+from gyre_jax.trajectory.vocab import ROLE_MAIN, ROLE_SUBAGENT, ROLE_SUMMARY
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a coding agent working in a workspace directory. Act only through tools: "
@@ -65,14 +65,15 @@ class RolloutContext:
     """What every agent of one rollout shares: ids, workspace, transport, counters."""
 
     def __init__(self, *, config: HarnessConfig, task: Task, rollout_id: str, group_id: str,
-                 workspace: tools.Workspace, transport: Transport):
+                 workspace: tools.Workspace, transport: Transport, api_key: str | None = None):
         self.config, self.task, self.workspace, self.transport = config, task, workspace, transport
         self.rollout_id = identity.check_id(rollout_id, "rollout id")
         self.group_id = identity.check_id(group_id, "group id")
         self.stats = RolloutStats()
         self._next_agent_id = 0
         self._next_call = 0
-        key = config.api_key if config.api_key is not None else identity.api_key(config.run_id, rollout_id)
+        key = (api_key if api_key is not None else config.api_key if config.api_key is not None
+               else identity.api_key(config.run_id, rollout_id))
         self._auth = {"Authorization": f"Bearer {key}"}
 
     def new_agent_id(self) -> int:
@@ -232,6 +233,52 @@ class Agent:
                 self._append({"role": "tool", "tool_call_id": call.call_id or "", "content": text})
         else:
             self._append({"role": "user", "content": tools.render_text_results([t for _, t in results])})
+
+
+async def run_episode(task, client) -> dict:
+    """The example agent as a harness (``gyre_jax.agents.harnesses``: kind ``builtin``): the main
+    agent on ``task.instruction`` with the task's tools, over HTTP with retries as the rollout's
+    key; returns its counters and how it ended. Its knobs are the runner's ``HarnessConfig``."""
+    import aiohttp
+
+    from gyre_jax.agents.client import ChatClient
+
+    cfg: HarnessConfig = client.harness_config
+    if cfg is None:
+        raise ValueError("the built-in harness needs client.harness_config (the runner's HarnessConfig)")
+    if client.openai_base_url.rstrip("/") != cfg.base_url:
+        import dataclasses as _dc
+
+        cfg = _dc.replace(cfg, base_url=client.openai_base_url)
+    session = client.session
+    own = session is None
+    if own:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    try:
+        chat = ChatClient(session, cfg)
+
+        async def transport(messages, headers, tool_schemas):
+            return await chat.chat(messages, headers=headers, tools=tool_schemas)
+
+        spec = task.spec
+        ctx = RolloutContext(config=cfg, task=spec, rollout_id=task.rollout_id, group_id=task.group_id,
+                             workspace=task.tools, transport=transport, api_key=client.api_key)
+        system = cfg.system_prompt or spec.system_prompt or DEFAULT_SYSTEM_PROMPT
+        try:
+            outcome = await Agent(ctx, role=ROLE_MAIN, user_prompt=spec.prompt, system_prompt=system).run()
+        finally:
+            task.counters.update(dataclasses.asdict(ctx.stats))  # also when cut off by the deadline
+        return {"finish_reason": outcome.finish_reason, **dataclasses.asdict(ctx.stats)}
+    finally:
+        if own:
+            await session.close()
+
+
+def _needs_commands(task: Task) -> bool:
+    return tools.RUN in task.tools or tools.RUN_TESTS in task.tools
+
+
+run_episode.needs_commands = _needs_commands
 
 
 def tool_call_message(calls: list[tuple[str, dict]], *, text_format: bool, id_prefix: str = "call") -> dict:

@@ -27,25 +27,28 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
+import subprocess
 import time
 import traceback
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 import aiohttp
 
 from gyre_jax.agents import sandbox as sandbox_lib
 from gyre_jax.agents import tools
-from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, Transport
-from gyre_jax.agents.client import ChatClient, InfraError
+from gyre_jax.agents.client import InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grader_sandbox_env, run_grader, snapshot_workspace
+from gyre_jax.agents.harnesses import (ClientConfig, Episode, EpisodeTask, Harness, HarnessFailed,
+                                       make_harness)
 from gyre_jax.agents.tasks import test_suite as task_test_suite
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.serving.identity import check_id
+from gyre_jax.serving.identity import (HEADER_GROUP, HEADER_ROLLOUT, HEADER_RUN, HEADER_TASK, api_key,
+                                       check_id)
 from gyre_jax.trajectory.vocab import (
-    ROLE_MAIN,
     STATUS_COMPLETED,
     STATUS_INFRA_ERROR,
     STATUS_TIMEOUT,
@@ -92,6 +95,10 @@ class RolloutResult:
     snapshot: str = ""  # the copy of the workspace the grader read
     # SandboxStats.to_dict() plus "snapshot" (files, bytes, skipped, truncated)
     sandbox: dict = dataclasses.field(default_factory=dict)
+    harness_kind: str = "builtin"
+    exit_code: int | None = None  # a command harness's exit code
+    output_tail: str = ""  # the end of a command harness's output (all of what was kept: log_path)
+    log_path: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,27 +110,34 @@ class RolloutResult:
         from gyre_jax.trajectory.records import RolloutOutcome  # numpy: only when records are made
         harness = {k: getattr(self, k) for k in (
             "calls", "retries", "compactions", "subagents", "tool_calls", "tool_errors", "finish_reason",
-            "wall_time_s", "agent_time_s", "grader_time_s", "workspace", "snapshot", "sandbox")}
+            "wall_time_s", "agent_time_s", "grader_time_s", "workspace", "snapshot", "sandbox", "harness_kind",
+            "exit_code", "output_tail", "log_path")}
         return RolloutOutcome(run_id=run_id, rollout_id=self.rollout_id, task_id=self.task_id,
                               group_id=self.group_id, status=self.status, score=self.score,
                               details={"grader": self.grader_details, "harness": harness, "error": self.error},
                               policy_versions=tuple(policy_versions), t_end=self.t_end, num_calls=num_calls)
 
 
-def http_transport(client: ChatClient) -> Transport:
-    async def transport(messages, headers, tool_schemas):
-        return await client.chat(messages, headers=headers, tools=tool_schemas)
-    return transport
-
-
 SNAPSHOTS = ".snapshots"  # under workspace_root: the graded copies
+LOGS = ".logs"  # under workspace_root: each command harness's bounded output
+OUTPUT_TAIL_BYTES = 2048  # of a harness's output kept in the outcome record
+
+
+class KeyIssuer(Protocol):
+    """Issues each rollout its API key and takes it back when the rollout ends (the proxy):
+    a call is recorded only under a key issued for its rollout, and no call after its end."""
+
+    def issue(self, run_id: str, rollout_id: str, task_id: str, group_id: str) -> str: ...
+
+    def revoke(self, key: str) -> None: ...
 
 
 def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task,
                       sandbox: sandbox_lib.Sandbox | None = None) -> Path:
-    """Make the rollout's (empty) workspace, let its sandbox own it, write the task's files."""
-    if rollout_id == SNAPSHOTS:
-        raise ValueError(f"rollout id {rollout_id!r} is reserved for the graded snapshots")
+    """Make the rollout's (empty) workspace, let its sandbox own it, copy the task's repository
+    in (if any), then write the task's files."""
+    if rollout_id in (SNAPSHOTS, LOGS):
+        raise ValueError(f"rollout id {rollout_id!r} is reserved")
     path = Path(workspace_root) / rollout_id
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"workspace {path} for rollout {rollout_id!r} already holds files; "
@@ -131,17 +145,53 @@ def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task,
     path.mkdir(parents=True, exist_ok=True)
     if sandbox is not None:
         sandbox.prepare()
-    ws = tools.Workspace(path, sandbox=sandbox)
+    if task.repo:
+        copy_repo(task.repo, task.repo_commit, path)
+        if sandbox is not None:
+            sandbox.chown_tree(path)
+    ws = tools.Workspace(path, sandbox=sandbox, max_file_bytes=1 << 30)
     for rel, content in task.setup_files.items():
         ws.write_file(rel, content)
     return path
 
 
+def copy_repo(repo: str, commit: str, dest: Path) -> None:
+    """``repo`` (a local directory, or with ``commit`` a local git repository checked out at it)
+    into the existing, empty ``dest``."""
+    if commit:
+        for argv in (["git", "clone", "--quiet", "--no-hardlinks", "--no-checkout", repo, str(dest)],
+                     ["git", "-C", str(dest), "checkout", "--quiet", "--detach", commit]):
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+            if r.returncode != 0:
+                raise RuntimeError(f"copying repo {repo}@{commit}: {' '.join(argv[:3])} failed: {r.stderr[-500:]}")
+        return
+    shutil.copytree(repo, dest, symlinks=True, dirs_exist_ok=True)
+
+
+def grader_timeout(task: Task, config: HarnessConfig) -> float:
+    """The grading subprocess's limit: the harness's, or a task's own command timeout plus a margin."""
+    own = task.params.get("grader_timeout_s") if task.family == "dataset" else None
+    return max(config.grader_timeout_s, float(own) + 30.0) if own else config.grader_timeout_s
+
+
+def client_config(request: RolloutRequest, config: HarnessConfig, key: str, session=None) -> ClientConfig:
+    base = config.base_url
+    return ClientConfig(
+        openai_base_url=base, anthropic_base_url=base[:-3] if base.endswith("/v1") else base, api_key=key,
+        model=config.model, session=session, harness_config=config,
+        headers={HEADER_RUN: config.run_id, HEADER_ROLLOUT: request.rollout_id, HEADER_TASK: request.task.task_id,
+                 HEADER_GROUP: request.group_id})
+
+
 async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspace_root: str | Path,
-                      transport: Transport, grader_slots: asyncio.Semaphore | None = None) -> RolloutResult:
-    """One rollout, start to graded result. Never raises for model, tool or grader
-    failures (they become the status); raises only for caller errors (bad workspace)."""
+                      harness: Harness | None = None, keys: KeyIssuer | None = None, session=None,
+                      grader_slots: asyncio.Semaphore | None = None) -> RolloutResult:
+    """One rollout, start to graded result, with ``harness`` (default: the built-in agent).
+    Never raises for model, harness, tool or grader failures (they become the status); raises
+    only for caller errors (bad workspace)."""
     t0 = time.monotonic()
+    harness = harness or make_harness("builtin")
     task = request.task
     path = Path(workspace_root) / request.rollout_id
     snapshot = Path(workspace_root) / SNAPSHOTS / request.rollout_id
@@ -149,15 +199,23 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
         raise FileExistsError(f"snapshot {snapshot} for rollout {request.rollout_id!r} exists; "
                               "rollout ids must be unique")
     sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=request.rollout_id,
-                                       commands="run" in task.tools or tools.RUN_TESTS in task.tools)
+                                       commands=harness.needs_commands(task))
+    key = None
     try:
         await asyncio.to_thread(prepare_workspace, workspace_root, request.rollout_id, task, sandbox)
         ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
                              command_timeout_s=config.command_timeout_s, sandbox=sandbox,
                              test_suite=task_test_suite(task) if tools.RUN_TESTS in task.tools else None)
-        ctx = RolloutContext(config=config, task=task, rollout_id=request.rollout_id, group_id=request.group_id,
-                             workspace=ws, transport=transport)
-        status, error, finish_reason = await _run_agent(ctx, config, task)
+        key = (keys.issue(config.run_id, request.rollout_id, task.task_id, request.group_id) if keys is not None
+               else config.api_key if config.api_key is not None else api_key(config.run_id, request.rollout_id))
+        etask = EpisodeTask(task_id=task.task_id, instruction=task.prompt, system_prompt=task.system_prompt,
+                            metadata=task.metadata, rollout_id=request.rollout_id, group_id=request.group_id,
+                            run_id=config.run_id, workspace_path=str(path), tools=ws, spec=task)
+        episode = Episode(etask, client_config(request, config, key, session), task.deadline_s or config.deadline_s)
+        status, error, finish_reason, exit_code = await _run_harness(harness, episode)
+        if keys is not None:  # no call of this rollout is recorded after this point
+            keys.revoke(key)
+            key = None
         agent_time = time.monotonic() - t0
         # The agent has ended and every command with it: what the grader sees is fixed now.
         try:
@@ -169,41 +227,56 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
             if status in (None, STATUS_TIMEOUT):
                 status, error = STATUS_VERIFIER_ERROR, f"workspace snapshot failed: {snap['error']}"
     finally:
+        if key is not None and keys is not None:
+            keys.revoke(key)
         tmpfs = sandbox.tmpfs
         sandbox.release()  # synchronous: a second cancellation must not leave a tmpfs mounted
     if tmpfs and snapshot.is_dir():  # the unmounted workspace shows what was graded
         await asyncio.to_thread(shutil.copytree, snapshot, path, dirs_exist_ok=True)
+    counters = dict(etask.counters)
+    output = counters.pop("output", "")
+    log_path = ""
+    if output:
+        log_path = str(Path(workspace_root) / LOGS / f"{request.rollout_id}.log")
+        await asyncio.to_thread(_write_log, log_path, output)
     sandbox_info = {**sandbox.stats.to_dict(), "snapshot": snap}
 
     score, details, grader_time = None, {}, 0.0
     if status in (None, STATUS_TIMEOUT):
         async with grader_slots or contextlib.nullcontext():
-            g = await run_grader(task, snapshot, timeout_s=config.grader_timeout_s,
+            g = await run_grader(task, snapshot, timeout_s=grader_timeout(task, config),
                                  env=grader_sandbox_env(sandbox.kind, config.sandbox.limits, sandbox.image))
         grader_time = g.wall_time_s
         if g.ok:
             score, details, status = g.score, g.details, status or STATUS_COMPLETED
         else:
             status, error = STATUS_VERIFIER_ERROR, g.error
-    s = ctx.stats
+    n = {k: int(counters.get(k, 0)) for k in ("calls", "retries", "compactions", "subagents", "tool_calls",
+                                               "tool_errors")}
     return RolloutResult(
         rollout_id=request.rollout_id, task_id=task.task_id, group_id=request.group_id, status=status,
-        score=score, grader_details=details, calls=s.calls, retries=s.retries, compactions=s.compactions,
-        subagents=s.subagents, tool_calls=s.tool_calls, tool_errors=s.tool_errors, finish_reason=finish_reason,
+        score=score, grader_details=details, **n, finish_reason=finish_reason,
         error=error, wall_time_s=time.monotonic() - t0, agent_time_s=agent_time, grader_time_s=grader_time,
-        workspace=str(path), t_end=time.time(), snapshot=str(snapshot), sandbox=sandbox_info)
+        workspace=str(path), t_end=time.time(), snapshot=str(snapshot), sandbox=sandbox_info,
+        harness_kind=harness.kind, exit_code=exit_code,
+        output_tail=output[-OUTPUT_TAIL_BYTES:] if output else "", log_path=log_path)
 
 
-async def _run_agent(ctx: RolloutContext, config: HarnessConfig, task: Task):
-    """(status, error, finish_reason) of the main agent under the deadline; status None: it ended."""
-    status = error = finish_reason = None
-    deadline = asyncio.timeout(config.deadline_s)
+def _write_log(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", errors="replace") as f:
+        f.write(text)
+
+
+async def _run_harness(harness: Harness, episode: Episode):
+    """(status, error, finish_reason, exit code) of the harness under the deadline; status None: it ended."""
+    status = error = finish_reason = exit_code = None
+    deadline = asyncio.timeout(episode.deadline_s)
     try:
         async with deadline:
-            outcome = await Agent(ctx, role=ROLE_MAIN, user_prompt=task.prompt,
-                                  system_prompt=config.system_prompt or task.system_prompt or DEFAULT_SYSTEM_PROMPT
-                                  ).run()
-        finish_reason = outcome.finish_reason
+            result = await harness.run(episode)
+        finish_reason, exit_code = result.finish_reason, result.exit_code
+        episode.task.counters.update(result.counters)
     except TimeoutError:
         if deadline.expired():
             status = STATUS_TIMEOUT
@@ -211,9 +284,12 @@ async def _run_agent(ctx: RolloutContext, config: HarnessConfig, task: Task):
             status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
     except InfraError as e:
         status, error = STATUS_INFRA_ERROR, str(e)
+        episode.task.counters["retries"] = episode.task.counters.get("retries", 0)
+    except HarnessFailed as e:
+        status, error, exit_code = STATUS_INFRA_ERROR, f"harness failed: {e}", e.exit_code
     except Exception:  # a harness bug must surface as a failure, never as a score
         status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
-    return status, error, finish_reason
+    return status, error, finish_reason, exit_code
 
 
 class _Progress:
@@ -239,9 +315,11 @@ class _Progress:
 
 
 async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfig, *, workspace_root: str | Path,
-                        session: aiohttp.ClientSession | None = None) -> AsyncIterator[RolloutResult]:
-    """Run ``requests`` with at most ``config.concurrency`` in flight; yield each result as
-    it finishes (so finished groups can stream into training)."""
+                        session: aiohttp.ClientSession | None = None, harness: Harness | None = None,
+                        keys: KeyIssuer | None = None) -> AsyncIterator[RolloutResult]:
+    """Run ``requests`` with ``harness`` (default: the built-in agent), at most
+    ``config.concurrency`` in flight; yield each result as it finishes (so finished groups can
+    stream into training)."""
     ids = [r.rollout_id for r in requests]
     dupes = sorted(k for k, n in collections.Counter(ids).items() if n > 1)
     if dupes:
@@ -249,8 +327,7 @@ async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfi
     own = session is None
     if own:  # connection limit off: the semaphore is the limit
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    client = ChatClient(session, config)
-    transport = http_transport(client)
+    harness = harness or make_harness("builtin")
     slots = asyncio.Semaphore(config.concurrency)
     grader_slots = asyncio.Semaphore(config.grader_slots)
     progress = _Progress(len(requests))
@@ -261,8 +338,8 @@ async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfi
         async with slots:
             running += 1
             try:
-                return await run_rollout(req, config, workspace_root=workspace_root, transport=transport,
-                                         grader_slots=grader_slots)
+                return await run_rollout(req, config, workspace_root=workspace_root, harness=harness, keys=keys,
+                                         session=session, grader_slots=grader_slots)
             finally:
                 running -= 1
 
@@ -281,10 +358,12 @@ async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfi
 
 
 async def run_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfig, *, workspace_root: str | Path,
-                       session: aiohttp.ClientSession | None = None) -> list[RolloutResult]:
+                       session: aiohttp.ClientSession | None = None, harness: Harness | None = None,
+                       keys: KeyIssuer | None = None) -> list[RolloutResult]:
     """All results, in the order of ``requests``."""
     by_id = {}
-    async for result in iter_rollouts(requests, config, workspace_root=workspace_root, session=session):
+    async for result in iter_rollouts(requests, config, workspace_root=workspace_root, session=session,
+                                      harness=harness, keys=keys):
         by_id[result.rollout_id] = result
     return [by_id[r.rollout_id] for r in requests]
 

@@ -159,9 +159,11 @@ def classify(output: str, *, network: bool) -> tuple[list[str], list[str]]:
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How to start one command: the argv, and the argv that stops it where killing our child
-    is not enough (a container outlives its client)."""
+    is not enough (a container outlives its client); ``env``: the process's environment
+    (None: inherit; a bubblewrap sandbox sets its own inside)."""
     argv: list[str]
     kill_argv: list[str] | None = None
+    env: Mapping[str, str] | None = None
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -352,14 +354,24 @@ class Sandbox:
     def launch(self, command: str) -> Launch:
         raise NotImplementedError
 
+    def launch_harness(self, argv: list[str], *, env: Mapping[str, str], limits: SandboxLimits,
+                       ro_paths: tuple[str, ...] = (), binds: tuple[tuple[str, str, str], ...] = ()) -> Launch:
+        """How to start a whole harness process (``argv``, run in the workspace) inside this sandbox:
+        a private network namespace whatever the task family allows (the harness reaches the proxy
+        through ``binds``, never the host's network), ``ro_paths`` visible read-only (its
+        installation), ``env`` set, ``limits`` for its processes."""
+        raise NotImplementedError(f"sandbox kind {self.kind!r} cannot run a command harness yet; use bubblewrap "
+                                  "(or none, for debugging)")
+
     def _check_commands(self) -> None:
         if not self.commands:
             raise RuntimeError(f"sandbox of {self.workspace}: made for a task without commands")
 
-    def _nproc(self) -> int:
+    def _nproc(self, limits: SandboxLimits | None = None) -> int:
+        limits = limits or self.limits
         if self.uid is not None:
-            return self.limits.processes
-        return _tasks_of_uid(os.getuid()) + self.limits.processes  # shared with the trainer's own
+            return limits.processes
+        return _tasks_of_uid(os.getuid()) + limits.processes  # shared with the trainer's own
 
     def _limited(self, command: str) -> list[str]:
         return limited_shell(self.limits, self._nproc(), ["bash", "-c", command])
@@ -387,6 +399,10 @@ class NoSandbox(Sandbox):
     def launch(self, command: str) -> Launch:
         return Launch(["bash", "-c", command])
 
+    def launch_harness(self, argv: list[str], *, env: Mapping[str, str], limits: SandboxLimits,
+                       ro_paths: tuple[str, ...] = (), binds: tuple[tuple[str, str, str], ...] = ()) -> Launch:
+        return Launch(list(argv), env={**os.environ, **env})
+
     def observe(self, output: str, *, timed_out: bool, truncated: bool) -> str:
         self.stats.commands += 1
         self.stats.limits_hit.update(["wall_time"] * timed_out + ["output_size"] * truncated)
@@ -394,7 +410,7 @@ class NoSandbox(Sandbox):
 
 
 def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths=(),
-               binds: tuple[tuple[str, str, str], ...] = ()) -> list[str]:
+               binds: tuple[tuple[str, str, str], ...] = (), env: Mapping[str, str] | None = None) -> list[str]:
     """bwrap up to (and including) the command's user switch. ``binds``: (option, host path,
     sandbox path), e.g. ("--bind", workspace, "/workspace").
 
@@ -412,12 +428,26 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     argv = ["bwrap", *ns, "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--hostname", "sandbox"]
+    for k, v in (env or {}).items():
+        argv += ["--setenv", k, v]
+    made: set[str] = set()
+
+    def parents(path: str) -> list[str]:
+        # Mount points' parents (e.g. /root for a pyenv Python) would be made 0700, so the sandbox's
+        # uid could not reach the bound path: make them 0755 (empty: only what is bound shows).
+        out = []
+        for q in (str(q) for q in reversed(Path(path).parents) if str(q) != "/"):
+            if q not in made and q not in SYSTEM_DIRS:
+                made.add(q)
+                out += ["--perms", "0755", "--dir", q]
+        return out
+
     for d in (*SYSTEM_DIRS[:2], *extra_ro_paths):
-        argv += ["--ro-bind-try", d, d]
+        argv += parents(d) + ["--ro-bind-try", d, d]
     argv += _merged_usr_links()
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     for opt, src, dst in binds:
-        argv += [opt, src, dst]
+        argv += parents(dst) + [opt, src, dst]
     # Started in /: bwrap itself (root without CAP_DAC_OVERRIDE) may not enter the uid's 0700
     # workspace; the command's shell does, as that uid (see ``limited_shell``).
     argv += ["--chdir", "/", "--"]
@@ -441,6 +471,14 @@ class BubblewrapSandbox(Sandbox):
                           extra_ro_paths=self.config.extra_ro_paths,
                           binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT),))
         return Launch(argv + self._limited(command))
+
+    def launch_harness(self, argv: list[str], *, env: Mapping[str, str], limits: SandboxLimits,
+                       ro_paths: tuple[str, ...] = (), binds: tuple[tuple[str, str, str], ...] = ()) -> Launch:
+        self._check_commands()
+        outer = bwrap_argv(network=False, uid=self.uid, tmp_bytes=limits.tmp_bytes,
+                           extra_ro_paths=(*self.config.extra_ro_paths, *ro_paths), env=env,
+                           binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT), *binds))
+        return Launch(outer + limited_shell(limits, self._nproc(limits), list(argv)))
 
 
 class ContainerSandbox(Sandbox):
@@ -513,32 +551,53 @@ def untrusted_python(workspace: str | os.PathLike, script: str | os.PathLike):
     snapshot), for a grader: confined as the rollout's commands were (``GYRE_GRADER_SANDBOX``;
     unset: kind none, a plain subprocess), the workspace read-only, no network. Run it with
     cwd = ``workspace``; stdin and stdout are the script's channel."""
+    source = Path(script).read_text()
+    spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
+    if spec["kind"] == "none":
+        yield [sys.executable, "-I", "-B", "-c", source]
+        return
+    with untrusted_command(workspace, ["python3", "-I", "-B", "-c", source], writable=False) as argv:
+        yield argv
+
+
+@contextlib.contextmanager
+def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable: bool):
+    """The argv that runs ``argv`` on agent code in ``workspace`` for a grader, confined as the
+    rollout's commands were (``GYRE_GRADER_SANDBOX``; unset: kind none, a plain subprocess in
+    ``workspace``), no network, rlimits; ``writable``: the workspace is bound read-write (a
+    test suite writes caches and reports: give it a copy, never the graded snapshot itself).
+    As root the command runs as a fresh uid that owns a writable workspace. Run it with
+    cwd = ``workspace``."""
     spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
     kind = spec["kind"]
     limits = SandboxLimits(**spec.get("limits", {}))
     workspace = str(Path(workspace).resolve())
-    source = Path(script).read_text()
     if kind == "none":
-        yield [sys.executable, "-I", "-B", "-c", source]
+        yield list(argv)
         return
     if kind == "bubblewrap":
         uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
         try:
-            argv = bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes,
-                              binds=(("--ro-bind", workspace, WORKSPACE_MOUNT),))
+            if uid is not None and writable:
+                for dirpath, dirnames, files in os.walk(workspace):
+                    for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + files)]:
+                        os.lchown(name, uid, uid)
+            bind = "--bind" if writable else "--ro-bind"
             nproc = limits.processes if uid is not None else _tasks_of_uid(os.getuid()) + limits.processes
-            yield argv + limited_shell(limits, nproc, ["python3", "-I", "-B", "-c", source])
+            yield bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes,
+                             binds=((bind, workspace, WORKSPACE_MOUNT),)) + limited_shell(limits, nproc, list(argv))
         finally:
             if uid is not None:
                 _UIDS.give(uid)
         return
     if kind in ("docker", "podman"):
+        user = "65534:65534" if not writable else f"{os.getuid()}:{os.getgid()}"
         yield [kind, "run", "--rm", "--init", "-i", "--network", "none", "--read-only",
                "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_bytes},mode=1777",
-               "--volume", f"{workspace}:{WORKSPACE_MOUNT}:ro", "--workdir", WORKSPACE_MOUNT,
-               "--user", "65534:65534", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+               "--volume", f"{workspace}:{WORKSPACE_MOUNT}:{'rw' if writable else 'ro'}", "--workdir", WORKSPACE_MOUNT,
+               "--user", user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
                "--pids-limit", str(limits.processes), "--memory", str(limits.memory_bytes),
                "--ulimit", f"cpu={limits.cpu_s}:{limits.cpu_s}",
-               spec.get("image") or SandboxConfig().default_image, "python3", "-I", "-B", "-c", source]
+               spec.get("image") or SandboxConfig().default_image, *argv]
         return
     raise ValueError(f"{GRADER_SANDBOX_ENV}: unknown sandbox kind {kind!r}")

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 FINISH = "finish"
 SPAWN_SUBAGENT = "spawn_subagent"
 RUN_TESTS = "run_tests"
+RUN = "run"
 
 TOOL_SCHEMAS: dict[str, dict] = {
     "write_file": {

@@ -46,7 +46,9 @@ import dataclasses
 import fnmatch
 import json
 import logging
+import os
 import secrets
+import threading
 import time
 import uuid
 
@@ -58,7 +60,7 @@ from gyre_jax.serving import api_openai as O
 from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
 from gyre_jax.serving.identity import HEADER_CALL, check_id
-from gyre_jax.serving.proxy_identity import Binding, authorize, resolve_binding
+from gyre_jax.serving.proxy_identity import Binding, authorize, presented_key, resolve_binding
 from gyre_jax.serving.proxy_stream import Sample, consume, gather_samples, stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
@@ -84,6 +86,9 @@ class ProxyConfig:
     max_concurrent_calls: int = 4096
     require_binding: bool = False
     default_run_id: str = "default"  # for unbound calls when the record sink does not name its run
+    # Also serve on this unix socket (mode 0666): a sandboxed harness's only door (its network
+    # namespace has no route to the host; see gyre_jax.agents.harnesses.command). None: TCP only.
+    unix_path: str | None = None
 
     def __post_init__(self):
         if not self.model_name:
@@ -95,6 +100,9 @@ class ProxyConfig:
             raise ValueError(f"ProxyConfig.port={self.port} out of range")
         if self.auth_token is not None and len(self.auth_token) < 8:
             raise ValueError("ProxyConfig.auth_token must be at least 8 characters")
+        if self.unix_path is not None and len(self.unix_path.encode()) > 100:
+            raise ValueError(f"ProxyConfig.unix_path is over the 100 bytes a unix socket path may have: "
+                             f"{self.unix_path!r}")
 
 
 class Proxy:
@@ -105,8 +113,9 @@ class Proxy:
         self.vocab_size = min(getattr(b, "vocab_size", tokenizer.vocab_size) for b in router.cells.values())
         if tokenizer.vocab_size > self.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {self.vocab_size}")
-        self._keys: dict[str, tuple[str, str]] = {}
+        self._keys: dict[str, tuple[str, str]] = {}  # issued key -> (run, rollout); issue/revoke from any thread
         self._rollouts: dict[tuple[str, str], tuple[str, str]] = {}
+        self._keys_lock = threading.Lock()
         self._next_call: collections.Counter = collections.Counter()
         self._recorded: set[tuple[str, str, int]] = set()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="records")  # keeps order
@@ -137,6 +146,11 @@ class Proxy:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        if self.cfg.unix_path is not None:
+            if os.path.exists(self.cfg.unix_path):  # a stale socket of an earlier run
+                os.unlink(self.cfg.unix_path)
+            await web.UnixSite(self._runner, self.cfg.unix_path).start()
+            os.chmod(self.cfg.unix_path, 0o666)  # sandboxed harnesses run as their own uids
         return f"http://{self.cfg.host}:{self.port}"
 
     async def stop(self) -> None:
@@ -145,13 +159,25 @@ class Proxy:
         self._writer.shutdown(wait=True)
 
     def register_rollout(self, run_id: str, rollout_id: str, task_id: str = "unknown", group_id: str = "unknown") -> str:
-        """A fresh secret API key that ties calls to this rollout."""
+        """A fresh secret API key that ties calls to this rollout (thread-safe). With ``auth_token`` set,
+        issued keys are the only credentials besides the token: nobody else can put a call into a
+        rollout's record."""
         for what, v in (("run id", run_id), ("rollout id", rollout_id), ("task id", task_id), ("group id", group_id)):
             check_id(v, what)
         key = "gk-" + secrets.token_hex(16)
-        self._keys[key] = (run_id, rollout_id)
-        self._rollouts[(run_id, rollout_id)] = (task_id, group_id)
+        with self._keys_lock:
+            self._keys[key] = (run_id, rollout_id)
+            self._rollouts[(run_id, rollout_id)] = (task_id, group_id)
         return key
+
+    # The rollout runner's KeyIssuer (gyre_jax.agents.harness).
+    issue = register_rollout
+
+    def revoke(self, key: str) -> None:
+        """The rollout has ended: its key no longer authorizes a call (a call already being served ends
+        as it would; the harness's processes are gone by then)."""
+        with self._keys_lock:
+            self._keys.pop(key, None)
 
     # ---- request plumbing ----------------------------------------------------------------
     @web.middleware
@@ -215,6 +241,10 @@ class Proxy:
         store_run = getattr(self.sink, "run_id", None)  # a TrajectoryStore holds one run
         b = resolve_binding(request.headers, keyed, self._rollouts, require=self.cfg.require_binding,
                             default_run_id=store_run or self.cfg.default_run_id)
+        issued = self._keys.get(presented_key(request.headers) or "")
+        if issued is not None and (b.run_id, b.rollout_id) != issued:  # a key is good for its own rollout only
+            raise ApiError(403, f"this API key was issued for rollout {issued[1]!r} of run {issued[0]!r}, not "
+                                f"{b.rollout_id!r} of {b.run_id!r}", kind="permission_error")
         if store_run is not None and b.run_id != store_run:
             raise bad(f"run id {b.run_id!r}: this server records run {store_run!r}")
         return b
@@ -372,10 +402,16 @@ class Proxy:
         return web.json_response(self._model_object(name))
 
     async def _health(self, request):
+        """Liveness for anyone; the cells and load only with a credential when auth is on."""
+        try:
+            self._authorize(request)
+        except ApiError:
+            return web.json_response({"status": "ok"})
         return web.json_response({"status": "ok", "cells": {n: n in self.router.admitting() for n in self.router.cells},
                                   "inflight": self._inflight})
 
     async def _metrics(self, request):
+        self._authorize(request)  # with auth on, the token (or a live rollout key)
         lines = []
 
         def put(name, value):  # "name{k=v,k2=v2}" -> Prometheus text with quoted label values

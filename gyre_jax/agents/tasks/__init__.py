@@ -1,4 +1,5 @@
-"""Task families, by name. Each family module provides ``make_task(seed, **kw) -> Task``,
+"""Task families, by name. Each family module provides ``make_task(seed, **kw) -> Task``
+(except ``dataset``, whose tasks come from a file: ``gyre_jax.agents.task_sources``),
 ``solution_turns(task)`` (the scripted ideal actions, for demonstrations) and
 ``grade(task, workspace) -> Grade`` (run in the grader subprocess); a family whose tasks
 offer ``run_tests`` also provides ``test_suite(task) -> test_suite.TestSuite``."""
@@ -11,8 +12,11 @@ from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
 
 # Family name -> module, imported on first use: the grader subprocess (one per rollout)
 # then imports only its own family, not every family's dependencies.
-FAMILIES: dict[str, str] = {"repo_spec": "gyre_jax.agents.tasks.repo_spec", "tiny": "gyre_jax.agents.tasks.tiny",
-                         "tiny_tests": "gyre_jax.agents.tasks.tiny_tests"}
+FAMILIES: dict[str, str] = {"dataset": "gyre_jax.agents.tasks.dataset", "repo_spec": "gyre_jax.agents.tasks.repo_spec",
+                            "tiny": "gyre_jax.agents.tasks.tiny", "tiny_tests": "gyre_jax.agents.tasks.tiny_tests"}
+
+# Families whose tasks are generated from a seed (make_task); "dataset" reads them from a file.
+GENERATED: tuple[str, ...] = tuple(f for f in FAMILIES if f != "dataset")
 
 
 def family(name: str) -> types.ModuleType:
@@ -42,4 +46,4 @@ def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
     return family(task.family).solution_turns(task)
 
 
-__all__ = ["DEFAULT_TOOLS", "FAMILIES", "Task", "family", "make_task", "solution_turns", "test_suite"]
+__all__ = ["DEFAULT_TOOLS", "FAMILIES", "GENERATED", "Task", "family", "make_task", "solution_turns", "test_suite"]

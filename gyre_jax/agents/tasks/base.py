@@ -27,6 +27,13 @@ class Task:
     system_prompt: str | None = None  # None: the harness default
     tools: tuple[str, ...] = DEFAULT_TOOLS
     setup_files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # written before the agent starts
+    # A local directory or git repository copied into the workspace before ``setup_files``
+    # (absolute; a task file's relative paths are resolved when it is read); with
+    # ``repo_commit`` the repository is cloned and checked out at that commit.
+    repo: str = ""
+    repo_commit: str = ""
+    deadline_s: float | None = None  # this task's rollout deadline; None: the harness's
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON; for harnesses and reports
 
     def __post_init__(self):
         check_id(self.task_id, "Task.task_id")
@@ -38,7 +45,7 @@ class Task:
         unknown = sorted(set(self.tools) - set(TOOL_NAMES))
         if unknown:
             raise ValueError(f"Task {self.task_id}: unknown tools {unknown}; known: {list(TOOL_NAMES)}")
-        for name in ("params", "setup_files"):
+        for name in ("params", "setup_files", "metadata"):
             value = getattr(self, name)
             if not isinstance(value, Mapping):
                 raise ValueError(f"Task {self.task_id}: {name} must be a mapping, got {type(value).__name__}")
@@ -50,10 +57,18 @@ class Task:
         for path, content in self.setup_files.items():
             if not isinstance(path, str) or not isinstance(content, str) or path.startswith("/") or ".." in path.split("/"):
                 raise ValueError(f"Task {self.task_id}: setup_files entry {path!r} must be a relative path -> str")
+        if self.repo_commit and not self.repo:
+            raise ValueError(f"Task {self.task_id}: repo_commit {self.repo_commit!r} needs a repo")
+        if self.repo and not self.repo.startswith("/"):
+            raise ValueError(f"Task {self.task_id}: repo must be an absolute path, got {self.repo!r}")
+        if self.deadline_s is not None and (isinstance(self.deadline_s, bool) or not isinstance(self.deadline_s, (int, float))
+                                            or not 0 < self.deadline_s < float("inf")):
+            raise ValueError(f"Task {self.task_id}: deadline_s must be a positive number, got {self.deadline_s!r}")
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["params"], d["setup_files"], d["tools"] = dict(self.params), dict(self.setup_files), list(self.tools)
+        d["metadata"] = dict(self.metadata)
         return d
 
     def to_json(self) -> str:
