@@ -42,7 +42,7 @@ took 19 s and transformers loads and generates from the exported checkpoint.
 """
 import ml_collections
 
-from gyre_jax.rl.config import EvalConfig, HarnessKnobs, TaskConfig, section
+from gyre_jax.rl.config import EvalConfig, HarnessKnobs, TaskConfig, section, train_objective_fields
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
 
 
@@ -96,8 +96,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict(dict(
         row_len=32768, micro_batch_rows=4,  # a multiple of the fsdp size (4)
         learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, max_grad_norm=1.0, adam_b2=0.999, adam_eps=1e-8,
-        eps_low=0.2, eps_high=0.28, entropy_coef=0.0, log_ratio_clamp=20.0, clip_c=0.0,
-        advantage="mean_std", negative_advantage_scale=1.0, work_s_per_row=2.0,
+        work_s_per_row=2.0,
+        # The objective (loss, advantage, weights, mismatch and their options; configs/demo.py comments
+        # each): gyre_jax.rl.config.TrainConfig's defaults, clipped-ratio GRPO with DAPO's clip-higher.
+        **train_objective_fields(),
     ))
     c.sft = ml_collections.ConfigDict(dict(steps=0, rows=6, learning_rate=1e-5, demos=64, noisy_fraction=0.0,
                                            noisy_kind="reverse"))  # a real checkpoint needs no warm start

@@ -194,7 +194,7 @@ def _long_row_plan_equals_plain(monkeypatch, remat_policy):
             p, mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), mb["targets"][..., None], -1)[..., 0]
         w = jnp.where(mb["loss_mask"].astype(bool), mb["loss_weights"], 0.0)
-        return policy_gradient_loss(logp, mb["behavior_logprobs"], mb["advantages"], w, **loss_cfg.loss_kwargs())[0]
+        return policy_gradient_loss(logp, mb["behavior_logprobs"], mb["advantages"], w)[0]  # PolicyLossConfig()'s
 
     want_loss, want_g = jax.jit(jax.value_and_grad(reference))(params)
     auto = cell_loss.policy_loss_fn(cfg, loss_cfg)

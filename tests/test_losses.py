@@ -147,7 +147,7 @@ def test_no_float32_copy_of_the_logits():
     assert _temp_bytes(naive, x16, t) >= f32_copy
 
     # A whole training loss with entropy in it, forward and backward, bf16 logits.
-    cfg = L.PolicyLossConfig(entropy_coef=0.01)
+    cfg = L.PolicyLossConfig.create(entropy_coef=0.01)
     step = jax.value_and_grad(lambda x, bt: L.loss_from_logits(x, bt, cfg, vocab_chunk_size=chunk), has_aux=True)
     step_temp = _temp_bytes(step, x16, batch)
     assert step_temp <= chunk_f32 + 64 * 1024, (step_temp, chunk_f32)
@@ -232,7 +232,7 @@ def test_garbage_at_masked_positions_leaks_nothing(dtype):
         dirty_batch["behavior_logprobs"][i, j] = -np.inf
         dirty_batch["advantages"][i, j] = np.nan
         dirty_ref[i, j] = np.nan
-    cfg = L.PolicyLossConfig(kl_coef=0.2, entropy_coef=0.05)
+    cfg = L.PolicyLossConfig.create(kl_coef=0.2, entropy_coef=0.05)
     f = jax.jit(jax.value_and_grad(lambda x, bt, r: L.loss_from_logits(x, bt, cfg, ref_logprobs_BxL=r, vocab_chunk_size=4),
                                    has_aux=True))
     (loss_d, m_d), g_d = f(jnp.asarray(dirty_logits, dtype), dirty_batch, dirty_ref)
@@ -269,7 +269,7 @@ def test_metric_helpers_and_config_validation():
     for bad, err in [(dict(eps_low=1.0), ValueError), (dict(eps_high=-0.1), ValueError),
                      (dict(kl_coef=float("nan")), ValueError), (dict(kl_estimator="k9"), LookupError)]:
         with pytest.raises(err):
-            L.PolicyLossConfig(**bad)
+            L.PolicyLossConfig.create(**bad)
     with pytest.raises(ValueError, match="needs ref_logp_BxT"):
         L.policy_gradient_loss(a["logp_BxT"], a["behavior_logp_BxT"], a["advantages_BxT"], a["weights_BxT"], kl_coef=0.1)
     with pytest.raises(AssertionError, match="advantages_BxT must have the shape of logp_BxT"):
@@ -294,12 +294,12 @@ def _np_pg(logp, mu, adv, w, cfg):
     """
     logp, mu, adv, w = (np.asarray(x, np.float64) for x in (logp, mu, adv, w))
     x = logp - mu
-    c, clip_c = cfg.log_ratio_clamp, cfg.clip_c
+    c, clip_c = cfg.log_ratio_clamp, cfg.objective.clip_c
     u = np.clip(x, -c, c)
     r = np.exp(u)
-    pg = -np.minimum(r * adv, np.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
-    low = (adv < 0) & (r < 1 - cfg.eps_low)
-    high = (adv > 0) & (r > 1 + cfg.eps_high)
+    pg = -np.minimum(r * adv, np.clip(r, 1 - cfg.objective.eps_low, 1 + cfg.objective.eps_high) * adv)
+    low = (adv < 0) & (r < 1 - cfg.objective.eps_low)
+    high = (adv > 0) & (r > 1 + cfg.objective.eps_high)
     dual = (adv < 0) & (r > clip_c) if clip_c else np.zeros(x.shape, bool)
     pg = np.where(dual, -(clip_c or 0.0) * adv, pg)
     clamped = np.abs(x) > c
@@ -311,10 +311,17 @@ def _np_pg(logp, mu, adv, w, cfg):
     return np.sum(w * pg), w * g, m
 
 
+def _kw(cfg):
+    """policy_gradient_loss's keywords for a ppo_clip PolicyLossConfig."""
+    o = cfg.objective
+    return dict(eps_low=o.eps_low, eps_high=o.eps_high, clip_c=o.clip_c, kl_coef=cfg.kl_coef,
+                kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, log_ratio_clamp=cfg.log_ratio_clamp)
+
+
 @functools.lru_cache(maxsize=None)
 def _pg_value_and_grad(cfg):
     def f(logp, mu, adv, w):
-        return L.policy_gradient_loss(logp, mu, adv, w, **cfg.loss_kwargs())
+        return L.policy_gradient_loss(logp, mu, adv, w, **_kw(cfg))
 
     return jax.jit(jax.value_and_grad(f, has_aux=True))
 
@@ -329,7 +336,7 @@ def test_extreme_log_ratios_keep_loss_and_gradient_finite(clip_c):
     logp - mu is +-89 (exp overflows float32), +-1e4, and +-inf from a behavior
     log-prob of -inf (the sampler's record) or a current log-prob of -inf.
     """
-    cfg = L.PolicyLossConfig(clip_c=clip_c)
+    cfg = L.PolicyLossConfig.create(clip_c=clip_c)
     rows = []
     for x in EXTREME_LOG_RATIOS:
         for a in (1.0, 0.0, -1.0):
@@ -366,8 +373,8 @@ def _grid(rng, n, lo, hi):
 
 @pytest.mark.parametrize(
     "cfg",
-    [L.PolicyLossConfig(), L.PolicyLossConfig(log_ratio_clamp=2.0), L.PolicyLossConfig(clip_c=3.0),
-     L.PolicyLossConfig(eps_low=0.1, eps_high=0.5, log_ratio_clamp=1.5, clip_c=2.5)],
+    [L.PolicyLossConfig.create(), L.PolicyLossConfig.create(log_ratio_clamp=2.0), L.PolicyLossConfig.create(clip_c=3.0),
+     L.PolicyLossConfig.create(eps_low=0.1, eps_high=0.5, log_ratio_clamp=1.5, clip_c=2.5)],
     ids=["default", "clamp2", "dual3", "clamp1.5+dual2.5"],
 )
 def test_policy_loss_and_gradient_match_float64_reference(cfg):
@@ -379,8 +386,8 @@ def test_policy_loss_and_gradient_match_float64_reference(cfg):
     adv = rng.choice([-1.5, -0.5, 0.0, 0.7, 1.25], n)
     w = np.where(rng.random(n) < 0.9, _grid(rng, n, 0.0, 1.0) / n, 0.0)
     # Stay away from the kinks (the clip, the dual clip, the clamp): one-sided there.
-    kinks = [np.log(1 - cfg.eps_low), np.log(1 + cfg.eps_high), cfg.log_ratio_clamp, -cfg.log_ratio_clamp]
-    kinks += [np.log(cfg.clip_c)] if cfg.clip_c else []
+    kinks = [np.log(1 - cfg.objective.eps_low), np.log(1 + cfg.objective.eps_high), cfg.log_ratio_clamp, -cfg.log_ratio_clamp]
+    kinks += [np.log(cfg.objective.clip_c)] if cfg.objective.clip_c else []
     keep = np.all(np.abs(x[:, None] - np.asarray(kinks)[None]) > 1e-3, axis=1)
     x, mu, adv, w = x[keep], mu[keep], adv[keep], w[keep]
     logp, mu, adv, w = (z.astype(np.float32) for z in (mu + x, mu, adv, w))
@@ -392,7 +399,7 @@ def test_policy_loss_and_gradient_match_float64_reference(cfg):
     # A float32 sum of terms of both signs: tolerance relative to the sum of their magnitudes
     # (|pg| <= |A| max(r, 1 + eps_high) per token).
     r = np.exp(np.clip(x, -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
-    magnitude = float(np.sum(np.abs(w * adv) * np.maximum(r, 1 + cfg.eps_high)))
+    magnitude = float(np.sum(np.abs(w * adv) * np.maximum(r, 1 + cfg.objective.eps_high)))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=0, atol=1e-6 * magnitude)
     g = np.asarray(g)
     assert not g[~active].any()
@@ -402,7 +409,7 @@ def test_policy_loss_and_gradient_match_float64_reference(cfg):
         np.testing.assert_allclose(float(m[k]), v, rtol=2e-6, atol=atol, err_msg=k)
     # Every branch is present in the data.
     assert ref_m["clip_frac_low"] > 0 and ref_m["clip_frac_high"] > 0 and ref_m["clamp_frac"] > 0
-    assert (ref_m["clip_frac_dual"] > 0) == bool(cfg.clip_c)
+    assert (ref_m["clip_frac_dual"] > 0) == bool(cfg.objective.clip_c)
     assert (ref_g != 0).sum() > n // 8  # and the unclipped branch, with a gradient
 
 
@@ -426,15 +433,10 @@ def test_dual_clip_bounds_the_negative_advantage_loss():
 
 
 def test_config_fields_reach_the_loss():
-    """Every PolicyLossConfig field but entropy_metric is a keyword of policy_gradient_loss."""
-    import dataclasses
-    import inspect
-
-    cfg = L.PolicyLossConfig(clip_c=2.5, log_ratio_clamp=4.0, eps_low=0.1)
-    kw = cfg.loss_kwargs()
-    fields = {f.name for f in dataclasses.fields(L.PolicyLossConfig)} - {"entropy_metric"}
-    assert set(kw) == fields and kw["clip_c"] == 2.5 and kw["log_ratio_clamp"] == 4.0
-    assert fields <= set(inspect.signature(L.policy_gradient_loss).parameters)
+    """A ppo_clip PolicyLossConfig and policy_gradient_loss with the same keywords compute the same."""
+    cfg = L.PolicyLossConfig.create(clip_c=2.5, log_ratio_clamp=4.0, eps_low=0.1)
+    kw = _kw(cfg)
+    assert kw["clip_c"] == 2.5 and kw["log_ratio_clamp"] == 4.0 and kw["eps_low"] == 0.1
     # loss_from_logits with the config equals policy_gradient_loss with those keywords.
     rng = np.random.default_rng(7)
     b, l, v = 2, 9, 11
@@ -459,12 +461,12 @@ def test_config_fields_reach_the_loss():
     for bad, match in [(dict(clip_c=1.0), "clip_c"), (dict(clip_c=0.5), "clip_c"), (dict(clip_c=float("inf")), "clip_c"),
                        (dict(log_ratio_clamp=0.0), "log_ratio_clamp"), (dict(log_ratio_clamp=81.0), "log_ratio_clamp"),
                        (dict(log_ratio_clamp=None), "log_ratio_clamp"),
-                       (dict(log_ratio_clamp=0.2), r"exceed log\(1 \+ eps_high\)"),
-                       (dict(eps_low=0.9, log_ratio_clamp=2.0), r"exceed -log\(1 - eps_low\)"),
-                       (dict(clip_c=1e9), r"clip_c=1000000000.0 must be < exp")]:
+                       (dict(log_ratio_clamp=0.23), r"must exceed \|log\(1 \+ eps_high\)\|"),
+                       (dict(eps_low=0.9, log_ratio_clamp=2.0), r"must exceed \|log\(1 - eps_low\)\|"),
+                       (dict(clip_c=1e9), r"must exceed \|log\(clip_c\)\|")]:
         with pytest.raises(ValueError, match=match):
-            L.PolicyLossConfig(**bad)
-    assert L.PolicyLossConfig(clip_c=0).clip_c == 0  # 0 = off, like None
+            L.PolicyLossConfig.create(**bad)
+    assert L.PolicyLossConfig.create(clip_c=0).objective.clip_c == 0  # 0 = off, like None
     with pytest.raises(ValueError, match="policy_gradient_loss: clip_c"):
         L.policy_gradient_loss(logp, logp, logp, logp, clip_c=1.0)
 
@@ -482,7 +484,7 @@ def test_end_to_end_extreme_logits_stay_finite():
     batch = {"targets": targets, "loss_mask": np.ones((b, l), bool), "behavior_logprobs": behavior,
              "advantages": np.tile(np.array([1.0, 0.0, -1.0], np.float32), (b, 2)),
              "loss_weights": np.full((b, l), 1.0 / (b * l), np.float32)}
-    for cfg in (L.PolicyLossConfig(), L.PolicyLossConfig(clip_c=3.0, entropy_coef=0.01)):
+    for cfg in (L.PolicyLossConfig.create(), L.PolicyLossConfig.create(clip_c=3.0, entropy_coef=0.01)):
         f = jax.jit(jax.value_and_grad(lambda x: L.loss_from_logits(x, batch, cfg), has_aux=True))
         (loss, m), g = f(jnp.asarray(logits))
         assert np.isfinite(float(loss)) and np.isfinite(np.asarray(g)).all()
@@ -561,7 +563,11 @@ def test_rollout_token_mean_weights_rule_and_micro_batches():
     np.testing.assert_allclose(L.token_mean_weights(mask[:1], total_tokens=9), mask[:1] / 9.0, rtol=1e-7)
     np.testing.assert_allclose(L.token_mean_weights(jnp.asarray(mask)), mask / 9.0, rtol=1e-6)
     np.testing.assert_array_equal(L.sequence_mean_weights(mask, ids, 3), w)
-    assert L.build_loss_weights("token_mean", mask).sum() == pytest.approx(1.0)
+    w_tok, units = L.build_loss_weights("token_mean", mask, ids, 3)
+    assert w_tok.sum() == pytest.approx(1.0) and units == 9
+    w_rtm, units = L.build_loss_weights("rollout_token_mean", mask, ids, 3)
+    np.testing.assert_allclose(w_rtm, expect, rtol=1e-7)
+    assert units == 3
 
 
 def test_weight_builder_errors():
@@ -574,8 +580,8 @@ def test_weight_builder_errors():
         L.rollout_token_mean_weights(mask, np.array([[0, 0, 0]]), 1, rollout_token_counts=np.array([1]))
     with pytest.raises(ValueError, match="less than the 2 trainable tokens"):
         L.token_mean_weights(mask, total_tokens=1)
-    with pytest.raises(LookupError, match=r"unknown loss aggregation 'path_mean'; known: \['rollout_token_mean', "
-                                          r"'sequence_mean', 'token_mean'\]"):
+    with pytest.raises(LookupError, match=r"unknown weight builder 'path_mean'; known: \['constant', "
+                                          r"'rollout_token_mean', 'token_mean'\]"):
         L.get_weight_builder("path_mean")
 
 
@@ -602,9 +608,23 @@ def test_import_stays_light():
     assert heavy == "", f"import gyre_jax.losses pulled in {heavy}"
 
 
+def _run_example(block, where, capsys):
+    exec(compile(textwrap.dedent(block), where, "exec"), {})
+    loss, summed, grad_diff, clip_frac = (float(x) for x in capsys.readouterr().out.split())
+    assert np.isfinite(loss) and loss == pytest.approx(summed, rel=1e-6, abs=1e-7)  # micro-batches add up
+    assert grad_diff < 1e-6 and 0.0 <= clip_frac <= 1.0
+
+
 def test_module_docstring_example_runs(capsys):
     doc = L.__doc__
     block = doc.split("Use the losses in your own project::\n", 1)[1].split("\nMetrics are weighted sums", 1)[0]
-    exec(compile(textwrap.dedent(block), "gyre_jax.losses docstring", "exec"), {})
-    loss, clip_frac, entropy = (float(x) for x in capsys.readouterr().out.split())
-    assert np.isfinite(loss) and 0.0 <= clip_frac <= 1.0 and entropy > 0.0
+    _run_example(block, "gyre_jax.losses docstring", capsys)
+
+
+def test_readme_example_runs_and_lists_every_registered_entry(capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Using the losses in your own project", 1)[1].split("\n## ", 1)[0]
+    _run_example(section.split("```python\n", 1)[1].split("```", 1)[0], "README.md", capsys)
+    for reg in (L.POLICY_LOSSES, L.MISMATCH_CORRECTIONS, L.ADVANTAGE_ESTIMATORS, L.WEIGHT_BUILDERS):
+        for name, summary, paper in reg.describe():
+            assert f"* `{name}`: {summary}. {paper}." in section, name

@@ -158,13 +158,13 @@ def reference(rollouts, cfg: PolicyLossConfig):
         clamped = abs(logp - mu) > cfg.log_ratio_clamp
         u = min(max(logp - mu, -cfg.log_ratio_clamp), cfg.log_ratio_clamp)
         ratio = np.exp(u)
-        clipped = min(max(ratio, 1 - cfg.eps_low), 1 + cfg.eps_high)
+        clipped = min(max(ratio, 1 - cfg.objective.eps_low), 1 + cfg.objective.eps_high)
         pg = -min(ratio * a, clipped * a)
-        clip_low = a < 0 and ratio < 1 - cfg.eps_low
-        clip_high = a > 0 and ratio > 1 + cfg.eps_high
-        clip_dual = bool(cfg.clip_c) and a < 0 and ratio > cfg.clip_c
+        clip_low = a < 0 and ratio < 1 - cfg.objective.eps_low
+        clip_high = a > 0 and ratio > 1 + cfg.objective.eps_high
+        clip_dual = bool(cfg.objective.clip_c) and a < 0 and ratio > cfg.objective.clip_c
         if clip_dual:
-            pg = -cfg.clip_c * a
+            pg = -cfg.objective.clip_c * a
         dpg = 0.0 if (clip_low or clip_high or clip_dual or clamped) else -a * ratio
         ref = float(_ref_logp(ctx, t))
         d = ref - logp
@@ -216,14 +216,14 @@ def _loss_and_grad(cfg):
 
 
 CONFIGS = [
-    PolicyLossConfig(),
-    PolicyLossConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
-    PolicyLossConfig(eps_low=0.1, eps_high=0.5, kl_coef=0.3, kl_estimator="k2", entropy_coef=0.02),
-    PolicyLossConfig(eps_low=0.3, eps_high=0.3, kl_coef=0.05, kl_estimator="k1"),
+    PolicyLossConfig.create(),
+    PolicyLossConfig.create(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
+    PolicyLossConfig.create(eps_low=0.1, eps_high=0.5, kl_coef=0.3, kl_estimator="k2", entropy_coef=0.02),
+    PolicyLossConfig.create(eps_low=0.3, eps_high=0.3, kl_coef=0.05, kl_estimator="k1"),
     # Dual clip at r > 2 (the data has A < 0 tokens there), and a clamp of |log r| <= 1
     # that acts on the branches the clip leaves open (A > 0, r < 1/e; A < 0, r > e).
-    PolicyLossConfig(clip_c=2.0, kl_coef=0.1, entropy_coef=0.01),
-    PolicyLossConfig(log_ratio_clamp=1.0, kl_coef=0.1),
+    PolicyLossConfig.create(clip_c=2.0, kl_coef=0.1, entropy_coef=0.01),
+    PolicyLossConfig.create(log_ratio_clamp=1.0, kl_coef=0.1),
 ]
 
 
@@ -236,7 +236,7 @@ def test_loss_grad_metrics_match_float64_reference(data, cfg):
     # The data must exercise every branch of the clipped surrogate.
     assert ref_m["clip_frac_low"] > 0.03 and ref_m["clip_frac_high"] > 0.03
     assert ref_m["clip_frac"] < 0.8
-    assert (ref_m["clip_frac_dual"] > 0.02) == bool(cfg.clip_c)
+    assert (ref_m["clip_frac_dual"] > 0.02) == bool(cfg.objective.clip_c)
     assert (ref_m["clamp_frac"] > 0.02) == (cfg.log_ratio_clamp < 20)
 
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-6, atol=1e-7)
@@ -262,7 +262,7 @@ def test_loss_grad_metrics_match_float64_reference(data, cfg):
 def test_reference_counts_shared_tokens_once(data):
     # The trees share prefixes: expanding every path would count more targets.
     rollouts, packed, *_ = data
-    _, _, m = reference(rollouts, PolicyLossConfig())
+    _, _, m = reference(rollouts, PolicyLossConfig.create())
     per_path = sum(
         sum(int(n.trainable.sum()) for n in path) - int(path[0].trainable[0])
         for roots in rollouts
@@ -291,7 +291,7 @@ def _hidden(params, batch):
     return jnp.tanh(params["embed_VxD"][batch["tokens"]] + params["pos_PxD"][batch["positions"]])
 
 
-CFG_MB = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01)
+CFG_MB = PolicyLossConfig.create(kl_coef=0.1, entropy_coef=0.01)
 
 
 @jax.jit

@@ -5,7 +5,13 @@ import logging
 import numpy as np
 import pytest
 
-from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
+from gyre_jax.losses import NormConfig
+from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages, has_signal, overlong_penalty
+
+
+def acfg(mode, eps=1e-6, **kw):
+    """grpo (mean/std) with its eps, or dr_grpo (mean only)."""
+    return AdvantageConfig(estimator=mode, estimator_config=NormConfig(eps=eps) if mode == "grpo" else None, **kw)
 
 
 @dataclasses.dataclass
@@ -26,10 +32,10 @@ def ref_adv(scores, mode, eps):
     if r.size <= 1 or np.all(r == r[0]):
         return np.zeros_like(r)
     c = r - r.mean()
-    return c / (np.sqrt(((r - r.mean()) ** 2).mean()) + eps) if mode == "mean_std" else c
+    return c / (np.sqrt(((r - r.mean()) ** 2).mean()) + eps) if mode == "grpo" else c
 
 
-@pytest.mark.parametrize("mode", ["mean", "mean_std"])
+@pytest.mark.parametrize("mode", ["dr_grpo", "grpo"])
 def test_failures_excluded_from_mean_timeouts_keep_partial_credit(mode, caplog):
     outs = [
         O("a", "t1", "completed", 1.0),
@@ -40,7 +46,7 @@ def test_failures_excluded_from_mean_timeouts_keep_partial_credit(mode, caplog):
         O("f", "t2", "completed", 0.3),
         O("g", "t2", "timeout", 0.9),
     ]
-    cfg = AdvantageConfig(mode=mode, eps=1e-6)
+    cfg = acfg(mode, 1e-6)
     with caplog.at_level(logging.INFO, logger="gyre_jax.trajectory.rewards"):
         res = compute_advantages(outs, cfg)
     np.testing.assert_array_equal(res.valid, [1, 1, 0, 0, 1, 1, 1])
@@ -53,18 +59,18 @@ def test_failures_excluded_from_mean_timeouts_keep_partial_credit(mode, caplog):
     assert res.counts["timeout"] == 2 and res.counts["completed"] == 3
     assert np.isnan(res.scores[2]) and res.scores[1] == np.float32(0.4)
     assert "1 infra_error and 1 verifier_error" in caplog.text
-    if mode == "mean":  # the baseline is mean(1.0, 0.4, 0.1) = 0.5, not mean with the crash's 0
+    if mode == "dr_grpo":  # the baseline is mean(1.0, 0.4, 0.1) = 0.5, not mean with the crash's 0
         np.testing.assert_allclose(res.advantages[0], 0.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["mean", "mean_std"])
+@pytest.mark.parametrize("mode", ["dr_grpo", "grpo"])
 def test_no_variance_gives_zero_not_nan(mode):
     outs = [
         O("a", "one_valid", "completed", 0.7), O("b", "one_valid", "infra_error", None),
         O("c", "equal", "completed", 0.1), O("d", "equal", "timeout", 0.1), O("e", "equal", "completed", 0.1),
         O("f", "all_fail", "infra_error", None), O("g", "all_fail", "verifier_error", None),
     ]
-    res = compute_advantages(outs, AdvantageConfig(mode=mode, eps=0.0))
+    res = compute_advantages(outs, acfg(mode, 0.0))
     assert np.all(np.isfinite(res.advantages)) and not res.advantages.any()
     assert res.zero_variance_groups == 2 and res.empty_groups == 1 and res.num_groups == 3
     assert res.num_valid == 4
@@ -74,7 +80,7 @@ def test_no_variance_gives_zero_not_nan(mode):
 def test_negative_scale_multiplies_only_negative_advantages(scale):
     scores = [1.0, 0.5, 0.0, 0.0]
     outs = [O(str(i), "t", "completed", s) for i, s in enumerate(scores)]
-    ref = ref_adv(scores, "mean_std", 1e-6)
+    ref = ref_adv(scores, "grpo", 1e-6)
     got = compute_advantages(outs, AdvantageConfig(negative_scale=scale)).advantages
     np.testing.assert_allclose(got, np.where(ref < 0, ref * scale, ref), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="negative_scale"):
@@ -101,8 +107,15 @@ def test_bad_inputs_are_named():
         compute_advantages([O("x", "t", "completed", 0.0), O("x", "t", "completed", 1.0)])
     with pytest.raises(ValueError, match="group 'g' mixes tasks 't1' and 't2'.*rollout 'y'"):
         compute_advantages([O("x", "t1", "completed", 0.0, "g"), O("y", "t2", "completed", 1.0, "g")])
-    with pytest.raises(ValueError, match="mode"):
-        AdvantageConfig(mode="median")
+    with pytest.raises(LookupError, match=r"unknown advantage estimator 'median'; known: \['dr_grpo', 'grpo', "):
+        AdvantageConfig(estimator="median")
+    with pytest.raises(TypeError, match="'grpo' takes a NormConfig"):
+        AdvantageConfig(estimator="grpo", estimator_config=object())
+    with pytest.raises(ValueError, match="overlong_buffer_tokens=0 must be in \\[1, overlong_max_tokens=10\\]"):
+        AdvantageConfig(overlong_max_tokens=10)
+    with pytest.raises(ValueError, match="one length per outcome"):
+        compute_advantages([O("x", "t", "completed", 0.0)], AdvantageConfig(overlong_max_tokens=10,
+                                                                             overlong_buffer_tokens=4))
 
 
 def test_real_records_and_group_field():
@@ -111,8 +124,30 @@ def test_real_records_and_group_field():
     mk = lambda rid, g, st, sc: RolloutOutcome(run_id="run", rollout_id=rid, task_id="t", group_id=g, status=st, score=sc)
     outs = [mk("a", "g1", "completed", 1.0), mk("b", "g1", "timeout", 0.0), mk("c", "g2", "completed", 0.2),
             mk("d", "g2", "infra_error", None)]
-    by_group = compute_advantages(outs, AdvantageConfig(mode="mean"))
+    by_group = compute_advantages(outs, acfg("dr_grpo"))
     np.testing.assert_allclose(by_group.advantages, [0.5, -0.5, 0.0, 0.0])
-    by_task = compute_advantages(outs, AdvantageConfig(mode="mean"), group_field="task_id")
+    by_task = compute_advantages(outs, acfg("dr_grpo"), group_field="task_id")
     np.testing.assert_allclose(by_task.advantages, [0.6, -0.4, -0.2, 0.0], rtol=1e-6)
     assert by_task.num_groups == 1 and by_group.num_groups == 2
+
+
+def test_overlong_shaping_is_dapos_soft_punishment():
+    """DAPO eq. 13 with Lmax = 20, Lc = 8: 0 up to 12 tokens, linear to -1 at 20, -1 beyond; x penalty."""
+    cfg = acfg("dr_grpo", overlong_max_tokens=20, overlong_buffer_tokens=8, overlong_penalty=0.5)
+    lengths = [5, 12, 13, 16, 20, 21, 400]
+    ref = [0.0, 0.0, -1 / 8, -4 / 8, -1.0, -1.0, -1.0]
+    np.testing.assert_allclose(overlong_penalty(lengths, cfg), 0.5 * np.asarray(ref), rtol=1e-12)
+    outs = [O(str(i), "t", "completed", 1.0) for i in range(len(lengths))]
+    res = compute_advantages(outs, cfg, lengths=lengths)
+    np.testing.assert_allclose(res.rewards, 1.0 + 0.5 * np.asarray(ref), rtol=1e-6)
+    assert (res.scores == 1.0).all()  # the graders' scores stay as they were
+    np.testing.assert_allclose(res.advantages, res.rewards - res.rewards.mean(), rtol=1e-5, atol=1e-7)
+    # Shaping gives an all-correct group a signal; without it the group has none.
+    assert has_signal(outs, cfg, lengths) and not has_signal(outs, acfg("grpo"))
+
+
+def test_has_signal_ignores_failures():
+    outs = [O("a", "t", "completed", 1.0), O("b", "t", "infra_error", None), O("c", "t", "timeout", 1.0)]
+    assert not has_signal(outs, acfg("grpo"))
+    assert has_signal(outs + [O("d", "t", "timeout", 0.5)], acfg("grpo"))
+    assert not has_signal(outs[:2], acfg("grpo"))  # one valid rollout: nothing to compare

@@ -4,13 +4,15 @@ Why: one demo run takes 5-8 minutes on 2 cores; this loop samples with the held-
 eval's jitted sampler (gyre_jax.rl.evaluate.make_sampler), scores with the family's
 grader, packs with the trajectory processor's ``pack_trees`` (group-normalized
 advantages, rollout-first weights), and steps the cells' optimizer
-(``cells.make_optimizer``) on ``losses.loss_from_logits``: the same math as the loop, a
-40-step run in about a minute. Use it to choose learning rate and batch size before a
+(``cells.make_optimizer``) on ``losses.loss_from_logits``: the same math as the loop (the
+same registered objective, estimator and weights, and the same per-step pass for the
+objectives that read one), a 40-step run in about a minute. Use it to choose learning rate and batch size before a
 demo run, and to see why RL moves slowly from a sharp supervised warm start.
 
     python tools/rl_offline.py                                  # the demo's settings
     python tools/rl_offline.py --lr 3e-4 --groups 4 --steps 40  # another point
     python tools/rl_offline.py --line_search                    # sharpness of the SFT minimum
+    python tools/rl_offline.py --loss gspo --advantage rloo --kl_coef 0.01   # another objective
 
 Prints a table (held-out eval every --eval_every steps), then one JSON line. With
 --line_search it instead prints, for step sizes alpha, the held-out reward after moving
@@ -43,7 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--groups", type=int, default=8, help="tasks per step")
     p.add_argument("--group_size", type=int, default=8, help="samples per task")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--advantage", default="mean_std", choices=["mean", "mean_std"])
+    from gyre_jax.losses import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, WEIGHT_BUILDERS
+
+    p.add_argument("--loss", default=None, choices=POLICY_LOSSES.names(), help="default: the demo config's")
+    p.add_argument("--advantage", default=None, choices=ADVANTAGE_ESTIMATORS.names(), help="default: the demo config's")
+    p.add_argument("--weights", default=None, choices=WEIGHT_BUILDERS.names(), help="default: the demo config's")
+    p.add_argument("--kl_coef", type=float, default=None, help="KL to the warm start (default: the demo config's)")
     p.add_argument("--sft_steps", type=int, default=None, help="default: the demo config's")
     p.add_argument("--eval_every", type=int, default=20)
     p.add_argument("--eval_tasks", type=int, default=32)
@@ -61,8 +68,10 @@ def main(argv=None) -> dict:
 
     from configs import demo
     from gyre_jax.agents.tasks import make_task
+    from gyre_jax.cells.loss import policy_loss_fn
+    from gyre_jax.cells.score import fill_score_fields
     from gyre_jax.cells.train_state import OptimizerConfig, make_optimizer
-    from gyre_jax.losses import loss_from_logits
+    from gyre_jax.losses import ADVANTAGE_ESTIMATORS, loss_from_logits
     from gyre_jax.model import Transformer, param_logical_axes
     from gyre_jax.rl.config import RLConfig
     from gyre_jax.rl.evaluate import (HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows,
@@ -72,7 +81,11 @@ def main(argv=None) -> dict:
     from gyre_jax.trajectory.binpack import pack_trees
     from gyre_jax.trajectory.node import TreeNode
 
-    cfg = RLConfig.from_config(demo.get_config())
+    c = demo.get_config()
+    for k in ("loss", "advantage", "weights", "kl_coef"):  # validated like the loop's --config.train.* flags
+        if getattr(a, k) is not None:
+            c.train[k] = getattr(a, k)
+    cfg = RLConfig.from_config(c)
     sft = cfg.sft if a.sft_steps is None else dataclasses.replace(cfg.sft, steps=a.sft_steps)
     cfg = dataclasses.replace(cfg, progress=False, seed=a.seed, sft=sft)
     mc, h, t = cfg.model, cfg.harness, cfg.train
@@ -87,7 +100,11 @@ def main(argv=None) -> dict:
     held_out = HeldOutEval(mc, eval_tasks, tok, system_prompt=h.system_prompt or None, samples_per_task=8,
                            max_tokens=h.max_tokens, temperature=h.temperature, seed=0, max_len=cfg.cells.max_len)
     sample = make_sampler(mc, max_tokens=h.max_tokens, max_len=cfg.cells.max_len, temperature=h.temperature)
-    model, loss_cfg = Transformer(mc), cfg.loss_config()
+    model, loss_cfg, pc = Transformer(mc), cfg.loss_config(), cfg.processor_config()
+    estimator = ADVANTAGE_ESTIMATORS.get(t.advantage)
+    passes = loss_cfg.step_passes()
+    logprob = jax.jit(policy_loss_fn(mc, loss_cfg).logprob_fn)
+    ref_params = params  # the warm start: KL's reference
 
     def batch_of(params, tasks, key):
         """Sample group_size replies per task; (packed rows, scores [groups, group_size])."""
@@ -103,11 +120,13 @@ def main(argv=None) -> dict:
             trees.append(TreeNode.span(rows[i, :lengths[i]], children=[
                 TreeNode.span(toks[i, :n], trainable=True, logprobs=lps[i, :n].astype(np.float32))]))
         s = np.asarray(scores).reshape(len(tasks), a.group_size)
-        adv = s - s.mean(1, keepdims=True)
-        if a.advantage == "mean_std":
-            sd = s.std(1, keepdims=True)
-            adv = np.where(sd > 1e-6, adv / np.maximum(sd, 1e-6), 0.0)
-        packed = pack_trees(trees, adv.reshape(-1).tolist(), t.row_len)
+        adv, _ = estimator.fn(s, np.ones(s.shape, bool), pc.advantage.estimator_config)  # the registered estimator
+        packed = pack_trees(trees, adv.reshape(-1).tolist(), t.row_len, weights=pc.weights,
+                            weights_config=pc.weights_config)
+        if passes:  # on-policy: the sampler's params are the step's (trainer = prox), the reference the warm start
+            fill_score_fields(packed.rows, packed.rollout_index, passes=passes, corrected=loss_cfg.correction is not None,
+                              version=0, params_of={0: params}.get, ref_params=ref_params,
+                              forward=lambda p: logprob(p, {k: jnp.asarray(v) for k, v in packed.rows.as_dict().items()}))
         return {k: jnp.asarray(v) for k, v in packed.rows.as_dict().items()}, s
 
     def loss_fn(p, b):
@@ -148,7 +167,8 @@ def main(argv=None) -> dict:
         params, opt_state, ent, _ = update(params, opt_state, b)
         rewards.append(float(s.mean()))
     out = {"eval_first": evals[0][1], "eval_last": evals[-1][1], "evals": evals, "steps": a.steps,
-           "rollouts_per_step": a.groups * a.group_size, "lr": a.lr, "advantage": a.advantage,
+           "rollouts_per_step": a.groups * a.group_size, "lr": a.lr, "loss": t.loss, "advantage": t.advantage,
+           "weights": t.weights, "kl_coef": t.kl_coef,
            "sft_steps": cfg.sft.steps, "eval_samples": a.eval_tasks * 8, "seconds": time.perf_counter() - t0}
     print(json.dumps(out), flush=True)
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from gyre_jax.losses import PolicyLossConfig, loss_from_hidden, loss_from_logits
+from gyre_jax.losses import PolicyLossConfig, chunked_token_logprobs, loss_from_hidden, loss_from_logits, token_logprobs
 from gyre_jax.model import ModelConfig, Transformer
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,9 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
     (full [B, L, V] logits), or scan the vocab projection over chunks of this many positions.
 
     The returned ``loss_fn`` carries ``context_parallel_axis`` (the model config's), which
-    ``CellSteps`` reads to split rows along their sequence over that mesh axis.
+    ``CellSteps`` reads to split rows along their sequence over that mesh axis, and
+    ``logprob_fn(params, micro_batch) -> logp_BxL``: the targets' log-probs under the same
+    model and memory plan, no gradient (the per-step pass of ``gyre_jax/cells/score.py``).
     """
     if logits_chunk not in ("auto", None) and (not isinstance(logits_chunk, int) or logits_chunk < 1):
         raise ValueError(f"policy_loss_fn: logits_chunk must be 'auto', None or a positive int, got {logits_chunk!r}")
@@ -95,5 +97,18 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         return loss_from_hidden(hidden_BxLxD, unembed_DxV, mb, loss_config, chunk_size=plan.logits_chunk,
                                 layout="DxV")
 
+    def logprob_fn(params, mb):
+        rows, row_len = mb["tokens"].shape
+        plan = memory_plan(model_config, rows, row_len, logits_chunk=logits_chunk)
+        if False not in models:  # a forward alone never needs remat
+            models[False] = Transformer(model_config.replace(remat=False))
+        inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
+        if plan.logits_chunk is None:
+            return token_logprobs(models[False].apply(params, *inputs), mb["targets"])
+        hidden_BxLxD, unembed_DxV = models[False].apply(params, *inputs, return_hidden=True)
+        return chunked_token_logprobs(hidden_BxLxD, unembed_DxV, mb["targets"], chunk_size=plan.logits_chunk,
+                                      layout="DxV")
+
     loss_fn.context_parallel_axis = model_config.context_parallel_axis
+    loss_fn.logprob_fn = logprob_fn
     return loss_fn

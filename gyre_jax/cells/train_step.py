@@ -49,6 +49,9 @@ MICRO_BATCH_KEYS = (
     "loss_weights",
     "advantages",
 )
+# The per-step pass's fields (gyre_jax/cells/score.py; zeros when the objective reads none).
+SCORE_KEYS = ("prox_logprobs", "trainer_logprobs", "ref_logprobs", "seq_log_ratio", "seq_log_mismatch")
+MICRO_BATCH_KEYS = MICRO_BATCH_KEYS + SCORE_KEYS
 
 LossFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -69,13 +72,17 @@ def context_parallel_rules(rules, axis: str):
 
 
 def device_micro_batch(rows: Mapping[str, Any], *, where: str = "micro-batch") -> dict[str, np.ndarray]:
-    """The device-side fields of a packed micro-batch (PackedRows or its dict), checked."""
+    """The device-side fields of a packed micro-batch (PackedRows or its dict), checked.
+
+    The per-step pass's fields (``SCORE_KEYS``) may be absent: they are then zeros, which
+    is right only for an objective that reads none of them (the trainer fills them otherwise).
+    """
     d = rows.as_dict() if hasattr(rows, "as_dict") else rows
-    missing = [k for k in MICRO_BATCH_KEYS if k not in d]
+    missing = [k for k in MICRO_BATCH_KEYS if k not in d and k not in SCORE_KEYS]
     if missing:
         raise ValueError(f"{where}: missing fields {missing}")
-    out = {k: np.asarray(d[k]) for k in MICRO_BATCH_KEYS}
-    shape = out["tokens"].shape
+    shape = np.shape(d["tokens"])
+    out = {k: np.asarray(d[k]) if k in d else np.zeros(shape, np.float32) for k in MICRO_BATCH_KEYS}
     if len(shape) != 2:
         raise ValueError(f"{where}: tokens must be [B, L], got shape {shape}")
     for k, v in out.items():
@@ -230,6 +237,21 @@ class CellSteps:
             )
 
         return self._get("grad_step", mesh, build)
+
+    def score_step(self, mesh: Mesh):
+        """Jitted (params, micro_batch) -> logp_BxL, no gradient: the targets' log-probs under
+        any params of this model (the step's, an older version's, the reference's), laid out
+        like the micro-batch. Needs a ``loss_fn`` with ``logprob_fn`` (``policy_loss_fn``'s)."""
+        fn = getattr(self.loss_fn, "logprob_fn", None)
+        if fn is None:
+            raise ValueError("CellSteps.score_step: the loss_fn has no logprob_fn (build it with policy_loss_fn)")
+
+        def build():
+            bs = self.batch_sharding(mesh)
+            return jax.jit(self._in_mesh(lambda p, mb: jax.lax.stop_gradient(fn(p, mb)), mesh),
+                           in_shardings=(self.param_shardings(mesh), bs), out_shardings=bs)
+
+        return self._get("score_step", mesh, build)
 
     def accumulate(self, mesh: Mesh):
         """Jitted acc + grads (acc donated): the one reduction used for every step."""

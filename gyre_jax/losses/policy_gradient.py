@@ -1,79 +1,75 @@
-"""Clipped-ratio policy-gradient loss on per-token arrays, with KL and entropy terms.
+"""The policy loss: a registered objective, a mismatch correction, KL to a reference, entropy.
 
-All inputs are [B, T] (any matching shape works). Per token, with ``A`` the
-advantage, ``w`` the loss weight, ``mu`` the behavior log-prob (the sampler's),
-``logp`` the current policy's, ``C`` = ``log_ratio_clamp`` and ``c`` = ``clip_c``:
+All inputs are [B, T] (any matching shape works). Per token, with ``w`` the loss
+weight (the aggregation, ``weights.py``), ``pg`` the chosen objective's term
+(``objectives.py``: ppo_clip, gspo, cispo, decoupled_ppo, reinforce, nll), ``c`` a
+mismatch correction's stop-gradient weight (``corrections.py``; 1 when off), ``C`` =
+``log_ratio_clamp``::
 
-    u      = clip(logp - mu, -C, C)                          clamped log-ratio
-    r      = exp(u)                                          importance ratio
-    pg     = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  PPO / DAPO clip-higher
-    pg     = min(pg, -c A)   where A < 0, if c is set         dual-clip
-    kl     = k(logp, ref_logp)                               KL(pi || ref) estimator
-    l      = pg + kl_coef * kl - entropy_coef * H
+    kl     = k(logp, ref_logp)                      KL(pi || ref) estimator, overflow-safe
+    l      = c * pg + kl_coef * kl - entropy_coef * H
     loss   = sum_t w_t l_t
 
-The weights carry the whole aggregation (see ``weights.py``): they are already
-normalised over the *global* step, so the loss of a micro-batch is its exact
-share, and summing micro-batch losses (and gradients) gives the step's.
+The weights are already normalised over the *global* step, so a micro-batch's loss
+is its exact share and micro-batch losses (and gradients) add up to the step's.
 
-Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
-Reinforcement Learning"; verl's ``clip_ratio_c``): for ``A < 0`` the PPO
-objective ``min(r A, clip(r) A)`` is ``r A`` for every ``r > 1 - eps_low``, so
-it is unbounded below as ``r`` grows; dual-clip takes ``max(that, c A)``, i.e.
-the per-token loss is at most ``-c A`` and its gradient is 0 once ``r > c``.
-``clip_c`` None or 0 turns it off; when set it must be > 1.
-
-KL estimators (Schulman, "Approximating KL divergence"), with
-``d = ref_logp - logp``: ``k1 = -d``; ``k2 = d^2 / 2``; ``k3 = exp(d) - 1 - d``
-(unbiased, non-negative, low variance). They assume samples from the current
-policy; with off-policy samples they are the usual GRPO approximation.
-
-Gradient with respect to ``logp`` (what reaches the logits through
-``token_logprobs``): ``-A r`` where the unclipped branch is active; 0 where the
-clip is active (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``),
-where the dual clip is active (``A < 0, r > c``) and where the clamp is active
-(``|logp - mu| > C``); plus ``kl_coef * dk/dlogp``. ``mu``, ``ref_logp`` and
-``A`` get no gradient.
+KL estimators (Schulman 2020, "Approximating KL divergence"), ``d = ref_logp - logp``:
+``k1 = -d``; ``k2 = d^2 / 2``; ``k3 = exp(d) - 1 - d`` (unbiased, non-negative, low
+variance). k3's ``exp`` overflows float32 at ``d = 88.7``; here it is ``safe_exp``:
+``exp`` up to ``d = 20`` (``KL_SAFE_EXP_FROM``) and its tangent line beyond
+(``numerics.safe_exp``), so the value and gradient stay finite for any finite ``d``
+and equal the textbook form for ``d <= 20``. They assume samples from the current policy; with off-policy samples
+they are the usual GRPO approximation.
 
 Safety by default: the log-ratio clamp. Engine and trainer far apart (stale
 weights, mismatched numerics) can give ``logp - mu = 89``, and ``exp(89)``
 overflows float32: without a bound the loss is NaN at ``A = 0`` (inf * 0), +inf
 at ``A < 0``, and at ``A > 0`` the loss is finite but the gradient is NaN (the
 clipped branch sends 0 back through ``exp(89)``). One such token poisons the
-step. ``exp`` is therefore only ever evaluated on the clamped ``u``
-(``log_ratio_clamp`` = 20 by default, as Tunix's GRPO and verl do), so every
-branch, forward and backward, sees a ratio in ``[e^-C, e^C]``. The clamp is the
-default rather than dual-clip because (a) it covers every sign of ``A`` and the
-backward pass, where dual-clip only bounds the ``A < 0`` forward value, and
-(b) for ``|logp - mu| <= C`` (every token of a healthy run) it changes nothing,
-while dual-clip changes the objective of any ``A < 0`` token with ``r > c``
-(reached in ordinary off-policy steps): an algorithm choice to opt into.
-
-How the clamp meets the clip: with ``eps ~ 0.2`` the clip already zeroes the
-gradient at ``log r > log(1 + eps_high) ~ 0.25`` for ``A > 0`` and at
-``log r < log(1 - eps_low) ~ -0.22`` for ``A < 0``, far inside ``+-20``. The
-clamp only acts in the directions the clip leaves open: ``A > 0`` with
-``log r < -C`` (gradient ``-A r``, below ``2e-9 |A|``, becomes 0) and ``A < 0``
-with ``log r > C`` (gradient 0 and loss capped at ``e^C |A| ~ 4.9e8 |A|``; add
-dual-clip to cap it at ``c |A|`` and stop the gradient from ``r > c`` on).
-``C`` must keep the clip's and the dual clip's thresholds inside the clamp
-(validated) and is at most 80, so ``e^C`` leaves float32 headroom.
+step. ``exp`` is therefore only ever evaluated on a clamped log-ratio (``C`` = 20 by
+default, as Tunix's GRPO and verl), so every branch, forward and backward, sees a
+ratio in ``[e^-C, e^C]``, and a token outside the clamp has no gradient through its
+ratio. For ``|logp - mu| <= C`` (every token of a healthy run) it changes nothing.
+The clamp must keep every clip threshold of the objective inside ``(e^-C, e^C)``
+(validated) and is at most 80, so ``e^C`` leaves float32 headroom. Dual clip
+(``clip_c``) additionally caps the ``A < 0`` loss at ``-c A``.
 
 Masking: tokens with weight 0 are replaced by safe constants *before* any
 arithmetic, so garbage there (NaN, +-inf) reaches neither the loss nor any
 gradient. At weighted tokens an out-of-clamp log-ratio is counted in
-``clamp_frac`` (and ``ratio_max`` / ``ratio_min`` reach ``e^+-C``): it is a real
-problem upstream, shown, not hidden.
+``clamp_frac`` (and ``ratio_max`` / ``ratio_min`` reach ``e^+-C``): a real problem
+upstream, shown, not hidden.
+
+Metrics are weighted sums, counts, or min/max (``registry.METRIC_REDUCTIONS``):
+combine micro-batches of one step with ``combine_metrics``; over a whole step the
+sums are weighted means.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import chex
 import jax
 import jax.numpy as jnp
+
+from gyre_jax.losses import corrections as _corrections  # noqa: F401 - registers the corrections
+from gyre_jax.losses.corrections import MismatchInputs, mismatch_metrics
+from gyre_jax.losses.numerics import MAX_LOG_RATIO_CLAMP, check_number, finite_number, safe_exp, sequence_mean, \
+    sequence_sum
+from gyre_jax.losses.objectives import PolicyInputs
+from gyre_jax.losses.registry import (
+    METRIC_REDUCTIONS,
+    MISMATCH_CORRECTIONS,
+    NOT_MEANS,
+    POLICY_LOSSES,
+    declare_metrics,
+)
+
+MISMATCH_OFF = "off"
+# k3's exp is linear beyond this log-ratio (numerics.safe_exp): a policy e^20 away from the
+# reference is penalised without overflow, whatever log_ratio_clamp the ratio uses.
+KL_SAFE_EXP_FROM = 20.0
 
 
 def kl_k1(logp, ref_logp):
@@ -87,9 +83,9 @@ def kl_k2(logp, ref_logp):
 
 
 def kl_k3(logp, ref_logp):
-    """k3 = exp(d) - 1 - d with d = ref_logp - logp (unbiased, non-negative)."""
+    """k3 = exp(d) - 1 - d with d = ref_logp - logp (unbiased, non-negative); exp overflow-safe beyond the clamp."""
     d = ref_logp - logp
-    return jnp.expm1(d) - d
+    return safe_exp(d, KL_SAFE_EXP_FROM) - 1.0 - d
 
 
 KL_ESTIMATORS: dict[str, Callable] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -98,111 +94,130 @@ KL_ESTIMATORS: dict[str, Callable] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 def get_kl_estimator(name: str) -> Callable:
     try:
         return KL_ESTIMATORS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise LookupError(f"unknown kl_estimator {name!r}; known: {sorted(KL_ESTIMATORS)}") from None
 
 
-MAX_LOG_RATIO_CLAMP = 80.0  # exp(80) ~ 5.5e34: float32 headroom (exp(88.8) overflows)
+# Terms every configuration reports (the objective and correction add their own).
+declare_metrics(dict(loss="mean", pg_loss="mean", kl_ref="mean", entropy="mean", weight_sum="count",
+                     num_tokens="count", weight_outside_mask="count"), "policy_loss")
 
-
-def _finite_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_ratio_bounds(where: str, *, eps_low, eps_high, log_ratio_clamp, clip_c) -> None:
-    """Validate the clamp and dual clip against the clip (``where`` prefixes the message).
-
-    The clamp must leave the clip thresholds ``1 - eps_low``, ``1 + eps_high``
-    and the dual clip ``c`` strictly inside ``(e^-C, e^C)``, so it never
-    changes which branch a token is on, only how large ``r`` can get.
-    """
-    if not _finite_number(log_ratio_clamp) or not 0.0 < log_ratio_clamp <= MAX_LOG_RATIO_CLAMP:
-        raise ValueError(
-            f"{where}log_ratio_clamp must be a number in (0, {MAX_LOG_RATIO_CLAMP:g}], got {log_ratio_clamp!r}"
-        )
-    if clip_c is not None and (not _finite_number(clip_c) or (clip_c != 0 and clip_c <= 1.0)):
-        raise ValueError(f"{where}clip_c (dual clip) must be None/0 (off) or a number > 1, got {clip_c!r}")
-    hi = math.exp(log_ratio_clamp)
-    if _finite_number(eps_high) and not 1.0 + eps_high < hi:
-        raise ValueError(f"{where}log_ratio_clamp={log_ratio_clamp} must exceed log(1 + eps_high)")
-    if _finite_number(eps_low) and not 1.0 - eps_low > 1.0 / hi:
-        raise ValueError(f"{where}log_ratio_clamp={log_ratio_clamp} must exceed -log(1 - eps_low)")
-    if clip_c and not clip_c < hi:
-        raise ValueError(f"{where}clip_c={clip_c} must be < exp(log_ratio_clamp={log_ratio_clamp})")
+MISMATCH_PREFIX = "mismatch_"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
-    """Hyper-parameters of ``policy_gradient_loss`` (hashable: usable as a jit static)."""
+    """Which objective and correction, their configs, and the shared terms (hashable: a jit static).
 
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low (when A < 0)
-    eps_high: float = 0.28  # ratio clipped above at 1 + eps_high (when A > 0); DAPO clip-higher
+    ``PolicyLossConfig.create(loss=..., mismatch=..., **options)`` routes flat options
+    (``eps_low=``, ``clip_c=``, ``mismatch_cap=``...) to the chosen entries' configs.
+    """
+
+    loss: str = "ppo_clip"  # POLICY_LOSSES name
+    objective: Any = None  # its config (None: the paper's defaults)
+    mismatch: str = MISMATCH_OFF  # MISMATCH_CORRECTIONS name, or "off"
+    mismatch_config: Any = None  # its config (None: defaults)
     kl_coef: float = 0.0  # weight of the KL-to-reference term (needs reference log-probs)
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     entropy_metric: bool = True  # report the weighted entropy even when entropy_coef == 0
-    # |logp - behavior_logp| is clamped to this before exp: loss and gradient stay
-    # finite for any log-ratio (module docstring); no effect on tokens inside it.
+    # |log-ratios| are clamped to this before exp: loss and gradient stay finite for
+    # any log-ratio (module docstring); no effect on tokens inside it.
     log_ratio_clamp: float = 20.0
-    # Dual clip: for A < 0 the per-token loss is at most -clip_c * A (e.g. 3.0);
-    # None or 0 = off. Must be > 1.
-    clip_c: float | None = None
 
     def __post_init__(self):
-        for name in ("eps_low", "eps_high", "kl_coef", "entropy_coef"):
-            v = getattr(self, name)
-            if not _finite_number(v):
-                raise ValueError(f"PolicyLossConfig.{name} must be a finite number, got {v!r}")
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ValueError(f"PolicyLossConfig.eps_low must be in [0, 1), got {self.eps_low}")
-        if self.eps_high < 0.0:
-            raise ValueError(f"PolicyLossConfig.eps_high must be >= 0, got {self.eps_high}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"PolicyLossConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        where = "PolicyLossConfig."
+        entry = POLICY_LOSSES.get(self.loss)
+        obj = entry.config() if self.objective is None else entry.check_config(self.objective, f"{where}objective: ")
+        object.__setattr__(self, "objective", obj)
+        if self.mismatch != MISMATCH_OFF:
+            ce = MISMATCH_CORRECTIONS.get(self.mismatch)
+            mc = ce.config() if self.mismatch_config is None else ce.check_config(self.mismatch_config,
+                                                                                   f"{where}mismatch_config: ")
+            object.__setattr__(self, "mismatch_config", mc)
+            if "behavior_logprobs" not in entry.inputs:
+                raise ValueError(f"{where}mismatch={self.mismatch!r}: loss {self.loss!r} reads no behaviour "
+                                 f"log-probs, so there is nothing to correct")
+        elif self.mismatch_config is not None:
+            raise ValueError(f"{where}mismatch_config is set but mismatch is off")
+        for name in ("kl_coef", "entropy_coef"):
+            check_number(where, name, getattr(self, name), lo=0.0)
         get_kl_estimator(self.kl_estimator)
-        check_ratio_bounds(
-            "PolicyLossConfig.",
-            eps_low=self.eps_low,
-            eps_high=self.eps_high,
-            log_ratio_clamp=self.log_ratio_clamp,
-            clip_c=self.clip_c,
-        )
+        check_number(where, "log_ratio_clamp", self.log_ratio_clamp, lo=0.0, lo_open=True, hi=MAX_LOG_RATIO_CLAMP)
+        if hasattr(obj, "check_clamp"):
+            obj.check_clamp(self.log_ratio_clamp, where)
 
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments of ``policy_gradient_loss`` (every field but ``entropy_metric``)."""
-        return dict(
-            eps_low=self.eps_low,
-            eps_high=self.eps_high,
-            kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            entropy_coef=self.entropy_coef,
-            log_ratio_clamp=self.log_ratio_clamp,
-            clip_c=self.clip_c,
-        )
+    @classmethod
+    def create(cls, *, loss: str = "ppo_clip", mismatch: str = MISMATCH_OFF, kl_coef: float = 0.0,
+               kl_estimator: str = "k3", entropy_coef: float = 0.0, entropy_metric: bool = True,
+               log_ratio_clamp: float = 20.0, **options) -> "PolicyLossConfig":
+        """Flat options to the entries' configs: ``mismatch_X`` to the correction's field ``X``, the
+        rest to the objective's. An option the chosen entry does not have is a ValueError naming it
+        (None values mean "the default" and are skipped)."""
+        where = "PolicyLossConfig."
+        entry = POLICY_LOSSES.get(loss)
+        obj_opts = {k: v for k, v in options.items() if not k.startswith(MISMATCH_PREFIX) and v is not None}
+        mis_opts = {k[len(MISMATCH_PREFIX):]: v for k, v in options.items()
+                    if k.startswith(MISMATCH_PREFIX) and v is not None}
+        obj_fields = {f.name for f in dataclasses.fields(entry.config)}
+        for k in sorted(set(obj_opts) - obj_fields):
+            raise ValueError(f"{where}{k} does not apply to loss {loss!r} (its options: {sorted(obj_fields)})")
+        mc = None
+        if mismatch != MISMATCH_OFF:
+            ce = MISMATCH_CORRECTIONS.get(mismatch)
+            fields = {f.name for f in dataclasses.fields(ce.config)}
+            for k in sorted(set(mis_opts) - fields):
+                raise ValueError(f"{where}{MISMATCH_PREFIX}{k} does not apply to mismatch {mismatch!r} "
+                                 f"(its options: {sorted(MISMATCH_PREFIX + f for f in fields)})")
+            mc = ce.config(**mis_opts)
+        elif mis_opts:
+            k = sorted(mis_opts)[0]
+            raise ValueError(f"{where}{MISMATCH_PREFIX}{k} is set but mismatch is off")
+        return cls(loss=loss, objective=entry.config(**obj_opts), mismatch=mismatch, mismatch_config=mc,
+                   kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+                   entropy_metric=entropy_metric, log_ratio_clamp=log_ratio_clamp)
 
+    @property
+    def entry(self):
+        return POLICY_LOSSES.get(self.loss)
 
-# How each metric combines across micro-batches of one step. "sum" metrics are
-# sum(w * x): with the step's weights summing to 1 their total is the step's
-# weighted mean.
-METRIC_REDUCTIONS = {
-    "loss": "sum",
-    "pg_loss": "sum",
-    "kl_ref": "sum",
-    "entropy": "sum",
-    "approx_kl": "sum",
-    "clip_frac": "sum",
-    "clip_frac_low": "sum",
-    "clip_frac_high": "sum",
-    "clip_frac_dual": "sum",
-    "clamp_frac": "sum",
-    "ratio_mean": "sum",
-    "ratio_min": "min",
-    "ratio_max": "max",
-    "weight_sum": "sum",
-    "num_tokens": "sum",
-    "weight_outside_mask": "sum",
-}
-_NOT_MEANS = ("weight_sum", "num_tokens", "weight_outside_mask", "ratio_min", "ratio_max")
+    @property
+    def correction(self):
+        return None if self.mismatch == MISMATCH_OFF else MISMATCH_CORRECTIONS.get(self.mismatch)
+
+    def batch_needs(self) -> tuple[str, ...]:
+        """Per-token inputs beyond targets, loss_mask and loss_weights (batch keys), in order."""
+        need = list(self.entry.inputs)
+        if self.correction is not None:
+            need.append("trainer_logprobs")
+        if self.kl_coef:
+            need.append("ref_logprobs")
+        return tuple(need)
+
+    def step_passes(self) -> frozenset[str]:
+        """What a trainer must compute on the step's rows before its gradients (the RL loop's
+        per-step pass): ``prox`` (the step's own params), ``trainer`` (each token's behaviour
+        version), ``ref`` (the reference params), ``seq_log_ratio`` / ``seq_log_mismatch``
+        (per-sequence statistics of those)."""
+        out = set()
+        if "prox_logprobs" in self.entry.inputs or self.entry.extra.get("sequence_stat"):
+            out.add("prox")
+        if self.entry.extra.get("sequence_stat"):
+            out.add("seq_log_ratio")
+        if self.correction is not None:
+            out.add("trainer")
+            if self.correction.level == "sequence":
+                out.add("seq_log_mismatch")
+        if self.kl_coef:
+            out.add("ref")
+        return frozenset(out)
+
+    def metric_names(self) -> set[str]:
+        """Every metric ``policy_loss`` reports for this config (for tests and dashboards)."""
+        names = {"loss", "pg_loss", "weight_sum", "num_tokens"} | set(self.entry.metrics)
+        if self.correction is not None:
+            names |= set(self.correction.metrics) | set(_corrections.MISMATCH_METRICS)
+        return names
 
 
 def combine_metrics(a: dict, b: dict) -> dict:
@@ -221,7 +236,106 @@ def mean_metrics(m: dict) -> dict:
     """
     ws = m["weight_sum"]
     safe = jnp.where(ws != 0, ws, 1.0)
-    return {k: (v if k in _NOT_MEANS else v / safe) for k, v in m.items()}
+    return {k: (v if k in NOT_MEANS else v / safe) for k, v in m.items()}
+
+
+def _sequence_stat(batch, key, x_BxT, active, how, where):
+    """A per-sequence statistic of ``x`` broadcast to tokens: precomputed under ``key``, or from ``sequence_ids``."""
+    if key in batch:
+        return jnp.asarray(batch[key]).astype(jnp.float32)
+    if "sequence_ids" not in batch:
+        raise KeyError(f"{where}: needs {key!r} (precomputed per token) or 'sequence_ids' (the batch then "
+                       f"holds whole sequences) in the batch; it has {sorted(batch)}")
+    fn = sequence_mean if how == "mean" else sequence_sum
+    return fn(x_BxT, active, jnp.asarray(batch["sequence_ids"]))
+
+
+def policy_loss(logp_BxT: jax.Array, weights_BxT: jax.Array, batch: Mapping[str, Any],
+                config: PolicyLossConfig = PolicyLossConfig(), *, entropy_BxT: jax.Array | None = None,
+                ref_logp_BxT: jax.Array | None = None, where: str = "policy_loss"):
+    """``(loss, metrics)``; the math is in the module docstring.
+
+    ``batch`` holds the per-token inputs the config reads (``config.batch_needs()``:
+    ``behavior_logprobs``, ``advantages``, ``prox_logprobs``, ``trainer_logprobs``,
+    ``ref_logprobs``; ``seq_log_ratio`` / ``seq_log_mismatch`` or ``sequence_ids`` for
+    sequence-level entries), each shaped like ``logp_BxT``; ``ref_logp_BxT`` overrides
+    ``batch['ref_logprobs']`` (which is read only with ``kl_coef != 0``; the kwarg also
+    gives the ``kl_ref`` metric at ``kl_coef == 0``). Metrics: ``loss``, ``pg_loss``, ``weight_sum``,
+    ``num_tokens``, the objective's and correction's, ``kl_ref`` (with reference
+    log-probs), ``entropy`` (with ``entropy_BxT``).
+    """
+    shape = logp_BxT.shape
+    entry = config.entry
+    chex.assert_shape(weights_BxT, shape, custom_message=f"{where}: weights must have the shape of logp_BxT")
+    if ref_logp_BxT is None and config.kl_coef and "ref_logprobs" in batch:
+        ref_logp_BxT = batch["ref_logprobs"]  # read only when the KL term is on (a loop batch always has the key)
+    if config.kl_coef != 0.0 and ref_logp_BxT is None:
+        raise ValueError(f"{where}: kl_coef != 0 needs reference log-probs (ref_logp_BxT or batch['ref_logprobs'])")
+    if config.entropy_coef != 0.0 and entropy_BxT is None:
+        raise ValueError(f"{where}: entropy_coef != 0 needs entropy_BxT")
+    needs = [k for k in config.batch_needs() if k != "ref_logprobs"]
+    missing = [k for k in needs if k not in batch]
+    if missing:
+        raise KeyError(f"{where}: loss {config.loss!r}"
+                       f"{'' if config.correction is None else f' with mismatch {config.mismatch!r}'} "
+                       f"needs {missing} in the batch; it has {sorted(batch)}")
+    for name, x in [*((k, batch[k]) for k in needs), ("ref_logp_BxT", ref_logp_BxT), ("entropy_BxT", entropy_BxT)]:
+        if x is not None:
+            chex.assert_shape(x, shape, custom_message=f"{where}: {name} must have the shape of logp_BxT")
+
+    f32 = jnp.float32
+    sg = jax.lax.stop_gradient
+    active = weights_BxT != 0
+    w = jnp.where(active, weights_BxT, 0.0).astype(f32)
+
+    def safe(x):
+        return jnp.where(active, jnp.asarray(x).astype(f32), 0.0)
+
+    def given(key):
+        return sg(safe(batch[key])) if key in needs else None
+
+    c = config.log_ratio_clamp
+    logp = safe(logp_BxT)
+    zeros = jnp.zeros(shape, f32)
+    old = given("behavior_logprobs")
+    adv = given("advantages")
+    metrics: dict = {}
+    corr = None
+    if config.correction is not None:
+        tr = given("trainer_logprobs")
+        log_rho = tr - old
+        seq = None
+        if config.correction.level == "sequence":
+            seq = sg(safe(_sequence_stat(batch, "seq_log_mismatch", log_rho, active, "sum", where)))
+        mx = MismatchInputs(log_rho=log_rho, seq_log_rho=seq, weights=w, active=active, log_ratio_clamp=c)
+        corr, cm = config.correction.fn(mx, config.mismatch_config)
+        corr = sg(jnp.where(active, corr, 0.0))
+        metrics.update(cm, **mismatch_metrics(mx, corr))
+        old = tr  # the ratio is taken against the trainer's own behaviour log-prob
+    seq_lr = None
+    if entry.extra.get("sequence_stat"):
+        seq_lr = sg(safe(_sequence_stat(batch, "seq_log_ratio", sg(logp - old), active, "mean", where)))
+    x = PolicyInputs(logp=logp, old_logp=zeros if old is None else old, advantages=zeros if adv is None else adv,
+                     weights=w, active=active, log_ratio_clamp=c, prox_logp=given("prox_logprobs"),
+                     seq_log_ratio=seq_lr)
+    pg, om = entry.fn(x, config.objective)
+    pg = jnp.where(active, pg, 0.0)
+    if corr is not None:
+        pg = pg * corr
+    metrics.update(om)
+    per_token = pg
+    if ref_logp_BxT is not None:
+        kl = get_kl_estimator(config.kl_estimator)(logp, sg(safe(ref_logp_BxT)))
+        per_token = per_token + config.kl_coef * kl
+        metrics["kl_ref"] = jnp.sum(w * sg(kl))
+    if entropy_BxT is not None:
+        ent = safe(entropy_BxT)
+        per_token = per_token - config.entropy_coef * ent
+        metrics["entropy"] = jnp.sum(w * sg(ent))
+    loss = jnp.sum(w * per_token)
+    metrics.update(loss=sg(loss), pg_loss=sg(jnp.sum(w * pg)), weight_sum=jnp.sum(w),
+                   num_tokens=jnp.sum(active).astype(f32))
+    return loss, metrics
 
 
 def policy_gradient_loss(
@@ -240,99 +354,24 @@ def policy_gradient_loss(
     log_ratio_clamp: float = 20.0,
     clip_c: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``(loss, metrics)``; the math is in the module docstring.
-
-    The coefficients and ``kl_estimator`` are Python values fixed at trace time
-    (close over them or pass a ``PolicyLossConfig``); arrays may be traced.
-
-    Metrics (float32 scalars; see ``METRIC_REDUCTIONS`` to combine micro-batches):
-      ``loss``, ``pg_loss``: weighted sums of the total / policy-gradient term.
-      ``approx_kl``: k3 estimate of KL(behavior || current), ``sum w (r - 1 - log r)``.
-      ``clip_frac_low`` / ``clip_frac_high`` / ``clip_frac_dual`` / ``clip_frac``:
-        weight share of tokens whose gradient a clip removes (``A < 0, r < 1 -
-        eps_low`` / ``A > 0, r > 1 + eps_high`` / ``A < 0, r > clip_c`` / any).
-      ``clamp_frac``: weight share of tokens with ``|logp - mu| > log_ratio_clamp``.
-      ``ratio_mean`` (weighted), ``ratio_min``, ``ratio_max`` (over tokens with
-        weight != 0; +inf / -inf when there are none), all of the clamped ``r``.
-      ``kl_ref`` (with ``ref_logp_BxT``), ``entropy`` (with ``entropy_BxT``): weighted sums.
-      ``weight_sum``, ``num_tokens``: total weight, count of weighted tokens.
-    """
+    """``policy_loss`` with ``loss='ppo_clip'`` from plain arrays and keywords (the classic GRPO/PPO call)."""
     where = "policy_gradient_loss"
-    shape = logp_BxT.shape
-    named = {
-        "behavior_logp_BxT": behavior_logp_BxT,
-        "advantages_BxT": advantages_BxT,
-        "weights_BxT": weights_BxT,
-        "ref_logp_BxT": ref_logp_BxT,
-        "entropy_BxT": entropy_BxT,
-    }
-    for name, x in named.items():
-        if x is not None:
-            chex.assert_shape(x, shape, custom_message=f"{where}: {name} must have the shape of logp_BxT")
+    for name, x in (("behavior_logp_BxT", behavior_logp_BxT), ("advantages_BxT", advantages_BxT)):
+        chex.assert_shape(x, logp_BxT.shape, custom_message=f"{where}: {name} must have the shape of logp_BxT")
+    try:
+        cfg = PolicyLossConfig.create(loss="ppo_clip", eps_low=eps_low, eps_high=eps_high, clip_c=clip_c,
+                                      kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+                                      log_ratio_clamp=log_ratio_clamp)
+    except ValueError as e:
+        raise ValueError(f"{where}: {str(e).replace('ClipConfig.', '').replace('PolicyLossConfig.', '')}") from None
     if kl_coef != 0.0 and ref_logp_BxT is None:
         raise ValueError(f"{where}: kl_coef != 0 needs ref_logp_BxT")
-    if entropy_coef != 0.0 and entropy_BxT is None:
-        raise ValueError(f"{where}: entropy_coef != 0 needs entropy_BxT")
-    check_ratio_bounds(
-        f"{where}: ", eps_low=eps_low, eps_high=eps_high, log_ratio_clamp=log_ratio_clamp, clip_c=clip_c
-    )
-    kl_fn = get_kl_estimator(kl_estimator)
+    batch = {"behavior_logprobs": behavior_logp_BxT, "advantages": advantages_BxT}
+    return policy_loss(logp_BxT, weights_BxT, batch, cfg, entropy_BxT=entropy_BxT, ref_logp_BxT=ref_logp_BxT,
+                       where=where)
 
-    f32 = jnp.float32
-    active = weights_BxT != 0
-    w = jnp.where(active, weights_BxT, 0.0).astype(f32)
 
-    def safe(x, fill=0.0):
-        return jnp.where(active, x.astype(f32), fill)
-
-    sg = jax.lax.stop_gradient
-    logp = safe(logp_BxT)
-    mu = sg(safe(behavior_logp_BxT))
-    adv = sg(safe(advantages_BxT))
-    log_ratio = logp - mu
-    # exp only ever sees the clamped value: outside the clamp the ratio is a
-    # constant (gradient 0), so no branch multiplies exp(89) by 0, forward or back.
-    u = jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)
-    ratio = jnp.exp(u)
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    pg = -jnp.minimum(ratio * adv, clipped * adv)
-    if clip_c:
-        # -c A is a constant: where it is the smaller, the token has no gradient.
-        pg = jnp.where(adv < 0, jnp.minimum(pg, -clip_c * adv), pg)
-    per_token = pg
-    metrics = {}
-    if ref_logp_BxT is not None:
-        kl = kl_fn(logp, sg(safe(ref_logp_BxT)))
-        per_token = per_token + kl_coef * kl
-        metrics["kl_ref"] = jnp.sum(w * kl)
-    if entropy_BxT is not None:
-        ent = safe(entropy_BxT)
-        per_token = per_token - entropy_coef * ent
-        metrics["entropy"] = jnp.sum(w * sg(ent))
-    loss = jnp.sum(w * per_token)
-
-    r = sg(ratio)
-    low = active & (adv < 0) & (r < 1.0 - eps_low)
-    high = active & (adv > 0) & (r > 1.0 + eps_high)
-    dual = active & (adv < 0) & (r > clip_c) if clip_c else jnp.zeros_like(active)
-    clamped = active & (jnp.abs(sg(log_ratio)) > log_ratio_clamp)
-
-    def share(mask):
-        return jnp.sum(jnp.where(mask, w, 0.0))
-
-    metrics.update(
-        loss=sg(loss),
-        pg_loss=sg(jnp.sum(w * pg)),
-        approx_kl=jnp.sum(w * (r - 1.0 - sg(u))),
-        clip_frac_low=share(low),
-        clip_frac_high=share(high),
-        clip_frac_dual=share(dual),
-        clip_frac=share(low | high | dual),
-        clamp_frac=share(clamped),
-        ratio_mean=jnp.sum(w * r),
-        ratio_min=jnp.min(jnp.where(active, r, jnp.inf)),
-        ratio_max=jnp.max(jnp.where(active, r, -jnp.inf)),
-        weight_sum=jnp.sum(w),
-        num_tokens=jnp.sum(active).astype(f32),
-    )
-    return loss, metrics
+__all__ = [
+    "KL_ESTIMATORS", "METRIC_REDUCTIONS", "MISMATCH_OFF", "PolicyLossConfig", "combine_metrics", "finite_number",
+    "get_kl_estimator", "kl_k1", "kl_k2", "kl_k3", "mean_metrics", "policy_gradient_loss", "policy_loss",
+]

@@ -17,14 +17,21 @@ gradients) simply add up to the step's, whatever the split.
 Tokens with ``loss_mask`` false get 0. Inputs may be numpy (host side: the
 result is numpy, and ids and counts are validated with errors that say where)
 or jax arrays (traceable; no value checks possible).
+
+The registry (``WEIGHT_BUILDERS``, ``--config.train.weights``) holds the builders the
+RL loop can use: ``rollout_token_mean`` (default), ``token_mean`` and ``constant``
+(Dr. GRPO's constant normaliser); ``build_loss_weights`` runs one. ``sequence_mean``
+is the rollout rule with other ids (in the loop, a sequence is a rollout).
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from gyre_jax.losses.registry import WEIGHT_BUILDERS
 
 
 def _is_jax(*xs) -> bool:
@@ -127,21 +134,95 @@ def token_mean_weights(loss_mask, total_tokens: int | None = None):
     return np.where(mask, 1.0 / max(n, 1), 0.0).astype(np.float32)
 
 
-WEIGHT_BUILDERS: dict[str, Callable] = {
-    "rollout_token_mean": rollout_token_mean_weights,
-    "token_mean": token_mean_weights,
-    "sequence_mean": sequence_mean_weights,
-}
+# ----------------------------------------------------------------------------- registry
+# A registered builder gives the *unnormalised* weights of the rows it is shown and how
+# many normaliser units those rows hold; the step's weights are ``u / (units of the step)``.
+# A trainer that packs a step in pieces (streaming) divides by a nominal count first and
+# rescales the step's gradient by nominal / actual at its end (``build_loss_weights``'s
+# ``normalizer``), so any builder streams.
 
 
-def get_weight_builder(name: str) -> Callable:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConstantConfig:
+    normalizer: int = 4096  # C: tokens per rollout the sum is divided by (e.g. the generation budget)
+
+    def __post_init__(self):
+        if isinstance(self.normalizer, bool) or not isinstance(self.normalizer, (int, np.integer)) or self.normalizer < 1:
+            raise ValueError(f"ConstantConfig.normalizer must be a positive int, got {self.normalizer!r}")
+
+
+@WEIGHT_BUILDERS.register(
+    "rollout_token_mean", units="rollouts",
+    summary="each rollout's trainable tokens average to 1/R: w = 1 / (N_r * R) (our counting rule)",
+    paper="QwenGyre (this project's design: rollout-first mean); the sample-level mean of GRPO, Shao et al. 2024")
+def rollout_token_mean(loss_mask, rollout_ids, num_rollouts, rollout_token_counts, cfg):
+    if _is_jax(loss_mask, rollout_ids, rollout_token_counts):
+        mask = jnp.asarray(loss_mask).astype(bool)
+        ids = jnp.where(mask, jnp.asarray(rollout_ids), 0).astype(jnp.int32)
+        counts = (jnp.zeros(num_rollouts, jnp.float32).at[ids].add(mask.astype(jnp.float32))
+                  if rollout_token_counts is None else jnp.asarray(rollout_token_counts, jnp.float32))
+        return jnp.where(mask, 1.0 / jnp.maximum(counts[ids], 1.0), 0.0), float(num_rollouts)
+    # validates ids and counts with errors that say where
+    group_mean_weights(loss_mask, rollout_ids, num_rollouts, rollout_token_counts, name="rollout_token_mean")
+    mask = np.asarray(loss_mask).astype(bool)
+    ids = np.where(mask, np.asarray(rollout_ids), 0)
+    counts = np.bincount(ids[mask], minlength=num_rollouts) if rollout_token_counts is None else \
+        np.asarray(rollout_token_counts)
+    u = np.zeros(mask.shape, np.float64)
+    u[mask] = 1.0 / counts[ids[mask]].astype(np.float64)
+    return u, float(num_rollouts)
+
+
+@WEIGHT_BUILDERS.register(
+    "token_mean", units="tokens",
+    summary="every trainable token of the step counts the same: w = 1 / N",
+    paper="Yu et al. 2025, DAPO (token-level policy-gradient loss)")
+def token_mean(loss_mask, rollout_ids, num_rollouts, rollout_token_counts, cfg):
+    xp = jnp if _is_jax(loss_mask, rollout_token_counts) else np
+    mask = xp.asarray(loss_mask).astype(bool)
+    seen = xp.sum(mask)
+    n = seen if rollout_token_counts is None else xp.sum(xp.asarray(rollout_token_counts))
+    if xp is np:
+        if n < seen:
+            raise ValueError(f"token_mean: the step's token count {int(n)} is less than the {int(seen)} given")
+        n = float(n)
+    return mask.astype(xp.float32 if xp is jnp else np.float64), n
+
+
+@WEIGHT_BUILDERS.register(
+    "constant", config=ConstantConfig, units="rollouts",
+    summary="sum of token losses over a constant: w = 1 / (C * R), no per-length normaliser",
+    paper="Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO)")
+def constant(loss_mask, rollout_ids, num_rollouts, rollout_token_counts, cfg: ConstantConfig):
+    xp = jnp if _is_jax(loss_mask) else np
+    return xp.asarray(loss_mask).astype(bool) / float(cfg.normalizer), float(num_rollouts)
+
+
+def get_weight_builder(name: str):
     """The weight builder registered as ``name``; ``LookupError`` lists the known ones."""
-    try:
-        return WEIGHT_BUILDERS[name]
-    except KeyError:
-        raise LookupError(f"unknown loss aggregation {name!r}; known: {sorted(WEIGHT_BUILDERS)}") from None
+    return WEIGHT_BUILDERS.get(name)
 
 
-def build_loss_weights(name: str, loss_mask, *args, **kwargs):
-    """``get_weight_builder(name)(loss_mask, *args, **kwargs)``."""
-    return get_weight_builder(name)(loss_mask, *args, **kwargs)
+def build_loss_weights(name: str, loss_mask, rollout_ids, num_rollouts: int, *, rollout_token_counts=None,
+                       config=None, normalizer: float | None = None) -> tuple[np.ndarray, float]:
+    """``(weights, units)`` of the registered builder ``name`` for these rows (float32; numpy in, numpy out,
+    jax arrays traceable).
+
+    ``rollout_ids`` index ``[0, num_rollouts)`` at trainable tokens; ``rollout_token_counts``
+    are the rollouts' ``N_r`` over the whole step (None: counted here). The weights are the
+    builder's ``u / normalizer``; ``normalizer`` None divides by the rows' own ``units`` (the
+    rows are the whole step: weights sum to 1 for the rollout- and token-means).
+    """
+    entry = get_weight_builder(name)
+    cfg = entry.config() if config is None else entry.check_config(config, "build_loss_weights: ")
+    _check_count(f"build_loss_weights({name!r})", "num_rollouts", num_rollouts)
+    u, units = entry.fn(loss_mask, rollout_ids, int(num_rollouts), rollout_token_counts, cfg)
+    z = units if normalizer is None else normalizer
+    if _is_jax(u):
+        return (u / jnp.maximum(z, 1e-30)).astype(jnp.float32), units
+    z = float(z)
+    if not np.any(u):  # no trainable token here (e.g. every rollout of a streamed group failed)
+        return np.zeros(np.shape(u), np.float32), units
+    if not (z > 0 and np.isfinite(z)):
+        raise ValueError(f"build_loss_weights({name!r}): normalizer must be finite and > 0, got {z!r}")
+    return (np.asarray(u, np.float64) / z).astype(np.float32), units

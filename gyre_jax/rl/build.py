@@ -32,6 +32,7 @@ from gyre_jax.errors import ConfigError, RunFailed
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, init_params, param_logical_axes
 from gyre_jax.rl import faults as faults_lib
+from gyre_jax.rl import reference as reference_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
 from gyre_jax.rl.config import RLConfig
@@ -299,11 +300,13 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
             log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
                         {r: d.reason for r, d in list(damaged.items())[:10]})
+        ref_params = reference_lib.restore_reference(cfg, workdir, steps, core_mesh)
         print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
               f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
               f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
     else:
         params, sft_history = fresh_params(cfg, tok, core_mesh)
+        ref_params = reference_lib.keep_reference(cfg, workdir, params, steps, core_mesh)  # KL's target
         state = spec.state_from_params(params, core_mesh)
         steps_done, ready = 0, []
     if iterator.get_state()["step"] != steps_done:
@@ -378,15 +381,18 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         if cfg.hf_export and version >= cfg.steps:
             export_hf(cfg, c_box["trainer"].trainer.state.params, workdir, version)
 
+    scorer = reference_lib.make_scorer(cfg, steps, core_mesh, ref_params)  # the objective's per-step pass
+    print(reference_lib.describe(cfg, scorer, params0), flush=True)
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
     trainer_ad = TrainerAdapter(
         trainer=trainer, store=store, processor_config=cfg.processor_config(), groups_per_step=s.groups_per_step,
         group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
         cells=[sats.remotes[c] if sats is not None and c in sats.remotes else cell for c, cell in enumerate(layout.cells)],
         cell_roles=pool.roles, notify=wake.set, on_step=on_step, work_s_per_row=cfg.train.work_s_per_row,
-        stream=stream, data_iterator=iterator, stream_groups=s.stream_groups, steps_done=steps_done, ready=ready,
+        stream=stream, data_iterator=iterator, stream_groups=cfg.stream_groups, steps_done=steps_done, ready=ready,
         after_update=after_update, on_step_started=pause, on_failed_cell=pool.training_failed,
-        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None)
+        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
+        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget())
     c_box["trainer"] = trainer_ad
     pool.trainer = trainer_ad
     harness_loop = LoopThread()
@@ -404,7 +410,9 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     metrics = MetricsWriter(workdir, purge_step=steps_done)  # TensorBoard events + metrics.jsonl
     setup_s = time.perf_counter() - t_start
     how = (f" (multi-step, k={s.updates_per_publication})" if s.multi_step else
-           " (groups train as they finish)" if s.stream_groups else " (whole batches)")
+           " (groups train as they finish)" if cfg.stream_groups else
+           f" (whole batches: advantage={cfg.train.advantage} normalises over the step)" if s.stream_groups else
+           " (whole batches)")
     print(f"rl: mode={s.mode}{how} "
           f"cells={n_cells}x{cfg.cells.cell_size} devices, roles={''.join(r[0] for r in roles)}, "
           f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {url}, "

@@ -224,8 +224,22 @@ class HarnessKnobs:
                             memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
+# TrainConfig fields routed to the chosen entries' configs (None: the entry's default).
+LOSS_OPTIONS = ("eps_low", "eps_high", "clip_c", "behavior_cap", "is_cap")  # -> the objective's config
+MISMATCH_OPTIONS = ("mismatch_cap", "mismatch_low", "mismatch_high")  # -> the correction's (cap, low, high)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """The optimizer, the objective and the rows it trains on.
+
+    The objective is four names, one per registry of ``gyre_jax.losses`` (the README lists
+    every entry with its paper): ``loss`` (policy loss), ``advantage`` (estimator),
+    ``weights`` (aggregation) and ``mismatch`` (train-inference correction, or "off").
+    Their options are flat fields; None means the chosen entry's own default, and an
+    option the chosen entry does not take is a config error naming it.
+    """
+
     _SECTION: ClassVar[str] = "train"
     row_len: int = 256  # packed row length L
     micro_batch_rows: int = 2  # rows per micro-batch (one compiled shape)
@@ -235,21 +249,81 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     adam_b2: float = 0.999
     adam_eps: float = 1e-8  # larger values damp Adam's full-size steps on rarely-seen tokens' rows
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    entropy_coef: float = 0.0
+    loss: str = "ppo_clip"  # gyre_jax.losses.POLICY_LOSSES
+    advantage: str = "grpo"  # gyre_jax.losses.ADVANTAGE_ESTIMATORS
+    weights: str = "rollout_token_mean"  # gyre_jax.losses.WEIGHT_BUILDERS
+    mismatch: str = "off"  # gyre_jax.losses.MISMATCH_CORRECTIONS, or "off"
+    eps_low: float | None = None  # clip range (ppo_clip, gspo, decoupled_ppo; cispo's IS-weight bounds)
+    eps_high: float | None = None
+    clip_c: float | None = None  # dual clip (ppo_clip, decoupled_ppo): the A < 0 loss at most -c*A (c > 1; 0 = off)
+    behavior_cap: float | None = None  # decoupled_ppo: drop tokens with pi_prox / pi_behav above it
+    is_cap: float | None = None  # reinforce: truncate the IS weight at it
+    mismatch_cap: float | None = None  # tis, tis_seq: w = min(rho, cap)
+    mismatch_low: float | None = None  # mis, mis_seq, icepop: keep rho in [low, high]
+    mismatch_high: float | None = None
+    kl_coef: float = 0.0  # KL to the reference (the warm start), computed on the step's rows
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    entropy_coef: float = 0.0  # entropy bonus (the entropy is reported either way)
     # Loss safety (gyre_jax.losses.policy_gradient): log-ratios are clamped to +-this before
     # exp, so loss and gradient stay finite whatever engine and trainer disagree by.
     log_ratio_clamp: float = 20.0
-    clip_c: float = 0.0  # dual-clip: bound the A < 0 loss at -c*A (c > 1; 0 = off)
-    advantage: str = "mean_std"  # gyre_jax.trajectory.rewards modes
+    advantage_eps: float | None = None  # grpo / reinforce_pp*: added to the std
     # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_scale):
-    # 1.0 = plain group-normalized policy gradient, 0.0 = reinforce only better-than-group.
+    # 1.0 = as the estimator gives them, 0.0 = reinforce only better-than-baseline rollouts.
     negative_advantage_scale: float = 1.0
+    weights_normalizer: int | None = None  # weights=constant: C tokens (None: row_len)
+    # DAPO dynamic sampling: drop groups whose rewards are all equal, launch replacements;
+    # at most dynamic_sampling_budget x groups_per_step x steps groups over the run.
+    dynamic_sampling: bool = False
+    dynamic_sampling_budget: float = 1.0
+    # DAPO overlong shaping of a rollout's reward by its generated tokens (0 = off).
+    overlong_max_tokens: int = 0
+    overlong_buffer_tokens: int = 0
+    overlong_penalty: float = 1.0
     work_s_per_row: float = 0.05  # initial estimate of training cell-seconds per row (then measured)
 
     def __post_init__(self):
         _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
+        from gyre_jax.losses import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, MISMATCH_OFF, POLICY_LOSSES, \
+            WEIGHT_BUILDERS
+
+        for name, reg, extra in (("loss", POLICY_LOSSES, ()), ("advantage", ADVANTAGE_ESTIMATORS, ()),
+                                 ("weights", WEIGHT_BUILDERS, ()), ("mismatch", MISMATCH_CORRECTIONS, (MISMATCH_OFF,))):
+            v = getattr(self, name)
+            if v not in reg and v not in extra:
+                raise ConfigError(f"config.train.{name}={v!r}; known: {list(extra) + reg.names()}")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ConfigError(f"config.train.dynamic_sampling must be True or False, got {self.dynamic_sampling!r}")
+        _positive(self, ("dynamic_sampling_budget",), allow_zero=True)
+        _ints(self, ("overlong_max_tokens", "overlong_buffer_tokens"))
+
+    @property
+    def scope(self) -> str:
+        """``group`` or ``step``: what the advantage estimator needs before a group can train."""
+        from gyre_jax.losses import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.get(self.advantage).scope
+
+
+def train_objective_fields() -> dict:
+    """The objective's fields for a config file's ``c.train`` dict, at TrainConfig's defaults.
+
+    Fields whose default is "the chosen entry's own" are typed placeholders, so
+    ``--config.train.eps_low=3e-4`` parses as a float though the value is None.
+    """
+    from ml_collections import config_dict
+
+    out = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("loss", "advantage", "weights", "mismatch", "kl_coef", "kl_estimator", "entropy_coef",
+                      "log_ratio_clamp", "negative_advantage_scale", "dynamic_sampling", "dynamic_sampling_budget",
+                      "overlong_max_tokens", "overlong_buffer_tokens", "overlong_penalty") + LOSS_OPTIONS + \
+                MISMATCH_OPTIONS + ("advantage_eps", "weights_normalizer"):
+            if f.default is None:
+                out[f.name] = config_dict.placeholder(int if f.name == "weights_normalizer" else float)
+            else:
+                out[f.name] = f.default
+    return out
 
 
 NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.noisy_tasks
@@ -465,21 +539,53 @@ class RLConfig:
         return self.task_source.train_task(g)
 
     def processor_config(self):
+        from gyre_jax.losses import ADVANTAGE_ESTIMATORS, WEIGHT_BUILDERS
         from gyre_jax.trajectory.processor import ProcessorConfig
         from gyre_jax.trajectory.rewards import AdvantageConfig
 
         t = self.train
-        adv = _built("train", lambda: AdvantageConfig(mode=t.advantage, negative_scale=t.negative_advantage_scale),
-                     {"mode": "train.advantage", "negative_scale": "train.negative_advantage_scale"})
-        return _built("train", lambda: ProcessorConfig(row_len=t.row_len, advantage=adv))
+        est = ADVANTAGE_ESTIMATORS.get(t.advantage)
+        if t.advantage_eps is not None and "eps" not in {f.name for f in dataclasses.fields(est.config)}:
+            raise ConfigError(f"config.train.advantage_eps does not apply to advantage={t.advantage!r}")
+        adv = _built("train", lambda: AdvantageConfig(
+            estimator=t.advantage,
+            estimator_config=est.make_config({} if t.advantage_eps is None else {"eps": t.advantage_eps}),
+            negative_scale=t.negative_advantage_scale, overlong_max_tokens=t.overlong_max_tokens,
+            overlong_buffer_tokens=t.overlong_buffer_tokens, overlong_penalty=t.overlong_penalty),
+            {"negative_scale": "train.negative_advantage_scale", "eps": "train.advantage_eps"})
+        wb = WEIGHT_BUILDERS.get(t.weights)
+        fields = {f.name for f in dataclasses.fields(wb.config)}
+        if "normalizer" in fields:
+            wcfg = _built("train", lambda: wb.make_config({"normalizer": t.row_len if t.weights_normalizer is None else t.weights_normalizer}),
+                          {"normalizer": "train.weights_normalizer"})
+        elif t.weights_normalizer is not None:
+            raise ConfigError(f"config.train.weights_normalizer does not apply to weights={t.weights!r}")
+        else:
+            wcfg = wb.config()
+        return _built("train", lambda: ProcessorConfig(row_len=t.row_len, advantage=adv, weights=t.weights,
+                                                       weights_config=wcfg))
 
     def loss_config(self):
         from gyre_jax.losses import PolicyLossConfig
 
         t = self.train
-        return _built("train", lambda: PolicyLossConfig(eps_low=t.eps_low, eps_high=t.eps_high,
-                                                        entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp,
-                                                        clip_c=t.clip_c or None))
+        options = {k: getattr(t, k) for k in LOSS_OPTIONS + MISMATCH_OPTIONS}
+        return _built("train", lambda: PolicyLossConfig.create(
+            loss=t.loss, mismatch=t.mismatch, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
+            entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp, **options),
+            {"cap": "train.mismatch_cap", "low": "train.mismatch_low", "high": "train.mismatch_high"})
+
+    @property
+    def stream_groups(self) -> bool:
+        """Groups are packed and trained as they are taken (the scheduler's streaming modes and
+        multi-step), unless the advantage estimator normalises over the whole step."""
+        return self.scheduler.stream_groups and self.train.scope == "group"
+
+    def dynamic_sampling_budget(self) -> int:
+        """Groups DAPO's dynamic sampling may drop over the run (0: off)."""
+        t = self.train
+        return int(round(t.dynamic_sampling_budget * self.scheduler.groups_per_step * self.steps)) \
+            if t.dynamic_sampling else 0
 
     def optimizer_config(self):
         from gyre_jax.cells.train_state import OptimizerConfig

@@ -70,6 +70,11 @@ class StepRecorder:
             "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate,
             "grad_scale": rep.grad_scale,
             **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
+            # the advantage estimator's counts, the per-step pass (cells/score.py) and DAPO's
+            # dynamic sampling (groups dropped for no signal since the last record; each replaced)
+            **{f"adv/{k}": v for k, v in st.get("advantage_metrics", {}).items()},
+            **{f"score/{k}": v for k, v in info.get("score", {}).items()},
+            "dynamic_sampling/dropped_groups": info.get("dropped_groups", 0),
             "gen_tokens_per_s": (gen - self._gen) / dt,
             "train_tokens_per_s": st["packed_tokens"] / max(rep.seconds, 1e-9),
             "train_step_s": rep.seconds,

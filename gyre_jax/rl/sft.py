@@ -5,8 +5,9 @@ RL from scratch would see reward 0 everywhere and learn nothing in a CPU demo.
 We replay each task's ideal actions through the real agent loop
 (``gyre_jax.agents.demos``), render every assistant turn's prompt exactly as the
 proxy does (``serving.api_openai.parse_chat`` -> the same chat template), and
-train the assistant tokens (text, tool-call tokens, then ``<|im_end|>``) with the
-plain token NLL, weighted by the counting rule (``binpack.pack_trees``).
+train the assistant tokens (text, tool-call tokens, then ``<|im_end|>``) through the
+RL loop's loss path (``losses.loss_from_logits`` with the registered ``nll`` objective)
+and the registered ``token_mean`` weights.
 
 Host side: ``demo_examples`` (tasks -> (prompt_ids, target_ids)). Device side: one
 jitted step on the default device; the caller lays the result out on the cells.
@@ -26,7 +27,7 @@ import optax
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.demos import demonstration
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.losses import token_logprobs
+from gyre_jax.losses import PolicyLossConfig, build_loss_weights, loss_from_logits
 from gyre_jax.model import ModelConfig, Transformer
 from gyre_jax.rl.config import NOISE_KINDS
 from gyre_jax.rl.progress import Progress
@@ -160,9 +161,12 @@ def _batch(examples, order, start: int, rows: int, row_len: int):
     # Token-mean NLL (the usual SFT objective): every demonstrated token counts the same, so a
     # choice made by a fraction f of the demonstrations is imitated with probability ~f. The
     # packer's rollout-first weights would favour short demonstrations' tokens (1 / length).
-    mask = out["loss_mask"].astype(np.float32)
-    out["loss_weights"] = mask / max(float(mask.sum()), 1.0)
+    mask = out["loss_mask"]
+    out["loss_weights"], _ = build_loss_weights("token_mean", mask, np.zeros(mask.shape, np.int32), 1)
     return out, i
+
+
+SFT_LOSS = PolicyLossConfig(loss="nll", entropy_metric=False)  # the RL loop's loss path, objective 'nll'
 
 
 def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> Callable:
@@ -170,9 +174,9 @@ def make_sft_step(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> C
 
     def loss_fn(params, b):
         logits = model.apply(params, b["tokens"], b["positions"], b["segment_ids"], b["subtree_end"])
-        logp = token_logprobs(logits, b["targets"])
+        loss, _ = loss_from_logits(logits, b, SFT_LOSS)
         correct = (jnp.argmax(logits, -1) == b["targets"]) & b["loss_mask"]
-        return -jnp.sum(b["loss_weights"] * logp), jnp.sum(correct) / jnp.maximum(jnp.sum(b["loss_mask"]), 1)
+        return loss, jnp.sum(correct) / jnp.maximum(jnp.sum(b["loss_mask"]), 1)
 
     def step(params, opt_state, b):
         (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b)

@@ -26,9 +26,23 @@ Three stages, each on its own thread, connected by the dataset of packed rows:
 Both read the same ``StreamingDataset`` iterator, whose position is saved in
 every checkpoint; after an update it is the next step's start.
 
+The per-step pass (``cells.score.StepScorer``, when the objective reads more than the
+current log-probs: decoupled PPO's proximal policy, GSPO's sequence ratio, a mismatch
+correction's behaviour-version log-probs, KL's reference) runs on each chunk's rows in
+the processor thread, before they enter the stream; the adapter keeps the params of the
+last ``staleness_bound`` versions for it when a correction needs them.
+
+DAPO's dynamic sampling (``dynamic_sampling_budget > 0``): a finished group whose valid
+rollouts' rewards are all equal carries no signal under a group baseline; it is marked
+dropped (reason ``no_signal``, failures with their status) instead of becoming ready,
+and ``TrainProgress.dropped_groups`` tells the controller, which admits a replacement
+for each (the launch count nets them out). The budget caps the drops over the run, so a
+policy that solves everything cannot loop forever; past it such groups train (with
+advantage 0) as before.
+
 Staleness is bounded by the policy's admission; every finished rollout is trained
-(or, for infra/verifier failures, marked dropped with its status as the reason)
-exactly once. A satellite that fails in a step is reported (``on_failed_cell``)
+(or, for infra/verifier failures and dynamic sampling's drops, marked dropped with its
+reason) exactly once. A satellite that fails in a step is reported (``on_failed_cell``)
 and the step goes on; a failure of the core's step is the run's (``errors``).
 """
 from __future__ import annotations
@@ -50,9 +64,11 @@ from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.vocab import TRAIN
 from gyre_jax.rl.launcher import Group
 from gyre_jax.trajectory.processor import ProcessorConfig, StepStats, process_step
+from gyre_jax.trajectory.rewards import has_signal
 from gyre_jax.trajectory.serialize import pack_rows
 
 log = logging.getLogger(__name__)
+NO_SIGNAL = "no_signal"  # the store's drop reason for DAPO's dynamic sampling
 
 
 @dataclasses.dataclass
@@ -65,6 +81,7 @@ class _StepData:
     rows: int = 0
     process_s: float = 0.0
     grad_scale: float = 1.0
+    score: dict = dataclasses.field(default_factory=dict)  # the per-step pass, summed over chunks
 
 
 def merge_stats(stats: Sequence[StepStats]) -> dict:
@@ -82,6 +99,11 @@ def merge_stats(stats: Sequence[StepStats]) -> dict:
     worst = max(stats, key=lambda s: s.max_dropped_fraction, default=None)
     out["max_dropped_fraction"] = worst.max_dropped_fraction if worst is not None else 0.0
     out["max_dropped_rollout"] = worst.max_dropped_rollout if worst is not None else None
+    adv: dict = {}
+    for s in stats:  # the estimator's counts, summed over the step's chunks
+        for k, v in s.advantage_metrics.items():
+            adv[k] = adv.get(k, 0.0) + v
+    out["advantage_metrics"] = adv
     return out
 
 
@@ -93,7 +115,8 @@ class TrainerAdapter:
                  after_update: Callable[[int], None] | None = None,
                  on_step_started: Callable[[int], None] | None = None,
                  on_failed_cell: Callable[[int, str], None] | None = None,
-                 on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None):
+                 on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None,
+                 scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0):
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
         self.cells, self.cell_roles, self.stream_groups = cells, cell_roles, stream_groups
@@ -103,7 +126,7 @@ class TrainerAdapter:
         self.work_s_per_row = work_s_per_row
         self.stream, self.it = stream, data_iterator
         self._lock = threading.RLock()
-        self._ready: list[Group] = sorted(ready, key=lambda g: g.version)
+        self._ready: list[Group] = []
         self._taken: list[Group] = []  # in the open step, not yet handed to the processor (whole steps)
         self._in_step: list[Group] = []  # handed to the processor for the open step, not yet trained
         self._queued_work_s = 0.0  # taken, not yet in the stream
@@ -114,11 +137,26 @@ class TrainerAdapter:
         self._data: dict[int, _StepData] = {}
         self._proc_q: queue.Queue = queue.Queue()
         self._latest = (trainer.version, jax.tree.map(lambda x: x.copy(), trainer.state.params))
+        # The per-step pass (cells.score.StepScorer) and the versions it reads: the step's own
+        # (the _latest copy, shared) and, for a mismatch correction, the last keep_versions ones.
+        self.scorer = scorer if scorer is not None and scorer.needed else None
+        self.keep_versions = keep_versions if self.scorer is not None and self.scorer.keeps_versions else 0
+        self._versions = {self._latest[0]: self._latest[1]}
+        # DAPO dynamic sampling: groups without signal dropped (and replaced), at most this many.
+        self.drop_budget = int(dynamic_sampling_budget)
+        self._dropped_groups = 0  # by this process: what the controller nets out of its launch count
+        # Spent before a resume counts against the budget too (the store keeps the reasons).
+        self._dropped_before = len({r.split("-")[0] for r, e in store.consumed().items()
+                                    if e.get("reason") == NO_SIGNAL}) if self.drop_budget else 0
+        self._dropped_reported = 0
         self.errors: list[BaseException] = []
         self._threads = [threading.Thread(target=self._guard, args=(self._process_main, "processing"),
                                           name="gyre-processor", daemon=True),
                          threading.Thread(target=self._guard, args=(self._train_main, "training"),
                                           name="gyre-trainer", daemon=True)]
+        for g in sorted(ready, key=lambda g: g.version):  # a resumed run's groups pass the same filter
+            if self._admit(g):
+                self._ready.append(g)
         for t in self._threads:
             t.start()
 
@@ -133,6 +171,7 @@ class TrainerAdapter:
                 pending_work_s=self._queued_work_s + running,
                 update_in_progress=self._updating,
                 ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s) for g in self._ready),
+                dropped_groups=self._dropped_groups,
             )
 
     def take_groups(self, n: int) -> None:
@@ -161,6 +200,9 @@ class TrainerAdapter:
 
     # -- inputs from other adapters --
     def add_group(self, group: Group) -> None:
+        if not self._admit(group):
+            self.notify()  # the controller admits a replacement
+            return
         with self._lock:
             # oldest version first, FIFO within a version (the policy's ordering)
             i = len(self._ready)
@@ -168,6 +210,32 @@ class TrainerAdapter:
                 i -= 1
             self._ready.insert(i, group)
         self.notify()
+
+    def _admit(self, group: Group) -> bool:
+        """DAPO dynamic sampling: False (the group marked dropped) if it has no signal and budget is left."""
+        if not self.drop_budget or self._dropped_before + self._dropped_groups >= self.drop_budget:
+            return True
+        outcomes = [self.store.outcome(r) for r in group.rollout_ids]
+        lengths = None
+        if self.pc.advantage.overlong:
+            lengths = [sum(int(c.output_ids.shape[0]) for c in self._calls(r)) for r in group.rollout_ids]
+        if has_signal(outcomes, self.pc.advantage, lengths):
+            return True
+        step = self._steps_done
+        valid = [o.rollout_id for o in outcomes if not o.is_failure]
+        if valid:
+            self.store.mark_dropped(valid, step=step, reason=NO_SIGNAL)
+        for status in sorted({o.status for o in outcomes if o.is_failure}):
+            self.store.mark_dropped([o.rollout_id for o in outcomes if o.status == status], step=step, reason=status)
+        with self._lock:
+            self._dropped_groups += 1
+            n = self._dropped_before + self._dropped_groups
+        log.info("dynamic sampling: group %s has no signal (rewards all equal); dropped, %d of %d so far",
+                 group.group_id, n, self.drop_budget)
+        if n == self.drop_budget:
+            log.warning("dynamic sampling: budget of %d dropped groups spent; groups without signal train from now on",
+                        self.drop_budget)
+        return False
 
     def buffered_rollouts(self) -> list[str]:
         """Finished rollouts not yet trained: the open step's, then the ready ones."""
@@ -214,8 +282,15 @@ class TrainerAdapter:
             self.errors.append(e)
             self.notify()
 
+    def _params_of(self, version: int):
+        with self._lock:
+            return self._versions.get(version)
+
     def _process_main(self) -> None:
         offsets: dict[int, int] = {}
+        if self.scorer is not None:  # compile the per-step pass while no group is in yet
+            warm = pack_rows([[]] * self.b, self.pc.row_len).as_dict()
+            self.scorer.warm(warm, self._latest[1])
         while True:
             ev = self._proc_q.get()
             if ev is None:
@@ -239,6 +314,10 @@ class TrainerAdapter:
                 batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self.G * self.group_size,
                                      rollout_index_offset=offsets.get(step, 0))
                 offsets[step] = offsets.get(step, 0) + len(batch.rollout_ids)
+            if self.scorer is not None and batch.rows.tokens.shape[0]:
+                for k, v in self.scorer.score(batch.rows, batch.rollout_index, version=step,
+                                              params_of=self._params_of).items():
+                    data.score[k] = data.score.get(k, 0) + v
             data.groups += groups
             data.outcomes += outcomes
             data.stats.append(batch.stats)
@@ -257,9 +336,10 @@ class TrainerAdapter:
             empty = pack_rows([[]], self.pc.row_len)
             self.stream.add(step, empty, np.full(empty.tokens.shape, -1, np.int32))
             data.rows = 1
-        trained = sum(s.trained_rollouts for s in data.stats)
-        if self.stream_groups and trained:
-            data.grad_scale = self.G * self.group_size / trained
+        units = sum(s.weight_units for s in data.stats)
+        if self.stream_groups and units:  # weights were divided by a nominal normaliser: the actual one now
+            # every chunk with rollouts used the same nominal normaliser (a chunk of failures alone: 0)
+            data.grad_scale = max(s.weight_normalizer for s in data.stats) / units
         self.stream.end_step(step)
 
     def _calls(self, rid: str):
@@ -318,9 +398,15 @@ class TrainerAdapter:
                     group_versions=[g.version for g in data.groups], rollouts=len(outcomes), report=report,
                     stats=merge_stats(data.stats), scores=scores, rows=n_mb * self.b, micro_batches=n_mb,
                     process_s=data.process_s, step_s=time.perf_counter() - t0, cells_used=sorted(set(report.cell_of)),
-                    row_chunks=len(data.stats), after_last_group_s=time.perf_counter() - self._last_group_t)
+                    row_chunks=len(data.stats), after_last_group_s=time.perf_counter() - self._last_group_t,
+                    score=dict(data.score))
         with self._lock:
+            info["dropped_groups"] = self._dropped_groups - self._dropped_reported  # since the last step
+            self._dropped_reported = self._dropped_groups
             self._latest = (version, params)
+            self._versions[version] = params  # the same copy as _latest: no extra memory for the step's own
+            for v in [v for v in self._versions if v < version - self.keep_versions]:
+                del self._versions[v]
             self._step = None
             self._in_step = []
         if self.after_update is not None:

@@ -131,7 +131,7 @@ class Controller:
             running_rollouts=running,
             running_groups=tuple(sorted(self.rollouts.running_groups().items())),
             ready_groups=prog.ready_groups,
-            launched_groups=launched,
+            launched_groups=launched - prog.dropped_groups,  # a dropped group (dynamic sampling) gets a replacement
             steps_done=prog.steps_done,
             open_step_taken=prog.open_step_taken,
             pending_work_s=prog.pending_work_s,

@@ -95,6 +95,10 @@ class TrainProgress:
     update_in_progress: bool
     ready_groups: tuple[ReadyGroup, ...]  # finished groups waiting; oldest version first, FIFO within
     ready_work_s: float | None = None  # their summed work_s, if kept incrementally (None: the policy sums)
+    # Finished groups the trainer dropped instead of training (DAPO's dynamic sampling: no
+    # signal), since the start. The controller nets them out of the launch count, so admission
+    # launches a replacement for each.
+    dropped_groups: int = 0
 
 
 @runtime_checkable

@@ -20,7 +20,8 @@ single root-to-node path longer than L cannot fit any row: a clear error.
 
 Packing: first-fit decreasing over all units of all rollouts of the call.
 
-Loss weights (docs/design.md, counting rule): a trainable target of rollout r gets
+Loss weights: the registered weight builder's (``gyre_jax.losses.WEIGHT_BUILDERS``). By
+default our counting rule (docs/design.md): a trainable target of rollout r gets
 w = 1 / (N_r * R), N_r = the rollout's trainable targets over all its units (each
 unique trainable token once), R = rollouts of the *global* step.
 """
@@ -32,7 +33,7 @@ from typing import Sequence
 import chex
 import numpy as np
 
-from gyre_jax.losses.weights import rollout_token_mean_weights
+from gyre_jax.losses.weights import build_loss_weights, get_weight_builder
 from gyre_jax.trajectory.node import TreeNode
 from gyre_jax.trajectory.serialize import PackedRows, SerializedTree, pack_rows, serialize_tree
 
@@ -176,6 +177,8 @@ class PackResult:
     duplicated_tokens: int  # ancestor-path copies from splitting
     branch_copies: int  # branch-point copies (serialize.py's rule), one per extra child
     num_parts: int
+    weight_units: float = 0.0  # the weight builder's normaliser units in these rows (rollouts or tokens)
+    weight_normalizer: float = 0.0  # what the weights were divided by (weight_units for a whole step)
 
     @property
     def fill(self) -> float:
@@ -191,14 +194,18 @@ def pack_trees(
     num_step_rollouts: int | None = None,
     names: Sequence[str] | None = None,
     min_rows: int = 0,
+    weights: str = "rollout_token_mean",
+    weights_config=None,
 ) -> PackResult:
     """Split, serialize and bin-pack the selected trees of some rollouts into rows.
 
     ``trees[r]`` is rollout r's selected tree (None: nothing selected, no tokens).
-    ``advantages[r]`` is its advantage. ``num_step_rollouts`` is R of the counting
-    rule: the rollouts trained in the *global* step (default: len(trees)); pass it
-    when a step's rollouts are packed in several calls (streaming), so that the
-    weights of all calls together sum to 1.
+    ``advantages[r]`` is its advantage. ``weights`` names the weight builder (its config:
+    ``weights_config``). ``num_step_rollouts``: the rollouts of the *global* step when a
+    step is packed in several calls (streaming); the weights are then divided by a
+    nominal normaliser (R for rollout-counted builders, R * row_len for token-counted
+    ones) and the caller rescales the step by ``weight_normalizer / sum(weight_units)``
+    at its end. None: these trees are the whole step (divided by their own units).
     """
     nr = len(trees)
     if len(advantages) != nr:
@@ -235,10 +242,16 @@ def pack_trees(
     valid = rollout_index >= 0
     ridx = np.where(valid, rollout_index, 0)
     num_targets = np.bincount(ridx[rows.loss_mask], minlength=nr).astype(np.int64)
-    if R > 0:  # the losses package owns the counting rule; N_r counted over all parts here
-        counts = np.zeros(R, np.int64)
-        counts[:nr] = num_targets
-        rows.loss_weights = rollout_token_mean_weights(rows.loss_mask, ridx, R, rollout_token_counts=counts)
+    # The losses package owns the aggregation; N_r is counted over all parts here.
+    entry = get_weight_builder(weights)
+    units, normalizer = 0.0, 0.0
+    if nr:  # a rollout without tokens still counts in R (rollout-counted builders)
+        _, units = entry.fn(rows.loss_mask, ridx, nr, num_targets,
+                            entry.config() if weights_config is None else weights_config)
+        normalizer = units if num_step_rollouts is None else (
+            R * row_len if entry.units == "tokens" else float(R))
+        rows.loss_weights, _ = build_loss_weights(weights, rows.loss_mask, ridx, nr, rollout_token_counts=num_targets,
+                                                  config=weights_config, normalizer=normalizer)
     # Lookup table with one spare entry so that ridx (0 on padding) indexes it even
     # when no rollout is given; padding is masked out below.
     adv = np.zeros(nr + 1, np.float32)
@@ -258,4 +271,6 @@ def pack_trees(
         duplicated_tokens=dup,
         branch_copies=packed - unique - dup,
         num_parts=len(items),
+        weight_units=float(units),
+        weight_normalizer=float(normalizer),
     )

@@ -1,9 +1,11 @@
 """The trajectory processor: finished rollouts of a step -> packed rows + stats.
 
-    calls + outcomes --rewards--> advantages (failures out of training and baseline)
+    calls + outcomes --rewards--> advantages (the registered estimator; failures out of
+                       training and of its statistics; optional overlong shaping)
                      --tree.build_tree--> one prefix-sharing tree per trained rollout
                      --select.select_paths--> at most Jmax paths
-                     --binpack.pack_trees--> rows of row_len with loss weights,
+                     --binpack.pack_trees--> rows of row_len with loss weights (the
+                       registered weight builder),
                        advantages, behavior log-probs and policy versions per token
 
 One-step mode: call ``process_step`` once with every rollout of the step and
@@ -29,6 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from gyre_jax.losses import get_weight_builder
 from gyre_jax.trajectory.binpack import pack_trees
 from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
 from gyre_jax.trajectory.select import SelectConfig, select_paths
@@ -46,6 +49,8 @@ class ProcessorConfig:
     advantage: AdvantageConfig = AdvantageConfig()
     group_field: str = "group_id"  # outcome field that defines a group (rewards.py)
     min_rows: int = 0  # pad the step to at least this many rows (e.g. one batch)
+    weights: str = "rollout_token_mean"  # gyre_jax.losses.WEIGHT_BUILDERS name: the loss aggregation
+    weights_config: Any = None  # its config (None: defaults)
 
     def __post_init__(self):
         if not (isinstance(self.row_len, int) and self.row_len >= 2):
@@ -56,6 +61,9 @@ class ProcessorConfig:
             raise ValueError(f"ProcessorConfig.group_field={self.group_field!r}; known: ('group_id', 'task_id')")
         if self.min_rows < 0:
             raise ValueError(f"ProcessorConfig.min_rows={self.min_rows} must be >= 0")
+        entry = get_weight_builder(self.weights)
+        object.__setattr__(self, "weights_config", entry.config() if self.weights_config is None else
+                           entry.check_config(self.weights_config, "ProcessorConfig.weights_config: "))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +95,11 @@ class StepStats:
     rows: int
     fill: float  # packed_tokens / (rows * row_len)
     seconds: dict  # phase -> wall seconds ('rebuild', 'select', 'pack', 'total')
+    # The aggregation's normaliser: units (rollouts or tokens) in these rows, and what the
+    # weights were divided by (a streamed step is rescaled by normalizer / its units' sum).
+    weight_units: float = 0.0
+    weight_normalizer: float = 0.0
+    advantage_metrics: dict = dataclasses.field(default_factory=dict)  # the estimator's (counts)
 
     @property
     def dedup_factor(self) -> float:
@@ -142,7 +155,10 @@ def process_step(
             f"process_step: calls for {len(orphans)} rollout(s) without an outcome "
             f"(not finished? pass only finished rollouts): {orphans[:5]}"
         )
-    rew = compute_advantages(outcomes, config.advantage, group_field=config.group_field)
+    lengths = None
+    if config.advantage.overlong:  # DAPO's overlong shaping reads each rollout's generated tokens
+        lengths = [sum(int(c.output_ids.shape[0]) for c in by_rollout.get(o.rollout_id, [])) for o in outcomes]
+    rew = compute_advantages(outcomes, config.advantage, group_field=config.group_field, lengths=lengths)
 
     calls_dropped = {s: 0 for s in FAILURE_STATUSES}
     trained, adv = [], []
@@ -189,6 +205,8 @@ def process_step(
         num_step_rollouts=num_step_rollouts,
         names=[f"rollout {rid!r}" for rid, _ in trained],
         min_rows=config.min_rows,
+        weights=config.weights,
+        weights_config=config.weights_config,
     )
     t4 = time.perf_counter()
     ri = pack.rollout_index
@@ -222,6 +240,9 @@ def process_step(
         rows=int(pack.rows.tokens.shape[0]),
         fill=pack.fill,
         seconds={"rebuild": t2 - t1, "select": t3 - t2, "pack": t4 - t3, "total": t4 - t0},
+        weight_units=pack.weight_units,
+        weight_normalizer=pack.weight_normalizer,
+        advantage_metrics=dict(rew.metrics),
     )
     return StepBatch(
         rows=pack.rows,

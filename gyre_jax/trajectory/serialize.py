@@ -40,6 +40,8 @@ _DTYPES = {
     "node_index": np.int32,
     "loss_weights": np.float32,
     "advantages": np.float32,
+    **{k: np.float32 for k in ("prox_logprobs", "trainer_logprobs", "ref_logprobs", "seq_log_ratio",
+                               "seq_log_mismatch")},
 }
 _TOKEN_FIELDS = ("tokens", "targets", "loss_mask", "behavior_logprobs", "positions", "subtree_end",
                  "target_version", "node_index")  # SerializedTree's per-token arrays
@@ -209,6 +211,9 @@ def _pop_last(entries):
     return head, [(s, o[-1:])]
 
 
+SCORE_FIELDS = ("prox_logprobs", "trainer_logprobs", "ref_logprobs", "seq_log_ratio", "seq_log_mismatch")
+
+
 @dataclasses.dataclass
 class PackedRows:
     """A batch of packed rows, every array [B, L]. ``segment_ids`` 0 is padding."""
@@ -223,6 +228,20 @@ class PackedRows:
     target_version: np.ndarray
     loss_weights: np.ndarray  # float32, filled by the trajectory processor (counting rule)
     advantages: np.ndarray  # float32, per token (one value per rollout)
+    # Filled by the trainer's per-step pass when the objective reads them (0 otherwise;
+    # gyre_jax/cells/score.py): the trainer's log-probs under the step's params (proximal),
+    # under each token's behaviour version, under the reference params, and per-rollout
+    # statistics broadcast to its tokens (GSPO's mean log-ratio, the mismatch's log-product).
+    prox_logprobs: np.ndarray = None
+    trainer_logprobs: np.ndarray = None
+    ref_logprobs: np.ndarray = None
+    seq_log_ratio: np.ndarray = None
+    seq_log_mismatch: np.ndarray = None
+
+    def __post_init__(self):
+        for k in SCORE_FIELDS:
+            if getattr(self, k) is None:
+                setattr(self, k, np.zeros(self.tokens.shape, np.float32))
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return dataclasses.asdict(self)
