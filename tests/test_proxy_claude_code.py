@@ -144,3 +144,60 @@ def test_claude_code_first_request_is_prefilled_by_the_real_engine(tmp_path):
     assert 1 <= len(first.output_ids) <= 8
     assert first.finish_reason == ("length" if p.returncode else "stop"), (first.finish_reason, p.returncode)
     store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CLAUDE is None, reason="Claude Code CLI not installed (set GYRE_CLAUDE_BIN)")
+def test_claude_code_as_a_command_harness_in_the_rollout_sandbox(tmp_path):
+    """Claude Code as the run's harness (harness.kind=command): the CLI runs inside the rollout's
+    bubblewrap sandbox, reaches only the proxy (its unix socket, bridged to the sandbox's own
+    loopback), its calls are recorded under the rollout's issued key, its Bash tool acts in the
+    workspace, and the task's command grades what it left there."""
+    import asyncio
+    import json
+
+    from gyre_jax.agents import sandbox as sb
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.harness import RolloutRequest, run_rollouts
+    from gyre_jax.agents.harnesses import make_harness
+    from gyre_jax.agents.tasks import dataset
+
+    ok, why = sb.bwrap_usable()
+    if not ok:
+        pytest.skip(f"bubblewrap sandbox unavailable: {why}")
+    tc = {"name": "Bash", "arguments": {"command": "echo gyre-tool-ok | tee out.txt", "description": "echo"}}
+    tool = TOK.render_tool_call(tc) + [TOK.special["<|im_end|>"]]
+    store = TrajectoryStore(str(tmp_path / "store"), run_id="ccrun")
+    sock = str(tmp_path / "p.sock")
+
+    async def build():
+        return Proxy(Router([FakeBackend("A", script=make_script(tool), max_context=1_000_000)]), TOK, store,
+                     ProxyConfig(auth_token="run-secret-123", unix_path=sock, model_aliases=("*",),
+                                 clamp_max_tokens=True, max_tokens_cap=4096))
+
+    st = ServerThread(build)
+    st.start()
+    try:
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text(json.dumps({"id": "echo", "instruction": "Use the Bash tool to echo gyre-tool-ok into out.txt.",
+                                     "grader": "grep -q gyre-tool-ok out.txt"}) + "\n")
+        (task, _), = dataset.load_task_file(str(tasks))
+        claude = os.path.realpath(CLAUDE)
+        harness = make_harness(
+            "command", command=f'{claude} -p "$(cat {{instruction_file}})" --allowedTools Bash', unix_socket=sock,
+            ro_paths=(os.path.dirname(claude),), memory_bytes=32 << 30,
+            env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1"})
+        hc = HarnessConfig(base_url=st.url + "/v1", run_id="ccrun", sandbox=sb.SandboxConfig(kind="bubblewrap"),
+                           deadline_s=240.0, grader_timeout_s=60.0)
+        r, = asyncio.run(run_rollouts([RolloutRequest(rollout_id="cc-0", task=task, group_id="g")], hc,
+                                      workspace_root=str(tmp_path / "ws"), harness=harness, keys=st.proxy))
+    finally:
+        st.stop()
+    assert (r.status, r.score, r.exit_code) == ("completed", 1.0, 0), (r.error, r.output_tail[-3000:])
+    assert "the tool said gyre-tool-ok" in r.output_tail
+    calls = store.calls("cc-0")
+    assert [c.call_index for c in calls] == [0, 1] and calls[0].output_ids.tolist() == tool
+    assert calls[1].output_ids.tolist() == FINAL
+    first, second = calls[0].sequence.tolist(), calls[1].prompt_ids.tolist()
+    assert second[:len(first)] == first  # one prefix-sharing path
+    store.close()
