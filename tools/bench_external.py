@@ -19,7 +19,11 @@ with the same numbers (overhead needs the scripted model: left out there).
 Prints a table, then ONE JSON line:
   rollouts, recorded_calls, calls_per_rollout_mean, records_matched_fraction (calls under a rollout
   the launcher started / all calls in the store: 1.0), prefix_shared_fraction (calls whose prompt
-  extends the same agent's previous prompt + output, of the calls that have a previous one),
+  extends the same agent's previous prompt + output, of the calls that have a previous one;
+  prompt_prefix_shared_fraction: extends its previous prompt; prompt_tokens_shared_fraction: prompt
+  tokens shared with the previous prompt + output / all prompt tokens, over those calls: a reply
+  that does not re-render to the tokens generated (e.g. a random model's invalid UTF-8, which
+  every client turns into U+FFFD) shares the prompt but not the reply),
   sandbox_escapes (probes that reached the host: 0), escape_probes, scored_fraction, reward_mean,
   overhead_s_per_rollout (median; wall minus model-call time), wall_s_per_rollout, concurrency, tasks,
   load_avg; with --workdir the same names prefixed run_.
@@ -64,22 +68,33 @@ def store_numbers(store, known: set[str]) -> dict:
     calls_by = {r: store.calls(r) for r in store.rollout_ids()}
     total = sum(len(c) for c in calls_by.values())
     matched = sum(len(c) for r, c in calls_by.items() if r in known)
-    shared = eligible = 0
+    shared = shared_prompt = eligible = lcp_tokens = prompt_tokens = 0
     for calls in calls_by.values():
-        last: dict[int, np.ndarray] = {}
+        last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for c in sorted(calls, key=lambda c: c.call_index):
             prev = last.get(c.agent_id)
             if prev is not None:
                 eligible += 1
-                n = prev.shape[0]
-                shared += int(c.prompt_ids.shape[0] >= n and (c.prompt_ids[:n] == prev).all())
-            last[c.agent_id] = np.concatenate([c.prompt_ids, c.output_ids])
+                seq, prompt = prev
+                shared += int(_starts_with(c.prompt_ids, seq))
+                shared_prompt += int(_starts_with(c.prompt_ids, prompt))
+                m = min(seq.shape[0], c.prompt_ids.shape[0])
+                diff = np.flatnonzero(seq[:m] != c.prompt_ids[:m])
+                lcp_tokens += int(diff[0]) if diff.shape[0] else m
+                prompt_tokens += c.prompt_ids.shape[0]
+            last[c.agent_id] = (np.concatenate([c.prompt_ids, c.output_ids]), c.prompt_ids)
     started = [r for r in known if calls_by.get(r)]
     return dict(rollouts=len(known), recorded_calls=total,
                 calls_per_rollout_mean=total / max(1, len(known)),
                 records_matched_fraction=matched / total if total else float("nan"),
                 prefix_shared_fraction=shared / eligible if eligible else float("nan"),
+                prompt_prefix_shared_fraction=shared_prompt / eligible if eligible else float("nan"),
+                prompt_tokens_shared_fraction=lcp_tokens / prompt_tokens if prompt_tokens else float("nan"),
                 rollouts_with_calls=len(started))
+
+
+def _starts_with(a: np.ndarray, prefix: np.ndarray) -> bool:
+    return a.shape[0] >= prefix.shape[0] and bool((a[:prefix.shape[0]] == prefix).all())
 
 
 def _model_time(calls) -> float:
