@@ -191,7 +191,8 @@ def warm_start(params, model_cfg: ModelConfig, examples, *, steps: int, rows: in
     """``steps`` supervised updates on ``examples``; returns (params, per-step metrics)."""
     if steps == 0:
         return params, []
-    sched = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 10), steps, learning_rate * 0.1)
+    warmup = max(1, steps // 10) if steps > 1 else 0  # optax needs decay steps after the warm-up
+    sched = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps, learning_rate * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(sched))
     params = jax.tree.map(lambda x: x.copy(), params)  # the caller's copy is not donated
     opt_state = tx.init(params)
