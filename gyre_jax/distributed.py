@@ -157,7 +157,7 @@ def layout(how: str = "single") -> DistributedInfo:
         initialized_here=how not in ("single", "already"),
         how=how,
     )
-    log.info(
+    log.debug(  # launch.main prints the same in one line; the device list is for --verbosity=1
         "process %d of %d (%s): %d local devices %s, %d global",
         info.process_index, info.process_count, how, len(info.local_devices),
         [str(d) for d in info.local_devices], info.global_device_count,

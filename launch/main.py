@@ -23,6 +23,7 @@ or the RL job with one cell per process (process 0 the core):
 ``python tools/launch_local.py -n 4 -- --config configs/demo.py``.
 A config with ``recoverable_processes=True`` keeps the run going when one process dies.
 """
+import logging as pylogging
 import os
 import sys
 
@@ -65,9 +66,22 @@ def distributed_config(config) -> distributed.DistributedConfig:
     )
 
 
+def quiet_logs() -> None:
+    """Only gyre_jax's own lines by default; ``--verbosity=0`` (or higher) shows every library's INFO.
+
+    JAX, XLA, Orbax and JetStream log INFO lines a person does not act on (a missing libtpu on a CPU
+    host, checkpoint manager internals); absl shows them all unless told otherwise.
+    """
+    if flags.FLAGS["verbosity"].present:
+        return
+    logging.set_verbosity(logging.WARNING)  # the root logger: every library
+    pylogging.getLogger("gyre_jax").setLevel(pylogging.INFO)  # our own progress and resume lines
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    quiet_logs()
     import jax
 
     from gyre_jax import jobs
@@ -86,8 +100,7 @@ def main(argv):
     kinds = sorted({d.device_kind for d in info.local_devices})
     line = (f"process {info.process_index} of {info.process_count} ({info.how}): {len(info.local_devices)} local "
             f"devices ({', '.join(kinds)}), {info.global_device_count} global")
-    logging.info("%s; job=%s workdir=%s", line, config.job, workdir)
-    print(f"launch: {line}", flush=True)
+    print(f"launch: {line}; job={config.job} workdir={workdir}", flush=True)
     try:
         job(config, workdir)
     except ConfigError as e:  # a bad value: its dotted name and why, no traceback
