@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.cells.sharding import RULES, mesh_spec
+from gyre_jax.sharding import RULES, mesh_spec
 from gyre_jax.model import Transformer
 from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.serving.backend import SamplingParams

@@ -141,7 +141,7 @@ def _naive(path, mesh):
     import numpy as np
     from safetensors.numpy import load_file
 
-    from gyre_jax.cells.sharding import tree_shardings
+    from gyre_jax.sharding import tree_shardings
     from gyre_jax.model.hf.checkpoint import read_config
     from gyre_jax.model.hf.config_map import config_from_hf
     from gyre_jax.model.hf.tensors import entries

@@ -1,4 +1,4 @@
-"""gyre_jax.cells: devices split into cells, the sharding rules, the train step, elastic training.
+"""gyre_jax.cells: devices split into cells, the train step, elastic training (sharding rules: gyre_jax/sharding.py).
 
     from gyre_jax import cells
     cs = cells.split_cells(cells.CellConfig(cell_size=2))
@@ -8,7 +8,7 @@
     trainer = cells.ElasticTrainer(steps, layout.core, spec.init_state(rng, layout.core.train_mesh))
     step = trainer.start_step(micro_batches); step.join(cs[1]); report = step.wait()
 
-Modules: mesh (cells, roles), sharding (THE rules table), train_state, train_step,
+Modules: mesh (cells, roles), train_state, train_step,
 elastic (dynamic data parallelism), publish (versioned weight moves), loss (the
 policy loss on the model). The publication cadence (one-step / multi-step) is the
 scheduler's policy (``PolicyConfig.updates_per_publication``).
@@ -16,7 +16,7 @@ scheduler's policy (``PolicyConfig.updates_per_publication``).
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
 from gyre_jax.cells.mesh import Cell, CellConfig, CellLayout, Role, split_cells
 from gyre_jax.cells.publish import MoveStats, Published, WeightPublisher, move, tree_bytes
-from gyre_jax.cells.sharding import RULES, batch_sharding, mesh_spec, tree_shardings
+from gyre_jax.sharding import RULES, batch_sharding, mesh_spec, tree_shardings
 from gyre_jax.cells.train_state import (
     OptimizerConfig,
     StateSpec,

@@ -27,9 +27,7 @@ from jax.sharding import Mesh
 
 from gyre_jax.scheduler import vocab
 
-FSDP = "fsdp"
-TENSOR = "tensor"
-DATA = "data"
+from gyre_jax.sharding import DATA, FSDP, TENSOR  # noqa: F401  (re-exported: cells speak of their axes)
 TRAIN_AXES = (FSDP, TENSOR)
 SERVE_AXES = (DATA, TENSOR)
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from gyre_jax.cells.mesh import Cell, Role
-from gyre_jax.cells.sharding import RULES, tree_shardings
+from gyre_jax.sharding import RULES, tree_shardings
 from gyre_jax.scheduler.vocab import TO_ROLLOUT, TO_TRAIN  # a move's kind is the switch it serves
 
 

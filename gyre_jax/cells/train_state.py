@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.cells.sharding import RULES, tree_shardings
+from gyre_jax.sharding import RULES, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

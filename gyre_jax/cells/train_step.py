@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.cells.sharding import RULES, batch_sharding
+from gyre_jax.sharding import RULES, batch_sharding
 from gyre_jax.cells.train_state import StateSpec, TrainState
 
 MICRO_BATCH_KEYS = (

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from gyre_jax.cells.sharding import tree_shardings
+from gyre_jax.sharding import tree_shardings
 from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams

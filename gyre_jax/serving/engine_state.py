@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.cells.sharding import mesh_spec
+from gyre_jax.sharding import mesh_spec
 from gyre_jax.model import ModelConfig
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
@@ -30,7 +30,7 @@ from gyre_jax.serving.sampling import sample_tokens
 
 HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
 MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps
-# Logical axes of the k/v arrays (their shardings come from cells.sharding.RULES):
+# Logical axes of the k/v arrays (their shardings come from gyre_jax.sharding.RULES):
 CACHE_LOGICAL = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # KVCache.k/v [Y, S, M, K, H]
 BLOCK_LOGICAL = ("layers", "cache_len", "kv_heads", "head_dim")  # KVBlock.k/v [Y, Lb, K, H]
 

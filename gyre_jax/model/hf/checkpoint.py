@@ -1,7 +1,7 @@
 """``load_pretrained`` / ``save_pretrained``: HF safetensors checkpoints in and out.
 
 Import streams one tensor at a time from disk onto its devices: the sharding of each
-param comes from the rules table (cells/sharding.py) applied to ``param_logical_axes``;
+param comes from the rules table (gyre_jax/sharding.py) applied to ``param_logical_axes``;
 a per-layer tensor is written into its slot of the stacked ``[Y, ...]`` param on the
 devices (a donated ``dynamic_update_slice``), so the host never holds more than one
 tensor (plus its transposed copy). Export fetches one layer's slice at a time and
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from gyre_jax.cells.sharding import RULES, tree_shardings
+from gyre_jax.sharding import RULES, tree_shardings
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.hf.config_map import UnsupportedCheckpoint, config_from_hf, hf_config
 from gyre_jax.model.hf.st_io import SafetensorsReader, write_safetensors

@@ -3,7 +3,7 @@
 Every parameter carries logical axis names (the model attaches them with
 ``nn.with_logical_partitioning``); every array that crosses into a jitted step
 gets its sharding from ``RULES`` here and from nowhere else. One table serves
-both layouts of a cell (mesh.py): a rule naming a mesh axis the mesh does not
+both layouts of a cell (cells/mesh.py): a rule naming a mesh axis the mesh does not
 have means "replicated" on that mesh, so on the serving mesh
 ('data', 'tensor') weights are split over 'tensor' only, while on the
 training mesh ('fsdp', 'tensor') they are also split over 'fsdp'.
@@ -13,12 +13,16 @@ materialised arrays, so state is born sharded.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.cells.mesh import DATA, FSDP, TENSOR
+# The mesh axis names. They live here, in a leaf module, because the model (HF checkpoint
+# loading), the cells and serving all lay arrays out by this table, and the model must not
+# import the cells (which import the model).
+FSDP = "fsdp"
+TENSOR = "tensor"
+DATA = "data"
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -128,16 +132,3 @@ def tree_shardings(logical_tree, mesh: Mesh, abstract_tree=None, *, rules=RULES)
 def batch_sharding(mesh: Mesh, *, rules=RULES) -> NamedSharding:
     """Sharding of a [B, L] array of a packed micro-batch on ``mesh``."""
     return NamedSharding(mesh, mesh_spec(BATCH_LOGICAL, mesh, rules=rules, where="batch"))
-
-
-def batch_shardings(batch: Mapping[str, object], mesh: Mesh, *, rules=RULES) -> dict[str, NamedSharding]:
-    """One sharding per array of a micro-batch dict, checking B divides the batch axes."""
-    s = batch_sharding(mesh, rules=rules)
-    out = {}
-    for k, v in batch.items():
-        shape = tuple(v.shape)
-        if len(shape) != 2:
-            raise ValueError(f"micro-batch[{k!r}]: expected a [B, L] array, got shape {shape}")
-        mesh_spec(BATCH_LOGICAL, mesh, shape=shape, rules=rules, where=f"micro-batch[{k!r}]")
-        out[k] = s
-    return out
