@@ -14,6 +14,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from gyre_jax import cells
@@ -98,11 +99,13 @@ def reference_step(params0, mbs):
     def ref(p, batch):
         loss, g = jax.value_and_grad(loss_fn)(p, batch)
         u, _ = tx.update(g, tx.init(p), p)
-        return loss, jax.tree.map(jnp.add, p, u)
+        return loss, jax.tree.map(jnp.add, p, u), optax.tree.norm(g)
 
     dev = jax.devices()[0]
-    loss, params = ref(jax.device_put(params0, dev), jax.device_put(full, dev))
-    return float(loss), jax.device_get(params)
+    loss, params, grad_norm = ref(jax.device_put(params0, dev), jax.device_put(full, dev))
+    # The gradient's norm too: AdamW's first update is nearly invariant to a uniform gradient scale,
+    # so params alone would not catch a step whose scale (or normaliser) was computed but not applied.
+    return float(loss), jax.device_get(params), float(grad_norm)
 
 
 def fresh_trainer(setup):
@@ -177,13 +180,13 @@ def reference(setup):
 
 def test_core_alone_matches_single_device_reference(core_alone, reference):
     rep, params = core_alone
-    ref_loss, ref_params = reference
+    ref_loss, ref_params, ref_grad_norm = reference
     assert rep.cell_of == (0,) * M
     assert rep.version == VERSION
     assert max_diff(params, ref_params) <= 1e-6 * param_scale(ref_params)
     assert rep.loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
     assert rep.stats["weight_sum"] == pytest.approx(1.0, rel=1e-5)
-    assert rep.grad_norm > 0 and rep.update_norm > 0
+    assert rep.grad_norm == pytest.approx(ref_grad_norm, rel=1e-5) and rep.update_norm > 0
 
 
 @pytest.mark.parametrize(
@@ -223,6 +226,7 @@ def test_single_cell_train_step_matches(setup, core_alone, reference):
     params = jax.device_get(new.params)
     assert max_diff(params, reference[1]) <= 1e-6 * param_scale(reference[1])
     assert float(metrics["loss"]) == pytest.approx(core_alone[0].loss, rel=1e-5)
+    assert float(metrics["grad_norm"]) == pytest.approx(reference[2], rel=1e-5)
     assert int(new.policy_version) == VERSION + 1 and int(new.step) == 1
     assert float(metrics["staleness_mean"]) == pytest.approx(core_alone[0].staleness_mean, rel=1e-6)
     assert float(metrics["staleness_max"]) == core_alone[0].staleness_max
@@ -364,9 +368,10 @@ def test_a_late_normalizer_scales_the_step(setup, reference):
     step = tr.start_step(heavy, more=True)
     step.close(grad_scale=0.25)
     rep = step.wait()
-    ref_loss, ref_params = reference
+    ref_loss, ref_params, ref_grad_norm = reference
     assert rep.grad_scale == 0.25 and rep.stats["weight_sum"] == pytest.approx(1.0, rel=1e-6)
     assert rep.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert rep.grad_norm == pytest.approx(ref_grad_norm, rel=1e-5)  # the scale reached the gradient
     assert max_diff(jax.device_get(tr.state.params), ref_params) <= 1e-6 * param_scale(ref_params)
 
 

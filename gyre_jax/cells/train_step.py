@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gyre_jax.losses.policy_gradient import combine_metrics
 from gyre_jax.sharding import RULES, batch_sharding
 from gyre_jax.cells.train_state import StateSpec, TrainState
 
@@ -118,22 +119,19 @@ def check_versions(mb: Mapping[str, np.ndarray], version: int, *, where: str) ->
 
 # Stat reductions as data (like gyre_jax.losses.METRIC_REDUCTIONS), so both the jitted
 # scan (needs identities to start from) and the host (float64 numpy) can apply them.
-_REDUCE_OPS = {"sum": (jnp.add, np.add), "min": (jnp.minimum, np.minimum), "max": (jnp.maximum, np.maximum)}
 _IDENTITY = {"sum": 0.0, "min": np.inf, "max": -np.inf}
 
 
 def stat_reduction(key: str, reductions: Mapping[str, str] | None) -> str:
     how = "sum" if reductions is None else reductions.get(key)
-    if how not in _REDUCE_OPS:
+    if how not in _IDENTITY:
         raise KeyError(f"no reduction (sum/min/max) for stat {key!r}; got {how!r}")
     return how
 
 
 def combine_stats(a: Mapping, b: Mapping, reductions: Mapping[str, str] | None, *, host: bool = False) -> dict:
-    """Merge two micro-batches' stats; ``reductions[k]`` in sum/min/max (None: all sum)."""
-    if a.keys() != b.keys():
-        raise ValueError(f"combine_stats: different stat keys {sorted(a)} vs {sorted(b)}")
-    return {k: _REDUCE_OPS[stat_reduction(k, reductions)][int(host)](a[k], b[k]) for k in a}
+    """Merge two micro-batches' stats with the losses' one combiner; ``reductions`` None: every stat sums."""
+    return combine_metrics(a, b, {k: stat_reduction(k, reductions) for k in a}, host=host)
 
 
 def make_grad_fn(loss_fn: LossFn):

@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gyre_jax.losses import corrections as _corrections  # noqa: F401 - registers the corrections
 from gyre_jax.losses.corrections import MismatchInputs, mismatch_metrics
@@ -220,12 +221,25 @@ class PolicyLossConfig:
         return names
 
 
-def combine_metrics(a: dict, b: dict) -> dict:
-    """Merge two micro-batches' metrics of one step (jittable, associative)."""
+_COMBINE_OPS = {"sum": (jnp.add, np.add), "min": (jnp.minimum, np.minimum), "max": (jnp.maximum, np.maximum)}
+
+
+def combine_metrics(a: Mapping, b: Mapping, reductions: Mapping[str, str] | None = None, *, host: bool = False) -> dict:
+    """Merge two micro-batches' metrics of one step (jittable, associative): the one metrics combiner.
+
+    ``reductions``: metric -> sum/min/max (default: the policy loss's ``METRIC_REDUCTIONS``);
+    ``host=True`` combines numpy values without touching a device (the elastic step's host sums).
+    """
     if a.keys() != b.keys():
         raise ValueError(f"combine_metrics: different metric keys {sorted(a)} vs {sorted(b)}")
-    ops = {"sum": jnp.add, "min": jnp.minimum, "max": jnp.maximum}
-    return {k: ops[METRIC_REDUCTIONS[k]](a[k], b[k]) for k in a}
+    table = METRIC_REDUCTIONS if reductions is None else reductions
+    out = {}
+    for k in a:
+        how = table.get(k)
+        if how not in _COMBINE_OPS:
+            raise KeyError(f"combine_metrics: no reduction (sum/min/max) for metric {k!r}; got {how!r}")
+        out[k] = _COMBINE_OPS[how][int(host)](a[k], b[k])
+    return out
 
 
 def mean_metrics(m: dict) -> dict:

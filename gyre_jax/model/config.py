@@ -110,10 +110,6 @@ class ModelConfig:
         m = self.vocab_pad_multiple
         return -(-self.vocab_size // m) * m
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

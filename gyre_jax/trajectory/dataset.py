@@ -93,9 +93,50 @@ class RowStream:
             self._closed = True
             self._cond.notify_all()
 
-    def num_rows(self, step: int) -> int:
+    def take(self, step: int, row: int, batch_size: int, seed: int, deadline: float | None):
+        """The next rows of the stream at or after (``step``, ``row``), waiting for producers.
+
+        Returns ``(step, lo, hi, rows, last)``: rows [lo, hi) of ``step`` in stream order (chunks
+        shuffled by ``seed``), at most ``batch_size`` of them, and whether they end the step. Only a
+        full batch with rows after it, or the tail of an ended step, is returned. Raises
+        StopIteration once the stream is closed with nothing left, TimeoutError past ``deadline``.
+        """
         with self._cond:
-            return self._counts.get(step, 0)
+            while True:
+                have = self._counts.get(step, 0)
+                ended = step in self._ended
+                if have > row + batch_size:
+                    break  # a full batch with rows after it: not the step's last
+                if ended:
+                    if row < have:
+                        break  # the step's remaining rows; the last batch is padded
+                    step, row = step + 1, 0  # step done (or empty)
+                    continue
+                if self._closed:
+                    raise StopIteration
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"StreamingDataset: timed out waiting for rows {row}..{row + batch_size} of step {step} "
+                        f"(have {have}); did the producer call end_step?"
+                    )
+                self._cond.wait(left)
+            hi = min(row + batch_size, have)
+            rows = self._rows(step, row, hi, seed)
+        return step, row, hi, rows, ended and hi == have
+
+    def _rows(self, step: int, lo: int, hi: int, seed: int) -> dict[str, np.ndarray]:
+        """Rows [lo, hi) of the step in stream order (chunks shuffled by their seed)."""
+        parts, off = [], 0
+        for c, chunk in enumerate(self._chunks[step]):
+            n = chunk["tokens"].shape[0]
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                perm = np.random.default_rng(_derive_seed(seed, step, c)).permutation(n)
+                sel = perm[a - off : b - off]
+                parts.append({k: v[sel] for k, v in chunk.items()})
+            off += n
+        return {k: np.concatenate([p[k] for p in parts]) for k in ROW_FIELDS}
 
 
 class StreamingDataset(grain.IterDataset):
@@ -125,50 +166,13 @@ class _StreamIterator(grain.DatasetIterator):
     def set_state(self, state: dict[str, Any]) -> None:
         self._step, self._row = int(state["step"]), int(state["row"])
 
-    def _rows(self, step: int, lo: int, hi: int) -> dict[str, np.ndarray]:
-        """Rows [lo, hi) of the step in stream order (chunks shuffled by their seed)."""
-        parts, off = [], 0
-        for c, chunk in enumerate(self._s._chunks[step]):
-            n = chunk["tokens"].shape[0]
-            a, b = max(lo, off), min(hi, off + n)
-            if a < b:
-                perm = np.random.default_rng(_derive_seed(self._seed, step, c)).permutation(n)
-                sel = perm[a - off : b - off]
-                parts.append({k: v[sel] for k, v in chunk.items()})
-            off += n
-        return {k: np.concatenate([p[k] for p in parts]) for k in ROW_FIELDS}
-
     def __next__(self) -> dict[str, np.ndarray]:
         self._assert_not_closed()
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        s = self._s
-        with s._cond:
-            while True:
-                have = s._counts.get(self._step, 0)
-                ended = self._step in s._ended
-                if have > self._row + self._b:
-                    break  # a full batch with rows after it: not the step's last
-                if ended:
-                    if self._row < have:
-                        break  # the step's remaining rows; the last batch is padded
-
-                    self._step, self._row = self._step + 1, 0  # step done (or empty)
-                    continue
-                if s._closed:
-                    raise StopIteration
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(
-                        f"StreamingDataset: waited {self._timeout}s for rows "
-                        f"{self._row}..{self._row + self._b} of step {self._step} (have {have}); "
-                        "did the producer call end_step?"
-                    )
-                s._cond.wait(left)
-            hi = min(self._row + self._b, have)
-            batch = self._rows(self._step, self._row, hi)
-        last = ended and hi == have
+        self._step, lo, hi, batch, last = self._s.take(self._step, self._row, self._b, self._seed, deadline)
+        self._row = lo
         if hi - self._row < self._b:
-            pad = _empty_rows(self._b - (hi - self._row), s.row_len)
+            pad = _empty_rows(self._b - (hi - self._row), self._s.row_len)
             batch = {k: np.concatenate([batch[k], pad[k]]) for k in ROW_FIELDS}
         batch["step"] = np.full(self._b, self._step, np.int32)
         batch["last_in_step"] = np.full(self._b, last)

@@ -432,9 +432,3 @@ def record_from_bytes(payload: bytes) -> Record:
         "output_logprobs": np.frombuffer(buf, _LE_F32, n_o, off + 4 * (n_p + n_o)),
     }
     return _from_header(d, arrays)
-
-
-def peek_header(payload: bytes) -> dict[str, Any]:
-    """The JSON header of an encoded record without decoding its arrays (for indexing)."""
-    (hlen,) = struct.unpack_from("<I", payload, 0)
-    return json.loads(payload[4 : 4 + hlen])

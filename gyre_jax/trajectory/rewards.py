@@ -108,9 +108,6 @@ class RewardResult:
         """Failure class -> count (what was kept out of training and statistics)."""
         return {s: self.counts[s] for s in FAILURE_STATUSES}
 
-    def advantage_of(self) -> dict:
-        return {rid: float(a) for rid, a, v in zip(self.rollout_ids, self.advantages, self.valid) if v}
-
 
 def _field(outcome: Any, name: str, i: int):
     try:
