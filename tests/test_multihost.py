@@ -108,7 +108,7 @@ def _finish(procs, timeout=180):
     return outs
 
 
-LAUNCH_LINE = re.compile(r"^launch: process (\d+) of (\d+) \((\S+)\): (\d+) local devices \(cpu\), (\d+) global$", re.M)
+LAUNCH_LINE = re.compile(r"^launch: process (\d+) of (\d+) \((\S+)\): (\d+) local devices \(cpu\), (\d+) global;", re.M)
 STEPS = 4
 # A tiny train_synthetic: 4 rows (one per device), a few steps; every field is a --config flag.
 SMALL = ["--config=configs/synthetic_train.py", f"--config.steps={STEPS}", "--config.log_every=2", "--config.rows=4",
