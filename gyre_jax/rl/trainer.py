@@ -296,7 +296,8 @@ class TrainerAdapter:
             if ev is None:
                 return
             kind, step, groups = ev
-            data = self._data.setdefault(step, _StepData())
+            with self._lock:  # the training thread pops it (_finish); RowStream's end_step orders the fields
+                data = self._data.setdefault(step, _StepData())
             if kind == "end":  # multi-step: the step's last group is in
                 self._end_step(step, data)
                 continue
@@ -372,7 +373,8 @@ class TrainerAdapter:
                 self._finish(step, t0, n_mb)
 
     def _finish(self, step: int, t0: float, n_mb: int) -> None:
-        data = self._data.pop(step)
+        with self._lock:
+            data = self._data.pop(step)
         self._step.close(grad_scale=data.grad_scale)
         if self.on_step_started is not None:
             self.on_step_started(step)  # the step runs; its update is neither kept nor saved yet
