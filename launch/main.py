@@ -25,13 +25,17 @@ A config with ``recoverable_processes=True`` keeps the run going when one proces
 """
 import logging as pylogging
 import os
+import signal
 import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from gyre_jax import distributed
-from gyre_jax.errors import ConfigError, RunFailed
+from gyre_jax.errors import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TERMINATED, ConfigError,
+                             RunFailed, Stopped, StorageError)
+from launch import cli_errors
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, metrics and plots.")
@@ -82,11 +86,15 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     quiet_logs()
+    try:
+        config = _CONFIG.value
+    except Exception as e:  # noqa: BLE001 - a missing file, a misspelled override: one line, exit 2
+        cli_errors.fail(cli_errors.explain_config_failure(
+            getattr(flags.FLAGS["config"], "config_filename", None), sys.argv[1:], e))
     import jax
 
     from gyre_jax import jobs
 
-    config = _CONFIG.value
     job = jobs.get(config.job)  # an unknown job fails here, before waiting on other processes
     # Before JAX's backend starts (the layout below starts it): XLA fixes the host
     # device count once. A job's own check (e.g. the RL loop's) then only verifies it.
@@ -97,20 +105,40 @@ def main(argv):
     distributed.size_cpu_client_threads(int(n_cpu or os.environ.get("JAX_NUM_CPU_DEVICES") or 1))
     info = distributed.layout(distributed.initialize(distributed_config(config)))
     workdir = _WORKDIR.value or config.get("workdir", None) or f"/tmp/gyre_jax/{config.job}"
+    cli_errors.check_workdir(workdir)
     kinds = sorted({d.device_kind for d in info.local_devices})
     line = (f"process {info.process_index} of {info.process_count} ({info.how}): {len(info.local_devices)} local "
             f"devices ({', '.join(kinds)}), {info.global_device_count} global")
     print(f"launch: {line}; job={config.job} workdir={workdir}", flush=True)
+    signal.signal(signal.SIGTERM, _stop_on_signal)  # like Ctrl-C: the loop saves, then one line
     try:
         job(config, workdir)
     except ConfigError as e:  # a bad value: its dotted name and why, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit(f"error: {e}", EXIT_CONFIG)
+    except StorageError as e:  # our disk: the path and why; nothing became a rollout failure
+        logging.error("storage failed", exc_info=e)
+        _exit(f"error: {e}; free space (or fix the device) and rerun the same command to resume", EXIT_STORAGE)
     except RunFailed as e:  # what failed; the job saved what it could and a rerun resumes
         logging.error("run failed", exc_info=e)  # the traceback, for the log file
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _exit(f"error: {e}", EXIT_FAILED)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the job saved what it trained
+        code = EXIT_TERMINATED if isinstance(e, Stopped) and e.signum == signal.SIGTERM else EXIT_INTERRUPTED
+        _exit(f"stopped: {e or 'SIGINT'}; what was trained is saved: rerun the same command to resume", code)
+
+
+def _stop_on_signal(signum, frame):
+    raise Stopped(signum)
+
+
+def _exit(line: str, code: int) -> None:
+    """One line, then exit; a thread that will not stop cannot keep the process alive past 30 s."""
+    print(line, file=sys.stderr, flush=True)
+    watchdog = threading.Timer(30.0, os._exit, args=(code,))
+    watchdog.daemon = True
+    watchdog.start()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
+    cli_errors.precheck(sys.argv[1:])
     app.run(main)

@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -254,3 +255,59 @@ def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
             o = store.outcome(rid)
             assert o.status == "infra_error" and o.score is None and "abandoned" in o.details["error"]
             assert o.num_calls == 1
+
+
+def test_a_full_disk_stops_the_run_naming_the_path_and_the_rerun_resumes(tmp_path):
+    """Our storage failing is never a rollout's failure: the run stops in seconds with a StorageError
+    (no infra_error outcome, no short group), and once there is room the same command resumes."""
+    from gyre_jax.errors import StorageError
+
+    wd = str(tmp_path / "elastic")
+    c = build(fake_config(3), wd, make_backend=fake_tiny_backend)
+    # From now on every frame the store appends meets a real ENOSPC (/dev/full), as on a full disk.
+    healthy_fd, c.store._wfd = c.store._wfd, os.open("/dev/full", os.O_WRONLY)
+    result: list = []
+
+    def run():
+        try:
+            drive(c)  # closes the store (and with it /dev/full's descriptor)
+            result.append(None)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            result.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(180)  # a run that hangs on its failed write (the bug this pins) fails here, not by hanging CI
+    os.close(healthy_fd)
+    assert not t.is_alive(), "the run did not stop after its store failed"
+    assert isinstance(result[0], StorageError), result
+    msg = str(result[0])
+    assert "No space left on device" in msg and os.path.join(wd, "store") in msg and "\n" not in msg, msg
+    outs, consumed, _ = store_view(wd)
+    assert outs == {} and consumed == {}  # nothing became data: no outcome, failed or not
+    summary = drive(build(fake_config(3), wd, make_backend=fake_tiny_backend))
+    assert summary["steps"] == 3
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == [] and all(not o.is_failure or "abandoned" in (o.details.get("error") or "")
+                                    for o in outs.values())
+    assert_consumed_once(outs, consumed)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--config", "configs/nope.py"], "error: --config=configs/nope.py: no such file"),
+    (["--config", "configs/demo.py", "--config.train.lrr=1"], "did you mean config.train.learning_rate?"),
+    (["--config", "configs/demo.py", "--config.trian.row_len=1"], "config has no field 'trian'; did you mean config.train?"),
+])
+def test_bad_command_lines_are_one_line_in_seconds(args, expect):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "launch.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and expect in lines[0], (p.returncode, p.stderr[-2000:])
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    p, seconds = _launch("--workdir", str(f))
+    assert p.returncode == 2 and p.stderr.strip() == f"error: --workdir={f}: exists and is not a directory", p.stderr

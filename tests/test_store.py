@@ -365,3 +365,39 @@ def test_damage_report_torn_tails(tmp_path):
             "a": ("outcome_maybe_damaged", (t1, t3)), "b": ("outcome_maybe_damaged", (t3,)),
             "c": ("call_damaged", (t2, t3))}
         assert st.unfinished_rollouts() == ["a", "b", "c"] and st.stats().damaged_rollouts == 3
+
+
+def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_written(tmp_path, monkeypatch):
+    """ENOSPC (a real one, from /dev/full) on the log, the cursor and the quarantine: a StorageError naming
+    the file; the index, the log and the cursor stay what they were, and appends work again once there is room."""
+    from gyre_jax.errors import StorageError
+    from gyre_jax.trajectory import store as store_mod
+
+    s = TrajectoryStore(str(tmp_path / "s"), run_id="run")
+    s.append(call("a", 0))
+    s.append(outcome("a"))
+    size = os.path.getsize(tmp_path / "s" / LOG_NAME)
+    healthy, s._wfd = s._wfd, os.open("/dev/full", os.O_WRONLY)
+    with pytest.raises(StorageError, match="No space left on device") as e:
+        s.append(call("b", 0))
+    assert str(tmp_path / "s" / LOG_NAME) in str(e.value)
+    assert os.path.getsize(tmp_path / "s" / LOG_NAME) == size and s.rollout_ids() == ["a"]
+    os.close(s._wfd)
+    s._wfd = healthy
+    s.append(call("b", 0))  # room again: the same record goes in
+    assert sorted(s.rollout_ids()) == ["a", "b"]
+
+    def full(path, obj):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "_atomic_write_json", full)
+    with pytest.raises(StorageError, match="cursor"):
+        s.mark_trained(["a"], step=0)
+    assert s.consumed() == {}  # memory says what the disk says
+    monkeypatch.setattr(store_mod, "_append_line", full)
+    with pytest.raises(StorageError, match="quarantin"):
+        s.append({"kind": "bogus"})
+    monkeypatch.undo()
+    s.mark_trained(["a"], step=0)
+    assert s.consumed()["a"]["state"] == "trained"
+    s.close()

@@ -231,6 +231,15 @@ class ElasticStep:
             self._grad_scale = float(grad_scale)
             self._cv.notify_all()
 
+    def abort(self, reason: str) -> None:
+        """Fail the step from outside (the run is stopping): every worker and the reducer stop
+        waiting for micro-batches, ``wait`` raises, the state is left as it was."""
+        with self._cv:
+            if self._error is None:
+                self._error = RuntimeError(f"elastic step aborted: {reason}")
+            self._open = False
+            self._cv.notify_all()
+
     def _exhausted(self, cell: Cell) -> bool:
         """Nothing left for ``cell`` (call under the lock). The core stays until every
         satellite has delivered: a satellite that fails hands its work back to it."""

@@ -405,6 +405,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
                         work_s=lambda tokens: trainer_ad.work_s_per_row * max(1.0, tokens / cfg.train.row_len),
                         next_group=max(existing, default=-1) + 1,
                         launched=steps_done * s.groups_per_step + len(ready), faults=faults)
+    launcher.on_error = wake.set
     launcher.resume(short)
     controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
     metrics = MetricsWriter(workdir, purge_step=steps_done)  # TensorBoard events + metrics.jsonl

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
+from gyre_jax.errors import StorageError
 from gyre_jax.agents.harness import RolloutRequest, group_requests, iter_rollouts
 from gyre_jax.trajectory.records import RolloutOutcome
 from gyre_jax.trajectory.vocab import STATUS_INFRA_ERROR
@@ -145,6 +146,8 @@ class Launcher:
         self.rerun_rollouts = 0  # rollouts re-run at resume (their first attempt was cut off)
         self._session = None
         self._futures: list[concurrent.futures.Future] = []
+        self.errors: list[BaseException] = []  # failures no group can survive (drive stops the run on them)
+        self.on_error: Callable[[], None] | None = None  # wakes the loop (set by build)
 
     # -- Protocol --
     def launch(self, n_groups: int, version: int) -> None:
@@ -172,7 +175,9 @@ class Launcher:
             self._groups_by_version[version] += 1
         if self.faults is not None:
             reqs = [self.faults.apply(r, self) for r in reqs]
-        self._futures.append(self.loop.submit(self._run_group(gid, version, reqs, list(finished))))
+        fut = self.loop.submit(self._run_group(gid, version, reqs, list(finished)))
+        fut.add_done_callback(self._group_done)
+        self._futures.append(fut)
 
     def launched_groups(self) -> int:
         return self._launched
@@ -213,20 +218,42 @@ class Launcher:
                     sandbox_limits_hit=sum(res.sandbox.get("limits_hit", {}).values())))
         except asyncio.CancelledError:
             raise  # the loop is closing
+        except StorageError as e:  # our disk, not the rollouts': no outcome is written, the run stops
+            self._fail(e)
+            return
         except Exception as e:  # noqa: BLE001 - the group must still end, or the policy waits for it forever
             log.exception("group %s: the harness failed; %d rollouts recorded as infra_error", gid, len(left))
             self.group_failures.append((gid, repr(e)))
-            for rid, req in left.items():
-                await asyncio.to_thread(self._record_failure, rid, req, gid, e)
-                ids.append(rid)
-                self._finished(rid, STATUS_INFRA_ERROR, dict(rollout_id=rid, status=STATUS_INFRA_ERROR, score=None,
-                                                             retries=0, calls=0, version=version, gen_tokens=0,
-                                                             exact=False))
+            try:
+                for rid, req in left.items():
+                    await asyncio.to_thread(self._record_failure, rid, req, gid, e)
+                    ids.append(rid)
+                    self._finished(rid, STATUS_INFRA_ERROR, dict(rollout_id=rid, status=STATUS_INFRA_ERROR, score=None,
+                                                                 retries=0, calls=0, version=version, gen_tokens=0,
+                                                                 exact=False))
+            except Exception as e2:  # noqa: BLE001 - recording the failure failed: the run must hear of it
+                self._fail(e2)
+                return
         # Ready before it stops counting as running: the policy must never see the group in
         # neither place, or it fills a step with a newer group and this one trains a step late.
         self.on_group(Group(gid, version, ids, self.work_s(tokens)))
         with self._lock:
             self._groups_by_version[version] -= 1
+
+    def _fail(self, e: BaseException) -> None:
+        """A group that cannot end: ``drive`` stops the run on ``errors`` at its next tick (never a short group)."""
+        log.error("launcher: %s", e)
+        self.errors.append(e)
+        if self.on_error is not None:
+            self.on_error()
+
+    def _group_done(self, fut: concurrent.futures.Future) -> None:
+        """Whatever escaped a group coroutine reaches ``errors`` (nobody else reads its future)."""
+        if fut.cancelled():
+            return
+        e = fut.exception()
+        if e is not None:
+            self._fail(e)
 
     def _finished(self, rid: str, status: str, result: dict) -> None:
         with self._lock:

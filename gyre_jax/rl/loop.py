@@ -37,7 +37,7 @@ import time
 
 import jax
 
-from gyre_jax.errors import RunFailed
+from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.progress import Progress
@@ -74,7 +74,11 @@ def _run_eval(c: Components, version: int, params) -> dict:
 
 
 def _errors(c: Components) -> list[tuple[str, BaseException]]:
-    return [(what, e) for what, errs in (("cells", c.pool.errors), ("trainer", c.trainer.errors)) for e in errs]
+    """Failures of background work the run cannot survive; a storage failure first (it names the path)."""
+    sources = (("cells", c.pool.errors), ("trainer", c.trainer.errors), ("rollouts", c.launcher.errors),
+               ("proxy", getattr(getattr(c.server, "proxy", None), "storage_errors", [])))
+    found = [(what, e) for what, errs in sources for e in list(errs)]
+    return sorted(found, key=lambda we: not isinstance(we[1], StorageError))
 
 
 def drive(c: Components) -> dict:
@@ -120,6 +124,8 @@ def drive(c: Components) -> dict:
             errors = _errors(c)
             if errors:
                 what, e = errors[0]
+                if isinstance(e, StorageError):
+                    raise e
                 raise RunFailed(f"{what}: {e!r}") from e
             c.controller.tick()
             take_records()
@@ -143,6 +149,8 @@ def drive(c: Components) -> dict:
     if failure is not None:
         if isinstance(failure, KeyboardInterrupt):
             raise failure
+        if isinstance(failure, StorageError):  # its own exit code; the message names the path
+            raise StorageError(failure.path, failure.what, failure.__cause__ or failure) from failure
         what = failure if isinstance(failure, RunFailed) else RunFailed(f"{type(failure).__name__}: {failure}")
         raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {what}; the last checkpoint and the "
                         f"trajectory store hold every finished rollout: rerun the same command to resume") from failure

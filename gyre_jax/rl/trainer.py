@@ -268,10 +268,18 @@ class TrainerAdapter:
         return self._steps_done
 
     def stop(self) -> None:
+        """End both threads; an open step is aborted (its update is not applied), so nothing waits for
+        micro-batches that will never come and the process can exit."""
         self._proc_q.put(None)
         self.stream.close()
+        with self._lock:
+            step = self._step
+        if step is not None:
+            step.abort("the run is stopping")
         for t in self._threads:
             t.join(60)
+            if t.is_alive():
+                log.error("trainer: thread %s did not stop within 60 s", t.name)
 
     # -- threads --
     def _guard(self, main, what: str) -> None:

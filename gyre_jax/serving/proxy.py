@@ -65,6 +65,7 @@ from gyre_jax.serving.proxy_identity import Binding, authorize, presented_key, r
 from gyre_jax.serving.proxy_stream import Sample, consume, gather_samples, stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
+from gyre_jax.errors import StorageError
 from gyre_jax.trajectory.records import ModelCallRecord, RecordError
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class Proxy:
         self._next_call: collections.Counter = collections.Counter()
         self._recorded: set[tuple[str, str, int]] = set()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="records")  # keeps order
+        self.storage_errors: list[BaseException] = []  # record writes our storage refused (the loop stops on them)
         self._inflight = 0
         self.counters: collections.Counter = collections.Counter()
         self._lat: collections.deque = collections.deque(maxlen=4096)
@@ -384,6 +386,10 @@ class Proxy:
         except RecordError:
             self.counters["record_errors"] += 1
             raise
+        except StorageError as e:  # our disk, not the harness's call: the run that owns the store stops on it
+            self.counters["storage_errors"] += 1
+            self.storage_errors.append(e)
+            raise ApiError(503, f"the call could not be recorded: {e}; the run is stopping", kind="api_error") from None
         self._recorded.add(key)
         self.counters["records_written"] += 1
         self.counters["completion_tokens"] += len(sample.tokens)

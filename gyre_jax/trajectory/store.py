@@ -99,6 +99,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from gyre_jax.errors import storage_error
 from gyre_jax.trajectory.records import (
     ModelCallRecord,
     Record,
@@ -493,20 +494,28 @@ class TrajectoryStore:
                     n -= k
                     if not len(bufs[0]):
                         bufs.pop(0)
-        except BaseException:
+        except BaseException as e:
             # Do not leave our own torn frame behind; undo the index entry too.
-            os.truncate(self._path(LOG_NAME), off)
             self._unindex_last(off)
+            try:
+                os.truncate(self._path(LOG_NAME), off)
+            except OSError:  # e.g. a read-only remount: the reader's torn-tail recovery handles what is left
+                log.exception("trajectory store %s: could not cut a failed write back to offset %d", self.directory, off)
+            if isinstance(e, OSError):
+                raise storage_error(self._path(LOG_NAME), "appending to", e) from e
             raise
         self._scanned = off + total
         self._dirty = True
         now = time.monotonic()
         if self.config.fsync == "always" or (self.config.fsync == "interval" and now - self._last_sync >= self.config.fsync_interval_s):
-            os.fsync(self._wfd)
+            try:
+                os.fsync(self._wfd)
+            except OSError as e:  # the frame may not be durable: say so, never carry on as if it were
+                raise storage_error(self._path(LOG_NAME), "syncing", e) from e
             self._last_sync, self._dirty = now, False
 
     def _unindex_last(self, off: int) -> None:
-        for rid, r in self._rollouts.items():
+        for rid, r in list(self._rollouts.items()):
             for ci, loc in list(r.calls.items()):
                 if loc[0] == off:
                     del r.calls[ci]
@@ -514,11 +523,16 @@ class TrajectoryStore:
             if r.outcome is not None and r.outcome[0] == off:
                 r.outcome = None
                 self._outcome_order.remove(rid)
+            if not r.calls and r.outcome is None:  # the failed frame was its first: it was never stored
+                del self._rollouts[rid]
 
     def _quarantine(self, raw, err: RecordError) -> None:
         entry = {"time": time.time(), "error": str(err), "where": err.where, "field": err.field, "record": raw}
         with self._lock:
-            _append_line(self._path(QUARANTINE_NAME), entry)
+            try:
+                _append_line(self._path(QUARANTINE_NAME), entry)
+            except OSError as e:  # the bad record must not be lost silently: the run stops instead
+                raise storage_error(self._path(QUARANTINE_NAME), "quarantining a record in", e) from e
         log.warning("trajectory store %s: quarantined %s", self.directory, err)
 
     # ------------------------------------------------------------------ read
@@ -653,7 +667,10 @@ class TrajectoryStore:
     def _persist_cursor(self) -> None:
         if self._cursor_lock_f is None:
             self._cursor_lock_f = self._take_lock("cursor.lock", "cursor")
-        _atomic_write_json(self._path(CURSOR_NAME), self.cursor_state())
+        try:
+            _atomic_write_json(self._path(CURSOR_NAME), self.cursor_state())
+        except OSError as e:
+            raise storage_error(self._path(CURSOR_NAME), "writing", e) from e
 
     def _consume(self, rollout_ids: Iterable[str], entry: dict) -> None:
         with self._lock:
@@ -670,7 +687,12 @@ class TrajectoryStore:
                 raise ValueError(f"rollout {rid!r} listed twice")
         for rid in ids:
             self._consumed[rid] = dict(entry, outcome_offset=self._rollouts[rid].outcome[0])
-        self._persist_cursor()
+        try:
+            self._persist_cursor()
+        except BaseException:  # what is in memory stays what is on disk: a later save writes no half-step
+            for rid in ids:
+                del self._consumed[rid]
+            raise
 
     def mark_trained(self, rollout_ids: Iterable[str], *, step: int) -> None:
         self._consume(rollout_ids, {"state": "trained", "step": int(step), "reason": None})
