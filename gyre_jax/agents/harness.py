@@ -305,7 +305,7 @@ class _Progress:
         self.done += 1
         self.statuses[result.status] += 1
         now = time.monotonic()
-        if now - self.last < self.every_s and self.done < self.total:
+        if self.every_s == float("inf") or (now - self.last < self.every_s and self.done < self.total):
             return
         self.last = now
         rate = self.done / max(now - self.t0, 1e-9)
@@ -316,10 +316,11 @@ class _Progress:
 
 async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfig, *, workspace_root: str | Path,
                         session: aiohttp.ClientSession | None = None, harness: Harness | None = None,
-                        keys: KeyIssuer | None = None) -> AsyncIterator[RolloutResult]:
+                        keys: KeyIssuer | None = None, progress_log: bool = True) -> AsyncIterator[RolloutResult]:
     """Run ``requests`` with ``harness`` (default: the built-in agent), at most
     ``config.concurrency`` in flight; yield each result as it finishes (so finished groups can
-    stream into training)."""
+    stream into training). ``progress_log=False`` where a caller shows its own progress (the RL
+    loop runs one group at a time through here)."""
     ids = [r.rollout_id for r in requests]
     dupes = sorted(k for k, n in collections.Counter(ids).items() if n > 1)
     if dupes:
@@ -330,7 +331,7 @@ async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfi
     harness = harness or make_harness("builtin")
     slots = asyncio.Semaphore(config.concurrency)
     grader_slots = asyncio.Semaphore(config.grader_slots)
-    progress = _Progress(len(requests))
+    progress = _Progress(len(requests), every_s=10.0 if progress_log else float("inf"))
     running = 0
 
     async def one(req: RolloutRequest) -> RolloutResult:

@@ -202,7 +202,7 @@ class Launcher:
             if self._session is None:
                 self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             async for res in iter_rollouts(reqs, self.hc, workspace_root=self.workspace_root, session=self._session,
-                                           harness=self.harness, keys=self.keys):
+                                           harness=self.harness, keys=self.keys, progress_log=False):
                 calls = await asyncio.to_thread(self._calls_of, res.rollout_id)
                 outcome = res.to_outcome(self.run_id, policy_versions=sorted({c.policy_version for c in calls}),
                                          num_calls=len(calls))

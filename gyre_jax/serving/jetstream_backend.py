@@ -368,4 +368,4 @@ class JetStreamBackend(Backend):
         self._closed = True
         t0 = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(None, self._driver.stop)
-        log.info("%s: driver stopped in %.2fs", self.name, time.perf_counter() - t0)
+        log.debug("%s: driver stopped in %.2fs", self.name, time.perf_counter() - t0)
