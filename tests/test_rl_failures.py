@@ -53,7 +53,10 @@ def fake_config(steps: int, **over) -> RLConfig:
     c.eval.every = 0
     for k, v in over.items():
         section, _, field = k.partition(".")
-        c[section][field] = v
+        if field:
+            c[section][field] = v
+        else:
+            c[section] = v
     return RLConfig.from_config(c)
 
 
@@ -311,3 +314,46 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
     f.write_text("x")
     p, seconds = _launch("--workdir", str(f))
     assert p.returncode == 2 and p.stderr.strip() == f"error: --workdir={f}: exists and is not a directory", p.stderr
+
+
+def test_a_failed_checkpoint_save_does_not_brick_the_workdir(tmp_path, monkeypatch):
+    """The periodic save after update 2 (every 2 steps: none before it) fails once: the run stops with one
+    line, no checkpoint is labelled with another version than its state's (asserted at save and load),
+    and the same command resumes and completes with every rollout consumed once."""
+    from gyre_jax.rl.checkpoint import Checkpointer
+
+    wd = str(tmp_path / "elastic")
+    real_save, calls = Checkpointer.save, []
+
+    def save_failing_once(self, step, **kw):
+        calls.append(step)
+        if step == 2 and calls.count(2) == 1:
+            raise OSError(5, "Input/output error")  # injected at the checkpoint's write site
+        return real_save(self, step, **kw)
+
+    monkeypatch.setattr(Checkpointer, "save", save_failing_once)
+    with pytest.raises(RunFailed):
+        drive(build(fake_config(4, checkpoint_every=2), wd, make_backend=fake_tiny_backend))
+    monkeypatch.undo()
+    summary = drive(build(fake_config(4, checkpoint_every=2), wd, make_backend=fake_tiny_backend))
+    assert summary["steps"] >= 2
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == []
+    assert_consumed_once(outs, consumed)
+    assert sorted({e["step"] for e in consumed.values()}) == [0, 1, 2, 3]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, capsys):
+    wd = str(tmp_path / "elastic")
+    drive(build(fake_config(2), wd, make_backend=fake_tiny_backend))
+    newest = os.path.join(wd, "checkpoints", "2")
+    assert os.path.isdir(newest), os.listdir(os.path.join(wd, "checkpoints"))
+    for root, _, files in os.walk(os.path.join(newest, "state")):
+        for f in files:  # every file of the state item cut to nothing, as a torn copy would leave it
+            open(os.path.join(root, f), "w").close()
+    summary = drive(build(fake_config(3), wd, make_backend=fake_tiny_backend))
+    assert "resumed from step 1" in capsys.readouterr().out
+    assert summary["steps"] == 2  # steps 1 and 2 again: step 2's update was lost with its checkpoint
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == []
+    assert_consumed_once(outs, consumed)

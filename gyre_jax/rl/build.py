@@ -289,7 +289,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     stream = RowStream(cfg.train.row_len)
     iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(core_mesh)),
-                                   data_iterator=iterator)
+                                   data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
     sft_history: list[dict] = []
     short: list[ResumedGroup] = []
     if restored is not None:
@@ -472,9 +472,24 @@ def _eval_due(cfg: RLConfig, version: int) -> bool:
     return bool(e) and (version % e == 0 or version >= cfg.steps)
 
 
+def check_checkpoint(restored, iterator) -> None:
+    """A checkpoint's label is its state's policy version and its data position's step (ValueError if not)."""
+    version = int(jax.device_get(restored.train_state.policy_version))
+    if version != restored.step:
+        raise ValueError(f"checkpoint step {restored.step} holds policy version {version}")
+    if iterator.get_state()["step"] != restored.step:
+        raise ValueError(f"checkpoint step {restored.step} holds data position {iterator.get_state()}")
+
+
 def save_checkpoint(ckpt: Checkpointer, trainer: TrainerAdapter, store, mode: str, version: int, *,
                     force: bool) -> None:
-    """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint."""
+    """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint.
+
+    Its label ``version`` must be the state's own policy version (a checkpoint whose label lies
+    cannot be resumed: the loop refuses it at load)."""
+    state_version = int(jax.device_get(trainer.trainer.state.policy_version))
+    if state_version != version:
+        raise RuntimeError(f"save_checkpoint: label {version} but the state is at policy version {state_version}")
     ckpt.save(version, train_state=trainer.trainer.state, store_cursor=store.cursor_state(),
               buffer=trainer.buffered_rollouts(), data_iterator=trainer.it, meta={"mode": mode}, force=force)
 

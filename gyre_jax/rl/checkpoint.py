@@ -289,13 +289,37 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._mngr.all_steps())
 
-    def restore_latest(self, abstract_train_state, *, data_iterator=None) -> Restored | None:
-        """Restore the newest finalized checkpoint, or None if there is none (fresh run)."""
-        step = self.latest_step()
-        if step is None:
+    def restore_latest(self, abstract_train_state, *, data_iterator=None, validate=None) -> Restored | None:
+        """Restore the newest intact checkpoint, or None if there is none (fresh run).
+
+        A checkpoint that fails to restore (damaged files) or that ``validate(restored)`` refuses
+        (raises ValueError, e.g. its label is not its state's version) is skipped with a warning
+        naming why, and the next older one is tried; if none is intact, the newest one's error is
+        raised (a run never silently starts fresh over checkpoints it could not read).
+        """
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
             log.info("checkpoint: none in %s; starting fresh", self.directory)
             return None
-        return self.restore(step, abstract_train_state, data_iterator=data_iterator)
+        first_error: BaseException | None = None
+        for step in steps:
+            try:
+                if data_iterator is not None and first_error is not None:
+                    data_iterator.set_state({"step": 0, "row": 0})  # a failed restore may have moved it
+                restored = self.restore(step, abstract_train_state, data_iterator=data_iterator)
+                if validate is not None:
+                    validate(restored)
+            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: try the one before it
+                first_error = first_error or e
+                log.warning("checkpoint: step %d in %s cannot be used (%s: %s); trying an older one", step,
+                            self.directory, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                continue
+            if first_error is not None:
+                print(f"rl: checkpoint(s) newer than step {step} could not be used ({type(first_error).__name__}: "
+                      f"{str(first_error).splitlines()[0] if str(first_error) else ''}); resumed from step {step}",
+                      flush=True)
+            return restored
+        raise first_error
 
     def restore(self, step: int, abstract_train_state, *, data_iterator=None) -> Restored:
         """Restore ``step`` onto the shardings of ``abstract_train_state`` (see ``abstract_like``).

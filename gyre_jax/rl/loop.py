@@ -166,7 +166,13 @@ def _save_after_failure(c: Components) -> None:
     """A checkpoint of the trained state if the last one is older (the store is durable:
     every finished rollout is pending again at resume, so only the order is saved here)."""
     try:
-        version = c.trainer.steps_done
+        # The state's own version, and only where the store's cursor already marks that update's rollouts
+        # trained (a failure between the update and mark_trained leaves the cursor behind: no save then).
+        version = c.trainer.cursor_version()
+        if version != c.trainer.trainer.version:
+            log.warning("rl: not saving after the failure: the state is at version %d, the store's cursor at %d; "
+                        "the rerun resumes from the last checkpoint", c.trainer.trainer.version, version)
+            return
         last = c.ckpt.latest_step()
         if version > 0 and (last is None or last < version) and c.trainer.trainer._running is None:
             # A failed step may have read some of its rows: the saved position is the step's

@@ -131,6 +131,7 @@ class TrainerAdapter:
         self._in_step: list[Group] = []  # handed to the processor for the open step, not yet trained
         self._queued_work_s = 0.0  # taken, not yet in the stream
         self._steps_done = steps_done
+        self._cursor_version = steps_done
         self._updating = False
         self._last_group_t = 0.0  # when the open step took its last group (its training's remaining part starts)
         self._step: ElasticStep | None = None
@@ -267,6 +268,10 @@ class TrainerAdapter:
     def steps_done(self) -> int:
         return self._steps_done
 
+    def cursor_version(self) -> int:
+        """The newest policy version whose rollouts the store's cursor marks consumed (what a save may label)."""
+        return self._cursor_version
+
     def stop(self) -> None:
         """End both threads; an open step is aborted (its update is not applied), so nothing waits for
         micro-batches that will never come and the process can exit."""
@@ -396,6 +401,7 @@ class TrainerAdapter:
         for status in sorted({o.status for o in failed}):
             self.store.mark_dropped([o.rollout_id for o in failed if o.status == status], step=version - 1,
                                     reason=status)
+        self._cursor_version = version  # the store's cursor now covers every update up to this version
         for cell, err in report.failed_cells:
             if self.on_failed_cell is not None:
                 self.on_failed_cell(cell, f"training failed in step {step}: {err}")
