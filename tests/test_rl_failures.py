@@ -357,3 +357,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, capsy
     outs, consumed, unfinished = store_view(wd)
     assert unfinished == []
     assert_consumed_once(outs, consumed)
+
+
+def test_a_second_run_on_a_busy_workdir_is_refused_in_seconds(tmp_path):
+    with TrajectoryStore(str(tmp_path / "elastic" / "store"), run_id="rl"):  # a run holding the workdir
+        p, seconds = _launch("--workdir", str(tmp_path), "--config.sft.steps=0")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, (p.returncode, p.stderr[-2000:])
+    assert lines[0].startswith(f"error: --workdir={tmp_path}: another run is using it"), lines
+    assert seconds < 30

@@ -53,7 +53,7 @@ from gyre_jax.serving.router import Router
 from gyre_jax.serving.server_thread import ServerThread
 from gyre_jax.serving.tokenizer import ByteTokenizer, load_tokenizer
 from gyre_jax.trajectory.dataset import RowStream, StreamingDataset
-from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore
+from gyre_jax.trajectory.store import StoreBusy, StoreConfig, TrajectoryStore
 
 log = logging.getLogger(__name__)
 RUN_ID = "rl"
@@ -256,6 +256,13 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     if not multi:
         ensure_cpu_devices(cfg.num_cpu_devices)
     n_cells = cfg.check_devices(len(jax.devices()))
+    # The store first: its writer lock says whether another run owns this workdir, before any work starts.
+    try:
+        store = TrajectoryStore(os.path.join(workdir, "store"), run_id=RUN_ID,
+                                config=StoreConfig(vocab_size=cfg.model.vocab_size))
+    except StoreBusy as e:
+        raise ConfigError(f"--workdir={os.path.dirname(workdir)}: another run is using it ({e}); stop that run "
+                          "or choose another --workdir") from None
     tok = _tokenizer(cfg)
     mc = cfg.model
     if tok.vocab_size > mc.vocab_size:
@@ -277,11 +284,11 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     steps = _cell_steps(cfg)
     spec = steps.spec
     # Each satellite process compiles its own cell's step.
-    warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if multi else cs, cfg), name="gyre-warm")
+    warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if multi else cs, cfg), name="gyre-warm",
+                            daemon=True)  # a run that fails during set-up must not wait for its compiles
     warm.start()  # compile every cell's training step while SFT and set-up run
 
     # State: the last checkpoint (with the data position and the buffer), or a fresh model.
-    store = TrajectoryStore(os.path.join(workdir, "store"), run_id=RUN_ID, config=StoreConfig(vocab_size=mc.vocab_size))
     ckpt = Checkpointer(CheckpointConfig(directory=os.path.join(workdir, "checkpoints"), max_to_keep=2,
                                          save_interval_steps=cfg.checkpoint_every or cfg.steps,
                                          this_process_only=multi))  # pods: the core alone owns and saves the state

@@ -120,6 +120,10 @@ LOG_NAME, META_NAME, CURSOR_NAME = "log.bin", "meta.json", "cursor.json"
 QUARANTINE_NAME, EVENTS_NAME, TORN_DIR = "quarantine.jsonl", "events.jsonl", "torn"
 
 
+class StoreBusy(RuntimeError):
+    """Another process has this store open for writing (or holds its cursor)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StoreConfig:
     fsync: str = "interval"  # 'always' | 'interval' | 'never' (module docstring)
@@ -347,7 +351,7 @@ class TrajectoryStore:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise RuntimeError(f"another process holds the {what} lock of {self.directory}") from None
+            raise StoreBusy(f"another process holds the {what} lock of {self.directory}") from None
         return f
 
     def refresh(self) -> int:
