@@ -1,6 +1,7 @@
 """The tiny_tests family: a run_tests tool whose suite takes heavy-tailed wall time in a
 real sandboxed subprocess, a receipt the agent cannot forge, and its grading."""
 import asyncio
+import os
 import math
 import statistics
 import time
@@ -134,3 +135,16 @@ def test_suite_output_reports_each_case(tmp_path):
     receipt = (tmp_path / ts.RECEIPT_FILE).read_text()
     assert ts.receipt_valid(task.params["receipt_key"], receipt, task.params["expected"].encode())
     assert not ts.receipt_valid(task.params["receipt_key"], receipt, b"other")
+
+
+def test_a_fifo_planted_as_the_receipt_does_not_freeze_run_tests(tmp_path):
+    task = tiny_tests.make_task(1, test_time_scale=0.0)
+    ws = Workspace(tmp_path, test_suite=test_suite(task))
+    ws.write_file("answer.txt", task.params["expected"])
+    os.mkfifo(tmp_path / ts.RECEIPT_FILE)
+
+    async def run():
+        return await asyncio.wait_for(ws.call("run_tests", {}), 30)
+
+    with pytest.raises(ToolError, match="not a regular file|cannot open"):
+        asyncio.run(run())

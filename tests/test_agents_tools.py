@@ -126,3 +126,40 @@ def test_config_validation():
     with pytest.raises(TypeError):
         HarnessConfig(base_url="http://x/v1", max_turn=3)  # misspelled field fails loudly
     assert HarnessConfig(base_url="http://x/v1/").base_url == "http://x/v1"
+
+
+@pytest.mark.parametrize("name, args, says", [
+    ("run", {"command": "true", "timeout_s": float("nan")}, "finite"),
+    ("run", {"command": "true", "timeout_s": float("inf")}, "finite"),
+    ("write_file", {"path": "a\x00b", "content": "x"}, "NUL"),
+    ("write_file", {"path": "a", "content": "x\ud800y"}, "not valid text"),
+    ("run", {"command": "echo \udcff"}, "not valid text"),
+])
+def test_arguments_json_accepts_but_no_os_call_does_are_tool_errors(tmp_path, name, args, says):
+    """The policy can no longer turn its own rollout into an infra_error (dropped from training) with them."""
+    ws = Workspace(tmp_path)
+    with pytest.raises(ToolError, match=says):
+        asyncio.run(ws.call(name, args))
+
+
+def test_file_tools_never_block_on_a_fifo_or_device(tmp_path):
+    """A FIFO planted by the policy froze the trainer's event loop (write_file waited for a reader)."""
+    os.mkfifo(tmp_path / "answer.txt")
+    ws = Workspace(tmp_path)
+
+    async def calls():
+        out = []
+        for name, args in (("write_file", {"path": "answer.txt", "content": "42"}),
+                           ("read_file", {"path": "answer.txt"})):
+            try:
+                out.append(await asyncio.wait_for(ws.call(name, args), 5))
+            except ToolError as e:
+                out.append(f"ToolError: {e}")
+        return out
+
+    wrote, read = asyncio.run(calls())
+    assert wrote.startswith("ToolError") and "answer.txt" in wrote, wrote
+    assert read.startswith("ToolError") and "not a regular file" in read, read
+    os.symlink("/dev/zero", tmp_path / "z")  # a link out of the workspace is refused by path, a device by type
+    with pytest.raises(ToolError):
+        ws.read_file("z")

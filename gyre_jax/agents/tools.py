@@ -32,9 +32,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,7 +121,50 @@ def check_args(name: str, args: Any) -> dict:
         want = _ARG_TYPES[props[key]["type"]]
         if not isinstance(value, want) or isinstance(value, bool):
             raise ToolError(f"{name}: argument {key!r} must be {props[key]['type']}, got {type(value).__name__}")
+        # The policy writes these: what Python's json accepts but no OS call does is the model's mistake
+        # (an observation it can act on), never an infrastructure failure that drops the rollout.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ToolError(f"{name}: argument {key!r} must be a finite number, got {value!r}")
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise ToolError(f"{name}: argument {key!r} contains a NUL byte")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ToolError(f"{name}: argument {key!r} is not valid text ({e.reason} at index {e.start})") from None
     return args
+
+
+def _open_regular(path: Path, flags: int, what: str) -> int:
+    """A descriptor of the regular file at ``path``, never blocking and never following a last-component link:
+    a FIFO, device or socket the policy planted is refused (opening a FIFO would freeze the event loop)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ToolError(f"{what}: cannot open {path.name!r}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ToolError(f"{what}: {path.name!r} is not a regular file")
+        os.set_blocking(fd, True)  # a regular file: reads and writes complete; only the open had to not block
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_regular(path: Path, data: bytes, what: str) -> None:
+    fd = _open_regular(path, os.O_WRONLY | os.O_CREAT, what)
+    with os.fdopen(fd, "wb") as f:
+        f.truncate(0)  # after the checks: a FIFO is never truncated or written
+        f.write(data)
+
+
+def read_regular(path: Path, limit: int, what: str) -> tuple[bytes, int]:
+    """(at most ``limit`` bytes, the file's size) of a regular file."""
+    fd = _open_regular(path, os.O_RDONLY, what)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit), os.fstat(f.fileno()).st_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,18 +278,17 @@ class Workspace:
         if p.is_dir():
             raise ToolError(f"write_file: {path!r} is a directory")
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
+        write_regular(p, data, "write_file")
         if self.sandbox is not None:  # written by the trainer: hand it to the rollout's user
             self.sandbox.chown_new(p)
         return f"wrote {len(data)} bytes to {path}"
 
     def read_file(self, path: str) -> str:
         p = self.resolve(path)
-        if not p.is_file():
+        if not p.exists():
             raise ToolError(f"read_file: no file {path!r}")
-        size = p.stat().st_size
-        with open(p, "rb") as f:  # no more than is shown: the file may be as large as the disk limit
-            data = f.read(self.max_output_bytes)
+        # no more than is shown: the file may be as large as the disk limit
+        data, size = read_regular(p, self.max_output_bytes, "read_file")
         text = data.decode(errors="replace")
         if size > len(data):
             text += f"\n[... {size - len(data)} more bytes]"
@@ -282,11 +326,12 @@ class Workspace:
         text, code = await self._exec(suite.command(), suite.timeout_s)
         if code is not None:  # the suite finished (passed or failed): it tested the current answer
             answer = self.root / suite.answer_file
-            tested = answer.read_bytes().strip() if answer.is_file() else b""
+            tested = (read_regular(answer, self.max_file_bytes, "run_tests")[0].strip()
+                      if answer.is_file() else b"")
             receipt = self.root / ts.RECEIPT_FILE
             if receipt.is_symlink() or receipt.is_dir():  # an agent's object in the way: not followed
                 raise ToolError(f"run_tests: {ts.RECEIPT_FILE} must not be a link or directory")
-            receipt.write_text(ts.receipt(suite.receipt_key, tested))
+            write_regular(receipt, ts.receipt(suite.receipt_key, tested).encode(), "run_tests")
             if self.sandbox is not None:
                 self.sandbox.chown_new(receipt)
         return text
