@@ -190,3 +190,41 @@ def test_synth_tiny_every_feature_exact():
         assert set(mine) == set(ref), rid
         assert all(mine[key][:2] == ref[key] for key in ref)
     np.testing.assert_allclose(batch.rows.loss_weights.astype(np.float64).sum(), 1.0, rtol=1e-5)
+
+
+def test_tree_shape_counts_match_an_independent_count():
+    """Branch points against a plain count over the recorded sequences (a prefix where two different
+    next tokens follow is a fork); roles and repeated prompts counted from the records."""
+    from gyre_jax.trajectory.processor import tree_shape_counts
+    from gyre_jax.trajectory.tree import build_tree
+
+    rollouts = [make_rollout(f"r{i}", "t", seed=i) for i in range(3)]
+    linear = Rollout("lin", "t", np.random.default_rng(9))
+    ctx = linear.call([1, 2, 3], 2)
+    linear.call(ctx + [7], 2)
+    rollouts.append(linear)
+
+    def forks(calls):
+        seqs = [tuple(int(x) for x in np.concatenate([c.prompt_ids, c.output_ids])) for c in calls]
+        nxt = {}
+        for s in seqs:
+            for i in range(len(s)):
+                nxt.setdefault(s[:i], set()).add(s[i])
+        return sum(len(v) > 1 for v in nxt.values())
+
+    calls = [r.calls for r in rollouts]
+    got = tree_shape_counts(calls, [build_tree(cs) for cs in calls])
+    want_forks = [forks(cs) for cs in calls]
+    assert want_forks[-1] == 0 and min(want_forks[:3]) >= 2
+    assert got == dict(branch_points=sum(want_forks), branching_rollouts=3, compaction_calls=3, subagent_calls=3,
+                       retried_calls=3)
+
+
+def test_step_stats_carry_the_tree_shapes():
+    rs = [make_rollout(f"r{i}", "t", seed=i) for i in range(2)]
+    calls = [c for r in rs for c in r.calls]
+    batch = process_step(calls, [r.outcome("completed", s) for r, s in zip(rs, (0.0, 1.0))],
+                         ProcessorConfig(row_len=256))
+    st = batch.stats
+    assert (st.branching_rollouts, st.compaction_calls, st.subagent_calls, st.retried_calls) == (2, 2, 2, 2)
+    assert st.paths_total > 2 * 1 and st.expanded_tokens > st.packed_tokens  # packing shared prefixes once pays

@@ -68,6 +68,10 @@ def _check_run(workdir, summary, *, steps, rollouts):
         else:
             assert entry["state"] == "trained", (rid, entry)
     assert sum(summary["statuses"].values()) == rollouts
+    trees = summary["trees"]  # the run's tree shapes add up from the per-step records
+    assert trees["trained_rollouts"] == sum(r["trained_rollouts"] for r in lines) > 0
+    assert trees["dedup_factor_real"] == (sum(r["trees/expanded_tokens"] for r in lines)
+                                          / sum(r["trees/packed_tokens"] for r in lines)) >= 1.0
     for r in lines:  # staleness bounded by admission (S = 1)
         assert r["staleness_max"] <= 1
     return lines, outs

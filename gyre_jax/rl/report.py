@@ -67,6 +67,14 @@ class StepRecorder:
             "trainable_tokens_dropped": st["trainable_dropped"], "paths": st["paths_total"],
             "paths_kept": st["paths_selected"], "rollouts_truncated": st["rollouts_truncated"],
             "max_dropped_fraction": st["max_dropped_fraction"],
+            # What the trees did: branching, compactions, sub-agents, retries; dedup_factor above is
+            # the tokens every selected path would cost trained alone over the tokens packed.
+            **{f"trees/{k}": st[k] for k in ("branching_rollouts", "branch_points", "compaction_calls",
+                                              "subagent_calls", "retried_calls")},
+            "trees/paths_per_rollout": st["paths_total"] / max(st["trained_rollouts"], 1),
+            "trees/branch_points_per_rollout": st["branch_points"] / max(st["trained_rollouts"], 1),
+            "trees/branching_rollout_fraction": st["branching_rollouts"] / max(st["trained_rollouts"], 1),
+            "trees/expanded_tokens": st["expanded_tokens"], "trees/packed_tokens": st["packed_tokens"],
             "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate,
             "grad_scale": rep.grad_scale,
             **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
@@ -146,6 +154,7 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         "retries": int(sum(r["retries"] for r in launcher.results)),
         "injected_faults": injected,
         "sft_steps": len(sft_history), "sft_loss_last": sft_history[-1]["loss"] if sft_history else None,
+        "trees": tree_totals(h),
     }
     if evals:  # held-out eval (config.eval): the starting policy's and the last one's
         out.update(eval_first=evals[0]["eval_reward"], eval_last=evals[-1]["eval_reward"],
@@ -164,3 +173,21 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
                  f"{out['eval_first_version']} -> {out['eval_last_version']})" if evals else ""), flush=True)
     print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(workdir))), flush=True)
     return out
+
+
+def tree_totals(history: list[dict]) -> dict:
+    """What the trees did over the run's steps (the per-step ``trees/*`` fields, summed)."""
+    def total(k):
+        return int(sum(r.get(f"trees/{k}", 0) for r in history))
+
+    trained = int(sum(r.get("trained_rollouts", 0) for r in history))
+    packed = total("packed_tokens")
+    return {
+        "trained_rollouts": trained,
+        "branching_rollout_fraction": total("branching_rollouts") / max(trained, 1),
+        "paths_per_rollout": int(sum(r.get("paths", 0) for r in history)) / max(trained, 1),
+        "branch_points_per_rollout": total("branch_points") / max(trained, 1),
+        "compaction_calls": total("compaction_calls"), "subagent_calls": total("subagent_calls"),
+        "retried_calls": total("retried_calls"),
+        "dedup_factor_real": total("expanded_tokens") / packed if packed else 0.0,
+    }

@@ -88,7 +88,8 @@ def merge_stats(stats: Sequence[StepStats]) -> dict:
     """One step's numbers from the StepStats of its chunks (one for a whole step)."""
     out: dict = {}
     for k in ("rollouts", "trained_rollouts", "packed_tokens", "expanded_tokens", "trainable_targets", "paths_total",
-              "paths_selected", "trainable_unique", "trainable_selected", "trainable_dropped", "rollouts_truncated"):
+              "paths_selected", "trainable_unique", "trainable_selected", "trainable_dropped", "rollouts_truncated",
+              "branching_rollouts", "branch_points", "compaction_calls", "subagent_calls", "retried_calls"):
         out[k] = int(sum(getattr(s, k) for s in stats))
     failures: dict = {}
     for s in stats:

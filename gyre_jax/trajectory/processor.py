@@ -37,7 +37,7 @@ from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
 from gyre_jax.trajectory.select import SelectConfig, select_paths
 from gyre_jax.trajectory.serialize import PackedRows
 from gyre_jax.trajectory.tree import build_tree
-from gyre_jax.trajectory.vocab import FAILURE_STATUSES
+from gyre_jax.trajectory.vocab import FAILURE_STATUSES, ROLE_SUBAGENT, ROLE_SUMMARY
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,12 @@ class StepStats:
     seconds: dict  # phase -> wall seconds ('rebuild', 'select', 'pack', 'total')
     # The aggregation's normaliser: units (rollouts or tokens) in these rows, and what the
     # weights were divided by (a streamed step is rescaled by normalizer / its units' sum).
+    # What the trees did (trained rollouts): the shapes that make packing a tree once pay off.
+    branching_rollouts: int = 0  # rebuilt trees with more than one root-to-leaf path
+    branch_points: int = 0  # tree nodes with more than one child
+    compaction_calls: int = 0  # calls of role 'summary' (a context compacted)
+    subagent_calls: int = 0  # calls of role 'subagent'
+    retried_calls: int = 0  # calls whose prompt repeats the same agent's previous prompt (a retry or resample)
     weight_units: float = 0.0
     weight_normalizer: float = 0.0
     advantage_metrics: dict = dataclasses.field(default_factory=dict)  # the estimator's (counts)
@@ -213,7 +219,9 @@ def process_step(
     if rollout_index_offset:
         ri = np.where(ri >= 0, ri + rollout_index_offset, -1).astype(np.int32)
 
+    shape = tree_shape_counts([cs for _, cs in trained], trees)
     stats = StepStats(
+        **shape,
         rollouts=len(outcomes),
         trained_rollouts=len(trained),
         failures=dict(rew.counts),
@@ -251,3 +259,21 @@ def process_step(
         advantages=np.asarray(adv, np.float32).reshape(-1),
         stats=stats,
     )
+
+
+def tree_shape_counts(calls_per_rollout, trees) -> dict[str, int]:
+    """Branching, compaction, sub-agent and retry counts of rollouts (their calls and rebuilt trees)."""
+    out = dict(branching_rollouts=0, branch_points=0, compaction_calls=0, subagent_calls=0, retried_calls=0)
+    for cs, tree in zip(calls_per_rollout, trees):
+        if tree is not None:
+            forks = sum(len(n.children) > 1 for n in tree.walk())
+            out["branch_points"] += forks
+            out["branching_rollouts"] += forks > 0
+        last_prompt: dict[int, np.ndarray] = {}
+        for c in sorted(cs, key=lambda c: c.call_index):
+            out["compaction_calls"] += c.role == ROLE_SUMMARY
+            out["subagent_calls"] += c.role == ROLE_SUBAGENT
+            prev = last_prompt.get(c.agent_id)
+            out["retried_calls"] += prev is not None and np.array_equal(prev, c.prompt_ids)
+            last_prompt[c.agent_id] = c.prompt_ids
+    return {k: int(v) for k, v in out.items()}
