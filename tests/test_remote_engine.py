@@ -31,7 +31,7 @@ def test_remote_backend_streams_what_the_engine_generates_and_survives_bad_reque
         server = EngineServer(engine)
         url = await server.start("127.0.0.1")
         gone = []
-        remote = RemoteBackend("cell1", url, max_context=64, capacity=8, version=3)
+        remote = RemoteBackend("cell1", url, max_context=64, capacity=8, version=3, token=server.token)
         remote.on_unreachable = gone.append
         try:
             want, want_finish = await _drain(FakeBackend("ref", max_context=64).submit(_request("a")))
@@ -42,8 +42,14 @@ def test_remote_backend_streams_what_the_engine_generates_and_survives_bad_reque
             # An engine-side refusal is an EngineError naming the cell; the limit is checked core-side first.
             with pytest.raises(ValueError, match="over the limit of 64"):
                 remote.submit(_request("big", n=70))
+            # Anyone without the shared secret is refused, and nothing is generated for them.
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                async with aiohttp.ClientSession(headers=headers) as s:
+                    for path in ("/generate", "/cancel", "/export"):
+                        async with s.post(url + path, json={"request_id": "a", "prompt_ids": [1]}) as r:
+                            assert r.status == 401, (path, headers, r.status)
             # Bad requests get answers, and the server keeps serving.
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {server.token}"}) as s:
                 async with s.post(url + "/generate", data=b"{not json") as r:
                     assert r.status == 400 and "not JSON" in (await r.json())["error"]
                 async with s.post(url + "/generate", json={"prompt_ids": [1]}) as r:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 import logging
 
 import aiohttp
@@ -51,13 +52,25 @@ class EngineServer:
     Build and start it on the asyncio loop the backend runs on (``await start(host)``).
     """
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, token: str | None = None):
+        """``token``: the shared secret every request must carry (``Authorization: Bearer``); by default a
+        fresh one, published with the URL to the core only (the engine's endpoints can generate, cancel and
+        export live calls: nobody else on the host or network may reach them)."""
         self.backend = backend
+        self.token = token or secrets.token_hex(16)
         self._runner: web.AppRunner | None = None
         self.url = ""
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        got = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+            return web.json_response({"error": "unauthorized: the engine server takes requests from its core only"},
+                                     status=401)
+        return await handler(request)
+
     async def start(self, host: str = "127.0.0.1") -> str:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/cancel", self._cancel)
         app.router.add_post("/export", self._export)
@@ -167,8 +180,10 @@ class RemoteBackend(Backend):
     after the satellite reported it loaded).
     """
 
-    def __init__(self, name: str, url: str, *, max_context: int, capacity: int, version: int):
+    def __init__(self, name: str, url: str, *, max_context: int, capacity: int, version: int,
+                 token: str | None = None):
         self.name, self.url = name, url
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.max_context, self.capacity = int(max_context), int(capacity)
         self._version = int(version)
         self._active: set[str] = set()
@@ -186,7 +201,8 @@ class RemoteBackend(Backend):
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # made on the event loop that uses it
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                                  headers=self._headers)
         return self._session
 
     def set_version(self, version: int) -> None:

@@ -40,7 +40,7 @@ from gyre_jax.pods.transport import Transport, get, transfer_host
 
 log = logging.getLogger(__name__)
 
-ENGINE = "pods/engine/{process}/{generation}"  # JSON {"url", "max_context", "capacity"}
+ENGINE = "pods/engine/{process}/{generation}"  # JSON {"url", "token", "max_context", "capacity"}
 BYE = "pods/rl_bye/{process}"
 
 
@@ -86,7 +86,8 @@ def satellite_main(cfg, steps, make_backend, tok) -> dict:
             backend, server, url = asyncio.run_coroutine_threadsafe(make(), loop).result(900)
             box.update(backend=backend, server=server)
             transport.kv.key_value_set(ENGINE.format(process=me, generation=box["generation"]), json.dumps(
-                {"url": url, "max_context": backend.max_context, "capacity": backend.capacity}), allow_overwrite=True)
+                {"url": url, "token": server.token, "max_context": backend.max_context, "capacity": backend.capacity}),
+                allow_overwrite=True)
             print(f"pods satellite {me}: engine on cell {me} serving v{version} at {url} "
                   f"({time.perf_counter() - t0:.1f}s)", flush=True)
         else:
@@ -121,7 +122,7 @@ class Satellites:
             move = r.link.publish(params, version, p, timeout_s=timeout_s)
             d = json.loads(get(self.transport.kv, ENGINE.format(process=p, generation=r.link.generation),
                                timeout_s=timeout_s))
-            backends[p] = RemoteBackend(f"cell{p}", d["url"], max_context=d["max_context"], capacity=d["capacity"],
+            backends[p] = RemoteBackend(f"cell{p}", d["url"], token=d.get("token"), max_context=d["max_context"], capacity=d["capacity"],
                                         version=version)
             print(f"rl: satellite {p} engine at {d['url']}: v{version} published ({move.bytes / 1e6:.2f} MB in "
                   f"{move.seconds:.3f} s)", flush=True)
