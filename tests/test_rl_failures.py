@@ -137,6 +137,8 @@ def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
     # The same command, resumed (one step more, so the group added above fits the run's G x N groups).
     summary = drive(build(fake_config(5), wd, make_backend=fake_tiny_backend))
     assert summary["steps"] == 3  # this run trained steps 2, 3 and 4
+    assert summary["run"]["steps"] == 5 and summary["run"]["first_step"] == 0  # the run: every attempt's steps
+    assert summary["run"]["trees"]["trained_rollouts"] > summary["trees"]["trained_rollouts"]
     outs, consumed, unfinished = store_view(wd)
     assert unfinished == []
     for rid, entry in consumed_at_stop.items():

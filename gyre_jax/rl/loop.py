@@ -41,7 +41,7 @@ from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.progress import Progress
-from gyre_jax.rl.report import StepRecorder, run_summary, scalars
+from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ def drive(c: Components) -> dict:
     return run_summary(cfg=cfg, workdir=c.workdir, history=history, evals=c.evals, segments=segments,
                        n_cells=len(c.layout.cells), step_end_s=step_end_s, wall_rl=wall_rl,
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
-                       pool=c.pool, server=c.server, injected=injected, sft_history=c.start.sft_history)
+                       pool=c.pool, server=c.server, injected=injected, sft_history=c.start.sft_history,
+                       earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done))
 
 
 def _save_after_failure(c: Components) -> None:

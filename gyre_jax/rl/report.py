@@ -126,8 +126,11 @@ class StepRecorder:
 
 def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], segments, n_cells: int,
                 step_end_s: list[float], wall_rl: float, wall: float, launcher, timeline, pool, server, injected: dict,
-                sft_history: list[dict]) -> dict:
-    """summary.json (and the timeline PNG) of this run; printed as one line plus the modes table."""
+                sft_history: list[dict], earlier: list[dict] = ()) -> dict:
+    """summary.json (and the timeline PNG) of this run; printed as one line plus the modes table.
+
+    ``earlier``: the step records of attempts before this one (a resumed run), oldest first."""
+    earlier = list(earlier)
     h = history
     k = min(cfg.first_last, max(1, len(h) // 2))
     first = float(np.nanmean([r["reward"] for r in h[:k]])) if h else float("nan")
@@ -155,6 +158,9 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         "injected_faults": injected,
         "sft_steps": len(sft_history), "sft_loss_last": sft_history[-1]["loss"] if sft_history else None,
         "trees": tree_totals(h),
+        # This attempt's numbers are above; after a resume, "run" describes every step the run trained
+        # (the earlier attempts' steps from metrics.jsonl, which keeps exactly one line per step).
+        "run": whole_run(earlier + h, cfg.first_last),
     }
     if evals:  # held-out eval (config.eval): the starting policy's and the last one's
         out.update(eval_first=evals[0]["eval_reward"], eval_last=evals[-1]["eval_reward"],
@@ -191,3 +197,33 @@ def tree_totals(history: list[dict]) -> dict:
         "retried_calls": total("retried_calls"),
         "dedup_factor_real": total("expanded_tokens") / packed if packed else 0.0,
     }
+
+
+def whole_run(records: list[dict], first_last: int) -> dict:
+    """The run across its attempts: steps, first and last reward, staleness, tree totals."""
+    k = min(first_last, max(1, len(records) // 2))
+    rewards = [r.get("reward", float("nan")) for r in records]
+    return {
+        "steps": len(records),
+        "first_step": int(records[0]["step"]) if records else None,
+        "reward_first": float(np.nanmean(rewards[:k])) if records else float("nan"),
+        "reward_last": float(np.nanmean(rewards[-k:])) if records else float("nan"),
+        "staleness_max": float(max((r.get("staleness_max", 0.0) for r in records), default=0.0)),
+        "trees": tree_totals(records),
+    }
+
+
+def earlier_records(jsonl_path: str, before_step: int) -> list[dict]:
+    """Step records of metrics.jsonl with step < ``before_step`` (what earlier attempts trained)."""
+    if before_step <= 0 or not os.path.exists(jsonl_path):
+        return []
+    out = []
+    with open(jsonl_path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a killed attempt
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < before_step:
+                out.append(rec)
+    return sorted(out, key=lambda r: r["step"])
