@@ -243,14 +243,23 @@ def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
         store.append(_call("g00004-0", "g00004", 3))
         store.append(_outcome("g00004-0", "g00004", 3))
         store.mark_trained(["g00004-0"], step=3)
+        # g00005: a group a first resume finished, its original rollouts at version 4 and its re-run slots
+        # at the restored version 2; a second stop before the next checkpoint rewinds to step 2 again.
+        for rid, v in (("g00005-0", 4), ("g00005-1", 4), ("g00005-2.r1", 2), ("g00005-3.r1", 2)):
+            store.append(_call(rid, "g00005", v))
+            store.append(_outcome(rid, "g00005", v))
         pending = store.pending_rollouts()
         complete, short = resume_plan(store, "rl", 4, 5, pending)
+        g5 = [g for g in complete if g.group_id == "g00005"]
+        assert [g.version for g in g5] == [4]  # not 2: the trainer must have reached version 4 to train it
+        complete = [g for g in complete if g.group_id != "g00005"]
         assert [(g.group_id, g.version, g.rollout_ids) for g in complete] == [
             ("g00001", 3, [f"g00001-{k}" for k in range(4)])]
         by_id = {g.group_id: g for g in short}
         assert sorted(by_id) == ["g00002", "g00003"]
         g2, g3 = by_id["g00002"], by_id["g00003"]
-        assert (g2.number, g2.version, g2.finished, g2.abandoned) == (2, 2, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
+        # Dated by the newest tokens it will train: its re-runs are sampled now, at step 5.
+        assert (g2.number, g2.version, g2.finished, g2.abandoned) == (2, 5, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
         assert g2.rerun == ("g00002-2.r1", "g00002-3.r1")
         assert (g3.version, g3.finished, g3.abandoned) == (5, (), ("g00003-1",))
         assert g3.rerun == ("g00003-0.r1", "g00003-1.r1", "g00003-2.r1", "g00003-3.r1")

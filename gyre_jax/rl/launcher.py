@@ -55,7 +55,7 @@ class ResumedGroup:
 
     group_id: str
     number: int  # g in the group id (the task seed)
-    version: int  # oldest policy version of its finished rollouts
+    version: int  # newest policy version of the tokens it will train (finished rollouts, re-runs at resume)
     finished: tuple[str, ...]  # rollout ids with an outcome (kept)
     rerun: tuple[str, ...]  # new rollout ids for the missing slots
     abandoned: tuple[str, ...]  # attempts that were in flight at the kill (infra_error outcomes now)
@@ -98,13 +98,16 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
         by_slot = slots[gid]
         finished = [r for k in sorted(by_slot) for r in by_slot[k] if r in pending_set]
         done_slots = {k for k, ids in by_slot.items() if any(r in pending_set for r in ids)}
-        # The group's admission version: the oldest policy that served any of its calls.
+        # The group's version: the step it may be trained in at the earliest, i.e. the newest policy that
+        # sampled any token it will train (its finished rollouts, and the re-run slots, sampled now at
+        # steps_done). Dating it by the oldest (as before) let a group that a first resume had finished
+        # with re-runs be taken before the trainer reached its newest tokens: every later resume then
+        # failed with "sampled by policy version v, newer than the version being trained".
         versions = [v for r in finished for v in store.outcome(r).policy_versions]
-        versions += [c.policy_version for k in by_slot for r in by_slot[k] if r in unfinished for c in store.calls(r)]
-        version = min(versions) if versions else steps_done
         if len(done_slots) >= group_size:
-            complete.append(Group(gid, version, finished, 0.0))
+            complete.append(Group(gid, max(versions, default=steps_done), finished, 0.0))
             continue
+        version = max(versions + [steps_done])
         abandoned = tuple(r for k in sorted(by_slot) for r in by_slot[k] if r in unfinished)
         rerun = []
         for k in range(group_size):
