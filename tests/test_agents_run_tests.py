@@ -68,7 +68,7 @@ def test_demonstration_runs_the_suite_without_its_wait_and_scores_one():
 
 
 def test_workspace_without_a_suite_refuses(tmp_path):
-    ws = Workspace(tmp_path)
+    ws = Workspace(tmp_path, sandbox=None)
     with pytest.raises(ToolError, match="no test suite"):
         asyncio.run(ws.call("run_tests", {}))
     with pytest.raises(ToolError, match="unexpected argument"):
@@ -126,7 +126,7 @@ def test_rollouts_wait_on_real_suites_concurrently_and_only_tested_answers_earn_
 
 def test_suite_output_reports_each_case(tmp_path):
     task = tiny_tests.make_task(1, test_time_scale=0.0)  # an instant suite: the cases, not the wait
-    ws = Workspace(tmp_path, test_suite=test_suite(task))
+    ws = Workspace(tmp_path, sandbox=None, test_suite=test_suite(task))
     wrong = asyncio.run(ws.call("run_tests", {}))
     assert wrong.startswith("exit code 1") and "test_file_exists FAILED" in wrong and "0 passed, 3 failed" in wrong
     ws.write_file("answer.txt", task.params["expected"])
@@ -139,7 +139,7 @@ def test_suite_output_reports_each_case(tmp_path):
 
 def test_a_fifo_planted_as_the_receipt_does_not_freeze_run_tests(tmp_path):
     task = tiny_tests.make_task(1, test_time_scale=0.0)
-    ws = Workspace(tmp_path, test_suite=test_suite(task))
+    ws = Workspace(tmp_path, sandbox=None, test_suite=test_suite(task))
     ws.write_file("answer.txt", task.params["expected"])
     os.mkfifo(tmp_path / ts.RECEIPT_FILE)
 

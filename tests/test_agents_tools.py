@@ -48,7 +48,7 @@ def test_check_args_names_the_problem():
 
 
 def test_workspace_tools_and_path_safety(tmp_path):
-    ws = Workspace(tmp_path / "w", max_output_bytes=64)
+    ws = Workspace(tmp_path / "w", sandbox=None, max_output_bytes=64)
     ws.root.mkdir()
     assert ws.write_file("d/a.txt", "hello") == "wrote 5 bytes to d/a.txt"
     assert ws.read_file("d/a.txt") == "hello"
@@ -67,8 +67,8 @@ def test_workspace_tools_and_path_safety(tmp_path):
 def test_run_tool_reports_exit_code_truncates_and_times_out(tmp_path):
     # Quick commands get a generous cap so a loaded machine cannot time them out;
     # the time-limit check uses its own workspace with a short cap.
-    ws = Workspace(tmp_path, max_output_bytes=32, command_timeout_s=30.0)
-    capped = Workspace(tmp_path, max_output_bytes=32, command_timeout_s=0.5)
+    ws = Workspace(tmp_path, sandbox=None, max_output_bytes=32, command_timeout_s=30.0)
+    capped = Workspace(tmp_path, sandbox=None, max_output_bytes=32, command_timeout_s=0.5)
 
     async def main():
         ok = await ws.run("echo hi; exit 3")
@@ -137,7 +137,7 @@ def test_config_validation():
 ])
 def test_arguments_json_accepts_but_no_os_call_does_are_tool_errors(tmp_path, name, args, says):
     """The policy can no longer turn its own rollout into an infra_error (dropped from training) with them."""
-    ws = Workspace(tmp_path)
+    ws = Workspace(tmp_path, sandbox=None)
     with pytest.raises(ToolError, match=says):
         asyncio.run(ws.call(name, args))
 
@@ -145,7 +145,7 @@ def test_arguments_json_accepts_but_no_os_call_does_are_tool_errors(tmp_path, na
 def test_file_tools_never_block_on_a_fifo_or_device(tmp_path):
     """A FIFO planted by the policy froze the trainer's event loop (write_file waited for a reader)."""
     os.mkfifo(tmp_path / "answer.txt")
-    ws = Workspace(tmp_path)
+    ws = Workspace(tmp_path, sandbox=None)
 
     async def calls():
         out = []
@@ -163,3 +163,9 @@ def test_file_tools_never_block_on_a_fifo_or_device(tmp_path):
     os.symlink("/dev/zero", tmp_path / "z")  # a link out of the workspace is refused by path, a device by type
     with pytest.raises(ToolError):
         ws.read_file("z")
+
+
+def test_a_workspace_without_a_sandbox_choice_is_refused(tmp_path):
+    """No isolation is a spelled-out choice (sandbox=None), never what a forgotten argument gives."""
+    with pytest.raises(TypeError, match="sandbox"):
+        Workspace(tmp_path)

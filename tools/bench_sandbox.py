@@ -49,7 +49,7 @@ DEMO_ROLLOUTS = 60 * 64
 
 
 async def _command_ms(n: int, root: Path) -> tuple[float, float]:
-    plain = Workspace(root / "plain")
+    plain = Workspace(root / "plain", sandbox=None)
     (root / "plain").mkdir()
     box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap"), root / "boxed", family="bench", name="bench")
     (root / "boxed").mkdir()

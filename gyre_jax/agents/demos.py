@@ -50,7 +50,7 @@ async def ademonstration(task: Task, config: HarnessConfig | None = None, *, tex
         return ChatReply(replies[turn], "stop", None, 0)
 
     with tempfile.TemporaryDirectory(prefix="gyre_demo_") as tmp:
-        ws = tools.Workspace(tmp, max_output_bytes=config.max_tool_output_bytes,
+        ws = tools.Workspace(tmp, sandbox=None, max_output_bytes=config.max_tool_output_bytes,
                              command_timeout_s=config.command_timeout_s, test_suite=test_suite(task),
                              test_wait=False)  # the suite's result text, not its 1-30 s, shapes the transcript
         for rel, content in task.setup_files.items():

@@ -249,9 +249,12 @@ def truncate_tail(text: str, limit: int) -> str:
 class Workspace:
     """File and command tools rooted at one rollout's directory."""
 
-    def __init__(self, root: str | os.PathLike, *, max_output_bytes: int = 4096,
-                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20, sandbox: "Sandbox | None" = None,
+    def __init__(self, root: str | os.PathLike, *, sandbox: "Sandbox | None", max_output_bytes: int = 4096,
+                 command_timeout_s: float = 30.0, max_file_bytes: int = 1 << 20,
                  test_suite: "TestSuite | None" = None, test_wait: bool = True):
+        """``sandbox``: where commands run, and a required choice: ``sandbox=None`` runs the policy's
+        commands on the host, unconfined (tests, scripted demonstrations); a library user gets no
+        isolation by forgetting an argument."""
         self.root = Path(root).resolve()
         self.max_output_bytes = max_output_bytes
         self.command_timeout_s = command_timeout_s
