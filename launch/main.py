@@ -105,7 +105,8 @@ def main(argv):
     distributed.size_cpu_client_threads(int(n_cpu or os.environ.get("JAX_NUM_CPU_DEVICES") or 1))
     info = distributed.layout(distributed.initialize(distributed_config(config)))
     workdir = _WORKDIR.value or config.get("workdir", None) or f"/tmp/gyre_jax/{config.job}"
-    cli_errors.check_workdir(workdir)
+    if info.process_index == 0:  # the other processes of a multi-process run write nothing there
+        cli_errors.check_workdir(workdir)
     kinds = sorted({d.device_kind for d in info.local_devices})
     line = (f"process {info.process_index} of {info.process_count} ({info.how}): {len(info.local_devices)} local "
             f"devices ({', '.join(kinds)}), {info.global_device_count} global")

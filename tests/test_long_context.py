@@ -208,6 +208,7 @@ def _long_row_plan_equals_plain(monkeypatch, remat_policy):
         check_grads_close(g, want_g)
 
 
+@pytest.mark.slow  # ~14 s; the blockwise-vs-dense equality stays in the default run
 def test_long_row_plan_loss_and_grads_equal_plain(monkeypatch):
     """The automatic long-row plan (per-layer remat, logits in chunks that do not divide the
     row) gives the loss and gradients of full logits without remat, both checked against an

@@ -142,6 +142,7 @@ def test_return_hidden_gives_logits(model):
     np.testing.assert_allclose(np.asarray(hidden @ unembed), np.asarray(logits), atol=1e-5)
 
 
+@pytest.mark.slow  # ~12 s of compiles
 def test_bfloat16_and_remat():
     cfg, params, fwd = _model(True)
     L = 8

@@ -117,6 +117,7 @@ SMALL = ["--config=configs/synthetic_train.py", f"--config.steps={STEPS}", "--co
          "--config.save_params=True"]
 
 
+@pytest.mark.slow  # ~20 s; test_two_processes_on_loopback keeps two real processes in the default run
 def test_launcher_two_processes_match_one(tmp_path):
     """``python -m launch.main`` as 2 processes x 2 CPU devices trains like 1 process x 4 devices.
 

@@ -118,6 +118,7 @@ def _assert_bit_identical(params, want):
         assert np.array_equal(params[k].view(np.uint32), want[k].view(np.uint32)), f"{k} differs"
 
 
+@pytest.mark.slow  # ~22 s; satellites joining a step across processes stay in the default run via test_pods_rl
 def test_satellite_process_matches_one_process(tmp_path):
     cfg = _config(steps=1)
     rc, lines = _launch(tmp_path, n=2, steps=1)

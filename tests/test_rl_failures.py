@@ -327,6 +327,7 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
     assert p.returncode == 2 and p.stderr.strip() == f"error: --workdir={f}: exists and is not a directory", p.stderr
 
 
+@pytest.mark.slow  # ~30 s; the label check is also exercised by the damaged-checkpoint test
 def test_a_failed_checkpoint_save_does_not_brick_the_workdir(tmp_path, monkeypatch):
     """The periodic save after update 2 (every 2 steps: none before it) fails once: the run stops with one
     line, no checkpoint is labelled with another version than its state's (asserted at save and load),

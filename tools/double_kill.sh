@@ -1,0 +1,34 @@
+#!/bin/bash
+# Two kill -9s of the demo inside one checkpoint interval (at step 3, and again 12 s into the resume),
+# then the same command to the end, and an audit of the workdir from the store's own records:
+# every finished rollout trained exactly once, none unfinished (issue 33). Takes ~4 minutes on 2 cores.
+#   bash tools/double_kill.sh [WORKDIR]
+set -u
+cd "$(dirname "$0")/.."
+W=${1:-/tmp/gyre_double_kill}; rm -rf "$W" "$W".*.log; mkdir -p "$W"
+ARGS="--config configs/demo.py --workdir $W --config.sft.steps=20 --config.steps=10 --config.checkpoint_every=8 --config.eval.every=0"
+.venv/bin/python -m launch.main $ARGS > "$W.1.log" 2>&1 & pid=$!
+for _ in $(seq 1 600); do grep -q "step 3/10" "$W.1.log" 2>/dev/null && break; sleep 1; done
+kill -9 $pid; wait $pid 2>/dev/null
+echo "attempt 1: kill -9 at $(grep -o 'step [0-9]*/10' "$W.1.log" | tail -1); checkpoints: $(ls "$W/elastic/checkpoints" | tr '\n' ' ')"
+.venv/bin/python -m launch.main $ARGS > "$W.2.log" 2>&1 & pid=$!
+for _ in $(seq 1 600); do grep -q "resumed from" "$W.2.log" 2>/dev/null && break; sleep 1; done
+sleep 12
+kill -9 $pid; wait $pid 2>/dev/null
+echo "attempt 2: $(grep -h 'resumed from' "$W.2.log" | cut -c1-160); kill -9 12 s later"
+.venv/bin/python -m launch.main $ARGS > "$W.3.log" 2>&1; rc=$?
+echo "attempt 3: rc=$rc; $(grep -h 'resumed from' "$W.3.log" | cut -c1-160)"
+.venv/bin/python - "$W" "$rc" <<'PY'
+import json, sys
+from gyre_jax.trajectory.store import TrajectoryStore
+w, rc = sys.argv[1], int(sys.argv[2])
+s = json.load(open(f"{w}/elastic/summary.json"))
+with TrajectoryStore(f"{w}/elastic/store", run_id="rl", writable=False) as st:
+    outs = {r: st.outcome(r) for r in st.complete_rollouts()}
+    cons = st.consumed()
+    out = dict(rc=rc, run_steps=s["run"]["steps"], staleness_max=s["run"]["staleness_max"], finished=len(outs),
+               rollouts_lost=len(set(outs) - set(cons)), unfinished=len(st.unfinished_rollouts()),
+               trained=sum(e["state"] == "trained" for e in cons.values()),
+               abandoned=sum("abandoned" in (o.details.get("error") or "") for o in outs.values()))
+print(json.dumps(out))
+PY
