@@ -229,6 +229,10 @@ def test_anthropic_messages_stream_events_and_record(server):
     ("/v1/messages", {"model": "gyre", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
      None, 400, "messages[0].content[0]"),
     ("/v1/chat/completions", None, b"x" * (70 << 10), 413, "byte limit"),
+    ("/v1/completions", {"model": "gyre", "prompt": [1, 2], "echo": True}, None, 400, "echo: not supported"),
+    ("/v1/completions", {"model": "gyre", "prompt": [1, 2], "best_of": 2}, None, 400, "best_of: not supported"),
+    ("/v1/chat/completions", None, b'{"model": "gyre", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     "too deeply"),
 ])
 def test_bad_input_is_named(server, path, body, raw, status, needle):
     st, _ = server

@@ -157,9 +157,13 @@ def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
 
 def parse_completion(body: dict, tok: Tokenizer, vocab_size: int) -> ChatCall:
     c = _common(body, "openai.completions", _COMPLETION_KNOWN)
-    for k in ("echo", "best_of", "suffix"):
-        if body.get(k) not in (None, False, 1, ""):
-            raise bad(f"{k}: not supported", k)
+    # What would change the output, refused rather than ignored. Compared by type as well as value:
+    # `True in (1,)` holds in Python, which let "echo": true through.
+    allowed = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+    for k, ok in allowed.items():
+        v = body.get(k)
+        if not any(v is a or (type(v) is type(a) and v == a) for a in ok):
+            raise bad(f"{k}: not supported (only {' or '.join(json.dumps(a) for a in ok)})", k)
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one

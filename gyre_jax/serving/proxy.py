@@ -238,6 +238,8 @@ class Proxy:
             raise bad(f"request body is not UTF-8: {e}") from None
         except json.JSONDecodeError as e:
             raise bad(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        except RecursionError:  # a client's problem, not the server's: json.loads recurses per nesting level
+            raise bad("request body nests JSON arrays/objects too deeply") from None
         if not isinstance(body, dict):
             raise bad(f"request body must be a JSON object, got {type(body).__name__}")
         return body
