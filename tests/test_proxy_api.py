@@ -230,6 +230,13 @@ def test_anthropic_messages_stream_events_and_record(server):
      None, 400, "messages[0].content[0]"),
     ("/v1/chat/completions", None, b"x" * (70 << 10), 413, "byte limit"),
     ("/v1/completions", {"model": "gyre", "prompt": [1, 2], "echo": True}, None, 400, "echo: not supported"),
+    ("/v1/chat/completions", {"model": "gyre", "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": 7, "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": 7, "content": "y"}]}, None, 400, "id"),
+    ("/v1/messages/count_tokens", None, b'{"model": "gyre", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "surrogate"),
     ("/v1/completions", {"model": "gyre", "prompt": [1, 2], "best_of": 2}, None, 400, "best_of: not supported"),
     ("/v1/chat/completions", None, b'{"model": "gyre", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
      "too deeply"),

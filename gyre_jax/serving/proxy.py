@@ -46,6 +46,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import re
 import logging
 import os
 import secrets
@@ -71,6 +72,8 @@ from gyre_jax.trajectory.records import ModelCallRecord, RecordError
 log = logging.getLogger(__name__)
 ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens",
           "GET /v1/models", "GET /v1/models/{id}", "GET /health", "GET /metrics")
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -242,6 +245,12 @@ class Proxy:
             raise bad("request body nests JSON arrays/objects too deeply") from None
         if not isinstance(body, dict):
             raise bad(f"request body must be a JSON object, got {type(body).__name__}")
+        if _SURROGATE_ESCAPE.search(raw):  # a \ud8xx escape: fine in a pair, not alone (no tokenizer can encode it)
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"request body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}); "
+                          "text must be valid Unicode") from None
         return body
 
     def _check_model(self, name: str) -> None:
