@@ -407,3 +407,27 @@ def test_fuzzed_requests_never_crash_the_server(server):
         if status != 200:
             assert "error" in json.loads(text)
     assert asyncio.run(_get(st.url + "/health"))[0] == 200
+
+
+def test_call_numbers_continue_from_the_store_after_a_restart(tmp_path):
+    """A rollout that goes on after the server restarted on the same store gets the next call number, not a
+    second call 0 (which the store refuses after the model has generated: a 500 before)."""
+    store = TrajectoryStore(str(tmp_path / "store"), run_id="run1")
+
+    async def build():
+        return Proxy(Router([FakeBackend("A", script=script, max_context=400)]), TOK, store,
+                     ProxyConfig(max_tokens_cap=64))
+
+    h = headers("r-restart", 0)
+    del h[P.HEADER_CALL]  # no call number: the proxy numbers the rollout's calls itself
+    body = {"model": "gyre", "prompt": [1, 2, 3], "max_tokens": 2}
+    for _ in range(2):  # the same harness, before and after a restart of the server
+        st = ServerThread(build)
+        st.start()
+        try:
+            status, text, _ = post(st.url + "/v1/completions", body, h)
+        finally:
+            st.stop()
+        assert status == 200, text
+    assert [c.call_index for c in store.calls("r-restart")] == [0, 1]
+    store.close()

@@ -320,6 +320,8 @@ class Proxy:
                       f"{HEADER_CALL} with n > 1", "n")
         if binding.call_index is None:  # the next n numbers of this rollout
             key = (binding.run_id, binding.rollout_id)
+            if key not in self._next_call:  # first call since this server started: continue what is stored
+                self._next_call[key] = self._stored_calls(*key)
             binding = dataclasses.replace(binding, call_index=self._next_call[key])
             self._next_call[key] += call.n
         if self.cfg.seed_salt is not None and call.seed is None:
@@ -406,6 +408,18 @@ class Proxy:
         self.counters["completion_tokens"] += len(sample.tokens)
         self.counters["moves_kv"] += routed.moves_kv
         self._lat.append(time.time() - t0)
+
+    def _stored_calls(self, run_id: str, rollout_id: str) -> int:
+        """How many call numbers the sink already holds for this rollout (0 for a sink that cannot say):
+        after a restart on the same store, a rollout that goes on, or a retry, gets the next number, not a
+        second call 0 (which the store would refuse after the model had generated it)."""
+        if getattr(self.sink, "run_id", run_id) != run_id or not hasattr(self.sink, "calls"):
+            return 0
+        try:
+            calls = self.sink.calls(rollout_id)
+        except KeyError:
+            return 0
+        return 1 + max((c.call_index for c in calls), default=-1)
 
     # ---- small endpoints ---------------------------------------------------------------
     async def _count_tokens(self, request):
