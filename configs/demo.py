@@ -146,6 +146,7 @@ def get_config() -> ml_collections.ConfigDict:
         # tiny_tests family (family="tiny_tests"): x each task's run_tests suite time, 1-30 s heavy-tailed at 1.0
         # (tools/bench_demo_modes.py runs the three modes on it; see the README's demo section)
         run_tests_scale=1.0,
+        demo_test_fraction=0.3,  # tiny_agent family: share of warm-start demonstrations that test (configs/learn.py)
         dataset="",  # a JSONL task file instead of a family (configs/external.py shows one)
         eval_dataset="",
     ))

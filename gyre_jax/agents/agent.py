@@ -50,6 +50,10 @@ SUMMARY_HEADER = "\n\nSummary of your earlier work (your context was compacted):
 Transport = Callable[[list[dict], dict[str, str], "list[dict] | None"], Awaitable[ChatReply]]
 
 
+def summary_header(config: HarnessConfig) -> str:
+    return SUMMARY_HEADER if config.summary_header is None else config.summary_header
+
+
 @dataclasses.dataclass
 class RolloutStats:
     calls: int = 0  # successful model calls, summary and sub-agent calls included
@@ -132,7 +136,7 @@ class Agent:
         self.compactions = 0
 
     def _fresh_context(self, summary: str) -> list[dict]:
-        user = self.user_prompt + (SUMMARY_HEADER + summary if summary else "")
+        user = self.user_prompt + (summary_header(self.ctx.config) + summary if summary else "")
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
 
     def estimated_tokens(self) -> float:
@@ -158,8 +162,8 @@ class Agent:
                                          role=role, tool_schemas=tool_schemas)
 
     async def compact(self) -> None:
-        reply = await self._call(self.messages + [{"role": "user", "content": SUMMARY_REQUEST}],
-                                 ROLE_SUMMARY, None)
+        request = self.ctx.config.summary_request or SUMMARY_REQUEST
+        reply = await self._call(self.messages + [{"role": "user", "content": request}], ROLE_SUMMARY, None)
         summary = reply.message.get("content") or "(the summary call returned no text)"
         self.messages = self._fresh_context(summary)
         self._usage_tokens, self._bytes_since_usage = None, 0
@@ -221,7 +225,7 @@ class Agent:
             raise tools.ToolError(f"spawn_subagent: the limit of {cfg.max_subagents} sub-agents per rollout "
                                   "is reached")
         self.ctx.stats.subagents += 1
-        sub = Agent(self.ctx, role=ROLE_SUBAGENT, system_prompt=SUBAGENT_SYSTEM_PROMPT,
+        sub = Agent(self.ctx, role=ROLE_SUBAGENT, system_prompt=cfg.subagent_system_prompt or SUBAGENT_SYSTEM_PROMPT,
                     user_prompt=task_text, parent_id=self.agent_id, depth=self.depth + 1)
         out = await sub.run()
         report = f"sub-agent {sub.agent_id} ended ({out.finish_reason}): {out.final_text}"

@@ -29,6 +29,10 @@ class HarnessConfig:
     send_tools_schema: bool = True
     # Overrides the task's (and the default) system prompt when set.
     system_prompt: str | None = None
+    # None: gyre_jax.agents.agent's defaults. Short ones keep a byte-level model's contexts short.
+    subagent_system_prompt: str | None = None
+    summary_request: str | None = None  # appended as a user turn to ask for the compaction summary
+    summary_header: str | None = None  # put between the task and the summary in the compacted context
     # Agent loop.
     max_turns: int = 32  # model calls per agent (a summary call is not a turn)
     # Context budget: estimated tokens of the next prompt above which the agent

@@ -42,7 +42,7 @@ from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
 from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
-from gyre_jax.rl.sft import demo_examples, noisy_tasks, warm_start
+from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.controller import Controller
@@ -138,7 +138,7 @@ def fresh_params(cfg: RLConfig, tok, mesh=None):
     tasks = cfg.task_source.demo_tasks(cfg.sft.demos)
     if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)
         tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.seed, cfg.sft.noisy_kind)
-    examples = demo_examples(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
+    examples = demo_trees(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
     return warm_start(params, cfg.model, examples, steps=cfg.sft.steps, rows=cfg.sft.rows, row_len=cfg.train.row_len,
                       learning_rate=cfg.sft.learning_rate, seed=cfg.seed, progress=cfg.progress)
 

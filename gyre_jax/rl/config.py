@@ -140,7 +140,9 @@ class TaskConfig:
     ops: str = "copy,upper,reverse"  # tiny family: comma-separated ops
     min_len: int = 3
     max_len: int = 4
-    run_tests_scale: float = 1.0  # tiny_tests family: x each task's test-suite seconds (1-30 s at 1)
+    run_tests_scale: float = 1.0  # tiny_tests, tiny_agent: x each task's test-suite seconds (1-30 s at 1)
+    # tiny_agent: the fraction of the warm start's demonstrations that test their answer (RL's headroom)
+    demo_test_fraction: float = 0.3
     # A JSONL task file (gyre_jax.agents.tasks.dataset); set, it replaces `family`. eval_dataset: a
     # second file of held-out tasks (besides the first file's split=eval lines).
     dataset: str = ""
@@ -149,6 +151,8 @@ class TaskConfig:
     def __post_init__(self):
         _positive(self, ("min_len", "max_len"))
         _positive(self, ("run_tests_scale",), allow_zero=True)
+        if not 0.0 <= self.demo_test_fraction <= 1.0:
+            raise ConfigError(f"config.task.demo_test_fraction must be in [0, 1], got {self.demo_test_fraction!r}")
         if not self.ops_tuple:
             raise ConfigError("config.task.ops must name at least one op")
         if self.eval_dataset and not self.dataset:
@@ -164,6 +168,9 @@ class TaskConfig:
         if self.family == "tiny_tests":
             return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len,
                         test_time_scale=self.run_tests_scale)
+        if self.family == "tiny_agent":
+            return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len,
+                        test_time_scale=self.run_tests_scale, demo_test_fraction=self.demo_test_fraction)
         return {}
 
     def source(self, seed: int):
@@ -187,6 +194,13 @@ class HarnessKnobs:
     backoff_base_s: float = 0.05
     grader_timeout_s: float = 30.0
     system_prompt: str = ""  # overrides the task's system prompt when non-empty (shorter contexts)
+    # Compaction and sub-agents (gyre_jax.agents.agent). context_budget_tokens: the next prompt's
+    # estimated tokens above which the agent compacts (0 = the engine's max_len); "" = the defaults.
+    context_budget_tokens: int = 0
+    summary_request: str = ""
+    summary_header: str = ""
+    subagent_system_prompt: str = ""
+    max_subagents: int = 4  # per rollout
     # True: the harness sends tool schemas and reads the API's tool_calls (a chat model's own tool-call
     # syntax, parsed by the proxy); False: text-format calls in the reply's content (the byte-level demo).
     send_tools_schema: bool = False
@@ -211,7 +225,8 @@ class HarnessKnobs:
     def __post_init__(self):
         _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s",
                          "output_bytes", "cpu_s", "memory_bytes"))
-        _positive(self, ("temperature", "max_retries", "backoff_base_s"), allow_zero=True)
+        _positive(self, ("temperature", "max_retries", "backoff_base_s", "context_budget_tokens", "max_subagents"),
+                  allow_zero=True)
         object.__setattr__(self, "env", dict(self.env))
 
     def make(self, unix_socket: str | None = None):
@@ -610,7 +625,10 @@ class RLConfig:
         return _built("harness", lambda: HarnessConfig(
             base_url=base_url, run_id=run_id, max_tokens=h.max_tokens, temperature=h.temperature,
             send_tools_schema=h.send_tools_schema, bytes_per_token=1.0, max_turns=h.max_turns,
-            context_budget_tokens=self.cells.max_len, deadline_s=h.deadline_s, request_timeout_s=h.request_timeout_s,
+            context_budget_tokens=h.context_budget_tokens or self.cells.max_len, deadline_s=h.deadline_s,
+            request_timeout_s=h.request_timeout_s, summary_request=h.summary_request or None,
+            summary_header=h.summary_header or None, subagent_system_prompt=h.subagent_system_prompt or None,
+            max_subagents=h.max_subagents,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None,
             sandbox=SandboxConfig(kind=h.sandbox)), renames={"kind": "harness.sandbox"})

@@ -13,7 +13,8 @@ from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
 # Family name -> module, imported on first use: the grader subprocess (one per rollout)
 # then imports only its own family, not every family's dependencies.
 FAMILIES: dict[str, str] = {"dataset": "gyre_jax.agents.tasks.dataset", "repo_spec": "gyre_jax.agents.tasks.repo_spec",
-                            "tiny": "gyre_jax.agents.tasks.tiny", "tiny_tests": "gyre_jax.agents.tasks.tiny_tests"}
+                            "tiny": "gyre_jax.agents.tasks.tiny", "tiny_tests": "gyre_jax.agents.tasks.tiny_tests",
+                            "tiny_agent": "gyre_jax.agents.tasks.tiny_agent"}
 
 # Families whose tasks are generated from a seed (make_task); "dataset" reads them from a file.
 GENERATED: tuple[str, ...] = tuple(f for f in FAMILIES if f != "dataset")

@@ -1,0 +1,62 @@
+"""Learning on long, branching rollouts (job 'rl'): the 'tiny_agent' family, whole-episode eval.
+
+Commands:
+    python -m launch.main --config configs/learn.py --workdir /tmp/gyre_learn
+    python -m launch.main --config configs/learn.py --workdir /tmp/gyre_learn --config.scheduler.mode=colocate
+    python tools/bench_learning.py            # the three modes, same tasks, seeds and bound; learning.png
+
+What runs: the demo's cells, engines, proxy and trainer (configs/demo.py), on the
+'tiny_agent' family (gyre_jax/agents/tasks/tiny_agent.py): every episode reads its input
+from in.txt, writes answer.txt, may run the task's test suite (1-30 s heavy-tailed x
+run_tests_scale, in the rollout's sandbox) itself or through a sub-agent, and finishes:
+2-6 model calls. The harness's context budget (context_budget_tokens) is set so that a
+context that carried a test run is compacted by a summary call before the agent goes on,
+so the trees the trainer packs branch in real rollouts (a compacted main path beside the
+path that asked for the summary, sub-agent paths beside the main one).
+
+The warm start is imperfect at a decision: its demonstrations test their answer in only
+30% of the tasks (task.demo_test_fraction), and an untested answer earns at most half the
+score. RL has to find out that testing pays. The held-out eval runs whole episodes of 32
+fixed tasks x 4 samples through the same harness on a dedicated engine (eval/eval.jsonl).
+
+Expected result: see docs/results.md (learning section) and `python tools/bench_learning.py`,
+which runs elastic, async and colocate and writes learning.png and one JSON line.
+"""
+import importlib.util
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("_demo", os.path.join(_HERE, "demo.py"))
+_demo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_demo)
+
+
+def get_config():
+    c = _demo.get_config()
+    c.steps = 30
+    c.checkpoint_every = 10
+    c.model.max_seq_len = 640  # the longest call: a summary request after a test run, ~520 bytes
+    c.cells.max_len = 640
+    c.task.family = "tiny_agent"
+    c.task.ops = "copy,upper"
+    c.task.min_len = 3
+    c.task.max_len = 4
+    c.task.run_tests_scale = 0.5  # suites of 0.5-15 s (median 1.5 s): rollouts wait on their environment
+    c.task.demo_test_fraction = 0.3
+    c.harness.max_turns = 4
+    c.harness.max_tokens = 88
+    c.harness.deadline_s = 120.0
+    c.harness.system_prompt = ""  # the family's (it names the tools and the call format)
+    c.harness.context_budget_tokens = 360  # above the skip path's contexts, below a tested one's
+    c.harness.summary_request = "Summarize."
+    c.harness.summary_header = "\nSummary: "
+    c.harness.subagent_system_prompt = 'Sub-agent. Call: <tool>NAME {"k": "v"}</tool>; finish with a report.'
+    c.harness.max_subagents = 1
+    c.train.row_len = 640
+    c.sft.steps = 600
+    c.sft.rows = 4
+    c.eval.kind = "episodes"
+    c.eval.every = 5
+    c.eval.tasks = 32
+    c.eval.samples_per_task = 4
+    return c
