@@ -42,6 +42,7 @@ from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
 from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
+from gyre_jax.rl import warm_cache
 from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.scheduler import policy as policy_lib
@@ -134,6 +135,17 @@ def fresh_params(cfg: RLConfig, tok, mesh=None):
     params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.seed))
     if cfg.sft.steps == 0:
         return params, []
+    key = warm_cache.cache_key(cfg) if cfg.sft.cache_dir else ""
+    cached = warm_cache.load(cfg.sft.cache_dir, key, params) if key else None
+    if cached is not None:
+        return cached
+    params, history = _warm_start(cfg, tok, params)
+    if key:
+        warm_cache.save(cfg.sft.cache_dir, key, params, history)
+    return params, history
+
+
+def _warm_start(cfg: RLConfig, tok, params):
     # Demonstration tasks: a stream the RL run never draws (gyre_jax.agents.task_sources).
     tasks = cfg.task_source.demo_tasks(cfg.sft.demos)
     if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)

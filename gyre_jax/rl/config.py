@@ -357,6 +357,9 @@ class SFTConfig:
     # and reward variance for RL); measured results in configs/demo.py's docstring.
     noisy_fraction: float = 0.0
     noisy_kind: str = "reverse"  # how a demonstration is bad: reverse | one_char | random | give_up
+    # A directory of warm starts keyed by what determines them (gyre_jax.rl.warm_cache): runs that
+    # differ only in RL knobs (mode, loss, steps) train the warm start once. "" = off.
+    cache_dir: str = ""
 
     def __post_init__(self):
         _positive(self, ("steps", "demos"), allow_zero=True)
