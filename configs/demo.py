@@ -219,6 +219,10 @@ def get_config() -> ml_collections.ConfigDict:
         temperature=1.0,  # the rollouts' temperature (0 = greedy)
         pass_score=1.0,  # pass@k counts samples scoring at least this
     ))
+    c.metrics = ml_collections.ConfigDict(dict(  # metrics.jsonl and TensorBoard always; Weights & Biases optionally
+        wandb="off",  # off | offline (<workdir>/<mode>/wandb, `wandb sync` later; no network) | online
+        wandb_project="gyre_jax",
+    ))
     c.faults = ml_collections.ConfigDict(dict(  # injected faults (gyre_jax.rl.faults); 0 = off
         grader_crash_every=0,  # every k-th rollout's grader crashes -> verifier_error, never trained
         timeout_every=0,  # every k-th rollout stalls past its deadline -> timeout, partial credit

@@ -139,3 +139,48 @@ def test_resume_purges_steps_of_the_crashed_attempt(tmp_path):
     starts = [ev.step for ev in newest if ev.HasField("session_log") and ev.session_log.status == SessionLog.START]
     assert starts == [3]  # TensorBoard hides the crashed attempt's events of steps >= 3
     assert scalars(newest)["loss"] == [(3, 13.0), (4, 14.0)]
+
+
+def _wandb_history(run_file: str) -> list[dict]:
+    """History rows of an offline W&B run file: a LevelDB-style log (32 KiB blocks of records
+    with a 7-byte header: crc32, length, type full/first/middle/last) of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(run_file, "rb").read()
+    pos, block, recs, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0:
+            break
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            recs.append(buf)
+    rows = []
+    for d in recs:
+        r = pb.Record()
+        r.ParseFromString(d)
+        if r.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    return rows
+
+
+def test_wandb_offline_gets_what_the_jsonl_gets(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from gyre_jax.rl.metrics import WandbOptions
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    w = MetricsWriter(str(tmp_path / "run"), process_index=0, wandb=WandbOptions(mode="offline", config={"seed": 3}))
+    for step in range(3):
+        w.write(step, {"reward": 0.5 + step, "groups": "g1,g2", "failures": {"timeout": step}})
+    w.close()
+    [run_file] = glob.glob(str(tmp_path / "run" / "wandb" / "wandb" / "offline-run-*" / "*.wandb"))
+    rows = _wandb_history(run_file)
+    assert [(r["_step"], r["reward"], r["failures/timeout"]) for r in rows] == [(0, 0.5, 0), (1, 1.5, 1), (2, 2.5, 2)]
+    jsonl = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["reward"] for r in jsonl] == [r["reward"] for r in rows]
+    with pytest.raises(ValueError, match="metrics.wandb"):
+        WandbOptions(mode="cloud")

@@ -40,7 +40,7 @@ from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
 from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
-from gyre_jax.rl.metrics import MetricsWriter
+from gyre_jax.rl.metrics import MetricsWriter, WandbOptions
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl import warm_cache
 from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
@@ -427,7 +427,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     launcher.on_error = wake.set
     launcher.resume(short)
     controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
-    metrics = MetricsWriter(workdir, purge_step=steps_done)  # TensorBoard events + metrics.jsonl
+    wandb = WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
+    metrics = MetricsWriter(workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B
     setup_s = time.perf_counter() - t_start
     how = (f" (multi-step, k={s.updates_per_publication})" if s.multi_step else
            " (groups train as they finish)" if cfg.stream_groups else

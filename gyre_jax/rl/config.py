@@ -11,6 +11,7 @@ dotted name (``config.scheduler.serve_reserve=2 must be in (0, 1]``).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import functools
 import re
 from typing import Any, ClassVar, Mapping
@@ -397,6 +398,23 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Where per-step metrics go besides metrics.jsonl and TensorBoard (gyre_jax.rl.metrics)."""
+
+    _SECTION: ClassVar[str] = "metrics"
+    wandb: str = "off"  # off | offline (files under <workdir>/<mode>/wandb; `wandb sync` them later) | online
+    wandb_project: str = "gyre_jax"
+
+    def __post_init__(self):
+        from gyre_jax.rl.metrics import WANDB_MODES
+
+        if self.wandb not in WANDB_MODES:
+            raise ConfigError(f"config.metrics.wandb={self.wandb!r}; known: {WANDB_MODES}")
+        if self.wandb != "off" and importlib.util.find_spec("wandb") is None:  # say so before any work
+            raise ConfigError(f"config.metrics.wandb={self.wandb} needs the wandb package: pip install -e '.[wandb]'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     """Injected faults (gyre_jax.rl.faults); 0 = off. Every k-th rollout launched (1-based) gets it."""
 
@@ -461,6 +479,7 @@ class RLConfig:
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     faults: FaultConfig = FaultConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def __post_init__(self):
         for n in ("steps", "num_cpu_devices", "first_last", "progress_every_s"):
@@ -642,7 +661,7 @@ class RLConfig:
         d = {k: v for k, v in d.items() if k not in ("job", "workdir", "recoverable_processes")}  # launcher's keys
         nested = dict(model=ModelConfig, cells=CellsConfig, scheduler=SchedulerConfig, task=TaskConfig,
                       harness=HarnessKnobs, train=TrainConfig, sft=SFTConfig, eval=EvalConfig,
-                      faults=FaultConfig)
+                      faults=FaultConfig, metrics=MetricsConfig)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

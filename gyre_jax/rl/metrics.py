@@ -1,4 +1,4 @@
-"""Per-step metrics to TensorBoard event files and a JSONL, from process 0 only.
+"""Per-step metrics to a JSONL, TensorBoard event files and optionally Weights & Biases, from process 0 only.
 
 ``MetricsWriter(logdir).write(step, {"reward": 0.4, "failures": {"timeout": 2}})``
 writes one JSONL line ``{"step": 3, "time": ..., "reward": 0.4, "failures/timeout": 2}``
@@ -22,17 +22,23 @@ the JSONL is rewritten without its lines of those steps, which are moved to
 ``<name>.purged.jsonl``, so ``metrics.jsonl`` holds exactly one line per step of
 the lineage whose params survived.
 
+One interface: the JSONL is the record (resume purges it; tools read it back); TensorBoard
+and W&B (``wandb=WandbOptions(mode="offline"|"online")``, the ``wandb`` extra) are
+``MetricSink``s fed the same validated, flattened dict. W&B offline writes under
+``<logdir>/wandb`` with no network (``wandb sync`` uploads it later).
+
 Multi-host: only ``process_index == 0`` writes (default: ``jax.process_index()``);
 the others validate their input the same way and write nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
@@ -76,7 +82,7 @@ class MetricsWriter:
     """One ``write(step, dict)`` per step; ``flush()`` and ``close()`` (see module docstring)."""
 
     def __init__(self, logdir: str, *, purge_step: int | None = None, process_index: int | None = None,
-                 jsonl_name: str = JSONL_NAME, flush_secs: int = 30):
+                 jsonl_name: str = JSONL_NAME, flush_secs: int = 30, wandb: "WandbOptions | None" = None):
         if process_index is None:
             import jax
 
@@ -89,7 +95,7 @@ class MetricsWriter:
         self.purged_path = os.path.splitext(self.jsonl_path)[0] + ".purged.jsonl"
         self._last_step: int | None = None
         self._closed = False
-        self._tb = None
+        self._sinks = []
         self._jsonl = None
         if not self.active:
             return
@@ -98,10 +104,10 @@ class MetricsWriter:
             self._last_step = self._purge_jsonl(int(purge_step))
         else:
             self._last_step = self._last_jsonl_step()
-        from tensorboardX import SummaryWriter  # only process 0 pays for it
-
-        self._tb = SummaryWriter(logdir=self.logdir, purge_step=purge_step, flush_secs=flush_secs)
         self._jsonl = open(self.jsonl_path, "a", buffering=1)  # line-buffered: a crash loses at most a line
+        self._sinks: list[MetricSink] = [TensorBoardSink(self.logdir, purge_step, flush_secs)]
+        if wandb is not None and wandb.mode != "off":
+            self._sinks.append(WandbSink(self.logdir, wandb, resumed=purge_step is not None and purge_step > 0))
 
     @property
     def last_step(self) -> int | None:
@@ -163,15 +169,13 @@ class MetricsWriter:
             return
         t = time.time() if walltime is None else float(walltime)
         self._jsonl.write(json.dumps({"step": step, "time": t, **flat}) + "\n")
-        for k, v in flat.items():
-            if isinstance(v, str):
-                self._tb.add_text(k, v, global_step=step, walltime=t)
-            else:
-                self._tb.add_scalar(k, v, global_step=step, walltime=t)
+        for sink in self._sinks:
+            sink.write(step, flat, t)
 
     def flush(self) -> None:
         if self.active and not self._closed:
-            self._tb.flush()
+            for sink in self._sinks:
+                sink.flush()
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
 
@@ -181,7 +185,8 @@ class MetricsWriter:
         self.flush()
         self._closed = True
         if self.active:
-            self._tb.close()
+            for sink in self._sinks:
+                sink.close()
             self._jsonl.close()
 
     def __enter__(self) -> "MetricsWriter":
@@ -189,3 +194,94 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------- sinks
+# The JSONL is the record (it is what resume purges and what tools read back); every other
+# destination is a MetricSink fed the same validated, flattened dict.
+class MetricSink(Protocol):
+    def write(self, step: int, flat: Mapping[str, float | int | str], walltime: float) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """Event files in ``logdir``: one scalar per number, text for strings."""
+
+    def __init__(self, logdir: str, purge_step: int | None, flush_secs: int):
+        from tensorboardX import SummaryWriter  # only process 0 pays for it
+
+        self._tb = SummaryWriter(logdir=logdir, purge_step=purge_step, flush_secs=flush_secs)
+
+    def write(self, step, flat, walltime) -> None:
+        for k, v in flat.items():
+            if isinstance(v, str):
+                self._tb.add_text(k, v, global_step=step, walltime=walltime)
+            else:
+                self._tb.add_scalar(k, v, global_step=step, walltime=walltime)
+
+    def flush(self) -> None:
+        self._tb.flush()
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+WANDB_MODES = ("off", "offline", "online")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbOptions:
+    mode: str = "off"  # off | offline (files under <logdir>/wandb, `wandb sync` later) | online
+    project: str = "gyre_jax"
+    name: str = ""  # the run's display name ("" = the logdir's last two parts, e.g. gyre_demo/elastic)
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the run's config, shown by W&B
+
+    def __post_init__(self):
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"metrics.wandb={self.mode!r}; known: {WANDB_MODES}")
+
+
+class WandbSink:
+    """A Weights & Biases run. Strings are logged as summary fields (W&B plots numbers only).
+
+    Resume: W&B cannot hide steps a crashed attempt wrote, and drops a step lower than one it
+    has seen, so every attempt is its own run in one W&B group (the workdir), its run id kept in
+    ``<logdir>/wandb/attempts.txt``; the surviving lineage's steps are the last attempt's plus
+    the earlier attempts' below its first step, as in metrics.jsonl.
+    """
+
+    def __init__(self, logdir: str, options: WandbOptions, *, resumed: bool):
+        try:
+            import wandb
+        except ImportError:
+            from gyre_jax.errors import ConfigError
+
+            raise ConfigError(f"metrics.wandb={options.mode} needs the wandb package: pip install -e '.[wandb]'"
+                              ) from None
+        directory = os.path.join(logdir, "wandb")
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "attempts.txt"), "a+") as f:
+            f.seek(0)
+            attempt = sum(1 for line in f if line.strip())
+            run_id = f"{os.getpid():x}{int(time.time() * 1e3):x}"[-16:]
+            f.write(run_id + "\n")
+        name = options.name or "/".join(logdir.rstrip("/").split("/")[-2:])
+        self._run = wandb.init(project=options.project, dir=directory, mode=options.mode, id=run_id,
+                               name=name if attempt == 0 else f"{name} (attempt {attempt + 1})",
+                               group=logdir, config=dict(options.config), reinit="create_new")
+
+    def write(self, step, flat, walltime) -> None:
+        numbers_ = {k: v for k, v in flat.items() if not isinstance(v, str)}
+        self._run.log(numbers_, step=step)
+        for k, v in flat.items():
+            if isinstance(v, str):
+                self._run.summary[k] = v
+
+    def flush(self) -> None:
+        pass  # the W&B service writes asynchronously; finish() in close() waits for it
+
+    def close(self) -> None:
+        self._run.finish()
