@@ -38,9 +38,9 @@ def get_config():
     c.model.max_seq_len = 640  # the longest call: a summary request after a test run, ~520 bytes
     c.cells.max_len = 640
     c.task.family = "tiny_agent"
-    c.task.ops = "copy,upper"
+    c.task.ops = "copy"
     c.task.min_len = 3
-    c.task.max_len = 4
+    c.task.max_len = 3
     c.task.run_tests_scale = 0.5  # suites of 0.5-15 s (median 1.5 s): rollouts wait on their environment
     c.task.demo_test_fraction = 0.3
     c.harness.max_turns = 4

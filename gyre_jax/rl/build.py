@@ -202,7 +202,10 @@ def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
 def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdir: str) -> BackgroundEval:
     """Whole-episode held-out eval (config.eval.kind=episodes) on its own engine on ``cell``, on a thread."""
     e = cfg.eval
-    hc = dataclasses.replace(cfg.harness_config("http://127.0.0.1:1/v1"), temperature=e.temperature)
+    # As many episodes in flight as the eval engine has decode slots: multi-call episodes spend most of
+    # their time in tools and test suites, so a group's worth in flight leaves the engine idle.
+    hc = dataclasses.replace(cfg.harness_config("http://127.0.0.1:1/v1"), temperature=e.temperature,
+                             concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
     ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
                      pass_score=e.pass_score, harness_config=hc, make_harness=cfg.harness.make,
                      make_backend=lambda params, version: make_backend(cfg, cell, params, version, "eval", tok),
