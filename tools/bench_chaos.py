@@ -7,9 +7,9 @@
 Each trial is a fresh workdir running the README demo (``python -m launch.main --config
 configs/demo.py --workdir W --config.steps=N --config.sft.steps=M --config.checkpoint_every=K``,
 eval off). ``--kills`` times, an attempt is started and stopped at a random moment: one in four at a
-random time after its start (uniform in [2, 30] s: imports, SFT, the resume itself, the first
+random time after its start (uniform in [2, 90] s: imports, SFT, the resume itself, the first
 steps), the others at a random point of its progress (once the progress line reaches a random step still
-to run, then uniform [0, 8) s more). The stop is SIGTERM with probability ``--sigterm``, else
+to run, before the last, then uniform [0, 8) s more). The stop is SIGTERM with probability ``--sigterm``, else
 SIGKILL. A SIGTERM must end the process with exit 143 (or 0 if it had just finished) within
 ``--term-grace-s``; otherwise it counts as a hang and the process is killed. Then the same
 command runs again (at most ``--reruns`` times) until it exits 0; an attempt that outlives
@@ -168,10 +168,10 @@ def run_trial(trial: int, a, rng: random.Random, rows: list, *, disk_mb: float |
     for _ in range(0 if t["completed"] else a.kills):
         att = start()
         done = _steps_seen(_read_prev_logs(a.root, trial))
-        if rng.random() < 0.25 or done >= a.steps:  # mostly inside the RL steps, where the state changes
-            trigger, when = "time", rng.uniform(2.0, 30.0)
-        else:
-            trigger, when = "step", (rng.randint(done + 1, a.steps), rng.uniform(0.0, 8.0))
+        if rng.random() < 0.25 or done >= a.steps - 1:  # mostly inside the RL steps, where the state changes
+            trigger, when = "time", rng.uniform(2.0, 90.0)
+        else:  # before the last step: a stop after it would often find the run finished
+            trigger, when = "step", (rng.randint(done + 1, a.steps - 1), rng.uniform(0.0, 8.0))
         sig = signal.SIGTERM if rng.random() < a.sigterm else signal.SIGKILL
         reached_at = None
         while True:

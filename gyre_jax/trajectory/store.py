@@ -670,12 +670,16 @@ class TrajectoryStore:
     def _load_cursor(self) -> None:
         """Snapshot + journal as on disk (module docstring). A reader may race a compaction: it retries."""
         for _ in range(20):
+            before = self._snapshot_id()
             snap_epoch, consumed, good, epoch_seen = self._read_cursor_files()
-            if epoch_seen is None or epoch_seen == snap_epoch:
+            if epoch_seen is None and self._snapshot_id() == before:
                 break
-            time.sleep(0.01)  # a compaction ran between reading the snapshot and the journal: read both again
+            # A compaction ran between reading the snapshot and the journal (the snapshot was replaced, or the
+            # journal holds a newer epoch): what was read may miss the emptied journal's lines. Read both again.
+            time.sleep(0.01)
         else:
-            raise ValueError(f"cursor journal {self._path(JOURNAL_NAME)} has epoch {epoch_seen}, newer than its snapshot's {snap_epoch}")
+            raise ValueError(f"cursor of {self.directory}: no consistent read in 20 tries (snapshot epoch {snap_epoch}, "
+                             f"a journal line of epoch {epoch_seen}; a journal newer than its snapshot is damage)")
         self._consumed, self._cursor_epoch, self._journal_good = consumed, snap_epoch, good
 
     def _read_cursor_files(self) -> tuple[int, dict, int, int | None]:
@@ -797,6 +801,13 @@ class TrajectoryStore:
         finally:
             os.close(fd)
         self._journal_good = start + len(line)
+
+    def _snapshot_id(self) -> tuple | None:
+        try:
+            st = os.stat(self._path(CURSOR_NAME))
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size  # a rename puts a new inode there
 
     def _snapshot_bytes(self) -> int:
         try:
