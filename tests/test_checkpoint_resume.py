@@ -169,8 +169,9 @@ def test_crash_in_process_then_resume(reference, tmp_path, step, phase):
     seen = {}
 
     def crash(s, p):
-        with open(os.path.join(tmp_path, "store", "cursor.json")) as f:
-            seen["cursor"] = set(json.load(f)["consumed"])
+        from gyre_jax.trajectory.store import TrajectoryStore
+        with TrajectoryStore(os.path.join(tmp_path, "store"), writable=False) as disk:  # the cursor on disk
+            seen["cursor"] = set(disk.consumed())
         raise Crash()
 
     with pytest.raises(Crash):
@@ -208,8 +209,9 @@ def test_kill9_mid_step_then_resume(reference, tmp_path):
     wd = str(tmp_path)
     lines = _kill_at(wd, steps, 1, "marked")
     assert lines[0] == "START 0" and lines[-1] == "PAUSED 1 marked"
-    with open(os.path.join(wd, "store", "cursor.json")) as f:  # cursor ran ahead of checkpoint 1
-        assert set(ref["history"][1]["rollouts"]) <= set(json.load(f)["consumed"])
+    from gyre_jax.trajectory.store import TrajectoryStore
+    with TrajectoryStore(os.path.join(wd, "store"), writable=False) as disk:  # cursor ran ahead of checkpoint 1
+        assert set(ref["history"][1]["rollouts"]) <= set(disk.consumed())
     lines = _kill_at(wd, steps, 2, "trained")
     assert lines[0] == "START 1", lines  # checkpoint 1 = after step 0; step 1 was trained again
     lines = _kill_at(wd, steps, 3, "saved", "--async-save")  # the save of checkpoint 4 may or may not be final

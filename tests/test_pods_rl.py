@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import pytest
 
@@ -30,9 +31,9 @@ FLAGS = [
 ]
 
 
-def _launch(workdir, steps, n=2, launcher=(), on_line=None):
+def _launch(workdir, steps, n=2, launcher=(), on_line=None, extra=()):
     rc, lines = run_launch_local(["-n", str(n), *launcher, "--", *FLAGS, f"--config.steps={steps}",
-                                  f"--workdir={workdir}"], timeout_s=TIMEOUT_S, on_line=on_line)
+                                  f"--workdir={workdir}", *extra], timeout_s=TIMEOUT_S, on_line=on_line)
     return rc, "".join(lines)
 
 
@@ -98,3 +99,46 @@ def test_satellite_process_killed_mid_run_every_rollout_trained_once(tmp_path):
     summary = json.load(open(os.path.join(run, "summary.json")))
     # Every rollout of the 3 steps finished and was consumed exactly once, the killed cell's share included.
     _check_run(run, summary, steps=3, rollouts=3 * 2 * 4)
+
+
+def _processes_under(workdir: str) -> list[str]:
+    """Live processes whose command line or working directory names ``workdir`` (the run's, and their children)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # a zombie has exited; only its parent's wait is missing
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if workdir in cmd or cwd.startswith(workdir):
+            out.append(f"{pid}: {cmd[:200]}")
+    return out
+
+
+@pytest.mark.slow  # ~60-90 s: a pods run up to its first step
+def test_a_failing_core_ends_the_whole_pods_run_in_seconds_with_no_orphan(tmp_path):
+    """The core fails when step 1 starts (not survivable): its error: line, then the launcher exits non-zero within
+    seconds, and no process of the run (core, satellite, their children) is left."""
+    workdir = str(tmp_path / "run")
+    seen = {}
+
+    def on_line(line, pids):
+        seen["pids"] = dict(pids)
+        if line.startswith("[p0] error:") and "error_at" not in seen:
+            seen["error_at"] = time.monotonic()
+
+    rc, out = _launch(workdir, steps=3, on_line=on_line, extra=["--config.faults.core_fail_at_step=1"])
+    ended = time.monotonic()
+    assert rc == 1, out[-6000:]  # errors.EXIT_FAILED, passed on by the launcher
+    assert "error_at" in seen, out[-6000:]
+    assert ended - seen["error_at"] < 30, (ended - seen["error_at"], out[-4000:])  # measured 1.5 s; the exit watchdog: 30 s
+    assert len(seen["pids"]) == 2
+    for pid in seen["pids"].values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _processes_under(workdir) == []
+    assert "rerun the same command" in out or "resume" in out, out[-3000:]

@@ -269,6 +269,14 @@ def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
             o = store.outcome(rid)
             assert o.status == "infra_error" and o.score is None and "abandoned" in o.details["error"]
             assert o.num_calls == 1
+        # Stopped again before any re-run finished: the abandoned outcomes are pending now, but they do not
+        # fill their slots, so the groups are still short and those slots run again (not trained 3 of 4).
+        complete2, short2 = resume_plan(store, "rl", 4, 5, store.pending_rollouts())
+        by_id = {g.group_id: g for g in short2}
+        assert sorted(by_id) == ["g00002", "g00003"], ([g.group_id for g in complete2], sorted(by_id))
+        assert by_id["g00002"].rerun == ("g00002-2.r1", "g00002-3.r1")
+        assert by_id["g00002"].finished == ("g00002-0", "g00002-1.r1", "g00002-2")  # dropped with the group
+        assert len(by_id["g00003"].rerun) == 4
 
 
 def test_a_full_disk_stops_the_run_naming_the_path_and_the_rerun_resumes(tmp_path):

@@ -1,4 +1,5 @@
 """Trajectory store: durable framed log, quarantine, readers while writing, cursor, kill -9."""
+import json
 import os
 import signal
 import subprocess
@@ -390,10 +391,19 @@ def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_wri
     def full(path, obj):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "_atomic_write_json", full)
-    with pytest.raises(StorageError, match="cursor"):
+    def half_then_full(fd, line, offset):  # the disk fills mid-line: part of it reaches the file
+        os.pwrite(fd, line[: len(line) // 2], offset)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(TrajectoryStore, "_journal_write", staticmethod(half_then_full))
+    with pytest.raises(StorageError, match="cursor.jsonl"):
         s.mark_trained(["a"], step=0)
     assert s.consumed() == {}  # memory says what the disk says
+    assert os.path.getsize(tmp_path / "s" / "cursor.jsonl") == 0  # the half line was cut back
+    monkeypatch.undo()
+    monkeypatch.setattr(store_mod, "_atomic_write_json", full)
+    with pytest.raises(StorageError, match="cursor.json"):
+        s.restore_cursor(s.cursor_state())
     monkeypatch.setattr(store_mod, "_append_line", full)
     with pytest.raises(StorageError, match="quarantin"):
         s.append({"kind": "bogus"})
@@ -401,3 +411,120 @@ def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_wri
     s.mark_trained(["a"], step=0)
     assert s.consumed()["a"]["state"] == "trained"
     s.close()
+
+
+def _store_with_outcomes(d, n):
+    st = TrajectoryStore(d, run_id="run")
+    for i in range(n):
+        st.append(call(f"r{i}", 0, n_prompt=2, n_out=1))
+        st.append(outcome(f"r{i}"))
+    return st
+
+
+def test_cursor_is_an_append_only_journal_with_compaction(tmp_path, monkeypatch):
+    """One short line per consumed step, not a rewrite of the whole cursor (O(steps^2) bytes over a run);
+    compaction into the snapshot keeps the bytes written linear, and every reopen reads the same cursor."""
+    from gyre_jax.trajectory import store as store_mod
+
+    d = str(tmp_path)
+    st = _store_with_outcomes(d, 40)
+    for i in range(10):
+        st.mark_trained([f"r{i}"], step=i)
+    assert not os.path.exists(os.path.join(d, "cursor.json"))  # nothing rewritten yet: ten appends
+    with open(os.path.join(d, "cursor.jsonl")) as f:
+        assert len(f.readlines()) == 10
+    monkeypatch.setattr(store_mod, "CURSOR_COMPACT_MIN_BYTES", 400)
+    sizes = []
+    for i in range(10, 40):
+        (st.mark_dropped if i % 3 == 0 else st.mark_trained)([f"r{i}"], step=i, **({"reason": "x"} if i % 3 == 0 else {}))
+        sizes.append(os.path.getsize(os.path.join(d, "cursor.jsonl")))
+        with TrajectoryStore(d, writable=False) as disk:
+            assert disk.consumed() == st.consumed()
+    assert os.path.exists(os.path.join(d, "cursor.json")) and min(sizes) < 100 < max(sizes)  # compacted, then grew again
+    st.close()
+    st = TrajectoryStore(d)
+    assert len(st.consumed()) == 40 and st.consumed()["r12"]["reason"] == "x" and st.pending_rollouts() == []
+    st.close()
+
+
+def test_cursor_journal_torn_tail_damage_and_stale_epochs(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    jpath = os.path.join(d, "cursor.jsonl")
+    st = _store_with_outcomes(d, 4)
+    st.mark_trained(["r0"], step=0)
+    st.mark_trained(["r1"], step=1)
+    st.close()
+    with open(jpath, "ab") as f:  # a kill -9 mid-line: no newline
+        f.write(b'{"epoch":0,"state":"trained","step":2,"reason":null,"rollo')
+    st = TrajectoryStore(d)
+    assert sorted(st.consumed()) == ["r0", "r1"]  # the torn line is ignored...
+    st.mark_trained(["r2"], step=2)  # ...and cut off by the next write
+    st.close()
+    with open(jpath) as f:
+        assert [json.loads(x)["step"] for x in f] == [0, 1, 2]
+    # A snapshot written, then the journal could not be emptied (a crash in between): its lines are stale
+    # and must not come back, even for rollouts the restored snapshot un-consumed.
+    st = TrajectoryStore(d)
+    ckpt = st.cursor_state()
+    st.mark_trained(["r3"], step=3)
+    monkeypatch.setattr(TrajectoryStore, "_truncate_journal", lambda self, n: (_ for _ in ()).throw(OSError(5, "EIO")))
+    st.restore_cursor(dict(ckpt, consumed={k: v for k, v in ckpt["consumed"].items() if k == "r0"}))
+    monkeypatch.undo()
+    st.mark_trained(["r2"], step=2)
+    st.close()
+    with TrajectoryStore(d, writable=False) as disk:
+        assert sorted(disk.consumed()) == ["r0", "r2"] and disk.pending_rollouts() == ["r1", "r3"]
+    with open(jpath, "rb") as f:
+        lines = f.read().split(b"\n")
+    with open(jpath, "wb") as f:  # damage in the middle, good lines after it: refused, naming file and line
+        f.write(b"\n".join([lines[0], b"x" * 10, *lines[1:]]))
+    with pytest.raises(ValueError, match=r"cursor.jsonl is damaged at line 2"):
+        TrajectoryStore(d, writable=False)
+
+
+def test_a_cursor_json_from_before_the_journal_still_resumes(tmp_path):
+    d = str(tmp_path)
+    st = _store_with_outcomes(d, 3)
+    offs = {r: st._rollouts[r].outcome[0] for r in ("r0", "r1", "r2")}
+    st.close()
+    old = {"version": 1, "run_id": "run", "log_offset": 0,
+           "consumed": {"r0": {"state": "trained", "step": 0, "reason": None, "outcome_offset": offs["r0"]}}}
+    with open(os.path.join(d, "cursor.json"), "w") as f:
+        json.dump(old, f)
+    st = TrajectoryStore(d)
+    assert sorted(st.consumed()) == ["r0"] and st.pending_rollouts() == ["r1", "r2"]
+    st.mark_trained(["r1"], step=1)
+    st.close()
+    with TrajectoryStore(d, writable=False) as disk:
+        assert sorted(disk.consumed()) == ["r0", "r1"]
+
+
+MARKER = textwrap.dedent("""
+    import sys
+    from gyre_jax.trajectory import store as store_mod
+    from gyre_jax.trajectory.store import TrajectoryStore
+    store_mod.CURSOR_COMPACT_MIN_BYTES = 0  # compact as often as the rule allows: kills land in compactions too
+    st = TrajectoryStore(sys.argv[1])
+    pending = st.pending_rollouts()
+    for i, rid in enumerate(pending):
+        st.mark_trained([rid], step=i)
+        print(i + 1, flush=True)  # acknowledged
+""")
+
+
+def test_kill_9_while_marking_keeps_every_acknowledged_step(tmp_path):
+    d = str(tmp_path)
+    _store_with_outcomes(d, 3000).close()
+    p = subprocess.Popen([sys.executable, "-c", MARKER, d], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    acked = 0
+    for line in p.stdout:
+        acked = int(line)
+        if acked >= 300:
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    st = TrajectoryStore(d)
+    n = len(st.consumed())
+    assert 300 <= acked <= n < 3000 and sorted(st.consumed().values(), key=lambda e: e["step"])[-1]["step"] == n - 1
+    st.mark_trained(st.pending_rollouts()[:1], step=n)  # the cursor takes writes again
+    st.close()

@@ -26,7 +26,7 @@ Why "no finished rollout lost, none trained twice" holds across a crash
     them, and checkpoints the cursor in the same atomic checkpoint as the params
     that include those updates. So, in every checkpoint, a rollout is
     "consumed" in ``cursor`` iff its update is in ``state``.
-  * ``cursor.json`` in the store may run ahead of the last checkpoint (rollouts
+  * the store's persisted cursor (``cursor.json`` + journal) may run ahead of the last checkpoint (rollouts
     marked after it). On restore, ``resume_store`` replaces it with the
     checkpoint's cursor: those rollouts become pending again and are trained once
     in the resumed lineage, the only lineage whose params survive.

@@ -39,6 +39,7 @@ from gyre_jax.trajectory.vocab import STATUS_INFRA_ERROR
 
 log = logging.getLogger(__name__)
 _ROLLOUT_ID = re.compile(r"^(g\d+)-(\d+)(?:\.r(\d+))?$")
+ABANDONED = "abandoned:"  # how the error of an attempt a stop cut off begins (resume_plan)
 
 
 @dataclasses.dataclass
@@ -59,6 +60,11 @@ class ResumedGroup:
     finished: tuple[str, ...]  # rollout ids with an outcome (kept)
     rerun: tuple[str, ...]  # new rollout ids for the missing slots
     abandoned: tuple[str, ...]  # attempts that were in flight at the kill (infra_error outcomes now)
+
+
+def _abandoned(store, rid: str) -> bool:
+    o = store.outcome(rid)
+    return o.status == STATUS_INFRA_ERROR and str(o.details.get("error", "")).startswith(ABANDONED)
 
 
 def group_number(group_id: str) -> int:
@@ -97,7 +103,10 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
     for gid in order:
         by_slot = slots[gid]
         finished = [r for k in sorted(by_slot) for r in by_slot[k] if r in pending_set]
-        done_slots = {k for k, ids in by_slot.items() if any(r in pending_set for r in ids)}
+        # A slot is done when an attempt finished for real. An attempt an earlier resume marked abandoned is
+        # pending too (an outcome, not yet dropped), but it does not fill its slot: counting it let a group
+        # stopped again before its re-runs finished train short (a second kill inside one interval).
+        done_slots = {k for k, ids in by_slot.items() if any(r in pending_set and not _abandoned(store, r) for r in ids)}
         # The group's version: the step it may be trained in at the earliest, i.e. the newest policy that
         # sampled any token it will train (its finished rollouts, and the re-run slots, sampled now at
         # steps_done). Dating it by the oldest (as before) let a group that a first resume had finished
@@ -119,7 +128,7 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
     for rid in sorted(unfinished):  # every attempt the stop cut off gets its outcome now, once
         calls = store.calls(rid)
         store.append(infra_error_outcome(run_id, rid, calls[0].task_id, calls[0].group_id, calls,
-                                         "abandoned: the run stopped while this rollout was in flight; "
+                                         f"{ABANDONED} the run stopped while this rollout was in flight; "
                                          "its slot is run again"))
     return complete, short
 

@@ -38,13 +38,32 @@ task/group ids that change within a rollout) is written with its error text to
 before and after it are kept. An exact re-send of a stored record is counted as a
 duplicate and not written twice.
 
-Cursor. ``cursor.json`` (write temp, fsync, rename, fsync dir) lists every
-rollout the trainer consumed: trained, or dropped with a reason, with the step
-and the byte offset of its outcome frame (so a cursor restored against the wrong
-log fails loudly). ``pending_rollouts()`` is "has an outcome, all its calls are
-in, not consumed" in arrival order. For exact resume, save ``cursor_state()`` in
-the training checkpoint with the params and call ``restore_cursor`` with it on
-restore: rollouts marked after that checkpoint become pending again.
+Cursor. Which rollouts the trainer consumed (trained, or dropped with a reason),
+with the step and the byte offset of each one's outcome frame (so a cursor
+restored against the wrong log fails loudly). Durable as a snapshot plus a
+journal, so a step costs one short line, not a rewrite of every step before it:
+
+  * ``cursor.jsonl``, the journal: one line per ``mark_trained``/``mark_dropped``
+    call, ``{"epoch": E, "step", "state", "reason", "rollouts": {id: outcome offset}}``,
+    written at the journal's good end and fsynced before the call returns. A
+    failed write is cut back (memory stays what the disk says). A line without its
+    newline, or that does not parse, at the end is a torn tail (a crash mid-write):
+    ignored when read, cut off when the journal is next written. Such a line with a
+    good line after it is damage: opening fails, naming the file and the line.
+  * ``cursor.json``, the snapshot (write temp, fsync, rename, fsync dir): the whole
+    cursor and the journal epoch ``E`` it continues with. Written by
+    ``restore_cursor`` and by compaction (when the journal outgrows the snapshot,
+    and at least ``CURSOR_COMPACT_MIN_BYTES``: total bytes written stay linear in
+    the steps). The snapshot with epoch E+1 is written first, then the journal is
+    emptied; a crash between the two leaves epoch-E lines, which are skipped. So
+    every prefix of the write sequence reads back as the last acknowledged cursor.
+
+A workdir from before the journal (a ``cursor.json`` with no epoch) reads as
+epoch 0 with an empty journal. ``pending_rollouts()`` is "has an outcome, all its
+calls are in, not consumed" in arrival order. For exact resume, save
+``cursor_state()`` in the training checkpoint with the params and call
+``restore_cursor`` with it on restore: rollouts marked after that checkpoint
+become pending again.
 
 Damage report (call both at resume, and log them). A rollout's outcome is
 appended after all its calls (a call after the outcome is refused), so a rollout
@@ -99,7 +118,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from gyre_jax.errors import storage_error
+from gyre_jax.errors import StorageError, storage_error
 from gyre_jax.trajectory.records import (
     ModelCallRecord,
     Record,
@@ -116,7 +135,8 @@ MAGIC = b"GYR1"
 _FRAME = struct.Struct("<4sII")  # magic, payload length, crc32(payload)
 MAX_PAYLOAD = 1 << 30
 FSYNC_POLICIES = ("always", "interval", "never")
-LOG_NAME, META_NAME, CURSOR_NAME = "log.bin", "meta.json", "cursor.json"
+LOG_NAME, META_NAME, CURSOR_NAME, JOURNAL_NAME = "log.bin", "meta.json", "cursor.json", "cursor.jsonl"
+CURSOR_COMPACT_MIN_BYTES = 64 << 10  # journal bytes below which compaction is not worth a snapshot
 QUARANTINE_NAME, EVENTS_NAME, TORN_DIR = "quarantine.jsonl", "events.jsonl", "torn"
 
 
@@ -277,11 +297,16 @@ def _jsonable(x):
 
 def _atomic_write_json(path: str, obj) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a failed write leaves no half file behind
+            os.unlink(tmp)
+        raise
     dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(dfd)
@@ -342,6 +367,8 @@ class TrajectoryStore:
         if writable:
             self._recover_tail()
         self._consumed: dict[str, dict] = {}
+        self._cursor_epoch = 0  # journal lines of this epoch continue the snapshot
+        self._journal_good = 0  # journal bytes up to the end of its last good line
         self._load_cursor()
 
     # ------------------------------------------------------------------ open / scan
@@ -641,22 +668,73 @@ class TrajectoryStore:
 
     # ------------------------------------------------------------------ cursor
     def _load_cursor(self) -> None:
+        """Snapshot + journal as on disk (module docstring). A reader may race a compaction: it retries."""
+        for _ in range(20):
+            before = self._snapshot_id()
+            snap_epoch, consumed, good, epoch_seen = self._read_cursor_files()
+            if epoch_seen is None and self._snapshot_id() == before:
+                break
+            # A compaction ran between reading the snapshot and the journal (the snapshot was replaced, or the
+            # journal holds a newer epoch): what was read may miss the emptied journal's lines. Read both again.
+            time.sleep(0.01)
+        else:
+            raise ValueError(f"cursor of {self.directory}: no consistent read in 20 tries (snapshot epoch {snap_epoch}, "
+                             f"a journal line of epoch {epoch_seen}; a journal newer than its snapshot is damage)")
+        self._consumed, self._cursor_epoch, self._journal_good = consumed, snap_epoch, good
+
+    def _read_cursor_files(self) -> tuple[int, dict, int, int | None]:
+        """(snapshot epoch, consumed, journal bytes up to the last good line, a newer epoch seen or None)."""
         path = self._path(CURSOR_NAME)
+        state, epoch = {"run_id": self.run_id, "consumed": {}}, 0
         if os.path.exists(path):
             with open(path) as f:
-                self._apply_cursor(json.load(f))
+                state = json.load(f)
+            epoch = int(state.get("journal_epoch", 0))  # a cursor.json from before the journal: epoch 0
+        consumed = self._check_cursor(state)
+        jpath = self._path(JOURNAL_NAME)
+        try:
+            with open(jpath, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return epoch, consumed, 0, None
+        good, pos, bad = 0, 0, None  # bad: (line number, text) of an unreadable line not yet known to be the tail
+        for lineno, line in enumerate(data.split(b"\n")[:-1], 1):  # the piece after the last newline is torn
+            pos += len(line) + 1
+            try:
+                e = json.loads(line)
+                rows, e_epoch = e["rollouts"], int(e["epoch"])
+            except (ValueError, KeyError, TypeError):
+                bad = bad or (lineno, line[:80])
+                continue
+            if bad is not None:
+                raise ValueError(f"cursor journal {jpath} is damaged at line {bad[0]} ({bad[1]!r}), and good lines follow it")
+            good = pos
+            if e_epoch < epoch:
+                continue  # written before the last compaction, which the snapshot holds
+            if e_epoch > epoch:
+                return epoch, consumed, good, e_epoch
+            entry = {"state": e["state"], "step": e["step"], "reason": e["reason"]}
+            for rid, off in rows.items():
+                if rid in consumed:
+                    raise ValueError(f"cursor journal {jpath} line {lineno}: rollout {rid!r} consumed twice")
+                self._check_entry(rid, off)
+                consumed[rid] = dict(entry, outcome_offset=off)
+        return epoch, consumed, good, None
 
-    def _apply_cursor(self, state: Mapping[str, Any]) -> None:
+    def _check_entry(self, rid: str, off: int) -> None:
+        r = self._rollouts.get(rid)
+        if r is None or r.outcome is None or r.outcome[0] != off:
+            have = None if r is None or r.outcome is None else r.outcome[0]
+            raise ValueError(f"cursor entry {rid!r} (outcome at offset {off}) does not match this log (outcome at {have})")
+
+    def _check_cursor(self, state: Mapping[str, Any]) -> dict[str, dict]:
         if state.get("run_id") != self.run_id:
             raise ValueError(f"cursor is for run {state.get('run_id')!r}, store holds {self.run_id!r}")
         consumed = {}
         for rid, e in state["consumed"].items():
-            r = self._rollouts.get(rid)
-            if r is None or r.outcome is None or r.outcome[0] != e["outcome_offset"]:
-                have = None if r is None or r.outcome is None else r.outcome[0]
-                raise ValueError(f"cursor entry {rid!r} (outcome at offset {e['outcome_offset']}) does not match this log (outcome at {have})")
+            self._check_entry(rid, e["outcome_offset"])
             consumed[rid] = dict(e)
-        self._consumed = consumed
+        return consumed
 
     def cursor_state(self) -> dict[str, Any]:
         """JSON-able cursor, to save in a training checkpoint."""
@@ -665,16 +743,81 @@ class TrajectoryStore:
     def restore_cursor(self, state: Mapping[str, Any]) -> None:
         """Make ``state`` (from ``cursor_state``) the persisted cursor, e.g. on checkpoint restore."""
         with self._lock:
-            self._apply_cursor(state)
-            self._persist_cursor()
+            consumed = self._check_cursor(state)
+            self._own_cursor()
+            self._write_snapshot(consumed)
 
-    def _persist_cursor(self) -> None:
+    def _own_cursor(self) -> None:
+        """Take the cursor lock (once); what another holder wrote before is read again first."""
         if self._cursor_lock_f is None:
             self._cursor_lock_f = self._take_lock("cursor.lock", "cursor")
+            self._load_cursor()
+
+    def _write_snapshot(self, consumed: dict[str, dict]) -> None:
+        """``consumed`` as the snapshot of the next epoch, then an empty journal (module docstring)."""
+        path, epoch = self._path(CURSOR_NAME), self._cursor_epoch + 1
+        state = dict(self.cursor_state(), consumed=consumed, version=2, journal_epoch=epoch)
         try:
-            _atomic_write_json(self._path(CURSOR_NAME), self.cursor_state())
+            _atomic_write_json(path, state)
         except OSError as e:
-            raise storage_error(self._path(CURSOR_NAME), "writing", e) from e
+            raise storage_error(path, "writing", e) from e
+        self._consumed, self._cursor_epoch = consumed, epoch  # durable from here: the journal's lines are stale
+        try:
+            self._truncate_journal(0)
+        except OSError as e:  # harmless on disk (stale lines are skipped); the next compaction tries again
+            log.warning("could not empty the cursor journal %s after a snapshot: %s", self._path(JOURNAL_NAME), e)
+
+    def _truncate_journal(self, n: int) -> None:
+        fd = os.open(self._path(JOURNAL_NAME), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, n)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._journal_good = n
+
+    def _append_cursor(self, ids: list[str], entry: dict) -> None:
+        """One journal line for ``ids``, durable on return; nothing of it on disk if this raises."""
+        jpath = self._path(JOURNAL_NAME)
+        line = json.dumps({"epoch": self._cursor_epoch, **entry, "rollouts": {rid: self._rollouts[rid].outcome[0] for rid in ids}},
+                          separators=(",", ":")).encode() + b"\n"
+        start = self._journal_good
+        try:
+            fd = os.open(jpath, os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise storage_error(jpath, "writing", e) from e
+        try:
+            if os.fstat(fd).st_size != start:
+                os.ftruncate(fd, start)  # a torn tail, or a failed write that could not be cut back then
+            if self._journal_write(fd, line, start) != len(line):
+                raise OSError(28, "short write to the cursor journal")
+            os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # the next append cuts it back before writing (size != start); a reader skips a torn tail
+            raise storage_error(jpath, "writing", e) from e
+        finally:
+            os.close(fd)
+        self._journal_good = start + len(line)
+
+    def _snapshot_id(self) -> tuple | None:
+        try:
+            st = os.stat(self._path(CURSOR_NAME))
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size  # a rename puts a new inode there
+
+    def _snapshot_bytes(self) -> int:
+        try:
+            return os.path.getsize(self._path(CURSOR_NAME))
+        except FileNotFoundError:
+            return 0
+
+    @staticmethod
+    def _journal_write(fd: int, line: bytes, offset: int) -> int:
+        return os.pwrite(fd, line, offset)  # a method so a test can make it fail like a full disk
 
     def _consume(self, rollout_ids: Iterable[str], entry: dict) -> None:
         with self._lock:
@@ -689,14 +832,18 @@ class TrajectoryStore:
                 raise ValueError(f"rollout {rid!r} was already consumed: {self._consumed[rid]}")
             if ids.count(rid) > 1:
                 raise ValueError(f"rollout {rid!r} listed twice")
+        self._own_cursor()
+        for rid in ids:
+            if rid in self._consumed:  # consumed by the cursor's previous holder, read when taking the lock
+                raise ValueError(f"rollout {rid!r} was already consumed: {self._consumed[rid]}")
+        self._append_cursor(ids, entry)  # memory changes only once the disk has it: no half-step in a save
         for rid in ids:
             self._consumed[rid] = dict(entry, outcome_offset=self._rollouts[rid].outcome[0])
-        try:
-            self._persist_cursor()
-        except BaseException:  # what is in memory stays what is on disk: a later save writes no half-step
-            for rid in ids:
-                del self._consumed[rid]
-            raise
+        if self._journal_good > max(CURSOR_COMPACT_MIN_BYTES, self._snapshot_bytes()):
+            try:
+                self._write_snapshot(dict(self._consumed))
+            except StorageError as e:  # the step is durable in the journal; compaction can wait for room
+                log.warning("cursor compaction failed, the journal keeps growing: %s", e)
 
     def mark_trained(self, rollout_ids: Iterable[str], *, step: int) -> None:
         self._consume(rollout_ids, {"state": "trained", "step": int(step), "reason": None})
