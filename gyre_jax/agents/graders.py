@@ -128,7 +128,7 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     try:
         data = json.loads(lines[0][len(RESULT_PREFIX):])
         score, details = data["score"], data["details"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         return None, {}, f"grader result line is malformed ({type(e).__name__}: {e})"
     if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score) \
             or not 0.0 <= score <= 1.0:
@@ -138,30 +138,55 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     return float(score), details, None
 
 
+GRADER_STDOUT_TAIL = 1 << 20  # of the grader's stdout kept: its result line is last and bounded (grader_main)
+GRADER_STDERR_BYTES = 8192  # head + tail of the grader's stderr kept, for the error
+
+
 async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float,
                      env: dict[str, str] | None = None) -> GraderOutcome:
-    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox)."""
+    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox).
+
+    The grader's output streams into bounded captures (a grader echoing what agent code
+    printed cannot fill the trainer's memory) and its details are cut to the record bounds."""
+    from gyre_jax.agents.capture import BoundedCapture, bound_json, bound_text, drain_async
+
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**subprocess_env(), **(env or {})}, cwd="/", start_new_session=True)  # own group: a kill takes its check runners too
+    out, err = BoundedCapture(head=4096, tail=GRADER_STDOUT_TAIL), BoundedCapture(
+        head=GRADER_STDERR_BYTES // 2, tail=GRADER_STDERR_BYTES // 2)
+
+    async def feed_stdin():
+        try:
+            proc.stdin.write(task.to_json().encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it exited without reading: its exit code says why
+            pass
+
+    io = asyncio.ensure_future(asyncio.gather(feed_stdin(), drain_async(proc.stdout, out),
+                                              drain_async(proc.stderr, err)))
     try:
-        out, err = await asyncio.wait_for(proc.communicate(task.to_json().encode()), timeout_s)
+        await asyncio.wait_for(asyncio.shield(io), timeout_s)
+        await asyncio.wait_for(proc.wait(), max(1.0, timeout_s - (time.monotonic() - t0)))
     except TimeoutError:
         _kill_group(proc)
+        io.cancel()
         await proc.wait()
         return GraderOutcome(False, None, {}, f"grader timed out after {timeout_s:g} s", time.monotonic() - t0)
     except BaseException:  # cancelled (e.g. the harness shuts down): leave no grader behind
         _kill_group(proc)
+        io.cancel()
         try:
             await asyncio.wait_for(proc.wait(), 5.0)
         except BaseException:
             pass
         raise
-    score, details, error = parse_grader_output(out.decode(errors="replace"), proc.returncode,
-                                                err.decode(errors="replace"))
-    return GraderOutcome(error is None, score, details, error, time.monotonic() - t0)
+    score, details, error = parse_grader_output(out.tail_text(), proc.returncode, err.text())
+    return GraderOutcome(error is None, score, bound_json(details), None if error is None else bound_text(error),
+                         time.monotonic() - t0)
 
 
 def _kill_group(proc) -> None:
