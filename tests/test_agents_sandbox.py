@@ -273,11 +273,61 @@ def test_snapshot_copies_only_regular_files_and_directories(tmp_path):
     assert not any(p.is_symlink() for p in snap.rglob("*")) and not (snap / "fifo").exists()
     assert not list(snap.rglob("bottom.txt"))  # deeper than SNAPSHOT_MAX_DEPTH
     assert stats["files"] == 1 and stats["bytes"] == 6 and stats["skipped"] == 5
+    assert stats["skipped_by_reason"] == {"too_deep": 1, "path_too_long": 0, "not_regular": 3, "over_bytes": 1,
+                                          "over_entries": 0, "unreadable": 0}
     many = tmp_path / "many"
     many.mkdir()
     for k in range(30):
         (many / f"f{k}").write_text("")
     assert graders_mod.snapshot_workspace(many, tmp_path / "snap2", max_bytes=1 << 20, max_entries=10)["files"] == 10
+
+
+def _deep_dirs(root, levels: int, name_len: int) -> str:
+    """``levels`` nested directories of ``name_len``-byte names under ``root`` (made through
+    directory fds: the whole path may pass PATH_MAX); returns the relative path."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    parts = []
+    try:
+        for k in range(levels):
+            name = (str(k) * name_len)[:name_len]
+            os.mkdir(name, dir_fd=fd)
+            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd, parts = nfd, parts + [name]
+        with os.fdopen(os.open("bottom.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("deep")
+    finally:
+        os.close(fd)
+    return "/".join(parts)
+
+
+def test_snapshot_of_a_crafted_workspace_skips_what_it_cannot_copy_and_says_why(tmp_path):
+    # Paths longer than the snapshot's destination can hold, a sparse file of 64 GiB with
+    # 8 KiB of data, a symlink loop and a fifo: the snapshot copies what it can, says what
+    # it skipped by reason, and holds the sparse file's data, not its apparent size.
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "answer.txt").write_text("42\n")
+    _deep_dirs(ws, 19, 200)  # ~3.8 KB of path: fits under ws, not under the longer snapshot path
+    with open(ws / "sparse.bin", "wb") as f:
+        f.write(b"a" * 4096)
+        f.seek(1 << 35)
+        f.write(b"z" * 4096)
+        f.truncate(1 << 36)
+    (ws / "loop_a").symlink_to("loop_b")
+    (ws / "loop_b").symlink_to("loop_a")
+    os.mkfifo(ws / "fifo")
+    snap = tmp_path / ("s" * 250) / "snap"
+    stats = graders_mod.snapshot_workspace(ws, snap, max_bytes=1 << 20)
+    assert (snap / "answer.txt").read_text() == "42\n"
+    sparse = (snap / "sparse.bin").stat()
+    assert sparse.st_size == 1 << 36 and sparse.st_blocks * 512 < 1 << 20  # a copy of holes, not 64 GiB
+    with open(snap / "sparse.bin", "rb") as f:
+        assert f.read(4096) == b"a" * 4096 and f.seek(1 << 35) and f.read(4096) == b"z" * 4096
+    assert stats["bytes"] == 3 + 2 * 4096 and stats["apparent_bytes"] == 3 + (1 << 36)
+    reasons = stats["skipped_by_reason"]
+    assert reasons["not_regular"] == 3 and reasons["path_too_long"] == 1 and stats["truncated"]
+    assert stats["skipped"] == sum(reasons.values()) == 4
 
 
 def test_kind_none_is_loud(tmp_path, caplog, monkeypatch):

@@ -211,3 +211,23 @@ def test_every_outcome_record_field_is_bounded():
     for text in (d["grader"]["log"], d["harness"]["finish_reason"], d["harness"]["output_tail"],
                  d["harness"]["sandbox"]["snapshot"]["error"]):
         assert len(text.encode()) <= RECORD_TEXT_BYTES + 64 and text.startswith("eee") and "bytes not kept" in text
+
+
+def test_forged_or_flooded_runner_lines_fail_checks_not_the_grader(task, tmp_path):
+    # Agent code writes malformed results on every descriptor the runner might use for them
+    # (missing fields, wrong types, unknown names, a line without end), then floods its
+    # output: the grader still grades, and those checks simply fail.
+    (m0, m1), pkg = _names(task)
+    files = repo_spec.reference_files(task)
+    names = [f"import:{m0['import']}"] + [f"defines:{m0['import']}.{f['name']}" for f in m0["functions"]]
+    forged = [{"check": n, "ok": "yes", "note": 3} for n in names] + [  # "yes" passed as true
+        [1, 2], {"check": ["x"]}, {"check": names[0], "ok": True, "note": {"deep": [[[]]]}}] + [
+        {"check": n} for n in names]  # no "ok": the grader crashed (verifier_error)
+    lines = "".join(json.dumps(x) + "\n" for x in forged) + "{" * 100000
+    files[m0["path"]] = (f"import os\nfor fd in range(1, 10):\n    try:\n        os.write(fd, {lines!r}.encode())\n"
+                         "    except OSError:\n        pass\nos.write(2, b'x' * (8 << 20))\nos._exit(0)\n")
+    _write(tmp_path, files)
+    g = grade_in_process(task, tmp_path)
+    failed = _failed(g)
+    assert set(names[1:]) <= failed and g.score < 1.0
+    assert not any(c["check"].startswith(f"case:{m1['import']}") for c in g.details["checks"] if not c["ok"])
