@@ -20,6 +20,7 @@ from gyre_jax.agents import sandbox as sb
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.harness import RolloutRequest, run_rollouts
 from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
+from gyre_jax.agents.tools import Workspace
 from gyre_jax.serving import identity as H
 from gyre_jax.testing.fake_openai_server import FakeOpenAIServer, FakeReply, tool_calls
 from gyre_jax.trajectory import vocab
@@ -368,3 +369,39 @@ def test_agent_code_the_grader_runs_is_confined_too(tmp_path):
     with pytest.raises(BlockingIOError):
         listener.accept()
     listener.close()
+
+
+# 160 MiB in memfds of 2 MiB each (each under RLIMIT_FSIZE, none mapped: RLIMIT_AS sees none of it)
+_HOLD = ("python3 -c \"import os\nfds = [os.memfd_create('x') for _ in range(80)]\n"
+         "[os.write(fd, b'x' * (2 << 20)) for fd in fds]\nprint('HOLD' + '-OK')\"")
+_USERNS_TMPFS = ("unshare -U -r -m sh -c 'mount -t tmpfs none /tmp && for i in $(seq 80); do "
+                 "head -c 2M /dev/zero > /tmp/x$i || exit 1; done && echo HOLD-$((1+1))'")
+
+
+@needs_bwrap
+def test_the_sandbox_as_a_whole_is_capped_against_memfd_and_tmpfs(tmp_path):
+    # RLIMIT_AS does not count memfd or tmpfs pages (160 MiB held under a 256 MiB address
+    # space each time before); the sandbox's cgroup does: the command is killed at 48 MiB,
+    # and the stats say how the sandbox was capped. Where no cgroup can be made the stats
+    # say why and the rest of this test cannot be checked here.
+    limits = sb.SandboxLimits(processes=64, memory_bytes=256 << 20, sandbox_memory_bytes=48 << 20,
+                              tmp_bytes=256 << 20, disk_bytes=8 << 20, file_bytes=4 << 20, cpu_s=20)
+    box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap", limits=limits), tmp_path / "ws", family="tiny",
+                          name="cap")
+    (tmp_path / "ws").mkdir()
+    box.prepare()
+    ws = Workspace(tmp_path / "ws", sandbox=box, command_timeout_s=60.0)
+    try:
+        out = asyncio.run(ws.run(_HOLD))
+        stats = box.stats.to_dict()
+        if stats["cgroup"].startswith("none:"):
+            assert "per-process rlimits only" in stats["cgroup"]
+            pytest.skip(f"no cgroup can be made here: {stats['cgroup']}")
+        assert stats["cgroup"].startswith(("v1: memory 50331648", "v2: memory 50331648")), stats
+        assert "HOLD-OK" not in out and out.startswith("exit code 137"), out
+        userns = asyncio.run(ws.run(_USERNS_TMPFS))  # a namespace and a tmpfs of its own: the same cap
+        assert "HOLD-2" not in userns, userns
+        assert "HOLD-3" in asyncio.run(ws.run("echo HOLD-$((1+2))"))  # small commands still run
+    finally:
+        box.release()
+    assert box.stats.peak_memory_bytes is None or box.stats.peak_memory_bytes <= 48 << 20
