@@ -37,6 +37,7 @@ after it. ``layout`` starts the backend (it asks for the devices).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 from typing import Any, Mapping
@@ -62,6 +63,10 @@ class DistributedConfig:
     initialization_timeout_s: int = 300  # how long processes wait for each other at start
     recoverable: bool = False  # the run survives a process's death (pods: satellites are expendable)
     heartbeat_timeout_s: int = 100  # after this long without heartbeats a process counts as dead
+    # "host:port" process 0's coordinator listens on; None: the coordinator's own address when
+    # its host is an IP literal or localhost (127.0.0.1 stays on loopback), else all
+    # interfaces as JAX does (a DNS name may resolve to an address the host does not own)
+    coordinator_bind_address: str | None = None
 
     def __post_init__(self):
         w = "DistributedConfig"
@@ -165,6 +170,26 @@ def layout(how: str = "single") -> DistributedInfo:
     return info
 
 
+def bind_address(coordinator_address: str | None, configured: str | None, env: Mapping[str, str]) -> str | None:
+    """The address process 0's coordinator binds, or None to leave it to JAX.
+
+    JAX binds ``[::]:port`` (every interface) unless told otherwise, even for a coordinator
+    at 127.0.0.1: anyone who can reach the host could join or stall the run. Asked for an IP
+    literal or localhost, bind exactly that; JAX_COORDINATOR_BIND_ADDRESS still wins."""
+    if configured is not None:
+        return configured
+    if coordinator_address is None or env.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return None
+    host = coordinator_address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return coordinator_address
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:  # a DNS name: it may name a load balancer or another interface
+        return None
+    return coordinator_address
+
+
 def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> str:
     """Call ``jax.distributed.initialize`` if the config or the environment asks for it; return how.
 
@@ -204,6 +229,9 @@ def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, e
             kwargs["cluster_detection_method"] = cfg.cluster
     if cfg.local_device_ids is not None:
         kwargs["local_device_ids"] = list(cfg.local_device_ids)
+    bind = bind_address(kwargs.get("coordinator_address"), cfg.coordinator_bind_address, env)
+    if bind is not None:
+        kwargs["coordinator_bind_address"] = bind
     if _backend_started():
         raise RuntimeError(
             f"distributed.initialize ({how}): JAX's backend is already running (a JAX computation or "

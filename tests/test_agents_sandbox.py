@@ -20,6 +20,7 @@ from gyre_jax.agents import sandbox as sb
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.harness import RolloutRequest, run_rollouts
 from gyre_jax.agents.tasks.base import DEFAULT_TOOLS, Task
+from gyre_jax.agents.tools import Workspace
 from gyre_jax.serving import identity as H
 from gyre_jax.testing.fake_openai_server import FakeOpenAIServer, FakeReply, tool_calls
 from gyre_jax.trajectory import vocab
@@ -273,11 +274,61 @@ def test_snapshot_copies_only_regular_files_and_directories(tmp_path):
     assert not any(p.is_symlink() for p in snap.rglob("*")) and not (snap / "fifo").exists()
     assert not list(snap.rglob("bottom.txt"))  # deeper than SNAPSHOT_MAX_DEPTH
     assert stats["files"] == 1 and stats["bytes"] == 6 and stats["skipped"] == 5
+    assert stats["skipped_by_reason"] == {"too_deep": 1, "path_too_long": 0, "not_regular": 3, "over_bytes": 1,
+                                          "over_entries": 0, "unreadable": 0}
     many = tmp_path / "many"
     many.mkdir()
     for k in range(30):
         (many / f"f{k}").write_text("")
     assert graders_mod.snapshot_workspace(many, tmp_path / "snap2", max_bytes=1 << 20, max_entries=10)["files"] == 10
+
+
+def _deep_dirs(root, levels: int, name_len: int) -> str:
+    """``levels`` nested directories of ``name_len``-byte names under ``root`` (made through
+    directory fds: the whole path may pass PATH_MAX); returns the relative path."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    parts = []
+    try:
+        for k in range(levels):
+            name = (str(k) * name_len)[:name_len]
+            os.mkdir(name, dir_fd=fd)
+            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd, parts = nfd, parts + [name]
+        with os.fdopen(os.open("bottom.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("deep")
+    finally:
+        os.close(fd)
+    return "/".join(parts)
+
+
+def test_snapshot_of_a_crafted_workspace_skips_what_it_cannot_copy_and_says_why(tmp_path):
+    # Paths longer than the snapshot's destination can hold, a sparse file of 64 GiB with
+    # 8 KiB of data, a symlink loop and a fifo: the snapshot copies what it can, says what
+    # it skipped by reason, and holds the sparse file's data, not its apparent size.
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "answer.txt").write_text("42\n")
+    _deep_dirs(ws, 19, 200)  # ~3.8 KB of path: fits under ws, not under the longer snapshot path
+    with open(ws / "sparse.bin", "wb") as f:
+        f.write(b"a" * 4096)
+        f.seek(1 << 35)
+        f.write(b"z" * 4096)
+        f.truncate(1 << 36)
+    (ws / "loop_a").symlink_to("loop_b")
+    (ws / "loop_b").symlink_to("loop_a")
+    os.mkfifo(ws / "fifo")
+    snap = tmp_path / ("s" * 250) / "snap"
+    stats = graders_mod.snapshot_workspace(ws, snap, max_bytes=1 << 20)
+    assert (snap / "answer.txt").read_text() == "42\n"
+    sparse = (snap / "sparse.bin").stat()
+    assert sparse.st_size == 1 << 36 and sparse.st_blocks * 512 < 1 << 20  # a copy of holes, not 64 GiB
+    with open(snap / "sparse.bin", "rb") as f:
+        assert f.read(4096) == b"a" * 4096 and f.seek(1 << 35) and f.read(4096) == b"z" * 4096
+    assert stats["bytes"] == 3 + 2 * 4096 and stats["apparent_bytes"] == 3 + (1 << 36)
+    reasons = stats["skipped_by_reason"]
+    assert reasons["not_regular"] == 3 and reasons["path_too_long"] == 1 and stats["truncated"]
+    assert stats["skipped"] == sum(reasons.values()) == 4
 
 
 def test_kind_none_is_loud(tmp_path, caplog, monkeypatch):
@@ -318,3 +369,39 @@ def test_agent_code_the_grader_runs_is_confined_too(tmp_path):
     with pytest.raises(BlockingIOError):
         listener.accept()
     listener.close()
+
+
+# 160 MiB in memfds of 2 MiB each (each under RLIMIT_FSIZE, none mapped: RLIMIT_AS sees none of it)
+_HOLD = ("python3 -c \"import os\nfds = [os.memfd_create('x') for _ in range(80)]\n"
+         "[os.write(fd, b'x' * (2 << 20)) for fd in fds]\nprint('HOLD' + '-OK')\"")
+_USERNS_TMPFS = ("unshare -U -r -m sh -c 'mount -t tmpfs none /tmp && for i in $(seq 80); do "
+                 "head -c 2M /dev/zero > /tmp/x$i || exit 1; done && echo HOLD-$((1+1))'")
+
+
+@needs_bwrap
+def test_the_sandbox_as_a_whole_is_capped_against_memfd_and_tmpfs(tmp_path):
+    # RLIMIT_AS does not count memfd or tmpfs pages (160 MiB held under a 256 MiB address
+    # space each time before); the sandbox's cgroup does: the command is killed at 48 MiB,
+    # and the stats say how the sandbox was capped. Where no cgroup can be made the stats
+    # say why and the rest of this test cannot be checked here.
+    limits = sb.SandboxLimits(processes=64, memory_bytes=256 << 20, sandbox_memory_bytes=48 << 20,
+                              tmp_bytes=256 << 20, disk_bytes=8 << 20, file_bytes=4 << 20, cpu_s=20)
+    box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap", limits=limits), tmp_path / "ws", family="tiny",
+                          name="cap")
+    (tmp_path / "ws").mkdir()
+    box.prepare()
+    ws = Workspace(tmp_path / "ws", sandbox=box, command_timeout_s=60.0)
+    try:
+        out = asyncio.run(ws.run(_HOLD))
+        stats = box.stats.to_dict()
+        if stats["cgroup"].startswith("none:"):
+            assert "per-process rlimits only" in stats["cgroup"]
+            pytest.skip(f"no cgroup can be made here: {stats['cgroup']}")
+        assert stats["cgroup"].startswith(("v1: memory 50331648", "v2: memory 50331648")), stats
+        assert "HOLD-OK" not in out and out.startswith("exit code 137"), out
+        userns = asyncio.run(ws.run(_USERNS_TMPFS))  # a namespace and a tmpfs of its own: the same cap
+        assert "HOLD-2" not in userns, userns
+        assert "HOLD-3" in asyncio.run(ws.run("echo HOLD-$((1+2))"))  # small commands still run
+    finally:
+        box.release()
+    assert box.stats.peak_memory_bytes is None or box.stats.peak_memory_bytes <= 48 << 20

@@ -1,5 +1,6 @@
 """Tools, call parsing, the wire convention and config validation (no server)."""
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -78,8 +79,37 @@ def test_run_tool_reports_exit_code_truncates_and_times_out(tmp_path):
 
     ok, long, slow = asyncio.run(main())
     assert ok == "exit code 3\nhi\n"
-    assert long.startswith("exit code 0\n[... 69 bytes truncated]\n") and long.endswith("y\n")
+    # a quarter of the bound from the start, the rest from the end, and how much was dropped
+    assert long == "exit code 0\n" + "y" * 8 + "\n[... 69 bytes not kept ...]\n" + "y" * 23 + "\n"
     assert slow.startswith("timed out after 0.5 s")
+
+
+_FLOOD = """
+import asyncio, json, resource, sys
+from gyre_jax.agents.tools import Workspace
+ws = Workspace(sys.argv[1], sandbox=None, max_output_bytes=4096, command_timeout_s=120.0)
+asyncio.run(ws.run("echo warm"))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+text = asyncio.run(ws.run("printf START; head -c 52428800 /dev/zero | tr '\\\\0' x; printf END"))
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"grown_kib": grown, "text": text}))
+"""
+
+
+def test_run_tool_keeps_a_bounded_head_and_tail_while_streaming(tmp_path):
+    # 50 MiB of output: the trainer's peak memory must not grow by it (the old code buffered
+    # it whole, then cut it); the tool text shows the head, the tail and how much was dropped.
+    # A fresh process: its peak RSS is this call's, not an earlier test's.
+    proc = subprocess.run([sys.executable, "-c", _FLOOD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["grown_kib"] < 16 * 1024, got["grown_kib"]
+    text = got["text"]
+    dropped = 50 * (1 << 20) + len("STARTEND") - 4096
+    assert text.startswith("exit code 0\nSTART" + "x" * (1024 - 5)), text[:100]
+    assert f"\n[... {dropped} bytes not kept ...]\n" in text and text.endswith("x" * 100 + "END")
+    assert len(text.encode()) < 4096 + 100
 
 
 def test_wire_ids_and_api_key():

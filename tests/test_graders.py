@@ -156,3 +156,78 @@ def test_agent_code_cannot_forge_check_results(task, tmp_path):
     _write(tmp_path, files)
     g = grade_in_process(task, tmp_path)
     assert _failed(g) == set(names)
+
+
+_FLOODED = """
+import asyncio, json, resource, sys
+from gyre_jax.agents.graders import run_grader
+from gyre_jax.agents.tasks import tiny
+t = tiny.make_task(3)
+t = tiny.Task(**{**t.to_dict(), "grader": "gyre_jax.testing.flooding_grader:flooding_grader"})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = asyncio.run(run_grader(t, sys.argv[1], timeout_s=120))
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"grown_kib": grown, "ok": out.ok, "score": out.score, "error": out.error, "details": out.details}))
+"""
+
+
+def test_grader_output_and_details_stay_bounded(tmp_path):
+    # A grader printing 50 MiB on stdout and on stderr, with 50 MiB of details: the trainer's
+    # peak memory does not grow by it (the old code buffered all of it), the grade stands,
+    # and the details show head, tail and how much was dropped.
+    import subprocess
+    import sys
+
+    from gyre_jax.agents.capture import RECORD_DEPTH, RECORD_DETAILS_BYTES, RECORD_ITEMS
+    proc = subprocess.run([sys.executable, "-c", _FLOODED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["grown_kib"] < 32 * 1024, got["grown_kib"]
+    assert got["ok"] and got["score"] == 0.5, got["error"]
+    details = got["details"]
+    assert len(json.dumps(details).encode()) <= RECORD_DETAILS_BYTES
+    log = details["log"]
+    assert log.startswith("STARTxxx") and log.endswith("xxxEND") and " bytes not kept ...]" in log
+    assert len(details["many"]) == RECORD_ITEMS + 1 and "more items not kept" in details["many"][-1]
+    node, levels = details["deep"], 1
+    while isinstance(node, dict):
+        node, levels = node["d"], levels + 1
+    assert levels == RECORD_DEPTH and "nested deeper" in node
+
+
+def test_every_outcome_record_field_is_bounded():
+    from gyre_jax.agents.capture import RECORD_DETAILS_BYTES, RECORD_TEXT_BYTES
+    from gyre_jax.agents.harness import RolloutResult
+    big = "e" * (10 << 20)
+    r = RolloutResult(rollout_id="r", task_id="t", group_id="g", status="verifier_error", score=None,
+                      grader_details={"log": big}, calls=0, retries=0, compactions=0, subagents=0, tool_calls=0,
+                      tool_errors=0, finish_reason=big, error=big, wall_time_s=0.0, agent_time_s=0.0,
+                      grader_time_s=0.0, workspace="w", t_end=0.0, sandbox={"snapshot": {"error": big}},
+                      output_tail=big)
+    d = r.to_outcome("run").details
+    assert len(json.dumps(d).encode()) <= 3 * RECORD_DETAILS_BYTES
+    assert len(d["error"].encode()) <= RECORD_TEXT_BYTES + 64 and "bytes not kept" in d["error"]
+    for text in (d["grader"]["log"], d["harness"]["finish_reason"], d["harness"]["output_tail"],
+                 d["harness"]["sandbox"]["snapshot"]["error"]):
+        assert len(text.encode()) <= RECORD_TEXT_BYTES + 64 and text.startswith("eee") and "bytes not kept" in text
+
+
+def test_forged_or_flooded_runner_lines_fail_checks_not_the_grader(task, tmp_path):
+    # Agent code writes malformed results on every descriptor the runner might use for them
+    # (missing fields, wrong types, unknown names, a line without end), then floods its
+    # output: the grader still grades, and those checks simply fail.
+    (m0, m1), pkg = _names(task)
+    files = repo_spec.reference_files(task)
+    names = [f"import:{m0['import']}"] + [f"defines:{m0['import']}.{f['name']}" for f in m0["functions"]]
+    forged = [{"check": n, "ok": "yes", "note": 3} for n in names] + [  # "yes" passed as true
+        [1, 2], {"check": ["x"]}, {"check": names[0], "ok": True, "note": {"deep": [[[]]]}}] + [
+        {"check": n} for n in names]  # no "ok": the grader crashed (verifier_error)
+    lines = "".join(json.dumps(x) + "\n" for x in forged) + "{" * 100000
+    files[m0["path"]] = (f"import os\nfor fd in range(1, 10):\n    try:\n        os.write(fd, {lines!r}.encode())\n"
+                         "    except OSError:\n        pass\nos.write(2, b'x' * (8 << 20))\nos._exit(0)\n")
+    _write(tmp_path, files)
+    g = grade_in_process(task, tmp_path)
+    failed = _failed(g)
+    assert set(names[1:]) <= failed and g.score < 1.0
+    assert not any(c["check"].startswith(f"case:{m1['import']}") for c in g.details["checks"] if not c["ok"])

@@ -117,6 +117,47 @@ SMALL = ["--config=configs/synthetic_train.py", f"--config.steps={STEPS}", "--co
          "--config.save_params=True"]
 
 
+_LISTEN = """
+import os, socket, sys, threading, time
+from gyre_jax import distributed
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+cfg = distributed.DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=0,
+                                    initialization_timeout_s=60)
+threading.Thread(target=distributed.initialize, args=(cfg,), daemon=True).start()
+want = f"{port:04X}"
+for _ in range(400):  # the coordinator listens before it waits for process 1
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and local.endswith(":" + want):
+                found.append(local.split(":")[0])
+    if found:
+        print(",".join(found), flush=True)
+        os._exit(0)
+    time.sleep(0.05)
+os._exit(3)
+"""
+
+
+def test_coordinator_binds_the_address_it_was_given():
+    # A coordinator at 127.0.0.1 listens on loopback only (JAX's default is every interface:
+    # anyone reaching the host could join or stall the run).
+    from gyre_jax.distributed import bind_address
+    env = {"PYTHONPATH": os.getcwd(), **{k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_BIND_ADDRESS"}}
+    proc = subprocess.run([sys.executable, "-c", _LISTEN], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # 127.0.0.1 in /proc/net/tcp's byte order, or as ::ffff:127.0.0.1 in tcp6 (not [::], all zeros)
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+    assert set(proc.stdout.split()[-1].split(",")) <= loopback, proc.stdout
+    assert bind_address("10.0.0.5:1234", None, {}) == "10.0.0.5:1234"
+    assert bind_address("[::1]:1234", None, {}) == "[::1]:1234"
+    assert bind_address("localhost:1234", None, {}) == "localhost:1234"
+    assert bind_address("node0.cluster:1234", None, {}) is None  # a name: JAX's default
+    assert bind_address("127.0.0.1:1234", None, {"JAX_COORDINATOR_BIND_ADDRESS": "[::]:1"}) is None
+    assert bind_address("127.0.0.1:1234", "0.0.0.0:1234", {}) == "0.0.0.0:1234"
+
+
 @pytest.mark.slow  # ~20 s; test_two_processes_on_loopback keeps two real processes in the default run
 def test_launcher_two_processes_match_one(tmp_path):
     """``python -m launch.main`` as 2 processes x 2 CPU devices trains like 1 process x 4 devices.

@@ -357,10 +357,11 @@ def test_auth_token_and_rollout_keys(tmp_path):
         # a call for another run than the store's is refused before any token is generated
         bad = post(st.url + "/v1/completions", body, {"Authorization": "Bearer s3cret-token", **headers("r3", 0)})
         assert bad[0] == 400 and "this server records run 'runA'" in bad[1]
-        # a record the store refuses (call index reused with other tokens) fails the call, never dropped silently
+        # a first attempt of a call number already recorded is refused before generation (was: generated,
+        # then the store refused the record: a 500)
         h = {"Authorization": "Bearer s3cret-token", **headers("r1", 0), P.HEADER_RUN: "runA"}
         dup = post(st.url + "/v1/completions", {**body, "prompt": [9, 9]}, h)
-        assert dup[0] == 500 and "could not be recorded" in dup[1]
+        assert dup[0] == 409 and "call 0 of rollout 'r1' is already recorded" in dup[1]
     finally:
         st.stop()
         store.close()
@@ -430,4 +431,48 @@ def test_call_numbers_continue_from_the_store_after_a_restart(tmp_path):
             st.stop()
         assert status == 200, text
     assert [c.call_index for c in store.calls("r-restart")] == [0, 1]
+    store.close()
+
+
+def test_identity_conflicts_are_refused_before_generation(tmp_path):
+    """Conflicts the store would refuse only after the model generated (a 500) are answered 409/400
+    before any token: a first attempt of a call number already recorded (also after a restart of the
+    server on the same store), a task or group that changes within a rollout, a call of a finished
+    rollout, an agent that is its own parent. No prompt token reaches an engine for any of them."""
+    from gyre_jax.trajectory.records import RolloutOutcome
+    store = TrajectoryStore(str(tmp_path / "store"), run_id="run1")
+
+    async def build():
+        return Proxy(Router([FakeBackend("A", script=script, max_context=400)]), TOK, store,
+                     ProxyConfig(max_tokens_cap=64))
+
+    body = {"model": "gyre", "prompt": [1, 2, 3], "max_tokens": 2}
+    url = "/v1/completions"
+    for restart in range(2):
+        st = ServerThread(build)
+        st.start()
+        try:
+            if restart == 0:
+                assert post(st.url + url, body, headers("rc", 0))[0] == 200
+                store.append(RolloutOutcome(run_id="run1", rollout_id="done", task_id="t", group_id="g",
+                                            status="completed", score=1.0, details={}, policy_versions=(),
+                                            t_end=1.0, num_calls=0))
+            tokens = st.proxy.counters["prompt_tokens"]
+            cases = [
+                (headers("rc", 0), 409, "call 0 of rollout 'rc' is already recorded"),
+                (headers("rc", 1, **{P.HEADER_TASK: "other"}), 409, "belongs to task 't'"),
+                (headers("rc", 1, **{P.HEADER_GROUP: "other"}), 409, "belongs to group 'g'"),
+                (headers("done", 0), 409, "is finished"),
+                (headers("rc", 1, **{P.HEADER_ROLE: "subagent", P.HEADER_AGENT: "2", P.HEADER_PARENT_AGENT: "2"}),
+                 400, "not its own parent"),
+            ]
+            for h, status, needle in cases:
+                got, text, _ = post(st.url + url, body, h)
+                assert got == status and needle in text, (restart, needle, got, text)
+            assert st.proxy.counters["prompt_tokens"] == tokens  # nothing was generated for them
+            # a retry of a recorded call is still served (not recorded twice); the next number is new
+            assert post(st.url + url, body, headers("rc", 0, **{P.HEADER_ATTEMPT: "1"}))[0] == 200
+        finally:
+            st.stop()
+    assert [c.call_index for c in store.calls("rc")] == [0]
     store.close()

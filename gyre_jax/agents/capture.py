@@ -8,7 +8,18 @@ and a ring of ``tail`` bytes from the end while the output streams, and counts t
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+
+# The bounds on what reaches an outcome record, in one place. Any string is cut to its first
+# and last RECORD_TEXT_BYTES // 2 bytes; a details object (the grader's, the harness's) is
+# cut to RECORD_DETAILS_BYTES of JSON at most, RECORD_ITEMS entries per list or object and
+# RECORD_DEPTH levels of nesting. A record of hundreds of rollouts stays small whatever a
+# policy or a grader prints.
+RECORD_TEXT_BYTES = 8192
+RECORD_DETAILS_BYTES = 65536
+RECORD_ITEMS = 256
+RECORD_DEPTH = 16
 
 
 class BoundedCapture:
@@ -40,8 +51,7 @@ class BoundedCapture:
 
     def text(self) -> str:
         """What was kept, with a marker where bytes were dropped."""
-        mid = f"\n[... {self.dropped} bytes not kept ...]\n" if self.dropped else ""
-        return self._head.decode(errors="replace") + mid + self._tail.decode(errors="replace")
+        return _join(bytes(self._head), self.dropped, bytes(self._tail))
 
     def tail_text(self, limit: int | None = None) -> str:
         """The last bytes seen (at most ``limit``), for parsing a final result line."""
@@ -73,3 +83,55 @@ def drain_thread(fileobj, capture: BoundedCapture, chunk: int = 65536) -> thread
     t = threading.Thread(target=run, name="gyre-capture", daemon=True)
     t.start()
     return t
+
+
+def _join(head: bytes, dropped: int, tail: bytes) -> str:
+    mid = f"\n[... {dropped} bytes not kept ...]\n" if dropped else ""
+    return head.decode(errors="replace") + mid + tail.decode(errors="replace")
+
+
+def bound_text(text: str, limit: int = RECORD_TEXT_BYTES) -> str:
+    """``text`` if it is at most ``limit`` bytes, else its first and last ``limit // 2`` bytes
+    with how many were dropped between them."""
+    data = text.encode(errors="replace")
+    if len(data) <= limit:
+        return text
+    half = limit // 2
+    return _join(data[:half], len(data) - 2 * half, data[len(data) - half:] if half else b"")
+
+
+def bound_json(value, *, text_bytes: int = RECORD_TEXT_BYTES, total_bytes: int = RECORD_DETAILS_BYTES):
+    """``value`` (JSON-like: dicts, lists, strings, numbers) cut to the record bounds above:
+    every string by :func:`bound_text`, at most ``RECORD_ITEMS`` entries per container (a
+    ``"..."`` entry says how many were dropped), ``RECORD_DEPTH`` levels (deeper ones become
+    a note), and if the JSON is still over ``total_bytes``, a note with its head and tail."""
+    out = _bound(value, text_bytes, 0)
+    try:
+        blob = json.dumps(out, ensure_ascii=False, default=str)
+    except (TypeError, ValueError) as e:  # a NaN key, a cycle: not a record, say what
+        return {"unrecordable": f"{type(e).__name__}: {e}"}
+    if len(blob.encode(errors="replace")) <= total_bytes:
+        return out
+    return {"over_bound": f"{len(blob.encode(errors='replace'))} bytes of JSON, over the bound of {total_bytes}",
+            "json": bound_text(blob, total_bytes // 2)}
+
+
+def _bound(value, text_bytes: int, depth: int):
+    if isinstance(value, str):
+        return bound_text(value, text_bytes)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if depth >= RECORD_DEPTH:
+        return f"[nested deeper than {RECORD_DEPTH} levels: not kept]"
+    if isinstance(value, dict):
+        items = list(value.items())
+        out = {bound_text(str(k), 256): _bound(v, text_bytes, depth + 1) for k, v in items[:RECORD_ITEMS]}
+        if len(items) > RECORD_ITEMS:
+            out["..."] = f"{len(items) - RECORD_ITEMS} more entries not kept"
+        return out
+    if isinstance(value, (list, tuple)):
+        out = [_bound(v, text_bytes, depth + 1) for v in value[:RECORD_ITEMS]]
+        if len(value) > RECORD_ITEMS:
+            out.append(f"... {len(value) - RECORD_ITEMS} more items not kept")
+        return out
+    return bound_text(str(value), text_bytes)

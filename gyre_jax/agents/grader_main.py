@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from gyre_jax.agents.capture import bound_json
 from gyre_jax.agents.scoring import RESULT_PREFIX, Grade
 from gyre_jax.agents.tasks.base import Task
 
@@ -36,7 +37,9 @@ def main(argv=None) -> None:
     grade = load_grader(task.grader)(task, workspace)
     if not isinstance(grade, Grade):
         raise TypeError(f"grader {task.grader} returned {type(grade).__name__}, want scoring.Grade")
-    print(RESULT_PREFIX + json.dumps({"score": grade.score, "details": grade.details}), flush=True)
+    # details cut to the record bounds here: the result line stays small whatever a grader
+    # copied into them (agent output, file contents)
+    print(RESULT_PREFIX + json.dumps({"score": grade.score, "details": bound_json(grade.details)}), flush=True)
 
 
 if __name__ == "__main__":

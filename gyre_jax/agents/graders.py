@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -37,60 +38,124 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 SNAPSHOT_MAX_DEPTH = 64  # directory levels copied (deeper ones are skipped)
+# bytes of a path relative to the workspace: longer ones are skipped, so any copy of the
+# snapshot (a grader's, the workspace shown after a tmpfs) stays under PATH_MAX (4096)
+SNAPSHOT_MAX_PATH = 1024
+SKIP_REASONS = ("too_deep", "path_too_long", "not_regular", "over_bytes", "over_entries", "unreadable")
 
 
 def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_bytes: int,
                        max_entries: int = 65536) -> dict:
-    """Copy ``src``'s directories and regular files (at most ``max_bytes`` and ``max_entries``
-    in all, ``SNAPSHOT_MAX_DEPTH`` levels) to ``dst``, owned by us and not writable by others;
-    returns what was copied and skipped. Iterative: no tree the agent builds can exhaust it."""
+    """Copy ``src``'s directories and regular files (at most ``max_bytes`` of data and
+    ``max_entries`` in all, ``SNAPSHOT_MAX_DEPTH`` levels, ``SNAPSHOT_MAX_PATH`` bytes of
+    path) to ``dst``, owned by us and not writable by others; returns what was copied and,
+    by reason, what was skipped. Iterative: no tree the agent builds can exhaust it.
+
+    Whatever cannot be copied (too deep, unreadable, a symlink loop, a fifo) is skipped and
+    counted, never an error: a crafted workspace gets the score of what it holds. Sparse
+    files are copied sparse and counted by their data (a 1 TiB file of holes costs the
+    host nothing), so ``bytes`` is what the copy allocates, not apparent sizes."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=False)
     os.chmod(dst, 0o755)
-    stats = {"files": 0, "bytes": 0, "skipped": 0, "truncated": False}
-    stack, entries = [(src, dst, 0)], 0
+    stats = {"files": 0, "bytes": 0, "apparent_bytes": 0, "skipped": 0, "truncated": False,
+             "skipped_by_reason": dict.fromkeys(SKIP_REASONS, 0)}
+
+    def skip(reason: str) -> None:
+        stats["skipped"] += 1
+        stats["skipped_by_reason"][reason] += 1
+        if reason in ("too_deep", "over_bytes", "over_entries", "path_too_long"):
+            stats["truncated"] = True
+
+    stack, entries = [(src, dst, 0, 0)], 0
     while stack:
-        s, d, depth = stack.pop()
+        s, d, depth, rel_len = stack.pop()
         try:
             listing = sorted(os.scandir(s), key=lambda e: e.name)
         except OSError:
-            stats["skipped"] += 1
+            skip("unreadable")
             continue
         for e in listing:
             entries += 1
             if entries > max_entries:
-                stats["truncated"] = True
-                stats["skipped"] += 1
+                skip("over_entries")
                 continue
-            if e.is_dir(follow_symlinks=False):
-                if depth + 1 > SNAPSHOT_MAX_DEPTH:
-                    stats["truncated"] = True
-                    stats["skipped"] += 1
-                    continue
-                (d / e.name).mkdir(mode=0o755)
-                stack.append((Path(e.path), d / e.name, depth + 1))
-            elif e.is_file(follow_symlinks=False):
-                size = e.stat(follow_symlinks=False).st_size
-                if stats["bytes"] + size > max_bytes:
-                    stats["truncated"] = True
-                    stats["skipped"] += 1
-                    continue
-                try:
-                    fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-                except OSError:
-                    stats["skipped"] += 1
-                    continue
-                with os.fdopen(fd, "rb") as fin, open(d / e.name, "wb") as fout:
-                    left = size  # no more than was counted, even if something still writes to it
-                    while left > 0 and (chunk := fin.read(min(left, 1 << 20))):
-                        fout.write(chunk)
-                        left -= len(chunk)
-                os.chmod(d / e.name, 0o644)
-                stats["files"] += 1
-                stats["bytes"] += size
-            else:  # symlinks, fifos, sockets, devices
-                stats["skipped"] += 1
+            rel = rel_len + 1 + len(os.fsencode(e.name))
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    if depth + 1 > SNAPSHOT_MAX_DEPTH:
+                        skip("too_deep")
+                    elif rel > SNAPSHOT_MAX_PATH:
+                        skip("path_too_long")
+                    else:
+                        (d / e.name).mkdir(mode=0o755)
+                        stack.append((Path(e.path), d / e.name, depth + 1, rel))
+                elif not e.is_file(follow_symlinks=False):  # symlinks, fifos, sockets, devices
+                    skip("not_regular")
+                elif rel > SNAPSHOT_MAX_PATH:
+                    skip("path_too_long")
+                else:
+                    skip_reason = _copy_file(e, d / e.name, max_bytes - stats["bytes"], stats)
+                    if skip_reason:
+                        skip(skip_reason)
+            except OSError:  # vanished, unreadable, a name the destination refuses
+                skip("unreadable")
     return stats
+
+
+def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str | None:
+    """Copy one regular file sparse (its data extents only) within ``budget`` bytes of data;
+    returns why it was skipped, or None."""
+    st = entry.stat(follow_symlinks=False)
+    if min(st.st_size, st.st_blocks * 512) > budget:  # allocated bytes: holes are free
+        return "over_bytes"
+    fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            copied = _copy_extents(fd, out, st.st_size, budget)
+            os.ftruncate(out, st.st_size)  # trailing holes; never more than was counted
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    if copied is None:  # more data than the file's blocks said (it grew, or no SEEK_DATA): not half of it
+        os.unlink(dst)
+        return "over_bytes"
+    stats["files"] += 1
+    stats["bytes"] += copied
+    stats["apparent_bytes"] += st.st_size
+    return None
+
+
+def _copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
+    """Copy ``fd``'s data extents below ``size`` into ``out`` at the same offsets; the data
+    bytes copied, or None once they pass ``budget``."""
+    pos, copied = 0, 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only holes from pos to the end
+                break
+            start, end = pos, size  # no SEEK_DATA here: all of it is data
+        if start >= size:
+            break
+        os.lseek(fd, start, os.SEEK_SET)
+        os.lseek(out, start, os.SEEK_SET)
+        left = end - start
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                return copied
+            copied += len(chunk)
+            if copied > budget:
+                return None
+            os.write(out, chunk)
+            left -= len(chunk)
+        pos = end
+    return copied
 
 
 def grader_sandbox_env(kind: str, limits, image: str | None = None) -> dict[str, str]:
@@ -128,7 +193,7 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     try:
         data = json.loads(lines[0][len(RESULT_PREFIX):])
         score, details = data["score"], data["details"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         return None, {}, f"grader result line is malformed ({type(e).__name__}: {e})"
     if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score) \
             or not 0.0 <= score <= 1.0:
@@ -138,30 +203,55 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     return float(score), details, None
 
 
+GRADER_STDOUT_TAIL = 1 << 20  # of the grader's stdout kept: its result line is last and bounded (grader_main)
+GRADER_STDERR_BYTES = 8192  # head + tail of the grader's stderr kept, for the error
+
+
 async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float,
                      env: dict[str, str] | None = None) -> GraderOutcome:
-    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox)."""
+    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox).
+
+    The grader's output streams into bounded captures (a grader echoing what agent code
+    printed cannot fill the trainer's memory) and its details are cut to the record bounds."""
+    from gyre_jax.agents.capture import BoundedCapture, bound_json, bound_text, drain_async
+
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**subprocess_env(), **(env or {})}, cwd="/", start_new_session=True)  # own group: a kill takes its check runners too
+    out, err = BoundedCapture(head=4096, tail=GRADER_STDOUT_TAIL), BoundedCapture(
+        head=GRADER_STDERR_BYTES // 2, tail=GRADER_STDERR_BYTES // 2)
+
+    async def feed_stdin():
+        try:
+            proc.stdin.write(task.to_json().encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it exited without reading: its exit code says why
+            pass
+
+    io = asyncio.ensure_future(asyncio.gather(feed_stdin(), drain_async(proc.stdout, out),
+                                              drain_async(proc.stderr, err)))
     try:
-        out, err = await asyncio.wait_for(proc.communicate(task.to_json().encode()), timeout_s)
+        await asyncio.wait_for(asyncio.shield(io), timeout_s)
+        await asyncio.wait_for(proc.wait(), max(1.0, timeout_s - (time.monotonic() - t0)))
     except TimeoutError:
         _kill_group(proc)
+        io.cancel()
         await proc.wait()
         return GraderOutcome(False, None, {}, f"grader timed out after {timeout_s:g} s", time.monotonic() - t0)
     except BaseException:  # cancelled (e.g. the harness shuts down): leave no grader behind
         _kill_group(proc)
+        io.cancel()
         try:
             await asyncio.wait_for(proc.wait(), 5.0)
         except BaseException:
             pass
         raise
-    score, details, error = parse_grader_output(out.decode(errors="replace"), proc.returncode,
-                                                err.decode(errors="replace"))
-    return GraderOutcome(error is None, score, details, error, time.monotonic() - t0)
+    score, details, error = parse_grader_output(out.tail_text(), proc.returncode, err.text())
+    return GraderOutcome(error is None, score, bound_json(details), None if error is None else bound_text(error),
+                         time.monotonic() - t0)
 
 
 def _kill_group(proc) -> None:

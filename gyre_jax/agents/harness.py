@@ -39,6 +39,7 @@ import aiohttp
 
 from gyre_jax.agents import sandbox as sandbox_lib
 from gyre_jax.agents import tools
+from gyre_jax.agents.capture import bound_json, bound_text
 from gyre_jax.agents.client import InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grader_sandbox_env, run_grader, snapshot_workspace
@@ -114,7 +115,10 @@ class RolloutResult:
             "exit_code", "output_tail", "log_path")}
         return RolloutOutcome(run_id=run_id, rollout_id=self.rollout_id, task_id=self.task_id,
                               group_id=self.group_id, status=self.status, score=self.score,
-                              details={"grader": self.grader_details, "harness": harness, "error": self.error},
+                              # every field cut to the record bounds (capture.RECORD_*), whatever
+                              # a grader, a harness or an error message carried
+                              details={"grader": bound_json(self.grader_details), "harness": bound_json(harness),
+                                       "error": None if self.error is None else bound_text(self.error)},
                               policy_versions=tuple(policy_versions), t_end=self.t_end, num_calls=num_calls)
 
 

@@ -53,6 +53,8 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
+from gyre_jax.agents.sandbox_cgroup import make_cap
+
 log = logging.getLogger(__name__)
 
 KINDS = ("auto", "bubblewrap", "docker", "podman", "none")
@@ -74,6 +76,9 @@ class SandboxLimits:
     disk_bytes: int = 256 << 20  # the workspace in total (tmpfs size, or checked after each command)
     tmp_bytes: int = 64 << 20  # the private /tmp (a tmpfs)
     max_files: int = 65536  # files + dirs in the workspace (tmpfs inodes; the snapshot copies no more)
+    # the whole sandbox (every process, its tmpfs and memfd pages): a cgroup where one can be
+    # made (sandbox_cgroup.py); RLIMIT_AS alone does not count tmpfs or memfd pages
+    sandbox_memory_bytes: int = 4 << 30
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -126,10 +131,15 @@ class SandboxStats:
     commands: int = 0
     violations: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     limits_hit: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # how the sandbox as a whole is capped: "v1: ..." / "v2: ...", or "none: <why>; per-process
+    # rlimits only" ("" until a command ran)
+    cgroup: str = ""
+    peak_memory_bytes: int | None = None  # the most the sandbox held at once (cgroup), if known
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "commands": self.commands, "violations": dict(self.violations),
-                "limits_hit": dict(self.limits_hit)}
+                "limits_hit": dict(self.limits_hit), "cgroup": self.cgroup,
+                "peak_memory_bytes": self.peak_memory_bytes}
 
 
 # Error text -> what was refused / which limit was hit. Counted once per command and kind.
@@ -201,6 +211,14 @@ class _UidPool:
 
 _UIDS = _UidPool()
 _warned_none = False
+_warned_cgroup = False
+
+
+def _warn_no_cgroup(why: str) -> None:
+    global _warned_cgroup
+    if not _warned_cgroup:  # once per process: every sandbox finds the same
+        _warned_cgroup = True
+        log.warning("sandbox: no cgroup for a per-sandbox memory/pids cap (%s); per-process rlimits only", why)
 
 
 def bwrap_usable() -> tuple[bool, str]:
@@ -341,7 +359,12 @@ class Sandbox:
             p = p.parent
 
     def release(self) -> None:
-        """End of the rollout (after the snapshot): unmount the tmpfs, free the uid."""
+        """End of the rollout (after the snapshot): end the cgroup, unmount the tmpfs, free the uid."""
+        cap = getattr(self, "_cap", None)
+        if cap is not None:
+            self.stats.peak_memory_bytes = cap.peak_memory()
+            cap.release()
+            self._cap = None
         if self.tmpfs:
             if _LIBC.umount2(os.fsencode(self.workspace), _MNT_DETACH) != 0:
                 log.warning("sandbox: umount %s failed: %s", self.workspace, os.strerror(ctypes.get_errno()))
@@ -424,7 +447,9 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
               *([] if network else ["--unshare-net"]), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
               "--cap-add", "CAP_SETGID"]
     else:
-        ns = ["--unshare-all", *(["--share-net"] if network else [])]
+        # no user namespaces inside (a namespace of its own lets a command mount tmpfs at will);
+        # bwrap >= 0.8 can forbid them, only together with the user namespace it made
+        ns = ["--unshare-all", *(["--share-net"] if network else []), *_disable_userns()]
     argv = ["bwrap", *ns, "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--hostname", "sandbox"]
@@ -459,6 +484,21 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     return argv
 
 
+_userns_flag: list[str] | None = None
+
+
+def _disable_userns() -> list[str]:
+    """``--disable-userns`` if the installed bwrap has it (0.8+), else nothing."""
+    global _userns_flag
+    if _userns_flag is None:
+        try:
+            out = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        _userns_flag = ["--disable-userns"] if "--disable-userns" in out else []
+    return _userns_flag
+
+
 def limited_shell(limits: SandboxLimits, nproc: int, argv: list[str]) -> list[str]:
     """bash that enters the workspace, sets the rlimits, then execs ``argv`` (no extra process)."""
     return ["bash", "-c", f"cd {WORKSPACE_MOUNT} && ulimit -S -H {limits.ulimit_args(nproc)} && exec \"$@\"",
@@ -473,7 +513,7 @@ class BubblewrapSandbox(Sandbox):
         argv = bwrap_argv(network=self.network, uid=self.uid, tmp_bytes=self.limits.tmp_bytes,
                           extra_ro_paths=self.config.extra_ro_paths,
                           binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT),))
-        return Launch(argv + self._limited(command))
+        return Launch(self._capped(argv + self._limited(command), self.limits))
 
     def launch_harness(self, argv: list[str], *, env: Mapping[str, str], limits: SandboxLimits,
                        ro_paths: tuple[str, ...] = (), binds: tuple[tuple[str, str, str], ...] = ()) -> Launch:
@@ -481,7 +521,20 @@ class BubblewrapSandbox(Sandbox):
         outer = bwrap_argv(network=False, uid=self.uid, tmp_bytes=limits.tmp_bytes,
                            extra_ro_paths=(*self.config.extra_ro_paths, *ro_paths), env=env,
                            binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT), *binds))
-        return Launch(outer + limited_shell(limits, self._nproc(limits), list(argv)))
+        return Launch(self._capped(outer + limited_shell(limits, self._nproc(limits), list(argv)), limits))
+
+    _cap = None
+
+    def _capped(self, argv: list[str], limits: SandboxLimits) -> list[str]:
+        """``argv`` inside the sandbox's cgroup (made at its first command, one for all its
+        commands and agents), or as is where none can be made (the stats say why)."""
+        if not self.stats.cgroup:
+            cap, why = make_cap(limits.sandbox_memory_bytes, limits.processes)
+            self._cap = cap
+            self.stats.cgroup = cap.describe() if cap is not None else f"none: {why}; per-process rlimits only"
+            if cap is None:
+                _warn_no_cgroup(why)
+        return self._cap.wrap(argv) if self._cap is not None else argv
 
 
 class ContainerSandbox(Sandbox):
@@ -580,6 +633,7 @@ def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable
         return
     if kind == "bubblewrap":
         uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
+        cap = None
         try:
             if uid is not None and writable:
                 for dirpath, dirnames, files in os.walk(workspace):
@@ -587,9 +641,15 @@ def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable
                         os.lchown(name, uid, uid)
             bind = "--bind" if writable else "--ro-bind"
             nproc = limits.processes if uid is not None else _tasks_of_uid(os.getuid()) + limits.processes
-            yield bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes,
-                             binds=((bind, workspace, WORKSPACE_MOUNT),)) + limited_shell(limits, nproc, list(argv))
+            inner = bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes,
+                               binds=((bind, workspace, WORKSPACE_MOUNT),)) + limited_shell(limits, nproc, list(argv))
+            cap, why = make_cap(limits.sandbox_memory_bytes, limits.processes)  # the grader's own, per command
+            if cap is None:
+                _warn_no_cgroup(why)
+            yield cap.wrap(inner) if cap is not None else inner
         finally:
+            if cap is not None:
+                cap.release()
             if uid is not None:
                 _UIDS.give(uid)
         return

@@ -340,40 +340,49 @@ class Workspace:
         return text
 
     async def _exec(self, command: str, limit: float) -> tuple[str, int | None]:
-        """(tool text, exit code or None if it timed out) of ``command`` in the sandbox."""
+        """(tool text, exit code or None if it timed out) of ``command`` in the sandbox.
+
+        The output streams into a head + tail capture of ``max_output_bytes`` in all: a command
+        printing without end costs the trainer that much memory, not what it printed."""
+        from gyre_jax.agents.capture import BoundedCapture, drain_async
+
         launch = self.sandbox.launch(command) if self.sandbox is not None else None
         argv = launch.argv if launch is not None else ["bash", "-c", command]
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=self.root, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True)  # own process group: a timeout kills its children too
+        head = self.max_output_bytes // 4  # mostly the end: where errors and results are printed
+        capture = BoundedCapture(head=head, tail=self.max_output_bytes - head)
+        reader = asyncio.ensure_future(drain_async(proc.stdout, capture))
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), limit)
+            await asyncio.wait_for(asyncio.shield(reader), limit)
+            await proc.wait()
         except TimeoutError:
             await _stop(proc, launch)
-            try:  # what the command printed before the kill (partial: communicate was cut)
-                out = await asyncio.wait_for(proc.stdout.read(), 1.0)
-            except TimeoutError:  # a grandchild escaped the group and holds the pipe
-                out = b""
+            # what the command printed before the kill; a grandchild that escaped the group
+            # may hold the pipe open: stop reading after a second
+            await asyncio.wait({reader}, timeout=1.0)
+            reader.cancel()
             await proc.wait()
-            text = out.decode(errors="replace")
-            return (f"timed out after {limit:g} s\n" + truncate_tail(text, self.max_output_bytes)
-                    + self._observe(text, timed_out=True)), None
+            text = capture.text()
+            return (f"timed out after {limit:g} s\n" + text + self._observe(text, capture, timed_out=True)), None
         except BaseException:  # deadline cancellation: never leave a command running
+            reader.cancel()
             try:
                 await _stop(proc, launch)
                 await asyncio.wait_for(proc.wait(), 5.0)  # reap it, so no transport outlives the event loop
             except BaseException:
                 pass
             raise
-        text = out.decode(errors="replace")
-        return (f"exit code {proc.returncode}\n" + truncate_tail(text, self.max_output_bytes)
-                + self._observe(text, timed_out=False)), proc.returncode
+        text = capture.text()
+        return (f"exit code {proc.returncode}\n" + text + self._observe(text, capture, timed_out=False)), \
+            proc.returncode
 
-    def _observe(self, text: str, *, timed_out: bool) -> str:
+    def _observe(self, text: str, capture, *, timed_out: bool) -> str:
         if self.sandbox is None:
             return ""
-        return self.sandbox.observe(text, timed_out=timed_out, truncated=len(text.encode()) > self.max_output_bytes)
+        return self.sandbox.observe(text, timed_out=timed_out, truncated=capture.dropped > 0)
 
     async def call(self, name: str, args: dict) -> str:
         """Run a workspace tool (everything but finish / spawn_subagent)."""

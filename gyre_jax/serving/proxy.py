@@ -35,7 +35,10 @@ Security: binds 127.0.0.1 unless told otherwise; optional bearer token
 JSON -> 400 naming the position; unknown model -> 404; prompt + max_tokens over
 the context -> 400 naming the limit; engine failure -> 500 for that call only;
 any other exception is turned into a 500 for that request; a ``gyre:`` API key that
-is not ``gyre:<run>:<rollout>`` -> 400 naming it (never served as "unbound").
+is not ``gyre:<run>:<rollout>`` -> 400 naming it (never served as "unbound");
+identity conflicts the store would refuse after generation (a first attempt of a call
+number already recorded or in flight, a task or group that changes within a rollout, a
+call of a finished rollout) -> 409 before any token (proxy_ledger).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText,
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
 from gyre_jax.serving.identity import HEADER_CALL, check_id
 from gyre_jax.serving.proxy_identity import Binding, authorize, presented_key, resolve_binding
+from gyre_jax.serving.proxy_ledger import CallLedger
 from gyre_jax.serving.proxy_stream import Sample, consume, gather_samples, stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
@@ -129,8 +133,7 @@ class Proxy:
         self._keys: dict[str, tuple[str, str]] = {}  # issued key -> (run, rollout); issue/revoke from any thread
         self._rollouts: dict[tuple[str, str], tuple[str, str]] = {}
         self._keys_lock = threading.Lock()
-        self._next_call: collections.Counter = collections.Counter()
-        self._recorded: set[tuple[str, str, int]] = set()
+        self._ledger = CallLedger(record_sink)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="records")  # keeps order
         self.storage_errors: list[BaseException] = []  # record writes our storage refused (the loop stops on them)
         self._inflight = 0
@@ -318,12 +321,10 @@ class Proxy:
         if call.n > 1 and binding.call_index is not None:
             raise bad(f"n: {call.n} samples are {call.n} calls of the rollout, numbered by the proxy; do not send "
                       f"{HEADER_CALL} with n > 1", "n")
-        if binding.call_index is None:  # the next n numbers of this rollout
-            key = (binding.run_id, binding.rollout_id)
-            if key not in self._next_call:  # first call since this server started: continue what is stored
-                self._next_call[key] = self._stored_calls(*key)
-            binding = dataclasses.replace(binding, call_index=self._next_call[key])
-            self._next_call[key] += call.n
+        # numbered (the next n of the rollout if it named none, continuing what the store holds
+        # after a restart) and checked against the rollout's calls: a conflict is a 409 now,
+        # before any token is generated, not a record the store refuses afterwards
+        binding = self._ledger.claim(binding, call.n)
         if self.cfg.seed_salt is not None and call.seed is None:
             digest = hashlib.sha256(f"{self.cfg.seed_salt}/{binding.rollout_id}/{binding.call_index}".encode()).digest()
             sampling = dataclasses.replace(sampling, seed=int.from_bytes(digest[:4], "little") % 2**31)
@@ -354,6 +355,7 @@ class Proxy:
             raise
         finally:
             self._inflight -= call.n
+            self._ledger.release(binding, call.n)
 
     def _headers(self, call: ChatCall) -> dict[str, str]:
         return {"X-Gyre-Ignored-Fields": ",".join(call.ignored)} if call.ignored else {}
@@ -383,7 +385,7 @@ class Proxy:
     async def _record(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""
         key = (binding.run_id, binding.rollout_id, binding.call_index)
-        if binding.attempt > 0 and key in self._recorded:
+        if binding.attempt > 0 and self._ledger.is_recorded(*key):
             self.counters["retry_already_recorded"] += 1
             return
         fin = "tool_calls" if sample.finish == "stop" and sample.calls else sample.finish
@@ -403,23 +405,11 @@ class Proxy:
             self.counters["storage_errors"] += 1
             self.storage_errors.append(e)
             raise ApiError(503, f"the call could not be recorded: {e}; the run is stopping", kind="api_error") from None
-        self._recorded.add(key)
+        self._ledger.recorded(*key)
         self.counters["records_written"] += 1
         self.counters["completion_tokens"] += len(sample.tokens)
         self.counters["moves_kv"] += routed.moves_kv
         self._lat.append(time.time() - t0)
-
-    def _stored_calls(self, run_id: str, rollout_id: str) -> int:
-        """How many call numbers the sink already holds for this rollout (0 for a sink that cannot say):
-        after a restart on the same store, a rollout that goes on, or a retry, gets the next number, not a
-        second call 0 (which the store would refuse after the model had generated it)."""
-        if getattr(self.sink, "run_id", run_id) != run_id or not hasattr(self.sink, "calls"):
-            return 0
-        try:
-            calls = self.sink.calls(rollout_id)
-        except KeyError:
-            return 0
-        return 1 + max((c.call_index for c in calls), default=-1)
 
     # ---- small endpoints ---------------------------------------------------------------
     async def _count_tokens(self, request):

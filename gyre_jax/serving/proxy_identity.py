@@ -101,5 +101,8 @@ def resolve_binding(h: Mapping[str, str], keyed: tuple[str, str] | None,
         raise bad(f"header {wire.HEADER_PARENT_AGENT}: must be absent for role {ROLE_MAIN!r}")
     if role == ROLE_SUBAGENT and parent is None:
         raise bad(f"header {wire.HEADER_PARENT_AGENT}: required for role {ROLE_SUBAGENT!r}")
+    if parent is not None and parent == agent:  # the store would refuse the record, after generation
+        raise bad(f"header {wire.HEADER_PARENT_AGENT}: {parent} equals {wire.HEADER_AGENT}; an agent is not its "
+                  "own parent")
     return Binding(run, rollout, task, group, agent, parent, role, _int_header(h, wire.HEADER_CALL),
                    _int_header(h, wire.HEADER_ATTEMPT, 0))

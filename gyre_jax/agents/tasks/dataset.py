@@ -39,6 +39,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -239,12 +240,15 @@ class VerifierError(RuntimeError):
 def grade(task: Task, workspace: Path) -> Grade:
     """Run the task's grader command on a copy of ``workspace`` (a snapshot); see the module docstring."""
     from gyre_jax.agents.capture import BoundedCapture, drain_thread
+    from gyre_jax.agents.graders import snapshot_workspace
     from gyre_jax.agents.sandbox import untrusted_command
 
     timeout = grader_timeout_s(task)
     with tempfile.TemporaryDirectory(prefix="gyre-grade-") as tmp:
         copy = Path(tmp) / "workspace"
-        shutil.copytree(workspace, copy, symlinks=True)
+        # the snapshot is bounded already; copying it the same way keeps sparse files sparse
+        # and skips (not fails on) paths the longer temporary prefix cannot hold
+        snapshot_workspace(workspace, copy, max_bytes=sys.maxsize, max_entries=sys.maxsize)
         for rel, content in task.params.get("grader_files", {}).items():
             dst = copy / rel
             if dst.is_symlink() or dst.is_dir():  # an agent's object where a hidden file goes: replace it

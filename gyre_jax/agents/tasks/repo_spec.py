@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 from gyre_jax.agents import check_runner
@@ -144,29 +146,80 @@ def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
             [("finish", {"message": "package written and imports checked"})]]
 
 
+RUNNER_LINE_BYTES = 65536  # a result line longer than this is not a result (the rest of it is skipped)
+
+
 def _run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str, dict]:
+    """The check runner's results by check name: only well-formed lines naming one of this
+    module's checks are kept (agent code can write on the runner's result channel; a line
+    it forges cannot crash the grader, and its output cannot fill the grader's memory)."""
+    from gyre_jax.agents.capture import BoundedCapture, drain_thread
+
     spec = {"module": mod["import"], "case_timeout_s": timeout_s,  # the arguments only: never the answers
             "functions": [{"name": f["name"], "cases": [{"args": c["args"]} for c in f["cases"]]}
                           for f in mod["functions"]]}
+    known = {import_check_name(mod["import"])}
+    for f in mod["functions"]:
+        defines, cases = check_names(mod["import"], f["name"], len(f["cases"]))
+        known.update([defines, *cases])
     n_cases = sum(len(f["cases"]) for f in mod["functions"])
-    try:
-        with untrusted_python(workspace, check_runner.__file__) as argv:
-            proc = subprocess.run(argv, input=json.dumps(spec).encode(), capture_output=True, cwd=workspace,
-                                  env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": os.environ.get("PATH", "")},
-                                  timeout=timeout_s * (n_cases + 1) + 10)
-        stdout = proc.stdout
-        why = f"check runner exited with {proc.returncode}: {proc.stderr.decode(errors='replace')[-300:]}"
-    except subprocess.TimeoutExpired as e:  # checks it finished before the cut still count
-        stdout, why = e.stdout or b"", "check runner timed out"
-    results = {}
-    for line in stdout.decode(errors="replace").splitlines():
+    results: dict[str, dict] = {}
+    err = BoundedCapture(head=0, tail=2048)
+    with untrusted_python(workspace, check_runner.__file__) as argv:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=workspace, start_new_session=True,
+                                env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": os.environ.get("PATH", "")})
+        err_reader = drain_thread(proc.stderr, err)
+        fired = threading.Event()
+        timer = threading.Timer(timeout_s * (n_cases + 1) + 10, lambda: (fired.set(), _kill_group(proc)))
+        timer.start()
         try:
-            r = json.loads(line)
-            results[r["check"]] = r
-        except (ValueError, KeyError, TypeError):
-            continue
+            try:
+                proc.stdin.write(json.dumps(spec).encode())
+                proc.stdin.close()
+            except BrokenPipeError:  # it died before reading: its exit code says so
+                pass
+            partial = False
+            while line := proc.stdout.readline(RUNNER_LINE_BYTES):
+                whole = line.endswith(b"\n")
+                if not partial:
+                    r = _result_line(line, known)
+                    if r is not None:
+                        results[r["check"]] = r
+                partial = not whole
+            code = proc.wait()
+        finally:
+            timer.cancel()
+            _kill_group(proc)
+        err_reader.join(5.0)
+    why = ("check runner timed out" if fired.is_set()  # checks it finished before the cut still count
+           else f"check runner exited with {code}: {err.tail_text(300)}")
     results["_why_missing"] = {"note": why}
     return results
+
+
+def _result_line(line: bytes, known: set[str]) -> dict | None:
+    """One runner result, or None if the line is not one: a JSON object with a known
+    ``check``, a bool ``ok``, a string ``note`` and, for a returned case, ``got``."""
+    try:
+        r = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(r, dict) or not isinstance(r.get("check"), str) or r["check"] not in known \
+            or not isinstance(r.get("ok"), bool):
+        return None
+    out = {"check": r["check"], "ok": r["ok"], "note": str(r.get("note", ""))[:300]}
+    if "got" in r:
+        out["got"] = r["got"]
+    return out
+
+
+def _kill_group(proc) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _same_json(a, b) -> bool:

@@ -1,0 +1,92 @@
+"""What the proxy knows of each rollout's calls, so identity conflicts are refused BEFORE generation.
+
+The store refuses a record that breaks its cross-record rules (a second call N, a task id
+that changes within a rollout, a call after the outcome), but only when the call is
+recorded, after the model generated it: wasted compute and a 500 to the harness. The
+ledger holds, per (run, rollout), the task and group it belongs to, the call numbers
+recorded or in flight and whether its outcome is recorded, loaded once from the store on
+first sight (so a server restarted on the same store still knows), and ``claim`` answers
+409 for a conflict before any token is generated.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from gyre_jax.serving.api_common import ApiError
+from gyre_jax.serving.proxy_identity import Binding
+
+
+@dataclasses.dataclass
+class _Rollout:
+    task_id: str | None
+    group_id: str | None
+    recorded: set
+    in_flight: set
+    finished: bool
+    next_call: int
+
+
+def conflict(message: str) -> ApiError:
+    return ApiError(409, message, kind="invalid_request_error")
+
+
+class CallLedger:
+    def __init__(self, sink):
+        self.sink = sink
+        self._rollouts: dict[tuple[str, str], _Rollout] = {}
+
+    def _load(self, run_id: str, rollout_id: str) -> _Rollout:
+        key = (run_id, rollout_id)
+        r = self._rollouts.get(key)
+        if r is not None:
+            return r
+        calls, finished = [], False
+        if getattr(self.sink, "run_id", run_id) == run_id and hasattr(self.sink, "calls"):
+            try:
+                calls = self.sink.calls(rollout_id)
+                outcome = getattr(self.sink, "outcome", None)
+                finished = outcome is not None and outcome(rollout_id) is not None
+            except KeyError:  # nothing stored for it yet
+                calls = []
+        first = calls[0] if calls else None
+        recorded = {c.call_index for c in calls}
+        r = self._rollouts[key] = _Rollout(
+            task_id=first.task_id if first else None, group_id=first.group_id if first else None,
+            recorded=recorded, in_flight=set(), finished=finished, next_call=1 + max(recorded, default=-1))
+        return r
+
+    def claim(self, b: Binding, n: int) -> Binding:
+        """``b`` with its call number (the rollout's next ``n`` if it named none), its numbers
+        marked in flight; raises 409 if the call conflicts with what the rollout already has."""
+        r = self._load(b.run_id, b.rollout_id)
+        where = f"rollout {b.rollout_id!r}"
+        if r.finished:
+            raise conflict(f"{where} is finished (its outcome is recorded); no call is recorded after it")
+        for what, have, got in (("task", r.task_id, b.task_id), ("group", r.group_id, b.group_id)):
+            if have is not None and have != got:
+                raise conflict(f"{where} belongs to {what} {have!r}, this call says {got!r}")
+        if b.call_index is None:
+            b = dataclasses.replace(b, call_index=r.next_call)
+        numbers = range(b.call_index, b.call_index + n)
+        if b.attempt == 0:  # a first attempt: its number must be new (a retry says X-Gyre-Attempt > 0)
+            for i in numbers:
+                if i in r.recorded or i in r.in_flight:
+                    state = "recorded" if i in r.recorded else "in flight"
+                    raise conflict(f"call {i} of {where} is already {state}; a retry of it sends attempt > 0")
+        r.task_id, r.group_id = r.task_id or b.task_id, r.group_id or b.group_id
+        r.in_flight.update(numbers)
+        r.next_call = max(r.next_call, numbers.stop)
+        return b
+
+    def release(self, b: Binding, n: int) -> None:
+        """The call ended (recorded or not): its numbers are no longer in flight."""
+        r = self._rollouts.get((b.run_id, b.rollout_id))
+        if r is not None and b.call_index is not None:
+            r.in_flight.difference_update(range(b.call_index, b.call_index + n))
+
+    def recorded(self, run_id: str, rollout_id: str, call_index: int) -> None:
+        self._load(run_id, rollout_id).recorded.add(call_index)
+
+    def is_recorded(self, run_id: str, rollout_id: str, call_index: int) -> bool:
+        r = self._rollouts.get((run_id, rollout_id))
+        return r is not None and call_index in r.recorded
