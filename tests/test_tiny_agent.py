@@ -85,5 +85,6 @@ def test_demo_trees_share_prefixes_and_train_every_target_once(learn_cfg):
     # a batch of trees: the packer splits a tree longer than a row; the targets stay whole
     trees = demo_trees(tasks, hc, tok)
     b, nxt = _batch(trees, np.arange(3), 0, rows=4, row_len=learn_cfg.train.row_len)
-    assert nxt == 3 and b["tokens"].shape == (4, learn_cfg.train.row_len)
-    assert int(b["loss_mask"].sum()) == sum(int(n.trainable.sum()) for t in trees for n in t.walk())
+    assert nxt >= 3 and b["tokens"].shape == (4, learn_cfg.train.row_len)
+    taken = [trees[k % 3] for k in range(nxt)]  # the order cycles when the rows have room
+    assert int(b["loss_mask"].sum()) == sum(int(n.trainable.sum()) for t in taken for n in t.walk())
