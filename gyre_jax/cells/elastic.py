@@ -116,6 +116,11 @@ class ElasticTrainer:
     def version(self) -> int:
         return self._version
 
+    @property
+    def step_open(self) -> bool:
+        """A step was started and has not finished or failed (its update would donate the params)."""
+        return self._running is not None
+
     def start_step(
         self,
         micro_batches: Sequence[Mapping[str, Any]] = (),

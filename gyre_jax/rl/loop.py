@@ -175,7 +175,7 @@ def _save_after_failure(c: Components) -> None:
                         "the rerun resumes from the last checkpoint", c.trainer.trainer.version, version)
             return
         last = c.ckpt.latest_step()
-        if version > 0 and (last is None or last < version) and c.trainer.trainer._running is None:
+        if version > 0 and (last is None or last < version) and not c.trainer.trainer.step_open:
             # A failed step may have read some of its rows: the saved position is the step's
             # start, whose rows the resumed run rebuilds from the buffered rollouts.
             c.trainer.it.set_state({"step": version, "row": 0})
