@@ -405,3 +405,18 @@ def test_the_sandbox_as_a_whole_is_capped_against_memfd_and_tmpfs(tmp_path):
     finally:
         box.release()
     assert box.stats.peak_memory_bytes is None or box.stats.peak_memory_bytes <= 48 << 20
+
+
+def test_cgroups_left_by_a_killed_trainer_are_removed(monkeypatch):
+    from gyre_jax.agents import sandbox_cgroup as cg
+    cap, why = cg.make_cap(64 << 20, 16)
+    if cap is None:
+        pytest.skip(f"no cgroup can be made here: {why}")
+    cap.release()
+    stale = [os.path.join(os.path.dirname(d), "gyre-999999-7") for d in cap.dirs]  # no such pid
+    for d in stale:
+        os.mkdir(d)
+    monkeypatch.setattr(cg, "_CLEANED", set())
+    again, _ = cg.make_cap(64 << 20, 16)
+    again.release()
+    assert not any(os.path.exists(d) for d in stale)
