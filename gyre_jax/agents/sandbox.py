@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Mapping
 
 from gyre_jax.agents.sandbox_cgroup import make_cap
+from gyre_jax.agents.sandbox_seccomp import filter_path
 
 log = logging.getLogger(__name__)
 
@@ -440,8 +441,9 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     As root (``uid`` set) bwrap runs privileged without a user namespace, so the command's
     kernel uid really is ``uid`` (RLIMIT_NPROC counts per kernel uid; inside a user namespace
     made by root it would still be uid 0, which the limit exempts): setpriv switches to it,
-    the only capabilities kept for that being SETUID/SETGID, lost at the switch. Otherwise
-    bwrap makes a user namespace (``--unshare-all``) and the command keeps our uid."""
+    the only capabilities kept for that being SETUID/SETGID, lost at the switch; a seccomp
+    filter (``sandbox_seccomp``) forbids user namespaces inside. Otherwise bwrap makes a user
+    namespace (``--unshare-all``, ``--disable-userns``) and the command keeps our uid."""
     if uid is not None:
         ns = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
               *([] if network else ["--unshare-net"]), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
@@ -481,6 +483,9 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     argv += ["--chdir", "/", "--"]
     if uid is not None:
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
+        seccomp = filter_path()  # no user namespaces inside (see sandbox_seccomp): bwrap reads it on fd 9
+        if seccomp is not None:
+            argv = ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
     return argv
 
 
