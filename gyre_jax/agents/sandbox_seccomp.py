@@ -11,6 +11,8 @@ what a namespace of its own could mount).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import platform
 import struct
@@ -61,5 +63,11 @@ def filter_path() -> str | None:
         with os.fdopen(fd, "wb") as f:
             f.write(_program())
         os.chmod(path, 0o644)
+        atexit.register(_remove, path)
         _path = path
     return _path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
