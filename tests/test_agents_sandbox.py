@@ -401,6 +401,7 @@ def test_the_sandbox_as_a_whole_is_capped_against_memfd_and_tmpfs(tmp_path):
         assert stats["cgroup"].startswith(("v1: memory 50331648", "v2: memory 50331648")), stats
         killed = ("exit code 137", "exit code -9")  # the OOM kill takes the command, or bwrap itself
         assert "HOLD-OK" not in out and out.startswith(killed), out
+        assert "killed at the sandbox's memory cap of 50331648 bytes" in out and box.stats.limits_hit["memory"] == 1
         userns = asyncio.run(ws.run(_USERNS_TMPFS))  # a namespace and a tmpfs of its own: refused or capped
         assert "HOLD-2" not in userns, userns
         tmp = asyncio.run(ws.run(_TMP))  # the sandbox's own /tmp (256 MiB): its pages count too

@@ -311,6 +311,8 @@ class Sandbox:
     at the rollout's end. Subclasses build the command line."""
 
     kind = "none"
+    _cap = None  # its cgroup (sandbox_cgroup.CgroupCap), made at the first command where one can be
+    _oom_kills = 0  # the cap's OOM kills already reported
 
     def __init__(self, config: SandboxConfig, workspace: Path, *, network: bool = False, image: str | None = None,
                  commands: bool = True):
@@ -361,7 +363,7 @@ class Sandbox:
 
     def release(self) -> None:
         """End of the rollout (after the snapshot): end the cgroup, unmount the tmpfs, free the uid."""
-        cap = getattr(self, "_cap", None)
+        cap = self._cap
         if cap is not None:
             self.stats.peak_memory_bytes = cap.peak_memory()
             cap.release()
@@ -413,6 +415,12 @@ class Sandbox:
                 limits.append("disk")
                 note = (f"\n[sandbox: the workspace holds {used} bytes, over its limit of "
                         f"{self.limits.disk_bytes}; delete files]")
+        if self._cap is not None:
+            kills = self._cap.oom_kills()
+            if kills > self._oom_kills:  # the kernel, not the command, says so: name it for the agent
+                self._oom_kills = kills
+                limits.append("memory")
+                note += f"\n[sandbox: killed at the sandbox's memory cap of {self._cap.memory_bytes} bytes]"
         self.stats.limits_hit.update(set(limits))
         return note
 
@@ -527,8 +535,6 @@ class BubblewrapSandbox(Sandbox):
                            extra_ro_paths=(*self.config.extra_ro_paths, *ro_paths), env=env,
                            binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT), *binds))
         return Launch(self._capped(outer + limited_shell(limits, self._nproc(limits), list(argv)), limits))
-
-    _cap = None
 
     def _capped(self, argv: list[str], limits: SandboxLimits) -> list[str]:
         """``argv`` inside the sandbox's cgroup (made at its first command, one for all its

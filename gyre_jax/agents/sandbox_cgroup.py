@@ -52,6 +52,18 @@ class CgroupCap:
         except (OSError, ValueError):
             return None
 
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the kernel killed at the memory cap so far."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            for line in _read(os.path.join(self.dirs[0], name)).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
     def release(self) -> None:
         for d in self.dirs:
             try:
