@@ -446,3 +446,18 @@ def test_cgroups_left_by_a_killed_trainer_are_removed(monkeypatch):
     again, _ = cg.make_cap(64 << 20, 16)
     again.release()
     assert not any(os.path.exists(d) for d in stale)
+
+
+@needs_bwrap
+@pytest.mark.skipif(not ROOT, reason="the filter is used as root only")
+def test_a_refused_seccomp_filter_leaves_the_sandbox_usable_and_says_so(monkeypatch, caplog):
+    from gyre_jax.agents import sandbox_seccomp
+    monkeypatch.setattr(sandbox_seccomp, "_program", lambda: b"not bpf")  # what a kernel without it refuses
+    monkeypatch.setattr(sandbox_seccomp, "_path", None)
+    monkeypatch.setattr(sb, "_seccomp_refused", None)
+    with caplog.at_level("WARNING", logger="gyre_jax.agents.sandbox"):
+        assert sb.bwrap_usable() == (True, "")
+    assert sb.seccomp_refused() and "seccomp filter against user namespaces is refused" in caplog.text
+    assert "--seccomp" not in sb.bwrap_argv(network=False, uid=12345, tmp_bytes=1 << 20)
+    assert json.loads(graders_mod.grader_sandbox_env("bubblewrap", LIMITS)[sb.GRADER_SANDBOX_ENV])["seccomp"] is False
+    monkeypatch.setattr(sandbox_seccomp, "_path", None)  # the garbage file is not reused after the test

@@ -161,8 +161,9 @@ def _copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
 
 def grader_sandbox_env(kind: str, limits, image: str | None = None) -> dict[str, str]:
     """The GYRE_GRADER_SANDBOX variable: how graders confine the agent code they run."""
-    from gyre_jax.agents.sandbox import GRADER_SANDBOX_ENV
-    return {GRADER_SANDBOX_ENV: json.dumps({"kind": kind, "limits": dataclasses.asdict(limits), "image": image})}
+    from gyre_jax.agents import sandbox
+    return {sandbox.GRADER_SANDBOX_ENV: json.dumps({"kind": kind, "limits": dataclasses.asdict(limits), "image": image,
+                                                    "seccomp": sandbox.seccomp_refused() is None})}
 
 
 def subprocess_env() -> dict[str, str]:

@@ -229,9 +229,17 @@ def bwrap_usable() -> tuple[bool, str]:
     uid = None
     if os.geteuid() == 0:
         uid = _UIDS.take(SandboxConfig().uid_base)
+    global _seccomp_refused
     try:
         argv = bwrap_argv(network=False, uid=uid, tmp_bytes=1 << 20) + ["true"]
         r = subprocess.run(argv, capture_output=True, timeout=20)
+        if r.returncode != 0 and "--seccomp" in argv:  # a kernel or a container that refuses the filter
+            _seccomp_refused = r.stderr.decode(errors="replace").strip()[-200:] or f"exit {r.returncode}"
+            r = subprocess.run(bwrap_argv(network=False, uid=uid, tmp_bytes=1 << 20) + ["true"],
+                               capture_output=True, timeout=20)
+            if r.returncode == 0:
+                log.warning("sandbox: the seccomp filter against user namespaces is refused here (%s); "
+                            "sandboxes go without it (their cgroup still caps memory)", _seccomp_refused)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, f"bwrap failed to start: {e}"
     finally:
@@ -491,13 +499,18 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     argv += ["--chdir", "/", "--"]
     if uid is not None:
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
-        seccomp = filter_path()  # no user namespaces inside (see sandbox_seccomp): bwrap reads it on fd 9
+        seccomp = None if _seccomp_refused else filter_path()  # no user namespaces inside (sandbox_seccomp)
         if seccomp is not None:
             argv = ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
     return argv
 
 
 _userns_flag: list[str] | None = None
+_seccomp_refused: str | None = None  # why bwrap refused the filter here (bwrap_usable), if it did
+
+
+def seccomp_refused() -> str | None:
+    return _seccomp_refused
 
 
 def _disable_userns() -> list[str]:
@@ -643,6 +656,9 @@ def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable
         yield list(argv)
         return
     if kind == "bubblewrap":
+        global _seccomp_refused
+        if not spec.get("seccomp", True) and _seccomp_refused is None:  # the trainer found it refused here
+            _seccomp_refused = "refused (found by the trainer)"
         uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
         cap = None
         try:
