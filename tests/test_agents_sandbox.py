@@ -376,6 +376,7 @@ _HOLD = ("python3 -c \"import os\nfds = [os.memfd_create('x') for _ in range(80)
          "[os.write(fd, b'x' * (2 << 20)) for fd in fds]\nprint('HOLD' + '-OK')\"")
 _USERNS_TMPFS = ("unshare -U -r -m sh -c 'mount -t tmpfs none /tmp && for i in $(seq 80); do "
                  "head -c 2M /dev/zero > /tmp/x$i || exit 1; done && echo HOLD-$((1+1))'")
+_TMP = "for i in $(seq 80); do head -c 2M /dev/zero > /tmp/x$i || exit 1; done && echo HOLD-$((2+2))"
 
 
 @needs_bwrap
@@ -398,10 +399,65 @@ def test_the_sandbox_as_a_whole_is_capped_against_memfd_and_tmpfs(tmp_path):
             assert "per-process rlimits only" in stats["cgroup"]
             pytest.skip(f"no cgroup can be made here: {stats['cgroup']}")
         assert stats["cgroup"].startswith(("v1: memory 50331648", "v2: memory 50331648")), stats
-        assert "HOLD-OK" not in out and out.startswith("exit code 137"), out
-        userns = asyncio.run(ws.run(_USERNS_TMPFS))  # a namespace and a tmpfs of its own: the same cap
+        killed = ("exit code 137", "exit code -9")  # the OOM kill takes the command, or bwrap itself
+        assert "HOLD-OK" not in out and out.startswith(killed), out
+        assert "killed at the sandbox's memory cap of 50331648 bytes" in out and box.stats.limits_hit["memory"] == 1
+        userns = asyncio.run(ws.run(_USERNS_TMPFS))  # a namespace and a tmpfs of its own: refused or capped
         assert "HOLD-2" not in userns, userns
+        tmp = asyncio.run(ws.run(_TMP))  # the sandbox's own /tmp (256 MiB): its pages count too
+        assert "HOLD-4" not in tmp and tmp.startswith(killed), tmp
         assert "HOLD-3" in asyncio.run(ws.run("echo HOLD-$((1+2))"))  # small commands still run
     finally:
         box.release()
     assert box.stats.peak_memory_bytes is None or box.stats.peak_memory_bytes <= 48 << 20
+
+
+@needs_bwrap
+@pytest.mark.skipif(not ROOT, reason="as root: without it bwrap's --disable-userns is used")
+def test_no_user_namespaces_inside_a_root_trainers_sandbox(tmp_path):
+    box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap", limits=LIMITS), tmp_path / "ws", family="tiny",
+                          name="userns")
+    (tmp_path / "ws").mkdir()
+    box.prepare()
+    ws = Workspace(tmp_path / "ws", sandbox=box, command_timeout_s=60.0)
+    try:
+        out = asyncio.run(ws.run(
+            "unshare -U -r id; python3 -c \"import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+            "print('UNSHARE', libc.unshare(0x10000000), ctypes.get_errno())\"; echo FDS=$(ls /proc/self/fd | wc -l); "
+            "python3 -c \"import threading, subprocess; t = threading.Thread(target=print, args=('THREAD-OK',)); "
+            "t.start(); t.join(); subprocess.run(['echo', 'CHILD-OK'])\""))
+    finally:
+        box.release()
+    assert "uid=0" not in out and "Operation not permitted" in out and "UNSHARE -1 1" in out, out  # EPERM
+    assert "THREAD-OK" in out and "CHILD-OK" in out, out  # threads (clone3 -> clone) and children still work
+    assert "FDS=4" in out, out  # stdin/out/err + ls's own: the filter's fd was not left open
+
+
+def test_cgroups_left_by_a_killed_trainer_are_removed(monkeypatch):
+    from gyre_jax.agents import sandbox_cgroup as cg
+    cap, why = cg.make_cap(64 << 20, 16)
+    if cap is None:
+        pytest.skip(f"no cgroup can be made here: {why}")
+    cap.release()
+    stale = [os.path.join(os.path.dirname(d), "gyre-999999-7") for d in cap.dirs]  # no such pid
+    for d in stale:
+        os.mkdir(d)
+    monkeypatch.setattr(cg, "_CLEANED", set())
+    again, _ = cg.make_cap(64 << 20, 16)
+    again.release()
+    assert not any(os.path.exists(d) for d in stale)
+
+
+@needs_bwrap
+@pytest.mark.skipif(not ROOT, reason="the filter is used as root only")
+def test_a_refused_seccomp_filter_leaves_the_sandbox_usable_and_says_so(monkeypatch, caplog):
+    from gyre_jax.agents import sandbox_seccomp
+    monkeypatch.setattr(sandbox_seccomp, "_program", lambda: b"not bpf")  # what a kernel without it refuses
+    monkeypatch.setattr(sandbox_seccomp, "_path", None)
+    monkeypatch.setattr(sb, "_seccomp_refused", None)
+    with caplog.at_level("WARNING", logger="gyre_jax.agents.sandbox"):
+        assert sb.bwrap_usable() == (True, "")
+    assert sb.seccomp_refused() and "seccomp filter against user namespaces is refused" in caplog.text
+    assert "--seccomp" not in sb.bwrap_argv(network=False, uid=12345, tmp_bytes=1 << 20)
+    assert json.loads(graders_mod.grader_sandbox_env("bubblewrap", LIMITS)[sb.GRADER_SANDBOX_ENV])["seccomp"] is False
+    monkeypatch.setattr(sandbox_seccomp, "_path", None)  # the garbage file is not reused after the test

@@ -75,9 +75,11 @@ def test_run_tool_reports_exit_code_truncates_and_times_out(tmp_path):
         ok = await ws.run("echo hi; exit 3")
         long = await ws.run("head -c 100 /dev/zero | tr '\\0' y; echo")
         slow = await capped.run("echo started; sleep 30", timeout_s=10)  # capped at 0.5 s
-        return ok, long, slow
+        closed = await capped.run("echo started; exec >&- 2>&-; sleep 30")  # no output left to wait on
+        return ok, long, slow, closed
 
-    ok, long, slow = asyncio.run(main())
+    ok, long, slow, closed = asyncio.run(main())
+    assert closed.startswith("timed out after 0.5 s\nstarted"), closed
     assert ok == "exit code 3\nhi\n"
     # a quarter of the bound from the start, the rest from the end, and how much was dropped
     assert long == "exit code 0\n" + "y" * 8 + "\n[... 69 bytes not kept ...]\n" + "y" * 23 + "\n"

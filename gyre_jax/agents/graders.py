@@ -45,7 +45,7 @@ SKIP_REASONS = ("too_deep", "path_too_long", "not_regular", "over_bytes", "over_
 
 
 def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_bytes: int,
-                       max_entries: int = 65536) -> dict:
+                       max_entries: int = 65536, exist_ok: bool = False) -> dict:
     """Copy ``src``'s directories and regular files (at most ``max_bytes`` of data and
     ``max_entries`` in all, ``SNAPSHOT_MAX_DEPTH`` levels, ``SNAPSHOT_MAX_PATH`` bytes of
     path) to ``dst``, owned by us and not writable by others; returns what was copied and,
@@ -54,9 +54,10 @@ def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_by
     Whatever cannot be copied (too deep, unreadable, a symlink loop, a fifo) is skipped and
     counted, never an error: a crafted workspace gets the score of what it holds. Sparse
     files are copied sparse and counted by their data (a 1 TiB file of holes costs the
-    host nothing), so ``bytes`` is what the copy allocates, not apparent sizes."""
+    host nothing), so ``bytes`` is what the copy allocates, not apparent sizes. ``exist_ok``:
+    ``dst`` may exist already (empty: an unmounted workspace gets what was graded)."""
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=False)
+    dst.mkdir(parents=True, exist_ok=exist_ok)
     os.chmod(dst, 0o755)
     stats = {"files": 0, "bytes": 0, "apparent_bytes": 0, "skipped": 0, "truncated": False,
              "skipped_by_reason": dict.fromkeys(SKIP_REASONS, 0)}
@@ -160,8 +161,9 @@ def _copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
 
 def grader_sandbox_env(kind: str, limits, image: str | None = None) -> dict[str, str]:
     """The GYRE_GRADER_SANDBOX variable: how graders confine the agent code they run."""
-    from gyre_jax.agents.sandbox import GRADER_SANDBOX_ENV
-    return {GRADER_SANDBOX_ENV: json.dumps({"kind": kind, "limits": dataclasses.asdict(limits), "image": image})}
+    from gyre_jax.agents import sandbox
+    return {sandbox.GRADER_SANDBOX_ENV: json.dumps({"kind": kind, "limits": dataclasses.asdict(limits), "image": image,
+                                                    "seccomp": sandbox.seccomp_refused() is None})}
 
 
 def subprocess_env() -> dict[str, str]:

@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -236,7 +237,9 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
         tmpfs = sandbox.tmpfs
         sandbox.release()  # synchronous: a second cancellation must not leave a tmpfs mounted
     if tmpfs and snapshot.is_dir():  # the unmounted workspace shows what was graded
-        await asyncio.to_thread(shutil.copytree, snapshot, path, dirs_exist_ok=True)
+        # the same copy as the snapshot's: sparse files stay sparse, nothing is followed
+        await asyncio.to_thread(snapshot_workspace, snapshot, path, max_bytes=sys.maxsize, max_entries=sys.maxsize,
+                                exist_ok=True)
     counters = dict(etask.counters)
     output = counters.pop("output", "")
     log_path = ""

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Mapping
 
 from gyre_jax.agents.sandbox_cgroup import make_cap
+from gyre_jax.agents.sandbox_seccomp import filter_path
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,17 @@ def bwrap_usable() -> tuple[bool, str]:
     uid = None
     if os.geteuid() == 0:
         uid = _UIDS.take(SandboxConfig().uid_base)
+    global _seccomp_refused
     try:
         argv = bwrap_argv(network=False, uid=uid, tmp_bytes=1 << 20) + ["true"]
         r = subprocess.run(argv, capture_output=True, timeout=20)
+        if r.returncode != 0 and "--seccomp" in argv:  # a kernel or a container that refuses the filter
+            _seccomp_refused = r.stderr.decode(errors="replace").strip()[-200:] or f"exit {r.returncode}"
+            r = subprocess.run(bwrap_argv(network=False, uid=uid, tmp_bytes=1 << 20) + ["true"],
+                               capture_output=True, timeout=20)
+            if r.returncode == 0:
+                log.warning("sandbox: the seccomp filter against user namespaces is refused here (%s); "
+                            "sandboxes go without it (their cgroup still caps memory)", _seccomp_refused)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, f"bwrap failed to start: {e}"
     finally:
@@ -310,6 +319,8 @@ class Sandbox:
     at the rollout's end. Subclasses build the command line."""
 
     kind = "none"
+    _cap = None  # its cgroup (sandbox_cgroup.CgroupCap), made at the first command where one can be
+    _oom_kills = 0  # the cap's OOM kills already reported
 
     def __init__(self, config: SandboxConfig, workspace: Path, *, network: bool = False, image: str | None = None,
                  commands: bool = True):
@@ -360,7 +371,7 @@ class Sandbox:
 
     def release(self) -> None:
         """End of the rollout (after the snapshot): end the cgroup, unmount the tmpfs, free the uid."""
-        cap = getattr(self, "_cap", None)
+        cap = self._cap
         if cap is not None:
             self.stats.peak_memory_bytes = cap.peak_memory()
             cap.release()
@@ -412,6 +423,12 @@ class Sandbox:
                 limits.append("disk")
                 note = (f"\n[sandbox: the workspace holds {used} bytes, over its limit of "
                         f"{self.limits.disk_bytes}; delete files]")
+        if self._cap is not None:
+            kills = self._cap.oom_kills()
+            if kills > self._oom_kills:  # the kernel, not the command, says so: name it for the agent
+                self._oom_kills = kills
+                limits.append("memory")
+                note += f"\n[sandbox: killed at the sandbox's memory cap of {self._cap.memory_bytes} bytes]"
         self.stats.limits_hit.update(set(limits))
         return note
 
@@ -440,8 +457,9 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     As root (``uid`` set) bwrap runs privileged without a user namespace, so the command's
     kernel uid really is ``uid`` (RLIMIT_NPROC counts per kernel uid; inside a user namespace
     made by root it would still be uid 0, which the limit exempts): setpriv switches to it,
-    the only capabilities kept for that being SETUID/SETGID, lost at the switch. Otherwise
-    bwrap makes a user namespace (``--unshare-all``) and the command keeps our uid."""
+    the only capabilities kept for that being SETUID/SETGID, lost at the switch; a seccomp
+    filter (``sandbox_seccomp``) forbids user namespaces inside. Otherwise bwrap makes a user
+    namespace (``--unshare-all``, ``--disable-userns``) and the command keeps our uid."""
     if uid is not None:
         ns = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
               *([] if network else ["--unshare-net"]), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
@@ -481,10 +499,18 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     argv += ["--chdir", "/", "--"]
     if uid is not None:
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
+        seccomp = None if _seccomp_refused else filter_path()  # no user namespaces inside (sandbox_seccomp)
+        if seccomp is not None:
+            argv = ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
     return argv
 
 
 _userns_flag: list[str] | None = None
+_seccomp_refused: str | None = None  # why bwrap refused the filter here (bwrap_usable), if it did
+
+
+def seccomp_refused() -> str | None:
+    return _seccomp_refused
 
 
 def _disable_userns() -> list[str]:
@@ -522,8 +548,6 @@ class BubblewrapSandbox(Sandbox):
                            extra_ro_paths=(*self.config.extra_ro_paths, *ro_paths), env=env,
                            binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT), *binds))
         return Launch(self._capped(outer + limited_shell(limits, self._nproc(limits), list(argv)), limits))
-
-    _cap = None
 
     def _capped(self, argv: list[str], limits: SandboxLimits) -> list[str]:
         """``argv`` inside the sandbox's cgroup (made at its first command, one for all its
@@ -632,6 +656,9 @@ def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable
         yield list(argv)
         return
     if kind == "bubblewrap":
+        global _seccomp_refused
+        if not spec.get("seccomp", True) and _seccomp_refused is None:  # the trainer found it refused here
+            _seccomp_refused = "refused (found by the trainer)"
         uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
         cap = None
         try:

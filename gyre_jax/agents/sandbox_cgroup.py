@@ -23,6 +23,13 @@ import signal
 import time
 
 _COUNTER = itertools.count()
+_CLEANED: set[str] = set()
+
+
+def _clean_once(parent: str) -> None:
+    if parent not in _CLEANED:
+        _CLEANED.add(parent)
+        _remove_stale(parent)
 
 
 class CgroupCap:
@@ -44,6 +51,18 @@ class CgroupCap:
             return int(_read(os.path.join(self.dirs[0], name)))
         except (OSError, ValueError):
             return None
+
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the kernel killed at the memory cap so far."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            for line in _read(os.path.join(self.dirs[0], name)).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
 
     def release(self) -> None:
         for d in self.dirs:
@@ -115,6 +134,7 @@ def _try_v2(name: str, memory_bytes: int, pids: int) -> tuple[CgroupCap | None, 
         enabled = set(_read(os.path.join(parent, "cgroup.subtree_control")).split())
         if not {"memory", "pids"} <= enabled:
             _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+        _clean_once(parent)
         d = os.path.join(parent, name)
         os.mkdir(d)
     except OSError as e:
@@ -138,6 +158,7 @@ def _try_v1(name: str, memory_bytes: int, pids: int) -> tuple[CgroupCap | None, 
             mount = next((m for m, fs, opts in _mounts() if fs == "cgroup" and controller in opts), None)
             if mount is None or controller not in own:
                 raise LookupError(f"no cgroup v1 {controller} hierarchy")
+            _clean_once(os.path.join(mount, own[controller].lstrip("/")))
             d = os.path.join(mount, own[controller].lstrip("/"), name)
             os.mkdir(d)
             made.append(d)
@@ -154,6 +175,29 @@ def _try_v1(name: str, memory_bytes: int, pids: int) -> tuple[CgroupCap | None, 
                 pass
         return None, str(e) if isinstance(e, LookupError) else f"cgroup v1 is not writable here ({e.strerror})"
     return CgroupCap(1, tuple(made), memory_bytes, pids), ""
+
+
+def _remove_stale(parent: str) -> None:
+    """Empty ``gyre-<pid>-<n>`` cgroups of trainers that are gone (a kill -9 skips release)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "gyre" or not parts[1].isdigit() or int(parts[1]) == os.getpid():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # its trainer lives
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.rmdir(os.path.join(parent, name))  # refused while a task is still in it
+        except OSError:
+            pass
 
 
 def make_cap(memory_bytes: int, pids: int) -> tuple[CgroupCap | None, str]:

@@ -355,9 +355,12 @@ class Workspace:
         head = self.max_output_bytes // 4  # mostly the end: where errors and results are printed
         capture = BoundedCapture(head=head, tail=self.max_output_bytes - head)
         reader = asyncio.ensure_future(drain_async(proc.stdout, capture))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
         try:
             await asyncio.wait_for(asyncio.shield(reader), limit)
-            await proc.wait()
+            # a command may close its output and go on: the limit holds for the process too
+            await asyncio.wait_for(proc.wait(), max(0.0, deadline - loop.time()))
         except TimeoutError:
             await _stop(proc, launch)
             # what the command printed before the kill; a grandchild that escaped the group
