@@ -17,52 +17,12 @@ controller switching cells by its policy, group-normalized advantages, the
 clipped policy-gradient loss in the cells' elastic step, and each new version
 published to the serving cells.
 
-Expected runtime and result (measured, 2 CPU cores, Dec 1 2026, one workdir, the three
-modes one after the other, quiet machine; ~55 s of each is imports, compiles and 600
-SFT steps):
+Expected result: 6-13 minutes on 2 CPU cores (depending on load), training reward and
+held-out eval rising by ~0.05 over the supervised warm start's (e.g. eval 0.733 -> 0.802,
+v0 -> v60). Every dated measurement of this config (per mode, under load, per objective, and
+why RL gains only ~0.05 on one-call tasks) is in docs/results.md; configs/learn.py is the
+multi-call family where the trees branch and RL has more to learn.
 
-    mode      wall_s  reward first -> last 10 steps  held-out eval v0 -> v60  util rollout/train
-    elastic    367    0.766 -> 0.830                 0.760 -> 0.833           0.66 / 0.31
-    colocate   359    0.759 -> 0.841                 0.760 -> 0.833           0.83 / 0.17
-    async      389    0.724 -> 0.819                 0.760 -> 0.857           0.75 / 0.25
-
-With two other CPU-bound processes on the machine, ``--config.steps=20`` (elastic) took
-250 s (reward 0.761 -> 0.725 over 10-step means, eval 0.760 -> 0.783).
-``--config.scheduler.updates_per_publication=2 --config.steps=20`` (multi-step) took
-159 s, staleness mean 0.50 max 1, eval 0.760 -> 0.799.
-
-The 'tiny' tasks finish in one model call, so rollout cells are never idle and on one
-2-core CPU (8 "devices" sharing two cores) elastic has nothing to reclaim: it pays for
-its drains and KV moves. Rollouts that wait on their environment are where it wins:
-``--config.task.family=tiny_tests`` makes every rollout run a 1-30 s test suite, and
-``python tools/bench_demo_modes.py`` runs the three modes on it (rounds of 8 steps,
-Dec 1-2: elastic 1.46-1.72x colocate every round; vs async median 1.04 while the loop
-trained a step only once its last group was in, 0.90-1.10, median 1.09, since elastic
-trains each group as it is taken; the README has every round and why the spread).
-At cluster scale the gains are simulated by tools/bench_scheduler.py. The
-SFT warm start brings the mean partial-credit reward to ~0.76 (exact answers ~0.52 at
-temperature 1: argmax is right, sampling drops characters); RL then raises it: held-out
-eval (32 fixed tasks x 8 samples, fixed key) 0.760 -> 0.833 in the measured elastic run.
-(Nov 30 the same SFT measured 0.802 with the packages installed then; today's old and new
-code give the identical 0.760, so the difference is the environment, not the loop.)
-
-Why RL needs 64 rollouts per step and only gains ~0.05 here: the SFT solution of this
-tiny model is a sharp minimum. Moving its params by 0.1 (norm; 0.2% of the params' norm)
-along the direction that makes its own samples MORE likely drops the held-out reward
-from 0.80 to 0.72, by 0.3 to 0.0 (embedding and attention-value leaves carry it;
-``python tools/rl_offline.py --line_search``). One Adam step moves every parameter by
-about lr, a global step of ~lr * 575 for 330K params, so lr 3e-4 and up degrades the
-policy (1e-3: to 0 in 10 steps) and lr 5e-5 with 32 rollouts per step is lost in the
-gradient noise (flat over 40 steps). 64 rollouts at lr 1e-4 is the best point of the
-sweep (``tools/rl_offline.py``, same math in-process: 0.789 -> 0.853 in 60 steps).
-Tried and not better: mean-only advantages, token-mean weights, two epochs or two
-mini-batches per step, noisy warm starts (``sft.noisy_fraction``, kinds reverse /
-one_char / random / give_up: per-character mixtures, or a give-up mode the tiny model
-imitated ~95% of the time, leaving no reward to learn from). Untied embeddings make SFT
-itself reach ~0.97, leaving nothing for RL.
-The loop's mechanics (rollouts, records,
-advantages, elastic updates, publication) are checked by tests/test_rl_loop.py, its
-failure model by tests/test_rl_failures.py and tests/test_rl_stress.py.
 After the runs, a table of every mode run so far under the workdir (wall time,
 utilization by role, reward first/last) is printed.
 Outputs in <workdir>/<mode>/: metrics.jsonl (per step: reward, partial credit,
@@ -72,14 +32,7 @@ workspaces and Orbax checkpoints. Rerunning the same command resumes.
 Every field can be overridden, e.g. ``--config.steps=10``.
 
 The objective is picked by name (``--config.train.loss/advantage/weights/mismatch``; the README
-lists every entry with its paper). Measured Dec 3 with ``--config.steps=20``, 2 cores shared
-with other jobs (load 8-15), same warm start (held-out eval 0.733 at v0), eval at v20:
-ppo_clip (default) 0.763; ``--config.train.loss=gspo`` 0.757 (19% of tokens' sequences
-clipped at the paper's 3e-4/4e-4); ``--config.train.loss=decoupled_ppo
---config.scheduler.staleness_bound=2 --config.train.mismatch=tis`` 0.740 (behaviour weights
-up to 1.8; the engine/trainer mismatch here is ~0: the same f32 model). 6-step runs (also
-``--config.train.kl_coef=0.01``) stay within the eval's noise (0.715-0.738). The per-step
-pass these need took 2-5 s of the core per step at that load, beside the ~5 s step.
+lists every entry with its paper; docs/results.md has each one's measured eval on this config).
 """
 import ml_collections
 from ml_collections.config_dict import placeholder

@@ -355,7 +355,7 @@ class SFTConfig:
     # Fraction of demonstrations that are deliberately bad (a wrong answer, or giving up;
     # 'tiny' family only, see gyre_jax.rl.sft.noisy_tasks). 0 = clean.
     # > 0 is meant to leave the warm-started policy right only part of the time (headroom
-    # and reward variance for RL); measured results in configs/demo.py's docstring.
+    # and reward variance for RL); measured results in docs/results.md.
     noisy_fraction: float = 0.0
     noisy_kind: str = "reverse"  # how a demonstration is bad: reverse | one_char | random | give_up
     # A directory of warm starts keyed by what determines them (gyre_jax.rl.warm_cache): runs that

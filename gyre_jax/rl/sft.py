@@ -79,7 +79,7 @@ def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "
     Why: SFT on clean demonstrations of the 'tiny' family lands anywhere from chance to ~0.95
     depending on a few dozen steps, leaving RL either nothing to learn or no signal. A noisy
     mix is meant to leave a MIXTURE policy (format right, answer right only part of the
-    time) with headroom for RL. Measured (configs/demo.py docstring): 'random' removes the
+    time) with headroom for RL. Measured (docs/results.md): 'random' removes the
     signal to read the argument (800 steps stayed at chance); 'reverse' gives SFT ~0.66 but
     as scattered per-character errors, not a reversed-answer mode, and RL still stayed flat.
     Only the 'tiny' family, whose scripted demonstration writes ``params['expected']``,
