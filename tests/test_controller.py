@@ -9,6 +9,7 @@ from gyre_jax.testing.fake_cluster import fake_cluster, tiny_sim_config
 
 def run_on_fakes(cfg):
     rollouts = workloads.rollouts_for(cfg)
+    cfg = simulator.resolve(cfg, rollouts)  # the priors the simulator gives the policy
     fc = fake_cluster(cfg, rollouts, P.initial_roles(cfg.policy, cfg.cluster.n_cells))
     ctl = Controller(cfg.policy, cells=fc.cells, proxy=fc.proxy, rollouts=fc.rollouts, trainer=fc.trainer,
                      clock=fc.clock)

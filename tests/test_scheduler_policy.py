@@ -107,6 +107,55 @@ def test_steady_state_split_is_the_last_training_bound_split_of_the_step_model()
     assert P.train_cells_target(state(), cfg()) == 1  # nothing measured: the core alone
 
 
+def _split_state(training: int, rt: float, **kw):
+    # 16 cells, `training` of them training; a step (8 rollouts) costs 60 training and 95
+    # serving cell-seconds: 20 s with 3 training cells, 10 s with 6 (the best split)
+    roles = ["train"] * training + ["rollout"] * (16 - training)
+    m = P.Measured(serve_s_per_rollout=95 / 8, work_s_per_rollout=60 / 8, update_s=0.0, switch_round_trip_s=rt)
+    return state(cells=cells(roles), measured=m, **kw)
+
+
+def test_a_move_to_the_better_split_must_pay_for_itself_over_the_steps_left():
+    # 10 s saved per step: over 10 steps left, 100 s pays a 12 s round trip, not a 900 s one
+    assert P.train_cells_target(_split_state(3, 12.0), cfg(total_steps=10)) == 6
+    assert P.train_cells_target(_split_state(3, 900.0), cfg(total_steps=10)) == 3
+    # ... but 200 steps left (2,000 s saved) pay for it
+    assert P.train_cells_target(_split_state(3, 900.0), cfg(total_steps=200)) == 6
+    # and 1 step left of those 200 does not
+    assert P.train_cells_target(_split_state(3, 900.0, steps_done=199), cfg(total_steps=200)) == 3
+    # admission follows the kept split: 13 serving cells x 8 slots, not the best split's 10
+    assert P.max_running_rollouts(_split_state(3, 900.0), cfg(total_steps=10)) == 13 * 8
+
+
+def test_no_lending_when_a_round_trip_outlasts_a_step():
+    # serving 100.5 s, training 60 s a step: 6 training cells are serving-bound (10.05 s a
+    # step), 5 training-bound (12 s). With cheap switches elastic takes 5 and lends serving's
+    # slack to training; a round trip longer than a step cannot be lent in time: 6, the faster.
+    assert P.best_split(16, 100.5, 60.0, 0.0, 1.0) == 5
+    assert P.best_split(16, 100.5, 60.0, 0.0, 100.0) == 6
+
+
+def test_elastic_starts_at_the_split_its_priors_give():
+    priors = P.Measured(serve_s_per_rollout=95 / 8, work_s_per_rollout=60 / 8, update_s=0.0, switch_round_trip_s=900.0)
+    assert P.initial_roles(cfg(priors=priors), 16) == ("train",) * 6 + ("rollout",) * 10
+    assert P.initial_roles(cfg(), 16) == ("train",) + ("rollout",) * 15  # no priors: the core alone
+    # a prior is used until the cost is measured
+    s = _split_state(6, 900.0)
+    blind = dataclasses.replace(s, measured=P.Measured(switch_round_trip_s=900.0))
+    assert P.train_cells_target(blind, cfg(priors=priors)) == 6
+    assert P.train_cells_target(blind, cfg()) == 1
+
+
+def test_a_switch_in_progress_bounds_the_switch_cost_from_below():
+    # nothing measured, prior 0: 100 cell-seconds of work move cells to training; once a
+    # switch has been under way for 500 s, the round trip is known to cost at least that
+    s = state(pending_work_s=100.0, launched_groups=40, open_step_taken=1)
+    assert of(P.decide(s, cfg()), P.ToTrain)
+    slow = dataclasses.replace(s, measured=P.Measured(switch_in_flight_s=500.0))
+    assert P.switch_cost_s(slow, cfg()) == 500.0
+    assert of(P.decide(slow, cfg()), P.ToTrain) == []
+
+
 def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():
     # S=1, step 1 open with 3 of 4 taken. A version-0 group is still running: it must be
     # trained by step 1, so the ready version-1 group may not take the last position.

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gyre_jax.scheduler import baselines, presets
+from gyre_jax.scheduler import baselines, policy, presets
 from gyre_jax.scheduler.policy import PolicyConfig
 from gyre_jax.scheduler.simulator import simulate
 from gyre_jax.scheduler.workloads import (ClusterConfig, SimConfig, WorkloadConfig, batch_filling_cluster,
@@ -82,6 +82,27 @@ def test_one_wave_uniform_short_is_no_longer_lost():
     ratio, info = elastic_vs_best_baseline(one_wave_uniform_short())
     assert ratio >= FLOOR, info
     assert info["elastic"] < info["colocate"]  # was 1.76x slower than colocate
+
+
+def test_switches_costlier_than_a_step_degrade_to_the_best_fixed_split():
+    # Issue 26: 600 s / 300 s switches, 13 s steps. Elastic switched 26 times and took 5.4x
+    # as long as async at its best split. A switch must pay for itself: none does here, and
+    # elastic runs at the split its (pilot) priors give, streaming into its steps.
+    cfg = one_wave_uniform_short(8).replace(**{"cluster.switch_to_train_s": 600.0,
+                                               "cluster.switch_to_rollout_s": 300.0})
+    ratio, info = elastic_vs_best_baseline(cfg)
+    assert ratio >= FLOOR, info
+    assert info["switches"] == 0, info
+
+
+def test_costly_switches_with_measured_costs_only_never_pay_a_round_trip():
+    # The RL loop without priors: elastic starts with the core alone and learns what a switch
+    # costs from the first one still under way; no cell is sent back (it moved 26 times).
+    cfg = one_wave_uniform_short(8).replace(**{"cluster.switch_to_train_s": 600.0,
+                                               "cluster.switch_to_rollout_s": 300.0, "model_priors": False})
+    el = simulate(cfg, record_decisions=True)
+    back = [a for d in el.decisions for a in d.actions if isinstance(a, policy.ToRollout)]
+    assert back == [] and el.switches < cfg.cluster.n_cells, el.switches
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

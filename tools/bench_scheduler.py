@@ -2,8 +2,10 @@
 
   python tools/bench_scheduler.py [--quick]
 
-Per workload (the presets, plus the issue's one-wave uniform-short case and a drift
-workload whose rollouts grow over the run), every mode runs on the same sampled
+Per workload (the presets, plus the issue's one-wave uniform-short case, a drift
+workload whose rollouts grow over the run, and issue 26's adversarial ones: switches that
+cost more than a step (600 s / 300 s) on the two short workloads, bimodal lengths, giant
+rollouts), every mode runs on the same sampled
 rollouts, and the async baseline is reported three ways (gyre_jax/scheduler/baselines.py):
 its split fixed from the first step's rollouts, the best fixed split in hindsight (every
 split simulated), and a per-step oracle. Then the simulator's speed at 1K, 8K and 32K
@@ -26,7 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's gyre_jax
 
 from gyre_jax.scheduler import baselines, presets
 from gyre_jax.scheduler.cli import describe
@@ -90,9 +96,10 @@ def main():
     args = ap.parse_args()
     t0 = time.perf_counter()
     q = args.quick
-    steps = ({"large_run": 4, "short_one_wave": 6, "drift": 6} if q else
+    steps = ({"large_run": 4, "short_one_wave": 6, "drift": 6, "short_one_wave_costly_switch": 6} if q else
              {"large_run": 48, "ablation12": 12, "deepswe": 12, "terminalbench": 12, "short_uniform": 20,
-              "short_one_wave": 20, "drift": 24})
+              "short_one_wave": 20, "drift": 24, "short_one_wave_costly_switch": 20,
+              "short_uniform_costly_switch": 12, "bimodal": 12, "giant": 12})
     res = {name: compare(name, n, stream_modes=name == "ablation12") for name, n in steps.items()}
     worst = min(res, key=lambda k: res[k]["elastic_vs_best_baseline"])
 

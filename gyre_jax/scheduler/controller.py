@@ -121,7 +121,8 @@ class Controller:
         if self.estimates is not None:
             self._sample_due = self.estimates.on_tick(
                 self.clock.now(), finished=launched * self.config.group_size - running, steps_done=prog.steps_done,
-                update_in_progress=prog.update_in_progress)
+                update_in_progress=prog.update_in_progress,
+                switch_since=min((t0 for _, t0 in self._switching.values()), default=None))
             measured = self.estimates.measured()
         if self._views_tuple is None:
             self._views_tuple = tuple(self._views)

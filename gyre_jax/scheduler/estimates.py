@@ -51,11 +51,19 @@ class OnlineEstimates:
         self._steps = 0
         self._measured = Measured()
         self._dirty = False
+        self._now = 0.0
+        self._switch_since: float | None = None
 
     # ---- inputs
-    def on_tick(self, now: float, *, finished: int, steps_done: int, update_in_progress: bool) -> bool:
-        """Start of a tick. `finished`: rollouts finished since the start. True: take a
+    def on_tick(self, now: float, *, finished: int, steps_done: int, update_in_progress: bool,
+                switch_since: float | None = None) -> bool:
+        """Start of a tick. `finished`: rollouts finished since the start. `switch_since`: when
+        the oldest switch still in progress was asked for (None: none is). True: take a
         load sample (``sample``) once this tick's actions are applied."""
+        self._now = now
+        if switch_since != self._switch_since:
+            self._switch_since = switch_since
+            self._dirty = True
         if steps_done > self._steps:
             f = self.decay ** (steps_done - self._steps)
             self._calls_dt *= f
@@ -121,8 +129,10 @@ class OnlineEstimates:
         serve = self._active_dt / self.slots / done if done > 0 and self._active_dt > 0 else None
         work = self._work / self._work_rollouts if self._work_rollouts > 0 else None
         rt = sum(self._switch_s.values()) if self._switch_s else None
+        # (refreshed on the sampling grid like the load: a lower bound need not be exact)
+        in_flight = None if self._switch_since is None else self._now - self._switch_since
         self._measured = Measured(call_share=share, serve_s_per_rollout=serve, work_s_per_rollout=work,
-                                  switch_round_trip_s=rt, update_s=self._update_s)
+                                  switch_round_trip_s=rt, update_s=self._update_s, switch_in_flight_s=in_flight)
 
     @staticmethod
     def _mean(old, new, w):

@@ -60,6 +60,25 @@ DEFAULT_MIN_WORK_PER_SWITCH_S = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What the controller measured online (``scheduler.estimates``); None = not yet
+    measured, so the policy uses the config's prior."""
+
+    call_share: float | None = None  # model calls (running + queued) per running agent: the serve_reserve
+    serve_s_per_rollout: float | None = None  # serving cell-seconds (slot-seconds / slots) per finished rollout
+    work_s_per_rollout: float | None = None  # training cell-seconds per rollout
+    switch_round_trip_s: float | None = None  # rollout -> train + train -> rollout, seconds
+    update_s: float | None = None  # the core's optimizer update, seconds
+    # the longest a switch now in progress has taken so far: a lower bound on the round trip
+    # that is known before any switch has finished (a 10-minute switch must not be taken for
+    # free while the first one is still under way)
+    switch_in_flight_s: float | None = None
+
+
+NOT_MEASURED = Measured()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
     mode: str  # one of MODES
     total_steps: int  # optimizer steps of the run (N)
@@ -79,6 +98,12 @@ class PolicyConfig:
     #   until a cell has switched once, and a higher prior would keep a small cluster (the demo's
     #   switches take about a second) from ever switching, so from ever measuring it.
     min_work_per_switch_s: float = DEFAULT_MIN_WORK_PER_SWITCH_S
+    # * priors: the costs expected before the run (a pilot measurement, or the simulator's
+    #   workload model), each used until the controller has measured it. With serving and
+    #   training costs known, elastic starts at the split it would move to (a switch it need
+    #   not pay), and a switch round trip here replaces min_work_per_switch_s. Unset fields:
+    #   the behaviour above (core alone until measured).
+    priors: Measured = NOT_MEASURED
     # k: optimizer updates per weight publication. 1 = one-step mode; k >= 2 = multi-step
     # mode: k updates train on rollouts of one published version before the next publication.
     updates_per_publication: int = 1
@@ -144,19 +169,6 @@ class ReadyGroup:
     work_s: float  # training work, cell-seconds
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Measured:
-    """What the controller measured online (``scheduler.estimates``); None = not yet
-    measured, so the policy uses the config's prior."""
-
-    call_share: float | None = None  # model calls (running + queued) per running agent: the serve_reserve
-    serve_s_per_rollout: float | None = None  # serving cell-seconds (slot-seconds / slots) per finished rollout
-    work_s_per_rollout: float | None = None  # training cell-seconds per rollout
-    switch_round_trip_s: float | None = None  # rollout -> train + train -> rollout, seconds
-    update_s: float | None = None  # the core's optimizer update, seconds
-
-
-NOT_MEASURED = Measured()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,7 +230,15 @@ def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
                 raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
         k = config.async_split(0)
         return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
-    return (TRAIN,) + (ROLLOUT,) * (n_cells - 1)
+    # Elastic: the core alone until the costs are measured; with priors, the split the policy
+    # would move to at once (admission serves only its n - k cells), without paying a switch.
+    p = config.priors
+    k = 1
+    if p.serve_s_per_rollout is not None and p.work_s_per_rollout is not None and n_cells >= 3:
+        R = config.groups_per_step * config.group_size
+        rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
+        k = best_split(n_cells, p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0, rt)
+    return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
 
 
 def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
@@ -350,8 +370,54 @@ def max_running_rollouts(state: ClusterState, config: PolicyConfig) -> int:
 def serve_reserve(state: ClusterState, config: PolicyConfig) -> float:
     """Slots kept per running agent: the measured call share, else the config's prior.
     Floored at 2% (an agent whose calls were all fast could not else be bounded)."""
-    share = state.measured.call_share
+    share = costs(state, config).call_share
     return config.serve_reserve if share is None else min(1.0, max(0.02, share))
+
+
+def costs(state: ClusterState, config: PolicyConfig) -> Measured:
+    """What the policy takes each cost to be: measured, else the config's prior."""
+    m, p = state.measured, config.priors
+    if p is NOT_MEASURED:
+        return m
+    return Measured(**{f.name: p_ if (m_ := getattr(m, f.name)) is None and (p_ := getattr(p, f.name)) is not None
+                       else m_ for f in dataclasses.fields(Measured)})
+
+
+def switch_cost_s(state: ClusterState, config: PolicyConfig) -> float:
+    """A role switch's round trip (rollout -> train + train -> rollout), seconds: measured,
+    else the priors', else min_work_per_switch_s; at least as long as a switch in progress
+    has taken so far."""
+    m = costs(state, config)
+    rt = config.min_work_per_switch_s if m.switch_round_trip_s is None else m.switch_round_trip_s
+    return max(rt, state.measured.switch_in_flight_s or 0.0)
+
+
+def _step_model(n: int, serve: float, train: float, upd: float):
+    """Seconds of one step with k training cells (core included) of n: serving and training
+    overlap, so the slower side sets the pace."""
+    return lambda k: max(serve / (n - k), train / k + upd)
+
+
+def best_split(n: int, serve: float, train: float, upd: float, switch_s: float = 0.0) -> int:
+    """The steady-state split of the step model: the largest k that is still training-bound
+    (train_cells_target says why), 1 when even the core alone is serving-bound. That lends
+    the serving cells' slack to training at each step's tail, a round trip per lent cell:
+    when a round trip (`switch_s`) outlasts a step, nothing can be lent in time, and the
+    split is the step model's minimizer (the crossing's faster side)."""
+    lo, hi = 1, n - 1  # the serving time rises with k, the training time falls: bisect the crossing
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if serve / (n - mid) >= train / mid + upd:
+            hi = mid
+        else:
+            lo = mid + 1
+    serving_bound = serve / (n - lo) >= train / lo + upd
+    if not serving_bound or lo == 1:
+        return lo
+    step_s = _step_model(n, serve, train, upd)
+    if switch_s < step_s(lo - 1):
+        return lo - 1
+    return lo if step_s(lo) < step_s(lo - 1) else lo - 1
 
 
 def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
@@ -366,34 +432,30 @@ def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
     crossing's lower neighbour), not always the minimizer: the serving cells' slack is then
     lent to training, while on the serving-bound side the training cells' slack would idle
     (admission keeps them from serving): measured on 16 one-accelerator cells with training
-    ~2x serving, 0.945 -> 1.02 of colocate. 1 (the core) until both costs are measured."""
-    m = state.measured
+    ~2x serving, 0.945 -> 1.02 of colocate. 1 (the core) until both costs are measured
+    (or given as priors).
+
+    A move must pay for itself (issue 26): the cells training now stay the target unless
+    the time the better split saves over the steps left exceeds a switch round trip. With
+    switches that cost more than the steps they would speed up, elastic keeps its split:
+    the best fixed split, when it started there (``initial_roles``)."""
+    m = costs(state, config)
     if m.serve_s_per_rollout is None or m.work_s_per_rollout is None:
         return 1
-    cen = _census(state.cells)
-    n = cen.live
+    n = _census(state.cells).live
     if n < 3:
         return 1
     R = config.groups_per_step * config.group_size
     serve, train, upd = m.serve_s_per_rollout * R, m.work_s_per_rollout * R, m.update_s or 0.0
-
-    def step_s(k):
-        return max(serve / (n - k), train / k + upd)
-
-    lo, hi = 1, n - 1  # the serving time rises with k, the training time falls: bisect the crossing
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if serve / (n - mid) >= train / mid + upd:
-            hi = mid
-        else:
-            lo = mid + 1
-    # the crossing's training-bound side (the docstring says why)
-    serving_bound = serve / (n - lo) >= train / lo + upd
-    best = lo - 1 if serving_bound and lo > 1 else lo
-    # Hysteresis: estimates are noisy and each move costs a switch round trip, so the
-    # cells training now stay the target while their step time is within 3% of the best.
-    now = min(n - 1, max(1, cen.training))
-    return now if step_s(now) <= 1.03 * step_s(best) else best
+    step_s = _step_model(n, serve, train, upd)
+    best = best_split(n, serve, train, upd, switch_cost_s(state, config))
+    # Hysteresis: estimates are noisy (3%), and a move costs a switch round trip, paid back
+    # only by the time it saves on the steps left.
+    now = min(n - 1, max(1, _census(state.cells).training))
+    gain_s = (step_s(now) - step_s(best)) * max(0, config.total_steps - state.steps_done)
+    if step_s(now) <= 1.03 * step_s(best) or gain_s <= switch_cost_s(state, config):
+        return now
+    return best
 
 
 def serving_cells_needed(running_rollouts: int, slots_per_cell: int, reserve: float) -> int:
@@ -428,7 +490,7 @@ def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
     running = state.running_rollouts + n_launch * config.group_size
     # Training work coming: assigned and not computed, finished and waiting, and what the
     # running agents will hand in (measured work per rollout), not only the open step's.
-    a_t = state.measured.work_s_per_rollout or 0.0
+    a_t = costs(state, config).work_s_per_rollout or 0.0
     ready_s = state.ready_work_s if state.ready_work_s is not None else sum(g.work_s for g in state.ready_groups)
     available_s = state.pending_work_s + ready_s
     acts.extend(_roles(state, config, taken=taken, work_s=available_s + a_t * running, available_s=available_s,
@@ -468,8 +530,7 @@ def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: flo
     if limit <= 0 or work_s <= 0:
         return []
     n_train = cen.training
-    rt = state.measured.switch_round_trip_s
-    cost = max(config.min_work_per_switch_s if rt is None else rt, 1e-9)
+    cost = max(switch_cost_s(state, config), 1e-9)
     # Up to the steady-state split, the work coming (running agents' included) decides:
     # largest k with work / (n_train + k) >= cost. Beyond it (the tail: the staleness bound
     # holds admission back, agents finish, serving cells idle), only work already there

@@ -216,6 +216,55 @@ def short_one_wave(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
     )
 
 
+# Issue 26's adversarial workloads, where a fixed split is hard to beat.
+# Switches that cost more than a step ([assume] 600 s rollout -> train, 300 s back: a
+# cluster that reloads weights from remote storage instead of its peers): the one-wave and
+# the 8-wave short workloads above, where a step's generation lasts 13 s to a few minutes.
+# A switch must pay for itself; the best fixed split is what elastic should degrade to.
+_COSTLY_SWITCH = dict(switch_to_train_s=600.0, switch_to_rollout_s=300.0)
+
+
+def short_one_wave_costly_switch(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
+    cfg = short_one_wave(mode, steps=steps, **kw)
+    return cfg.replace(**{f"cluster.{k}": v for k, v in _COSTLY_SWITCH.items()})
+
+
+def short_uniform_costly_switch(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
+    cfg = short_uniform(mode, steps=steps, **kw)
+    return cfg.replace(**{f"cluster.{k}": v for k, v in _COSTLY_SWITCH.items()})
+
+
+# Bimodal lengths: [assume] the DeepSWE-like workload where 30% of tasks need a rewrite,
+# 8x the calls of a quick fix (median 320 vs 40), 6 h deadline (a rewrite's uncontended run is
+# ~1.5 h at the median). The batch's serving work arrives in two humps, so a split sized on
+# the mean is wrong for most of each step.
+def bimodal(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
+    return _make(
+        _CELL_122B,
+        _wl_122b("deepswe_bimodal_122b", calls_median=40, calls_shape=0.5, calls_max=2400,
+                 decode_tokens_median=300, decode_tokens_sigma=0.8,
+                 context_tokens_median=2000, context_tokens_sigma=0.8,
+                 tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=6 * 3600,
+                 long_fraction=0.3, long_factor=8.0),
+        mode, steps, **{"call_merge": 4, **kw},
+    )
+
+
+# Giant rollouts: [assume] the DeepSWE-like workload where 1% of rollouts run 40x the calls
+# (a runaway agent: ~1,600 calls, ~7 h uncontended), a 12 h deadline that lets them finish.
+# A handful per step hold the step's end: serving sits nearly idle while they run.
+def giant(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
+    return _make(
+        _CELL_122B,
+        _wl_122b("deepswe_giant_122b", calls_median=40, calls_shape=0.7, calls_max=4000,
+                 decode_tokens_median=300, decode_tokens_sigma=0.8,
+                 context_tokens_median=2000, context_tokens_sigma=0.8,
+                 tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=12 * 3600,
+                 long_fraction=0.01, long_factor=40.0),
+        mode, steps, **{"call_merge": 4, **kw},
+    )
+
+
 PRESETS = {
     "large_run": large_run,
     "nl2repo": nl2repo,
@@ -225,6 +274,10 @@ PRESETS = {
     "short_uniform": short_uniform,
     "short_one_wave": short_one_wave,
     "drift": drift,
+    "short_one_wave_costly_switch": short_one_wave_costly_switch,
+    "short_uniform_costly_switch": short_uniform_costly_switch,
+    "bimodal": bimodal,
+    "giant": giant,
 }
 
 

@@ -39,7 +39,7 @@ from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
 from gyre_jax.scheduler.vocab import FIXED_SPLIT_MODES, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
-from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, rollouts_for
+from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, pilot_priors, rollouts_for
 
 _CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE, _POLL = range(8)
 
@@ -501,13 +501,23 @@ class SimCluster:
         self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, self._rate))
 
 
+def resolve(config: SimConfig, rollouts: Rollouts) -> SimConfig:
+    """What the config leaves to the workload: async's balanced split (async_train_cells=0)
+    and elastic's priors (model_priors). Anything that drives the controller on these
+    rollouts (the simulator, the fakes) runs the resolved config."""
+    if config.policy.mode in FIXED_SPLIT_MODES and config.policy.async_train_cells == 0:
+        config = config.replace(**{"policy.async_train_cells": balanced_async_split(config, rollouts)})
+    if config.model_priors and config.policy.priors is policy_lib.NOT_MEASURED:
+        config = config.replace(**{"policy.priors": pilot_priors(config, rollouts)})
+    return config
+
+
 def simulate(config: SimConfig, *, rollouts: Rollouts | None = None, progress: bool = False,
              record_decisions: bool = True) -> SimResult:
     """Run one simulation: sample (or take) the rollouts, drive the cluster with the controller."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
     rollouts = rollouts if rollouts is not None else rollouts_for(config)
-    if config.policy.mode in FIXED_SPLIT_MODES and config.policy.async_train_cells == 0:
-        config = config.replace(**{"policy.async_train_cells": balanced_async_split(config, rollouts)})
+    config = resolve(config, rollouts)
     roles = policy_lib.initial_roles(config.policy, config.cluster.n_cells)
     cluster = SimCluster(config, rollouts, roles)
     ctl = Controller(config.policy, cells=cluster, proxy=cluster, rollouts=cluster, trainer=cluster,

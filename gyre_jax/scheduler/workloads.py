@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from gyre_jax.scheduler.policy import PolicyConfig
+from gyre_jax.scheduler.policy import Measured, PolicyConfig
 from gyre_jax.scheduler.vocab import COLOCATE
 
 CALL_DISTS = ("lognormal", "pareto")
@@ -61,6 +61,11 @@ class WorkloadConfig:
     # (last rollout). 1 = no drift. calls_max scales with drift_calls.
     drift_calls: float = 1.0
     drift_tokens: float = 1.0
+    # Mixtures: a fraction of rollouts (drawn independently) take `long_factor` x the calls
+    # (bimodal lengths: quick fixes and rewrites; giant rollouts: a rare one that runs for
+    # hours). 0 = none. calls_max caps them as it caps the rest.
+    long_fraction: float = 0.0
+    long_factor: float = 1.0
 
     def __post_init__(self):
         if self.calls_dist not in CALL_DISTS:
@@ -73,6 +78,9 @@ class WorkloadConfig:
         for n in ("drift_calls", "drift_tokens"):
             if not getattr(self, n) > 0:
                 raise ValueError(f"WorkloadConfig({self.name}).{n}={getattr(self, n)} must be > 0")
+        if not 0 <= self.long_fraction <= 1 or not self.long_factor >= 1:
+            raise ValueError(f"WorkloadConfig({self.name}).long_fraction={self.long_fraction} must be in [0, 1] and "
+                             f"long_factor={self.long_factor} >= 1")
         if self.calls_max < 1 or self.calls_max < self.calls_median:
             raise ValueError(f"WorkloadConfig({self.name}).calls_max={self.calls_max} must be >= max(1, calls_median)")
 
@@ -111,6 +119,12 @@ class SimConfig:
     # longer and fewer. A speed knob for the largest runs; its effect is measured in
     # tools/bench_scheduler.py.
     call_merge: int = 1
+    # Elastic's priors (PolicyConfig.priors) when the policy sets none: the costs of the first
+    # step's sampled rollouts and the cluster's switch costs, what a pilot run measures before
+    # one commits to a run (the async baseline's first-step split uses the same). False: the
+    # policy starts blind (core alone, switch cost min_work_per_switch_s) as the RL loop does
+    # without priors in its config.
+    model_priors: bool = True
 
     def __post_init__(self):
         if self.call_merge < 1:
@@ -164,6 +178,8 @@ def sample_calls(w: WorkloadConfig, n: int, rng: np.random.Generator) -> np.ndar
     else:  # Pareto with the given median: scale * 2**(1/alpha) = median
         scale = w.calls_median / 2.0 ** (1.0 / w.calls_shape)
         x = scale * (1.0 + rng.pareto(w.calls_shape, n))
+    if w.long_fraction > 0:  # drawn only then: the other workloads keep their samples
+        x = np.where(rng.random(n) < w.long_fraction, x * w.long_factor, x)
     if w.drift_calls != 1.0:
         x = x * drift_factor(w.drift_calls, n)
     return np.clip(np.round(x), 1, max(w.calls_max, round(w.calls_max * w.drift_calls))).astype(np.int64)
@@ -224,6 +240,18 @@ def work_split(config: SimConfig, rollouts: Rollouts) -> tuple[float, float]:
     serve = sum(rollouts.call_s) / config.cluster.slots_per_cell
     train = sum(rollouts.tokens) / config.workload.train_tokens_per_s_per_cell
     return serve, train
+
+
+def pilot_priors(config: SimConfig, rollouts: Rollouts) -> Measured:
+    """The costs a pilot measures on the first step's rollouts (PolicyConfig.priors): serving
+    and training cell-seconds per rollout, the optimizer update, the switch round trip."""
+    p = config.policy
+    n = min(rollouts.n, p.groups_per_step * p.group_size)
+    a, b = rollouts.offsets[0], rollouts.offsets[n]
+    c, w = config.cluster, config.workload
+    return Measured(serve_s_per_rollout=sum(rollouts.call_s[a:b]) / c.slots_per_cell / n,
+                    work_s_per_rollout=sum(rollouts.tokens[a:b]) / w.train_tokens_per_s_per_cell / n,
+                    update_s=w.optimizer_s, switch_round_trip_s=c.switch_to_train_s + c.switch_to_rollout_s)
 
 
 def balanced_async_split(config: SimConfig, rollouts: Rollouts | None = None) -> int:
