@@ -88,3 +88,17 @@ def test_demo_trees_share_prefixes_and_train_every_target_once(learn_cfg):
     assert nxt >= 3 and b["tokens"].shape == (4, learn_cfg.train.row_len)
     taken = [trees[k % 3] for k in range(nxt)]  # the order cycles when the rows have room
     assert int(b["loss_mask"].sum()) == sum(int(n.trainable.sum()) for t in taken for n in t.walk())
+
+
+def test_a_max_tokens_that_cuts_a_demonstrated_reply_is_reported(learn_cfg, caplog):
+    import dataclasses
+
+    hc = dataclasses.replace(learn_cfg.harness_config("http://demo.invalid/v1"), max_tokens=88)
+    with caplog.at_level("WARNING", logger="gyre_jax.rl.sft"):  # a delegating reply is ~105 tokens
+        demo_examples([_task_with(learn_cfg, "delegate")], hc, ByteTokenizer())
+    assert "harness.max_tokens=88" in caplog.text and "call 1 (main)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gyre_jax.rl.sft"):
+        demo_examples([_task_with(learn_cfg, "delegate")], learn_cfg.harness_config("http://x.invalid/v1"),
+                      ByteTokenizer())
+    assert "max_tokens" not in caplog.text

@@ -122,7 +122,7 @@ def noisy_tasks(tasks: Sequence[Task], fraction: float, seed: int, kind: str = "
 def demo_calls(tasks: Sequence[Task], harness: HarnessConfig, tok: Tokenizer
                ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """Per task, (prompt_ids, target_ids) of every model call of its scripted demonstration."""
-    out = []
+    out, cut = [], ""
     for task in tasks:
         demo = demonstration(task, harness, text_format=not harness.send_tools_schema)
         calls = []
@@ -137,8 +137,13 @@ def demo_calls(tasks: Sequence[Task], harness: HarnessConfig, tok: Tokenizer
             except ApiError as e:  # e.g. Llama-3.1's template refuses several tool calls in one turn
                 raise ConfigError(f"{where}: the chat template cannot render it: {e}") from None
             target = assistant_ids(prompt, extended, tok, where=where)
+            if len(target) > harness.max_tokens and not cut:  # the policy could never finish what it was taught
+                cut = f"{where}: the demonstrated reply is {len(target)} tokens"
             calls.append((np.asarray(prompt, np.int32), np.asarray(target, np.int32)))
         out.append(calls)
+    if cut:  # loud, not fatal: tests train tiny warm starts they never sample from
+        log.warning("%s but harness.max_tokens=%d: the rollouts cut such replies short; raise config.harness."
+                    "max_tokens", cut, harness.max_tokens)
     return out
 
 
