@@ -161,6 +161,7 @@ def get_config() -> ml_collections.ConfigDict:
         noisy_fraction=0.0,  # share of deliberately bad demonstrations (off: see the docstring)
         noisy_kind="reverse",  # how they are bad: reverse | one_char | random | give_up
         cache_dir="",  # a directory of warm starts keyed by what determines them: runs differing only in RL knobs share one
+        seed=-1,  # the warm start's seed (init, demonstration order); -1 = config.seed
     ))
     c.eval = ml_collections.ConfigDict(dict(  # held-out eval, logged as eval/* per step
         every=10,  # evaluate before step 0, after every 10th step and after the last (0 = off)

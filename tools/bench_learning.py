@@ -157,12 +157,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workdir", default="/tmp/gyre_bench_learning")
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one seed")
+    ap.add_argument("--warm_seed", type=int, default=-1,
+                    help="one warm start (this seed's) for every seed: the spread over RL seeds alone; -1: one per seed")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run, e.g. --set train.learning_rate=2e-4")
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    overrides = ([*QUICK] if a.quick else [f"steps={a.steps}"]) + a.set
+    overrides = ([*QUICK] if a.quick else [f"steps={a.steps}"]) + [f"sft.seed={a.warm_seed}"] + a.set
     os.makedirs(a.workdir, exist_ok=True)
     t0 = time.monotonic()
     runs, rows = {}, []

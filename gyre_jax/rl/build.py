@@ -132,7 +132,7 @@ class Components:
 def fresh_params(cfg: RLConfig, tok, mesh=None):
     """A new model's params (config.model.hf_path's weights, born on ``mesh``, or a random init), warm-started
     by SFT on scripted demonstrations (config.sft); (params, history)."""
-    params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.seed))
+    params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.warm_seed))
     if cfg.sft.steps == 0:
         return params, []
     key = warm_cache.cache_key(cfg) if cfg.sft.cache_dir else ""
@@ -149,10 +149,10 @@ def _warm_start(cfg: RLConfig, tok, params):
     # Demonstration tasks: a stream the RL run never draws (gyre_jax.agents.task_sources).
     tasks = cfg.task_source.demo_tasks(cfg.sft.demos)
     if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)
-        tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.seed, cfg.sft.noisy_kind)
+        tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.warm_seed, cfg.sft.noisy_kind)
     examples = demo_trees(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
     return warm_start(params, cfg.model, examples, steps=cfg.sft.steps, rows=cfg.sft.rows, row_len=cfg.train.row_len,
-                      learning_rate=cfg.sft.learning_rate, seed=cfg.seed, progress=cfg.progress)
+                      learning_rate=cfg.sft.learning_rate, seed=cfg.warm_seed, progress=cfg.progress)
 
 
 def _hf_params(cfg: RLConfig, mesh):

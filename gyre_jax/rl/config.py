@@ -361,10 +361,15 @@ class SFTConfig:
     # A directory of warm starts keyed by what determines them (gyre_jax.rl.warm_cache): runs that
     # differ only in RL knobs (mode, loss, steps) train the warm start once. "" = off.
     cache_dir: str = ""
+    # The warm start's seed (init and demonstration order); -1 = config.seed. Set, runs that differ
+    # only in config.seed share one warm start: a spread over RL seeds from the same starting point.
+    seed: int = -1
 
     def __post_init__(self):
         _positive(self, ("steps", "demos"), allow_zero=True)
         _positive(self, ("rows", "learning_rate"))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < -1:
+            raise ConfigError(f"config.sft.seed must be an int >= -1 (-1 = config.seed), got {self.seed!r}")
         if not 0.0 <= self.noisy_fraction < 1.0:
             raise ConfigError(f"config.sft.noisy_fraction must be in [0, 1), got {self.noisy_fraction!r}")
         if self.noisy_kind not in NOISE_KINDS:
@@ -638,6 +643,11 @@ class RLConfig:
         c = self.cells
         return _built("cells", lambda: CellConfig(cell_size=c.cell_size, train_tensor=c.train_tensor,
                                                   serve_tensor=c.serve_tensor))
+
+    @property
+    def warm_seed(self) -> int:
+        """The warm start's seed: config.sft.seed, or config.seed when that is -1."""
+        return self.seed if self.sft.seed < 0 else self.sft.seed
 
     def harness_config(self, base_url: str, run_id: str = "rl"):
         from gyre_jax.agents.config import HarnessConfig
