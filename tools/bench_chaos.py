@@ -286,7 +286,8 @@ def main(argv=None) -> dict:
                                     staleness_bound=cfg.scheduler.staleness_bound) if mode_dirs else None)
         if t["disk_mb"] is not None:
             if a.keep:
-                shutil.copytree(t["workdir"], t["workdir"] + ".saved", symlinks=True)
+                shutil.copytree(t["workdir"], t["workdir"] + ".saved", symlinks=True,
+                                ignore=shutil.ignore_patterns("*.sock"))  # the proxy socket cannot be copied
             subprocess.run(["umount", t["workdir"]], check=False)
         trials.append(t)
     wall = time.monotonic() - t0
