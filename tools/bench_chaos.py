@@ -285,10 +285,12 @@ def main(argv=None) -> dict:
         t["audit"] = (audit_workdir(mode_dirs[0], group_size=cfg.scheduler.group_size,
                                     staleness_bound=cfg.scheduler.staleness_bound) if mode_dirs else None)
         if t["disk_mb"] is not None:
-            if a.keep:
-                shutil.copytree(t["workdir"], t["workdir"] + ".saved", symlinks=True,
-                                ignore=shutil.ignore_patterns("*.sock"))  # the proxy socket cannot be copied
-            subprocess.run(["umount", t["workdir"]], check=False)
+            try:
+                if a.keep:
+                    shutil.copytree(t["workdir"], t["workdir"] + ".saved", symlinks=True,
+                                    ignore=shutil.ignore_patterns("*.sock"))  # the proxy socket cannot be copied
+            finally:
+                subprocess.run(["umount", t["workdir"]], check=False)
         trials.append(t)
     wall = time.monotonic() - t0
 
