@@ -16,7 +16,7 @@ command runs again (at most ``--reruns`` times) until it exits 0; an attempt tha
 ``--attempt-timeout-s`` is a hang. A workdir that never completes is unresumable.
 
 A disk-full trial (``--disk-full``; needs ``mount``, i.e. root) runs in a workdir that is a
-tmpfs of a random size in [1.5, 4] MB (an 8-step demo with a checkpoint every 3 steps needs ~6 MB): the first attempt must
+tmpfs of a random size in [1.5, 4] MB (a whole 8-step demo fit in a 5.7 MB one): the first attempt must
 stop by itself with exit 3 (our storage failed, ``error:`` naming the path) and no hang; the
 tmpfs is then remounted at 1 GB and the same command reruns to the end (it may be stopped by
 ``--kills`` random stops before that, like any trial). Every attempt that ended with exit 3 is
