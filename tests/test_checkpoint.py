@@ -236,7 +236,10 @@ def test_a_full_disk_under_a_save_is_a_storage_error_naming_the_directory(tmp_pa
     for e in (ts, OSError(errno.EROFS, "Read-only file system"), wrapped):
         got = _as_storage_error("/w/checkpoints", e)
         assert isinstance(got, StorageError) and got.path == "/w/checkpoints", (e, got)
-    assert str(_as_storage_error("/w/checkpoints", ts)) == "storage failed: writing a checkpoint in /w/checkpoints: No space left on device"
+    err = _as_storage_error("/w/checkpoints", ts)
+    assert str(err) == "storage failed: writing a checkpoint in /w/checkpoints: No space left on device"
+    # The loop re-raises StorageError(path, what, cause) for its error: line: the cause must read as short.
+    assert str(StorageError(err.path, err.what, err.__cause__)) == str(err) and err.__cause__.__cause__ is ts
     bad = ValueError("shape mismatch")  # not our disk: left as it is
     assert _as_storage_error("/w/checkpoints", bad) is bad
 

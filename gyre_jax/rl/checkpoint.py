@@ -218,7 +218,11 @@ def _as_storage_error(directory: str, e: BaseException) -> BaseException:
     code = _storage_errno(e)
     if code is None:
         return e
-    return StorageError(directory, "writing a checkpoint in", OSError(code, os.strerror(code)))
+    os_error = OSError(code, os.strerror(code))
+    os_error.__cause__ = e  # the Orbax/tensorstore text stays in the traceback
+    err = StorageError(directory, "writing a checkpoint in", os_error)
+    err.__cause__ = os_error  # what the loop's error: line names (its strerror, not tensorstore's whole text)
+    return err
 
 
 class Checkpointer:
@@ -314,7 +318,7 @@ class Checkpointer:
         try:
             saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # a full disk is a StorageError (its own exit code, the path), not a failed run
-            raise _as_storage_error(self.directory, e) from e
+            raise _as_storage_error(self.directory, e)  # noqa: B904 - its cause chain is set there
         if saved:
             log.info("checkpoint: saved step %d (%d buffered rollouts) to %s", step, len(ids), self.directory)
         return bool(saved)
@@ -412,7 +416,7 @@ class Checkpointer:
         try:
             self._mngr.wait_until_finished()
         except Exception as e:  # an async save's failure surfaces here
-            raise _as_storage_error(self.directory, e) from e
+            raise _as_storage_error(self.directory, e)  # noqa: B904 - its cause chain is set there
 
     def close(self) -> None:
         """Wait for a pending async save, then release the manager."""
