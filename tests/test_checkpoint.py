@@ -216,3 +216,44 @@ def test_the_rng_item_is_optional(tmp_path):
                                             {"w": SingleDeviceSharding(jax.devices()[0])}))
     assert r.step == 2 and r.rng is None
     np.testing.assert_array_equal(r.train_state["w"], state["w"])
+
+
+def test_a_full_disk_under_a_save_is_a_storage_error_naming_the_directory(tmp_path):
+    """A checkpoint save on a full disk is our storage failing (exit 3, the path), not a failed run (exit 1).
+    Real ENOSPC where the machine can mount a small tmpfs; the Orbax/tensorstore message form in any case."""
+    import errno
+    import subprocess
+
+    from gyre_jax.errors import StorageError
+    from gyre_jax.rl.checkpoint import _as_storage_error
+
+    # What Orbax raised on a full tmpfs in tools/bench_chaos.py --disk-full (tensorstore's text, a ValueError).
+    ts = ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.1.0.count/0" in OCDBT database at local file '
+                    '"/w/checkpoints/6.orbax-checkpoint-tmp/": Failed to write 38559 bytes to file 234: No space '
+                    "left on device [os_error_code='28']")
+    wrapped = RuntimeError("commit failed")
+    wrapped.__cause__ = OSError(errno.EIO, "Input/output error")
+    for e in (ts, OSError(errno.EROFS, "Read-only file system"), wrapped):
+        got = _as_storage_error("/w/checkpoints", e)
+        assert isinstance(got, StorageError) and got.path == "/w/checkpoints", (e, got)
+    err = _as_storage_error("/w/checkpoints", ts)
+    assert str(err) == "storage failed: writing a checkpoint in /w/checkpoints: No space left on device"
+    # The loop re-raises StorageError(path, what, cause) for its error: line: the cause must read as short.
+    assert str(StorageError(err.path, err.what, err.__cause__)) == str(err) and err.__cause__.__cause__ is ts
+    bad = ValueError("shape mismatch")  # not our disk: left as it is
+    assert _as_storage_error("/w/checkpoints", bad) is bad
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root): the real full disk is left to tools/bench_chaos.py")
+    try:
+        ck = Checkpointer(CheckpointConfig(directory=str(small / "ckpt")))
+        big = {"step": jnp.int32(1), "policy_version": jnp.int32(1), "params": {"w": jnp.ones((256, 256), jnp.float32)}}
+        store = TrajectoryStore(str(tmp_path / "store"), run_id="r")
+        with pytest.raises(StorageError, match="storage failed: writing a checkpoint in .*small/ckpt: No space left"):
+            ck.save(1, train_state=big, store_cursor=store.cursor_state(), force=True)
+        store.close()
+        ck._mngr.close()
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

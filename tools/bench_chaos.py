@@ -16,7 +16,7 @@ command runs again (at most ``--reruns`` times) until it exits 0; an attempt tha
 ``--attempt-timeout-s`` is a hang. A workdir that never completes is unresumable.
 
 A disk-full trial (``--disk-full``; needs ``mount``, i.e. root) runs in a workdir that is a
-tmpfs of a random size in [2, 6] MB (a whole 8-step demo writes ~9 MB): the first attempt must
+tmpfs of a random size in [1.5, 4] MB (a whole 8-step demo fit in a 5.7 MB one): the first attempt must
 stop by itself with exit 3 (our storage failed, ``error:`` naming the path) and no hang; the
 tmpfs is then remounted at 1 GB and the same command reruns to the end (it may be stopped by
 ``--kills`` random stops before that, like any trial). Every attempt that ended with exit 3 is
@@ -279,15 +279,18 @@ def main(argv=None) -> dict:
     t0 = time.monotonic()
     rows, trials = [], []
     for i in range(a.trials + a.disk_full):
-        t = run_trial(i, a, rng, rows, disk_mb=rng.uniform(2.0, 6.0) if i >= a.trials else None)
+        t = run_trial(i, a, rng, rows, disk_mb=rng.uniform(1.5, 4.0) if i >= a.trials else None)
         mode_dirs = [os.path.join(t["workdir"], d) for d in os.listdir(t["workdir"])
                      if os.path.isdir(os.path.join(t["workdir"], d, "store"))]
         t["audit"] = (audit_workdir(mode_dirs[0], group_size=cfg.scheduler.group_size,
                                     staleness_bound=cfg.scheduler.staleness_bound) if mode_dirs else None)
         if t["disk_mb"] is not None:
-            if a.keep:
-                shutil.copytree(t["workdir"], t["workdir"] + ".saved", symlinks=True)
-            subprocess.run(["umount", t["workdir"]], check=False)
+            try:
+                if a.keep:
+                    shutil.copytree(t["workdir"], t["workdir"] + ".saved", symlinks=True,
+                                    ignore=shutil.ignore_patterns("*.sock"))  # the proxy socket cannot be copied
+            finally:
+                subprocess.run(["umount", t["workdir"]], check=False)
         trials.append(t)
     wall = time.monotonic() - t0
 

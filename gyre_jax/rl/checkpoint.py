@@ -61,14 +61,18 @@ must survive until the next one is finalized (Orbax deletes only after that).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from gyre_jax.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +191,40 @@ def _check_buffer(buffer, cursor) -> list[str]:
     return ids
 
 
+# Our disk failing under a save: Orbax passes tensorstore's failures on as ValueError text
+# ("RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']"), plain OSErrors as they are.
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EROFS, errno.EDQUOT, errno.EFBIG)
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _storage_errno(e: BaseException | None) -> int | None:
+    """The errno of a storage failure anywhere in ``e``'s chain, or None if it is no storage failure."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return e.errno
+        m = _OS_ERROR_CODE.search(str(e))
+        if m and int(m.group(1)) in _STORAGE_ERRNOS:
+            return int(m.group(1))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _as_storage_error(directory: str, e: BaseException) -> BaseException:
+    """``e`` as a StorageError naming the checkpoint directory when our disk failed, else ``e``."""
+    if isinstance(e, StorageError):
+        return e
+    code = _storage_errno(e)
+    if code is None:
+        return e
+    os_error = OSError(code, os.strerror(code))
+    os_error.__cause__ = e  # the Orbax/tensorstore text stays in the traceback
+    err = StorageError(directory, "writing a checkpoint in", os_error)
+    err.__cause__ = os_error  # what the loop's error: line names (its strerror, not tensorstore's whole text)
+    return err
+
+
 class Checkpointer:
     """Save every ``save_interval_steps`` steps, keep ``max_to_keep``, restore onto any layout."""
 
@@ -277,7 +315,10 @@ class Checkpointer:
             import grain  # only here: importing this module stays light for the loss-only paths
 
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # a full disk is a StorageError (its own exit code, the path), not a failed run
+            raise _as_storage_error(self.directory, e)  # noqa: B904 - its cause chain is set there
         if saved:
             log.info("checkpoint: saved step %d (%d buffered rollouts) to %s", step, len(ids), self.directory)
         return bool(saved)
@@ -372,11 +413,14 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ lifecycle
     def wait_until_finished(self) -> None:
-        self._mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:  # an async save's failure surfaces here
+            raise _as_storage_error(self.directory, e)  # noqa: B904 - its cause chain is set there
 
     def close(self) -> None:
         """Wait for a pending async save, then release the manager."""
-        self._mngr.wait_until_finished()
+        self.wait_until_finished()
         self._mngr.close()
 
     def __enter__(self) -> "Checkpointer":
