@@ -139,6 +139,9 @@ def test_elastic_starts_at_the_split_its_priors_give():
     priors = P.Measured(serve_s_per_rollout=95 / 8, work_s_per_rollout=60 / 8, update_s=0.0, switch_round_trip_s=900.0)
     assert P.initial_roles(cfg(priors=priors), 16) == ("train",) * 6 + ("rollout",) * 10
     assert P.initial_roles(cfg(), 16) == ("train",) + ("rollout",) * 15  # no priors: the core alone
+    # switches cheaper than a step: every satellite serves the first step, costs are measured
+    cheap = dataclasses.replace(priors, switch_round_trip_s=1.0)
+    assert P.initial_roles(cfg(priors=cheap), 16) == ("train",) + ("rollout",) * 15
     # a prior is used until the cost is measured
     s = _split_state(6, 900.0)
     blind = dataclasses.replace(s, measured=P.Measured(switch_round_trip_s=900.0))

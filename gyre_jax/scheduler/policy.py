@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from typing import NamedTuple, Union
 
@@ -99,10 +100,10 @@ class PolicyConfig:
     #   switches take about a second) from ever switching, so from ever measuring it.
     min_work_per_switch_s: float = DEFAULT_MIN_WORK_PER_SWITCH_S
     # * priors: the costs expected before the run (a pilot measurement, or the simulator's
-    #   workload model), each used until the controller has measured it. With serving and
-    #   training costs known, elastic starts at the split it would move to (a switch it need
-    #   not pay), and a switch round trip here replaces min_work_per_switch_s. Unset fields:
-    #   the behaviour above (core alone until measured).
+    #   first step), each used until the controller has measured it, and only when they say a
+    #   switch round trip outlasts a step (priors_apply): then elastic starts at the split it
+    #   would move to (a switch it need not pay). Otherwise, or unset: the behaviour above
+    #   (core alone until measured).
     priors: Measured = NOT_MEASURED
     # k: optimizer updates per weight publication. 1 = one-step mode; k >= 2 = multi-step
     # mode: k updates train on rollouts of one published version before the next publication.
@@ -230,11 +231,12 @@ def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
                 raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
         k = config.async_split(0)
         return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
-    # Elastic: the core alone until the costs are measured; with priors, the split the policy
-    # would move to at once (admission serves only its n - k cells), without paying a switch.
+    # Elastic: the core alone until the costs are measured; with priors that say switches cost
+    # more than a step, the split the policy would move to at once (admission serves only its
+    # n - k cells), without paying a switch.
     p = config.priors
     k = 1
-    if p.serve_s_per_rollout is not None and p.work_s_per_rollout is not None and n_cells >= 3:
+    if priors_apply(config, n_cells):
         R = config.groups_per_step * config.group_size
         rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
         k = best_split(n_cells, p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0, rt)
@@ -374,10 +376,26 @@ def serve_reserve(state: ClusterState, config: PolicyConfig) -> float:
     return config.serve_reserve if share is None else min(1.0, max(0.02, share))
 
 
+@functools.lru_cache(maxsize=64)
+def priors_apply(config: PolicyConfig, n_cells: int) -> bool:
+    """Whether elastic runs on its priors: only when a switch round trip outlasts a step at the
+    split they give. Then a first move is a commitment and the priors must make it (they also
+    set the starting split). With cheaper switches a wrong move is undone within a step, and the
+    first step runs fastest with every satellite serving (there is no training work yet): the
+    core alone until the costs are measured, as without priors."""
+    p = config.priors
+    if p.serve_s_per_rollout is None or p.work_s_per_rollout is None or n_cells < 3:
+        return False
+    R = config.groups_per_step * config.group_size
+    serve, train, upd = p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0
+    rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
+    return rt >= _step_model(n_cells, serve, train, upd)(best_split(n_cells, serve, train, upd, rt))
+
+
 def costs(state: ClusterState, config: PolicyConfig) -> Measured:
-    """What the policy takes each cost to be: measured, else the config's prior."""
+    """What the policy takes each cost to be: measured, else the config's prior (priors_apply)."""
     m, p = state.measured, config.priors
-    if p is NOT_MEASURED:
+    if p is NOT_MEASURED or not priors_apply(config, _census(state.cells).live):
         return m
     return Measured(**{f.name: p_ if (m_ := getattr(m, f.name)) is None and (p_ := getattr(p, f.name)) is not None
                        else m_ for f in dataclasses.fields(Measured)})
