@@ -20,6 +20,10 @@ core), then the call_merge check, then ONE final JSON line:
   sim_seconds_8192, events_per_s_{1024,8192,32768}
   plus per-workload ratios, the large run's makespans in hours and its async splits.
 
+Elastic gets pilot priors (the first step's sampled costs and the cluster's switch costs,
+what the async baseline's first-step split is balanced on); its policy uses them only where a
+switch round trip outlasts a step (policy.priors_apply), i.e. on the costly-switch workloads.
+
 Ratios are baseline makespan / elastic makespan (> 1: elastic faster). Presets are never
 tuned to the paper's ratios: every parameter's source is in gyre_jax/scheduler/presets.py.
 --quick runs fewer steps and workloads (a smoke run; its ratios are not the benchmark's).
