@@ -114,6 +114,7 @@ def main(argv):
     signal.signal(signal.SIGTERM, _stop_on_signal)  # like Ctrl-C: the loop saves, then one line
     try:
         job(config, workdir)
+        _exit_cleanly()
     except ConfigError as e:  # a bad value: its dotted name and why, no traceback
         _exit(f"error: {e}", EXIT_CONFIG)
     except StorageError as e:  # our disk: the path and why; nothing became a rollout failure
@@ -129,6 +130,18 @@ def main(argv):
 
 def _stop_on_signal(signum, frame):
     raise Stopped(signum)
+
+
+def _exit_cleanly() -> None:
+    """Exit 0 once the job has returned (it closed its files and waited for its checkpoints).
+
+    Not through interpreter teardown: daemon threads (engines, servers, XLA's own) may still be
+    inside C++ when Python finalizes, and that aborts a finished run with SIGABRT ("terminate
+    called ... exception not rethrown"), seen on a rerun of a finished workdir."""
+    pylogging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit(line: str, code: int) -> None:
