@@ -26,6 +26,11 @@ _spec = importlib.util.spec_from_file_location("_qwen3_8b", os.path.join(os.path
 _base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_base)
 
+# Llama-3.1-8B's published config.json, for --plan without a checkpoint (configs/qwen3_8b.py).
+PLAN_SHAPE = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
+                  tie_embeddings=False, rope_theta=5e5)
+PLANNED_HARDWARE = _base.PLANNED_HARDWARE
+
 
 def get_config():
     c = _base.get_config()
