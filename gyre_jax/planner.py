@@ -134,22 +134,24 @@ def per_device_bytes(table, mesh: dict[str, int], itemsize: int) -> int:
 def activation_bytes(m, rows: int, row_len: int, tensor: int, *, remat: bool, logits_chunk: int | None) -> dict:
     """Peak bytes of one device's training activations for ``rows`` x ``row_len`` tokens on it.
 
-    Per token and layer without remat: the float32 residual stream and two norm outputs (3 D),
-    q, k, v and the attention output (2 H hd + 2 K hd), the MLP's gate/up/activation (3 F),
-    in the activation dtype, plus the float32 softmax statistics. With remat only the layer's
-    input is kept (D), and one layer's full set lives during its recomputation.
+    One layer's set, per token, in the activation dtype: 6 F (gate, up, their product and the
+    gradients flowing through them), 4 D (residual stream, norm outputs), 4 H hd (q, roped q,
+    attention output, its gradient) and 2 K hd (k, v). Without remat every layer keeps its set
+    and one more is live while the backward pass works through a layer; with remat a layer keeps
+    only its float32 input and one set is live at a time. Coefficients fitted to XLA's
+    ``memory_analysis`` on CPU (tests/test_planner_xla.py). Logits: 2.5 float32 copies of
+    [positions, V / tensor] (logits, log-softmax, their gradient in place of one).
     """
     a = _DTYPE_BYTES[m.dtype]
     D, F, H, K, hd = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim
     t = rows * row_len
-    full_layer = t * (4 * 3 * D + a * (2 * H * hd + 2 * K * hd) // tensor + a * 3 * F // tensor + 4 * 2 * H // tensor)
+    full_layer = t * a * (6 * F // tensor + 4 * D + 4 * H * hd // tensor + 2 * K * hd // tensor)
     if remat:
         layers = t * 4 * D * m.n_layers + full_layer
     else:
-        layers = full_layer * m.n_layers
+        layers = full_layer * (m.n_layers + 1)
     positions = t if logits_chunk is None else rows * logits_chunk
-    # logits, their log-softmax and the gradient of the logits: three float32 [positions, V/tensor]
-    logits = 3 * positions * 4 * m.padded_vocab // tensor
+    logits = 10 * positions * m.padded_vocab // tensor
     return {"activations": layers, "logits": logits}
 
 
@@ -278,3 +280,25 @@ def plan(cfg, device_kind: str, n_devices: int) -> Plan:
 
 
 _ADVICE["serve_params"] = _ADVICE["params"]
+
+
+# device_kind strings JAX reports -> our table's names (a kind not listed is not planned)
+_JAX_KINDS = {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H100 PCIe": "h100-80g", "NVIDIA A100-SXM4-80GB": "a100-80g",
+              "NVIDIA A100 80GB PCIe": "a100-80g", "NVIDIA H200": "h200-141g", "TPU v5p": "tpu-v5p",
+              "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e"}
+
+
+def check_local(cfg, devices) -> Plan | None:
+    """The RL job's own check at start: plan ``cfg`` for these devices; ConfigError if it cannot fit.
+    None when the devices' kind is not in the table (the run goes on unplanned, with a log line)."""
+    import logging
+
+    d = devices[0]
+    kind = "cpu" if d.platform == "cpu" else _JAX_KINDS.get(d.device_kind)
+    if kind is None:
+        logging.getLogger(__name__).warning("memory plan: device kind %r is not in gyre_jax.planner's table; "
+                                            "not planned", d.device_kind)
+        return None
+    p = plan(cfg, kind, len(devices))
+    p.check()
+    return p

@@ -1,0 +1,101 @@
+"""The memory planner (gyre_jax/planner.py): its parameter table is the model's, it refuses a layout
+that cannot fit with one line naming the largest term, every shipped RL config fits the hardware
+it names, and ``launch.main --plan`` answers before JAX starts a device."""
+import functools
+import glob
+import math
+import os
+import runpy
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from gyre_jax import planner
+from gyre_jax.errors import ConfigError
+from gyre_jax.model import init_params, model_config_tiny
+from launch import plan as launch_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(qk_norm=True, qkv_bias=True, tie_embeddings=False, vocab_pad_multiple=3)])
+def test_param_table_matches_the_models_own_params(kw):
+    m = model_config_tiny(**kw)
+    abstract = jax.eval_shape(functools.partial(init_params, m), jax.random.key(0))
+    want = sorted(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+    assert sorted(math.prod(s) for _, s, _ in planner.param_table(m)) == want
+
+
+def _rl_configs():
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+        mod = runpy.run_path(path)
+        if mod["get_config"]().job == "rl":
+            out.append(os.path.basename(path))
+    return out
+
+
+@pytest.mark.parametrize("name", _rl_configs())
+def test_every_shipped_rl_config_fits_the_hardware_it_names(name):
+    path = os.path.join(ROOT, "configs", name)
+    mod = runpy.run_path(path)
+    config = mod["get_config"]()
+    kind, n = mod.get("PLANNED_HARDWARE", ("cpu", config.num_cpu_devices))  # CPU demos: this host
+    p = planner.plan(launch_plan.plan_inputs(config, path), kind, n)
+    p.check()
+    assert all(r.fits for r in p.roles), p.table()
+
+
+def test_qwen3_8b_with_64_slots_of_32k_is_refused_naming_the_kv_cache():
+    """The layout configs/qwen3_8b.py documented before the planner: 64 x 32K tokens of KV per engine."""
+    path = os.path.join(ROOT, "configs", "qwen3_8b.py")
+    config = runpy.run_path(path)["get_config"]()
+    config.cells.max_slots = 64
+    p = planner.plan(launch_plan.plan_inputs(config, path), "h100-80g", 8)
+    serve = {r.role: r for r in p.roles}["serve"]
+    assert serve.terms["kv_cache"] == 64 * 32768 * 36 * 8 * 128 * 2 * 2 // 4  # split over serve_tensor=4
+    with pytest.raises(ConfigError, match=r"serve role .* largest term kv_cache = 72\.0 GiB: lower config\.cells"
+                                          r"\.max_slots") as e:
+        p.check()
+    assert "\n" not in str(e.value)
+
+
+def test_sharding_divides_each_term_as_the_rules_table_says():
+    m = model_config_tiny(n_heads=4, n_kv_heads=2, d_ff=64)
+    table = planner.param_table(m)
+    whole = planner.per_device_bytes(table, {}, 4)
+    # every matrix splits over fsdp x tensor; only the [layers, D] norms stay whole on the tensor axis
+    assert planner.per_device_bytes(table, {"fsdp": 2, "tensor": 1}, 4) == whole // 2
+    norms = sum(math.prod(s) * 4 for n, s, _ in table if "norm" in n)
+    assert planner.per_device_bytes(table, {"data": 2, "tensor": 2}, 4) == (whole - norms) // 2 + norms
+    # kv heads that the tensor degree does not divide are copied, not split (the engine's cache)
+    assert planner.split(("kv_heads",), (2,), {"tensor": 4}, replicate_indivisible=True) == 1
+
+
+def test_check_local_refuses_what_this_hosts_devices_cannot_hold():
+    path = os.path.join(ROOT, "configs", "demo.py")
+    config = runpy.run_path(path)["get_config"]()
+    cfg = launch_plan.plan_inputs(config, path)
+    assert planner.check_local(cfg, jax.devices()[:2]) is not None
+    config.cells.max_slots = 1 << 22  # ~4M slots of 160 tokens: a KV cache larger than the host's RAM
+    with pytest.raises(ConfigError, match="largest term kv_cache"):
+        planner.check_local(launch_plan.plan_inputs(config, path), jax.devices()[:2])
+
+
+def _launch(*args):
+    return subprocess.run([sys.executable, "-m", "launch.main", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_launch_plan_prints_the_table_and_exits_before_any_device_work():
+    r = _launch("--config", "configs/qwen3_8b.py", "--plan=h100-80g:8")
+    assert r.returncode == 0, r.stderr
+    assert "kv_cache" in r.stdout and "\nserve " in r.stdout
+    assert "launch: process" not in r.stdout  # the job's layout line: JAX never started
+    r = _launch("--config", "configs/qwen3_8b.py", "--plan=h100-80g:8", "--config.cells.max_slots=64")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "largest term kv_cache" in r.stderr
+    r = _launch("--config", "configs/qwen3_8b.py", "--plan=h100:8")
+    assert r.returncode == 2 and "unknown device kind 'h100'" in r.stderr
