@@ -99,3 +99,11 @@ def test_launch_plan_prints_the_table_and_exits_before_any_device_work():
     assert r.stderr.strip().count("\n") == 0 and "largest term kv_cache" in r.stderr
     r = _launch("--config", "configs/qwen3_8b.py", "--plan=h100:8")
     assert r.returncode == 2 and "unknown device kind 'h100'" in r.stderr
+
+
+def test_the_rl_job_refuses_a_layout_its_devices_cannot_hold(tmp_path):
+    """The RL build plans its own (CPU) devices before it starts any engine or trainer."""
+    r = _launch("--config", "configs/demo.py", "--config.cells.max_slots=4194304", "--workdir", str(tmp_path))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0
+    assert "memory plan: the serve role" in r.stderr and "largest term kv_cache" in r.stderr
