@@ -13,7 +13,8 @@ scaling and the untied lm_head come from its config.json.
 Cell layout: as configs/qwen3_8b.py. 8-GPU node: 2 cells of 4 GPUs, training
 ('fsdp', 'tensor') = (4, 1), serving ('data', 'tensor') = (1, 4) (32 q / 8 kv heads);
 the untied 128256 x 4096 lm_head adds ~2 GB (f32) to the training state.
-TPU v5p-8: one cell of 4 chips, ``--config.scheduler.mode=colocate``; larger slices need
+TPU v5p-8: one cell of 4 chips, ``--config.scheduler.mode=colocate --config.cells.max_slots=8``
+(its flags in configs/qwen3_8b.py; ``--plan=tpu-v5p:4`` checks it); larger slices need
 the multi-process loop. Not run on real hardware here; on CPU a tiny Llama-layout
 checkpoint builds, loads and takes a step (tests/test_hf_rl.py).
 Llama-3.1 calls one tool per message: the template raises on several, and the proxy

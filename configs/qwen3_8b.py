@@ -23,8 +23,9 @@ Cell layout (parallelism) to pick:
   training as the scheduler decides. Qwen3-32B: ``--config.cells.cell_size=8
   --config.cells.serve_tensor=8`` (one cell: ``--config.scheduler.mode=colocate``).
 * **TPU v5p-8 (4 chips, 95 GB HBM each, one host)**: ``--config.cells.cell_size=4
-  --config.cells.serve_tensor=4 --config.scheduler.mode=colocate`` (one cell that serves
-  and trains in turn). Larger v5p slices (v5p-16 and up) span several hosts: run one
+  --config.cells.serve_tensor=4 --config.scheduler.mode=colocate --config.cells.max_slots=8``
+  (one cell that serves and trains in turn; it holds the training state and the engine's
+  cache at once, so 8 slots of 32K). Larger v5p slices (v5p-16 and up) span several hosts: run one
   process per host (README: SLURM / JobSet lines), each host's 4 chips one cell
   (``cell_size=4``; process 0 is the core, the others satellites that serve or train).
   A cell that spans hosts (``cell_size=8``, a 2x2x2 sub-cube) is refused for now: the
@@ -55,7 +56,11 @@ from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
 # checkpoint is named: Qwen3-8B's published config.json (hf_path, when set, wins).
 PLAN_SHAPE = dict(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=12288,
                   tie_embeddings=False, qk_norm=True, rope_theta=1e6)
-PLANNED_HARDWARE = ("h100-80g", 8)  # the layout above; tests/test_planner.py checks it fits
+# The layouts above, as (device kind, count, --config overrides); tests/test_planner.py checks each fits.
+PLANNED_HARDWARE = (
+    ("h100-80g", 8, {}),
+    ("tpu-v5p", 4, {"cells.cell_size": 4, "cells.serve_tensor": 4, "scheduler.mode": "colocate", "cells.max_slots": 8}),
+)
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -4,8 +4,9 @@
 the run will hold there:
 
 * **core** (cell 0, training): params, optimizer state (AdamW: two moments in the
-  param dtype, as ``optax.adamw`` keeps them), gradients, activations of one
-  micro-batch, the micro-batch itself;
+  param dtype, as ``optax.adamw`` keeps them), gradients (the step's accumulator and
+  the micro-batch gradient being added to it), activations of one micro-batch, the
+  micro-batch itself;
 * **serve** (a rollout cell's engine): params in the serving layout and the KV cache
   (``cells.max_slots x cells.max_len`` preallocated per engine), and the decode
   step's logits;
@@ -238,7 +239,8 @@ def train_terms(m, cells, train) -> tuple[dict, dict]:
     mp = memory_plan(m, train.micro_batch_rows, train.row_len)
     rows_here = max(1, train.micro_batch_rows // mesh["fsdp"])  # rows split over fsdp
     act = activation_bytes(m, rows_here, train.row_len, tensor, remat=mp.remat, logits_chunk=mp.logits_chunk)
-    terms = {"params": params, "optimizer": 2 * params, "gradients": params, **act,
+    # gradients: the step's accumulator and the micro-batch gradient being added to it (cells/train_step.py)
+    terms = {"params": params, "optimizer": 2 * params, "gradients": 2 * params, **act,
              "batch": rows_here * train.row_len * BATCH_BYTES_PER_TOKEN}
     return mesh, terms
 

@@ -41,11 +41,14 @@ def _rl_configs():
 def test_every_shipped_rl_config_fits_the_hardware_it_names(name):
     path = os.path.join(ROOT, "configs", name)
     mod = runpy.run_path(path)
-    config = mod["get_config"]()
-    kind, n = mod.get("PLANNED_HARDWARE", ("cpu", config.num_cpu_devices))  # CPU demos: this host
-    p = planner.plan(launch_plan.plan_inputs(config, path), kind, n)
-    p.check()
-    assert all(r.fits for r in p.roles), p.table()
+    for kind, n, overrides in mod.get("PLANNED_HARDWARE", [("cpu", None, {})]):  # CPU demos: this host
+        config = mod["get_config"]()
+        for dotted, value in overrides.items():
+            section, field = dotted.split(".")
+            config[section][field] = value
+        p = planner.plan(launch_plan.plan_inputs(config, path), kind, n or config.num_cpu_devices)
+        p.check()
+        assert all(r.fits for r in p.roles), p.table()
 
 
 def test_qwen3_8b_with_64_slots_of_32k_is_refused_naming_the_kv_cache():
