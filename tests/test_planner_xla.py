@@ -39,11 +39,10 @@ def _abstract_params(m):
     return jax.eval_shape(functools.partial(init_params, m), jax.random.key(0))
 
 
-@pytest.mark.slow  # ~40 s of compiles on 2 cores
 @pytest.mark.parametrize("kw,rows,row_len", [
-    (dict(), 2, 256),
-    (dict(vocab_size=4096, d_ff=1024), 2, 512),
-    (dict(remat=True), 4, 512),
+    (dict(), 2, 256),  # one size in the default run; the others ~15 s of compile each on 2 cores
+    pytest.param(dict(vocab_size=4096, d_ff=1024), 2, 512, marks=pytest.mark.slow),
+    pytest.param(dict(remat=True), 4, 512, marks=pytest.mark.slow),
 ])
 def test_train_step_memory_matches_xla(kw, rows, row_len):
     m = model_config_tiny(**{**BASE, **kw})
@@ -59,7 +58,7 @@ def test_train_step_memory_matches_xla(kw, rows, row_len):
     _close(act["activations"] + act["logits"], ma.temp_size_in_bytes, f"activations + logits {act}")
 
 
-@pytest.mark.parametrize("slots,max_len", [(4, 256), (16, 1024)])
+@pytest.mark.parametrize("slots,max_len", [(4, 256), pytest.param(16, 1024, marks=pytest.mark.slow)])
 def test_decode_step_memory_matches_xla(slots, max_len):
     m = model_config_tiny(**BASE)
     cache = jax.eval_shape(lambda: mdecode.init_cache(m, slots, max_len))
