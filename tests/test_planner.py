@@ -3,6 +3,7 @@ that cannot fit with one line naming the largest term, every shipped RL config f
 it names, and ``launch.main --plan`` answers before JAX starts a device."""
 import functools
 import glob
+import json
 import math
 import os
 import runpy
@@ -110,3 +111,29 @@ def test_the_rl_job_refuses_a_layout_its_devices_cannot_hold(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().count("\n") == 0
     assert "memory plan: the serve role" in r.stderr and "largest term kv_cache" in r.stderr
+
+
+def test_plan_starts_no_jax_backend():
+    """The plan is arithmetic: after it, JAX has initialised no backend (checked in a fresh process)."""
+    code = ("import runpy; from launch import plan; from jax._src import xla_bridge\n"
+            "cfg = runpy.run_path('configs/qwen3_8b.py')['get_config']()\n"
+            "plan.run(cfg, 'configs/qwen3_8b.py', 'h100-80g:8')\n"
+            "assert not xla_bridge._backends, xla_bridge._backends\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_plan_takes_the_shape_from_a_checkpoint(tmp_path):
+    from gyre_jax.testing.tiny_hf_checkpoint import write_tiny_hf_checkpoint
+
+    d = str(tmp_path / "ck")
+    write_tiny_hf_checkpoint(d, "qwen3", vocab_size=97)
+    path = os.path.join(ROOT, "configs", "qwen3_8b.py")
+    config = runpy.run_path(path)["get_config"]()
+    config.model.hf_path = d
+    config.cells.serve_tensor = 2  # the tiny checkpoint's 2 kv heads
+    cfg = launch_plan.plan_inputs(config, path)
+    hf = json.load(open(os.path.join(d, "config.json")))
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.vocab_size) == (
+        hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"])
+    assert cfg.model.padded_vocab == 98  # padded for serve_tensor=2, as the run pads it
