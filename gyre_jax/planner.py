@@ -196,7 +196,8 @@ class Plan:
                         + [f"{r.used / GIB:.2f}", f"{r.device_bytes / GIB:.2f}", f"{r.headroom / GIB:.2f}",
                            "yes" if r.fits else "NO"])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-        lines = [f"memory plan: {self.n_devices} x {self.device_kind} ({DEVICE_KINDS[self.device_kind].note}), "
+        note = DEVICE_KINDS[self.device_kind].note if self.device_kind in DEVICE_KINDS else "as the runtime reports it"
+        lines = [f"memory plan: {self.n_devices} x {self.device_kind} ({note}), "
                  f"{self.n_cells} cell(s); GiB per device, {RESERVE_FRACTION:.0%} of each device kept free"]
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
         return "\n".join(lines)
@@ -258,16 +259,17 @@ def serve_terms(m, cells) -> tuple[dict, dict]:
     return mesh, {"params": params, "kv_cache": kv, "decode_logits": slots_here * m.padded_vocab * 4}
 
 
-def plan(cfg, device_kind: str, n_devices: int) -> Plan:
+def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None) -> Plan:
     """The memory plan of RL config ``cfg`` (anything with ``.model``, ``.cells``, ``.train``, ``.scheduler``)
-    on ``n_devices`` devices of ``device_kind``."""
-    if device_kind not in DEVICE_KINDS:
+    on ``n_devices`` devices of ``device_kind`` (``per_device``: bytes the runtime reports, for a kind
+    the table lacks)."""
+    if per_device is None and device_kind not in DEVICE_KINDS:
         raise ConfigError(f"memory plan: unknown device kind {device_kind!r}; known: {', '.join(DEVICE_KINDS)}")
     cells = cfg.cells
     if n_devices % cells.cell_size:
         raise ConfigError(f"config.cells.cell_size={cells.cell_size} does not divide the {n_devices} devices")
     n_cells = n_devices // cells.cell_size
-    per_device = device_bytes(device_kind, n_devices)
+    per_device = device_bytes(device_kind, n_devices) if per_device is None else per_device
     tmesh, tterms = train_terms(cfg.model, cells, cfg.train)
     smesh, sterms = serve_terms(cfg.model, cells)
     colocate = n_cells == 1 or getattr(cfg.scheduler, "mode", "") == "colocate"
@@ -292,15 +294,20 @@ _JAX_KINDS = {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H100 PCIe": "h100-80g
 
 def check_local(cfg, devices) -> Plan | None:
     """The RL job's own check at start: plan ``cfg`` for these devices; ConfigError if it cannot fit.
-    None when the devices' kind is not in the table (the run goes on unplanned, with a log line)."""
+    A kind the table lacks is planned with the memory its runtime reports (``memory_stats``); None
+    when it reports none either (the run goes on unplanned, with a log line)."""
     import logging
 
     d = devices[0]
     kind = "cpu" if d.platform == "cpu" else _JAX_KINDS.get(d.device_kind)
+    limit = None
     if kind is None:
-        logging.getLogger(__name__).warning("memory plan: device kind %r is not in gyre_jax.planner's table; "
-                                            "not planned", d.device_kind)
-        return None
-    p = plan(cfg, kind, len(devices))
+        limit = (d.memory_stats() or {}).get("bytes_limit")
+        if not limit:
+            logging.getLogger(__name__).warning("memory plan: device kind %r is not in gyre_jax.planner's table "
+                                                "and reports no memory; not planned", d.device_kind)
+            return None
+        kind = d.device_kind
+    p = plan(cfg, kind, len(devices), per_device=limit)
     p.check()
     return p

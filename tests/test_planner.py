@@ -137,3 +137,15 @@ def test_plan_takes_the_shape_from_a_checkpoint(tmp_path):
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.vocab_size) == (
         hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"])
     assert cfg.model.padded_vocab == 98  # padded for serve_tensor=2, as the run pads it
+
+
+def test_a_device_kind_missing_from_the_table_is_planned_with_the_memory_it_reports():
+    from gyre_jax.testing.fake_device import FakeDevice
+
+    KIND = "NVIDIA Future 12GB"  # a GPU the table does not name
+    path = os.path.join(ROOT, "configs", "qwen3_8b.py")
+    cfg = launch_plan.plan_inputs(runpy.run_path(path)["get_config"](), path)
+    assert planner.check_local(cfg, [FakeDevice(KIND, 200 << 30)] * 8).roles[0].device_bytes == 200 << 30
+    with pytest.raises(ConfigError, match="per NVIDIA Future 12GB device"):
+        planner.check_local(cfg, [FakeDevice(KIND, 12 << 30)] * 8)
+    assert planner.check_local(cfg, [FakeDevice(KIND, None)] * 8) is None
