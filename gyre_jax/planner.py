@@ -11,7 +11,9 @@ the run will hold there:
   (``cells.max_slots x cells.max_len`` preallocated per engine), and the decode
   step's logits;
 * a cell that does both (``scheduler.mode='colocate'``, or one cell only) holds
-  both at once: its engine keeps its cache while it trains.
+  both at once: its engine keeps its cache while it trains;
+* **satellite** (elastic modes): a serving cell that turns to training keeps its engine
+  and adds a params snapshot, one micro-batch's gradient and the activations.
 
 Every term is divided the way ``gyre_jax.sharding.RULES`` splits it on that role's
 mesh (training ('fsdp', 'tensor'), serving ('data', 'tensor'); gyre_jax/cells/mesh.py).
@@ -68,6 +70,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {k.name: k for k in (
 RESERVE_FRACTION = 0.10
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ELASTIC_MODES = ("elastic", "elastic_no_stream")  # scheduler modes whose satellites switch between serving and training
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -184,7 +187,8 @@ class Plan:
     roles: tuple[RolePlan, ...]
 
     def table(self) -> str:
-        """The plan as an aligned text table (GiB per device)."""
+        """The plan as an aligned text table (GiB per device; MiB when every role uses under 1 GiB)."""
+        unit, uname = (GIB, "GiB") if max(r.used for r in self.roles) >= GIB else (1 << 20, "MiB")
         names = []
         for r in self.roles:
             names += [n for n in r.terms if n not in names]
@@ -192,13 +196,13 @@ class Plan:
         rows = [head]
         for r in self.roles:
             mesh = "x".join(f"{k}={v}" for k, v in r.mesh.items())
-            rows.append([r.role, mesh] + [f"{r.terms.get(n, 0) / GIB:.2f}" for n in names]
-                        + [f"{r.used / GIB:.2f}", f"{r.device_bytes / GIB:.2f}", f"{r.headroom / GIB:.2f}",
+            rows.append([r.role, mesh] + [f"{r.terms.get(n, 0) / unit:.2f}" for n in names]
+                        + [f"{r.used / unit:.2f}", f"{r.device_bytes / unit:.2f}", f"{r.headroom / unit:.2f}",
                            "yes" if r.fits else "NO"])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         note = DEVICE_KINDS[self.device_kind].note if self.device_kind in DEVICE_KINDS else "as the runtime reports it"
         lines = [f"memory plan: {self.n_devices} x {self.device_kind} ({note}), "
-                 f"{self.n_cells} cell(s); GiB per device, {RESERVE_FRACTION:.0%} of each device kept free"]
+                 f"{self.n_cells} cell(s); {uname} per device, {RESERVE_FRACTION:.0%} of each device kept free"]
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
         return "\n".join(lines)
 
@@ -280,6 +284,13 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
         roles = (RolePlan("core+serve", tmesh, both, per_device),)
     else:
         roles = (RolePlan("core", tmesh, tterms, per_device), RolePlan("serve", smesh, sterms, per_device))
+        if getattr(cfg.scheduler, "mode", "") in ELASTIC_MODES:
+            # A satellite that turns to training keeps its engine (params and cache stay, rl/cell_pool.py)
+            # and takes a params snapshot, one micro-batch's gradient and its activations on top.
+            sat = {("serve_params" if k == "params" else k): v for k, v in sterms.items()}
+            sat.update({k: v for k, v in tterms.items() if k not in ("optimizer", "gradients")})
+            sat["gradients"] = tterms["params"]
+            roles += (RolePlan("satellite", tmesh, sat, per_device),)
     return Plan(device_kind, n_devices, n_cells, roles)
 
 

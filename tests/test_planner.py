@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -96,7 +97,7 @@ def _launch(*args):
 def test_launch_plan_prints_the_table_and_exits_before_any_device_work():
     r = _launch("--config", "configs/qwen3_8b.py", "--plan=h100-80g:8")
     assert r.returncode == 0, r.stderr
-    assert "kv_cache" in r.stdout and "\nserve " in r.stdout
+    assert "kv_cache" in r.stdout and re.search(r"\n\s*serve\s", r.stdout)
     assert "launch: process" not in r.stdout  # the job's layout line: JAX never started
     r = _launch("--config", "configs/qwen3_8b.py", "--plan=h100-80g:8", "--config.cells.max_slots=64")
     assert r.returncode == 2
@@ -149,3 +150,21 @@ def test_a_device_kind_missing_from_the_table_is_planned_with_the_memory_it_repo
     with pytest.raises(ConfigError, match="per NVIDIA Future 12GB device"):
         planner.check_local(cfg, [FakeDevice(KIND, 12 << 30)] * 8)
     assert planner.check_local(cfg, [FakeDevice(KIND, None)] * 8) is None
+
+
+def test_an_elastic_satellite_keeps_its_engine_while_it_trains():
+    """Roles per scheduler mode: elastic satellites hold the engine's params and cache plus a training
+    snapshot; colocate's one cell holds the core's state and the engine; async cells never switch."""
+    path = os.path.join(ROOT, "configs", "qwen3_8b.py")
+    config = runpy.run_path(path)["get_config"]()
+    roles = {r.role: r.terms for r in planner.plan(launch_plan.plan_inputs(config, path), "h100-80g", 8).roles}
+    assert set(roles) == {"core", "serve", "satellite"}
+    sat, core, serve = roles["satellite"], roles["core"], roles["serve"]
+    assert sat["kv_cache"] == serve["kv_cache"] and sat["serve_params"] == serve["params"]
+    assert sat["gradients"] == core["params"] == core["gradients"] // 2 and "optimizer" not in sat
+    config.scheduler.mode = "async"
+    assert [r.role for r in planner.plan(launch_plan.plan_inputs(config, path), "h100-80g", 8).roles] == [
+        "core", "serve"]
+    config.scheduler.mode = "colocate"
+    (both,) = planner.plan(launch_plan.plan_inputs(config, path), "h100-80g", 8).roles
+    assert both.role == "core+serve" and both.terms["kv_cache"] == serve["kv_cache"] and both.terms["optimizer"]
