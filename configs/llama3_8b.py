@@ -13,7 +13,8 @@ scaling and the untied lm_head come from its config.json.
 Cell layout: as configs/qwen3_8b.py. 8-GPU node: 2 cells of 4 GPUs, training
 ('fsdp', 'tensor') = (4, 1), serving ('data', 'tensor') = (1, 4) (32 q / 8 kv heads);
 the untied 128256 x 4096 lm_head adds ~2 GB (f32) to the training state.
-TPU v5p-8: one cell of 4 chips, ``--config.scheduler.mode=colocate``; larger slices need
+TPU v5p-8: one cell of 4 chips, ``--config.scheduler.mode=colocate --config.cells.max_slots=8``
+(its flags in configs/qwen3_8b.py; ``--plan=tpu-v5p:4`` checks it); larger slices need
 the multi-process loop. Not run on real hardware here; on CPU a tiny Llama-layout
 checkpoint builds, loads and takes a step (tests/test_hf_rl.py).
 Llama-3.1 calls one tool per message: the template raises on several, and the proxy
@@ -25,6 +26,11 @@ import os
 _spec = importlib.util.spec_from_file_location("_qwen3_8b", os.path.join(os.path.dirname(__file__), "qwen3_8b.py"))
 _base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_base)
+
+# Llama-3.1-8B's published config.json, for --plan without a checkpoint (configs/qwen3_8b.py).
+PLAN_SHAPE = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
+                  tie_embeddings=False, rope_theta=5e5)
+PLANNED_HARDWARE = _base.PLANNED_HARDWARE
 
 
 def get_config():

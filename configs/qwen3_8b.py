@@ -18,18 +18,25 @@ Cell layout (parallelism) to pick:
   2 cells. Training mesh ('fsdp', 'tensor') = (4, 1): Qwen3-8B's f32 master params and
   Adam moments (~128 GB with the gradients) are sharded 4 ways, activations rematerialized
   per layer (``remat``); serving mesh ('data', 'tensor') = (1, 4): weights split over 4 GPUs
-  (32 q / 8 kv heads divide by 4), 64 decode slots of up to 32K tokens per engine. Cell 0
+  (32 q / 8 kv heads divide by 4), 16 decode slots of up to 32K tokens per engine. Cell 0
   (the core) holds the optimizer state; elastic mode moves cell 1 between serving and
   training as the scheduler decides. Qwen3-32B: ``--config.cells.cell_size=8
   --config.cells.serve_tensor=8`` (one cell: ``--config.scheduler.mode=colocate``).
 * **TPU v5p-8 (4 chips, 95 GB HBM each, one host)**: ``--config.cells.cell_size=4
-  --config.cells.serve_tensor=4 --config.scheduler.mode=colocate`` (one cell that serves
-  and trains in turn). Larger v5p slices (v5p-16 and up) span several hosts: run one
+  --config.cells.serve_tensor=4 --config.scheduler.mode=colocate --config.cells.max_slots=8``
+  (one cell that serves and trains in turn; it holds the training state and the engine's
+  cache at once, so 8 slots of 32K). Larger v5p slices (v5p-16 and up) span several hosts: run one
   process per host (README: SLURM / JobSet lines), each host's 4 chips one cell
   (``cell_size=4``; process 0 is the core, the others satellites that serve or train).
   A cell that spans hosts (``cell_size=8``, a 2x2x2 sub-cube) is refused for now: the
   multi-process loop (gyre_jax/pods/rl_job.py) runs exactly one cell per process.
   Several 8-GPU nodes: ``cell_size=8`` per node the same way.
+
+Memory: ``--plan=h100-80g:8`` prints the plan per device and role (gyre_jax/planner.py). The
+engine preallocates ``max_slots x max_len`` of KV cache (144 KiB per token for Qwen3-8B): the
+64 slots this config first named were 288 GiB per engine, 72 GiB per GPU after the 4-way split,
+which with the 7.6 GiB of f32 weights does not fit 80 GB; 16 slots (18 GiB per GPU) do. Raise
+``cells.max_slots`` only with a shorter ``cells.max_len`` (slots x max_len is what counts).
 
 These layouts are what the memory arithmetic above gives; they were not run here (this
 machine has no accelerator); expected runtime and reward on a real 8B checkpoint: not
@@ -44,6 +51,16 @@ import ml_collections
 
 from gyre_jax.rl.config import EvalConfig, HarnessKnobs, TaskConfig, section, train_objective_fields
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
+
+# What `python -m launch.main --config configs/qwen3_8b.py --plan=h100-80g:8` plans for when no
+# checkpoint is named: Qwen3-8B's published config.json (hf_path, when set, wins).
+PLAN_SHAPE = dict(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=12288,
+                  tie_embeddings=False, qk_norm=True, rope_theta=1e6)
+# The layouts above, as (device kind, count, --config overrides); tests/test_planner.py checks each fits.
+PLANNED_HARDWARE = (
+    ("h100-80g", 8, {}),
+    ("tpu-v5p", 4, {"cells.cell_size": 4, "cells.serve_tensor": 4, "scheduler.mode": "colocate", "cells.max_slots": 8}),
+)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -69,7 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
         cell_size=4,  # devices per cell: an 8-GPU node -> 2 cells
         train_tensor=1,  # training mesh ('fsdp', 'tensor') = (4, 1)
         serve_tensor=4,  # serving mesh ('data', 'tensor') = (1, 4)
-        max_slots=64,  # concurrent decode slots per engine
+        max_slots=16,  # concurrent decode slots per engine (x max_len of KV preallocated: see Memory above)
         max_len=32768,  # KV-cache length per slot
         tokens_per_call=8,
         switch_retries=2,

@@ -54,6 +54,9 @@ _LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "Devices this pr
 _CPU_COLLECTIVES = flags.DEFINE_enum(
     "cpu_collectives", "gloo", distributed.CPU_COLLECTIVES, "Cross-process collectives of the CPU backend.")
 _TIMEOUT = flags.DEFINE_integer("distributed_timeout_s", 300, "How long processes wait for each other at start.")
+_PLAN = flags.DEFINE_string(
+    "plan", None, "KIND:N, e.g. h100-80g:8: print the config's memory plan on N devices of KIND "
+    "(gyre_jax/planner.py DEVICE_KINDS) and exit, 0 if it fits, 2 with one line if not; starts no device.")
 
 
 def distributed_config(config) -> distributed.DistributedConfig:
@@ -91,6 +94,14 @@ def main(argv):
     except Exception as e:  # noqa: BLE001 - a missing file, a misspelled override: one line, exit 2
         cli_errors.fail(cli_errors.explain_config_failure(
             getattr(flags.FLAGS["config"], "config_filename", None), sys.argv[1:], e))
+    if _PLAN.value:  # before `import jax` below starts anything: the plan is arithmetic
+        from launch import plan
+
+        try:
+            plan.run(config, cli_errors.config_path(sys.argv[1:]), _PLAN.value)
+        except ConfigError as e:
+            cli_errors.fail(str(e))
+        return
     import jax
 
     from gyre_jax import jobs

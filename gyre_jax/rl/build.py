@@ -35,6 +35,7 @@ from gyre_jax.rl import faults as faults_lib
 from gyre_jax.rl import reference as reference_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
+from gyre_jax import planner
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
@@ -271,6 +272,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     if not multi:
         ensure_cpu_devices(cfg.num_cpu_devices)
     n_cells = cfg.check_devices(len(jax.devices()))
+    planner.check_local(cfg, jax.devices())  # a layout that cannot fit its devices stops here, in one line
     # The store first: its writer lock says whether another run owns this workdir, before any work starts.
     try:
         store = TrajectoryStore(os.path.join(workdir, "store"), run_id=RUN_ID,
