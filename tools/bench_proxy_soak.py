@@ -16,7 +16,9 @@ RSS (/proc/PID/status VmRSS) and the sizes of its per-rollout structures are pri
 
 Prints a table, then ONE JSON line: calls, rollouts, clients, calls_per_rollout, rss_start_mb
 (after a warm-up of --warmup calls), rss_end_mb, rss_slope_kb_per_1k_calls (least squares over
-the second half), plateau (slope <= --plateau-kb), calls_per_s, errors, the per-rollout
+the second half), plateau (slope <= --plateau-kb), store_index_slope_kb_per_1k_calls (the
+store's in-memory index, which by design grows with every record it holds: measured as the
+deep size of its Python objects), plateau_besides_store_index (slope minus that <= --plateau-kb), calls_per_s, errors, the per-rollout
 structures' sizes at the end (keys, registered, ledger, affinity, store_rollouts) and sizes (prompt
 bytes, max_tokens). ``--tracemalloc N`` adds the N allocation sites that grew most over the
 second half (Python objects only) to the table.
@@ -48,6 +50,22 @@ def rss_kb(pid: int) -> int:
 
 
 # ---------------------------------------------------------------- server process
+def deep_bytes(obj, seen=None) -> int:
+    """Bytes of Python objects reachable from obj through containers and instance dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    n = sys.getsizeof(obj)
+    if isinstance(obj, dict):
+        n += sum(deep_bytes(k, seen) + deep_bytes(v, seen) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        n += sum(deep_bytes(x, seen) for x in obj)
+    elif hasattr(obj, "__dict__"):
+        n += deep_bytes(vars(obj), seen)
+    return n
+
+
 async def _held(proxy) -> dict:  # read on the server's loop, where the structures change
     return proxy.held()
 
@@ -85,16 +103,19 @@ def serve(store_dir: str, trace: int) -> None:
             out = {}
         elif cmd == "stats":
             s = store.stats()
-            out = {**st.run(_held(st.proxy)), "store_rollouts": s.rollouts, "store_calls": s.calls}
+            with store._lock:  # the store's in-memory index: by design one entry per record it holds
+                index = deep_bytes(store._rollouts) + deep_bytes(store._outcome_order)
+            out = {**st.run(_held(st.proxy)), "store_rollouts": s.rollouts, "store_calls": s.calls,
+                   "store_index_kb": round(index / 1024, 1)}
         elif cmd == "trace_start" and trace:
-            tracemalloc.start(8)
+            tracemalloc.start(4)
             base = tracemalloc.take_snapshot()
             out = {}
         elif cmd == "trace_top" and trace and base is not None:
             diff = tracemalloc.take_snapshot().compare_to(base, "traceback")
             out = {"top": [{"kb": round(d.size_diff / 1024, 1), "count": d.count_diff,
                             "where": " <- ".join(f"{os.path.relpath(f.filename, ROOT) if f.filename.startswith(ROOT) else os.path.basename(f.filename)}:{f.lineno}"
-                                                 for f in d.traceback[:4])}
+                                                 for f in reversed(d.traceback))}  # the allocating line first
                            for d in diff[:trace]]}
         else:
             out = {"error": f"unknown command {cmd!r}"}
@@ -143,7 +164,7 @@ async def soak(a) -> dict:
             st = await srv.ask("stats")
             rows.append((n - a.warmup, rss, st))
             print(f"{n - a.warmup:>8} {rss:>9.1f} {st['keys']:>6} {st['registered']:>10} {st['ledger']:>7} "
-                  f"{st['affinity']:>8} {st['store_rollouts']:>9} {state['errors']:>6}", flush=True)
+                  f"{st['affinity']:>8} {st['store_rollouts']:>9} {st['store_index_kb']:>10.1f} {state['errors']:>6}", flush=True)
 
     async def client(s: aiohttp.ClientSession, c: int):
         while state["calls"] < total:
@@ -206,13 +227,18 @@ def main(argv=None) -> dict:
     for f in ("calls", "clients", "calls_per_rollout", "max_tokens", "every"):
         if getattr(a, f) < 1:
             ap.error(f"--{f.replace('_', '-')} must be >= 1, got {getattr(a, f)}")
-    print(f"{'calls':>8} {'rss_mb':>9} {'keys':>6} {'registered':>10} {'ledger':>7} {'affinity':>8} {'store_rol':>9} {'errors':>6}")
+    print(f"{'calls':>8} {'rss_mb':>9} {'keys':>6} {'registered':>10} {'ledger':>7} {'affinity':>8} {'store_rol':>9} {'index_kb':>10} {'errors':>6}")
     r = asyncio.run(soak(a))
     rows = r["rows"]
     n = np.array([x[0] for x in rows], float)
     rss = np.array([x[1] for x in rows], float)
+    index = np.array([x[2]["store_index_kb"] for x in rows], float)
     half = n >= n[-1] / 2
-    slope = float(np.polyfit(n[half] / 1000, rss[half] * 1024, 1)[0]) if half.sum() >= 2 else float("nan")
+
+    def slope_kb(y):  # least squares over the second half, KB per 1,000 calls
+        return float(np.polyfit(n[half] / 1000, y[half], 1)[0]) if half.sum() >= 2 else float("nan")
+
+    slope, index_slope = slope_kb(rss * 1024), slope_kb(index)
     for t in r["top"]:
         print(f"  +{t['kb']:>9.1f} KB {t['count']:>+8} objects  {t['where']}")
     if r["first_error"]:
@@ -221,6 +247,8 @@ def main(argv=None) -> dict:
     out = {"calls": int(n[-1]), "rollouts": r["rollouts"], "clients": a.clients, "calls_per_rollout": a.calls_per_rollout,
            "rss_start_mb": round(float(rss[0]), 1), "rss_end_mb": round(float(rss[-1]), 1),
            "rss_slope_kb_per_1k_calls": round(slope, 1), "plateau": bool(slope <= a.plateau_kb),
+           "store_index_slope_kb_per_1k_calls": round(index_slope, 1),
+           "plateau_besides_store_index": bool(slope - index_slope <= a.plateau_kb),
            "calls_per_s": round(n[-1] / r["wall"], 1), "errors": r["errors"],
            "keys": last["keys"], "registered": last["registered"], "ledger": last["ledger"],
            "affinity": last["affinity"], "store_rollouts": last["store_rollouts"],
