@@ -17,8 +17,9 @@ RSS (/proc/PID/status VmRSS) and the sizes of its per-rollout structures are pri
 Prints a table, then ONE JSON line: calls, rollouts, clients, calls_per_rollout, rss_start_mb
 (after a warm-up of --warmup calls), rss_end_mb, rss_slope_kb_per_1k_calls (least squares over
 the second half), plateau (slope <= --plateau-kb), store_index_slope_kb_per_1k_calls (the
-store's in-memory index, which by design grows with every record it holds: measured as the
-deep size of its Python objects), plateau_besides_store_index (slope minus that <= --plateau-kb), calls_per_s, errors, the per-rollout
+store's in-memory index, which by design grows with every record it holds: the deep size of its
+Python objects at the end, per record, times 1,000; measured once, as walking it allocates),
+plateau_besides_store_index (slope minus that <= --plateau-kb), calls_per_s, errors, the per-rollout
 structures' sizes at the end (keys, registered, ledger, affinity, store_rollouts) and sizes (prompt
 bytes, max_tokens). ``--tracemalloc N`` adds the N allocation sites that grew most over the
 second half (Python objects only) to the table.
@@ -103,10 +104,11 @@ def serve(store_dir: str, trace: int) -> None:
             out = {}
         elif cmd == "stats":
             s = store.stats()
-            with store._lock:  # the store's in-memory index: by design one entry per record it holds
-                index = deep_bytes(store._rollouts) + deep_bytes(store._outcome_order)
-            out = {**st.run(_held(st.proxy)), "store_rollouts": s.rollouts, "store_calls": s.calls,
-                   "store_index_kb": round(index / 1024, 1)}
+            out = {**st.run(_held(st.proxy)), "store_rollouts": s.rollouts, "store_calls": s.calls}
+            if args == ["index"]:  # once, at the end: walking the index allocates, which would itself move RSS
+                with store._lock:  # the store's in-memory index: by design one entry per record it holds
+                    out["store_index_kb"] = round((deep_bytes(store._rollouts) + deep_bytes(store._outcome_order))
+                                                  / 1024, 1)
         elif cmd == "trace_start" and trace:
             tracemalloc.start(4)
             base = tracemalloc.take_snapshot()
@@ -164,7 +166,7 @@ async def soak(a) -> dict:
             st = await srv.ask("stats")
             rows.append((n - a.warmup, rss, st))
             print(f"{n - a.warmup:>8} {rss:>9.1f} {st['keys']:>6} {st['registered']:>10} {st['ledger']:>7} "
-                  f"{st['affinity']:>8} {st['store_rollouts']:>9} {st['store_index_kb']:>10.1f} {state['errors']:>6}", flush=True)
+                  f"{st['affinity']:>8} {st['store_rollouts']:>9} {st['store_calls']:>10} {state['errors']:>6}", flush=True)
 
     async def client(s: aiohttp.ClientSession, c: int):
         while state["calls"] < total:
@@ -200,11 +202,12 @@ async def soak(a) -> dict:
         await asyncio.gather(*(client(s, c) for c in range(a.clients)))
     wall = time.perf_counter() - t_start[0]
     top = (await srv.ask("trace_top"))["top"] if a.tracemalloc else []
+    index = await srv.ask("stats", "index")
     proc.stdin.close()
     await proc.wait()
     import shutil
     shutil.rmtree(store_dir, ignore_errors=True)
-    return {"rows": rows, "wall": wall, "top": top, **state}
+    return {"rows": rows, "wall": wall, "top": top, "index": index, **state}
 
 
 def main(argv=None) -> dict:
@@ -227,18 +230,19 @@ def main(argv=None) -> dict:
     for f in ("calls", "clients", "calls_per_rollout", "max_tokens", "every"):
         if getattr(a, f) < 1:
             ap.error(f"--{f.replace('_', '-')} must be >= 1, got {getattr(a, f)}")
-    print(f"{'calls':>8} {'rss_mb':>9} {'keys':>6} {'registered':>10} {'ledger':>7} {'affinity':>8} {'store_rol':>9} {'index_kb':>10} {'errors':>6}")
+    print(f"{'calls':>8} {'rss_mb':>9} {'keys':>6} {'registered':>10} {'ledger':>7} {'affinity':>8} {'store_rol':>9} {'store_call':>10} {'errors':>6}")
     r = asyncio.run(soak(a))
     rows = r["rows"]
     n = np.array([x[0] for x in rows], float)
     rss = np.array([x[1] for x in rows], float)
-    index = np.array([x[2]["store_index_kb"] for x in rows], float)
     half = n >= n[-1] / 2
 
     def slope_kb(y):  # least squares over the second half, KB per 1,000 calls
         return float(np.polyfit(n[half] / 1000, y[half], 1)[0]) if half.sum() >= 2 else float("nan")
 
-    slope, index_slope = slope_kb(rss * 1024), slope_kb(index)
+    slope = slope_kb(rss * 1024)
+    # the index grows by one small entry per record (and per rollout): its bytes per record, per 1,000 calls
+    index_slope = r["index"]["store_index_kb"] / max(1, r["index"]["store_calls"]) * 1000
     for t in r["top"]:
         print(f"  +{t['kb']:>9.1f} KB {t['count']:>+8} objects  {t['where']}")
     if r["first_error"]:
