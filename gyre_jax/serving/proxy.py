@@ -140,6 +140,7 @@ class Proxy:
         self.counters: collections.Counter = collections.Counter()
         self._lat: collections.deque = collections.deque(maxlen=4096)
         self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the server's (set by start)
         self.port: int | None = None
         self.app = self._make_app()
 
@@ -158,6 +159,7 @@ class Proxy:
 
     async def start(self) -> str:
         """Serve on config.host:port; returns the base URL (``http://host:port``)."""
+        self._loop = asyncio.get_running_loop()
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -192,9 +194,33 @@ class Proxy:
 
     def revoke(self, key: str) -> None:
         """The rollout has ended: its key no longer authorizes a call (a call already being served ends
-        as it would; the harness's processes are gone by then)."""
+        as it would; the harness's processes are gone by then). What the proxy kept of the rollout
+        (its registration, its call ledger entry, its cell affinity) is dropped with its last key: a
+        server that runs for weeks of rollouts must not hold every rollout it ever served."""
         with self._keys_lock:
-            self._keys.pop(key, None)
+            who = self._keys.pop(key, None)
+            if who is None or who in self._keys.values():  # unknown key, or the rollout has another one
+                return
+            self._rollouts.pop(who, None)
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or loop is running or loop.is_closed():
+            self._forget(who)
+        else:  # the ledger and the router live on the server's loop: change them there
+            loop.call_soon_threadsafe(self._forget, who)
+
+    def held(self) -> dict[str, int]:
+        """How many rollouts each per-rollout structure holds now (live keys, registrations, call
+        ledger, cell affinities): bounded by the rollouts running, not by those ever served."""
+        return {"keys": len(self._keys), "registered": len(self._rollouts), "ledger": len(self._ledger),
+                "affinity": self.router.affinity_count()}
+
+    def _forget(self, who: tuple[str, str]) -> None:
+        self._ledger.forget(*who)
+        self.router.forget_affinity(f"{who[0]}/{who[1]}")
 
     # ---- request plumbing ----------------------------------------------------------------
     @web.middleware

@@ -7,9 +7,17 @@ ledger holds, per (run, rollout), the task and group it belongs to, the call num
 recorded or in flight and whether its outcome is recorded, loaded once from the store on
 first sight (so a server restarted on the same store still knows), and ``claim`` answers
 409 for a conflict before any token is generated.
+
+Memory: an entry is only a cache of what the store holds (plus the calls in flight), so it
+is dropped when its rollout ends (``forget``, on key revocation; at once if no call is in
+flight, else when the last one ends), and beyond ``max_entries`` the least recently used
+idle entries are dropped too (rollouts bound by headers or plain keys are never revoked).
+A dropped rollout that calls again is loaded from the store as on first sight. A sink
+that cannot be read back (no ``calls``) keeps every entry: nothing else would remember.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from gyre_jax.serving.api_common import ApiError
@@ -24,6 +32,7 @@ class _Rollout:
     in_flight: set
     finished: bool
     next_call: int
+    forgotten: bool = False  # its rollout ended: dropped when its last call in flight ends
 
 
 def conflict(message: str) -> ApiError:
@@ -31,15 +40,24 @@ def conflict(message: str) -> ApiError:
 
 
 class CallLedger:
-    def __init__(self, sink):
-        self.sink = sink
-        self._rollouts: dict[tuple[str, str], _Rollout] = {}
+    def __init__(self, sink, *, max_entries: int = 4096):
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"CallLedger: max_entries must be a positive int, got {max_entries!r}")
+        self.sink, self.max_entries = sink, max_entries
+        self._reloadable = hasattr(sink, "calls")
+        self._rollouts: collections.OrderedDict[tuple[str, str], _Rollout] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rollouts)
 
     def _load(self, run_id: str, rollout_id: str) -> _Rollout:
         key = (run_id, rollout_id)
         r = self._rollouts.get(key)
         if r is not None:
+            r.forgotten = False  # called again (e.g. a header-bound rollout): it is live
+            self._rollouts.move_to_end(key)
             return r
+        self._evict()
         calls, finished = [], False
         if getattr(self.sink, "run_id", run_id) == run_id and hasattr(self.sink, "calls"):
             try:
@@ -80,12 +98,41 @@ class CallLedger:
 
     def release(self, b: Binding, n: int) -> None:
         """The call ended (recorded or not): its numbers are no longer in flight."""
-        r = self._rollouts.get((b.run_id, b.rollout_id))
+        key = (b.run_id, b.rollout_id)
+        r = self._rollouts.get(key)
         if r is not None and b.call_index is not None:
             r.in_flight.difference_update(range(b.call_index, b.call_index + n))
+            if r.forgotten and not r.in_flight:
+                del self._rollouts[key]
+
+    def forget(self, run_id: str, rollout_id: str) -> None:
+        """The rollout has ended: drop what is kept of it (once no call of it is in flight)."""
+        key = (run_id, rollout_id)
+        r = self._rollouts.get(key)
+        if r is None or not self._reloadable:
+            return
+        if r.in_flight:
+            r.forgotten = True
+        else:
+            del self._rollouts[key]
+
+    def _evict(self) -> None:
+        """Keep at most max_entries: drop least recently used rollouts with no call in flight."""
+        if not self._reloadable or len(self._rollouts) < self.max_entries:
+            return
+        drop = []
+        for key, r in self._rollouts.items():  # oldest first
+            if len(self._rollouts) - len(drop) < self.max_entries:
+                break
+            if not r.in_flight:
+                drop.append(key)
+        for key in drop:
+            del self._rollouts[key]
 
     def recorded(self, run_id: str, rollout_id: str, call_index: int) -> None:
-        self._load(run_id, rollout_id).recorded.add(call_index)
+        r = self._rollouts.get((run_id, rollout_id))
+        if r is not None:  # claimed, so in flight until release: a dropped entry reloads from the store
+            r.recorded.add(call_index)
 
     def is_recorded(self, run_id: str, rollout_id: str, call_index: int) -> bool:
         r = self._rollouts.get((run_id, rollout_id))

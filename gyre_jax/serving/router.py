@@ -190,6 +190,13 @@ class Router:
                 self._affinity.popitem(last=False)
         return b
 
+    def forget_affinity(self, affinity: str) -> None:
+        """The calls that shared ``affinity`` are over (their rollout ended): drop its cell choice."""
+        self._affinity.pop(affinity, None)
+
+    def affinity_count(self) -> int:
+        return len(self._affinity)
+
     def _join(self, call: RoutedCall, backend: Backend):
         self._calls[backend.name].add(call)
 
