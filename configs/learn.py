@@ -19,8 +19,10 @@ The warm start is imperfect at a decision: its demonstrations test their answer 
 score. RL has to find out that testing pays. The held-out eval runs whole episodes of 16
 fixed tasks x 4 samples through the same harness on a dedicated engine (eval/eval.jsonl).
 
-Expected result: see docs/results.md (learning section) and `python tools/bench_learning.py`,
-which runs elastic, async and colocate and writes learning.png and one JSON line.
+Expected result: ~15 min of warm start (800 SFT steps, cached with --config.sft.cache_dir), then 20 steps
+of 32 rollouts (~15-20 min on 2 cores); the held-out eval rises from ~0.4-0.5 at the warm start by ~+0.2
+(Dec 4, 16 steps: 0.477 -> 0.674 elastic; docs/results.md has every run). `python tools/bench_learning.py`
+runs elastic, async and colocate and writes learning.png and one JSON line.
 """
 import importlib.util
 import os
