@@ -45,6 +45,7 @@ def test_read_run_dates_each_eval_by_the_step_that_published_its_version(tmp_pat
     assert run["curve"] == [(0, 0.0, 0.0), (2, 20.0, 0.2), (4, 40.0, 0.4)]
 
 
+@pytest.mark.slow  # ~80 s on 2 idle cores (a whole launch, warm start and eval); the arithmetic above runs by default
 def test_quick_smoke_run_writes_the_plot_and_the_json_line(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_learning.py"), "--quick", "--modes",
                         "elastic", "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
