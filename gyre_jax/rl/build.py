@@ -432,7 +432,8 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     launcher.on_error = wake.set
     launcher.resume(short)
     controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
-    wandb = WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
+    wandb = (WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
+             if cfg.metrics.wandb != "off" else None)  # the whole config copied only for a run that shows it
     metrics = MetricsWriter(workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B
     setup_s = time.perf_counter() - t_start
     how = (f" (multi-step, k={s.updates_per_publication})" if s.multi_step else

@@ -38,6 +38,7 @@ from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks import tiny, tiny_tests
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tools import FINISH, RUN_TESTS, SPAWN_SUBAGENT
+from gyre_jax.trajectory.vocab import ROLE_SUBAGENT, ROLE_SUMMARY
 
 FAMILY = "tiny_agent"
 ANSWER_FILE = tiny.ANSWER_FILE
@@ -98,13 +99,13 @@ def _last_suite_line(text: str) -> str:
 
 def scripted_reply(task: Task, messages: list[dict], role: str, summary_header: str) -> list[tuple[str, dict]] | str:
     """The demonstration's next reply given the context the harness built: a list of tool
-    calls, or the text of a summary (``role == 'summary'``). Reacting to the context (not
+    calls, or the text of a summary (``role == ROLE_SUMMARY``). Reacting to the context (not
     replaying a fixed list of turns) is what lets a demonstration pass through compaction
     and a sub-agent exactly as the harness runs them."""
-    if role == "summary":
+    if role == ROLE_SUMMARY:
         return f"answer.txt written; {_last_suite_line(_results(messages[:-1]))}"
     turns = sum(m["role"] == "assistant" for m in messages)
-    if role == "subagent":
+    if role == ROLE_SUBAGENT:
         return [(RUN_TESTS, {})] if turns == 0 else [(FINISH, {"message": _last_suite_line(_results(messages))})]
     if summary_header in messages[1]["content"]:  # compacted after testing: the work is done
         return [(FINISH, {})]
