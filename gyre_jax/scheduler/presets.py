@@ -224,14 +224,16 @@ def short_one_wave(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
 _COSTLY_SWITCH = dict(switch_to_train_s=600.0, switch_to_rollout_s=300.0)
 
 
-def short_one_wave_costly_switch(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
-    cfg = short_one_wave(mode, steps=steps, **kw)
+def _with_costly_switches(cfg: SimConfig) -> SimConfig:
     return cfg.replace(**{f"cluster.{k}": v for k, v in _COSTLY_SWITCH.items()})
+
+
+def short_one_wave_costly_switch(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
+    return _with_costly_switches(short_one_wave(mode, steps=steps, **kw))
 
 
 def short_uniform_costly_switch(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
-    cfg = short_uniform(mode, steps=steps, **kw)
-    return cfg.replace(**{f"cluster.{k}": v for k, v in _COSTLY_SWITCH.items()})
+    return _with_costly_switches(short_uniform(mode, steps=steps, **kw))
 
 
 # Bimodal lengths: [assume] the DeepSWE-like workload where 30% of tasks need a rewrite,
