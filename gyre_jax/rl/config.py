@@ -29,7 +29,7 @@ def section(cls, **overrides) -> dict:
     names = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(overrides) - names)
     if bad:
-        raise ConfigError(f"config.{cls._SECTION}: unknown field(s) {bad}; known: {sorted(names)}")
+        raise ConfigError(f"config.{cls.SECTION}: unknown field(s) {bad}; known: {sorted(names)}")
     out = {}
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
@@ -45,14 +45,14 @@ def _positive(obj, names, *, allow_zero=False):
         v = getattr(obj, n)
         ok = v >= 0 if allow_zero else v > 0
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok:
-            raise ConfigError(f"config.{obj._SECTION}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+            raise ConfigError(f"config.{obj.SECTION}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
 def _ints(obj, names):
     for n in names:
         v = getattr(obj, n)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"config.{obj._SECTION}.{n} must be an int, got {v!r}")
+            raise ConfigError(f"config.{obj.SECTION}.{n} must be an int, got {v!r}")
 
 
 def _built(section: str, build, renames: Mapping[str, str] | None = None):
@@ -76,7 +76,7 @@ def _built(section: str, build, renames: Mapping[str, str] | None = None):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CellsConfig:
-    _SECTION: ClassVar[str] = "cells"
+    SECTION: ClassVar[str] = "cells"
     cell_size: int = 2  # devices per cell (8 CPU devices -> 4 cells)
     train_tensor: int = 1
     serve_tensor: int = 1  # 1: slots split over the cell's devices ('data'), weights replicated
@@ -97,7 +97,7 @@ class CellsConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    _SECTION: ClassVar[str] = "scheduler"
+    SECTION: ClassVar[str] = "scheduler"
     mode: str = ELASTIC  # one of MODES (the scheduler's policy modes)
     groups_per_step: int = 2  # G: groups trained per optimizer step
     group_size: int = 4  # rollouts per group (advantage baseline)
@@ -136,7 +136,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    _SECTION: ClassVar[str] = "task"
+    SECTION: ClassVar[str] = "task"
     family: str = "tiny"  # gyre_jax.agents.tasks family
     ops: str = "copy,upper,reverse"  # tiny family: comma-separated ops
     min_len: int = 3
@@ -185,7 +185,7 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HarnessKnobs:
-    _SECTION: ClassVar[str] = "harness"
+    SECTION: ClassVar[str] = "harness"
     max_tokens: int = 96  # per model call
     temperature: float = 1.0
     max_turns: int = 2  # model calls per agent
@@ -256,7 +256,7 @@ class TrainConfig:
     option the chosen entry does not take is a config error naming it.
     """
 
-    _SECTION: ClassVar[str] = "train"
+    SECTION: ClassVar[str] = "train"
     row_len: int = 256  # packed row length L
     micro_batch_rows: int = 2  # rows per micro-batch (one compiled shape)
     learning_rate: float = 3e-4
@@ -347,7 +347,7 @@ NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.no
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    _SECTION: ClassVar[str] = "sft"
+    SECTION: ClassVar[str] = "sft"
     steps: int = 300  # supervised steps on scripted demonstrations (0: no warm start)
     rows: int = 4  # packed rows per step
     learning_rate: float = 3e-3
@@ -384,7 +384,7 @@ class EvalConfig:
     dedicated engine; mean score, pass@1, pass@k. kind=first_call (gyre_jax.rl.evaluate): a fast
     extra for one-call families: the built-in agent's FIRST model call only, in-process."""
 
-    _SECTION: ClassVar[str] = "eval"
+    SECTION: ClassVar[str] = "eval"
     every: int = 0  # evaluate after every k-th step (and before the first, after the last); 0 = off
     kind: str = "episodes"  # episodes | first_call
     tasks: int = 32  # held-out tasks (a family's seeds 2**29 + s; a task file's split=eval lines)
@@ -406,7 +406,7 @@ class EvalConfig:
 class MetricsConfig:
     """Where per-step metrics go besides metrics.jsonl and TensorBoard (gyre_jax.rl.metrics)."""
 
-    _SECTION: ClassVar[str] = "metrics"
+    SECTION: ClassVar[str] = "metrics"
     wandb: str = "off"  # off | offline (files under <workdir>/<mode>/wandb; `wandb sync` them later) | online
     wandb_project: str = "gyre_jax"
 
@@ -423,7 +423,7 @@ class MetricsConfig:
 class FaultConfig:
     """Injected faults (gyre_jax.rl.faults); 0 = off. Every k-th rollout launched (1-based) gets it."""
 
-    _SECTION: ClassVar[str] = "faults"
+    SECTION: ClassVar[str] = "faults"
     grader_crash_every: int = 0  # its grader raises -> verifier_error
     timeout_every: int = 0  # its calls stall past the deadline -> timeout, graded for partial credit
     engine_error_every: int = 0  # its first model call fails in the engine -> 500, the harness retries
@@ -462,7 +462,7 @@ class FaultConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLConfig:
-    _SECTION: ClassVar[str] = "config"
+    SECTION: ClassVar[str] = "config"
     seed: int = 0
     steps: int = 20  # optimizer steps (N)
     num_cpu_devices: int = 8  # host devices when running on CPU (set before JAX starts)
