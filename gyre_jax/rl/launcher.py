@@ -139,7 +139,7 @@ class Launcher:
     def __init__(self, *, loop, harness_config, store, run_id: str, task_fn: Callable[[int], Any],
                  group_size: int, workspace_root: str, on_group: Callable[[Group], None],
                  work_s: Callable[[int], float], next_group: int = 0, launched: int = 0, faults=None,
-                 harness=None, keys=None):
+                 harness=None, keys=None, on_error: Callable[[], None] | None = None):
         """``harness``: what runs each rollout (gyre_jax.agents.harnesses; None: the built-in agent);
         ``keys``: who issues and revokes rollout keys (the proxy; None: the plain gyre:run:rollout form)."""
         self.loop, self.hc, self.store, self.run_id = loop, harness_config, store, run_id
@@ -159,7 +159,7 @@ class Launcher:
         self._session = None
         self._futures: list[concurrent.futures.Future] = []
         self.errors: list[BaseException] = []  # failures no group can survive (drive stops the run on them)
-        self.on_error: Callable[[], None] | None = None  # wakes the loop (set by build)
+        self.on_error = on_error  # wakes the loop
 
     # -- Protocol --
     def launch(self, n_groups: int, version: int) -> None:
