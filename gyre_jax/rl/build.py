@@ -395,7 +395,8 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
                                    data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
     sft_history: list[dict] = []
-    ready, short = [], []
+    ready: list[ResumedGroup] = []
+    short: list[ResumedGroup] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step
         ready, short = _resume_groups(cfg, base.store, restored)

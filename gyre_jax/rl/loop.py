@@ -98,7 +98,7 @@ class _Records:
                                      pool=c.pool, controller=c.controller)
         # The starting policy's eval (version steps_done) goes into the first step record of
         # this run as eval/*_start, so metrics.jsonl stays one line per step.
-        self.start_eval = {}
+        self.start_eval: dict = {}
         if c.evaluator is not None:
             self.start_eval = {k + "_start": v for k, v in _run_eval(c, *c.trainer.latest_params()).items()}
 
