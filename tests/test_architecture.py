@@ -34,8 +34,6 @@ KNOWN_PRIVATE_READS = {
     "serving/jetstream_backend.py": {"stream._detach", "stream._exported", "self._driver._generate_slots",
                                      "stream._end", "self._b._live", "self._b._release", "stream._inherited_kv",
                                      "stream._settled"},
-    "serving/proxy_stream.py": {"proxy._record", "proxy._headers"},
-    "serving/router.py": {"self._r._join", "self._r._acquire", "self._r._leave"},
     "testing/fake_backend.py": {"s._state", "s._end", "self._b._live"},
 }
 # Third-party privates: allowed anywhere (not ours to fix).

@@ -383,7 +383,7 @@ class Proxy:
             self._inflight -= call.n
             self._ledger.release(binding, call.n)
 
-    def _headers(self, call: ChatCall) -> dict[str, str]:
+    def reply_headers(self, call: ChatCall) -> dict[str, str]:
         return {"X-Gyre-Ignored-Fields": ",".join(call.ignored)} if call.ignored else {}
 
     def output(self, call: ChatCall, routed) -> OutputText:
@@ -395,7 +395,7 @@ class Proxy:
         async def one(i, r) -> Sample:
             out = self.output(call, r)
             sample = await consume(r, out)
-            await self._record(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
+            await self.record_call(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
             return sample
 
         samples = await gather_samples(one(i, r) for i, r in enumerate(routed))
@@ -406,9 +406,9 @@ class Proxy:
             body = O.completion_response(call, self.tok, rid, samples)
         else:
             body = A.message_response(call, self.tok, rid, samples[0])
-        return web.json_response(body, headers=self._headers(call))
+        return web.json_response(body, headers=self.reply_headers(call))
 
-    async def _record(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
+    async def record_call(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""
         key = (binding.run_id, binding.rollout_id, binding.call_index)
         if binding.attempt > 0 and self._ledger.is_recorded(*key):
