@@ -6,7 +6,7 @@
   ``self``/``cls``/``super()``): an object's privates are its own business, so a class can change
   them without breaking a reader elsewhere. ``rl/`` and ``cells/`` are clean; the rest of the
   package is held to a shrinking list (a new offender fails; one that is fixed must leave the list).
-* Construction never starts threads: ``TrainerAdapter``'s constructor does not; ``start()`` does.
+* Construction never starts threads: ``TrainerAdapter``'s and ``LoopThread``'s constructors do not; ``start()`` does.
 """
 from __future__ import annotations
 
@@ -98,13 +98,14 @@ def test_the_checks_see_what_they_look_for():
     assert private_reads(ast.parse("a = b._c + self._d + super()._e + cls._f + o.__len__")) == {"b._c"}
 
 
-def test_constructing_the_trainer_adapter_starts_no_thread():
-    """Its constructor starts nothing; ``start()`` starts the processor and trainer threads; ``stop()`` ends them."""
+def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread():
+    """Their constructors start nothing; ``start()`` starts their threads; ``stop()`` ends them."""
     import threading
     import types
 
     import numpy as np
 
+    from gyre_jax.rl.runtime import LoopThread
     from gyre_jax.rl.trainer import TrainerAdapter
     from gyre_jax.trajectory.dataset import RowStream, StreamingDataset
 
@@ -115,9 +116,12 @@ def test_constructing_the_trainer_adapter_starts_no_thread():
                              micro_batch_rows=1, cells=[], cell_roles=list, notify=lambda: None, work_s_per_row=0.1,
                              stream=stream, data_iterator=iter(StreamingDataset(stream, batch_size=1, seed=0)),
                              stream_groups=False)
+    harness_loop = LoopThread()
     assert set(threading.enumerate()) == before
     adapter.start()
+    harness_loop.start()
     started = {t.name for t in set(threading.enumerate()) - before}
-    assert {"gyre-processor", "gyre-trainer"} <= started, started
+    assert {"gyre-processor", "gyre-trainer", "gyre-harness"} <= started, started
     adapter.stop()
-    assert not [t for t in threading.enumerate() if t.name in ("gyre-processor", "gyre-trainer")]
+    harness_loop.stop()
+    assert not [t for t in threading.enumerate() if t.name in ("gyre-processor", "gyre-trainer", "gyre-harness")]

@@ -332,6 +332,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     restored = restore_or_init(cfg, base, place)
     serving = build_serving(cfg, base, place, restored, make_backend)
     c = build_control(cfg, base, place, restored, serving)
+    c.harness_loop.start()
     c.trainer.start()
     setup_s = time.perf_counter() - t_start
     _describe(cfg, base, place, serving, restored, setup_s)

@@ -139,13 +139,13 @@ class StepRecorder:
         """Generation, role switches and weight moves since the last record, and the cluster's counters."""
         counters = self.server.proxy.counters
         gen = int(counters.get("completion_tokens", 0))
-        sw = self.timeline.switches[self._switches:]
+        sw = self.timeline.switches_since(self._switches)
         moves = self.pool.moves()[self._moves:]
         results = self.launcher.results
         out = {
             "gen_tokens_per_s": (gen - self._gen) / max(now - self._t, 1e-9),
-            "switches": len(sw), "switch_s_mean": float(np.mean([x[3] for x in sw])) if sw else 0.0,
-            "switch_s_max": float(np.max([x[3] for x in sw])) if sw else 0.0,
+            "switches": len(sw), "switch_s_mean": float(np.mean([x.seconds for x in sw])) if sw else 0.0,
+            "switch_s_max": float(np.max([x.seconds for x in sw])) if sw else 0.0,
             "switch_failures": len(self.pool.failures) - self._failures, "cells_out": len(self.pool.out),
             "weight_moves": len(moves), "weight_move_bytes": int(sum(m.bytes for m in moves)),
             "weight_move_s": float(sum(m.seconds for m in moves)),
@@ -156,7 +156,7 @@ class StepRecorder:
             **{k: int(sum(r.get(k, 0) for r in results)) for k in ("sandbox_commands", "sandbox_violations",
                                                                    "sandbox_limits_hit")},
         }
-        self._gen, self._switches = gen, len(self.timeline.switches)
+        self._gen, self._switches = gen, self._switches + len(sw)
         self._moves, self._failures = self._moves + len(moves), len(self.pool.failures)
         return out
 
@@ -198,7 +198,7 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         "util_train_busy": sum(r["train_busy_cell_s"] for r in h) / max(n_cells * wall_rl, 1e-9),
         "staleness_mean": float(np.mean([r["staleness_mean"] for r in h])) if h else 0.0,
         "staleness_max": float(max([r["staleness_max"] for r in h], default=0.0)),
-        "switches": len(timeline.switches), "switch_failures": len(pool.failures), "cells_out": dict(pool.out),
+        "switches": timeline.switch_count(), "switch_failures": len(pool.failures), "cells_out": dict(pool.out),
         "statuses": dict(launcher.statuses), "group_failures": len(launcher.group_failures),
         "rerun_rollouts": launcher.rerun_rollouts,
         "trainable_tokens_dropped": int(sum(r["trainable_tokens_dropped"] for r in h)),

@@ -79,6 +79,16 @@ log = logging.getLogger(__name__)
 NO_SIGNAL = "no_signal"  # the store's drop reason for DAPO's dynamic sampling
 
 
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """Controller -> processor: groups the open step took. ``group``: one streamed group; ``step``: a whole
+    step's groups at once; ``end``: a streamed step's last group is already in."""
+
+    kind: str
+    step: int
+    groups: tuple[Group, ...] = ()
+
+
 @dataclasses.dataclass
 class _OpenStep:
     """A step's data while the processor thread builds it (that thread alone touches it)."""
@@ -131,7 +141,7 @@ class TrainerAdapter:
         self._updating = False
         self._last_group_t = 0.0  # when the open step took its last group (its training's remaining part starts)
         self._step: ElasticStep | None = None
-        self._proc_q: queue.Queue = queue.Queue()  # controller -> processor: ("group"|"step"|"end", step, groups)
+        self._proc_q: queue.Queue[Taken | None] = queue.Queue()  # controller -> processor; None: stop
         self._inputs: queue.Queue[StepInput] = queue.Queue()  # processor -> trainer: each step's data, at its end
         self._latest = (trainer.version, jax.tree.map(lambda x: x.copy(), trainer.state.params))
         # The per-step pass (cells.score.StepScorer) and the versions it reads: the step's own
@@ -194,17 +204,17 @@ class TrainerAdapter:
             if self.stream_groups:
                 self._in_step += groups
                 for g in groups:
-                    self._proc_q.put(("group", step, [g]))
+                    self._proc_q.put(Taken("group", step, (g,)))
             else:
                 self._taken += groups
             if open_taken + n == self.G:
                 self._updating = True
                 self._last_group_t = time.perf_counter()
                 if self.stream_groups:
-                    self._proc_q.put(("end", step, []))
+                    self._proc_q.put(Taken("end", step))
                 else:
                     self._in_step, self._taken = self._taken, []
-                    self._proc_q.put(("step", step, list(self._in_step)))
+                    self._proc_q.put(Taken("step", step, tuple(self._in_step)))
 
     # -- inputs from other adapters --
     def add_group(self, group: Group) -> None:
@@ -329,12 +339,11 @@ class TrainerAdapter:
             ev = self._proc_q.get()
             if ev is None:
                 return
-            kind, step, groups = ev
-            if data is None or data.step != step:
-                data = _OpenStep(step)
-            if kind != "end":  # "end" (streamed groups): the step's last group is already in
-                self._process(kind, data, groups)
-            if kind != "group":
+            if data is None or data.step != ev.step:
+                data = _OpenStep(ev.step)
+            if ev.kind != "end":  # "end" (streamed groups): the step's last group is already in
+                self._process(ev.kind, data, list(ev.groups))
+            if ev.kind != "group":
                 self._end_step(data)
                 data = None
 
