@@ -34,7 +34,6 @@ KNOWN_PRIVATE_READS = {
     "serving/jetstream_backend.py": {"stream._detach", "stream._exported", "self._driver._generate_slots",
                                      "stream._end", "self._b._live", "self._b._release", "stream._inherited_kv",
                                      "stream._settled"},
-    "testing/fake_backend.py": {"s._state", "s._end", "self._b._live"},
 }
 # Third-party privates: allowed anywhere (not ours to fix).
 THIRD_PARTY = {"os._exit", "site._server", "fn._cache_size", "self._driver._generate_slots"}
