@@ -464,7 +464,9 @@ def _quiet_absl() -> None:
 
 
 def _tokenizer(cfg: RLConfig):
-    return load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
+    if not cfg.hf_path:
+        return ByteTokenizer()
+    return load_tokenizer(f"hf:{cfg.hf_path}", template_kwargs=dict(cfg.chat_template_kwargs))
 
 
 def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:

@@ -175,15 +175,23 @@ class HFChatTokenizer(Tokenizer):
         raise ValueError(f"{self.where}: this chat template has no tool-call syntax (tool_format='none')")
 
     # ---- the chat template ----------------------------------------------
+    accepts_template_kwargs = True
+
     def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+        """The template's text, as transformers' ``apply_chat_template(messages, tools=[{"type": "function",
+        "function": tool}], **kwargs)`` renders it: each tool is the client's function object as sent (no
+        fields added, its key order kept: the template dumps it with ``tojson``), and ``template_kwargs``
+        (a request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) go over the tokenizer's own."""
         hf_msgs = [_to_hf_message(m, i) for i, m in enumerate(messages)]
-        hf_tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                       "parameters": t.get("parameters") or {}}}
-                    for t in tools or ()] or None
         kw = dict(self.template_kwargs)
-        if hf_tools is not None:
-            kw["tools"] = hf_tools
+        if template_kwargs:
+            clash = sorted(set(template_kwargs) & {"messages", "tools", "add_generation_prompt"})
+            if clash:
+                raise ValueError(f"chat_template_kwargs: {clash} are set from the request itself, not here")
+            kw.update(template_kwargs)
+        if tools:
+            kw["tools"] = [{"type": "function", "function": dict(t)} for t in tools]
         import jinja2
 
         try:
@@ -192,8 +200,9 @@ class HFChatTokenizer(Tokenizer):
             raise ValueError(f"chat template: {e}") from None
 
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    *, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode_with_special(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt))
+                    *, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+        return self.encode_with_special(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt,
+                                                         template_kwargs=template_kwargs))
 
     def render_tool_call(self, tc: dict) -> list[int]:
         args = tc.get("arguments") or {}
@@ -305,6 +314,12 @@ def _to_hf_message(m: dict, i: int) -> dict:
                              for tc in m["tool_calls"]]
     if role == "tool" and m.get("tool_call_id"):
         out["tool_call_id"] = m["tool_call_id"]
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise ValueError(f"messages[{i}].reasoning_content must be text, got {type(reasoning).__name__}")
+        # transformers' aliasing: Qwen3 reads reasoning_content (inside <think>), gpt-oss templates read thinking.
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
 
 

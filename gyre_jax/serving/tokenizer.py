@@ -72,17 +72,26 @@ class Tokenizer(abc.ABC):
         return [self.special[name]]
 
     # ---- chat template (token level) -----------------------------------
+    # Whether render_chat's template_kwargs can change the prompt (a checkpoint's jinja template); the
+    # token-level template has no options, so the API layers list a request's chat_template_kwargs as ignored.
+    accepts_template_kwargs = False
+
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    *, add_generation_prompt: bool = True) -> list[int]:
+                    *, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
         """Render normalized messages (see module docstring) to prompt ids.
 
         A message is ``{"role", "content": str, "tool_calls": [{"id","name",
-        "arguments": dict}], "tool_call_id"}``; the API layers convert OpenAI and
-        Anthropic shapes into this one. Raises ValueError naming the bad message.
+        "arguments": dict}], "tool_call_id", "reasoning_content": str}``; the API layers
+        convert OpenAI and Anthropic shapes into this one. A tool is the client's function
+        object (``name``, optional ``description`` and ``parameters``). Raises ValueError
+        naming the bad message. The token-level template drops reasoning_content and has
+        no ``template_kwargs``.
         """
         ids = self._tok("<|bos|>")
         msgs = list(messages)
         if tools:
+            tools = [{"name": t["name"], "description": t.get("description", ""), "parameters": t.get("parameters", {})}
+                     for t in tools]
             if not msgs or msgs[0].get("role") != "system":
                 msgs.insert(0, {"role": "system", "content": ""})
         for i, m in enumerate(msgs):
@@ -275,13 +284,37 @@ def _has_chat_template(directory: str) -> bool:
         return bool(json.load(f).get("chat_template"))
 
 
-def load_tokenizer(spec: str = "byte") -> Tokenizer:
+def chat_template_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """A config's or a request's ``chat_template_kwargs`` (a JSON object, as text or a mapping) as a dict.
+
+    Empty text or None is ``{}``. Each key reaches the checkpoint's jinja template as a variable, as
+    transformers' ``apply_chat_template(**kwargs)`` and vLLM's request field of the same name pass them
+    (Qwen3: ``{"enable_thinking": false}`` renders the empty think block that asks for no reasoning).
+    """
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: not valid JSON ({e}); e.g. '{{\"enable_thinking\": false}}'") from None
+    if not hasattr(value, "keys") or not all(isinstance(k, str) for k in value.keys()):
+        raise ValueError(f"{where}: expected a JSON object of template variables, got {type(value).__name__}")
+    return {k: value[k] for k in value.keys()}
+
+
+def load_tokenizer(spec: str = "byte", *, template_kwargs: dict | None = None) -> Tokenizer:
     """``"byte"`` (built in) or ``"<kind>:<path>"`` with kind hf | sentencepiece | tiktoken.
 
     ``hf:DIR`` (or ``hf:DIR/tokenizer.json`` beside a tokenizer_config.json with a
     ``chat_template``) is the checkpoint's own tokenizer, template and tool-call syntax
     (``HFChatTokenizer``); a bare tokenizer.json gets our token-level template.
+    ``template_kwargs``: variables every render passes to that chat template (a config's
+    ``chat_template_kwargs``); the other kinds have no template to pass them to (ValueError).
     """
+    if template_kwargs and not spec.startswith("hf:"):
+        raise ValueError(f"chat_template_kwargs {template_kwargs}: tokenizer {spec!r} has no chat template of its "
+                         "own (only a checkpoint's, hf:DIR, takes them)")
     if spec == "byte":
         return ByteTokenizer()
     kind, sep, path = spec.partition(":")
@@ -295,7 +328,10 @@ def load_tokenizer(spec: str = "byte") -> Tokenizer:
             _require("tokenizers", "tokenizers")
             from gyre_jax.serving.hf_tokenizer import HFChatTokenizer
 
-            return HFChatTokenizer.from_dir(d)
+            return HFChatTokenizer.from_dir(d, template_kwargs=template_kwargs)
+        if template_kwargs:
+            raise ValueError(f"chat_template_kwargs {template_kwargs}: {path} has no chat template (no "
+                             "tokenizer_config.json chat_template beside it)")
         tk = _require("tokenizers", "tokenizers").Tokenizer.from_file(path)
         known = {n: tk.token_to_id(n) for n in SPECIAL_TOKENS if tk.token_to_id(n) is not None}
         return FileTokenizer(encode_fn=lambda s: tk.encode(s, add_special_tokens=False).ids,
