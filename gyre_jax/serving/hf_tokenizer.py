@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from gyre_jax.serving.tokenizer import Tokenizer
+from gyre_jax.serving.tokenizer import Tokenizer, cut_at_stop, parse_call_json
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 TOOL_FORMATS = ("qwen", "llama3_json", "none")
@@ -216,48 +216,24 @@ class HFChatTokenizer(Tokenizer):
 
     # ---- generated ids -> message ---------------------------------------
     def parse_assistant(self, ids: Sequence[int]) -> dict[str, Any]:
-        stop = set(self.stop_ids)
-        cut, stopped = [], False
-        for t in ids:
-            if int(t) in stop:
-                stopped = True
-                break
-            cut.append(int(t))
+        cut, stopped = cut_at_stop(ids, self.stop_ids)
         if self.tool_format == "qwen":
-            content, calls = self._parse_qwen(cut)
+            content, calls = self.split_tool_calls(cut, self._open, self._close, keep_marks=True, separator="\n",
+                                                   call_id=lambda k: f"call_{k}")
         elif self.tool_format == "llama3_json":
             content, calls = self._parse_llama(cut)
         else:
             content, calls = self.decode(cut), []
         return {"content": content, "tool_calls": calls, "stopped": stopped}
 
-    def parse_call_span(self, span: list[int]) -> dict | None:
-        """The ids between ``<tool_call>`` and ``</tool_call>`` -> {"name", "arguments"}, or None."""
-        return parse_json_call(self.decode(span), "arguments")
+    def parse_call_span(self, span: Sequence[int]) -> dict | None:
+        """The ids between ``<tool_call>`` and ``</tool_call>`` -> {"name", "arguments"}, or None.
 
-    def _parse_qwen(self, ids: list[int]) -> tuple[str, list[dict]]:
-        parts, calls, run, span = [], [], [], None
-        for t in ids:
-            if t == self._open and span is None:
-                span = []
-            elif t == self._close and span is not None:
-                call = self.parse_call_span(span)
-                if call is None:  # not a well-formed call: the model's text stays text
-                    run += [self._open] + span + [self._close]
-                else:
-                    parts.append(_strip_one(self.decode(run), "\n"))
-                    run = []
-                    call["id"] = f"call_{len(calls)}"
-                    calls.append(call)
-                span = None
-            elif span is not None:
-                span.append(t)
-            else:
-                run.append(t)
-        if span is not None:
-            run += [self._open] + span
-        parts.append(self.decode(run))
-        return "".join(parts), calls
+        Qwen's calls carry no id: one the model wrote into the JSON is dropped (call_<k> is given)."""
+        call = parse_call_json(self.decode(span))
+        if call is not None:
+            call.pop("id", None)
+        return call
 
     def _parse_llama(self, ids: list[int]) -> tuple[str, list[dict]]:
         body = [t for t in ids if t != self.python_tag_id] if ids[:1] == [self.python_tag_id] else ids
@@ -270,33 +246,15 @@ class HFChatTokenizer(Tokenizer):
         return "", calls
 
 
-def _strip_one(s: str, suffix: str) -> str:
-    return s[: -len(suffix)] if s.endswith(suffix) else s
-
-
-def parse_json_call(text: str, args_key: str) -> dict | None:
-    """``{"name": str, args_key: object}`` -> {"name", "arguments"}; None if it is not one."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-        return None
-    args = body.get(args_key, body.get("arguments", {}))
-    if not isinstance(args, dict):
-        return None
-    return {"name": body["name"], "arguments": args}
-
-
 def parse_llama_calls(text: str) -> list[dict] | None:
     """Llama-3 JSON tool calls: the whole message is one call, or several joined by ';'."""
     s = text.strip()
     if not s.startswith("{"):
         return None
-    one = parse_json_call(s, "parameters")
+    one = parse_call_json(s, "parameters")
     if one is not None:
         return [one]
-    calls = [parse_json_call(p, "parameters") for p in s.split(";")]
+    calls = [parse_call_json(p, "parameters") for p in s.split(";")]
     return calls if len(calls) > 1 and all(c is not None for c in calls) else None
 
 

@@ -132,37 +132,65 @@ class Tokenizer(abc.ABC):
         object with a string "name" is kept as text (the harness sees what the
         model wrote; nothing is dropped).
         """
-        open_id, close_id = self.special["<|tool_call|>"], self.special["<|/tool_call|>"]
-        stop = set(self.stop_ids)
-        runs: list[list[int]] = []  # text runs, decoded separately (a tool call splits them)
-        cur: list[int] = []
+        cut, stopped = cut_at_stop(ids, self.stop_ids)
+        content, calls = self.split_tool_calls(cut, self.special["<|tool_call|>"], self.special["<|/tool_call|>"],
+                                               keep_marks=False, separator="", call_id=invented_call_id)
+        return {"content": content, "tool_calls": calls, "stopped": stopped}
+
+    def parse_call_span(self, span: Sequence[int]) -> dict | None:
+        """The ids between a call's open and close marks -> ``{"name", "arguments"[, "id"]}``, or None."""
+        return parse_call_json(self.decode(span))
+
+    def split_tool_calls(self, ids: Sequence[int], open_id: int, close_id: int, *, keep_marks: bool,
+                         separator: str, call_id) -> tuple[str, list[dict]]:
+        """(text, calls) of ids whose calls sit between ``open_id`` and ``close_id``: the one span scanner.
+
+        Each span is parsed by ``parse_call_span``; one that does not parse (or never closes) stays
+        text, with its marks when they are text tokens (``keep_marks``: Qwen's) and without when they
+        are specials that decode to nothing (ours). ``separator``: what the template puts before a
+        call, cut from the text there. Text runs are decoded where AssistantStream ends them (at a
+        call's open mark when nothing is held back, else at a parsed call), so streaming adds up to
+        this. A call the model gave no id gets ``call_id(k)``.
+        """
+        parts: list[str] = []
+        run: list[int] = []
         calls: list[dict] = []
         span: list[int] | None = None
-        stopped = False
         for t in ids:
-            t = int(t)
-            if t in stop:
-                stopped = True
-                break
             if t == open_id and span is None:
-                runs.append(cur)
-                cur, span = [], []
+                span = []
+                if not separator:
+                    parts.append(self.decode(run))
+                    run = []
             elif t == close_id and span is not None:
-                call = _parse_call(self.decode(span))
-                if call is None:
-                    cur += span
+                call = self.parse_call_span(span)
+                if call is None:  # not a well-formed call: the model's text stays text
+                    run += [open_id, *span, close_id] if keep_marks else span
                 else:
-                    call.setdefault("id", invented_call_id(len(calls)))
+                    text = self.decode(run)
+                    parts.append(text[: -len(separator)] if separator and text.endswith(separator) else text)
+                    run = []
+                    call.setdefault("id", call_id(len(calls)))
                     calls.append(call)
                 span = None
             elif span is not None:
                 span.append(t)
             else:
-                cur.append(t)
-        if span is not None:  # unterminated tool call: keep its text
-            cur += span
-        runs.append(cur)
-        return {"content": "".join(self.decode(r) for r in runs), "tool_calls": calls, "stopped": stopped}
+                run.append(t)
+        if span is not None:  # unterminated tool call: its text
+            run += [open_id, *span] if keep_marks else span
+        parts.append(self.decode(run))
+        return "".join(parts), calls
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """(the ids before the first stop id, whether there was one)."""
+    stop, cut = set(stop_ids), []
+    for t in ids:
+        if int(t) in stop:
+            return cut, True
+        cut.append(int(t))
+    return cut, False
 
 
 # Tool-call ids the proxy makes up when the model wrote none: recognizable, so rendering the call back
@@ -201,14 +229,20 @@ def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
-def _parse_call(text: str) -> dict | None:
+def parse_call_json(text: str, args_key: str = "arguments") -> dict | None:
+    """A tool call's JSON body -> ``{"name", "arguments"[, "id"]}``, or None if it is not one.
+
+    Every format's: ours and Qwen's spans, Llama-3's JSON message (``args_key="parameters"``;
+    "arguments" is taken too). The arguments must be an object; an "id" is kept when the model
+    wrote a non-empty one (the formats without ids drop or replace it).
+    """
     try:
         body = json.loads(text)
     except ValueError:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         return None
-    args = body.get("arguments", {})
+    args = body.get(args_key, body.get("arguments", {}))
     if not isinstance(args, dict):
         return None
     out = {"name": body["name"], "arguments": args}
