@@ -5,7 +5,9 @@ that has them (``python -m venv /tmp/torchvenv && /tmp/torchvenv/bin/pip install
 transformers safetensors numpy``, see ../shared/FACTS.md); the test runs it in a subprocess
 on the checkpoint directory and skips when no such Python is found. Checked per family:
 transformers' logits on the tiny checkpoint equal ours (float32), and transformers loads
-our save_pretrained export and gives the same logits again (the export is servable).
+our save_pretrained export and gives the same logits again (the export is servable). The
+chat-template checks need transformers and jinja2 only (no torch): ``pip install transformers
+jinja2`` in a venv is enough for ``-k request_fields``.
 
     GYRE_TORCH_PYTHON=/tmp/torchvenv/bin/python pytest -m slow tests/test_hf_transformers.py
 """
