@@ -20,7 +20,6 @@ from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
 from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES, STREAMING_MODES  # the scheduler owns the policy modes
-from gyre_jax.serving.tokenizer import chat_template_kwargs
 
 
 def section(cls, **overrides) -> dict:
@@ -688,6 +687,8 @@ class RLConfig:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
         hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
+        from gyre_jax.serving.tokenizer import chat_template_kwargs
+
         try:
             template_kw = chat_template_kwargs(model.pop("chat_template_kwargs", None), "config.model.chat_template_kwargs")
         except ValueError as e:
