@@ -62,13 +62,22 @@ def _hf_logits(path, ids, pos, tmp):
     return np.load(out)
 
 
-@pytest.mark.parametrize("family,over", [("qwen2", {}), ("qwen3", {}), ("qwen3", {"tie": False}),
-                                         ("llama3", {"hidden_size": 64})])
-def test_logits_match_transformers(tmp_path, family, over):
+@pytest.mark.parametrize("family,over,edit", [
+    ("qwen2", {}, {}), ("qwen3", {}, {}), ("qwen3", {"tie": False}, {}), ("llama3", {"hidden_size": 64}, {}),
+    ("qwen3", {"tie": False}, {"tie_word_embeddings": None}),  # no field: untied, lm_head used (not dropped)
+    ("qwen3", {"tie": False}, {"tie_word_embeddings": True}),  # true beside a stored head that differs: untied
+])
+def test_logits_match_transformers(tmp_path, family, over, edit):
     if not _torch_ok():
         pytest.skip(f"{TORCH_PY} cannot import torch and transformers (set GYRE_TORCH_PYTHON)")
     src = str(tmp_path / "src")
     hf_cfg, _ = write_tiny_hf_checkpoint(src, family, seed=5, **over)
+    if edit:  # config.json as other writers leave it (None: the field is absent)
+        with open(os.path.join(src, "config.json")) as f:
+            on_disk = json.load(f)
+        on_disk.update(edit)
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump({k: v for k, v in on_disk.items() if v is not None}, f)
     ids = [int(x) for x in np.random.default_rng(1).integers(0, hf_cfg["vocab_size"], 10)]
     pos = [int(p) + (40 if family == "llama3" else 0) for p in range(10)]
     want = _hf_logits(src, ids, pos, str(tmp_path))
