@@ -64,8 +64,10 @@ def _hf_logits(path, ids, pos, tmp):
 
 @pytest.mark.parametrize("family,over,edit", [
     ("qwen2", {}, {}), ("qwen3", {}, {}), ("qwen3", {"tie": False}, {}), ("llama3", {"hidden_size": 64}, {}),
-    ("qwen3", {"tie": False}, {"tie_word_embeddings": None}),  # no field: untied, lm_head used (not dropped)
-    ("qwen3", {"tie": False}, {"tie_word_embeddings": True}),  # true beside a stored head that differs: untied
+    # no field: untied, lm_head used (not dropped)
+    pytest.param("qwen3", {"tie": False}, {"tie_word_embeddings": None}, id="qwen3-no-tie-field"),
+    # true beside a stored head that differs: untied
+    pytest.param("qwen3", {"tie": False}, {"tie_word_embeddings": True}, id="qwen3-stale-tie-field"),
 ])
 def test_logits_match_transformers(tmp_path, family, over, edit):
     if not _torch_ok():
