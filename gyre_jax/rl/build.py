@@ -545,6 +545,8 @@ def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Rest
         cells=cells, cell_roles=table.all, notify=wake.set, work_s_per_row=cfg.train.work_s_per_row,
         stream=restored.stream, data_iterator=restored.iterator, stream_groups=cfg.stream_groups,
         steps_done=restored.steps_done, ready=restored.ready, after_update=after_update, on_step_started=pause,
+        restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
+        | {r for g in restored.short for r in g.finished},
         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
         keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget())
 

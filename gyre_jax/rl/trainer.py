@@ -66,7 +66,7 @@ import numpy as np
 
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
 from gyre_jax.cells.train_step import MICRO_BATCH_KEYS
-from gyre_jax.rl.launcher import Group
+from gyre_jax.rl.launcher import Group, lineage_calls
 from gyre_jax.rl.step_events import StepDone, StepInput, StepTotals, TrainerSnapshot
 from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
@@ -121,7 +121,10 @@ class TrainerAdapter:
                  after_update: Callable[[int, TrainerSnapshot], None] | None = None,
                  on_step_started: Callable[[int], None] | None = None,
                  on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None,
-                 scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0):
+                 scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0,
+                 restored_rollouts: frozenset[str] = frozenset()):
+        """``restored_rollouts``: the finished rollouts a resume at ``steps_done`` found untrained; their tokens
+        sampled after that checkpoint count as sampled by it (``launcher.lineage_version``)."""
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
         self.cells, self.cell_roles, self.stream_groups = cells, cell_roles, stream_groups
@@ -138,6 +141,7 @@ class TrainerAdapter:
         self._queued_work_s = 0.0  # taken, not yet in the stream
         self._steps_done = steps_done
         self._cursor_version = steps_done
+        self._restored, self._restored_step = restored_rollouts, steps_done
         self._updating = False
         self._last_group_t = 0.0  # when the open step took its last group (its training's remaining part starts)
         self._step: ElasticStep | None = None
@@ -183,22 +187,17 @@ class TrainerAdapter:
                 open_step_taken=self.G if self._updating else len(self._taken) + len(self._in_step),
                 pending_work_s=self._queued_work_s + running,
                 update_in_progress=self._updating,
-                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s, earliest=g.earliest)
-                                   for g in self._ready),
+                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s) for g in self._ready),
                 dropped_groups=self._dropped_groups,
             )
 
     def take_groups(self, n: int) -> None:
         with self._lock:
             open_taken = len(self._taken) + len(self._in_step)
-            # The policy's rule (takeable_groups): the n oldest that this step may train, in buffer order.
-            eligible = [i for i, g in enumerate(self._ready) if g.earliest <= self._steps_done][:n]
-            if self._updating or n > len(eligible) or open_taken + n > self.G:
-                raise RuntimeError(f"take_groups({n}): {len(eligible)} of {len(self._ready)} ready may be taken, "
-                                   f"{open_taken} taken, updating={self._updating}")
-            chosen = set(eligible)
-            groups = [self._ready[i] for i in eligible]
-            self._ready = [g for i, g in enumerate(self._ready) if i not in chosen]
+            if self._updating or n > len(self._ready) or open_taken + n > self.G:
+                raise RuntimeError(f"take_groups({n}): {len(self._ready)} ready, {open_taken} taken, "
+                                   f"updating={self._updating}")
+            groups, self._ready = self._ready[:n], self._ready[n:]
             self._queued_work_s += sum(g.work_s for g in groups)
             step = self._steps_done
             if self.stream_groups:
@@ -394,9 +393,12 @@ class TrainerAdapter:
 
     def _calls(self, rid: str):
         try:
-            return self.store.calls(rid)
+            calls = self.store.calls(rid)
         except KeyError:  # a rollout that never reached the model
             return []
+        if rid in self._restored:  # the lost lineage's versions count as the restored one (resume_plan dates so)
+            calls = lineage_calls(calls, self._restored_step)
+        return calls
 
     # -- the trainer thread: packed rows -> the elastic step -> the update, a StepDone on done --
     def _train_main(self) -> None:
