@@ -11,7 +11,7 @@ import socket
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from gyre_jax.pods.transport import Mailbox, TransferConfig, Transport, abstract, get
 
@@ -77,3 +77,26 @@ def test_transfer_config_from_text_and_its_errors():
         TransferConfig.parse("transfer_size=big")
     with pytest.raises(ValueError, match=r"GYRE_TRANSFER: TransferConfig.sockets must be a positive int, got 0"):
         TransferConfig.parse("sockets=0")
+
+
+def test_an_offered_array_donated_before_its_pull(kv):
+    """Why the pods never donate what they offer until it is pulled (publications are copies the core waits on;
+    a step's snapshot is pulled before the satellite's gradients, which the update waits for): without raw
+    buffers such a pull fails loudly; with them (the default) it silently carries whatever that memory holds by
+    then (the donating computation's output or the old bytes: both were seen here)."""
+    dev_a, dev_b = jax.devices()[0], jax.devices()[1]
+    like = [jax.ShapeDtypeStruct((1024,), np.float32, sharding=SingleDeviceSharding(dev_b))]
+    overwrite = jax.jit(lambda v: v * 0 - 1, donate_argnums=0)
+    for raw in (False, True):
+        cfg = TransferConfig(raw_buffers=raw)
+        a, b = Transport(client=kv, process_index=0, transfer=cfg), Transport(client=kv, process_index=1, transfer=cfg)
+        x = jax.device_put(np.arange(1024, dtype=np.float32), dev_a)
+        uuid = a.new_uuid()
+        a.offer(uuid, [x])
+        jax.block_until_ready(overwrite(x))
+        if raw:
+            (out,), _ = b.pull_ready(0, uuid, like)  # no error: nothing tells the puller
+            assert out.shape == (1024,)
+        else:
+            with pytest.raises(Exception, match="deleted or donated"):
+                b.pull_ready(0, uuid, like)

@@ -97,19 +97,29 @@ def model_config(args) -> ModelConfig:
                        n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, tie_embeddings=False)
 
 
-# --sweep: transfer-server settings tried beside the Transport's default (TransferConfig fields), and
-# per-leaf offers (one uuid per array, all pulls in flight at once) instead of one offer of the whole tree.
-SWEEP = {
-    "jax default (1 socket)": dict(sockets=1),
-    "2 sockets": dict(sockets=2),
-    "4 sockets": dict(sockets=4),
-    "8 sockets": dict(sockets=8),
-    "chunk 64 MiB": dict(transfer_size=64 << 20),
-    "chunk 16 MiB": dict(transfer_size=16 << 20),
-    "2 copies in flight": dict(parallel_copies=2),
-    "32 copies in flight": dict(parallel_copies=32),
-    "raw buffers": dict(raw_buffers=True),
-}
+# --sweep: transfer-server settings (TransferConfig fields) timed beside the Transport's default, and per-leaf
+# offers (one uuid per array, all pulls in flight at once) instead of one offer of the whole tree. Each server
+# maps 3 x transfer_size x parallel_copies bytes of staging (jax 0.10.2: 6 GiB at jax's default), so big chunks
+# cost memory as well as pipelining (a chunk is copied to staging, sent, received, copied out: smaller chunks
+# overlap those stages).
+SWEEP = [
+    dict(sockets=1, transfer_size=256 << 20, parallel_copies=8),  # jax's default
+    dict(sockets=2, transfer_size=4 << 20, parallel_copies=8),
+    dict(sockets=1, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=4, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=1 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=2 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=8 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=4 << 20, parallel_copies=16, raw_buffers=True),
+    dict(sockets=4, transfer_size=1 << 20, parallel_copies=32, raw_buffers=True),
+]
+
+
+def sweep_name(c: dict) -> str:
+    return (f"{c['sockets']} sock {c['transfer_size'] >> 20} MiB x{c['parallel_copies']}"
+            f"{' raw' if c.get('raw_buffers') else ''}")
+
+
 LEAF = "per-leaf offers"
 
 
@@ -181,8 +191,8 @@ def peer(args) -> None:
     base = dataclasses.asdict(t.transfer)
     servers = {"transport": t.server}
     if args.sweep:  # one more server per setting, in both processes (each side's settings are its own)
-        for name, over in SWEEP.items():
-            servers[name] = TransferConfig(**(base | over)).start("127.0.0.1")
+        for c in SWEEP:
+            servers[sweep_name(c)] = TransferConfig(**c).start("127.0.0.1")
     for name, srv in servers.items():
         t.kv.key_value_set(f"bench/addr/{pid}/{name}", srv.address())
     socket_counts = sorted({1, t.transfer.sockets})

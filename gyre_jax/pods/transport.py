@@ -24,9 +24,20 @@ Speed: ``TransferConfig`` (constructor argument ``transfer=``, or the
 ``GYRE_TRANSFER`` environment variable for operators, e.g.
 ``GYRE_TRANSFER="sockets=2,transfer_size=256M,parallel_copies=8"``) sets how
 many sockets carry the bulk bytes between two servers (transport addresses),
-the staging chunk size and how many chunks are in flight. The defaults are what
-``tools/bench_role_switch.py --sweep`` measured fastest for ~256-490 MB of
-params between two processes on loopback (numbers in that file's docstring).
+the staging chunk size, how many chunks are in flight and whether the sender
+reads the arrays' own memory (raw buffers) instead of first copying each chunk
+to staging. The defaults (2 sockets, 4 MiB chunks, 8 in flight, raw buffers)
+are what ``tools/bench_role_switch.py --sweep`` measured fastest for 623 MB of
+params between two processes on loopback (numbers in that file's docstring):
+~2.5x jax's own defaults (1 socket, 256 MiB chunks, staged), which also map
+6 GiB of staging per server where these map 96 MiB.
+
+Raw buffers mean an offered pytree must be neither donated nor deleted until
+its pull is complete: a donated array's pull then carries whatever its memory
+holds by then, silently (staged, it fails loudly). The pods keep to that: a
+publication is a copy the core waits on (``PUBLISHED``), a step's snapshot is
+pulled before the gradients the update waits for. ``raw_buffers=0`` in
+``GYRE_TRANSFER`` trades the speed for the loud failure.
 
 Uuids are unique per run: the high bits are the allocating process, the low
 bits a counter, so two processes never offer under the same uuid.
@@ -104,13 +115,14 @@ class TransferConfig:
     ``sockets``: transport addresses, i.e. parallel sockets per connection (the
     bytes of one pull are spread over them); ``transfer_size``: bytes per staging
     chunk; ``parallel_copies``: chunks in flight at once; ``raw_buffers``: send
-    from the arrays' own buffers where the runtime can (no staging copy).
+    from the arrays' own buffers (no staging copy; offered arrays must then not
+    be donated before they are pulled). Defaults: measured, see the module docstring.
     """
 
-    sockets: int = 1
-    transfer_size: int = 256 << 20
+    sockets: int = 2
+    transfer_size: int = 4 << 20
     parallel_copies: int = 8
-    raw_buffers: bool = False
+    raw_buffers: bool = True
 
     def __post_init__(self):
         for name in ("sockets", "transfer_size", "parallel_copies"):
@@ -184,7 +196,9 @@ class Transport:
 
     # ---- arrays ----------------------------------------------------------------
     def offer(self, uuid: int, tree) -> None:
-        """Let a peer pull ``tree`` once under ``uuid`` (returns at once; the server holds the arrays until then)."""
+        """Let a peer pull ``tree`` once under ``uuid`` (returns at once; the server holds the arrays until then).
+
+        Do not donate or delete ``tree`` before the pull is complete (raw buffers: see the module docstring)."""
         self.server.await_pull(uuid, tree)
 
     def connect(self, process: int, *, timeout_s: float = 300.0):
