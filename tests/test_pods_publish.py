@@ -4,13 +4,13 @@ In one process, as the rl job's satellite does it in its own (gyre_jax.pods.rl_j
 two transfer servers on one coordination service, the satellite's ``serve`` loop on
 a thread, a real engine (GyreEngine under JetStream) built on the first publication
 and handed each later one by ``on_publish``. The core mails a publication whose
-bytes it has not offered yet, so the satellite's pull is under way and cannot end;
-a call made then is answered, on the old version, token for token what it was
+bytes it has not offered yet, so the satellite's pull is in flight (its log says
+so) and cannot end; a call made then is answered, on the old version, token for token what it was
 before; once the bytes are offered the engine serves the new version.
 """
 import asyncio
+import logging
 import threading
-import time
 
 import jax
 import numpy as np
@@ -22,7 +22,7 @@ from gyre_jax.cells import Role
 from gyre_jax.model import init_boxed
 from gyre_jax.pods.dp_job import build
 from gyre_jax.pods.satellite import PUBLISHED, SatelliteLink, serve
-from gyre_jax.pods.transport import MAIL, Transport, get
+from gyre_jax.pods.transport import Transport, get
 from gyre_jax.serving.backend import GenerateRequest, SamplingParams
 from tests.test_pods_dp import _config
 from tests.test_pods_transport import kv  # noqa: F401 - the module's coordination service
@@ -64,6 +64,17 @@ def test_a_call_is_served_while_a_publication_is_pulled(kv):  # noqa: F811 - the
                                                version=version))
         box["backend"] = asyncio.run_coroutine_threadsafe(make(), loop).result(300)
 
+    pulling = threading.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("pods satellite 1: pulling v1,"):
+                pulling.set()
+
+    sat_log = logging.getLogger("gyre_jax.pods.satellite")
+    said, level = Said(), sat_log.level
+    sat_log.addHandler(said)
+    sat_log.setLevel(logging.INFO)
     sat_thread = threading.Thread(target=lambda: box.update(done=serve(
         b, steps, sat.train_mesh, serve_shardings=serve_shardings, on_publish=on_publish, generation="g")))
     sat_thread.start()
@@ -74,17 +85,10 @@ def test_a_call_is_served_while_a_publication_is_pulled(kv):  # noqa: F811 - the
         before = _call(backend, loop, "before")
         assert before[1] == 0
 
-        # Version 1 under way: the satellite takes the message and starts its pull, which waits for the bytes.
+        # Version 1 under way: the satellite's pull is in flight (it says so) and waits for bytes not offered yet.
         uuid = a.new_uuid()
         link.mail.send({"op": "publish", "uuid": uuid, "version": 1, "core": 0})
-        deadline = time.monotonic() + 60
-        while True:  # the mailbox deletes a message once its reader has it
-            try:
-                kv.key_value_try_get(MAIL.format(process=1, generation="g", n=1))
-            except Exception:  # noqa: BLE001 - NOT_FOUND: taken
-                break
-            assert time.monotonic() < deadline, "the satellite never took the publication"
-            time.sleep(0.05)  # polling a condition (no event to wait on across the KV store), not hiding a race
+        assert pulling.wait(60), "the satellite never started pulling the publication"
         during = _call(backend, loop, "during")
         assert during == before  # answered, on the old version, while the new one could not be in yet
         with pytest.raises(Exception, match="NOT_FOUND"):
@@ -100,4 +104,6 @@ def test_a_call_is_served_while_a_publication_is_pulled(kv):  # noqa: F811 - the
         if "backend" in box:
             asyncio.run_coroutine_threadsafe(box["backend"].close(), loop).result(120)
         loop.call_soon_threadsafe(loop.stop)
+        sat_log.removeHandler(said)
+        sat_log.setLevel(level)
     assert box["done"]["published_version"] == 1

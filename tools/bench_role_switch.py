@@ -22,7 +22,14 @@ dispatch until the target cell holds every byte:
                jax.distributed KV store). Two child processes of 4 devices each
                (--cross_process 0 skips them); cross_process_gbps = param bytes /
                median pull seconds (offer to every byte on the satellite's devices).
-               Target: >= 0.3 x plain copy.
+               Target: >= 0.3 x plain copy, or >= 0.8 x the link limit:
+  * link limit: the same number of bytes between the same two processes over
+               plain loopback TCP (sender ``sendall`` from a preallocated buffer,
+               receiver ``recv_into`` preallocated buffers), over 1 socket and
+               over as many as the Transport uses; link_limit_gbps is the faster.
+  * --sweep:   each transfer-server setting in SWEEP (sockets, chunk size, chunks
+               in flight, raw buffers) and per-leaf offers, in the same rounds;
+               this is how TransferConfig's defaults were picked.
 
 Each kind of move runs in blocks of --repeats, the kinds alternating over
 --rounds; times are medians over all blocks. The first move of each kind is
@@ -32,7 +39,8 @@ nothing for its old role, as in a real switch (the plain copy likewise). copy_gb
 the slower of the two moves: param_bytes / max(to_train_s, to_rollout_s).
 Target: copy_gbps >= 0.5 * plain_copy_gbps.
 
-    python tools/bench_role_switch.py     # ~490 MB model, ~1.5 min on 2 cores; ~3 GB of host memory in all
+    python tools/bench_role_switch.py     # 623 MB model, ~5 min on 2 loaded cores; ~4 GB of host memory in all
+    python tools/bench_role_switch.py --sweep --in_process 0   # the transfer settings only, ~6 min
     python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
 """
 from __future__ import annotations

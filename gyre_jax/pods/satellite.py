@@ -42,9 +42,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gyre_jax.cells.publish import TO_ROLLOUT, TO_TRAIN, MoveStats
+from gyre_jax.cells.publish import TO_ROLLOUT, TO_TRAIN, MoveStats, tree_bytes
 from gyre_jax.cells.train_step import CellSteps
-from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
+from gyre_jax.pods.transport import Mailbox, PullStats, Transport, abstract, get
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,11 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
             t0 = time.perf_counter()
             # A pull cannot change the layout (jax 0.10.2: "Async transfer object was deleted before transfers
             # completed" when the target sharding differs), so: the core's layout across, the reshard here.
-            p, st = transport.pull_ready(int(msg["core"]), int(msg["uuid"]), params_like)
+            pending = transport.pull(int(msg["core"]), int(msg["uuid"]), params_like)  # in flight from here
+            log.info("pods satellite %d: pulling v%d, serving v%s meanwhile", me, int(msg["version"]),
+                     None if published is None else published[0])
+            p = jax.block_until_ready(pending)
+            st = PullStats(int(msg["uuid"]), tree_bytes(params_like), time.perf_counter() - t0)
             if serve_shardings is not None:
                 p = jax.block_until_ready(jax.device_put(p, serve_shardings))
             seconds = time.perf_counter() - t0
