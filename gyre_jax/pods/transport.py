@@ -29,8 +29,10 @@ reads the arrays' own memory (raw buffers) instead of first copying each chunk
 to staging. The defaults (2 sockets, 4 MiB chunks, 8 in flight, raw buffers)
 are what ``tools/bench_role_switch.py --sweep`` measured fastest for 623 MB of
 params between two processes on loopback (numbers in that file's docstring):
-~2.5x jax's own defaults (1 socket, 256 MiB chunks, staged), which also map
-6 GiB of staging per server where these map 96 MiB.
+1.3x-2.5x jax's own defaults (1 socket, 256 MiB chunks, staged) in four runs
+on a loaded 2-core machine (0.91-1.04 GB/s vs 0.36-0.81 GB/s; raw loopback TCP
+moved the same bytes at 0.7-1.3 GB/s), and jax's defaults map 6 GiB of staging
+per server where these map 96 MiB.
 
 Raw buffers mean an offered pytree must be neither donated nor deleted until
 its pull is complete: a donated array's pull then carries whatever its memory
