@@ -112,7 +112,7 @@ def model_config(args) -> ModelConfig:
 # overlap those stages).
 SWEEP = [
     dict(sockets=1, transfer_size=256 << 20, parallel_copies=8),  # jax's default
-    dict(sockets=2, transfer_size=4 << 20, parallel_copies=8),
+    dict(sockets=2, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),  # the default, raw (opt-in)
     dict(sockets=1, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),
     dict(sockets=4, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),
     dict(sockets=2, transfer_size=1 << 20, parallel_copies=8, raw_buffers=True),

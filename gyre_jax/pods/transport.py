@@ -26,20 +26,21 @@ Speed: ``TransferConfig`` (constructor argument ``transfer=``, or the
 many sockets carry the bulk bytes between two servers (transport addresses),
 the staging chunk size, how many chunks are in flight and whether the sender
 reads the arrays' own memory (raw buffers) instead of first copying each chunk
-to staging. The defaults (2 sockets, 4 MiB chunks, 8 in flight, raw buffers)
-are what ``tools/bench_role_switch.py --sweep`` measured fastest for 623 MB of
-params between two processes on loopback (numbers in that file's docstring):
-1.3x-2.5x jax's own defaults (1 socket, 256 MiB chunks, staged) in four runs
-on a loaded 2-core machine (0.91-1.04 GB/s vs 0.36-0.81 GB/s; raw loopback TCP
-moved the same bytes at 0.7-1.3 GB/s), and jax's defaults map 6 GiB of staging
-per server where these map 96 MiB.
+to staging. The defaults (2 sockets, 4 MiB chunks, 8 in flight, staged) come
+from ``tools/bench_role_switch.py --sweep`` for 623 MB of params between two
+processes on loopback (numbers in that file's docstring): small chunks gave most
+of the gain over jax's own defaults (1 socket, 256 MiB chunks; 0.36-0.81 GB/s,
+raw loopback TCP 0.7-1.3 GB/s on a loaded 2-core machine), and jax's defaults
+map 6 GiB of staging per server where these map 96 MiB.
 
-Raw buffers mean an offered pytree must be neither donated nor deleted until
-its pull is complete: a donated array's pull then carries whatever its memory
-holds by then, silently (staged, it fails loudly). The pods keep to that: a
-publication is a copy the core waits on (``PUBLISHED``), a step's snapshot is
-pulled before the gradients the update waits for. ``raw_buffers=0`` in
-``GYRE_TRANSFER`` trades the speed for the loud failure.
+Raw buffers (``raw_buffers=1`` in ``GYRE_TRANSFER``) were faster still in 3 of
+4 runs (1.1x-1.7x; 0.91-1.04 GB/s in all) but are not the default: an offered
+pytree must then be neither donated nor deleted until its pull is complete, or
+the pull carries whatever its memory holds by then, silently, where a staged
+pull fails loudly ("deleted or donated"). The pods keep to that rule today (a
+publication is a copy the core waits on, a step's snapshot is pulled before the
+gradients the update waits for), but weights that are silently wrong are the
+one failure an RL run must never have, so the speed is an operator's opt-in.
 
 Uuids are unique per run: the high bits are the allocating process, the low
 bits a counter, so two processes never offer under the same uuid.
@@ -124,7 +125,7 @@ class TransferConfig:
     sockets: int = 2
     transfer_size: int = 4 << 20
     parallel_copies: int = 8
-    raw_buffers: bool = True
+    raw_buffers: bool = False  # opt-in: faster, but a donated offer is pulled silently wrong (module docstring)
 
     def __post_init__(self):
         for name in ("sockets", "transfer_size", "parallel_copies"):
