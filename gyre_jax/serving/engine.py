@@ -63,13 +63,15 @@ from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
-    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_memory_plan,
+    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_bytes_per_page, kv_memory_plan,
 )
+from gyre_jax.serving.pages import PagePool, pages_for
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 MAX_INFLIGHT_CALLS = 2  # decode calls dispatched ahead of the device
+KV_CACHES = ("contiguous", "paged")
 
 
 class ParamsRef:
@@ -115,7 +117,8 @@ class GyreEngine(engine_api.Engine):
     def __init__(self, config: ModelConfig, params, *, mesh: Mesh | None = None, max_slots: int = 8,
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
-                 max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None):
+                 max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None,
+                 kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None):
         """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
 
         mesh: the cell's serving mesh (axes 'data', 'tensor'); default: device 0.
@@ -133,7 +136,14 @@ class GyreEngine(engine_api.Engine):
           chunk's activations, not a [75K, 75K] mask.
         kv_budget_bytes: if set, the decode cache (max_slots x max_len) must fit
           it; otherwise a ValueError gives the plan (slots that fit, longest
-          context at one slot; engine_state.kv_memory_plan).
+          context at one slot; engine_state.kv_memory_plan). A paged cache
+          instead gets as many pages as the budget holds.
+        kv_cache: "contiguous" (max_len entries preallocated per slot) or "paged"
+          (a pool of ``page_size``-token pages handed to live tokens; a call is
+          admitted when pages for its prompt + max_tokens are free, so slots are
+          cheap and max_slots can exceed what slots x max_len memory allows).
+        kv_pages: pages in the pool (page 0 is never used); default: the budget's
+          worth, or the contiguous cache's memory (max_slots x max_len) + 1.
         """
         if max_slots < 1:
             raise ValueError(f"GyreEngine.max_slots must be >= 1, got {max_slots}")
@@ -147,14 +157,28 @@ class GyreEngine(engine_api.Engine):
         if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"GyreEngine.prefill_chunk must be a power of two >= {MIN_BUCKET}, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk)
-        if kv_budget_bytes is not None:
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"GyreEngine.kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+        self.kv_cache, self._pool = kv_cache, None
+        if kv_cache == "paged":
+            if page_size < 1 or self.max_len % page_size:
+                raise ValueError(f"GyreEngine: max_len={self.max_len} must be a multiple of page_size={page_size}")
+            if kv_pages is None:
+                kv_pages = (int(kv_budget_bytes) // kv_bytes_per_page(config, page_size) if kv_budget_bytes is not None
+                            else max_slots * self.max_len // page_size + 1)
+            self._pool = PagePool(int(kv_pages), page_size, max_slots, self.max_len)
+        elif kv_budget_bytes is not None:
             plan = kv_memory_plan(config, self.max_len, int(kv_budget_bytes))
             if plan["slots_that_fit"] < max_slots:
                 raise ValueError(
                     f"GyreEngine: {max_slots} slots x max_len={self.max_len} need "
                     f"{max_slots * plan['bytes_per_slot'] / 2**30:.2f} GiB of KV cache, more than "
                     f"kv_budget_bytes={kv_budget_bytes / 2**30:.2f} GiB; {plan['slots_that_fit']} slots fit at this "
-                    f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens")
+                    f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens (or kv_cache='paged')")
+        # Host bound on each slot's length (paged: pages are handed out before the decode call
+        # that writes them) and whether the slot may still be generating.
+        self._host_len = np.zeros((max_slots,), np.int64)
+        self._host_live = np.zeros((max_slots,), bool)
         self._slots = max_slots
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
@@ -182,11 +206,13 @@ class GyreEngine(engine_api.Engine):
         self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
         self._ids = itertools.count()
         self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
-                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0)
+                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0,
+                             page_waits=0)
         self._build_jits()
 
     def _build_jits(self):
-        fns = device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call)
+        paged = None if self._pool is None else (self._pool.num_pages, self._pool.page_size)
+        fns = device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call, paged)
         self._ds_sharding, self._block_sharding = fns["ds_sharding"], fns["block_sharding"]
         for k, v in fns.items():
             setattr(self, "_" + k, v)
@@ -227,6 +253,8 @@ class GyreEngine(engine_api.Engine):
             with self._lock:
                 if inp.request_id in self._cancelled:
                     return self._dead_prefix(inp.request_id)
+            if self._pool is not None and not self._admit(inp):
+                return self._dead_prefix(inp.request_id)
             return self._prefill(params, inp)
         except Exception as e:  # noqa: BLE001 - must not reach JetStream's thread
             log.exception("%s: prefill of %s failed", self.name, inp.request_id)
@@ -236,6 +264,20 @@ class GyreEngine(engine_api.Engine):
             with self._cv:
                 self._prefilling -= 1
                 self._cv.notify_all()
+
+    def _admit(self, inp: PrefillInput) -> bool:
+        """Paged cache: wait until pages for the call's tokens and all it may still generate are
+        free (released calls return theirs on the generate thread). False if it was cancelled."""
+        tokens = min(len(inp.tokens) + 1 + max(0, inp.sampling.max_tokens - inp.generated), self.max_len)
+        need = pages_for(tokens, self._pool.page_size)
+        while not self._pool.reserve(inp.request_id, need):
+            with self._lock:
+                if inp.request_id in self._cancelled:
+                    return False
+            self.counters["page_waits"] += 1
+            with self._cv:
+                self._cv.wait(timeout=0.05)
+        return True
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
         t0 = time.perf_counter()
@@ -316,14 +358,24 @@ class GyreEngine(engine_api.Engine):
             dead = prefix.k is None or rid in self._cancelled
             self._cancelled.discard(rid)
         try:
+            if self._pool is not None and self._pool.owned[slot]:  # left by a call JetStream freed on its own
+                self._free_pages(slot)
             if dead:
+                if self._pool is not None:
+                    self._pool.unreserve(rid)
                 return self._stop_slot(decode_state, np.int32(slot))
             # A slot is generating now; results still in flight predate it and must
             # not be read as "nothing is generating" by _idle.
             self._any_active = True
             self._inflight.clear()
+            n = int(prefix.scalars_i[0])
+            self._host_len[slot], self._host_live[slot] = n, True
+            extra = ()
+            if self._pool is not None:
+                shared = self._pool.bind(rid, slot, tokens=n)
+                extra = (self._pool.table[slot].copy(), np.int32(shared))
             return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
-                                np.int32(slot))
+                                np.int32(slot), *extra)
         except Exception as e:  # noqa: BLE001
             log.exception("%s: insert of %s failed", self.name, rid)
             self._fail(rid, f"insert failed: {type(e).__name__}: {e}")
@@ -336,7 +388,9 @@ class GyreEngine(engine_api.Engine):
         while self._inflight and self._inflight[0].is_ready():
             newest = self._inflight.popleft()
         if newest is not None and not self._inflight:  # the latest call is done: its flags are current
-            self._any_active = bool(np.asarray(newest)[:, -1].any())
+            active_S = np.asarray(newest)[:, -1].astype(bool)
+            self._any_active = bool(active_S.any())
+            self._host_live &= active_S  # a finished slot grows no more pages
         if self._any_active is not False:
             return False
         with self._cv:
@@ -380,6 +434,7 @@ class GyreEngine(engine_api.Engine):
             p = params.value if isinstance(params, ParamsRef) else params
             if len(self._inflight) >= MAX_INFLIGHT_CALLS:
                 jax.block_until_ready(self._inflight.popleft())
+            decode_state = self._grow_pages(decode_state)
             decode_state, data = self._generate(p, decode_state)
             self._inflight.append(data)
             self._any_active = None
@@ -390,6 +445,8 @@ class GyreEngine(engine_api.Engine):
             for rid in owners:
                 self._fail(rid, f"generate step failed: {type(e).__name__}: {e}")
             decode_state = self.init_decode_state()
+            for s in range(self._slots):
+                self._free_pages(s)
             data = np.zeros((self._slots, 4 * self.tokens_per_call + 2), np.int32)
         self.counters["generate_steps"] += self.tokens_per_call
         self.counters["generate_s"] += time.perf_counter() - t0
@@ -457,6 +514,36 @@ class GyreEngine(engine_api.Engine):
         self._wake()
         return fut
 
+    # ---- paged cache (host side) --------------------------------------------------------
+    def _grow_pages(self, ds: DecodeState) -> DecodeState:
+        """Before a decode call: pages for the tokens it may write (tokens_per_call per live slot),
+        then the device's page table if anything changed."""
+        if self._pool is None:
+            return ds
+        k = self.tokens_per_call
+        for s in np.flatnonzero(self._host_live):
+            self._pool.grow(int(s), int(min(self._host_len[s] + k, self.max_len)))
+            self._host_len[s] = min(self._host_len[s] + k, self.max_len - 1)
+        if self._pool.dirty:
+            self._pool.dirty = False
+            ds = self._set_table(ds, self._pool.table.copy())
+        return ds
+
+    def _free_pages(self, slot: int) -> None:
+        self._host_live[slot] = False
+        if self._pool is None or not self._pool.owned[slot]:
+            return
+        self._pool.free_slot(slot)
+        self._wake()  # a prefill may be waiting for pages
+
+    def kv_stats(self) -> dict[str, int]:
+        """Pages in use / free / promised (paged cache), and the live tokens they hold."""
+        if self._pool is None:
+            return {}
+        out = self._pool.stats()
+        out["page_size"] = self._pool.page_size
+        return out
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -509,8 +596,15 @@ class GyreEngine(engine_api.Engine):
             except Exception as e:  # noqa: BLE001
                 log.exception("%s: %s of %s failed", self.name, kind, rid)
                 fut.set_exception(e)
+        self._host_len[:] = len_S
+        self._host_live[:] = active_S
         if stop_S.any():
             ds = self._stop_slots(ds, stop_S)
+        for kind, rid, _ in cmds:  # stopped, or ended on its own (context full): its pages go back
+            with self._lock:
+                slot = self._owner_slot.get(rid)
+            if slot is not None and kind != "export" or slot is not None and stop_S[slot]:
+                self._free_pages(slot)
         self._any_active = bool((active_S & ~stop_S).any())  # exact for ds now (the read waited for it)
         self._inflight.clear()
         return ds
