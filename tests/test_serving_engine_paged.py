@@ -47,8 +47,11 @@ def test_paged_continuous_batching_equals_reference_and_frees_every_page(engine,
     live = sum(len(p) - 1 for p in ps) + 12 + 12 + 9 + 5
     assert engine.kv_stats()["pages_in_use"] * G < live + 4 * G  # at most one partial page per call
     _release(r, engine, "a", "b", "c", "d")
-    st = engine.kv_stats()
-    assert st["pages_in_use"] == 0 and st["pages_free"] == st["pages_total"] == 48 and st["pages_reserved"] == 0
+    st = engine.kv_stats()  # what is left: the prompts' full pages, held by the prefix cache alone
+    assert st["pages_in_use"] == st["prefix_cache_pages"] == sum((len(p) - 1) // G for p in ps)
+    assert st["pages_free"] + st["pages_in_use"] == st["pages_total"] == 48 and st["pages_reserved"] == 0
+    engine._prefix_pages.clear()
+    assert engine.kv_stats()["pages_in_use"] == 0
 
 
 def test_paged_prefix_export_and_reuse(engine, ref_logits):  # noqa: F811
@@ -62,7 +65,8 @@ def test_paged_prefix_export_and_reuse(engine, ref_logits):  # noqa: F811
     snap = engine.release("t1", snapshot=True)
     r.ds = engine._service(r.ds)
     block = snap.result(timeout=30).kv
-    assert block.length == len(p1) + len(out1) - 1 and engine.kv_stats()["pages_in_use"] == 0
+    assert block.length == len(p1) + len(out1) - 1
+    assert engine.kv_stats()["pages_in_use"] == engine.kv_stats()["prefix_cache_pages"] == (len(p1) - 1) // G
     p2 = np.concatenate([p1, out1, np.arange(40, 60, dtype=np.int32)])
     before = engine.counters["prefill_tokens"]
     inp = pinput("t2", p2, max_tokens=8, temperature=0.0)
@@ -73,7 +77,7 @@ def test_paged_prefix_export_and_reuse(engine, ref_logits):  # noqa: F811
     r.step(9)
     assert [t for t, _ in r.out[8]] == ref_greedy(ref_logits, p2, 8)
     _release(r, engine, "t2")
-    assert engine.kv_stats()["pages_in_use"] == 0
+    assert engine.kv_stats()["pages_in_use"] == engine.kv_stats()["prefix_cache_pages"]
 
 
 def test_admission_waits_for_pages_not_slots(params, ref_logits):  # noqa: F811
@@ -110,3 +114,39 @@ def test_admission_waits_for_pages_not_slots(params, ref_logits):  # noqa: F811
         GyreEngine(CFG, params, max_slots=4, max_len=MAX_LEN, kv_cache="vllm")
     with pytest.raises(ValueError, match="must be a multiple of page_size=7"):
         GyreEngine(CFG, params, max_slots=4, max_len=MAX_LEN, kv_cache="paged", page_size=7)
+
+
+def test_calls_with_a_common_prefix_share_its_pages(engine, ref_logits):  # noqa: F811
+    """Two calls of one rollout open with the same 43 tokens: the second maps the first one's 5
+    full prefix pages (counted once, not recomputed) and decodes exactly as if alone."""
+    rs = np.random.RandomState(7)
+    common = rs.randint(0, 256, size=43).astype(np.int32)
+    pa = np.concatenate([common, rs.randint(0, 256, size=6).astype(np.int32)])
+    pb = np.concatenate([common, rs.randint(0, 256, size=9).astype(np.int32)])
+    r = Runner(engine)
+    r.insert(2, pinput("sa", pa, max_tokens=6, temperature=0.0))
+    done, pre = threading.Event(), {}
+    before = engine.counters["prefill_tokens"]
+
+    def second():  # the cached pages are gathered on the thread that steps the engine
+        pre["b"] = engine.prefill(params=engine.params_ref, padded_tokens=pinput("sb", pb, max_tokens=6,
+                                                                                  temperature=0.0), true_length=0)
+        done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    while not done.is_set():
+        r.step(1)  # what JetStream's generate thread does meanwhile
+    t.join()
+    assert engine.counters["prefill_tokens"] - before == len(pb) - 1 - 40  # 5 pages of 8 were shared
+    in_use_a = engine.kv_stats()["pages_in_use"]
+    r.ds = engine.insert(pre["b"], r.ds, 3)
+    r.out[3], _ = [], r.live.add(3)
+    # b's own pages: its 51 prompt tokens minus the 40 shared (2 pages); the 5 shared counted once
+    assert engine.kv_stats()["pages_in_use"] == in_use_a + 2
+    r.step(8)
+    assert [t for t, _ in r.out[2]] == ref_greedy(ref_logits, pa, 6)
+    assert [t for t, _ in r.out[3]] == ref_greedy(ref_logits, pb, 6)
+    _release(r, engine, "sa", "sb")
+    st = engine.kv_stats()
+    assert st["pages_in_use"] == st["prefix_cache_pages"] and st["pages_reserved"] == 0  # only the cache's own

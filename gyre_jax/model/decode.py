@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.paged import PagedMask, gather_pages, page_slots
+from gyre_jax.model.paged import PagedMask, gather_pages, page_slots  # noqa: F401 - gather_pages re-exported
 from gyre_jax.model.transformer import Transformer, cache_mask
 
 

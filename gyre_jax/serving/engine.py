@@ -65,7 +65,7 @@ from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
     DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_bytes_per_page, kv_memory_plan,
 )
-from gyre_jax.serving.pages import PagePool, pages_for
+from gyre_jax.serving.pages import PagePool, PrefixPages, pages_for
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,9 @@ class GyreEngine(engine_api.Engine):
                     f"{max_slots * plan['bytes_per_slot'] / 2**30:.2f} GiB of KV cache, more than "
                     f"kv_budget_bytes={kv_budget_bytes / 2**30:.2f} GiB; {plan['slots_that_fit']} slots fit at this "
                     f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens (or kv_cache='paged')")
+        self._prefix_pages = None if self._pool is None else PrefixPages(self._pool)
+        # Per request between prefill and insert: its prompt tokens and the cached prefix pages it maps.
+        self._pending_pages: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         # Host bound on each slot's length (paged: pages are handed out before the decode call
         # that writes them) and whether the slot may still be generating.
         self._host_len = np.zeros((max_slots,), np.int64)
@@ -207,7 +210,7 @@ class GyreEngine(engine_api.Engine):
         self._ids = itertools.count()
         self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
                              generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0,
-                             page_waits=0)
+                             page_waits=0, shared_page_tokens=0)
         self._build_jits()
 
     def _build_jits(self):
@@ -232,6 +235,8 @@ class GyreEngine(engine_api.Engine):
         Call between drain and admit: calls already in a slot would mix versions."""
         self.params_ref.value = jax.device_put(params, self._param_shardings)
         self.params_ref.version = int(version)
+        if self._prefix_pages is not None:  # k/v of the old weights: never reused
+            self._prefix_pages.clear()
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         return self._make_state()
@@ -253,7 +258,7 @@ class GyreEngine(engine_api.Engine):
             with self._lock:
                 if inp.request_id in self._cancelled:
                     return self._dead_prefix(inp.request_id)
-            if self._pool is not None and not self._admit(inp):
+            if self._pool is not None and not self._admit_paged(inp):
                 return self._dead_prefix(inp.request_id)
             return self._prefill(params, inp)
         except Exception as e:  # noqa: BLE001 - must not reach JetStream's thread
@@ -265,18 +270,39 @@ class GyreEngine(engine_api.Engine):
                 self._prefilling -= 1
                 self._cv.notify_all()
 
-    def _admit(self, inp: PrefillInput) -> bool:
-        """Paged cache: wait until pages for the call's tokens and all it may still generate are
-        free (released calls return theirs on the generate thread). False if it was cancelled."""
-        tokens = min(len(inp.tokens) + 1 + max(0, inp.sampling.max_tokens - inp.generated), self.max_len)
-        need = pages_for(tokens, self._pool.page_size)
-        while not self._pool.reserve(inp.request_id, need):
+    def _admit_paged(self, inp: PrefillInput) -> bool:
+        """Paged cache: map the longest cached full-page prefix of the prompt (PrefixPages), then
+        wait until pages for the rest of its tokens and all it may still generate are free
+        (released calls return theirs on the generate thread; cached prefixes nobody maps are
+        dropped first). False if the call was cancelled meanwhile."""
+        rid, tokens = inp.request_id, np.asarray(inp.tokens, np.int32)
+        shared = np.zeros((0,), np.int32)
+        if inp.kv is None:
+            shared = self._prefix_pages.lookup(tokens)
+        self._pending_pages[rid] = (tokens, shared)
+        total = min(len(tokens) + 1 + max(0, inp.sampling.max_tokens - inp.generated), self.max_len)
+        need = pages_for(total, self._pool.page_size) - len(shared)
+        while not self._pool.reserve(rid, need):
+            if self._prefix_pages.evict(need - self._pool.available()):
+                continue
             with self._lock:
-                if inp.request_id in self._cancelled:
+                if rid in self._cancelled:
                     return False
             self.counters["page_waits"] += 1
             with self._cv:
                 self._cv.wait(timeout=0.05)
+        if len(shared):
+            # The pool belongs to the generate thread (it donates the decode state every step):
+            # the pages are gathered there, as an export is.
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            pad = np.zeros((self._pool.pages_per_slot if len(shared) > self._pool.pages_per_slot // 2
+                            else 1 << (len(shared) - 1).bit_length(),), np.int32)
+            pad[: len(shared)] = shared
+            self._commands.put(("gather", pad, fut))
+            self._wake()
+            k, v = fut.result()
+            inp.kv = KVBlock(k, v, len(shared) * self._pool.page_size)
+            self.counters["shared_page_tokens"] += inp.kv.length
         return True
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
@@ -360,9 +386,11 @@ class GyreEngine(engine_api.Engine):
         try:
             if self._pool is not None and self._pool.owned[slot]:  # left by a call JetStream freed on its own
                 self._free_pages(slot)
+            tokens, shared = self._pending_pages.pop(rid, (None, np.zeros((0,), np.int32)))
             if dead:
                 if self._pool is not None:
                     self._pool.unreserve(rid)
+                    self._pool.release_pages(shared)
                 return self._stop_slot(decode_state, np.int32(slot))
             # A slot is generating now; results still in flight predate it and must
             # not be read as "nothing is generating" by _idle.
@@ -370,12 +398,16 @@ class GyreEngine(engine_api.Engine):
             self._inflight.clear()
             n = int(prefix.scalars_i[0])
             self._host_len[slot], self._host_live[slot] = n, True
-            extra = ()
-            if self._pool is not None:
-                shared = self._pool.bind(rid, slot, tokens=n)
-                extra = (self._pool.table[slot].copy(), np.int32(shared))
-            return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
-                                np.int32(slot), *extra)
+            if self._pool is None:
+                return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f,
+                                    prefix.stop_N, np.int32(slot))
+            first = self._pool.bind(rid, slot, tokens=n, shared_pages=shared)
+            self._pool.release_pages(shared)  # the slot holds them now
+            out = self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
+                               np.int32(slot), self._pool.table[slot].copy(), np.int32(first))
+            if tokens is not None:  # its prompt's full pages, for the next call with this prefix
+                self._prefix_pages.register(tokens[:n], self._pool.table[slot])
+            return out
         except Exception as e:  # noqa: BLE001
             log.exception("%s: insert of %s failed", self.name, rid)
             self._fail(rid, f"insert failed: {type(e).__name__}: {e}")
@@ -447,6 +479,8 @@ class GyreEngine(engine_api.Engine):
             decode_state = self.init_decode_state()
             for s in range(self._slots):
                 self._free_pages(s)
+            if self._prefix_pages is not None:  # the fresh pool holds none of them
+                self._prefix_pages.clear()
             data = np.zeros((self._slots, 4 * self.tokens_per_call + 2), np.int32)
         self.counters["generate_steps"] += self.tokens_per_call
         self.counters["generate_s"] += time.perf_counter() - t0
@@ -542,6 +576,7 @@ class GyreEngine(engine_api.Engine):
             return {}
         out = self._pool.stats()
         out["page_size"] = self._pool.page_size
+        out["prefix_cache_pages"] = len(self._prefix_pages)
         return out
 
     def _wake(self) -> None:
@@ -578,6 +613,12 @@ class GyreEngine(engine_api.Engine):
             return ds
         stop_S = np.zeros((self._slots,), bool)
         for kind, rid, fut in cmds:
+            if kind == "gather":  # a cached prefix's pages, for a prefill (rid: the page list)
+                try:
+                    fut.set_result(self._gather(ds, rid))
+                except Exception as e:  # noqa: BLE001
+                    fut.set_exception(e)
+                continue
             try:
                 with self._lock:
                     slot = self._owner_slot.get(rid)
@@ -601,6 +642,8 @@ class GyreEngine(engine_api.Engine):
         if stop_S.any():
             ds = self._stop_slots(ds, stop_S)
         for kind, rid, _ in cmds:  # stopped, or ended on its own (context full): its pages go back
+            if kind == "gather":
+                continue
             with self._lock:
                 slot = self._owner_slot.get(rid)
             if slot is not None and kind != "export" or slot is not None and stop_S[slot]:

@@ -261,6 +261,13 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     out["pause"] = jax.jit(pause, out_shardings=rep)
     out["set_table"] = jax.jit(set_table, donate_argnums=0, out_shardings=ds_s)
 
+    def gather(ds, pages_P):  # a cached prefix's pages as one contiguous block (for a prefill to attend to)
+        k = jax.vmap(mdecode.gather_pages, in_axes=(0, None))(ds.cache.k, pages_P[None])[:, 0]
+        v = jax.vmap(mdecode.gather_pages, in_axes=(0, None))(ds.cache.v, pages_P[None])[:, 0]
+        return k, v
+
+    out["gather"] = jax.jit(gather, out_shardings=(blk, blk))
+
     def make_state():
         z = jnp.zeros((slots,), jnp.int32)
         f = jnp.zeros((slots,), bool)

@@ -22,6 +22,7 @@ lock guards the counts.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import numpy as np
@@ -158,3 +159,75 @@ class PagePool:
             return {"pages_in_use": self.pages_in_use(), "pages_free": len(self._free),
                     "pages_reserved": sum(self._reserved.values()) + int(self._slot_reserve.sum()),
                     "pages_total": self.usable_pages}
+
+
+class PrefixPages:
+    """Full pages of prompts already in the pool, found by their tokens (page-granular prefix cache).
+
+    Page i of a sequence is keyed by a hash chained over tokens[0 : (i+1) * G], so a key names
+    the whole prefix up to that page, not the page's tokens alone. The cache holds one
+    reference on each page it lists (the pool's refcount), so a page outlives the call that
+    wrote it and later calls with the same prefix (the calls of one rollout, the samples of
+    one group) map it instead of computing and storing it again. Entries are dropped least
+    recently used first when admission needs pages, and all at once when the weights change.
+    """
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self._pages: dict[bytes, int] = {}  # insertion order = LRU order (a hit moves the key to the end)
+        self._lock = threading.Lock()
+
+    def keys(self, tokens: np.ndarray) -> list[bytes]:
+        g, out, h = self.pool.page_size, [], b""
+        toks = np.asarray(tokens, np.int32)
+        for i in range(toks.shape[0] // g):
+            h = hashlib.blake2b(h + toks[i * g:(i + 1) * g].tobytes(), digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, tokens: np.ndarray) -> np.ndarray:
+        """Pages holding the longest cached full-page prefix of ``tokens``, held once more for the
+        caller (``pool.release_pages`` them when done)."""
+        pages = []
+        with self._lock:
+            for key in self.keys(tokens):
+                page = self._pages.pop(key, None)
+                if page is None:
+                    break
+                self._pages[key] = page  # most recently used
+                pages.append(page)
+            out = np.asarray(pages, np.int32)
+            self.pool.retain_pages(out)
+        return out
+
+    def register(self, tokens: np.ndarray, row: np.ndarray) -> None:
+        """A slot's full prompt pages (row = its page-table row), for later calls to share."""
+        with self._lock:
+            for i, key in enumerate(self.keys(tokens)):
+                if key not in self._pages:
+                    self._pages[key] = int(row[i])
+                    self.pool.retain_pages([int(row[i])])
+
+    def evict(self, pages_wanted: int) -> int:
+        """Drop least recently used entries only the cache still holds, until ``pages_wanted`` pages
+        are freed (or none is left to drop). Returns the pages freed."""
+        freed = 0
+        with self._lock:
+            for key in list(self._pages):
+                if freed >= pages_wanted:
+                    break
+                page = self._pages[key]
+                if self.pool.refcount[page] == 1:
+                    del self._pages[key]
+                    self.pool.release_pages([page])
+                    freed += 1
+        return freed
+
+    def clear(self) -> None:
+        with self._lock:
+            pages = list(self._pages.values())
+            self._pages.clear()
+            self.pool.release_pages(pages)
+
+    def __len__(self) -> int:
+        return len(self._pages)
