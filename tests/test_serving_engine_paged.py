@@ -3,9 +3,6 @@ contiguous engine gives), pages for live tokens only, all returned when calls en
 admission by free pages rather than by slots x max_len."""
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 
@@ -81,33 +78,20 @@ def test_paged_prefix_export_and_reuse(engine, ref_logits):  # noqa: F811
 
 
 def test_admission_waits_for_pages_not_slots(params, ref_logits):  # noqa: F811
-    """Two calls each needing 5 of the pool's 6 pages: the second waits in prefill (a slot is free)
-    until the first call's pages come back, then decodes correctly."""
+    """Two calls each needing 5 of the pool's 6 pages: the second gets a slot but waits (no
+    tokens) until the first call's pages come back, then decodes correctly."""
     eng = GyreEngine(CFG, params, max_slots=4, max_len=MAX_LEN, kv_cache="paged", page_size=G, kv_pages=7)
     p1, p2 = (np.arange(1, 30, dtype=np.int32) * k % 256 for k in (3, 5))  # 29 tokens + 10 new = 5 pages
     r = Runner(eng)
     r.insert(0, pinput("x", p1, max_tokens=10, temperature=0.0))
-    done = threading.Event()
-    pre = {}
-
-    def second():
-        pre["y"] = eng.prefill(params=eng.params_ref, padded_tokens=pinput("y", p2, max_tokens=10, temperature=0.0),
-                               true_length=0)
-        done.set()
-
-    t = threading.Thread(target=second)
-    t.start()
-    deadline = time.monotonic() + 60
-    while eng.counters["page_waits"] == 0 and time.monotonic() < deadline:  # until it is seen waiting
-        done.wait(timeout=0.01)
-    assert eng.counters["page_waits"] > 0 and not done.is_set()  # blocked on pages, though 3 slots are free
+    r.insert(1, pinput("y", p2, max_tokens=10, temperature=0.0))
+    assert eng.counters["page_waits"] == 1 and eng.kv_stats()["pages_in_use"] == 4  # x's prompt only
     r.step(11)
     assert [tok for tok, _ in r.out[0]] == ref_greedy(ref_logits, p1, 10)
-    _release(r, eng, "x")  # the generate thread frees x's pages and wakes the waiting prefill
-    assert done.wait(timeout=60)
-    t.join()
-    r.ds = eng.insert(pre["y"], r.ds, 1)
-    r.out[1], _ = [], r.live.add(1)
+    assert r.out[1] == [] and 1 in r.held  # y kept its slot (held markers) and made no token
+    _release(r, eng, "x")  # the generate thread frees x's pages; its next call admits y
+    r.held.discard(1)
+    r.live.add(1)
     r.step(11)
     assert [tok for tok, _ in r.out[1]] == ref_greedy(ref_logits, p2, 10)
     with pytest.raises(ValueError, match="kv_cache must be one of"):
@@ -125,23 +109,11 @@ def test_calls_with_a_common_prefix_share_its_pages(engine, ref_logits):  # noqa
     pb = np.concatenate([common, rs.randint(0, 256, size=9).astype(np.int32)])
     r = Runner(engine)
     r.insert(2, pinput("sa", pa, max_tokens=6, temperature=0.0))
-    done, pre = threading.Event(), {}
+    r.step(1)  # a's prompt pages are written and cached
     before = engine.counters["prefill_tokens"]
-
-    def second():  # the cached pages are gathered on the thread that steps the engine
-        pre["b"] = engine.prefill(params=engine.params_ref, padded_tokens=pinput("sb", pb, max_tokens=6,
-                                                                                  temperature=0.0), true_length=0)
-        done.set()
-
-    t = threading.Thread(target=second)
-    t.start()
-    while not done.is_set():
-        r.step(1)  # what JetStream's generate thread does meanwhile
-    t.join()
-    assert engine.counters["prefill_tokens"] - before == len(pb) - 1 - 40  # 5 pages of 8 were shared
     in_use_a = engine.kv_stats()["pages_in_use"]
-    r.ds = engine.insert(pre["b"], r.ds, 3)
-    r.out[3], _ = [], r.live.add(3)
+    r.insert(3, pinput("sb", pb, max_tokens=6, temperature=0.0))
+    assert engine.counters["prefill_tokens"] - before == len(pb) - 1 - 40  # 5 pages of 8 were shared
     # b's own pages: its 51 prompt tokens minus the 40 shared (2 pages); the 5 shared counted once
     assert engine.kv_stats()["pages_in_use"] == in_use_a + 2
     r.step(8)

@@ -177,7 +177,8 @@ class GyreEngine(engine_api.Engine):
                     f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens (or kv_cache='paged')")
         self._prefix_pages = None if self._pool is None else PrefixPages(self._pool)
         # Per request between prefill and insert: its prompt tokens and the cached prefix pages it maps.
-        self._pending_pages: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._pending_pages: dict[str, tuple[np.ndarray, PrefillInput | None]] = {}
+        self._waiting: collections.deque[tuple[Prefix, int]] = collections.deque()  # inserted, waiting for pages
         # Host bound on each slot's length (paged: pages are handed out before the decode call
         # that writes them) and whether the slot may still be generating.
         self._host_len = np.zeros((max_slots,), np.int64)
@@ -258,8 +259,8 @@ class GyreEngine(engine_api.Engine):
             with self._lock:
                 if inp.request_id in self._cancelled:
                     return self._dead_prefix(inp.request_id)
-            if self._pool is not None and not self._admit_paged(inp):
-                return self._dead_prefix(inp.request_id)
+            if self._pool is not None:
+                return self._prefill_paged(params, inp)
             return self._prefill(params, inp)
         except Exception as e:  # noqa: BLE001 - must not reach JetStream's thread
             log.exception("%s: prefill of %s failed", self.name, inp.request_id)
@@ -270,40 +271,25 @@ class GyreEngine(engine_api.Engine):
                 self._prefilling -= 1
                 self._cv.notify_all()
 
-    def _admit_paged(self, inp: PrefillInput) -> bool:
-        """Paged cache: map the longest cached full-page prefix of the prompt (PrefixPages), then
-        wait until pages for the rest of its tokens and all it may still generate are free
-        (released calls return theirs on the generate thread; cached prefixes nobody maps are
-        dropped first). False if the call was cancelled meanwhile."""
+    def _prefill_paged(self, params, inp: PrefillInput) -> Prefix:
+        """Paged cache, on JetStream's prefill thread, which must never wait for the generate
+        thread (in interleaved mode that thread waits for this one while requests are queued).
+        A prompt that starts with cached full pages (PrefixPages) is computed at admission, on
+        the generate thread, which owns the pool; any other is prefilled here as usual."""
         rid, tokens = inp.request_id, np.asarray(inp.tokens, np.int32)
-        shared = np.zeros((0,), np.int32)
-        if inp.kv is None:
-            shared = self._prefix_pages.lookup(tokens)
-        self._pending_pages[rid] = (tokens, shared)
-        total = min(len(tokens) + 1 + max(0, inp.sampling.max_tokens - inp.generated), self.max_len)
-        need = pages_for(total, self._pool.page_size) - len(shared)
-        while not self._pool.reserve(rid, need):
-            if self._prefix_pages.evict(need - self._pool.available()):
-                continue
-            with self._lock:
-                if rid in self._cancelled:
-                    return False
-            self.counters["page_waits"] += 1
-            with self._cv:
-                self._cv.wait(timeout=0.05)
-        if len(shared):
-            # The pool belongs to the generate thread (it donates the decode state every step):
-            # the pages are gathered there, as an export is.
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            pad = np.zeros((self._pool.pages_per_slot if len(shared) > self._pool.pages_per_slot // 2
-                            else 1 << (len(shared) - 1).bit_length(),), np.int32)
-            pad[: len(shared)] = shared
-            self._commands.put(("gather", pad, fut))
-            self._wake()
-            k, v = fut.result()
-            inp.kv = KVBlock(k, v, len(shared) * self._pool.page_size)
-            self.counters["shared_page_tokens"] += inp.kv.length
-        return True
+        # Only a look: a waiting call holds no pages (it could block the calls ahead of it).
+        if inp.kv is None and self._prefix_pages.cached_pages(tokens):
+            self._pending_pages[rid] = (tokens, inp)
+            return self._prefix_out(None, None, inp, len(tokens))
+        self._pending_pages[rid] = (tokens, None)
+        return self._prefill(params, inp)
+
+    def _prefix_out(self, k, v, inp: PrefillInput, n_all: int) -> Prefix:
+        sp = inp.sampling
+        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop[: len(sp.stop_ids)] = sp.stop_ids
+        return Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed], np.int32),
+                      np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
         t0 = time.perf_counter()
@@ -340,11 +326,7 @@ class GyreEngine(engine_api.Engine):
                 k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c))
             self.counters["prefill_tokens"] += int(new.shape[0])
         self.counters["prefills"] += 1
-        sp = inp.sampling
-        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stop[: len(sp.stop_ids)] = sp.stop_ids
-        out = Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed], np.int32),
-                     np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
+        out = self._prefix_out(k, v, inp, n_all)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return out
 
@@ -381,37 +363,40 @@ class GyreEngine(engine_api.Engine):
                 self._owner_slot.pop(old, None)
             self._slot_owner[slot] = rid
             self._owner_slot[rid] = slot
-            dead = prefix.k is None or rid in self._cancelled
+            pending = self._pending_pages.get(rid)
+            deferred_compute = pending is not None and pending[1] is not None
+            dead = (prefix.k is None and not deferred_compute) or rid in self._cancelled
             self._cancelled.discard(rid)
         try:
             if self._pool is not None and self._pool.owned[slot]:  # left by a call JetStream freed on its own
                 self._free_pages(slot)
-            tokens, shared = self._pending_pages.pop(rid, (None, np.zeros((0,), np.int32)))
             if dead:
                 if self._pool is not None:
-                    self._pool.unreserve(rid)
-                    self._pool.release_pages(shared)
+                    self._pending_pages.pop(rid, None)
                 return self._stop_slot(decode_state, np.int32(slot))
-            # A slot is generating now; results still in flight predate it and must
-            # not be read as "nothing is generating" by _idle.
-            self._any_active = True
-            self._inflight.clear()
-            n = int(prefix.scalars_i[0])
-            self._host_len[slot], self._host_live[slot] = n, True
-            if self._pool is None:
-                return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f,
-                                    prefix.stop_N, np.int32(slot))
-            first = self._pool.bind(rid, slot, tokens=n, shared_pages=shared)
-            self._pool.release_pages(shared)  # the slot holds them now
-            out = self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
-                               np.int32(slot), self._pool.table[slot].copy(), np.int32(first))
-            if tokens is not None:  # its prompt's full pages, for the next call with this prefix
-                self._prefix_pages.register(tokens[:n], self._pool.table[slot])
-            return out
+            if self._pool is not None:  # admitted when its pages are free (_admit_waiting)
+                if prefix.k is not None:  # JetStream deletes a prefix's arrays once insert returns
+                    prefix = prefix.replace(k=jnp.copy(prefix.k), v=jnp.copy(prefix.v))
+                self._waiting.append((prefix, slot))
+                decode_state = self._admit_waiting(self._hold_slot(decode_state, np.int32(slot), prefix.scalars_i[2]))
+                if self._waiting and self._waiting[-1][1] == slot:
+                    self.counters["page_waits"] += 1  # admission by pages: it waits, though it has a slot
+                return decode_state
+            return self._insert_now(decode_state, prefix, slot)
         except Exception as e:  # noqa: BLE001
             log.exception("%s: insert of %s failed", self.name, rid)
             self._fail(rid, f"insert failed: {type(e).__name__}: {e}")
             return decode_state
+
+    def _insert_now(self, ds: DecodeState, prefix: Prefix, slot: int, extra=()) -> DecodeState:
+        # A slot is generating now; results still in flight predate it and must
+        # not be read as "nothing is generating" by _idle.
+        self._any_active = True
+        self._inflight.clear()
+        n = int(prefix.scalars_i[0])
+        self._host_len[slot], self._host_live[slot] = n, True
+        return self._insert(ds, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
+                            np.int32(slot), *extra)
 
     def _idle(self) -> bool:
         """No slot is generating (only held or empty ones): skip the decode and
@@ -460,6 +445,8 @@ class GyreEngine(engine_api.Engine):
         t0 = time.perf_counter()
         try:
             decode_state = self._service(decode_state)
+            if self._waiting:
+                decode_state = self._admit_waiting(decode_state)
             if self._should_pause() or self._idle():
                 self.counters["decode_pauses"] += 1
                 return decode_state, self._result(self._pause(decode_state))
@@ -480,6 +467,7 @@ class GyreEngine(engine_api.Engine):
             for s in range(self._slots):
                 self._free_pages(s)
             if self._prefix_pages is not None:  # the fresh pool holds none of them
+                self._drop_waiting()
                 self._prefix_pages.clear()
             data = np.zeros((self._slots, 4 * self.tokens_per_call + 2), np.int32)
         self.counters["generate_steps"] += self.tokens_per_call
@@ -563,6 +551,67 @@ class GyreEngine(engine_api.Engine):
             ds = self._set_table(ds, self._pool.table.copy())
         return ds
 
+    def _admit_waiting(self, ds: DecodeState) -> DecodeState:
+        """Insert waiting calls, oldest first, while pages for their prompt and all they may still
+        generate are free (cached prefixes nobody maps are dropped to make room). A waiting call
+        keeps its slot as a held one (no tokens, never expires), so JetStream does not reuse it."""
+        while self._waiting:
+            prefix, slot = self._waiting[0]
+            rid = prefix.request_id
+            tokens, inp = self._pending_pages[rid]
+            n = int(prefix.scalars_i[0])
+            remaining = max(0, int(prefix.scalars_i[3]) - int(prefix.scalars_i[2]))
+            total = pages_for(min(n + 1 + remaining, self.max_len), self._pool.page_size)
+            if total > self._pool.usable_pages:
+                self._waiting.popleft()
+                del self._pending_pages[rid]
+                self._fail(rid, f"{n} tokens + {remaining} to generate need {total} pages of "
+                                f"{self._pool.page_size} tokens; the engine's pool has {self._pool.usable_pages}")
+                ds = self._stop_slot(ds, np.int32(slot))
+                continue
+            # Cached pages of its prompt are mapped, not stored again, even when the prompt was already
+            # computed (prefills run ahead of admission, so a rollout's calls often all miss at prefill).
+            shared = self._prefix_pages.lookup(tokens)
+            if not self._pool.reserve(rid, total - len(shared)):
+                self._pool.release_pages(shared)
+                if self._prefix_pages.evict(total - len(shared) - self._pool.available()):
+                    continue
+                return ds
+            self._waiting.popleft()
+            del self._pending_pages[rid]
+            try:
+                if inp is not None and len(shared):  # its cached prefix pages, gathered, then only the rest computed
+                    pad = np.zeros((self._pool.pages_per_slot if len(shared) > self._pool.pages_per_slot // 2
+                                    else 1 << (len(shared) - 1).bit_length(),), np.int32)
+                    pad[: len(shared)] = shared
+                    k, v = self._gather(ds, pad)
+                    inp.kv = KVBlock(k, v, len(shared) * self._pool.page_size)
+                if inp is not None:  # computed here (its cached pages may have gone meanwhile: then all of it)
+                    prefix = self._prefill(self.params_ref.value, inp)
+                first = self._pool.bind(rid, slot, tokens=n, shared_pages=shared)
+                self.counters["shared_page_tokens"] += first  # tokens on pages it shares, stored once
+                ds = self._insert_now(ds, prefix, slot, (self._pool.table[slot].copy(), np.int32(first)))
+                self._prefix_pages.register(tokens[:n], self._pool.table[slot])  # for the next call with it
+            except Exception as e:  # noqa: BLE001
+                log.exception("%s: admission of %s failed", self.name, rid)
+                self._pool.unreserve(rid)
+                self._fail(rid, f"prefill failed: {type(e).__name__}: {e}")
+                ds = self._stop_slot(ds, np.int32(slot))
+            finally:
+                self._pool.release_pages(shared)  # the slot holds them now (or nobody does)
+        return ds
+
+    def _waiting_slot(self, slot: int):
+        for i, (prefix, s) in enumerate(self._waiting):
+            if s == slot:
+                return i, prefix
+        return None, None
+
+    def _drop_waiting(self) -> None:
+        while self._waiting:
+            prefix, _ = self._waiting.popleft()
+            self._pending_pages.pop(prefix.request_id, None)
+
     def _free_pages(self, slot: int) -> None:
         self._host_live[slot] = False
         if self._pool is None or not self._pool.owned[slot]:
@@ -627,6 +676,18 @@ class GyreEngine(engine_api.Engine):
                     continue
                 active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
                 result = None
+                i, waiting = (None, None) if self._pool is None else self._waiting_slot(slot)
+                if waiting is not None:  # never admitted: nothing computed here to move but its prompt
+                    del self._waiting[i]
+                    _, inp = self._pending_pages.pop(rid, (None, None))
+                    if kind == "export":
+                        kv = None if inp is not None else KVBlock(waiting.k, waiting.v, int(waiting.scalars_i[0]))
+                        result = ExportedSlot(kv, int(waiting.scalars_i[2]))
+                    else:
+                        result = True
+                    stop_S[slot] = True
+                    fut.set_result(result)
+                    continue
                 if kind == "export" and active or kind == "release_snapshot" and held:
                     k, v = self._export(ds, np.int32(slot), self.bucket(length))
                     result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))

@@ -192,6 +192,12 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
         return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
 
+    def hold_slot(ds, slot, generated):  # a call waiting for pages: its slot is kept (held: no token, valid),
+        # never expires, and reports the call's own token count (JetStream ends a request past max_tokens)
+        return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(True),
+                          hold_steps_S=ds.hold_steps_S.at[slot].set(-(2**30)),
+                          generated_S=ds.generated_S.at[slot].set(generated))
+
     def stop_slots(ds, mask_S):
         return ds.replace(active_S=ds.active_S & ~mask_S, held_S=ds.held_S & ~mask_S)
 
@@ -256,6 +262,7 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
     out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
     out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
+    out["hold_slot"] = jax.jit(hold_slot, donate_argnums=0, out_shardings=ds_s)
     out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
     out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
     out["pause"] = jax.jit(pause, out_shardings=rep)

@@ -200,6 +200,16 @@ class PrefixPages:
             self.pool.retain_pages(out)
         return out
 
+    def cached_pages(self, tokens: np.ndarray) -> int:
+        """How many leading full pages of ``tokens`` are cached now (a look: nothing is held)."""
+        n = 0
+        with self._lock:
+            for key in self.keys(tokens):
+                if key not in self._pages:
+                    break
+                n += 1
+        return n
+
     def register(self, tokens: np.ndarray, row: np.ndarray) -> None:
         """A slot's full prompt pages (row = its page-table row), for later calls to share."""
         with self._lock:
