@@ -34,16 +34,16 @@ def _requests():
 
 
 async def _run(paged_pages: int | None, drain: bool):
-    params = sharp_params()
+    weights = sharp_params()
     devs = jax.devices()
 
     def mesh(i):
         return Mesh(np.array(devs[i:i + 1]).reshape(1, 1), ("data", "tensor"))
 
     kw = dict(max_slots=8, max_len=256, tokens_per_call=4)
-    paged = GyreEngine(CFG, params, mesh=mesh(0), name="p", kv_cache="paged", page_size=8, kv_pages=paged_pages,
+    paged = GyreEngine(CFG, weights, mesh=mesh(0), name="p", kv_cache="paged", page_size=8, kv_pages=paged_pages,
                        **kw)  # the cell that serves every call first
-    other = GyreEngine(CFG, params, mesh=mesh(1), name="c", **kw)
+    other = GyreEngine(CFG, weights, mesh=mesh(1), name="c", **kw)
     router = Router([JetStreamBackend(paged), JetStreamBackend(other)], wait_for_cell_s=BOUND_S)
     await router.drain("c")  # everything starts on the paged cell
     outs: dict[str, list[int]] = {}
