@@ -122,3 +122,10 @@ def test_calls_with_a_common_prefix_share_its_pages(engine, ref_logits):  # noqa
     _release(r, engine, "sa", "sb")
     st = engine.kv_stats()
     assert st["pages_in_use"] == st["prefix_cache_pages"] and st["pages_reserved"] == 0  # only the cache's own
+    # A fresh decode state is a fresh pool: the cached pages must not be mapped into it.
+    r2 = Runner(engine)
+    assert engine.kv_stats()["prefix_cache_pages"] == 0
+    r2.insert(2, pinput("sa2", pa, max_tokens=6, temperature=0.0))
+    r2.step(7)
+    assert [t for t, _ in r2.out[2]] == ref_greedy(ref_logits, pa, 6)
+    _release(r2, engine, "sa2")

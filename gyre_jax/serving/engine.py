@@ -242,6 +242,13 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             self._prefix_pages.clear()
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """A fresh decode state (all slots empty). Paged: a fresh pool, so the host's page
+        tables, waiting calls and cached prefix pages are reset with it."""
+        if self._pool is not None:
+            for s in range(self._slots):
+                self._free_pages(s)
+            self._drop_waiting()
+            self._prefix_pages.clear()
         return self._make_state()
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int) -> Prefix:
@@ -453,11 +460,6 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             for rid in owners:
                 self._fail(rid, f"generate step failed: {type(e).__name__}: {e}")
             decode_state = self.init_decode_state()
-            for s in range(self._slots):
-                self._free_pages(s)
-            if self._prefix_pages is not None:  # the fresh pool holds none of them
-                self._drop_waiting()
-                self._prefix_pages.clear()
             data = np.zeros((self._slots, 4 * self.tokens_per_call + 2), np.int32)
         self.counters["generate_steps"] += self.tokens_per_call
         self.counters["generate_s"] += time.perf_counter() - t0
