@@ -161,3 +161,20 @@ def test_moe_config_errors_name_the_field():
         moe_config(mlp_only_layers=(7,))
     with pytest.raises(ValueError, match="moe_impl"):
         moe_config(moe_impl="sparse")
+
+
+def test_policy_loss_adds_the_weighted_aux_loss_and_reports_load():
+    from gyre_jax.cells.loss import policy_loss_fn
+    from tests.test_long_context import _policy_batch
+
+    cfg = moe_config()
+    params = init_params(cfg, jax.random.key(4))
+    mb = _policy_batch(32, 2, seed=1)
+    (l0, m0), (l1, m1) = (jax.jit(policy_loss_fn(cfg.replace(router_aux_loss_coef=c)))(params, mb) for c in (0.0, 0.5))
+    assert float(m0["moe_aux_loss"]) > 0 and 1.0 <= float(m0["moe_max_load"]) <= E
+    np.testing.assert_allclose(float(l1) - float(l0), 0.5 * float(m0["moe_aux_loss"]), rtol=1e-5)
+    share = float(m0["weight_sum"])
+    assert 0 < share  # the aux term is weighted by the micro-batch's share of the step
+    dense_metrics = jax.jit(policy_loss_fn(model_config_tiny()))(init_params(model_config_tiny(), jax.random.key(4)),
+                                                                 mb)[1]
+    assert "moe_aux_loss" not in dense_metrics

@@ -242,7 +242,8 @@ def _dummy_inputs():
 def init_boxed(config: ModelConfig, rng):
     """Variables ``{"params": ...}`` with nn.Partitioned boxes (logical axis names attached)."""
     # The params do not depend on how rows are split; init runs on a 1-token row, no mesh.
-    return Transformer(config.replace(context_parallel_axis=None)).init(rng, *_dummy_inputs())
+    return Transformer(config.replace(context_parallel_axis=None, expert_parallel_axis=None)).init(
+        rng, *_dummy_inputs())
 
 
 @functools.partial(jax.jit, static_argnums=0)
