@@ -1,0 +1,75 @@
+"""Qwen3-MoE checkpoints in and out (gyre_jax.model.hf): per-expert tensors stacked on load and
+split on save; logits equal a float64 numpy forward of transformers' semantics; import -> export
+-> import bit-exact; the experts land split over the mesh's 'expert' axis."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from gyre_jax.model.hf import UnsupportedCheckpoint, load_pretrained, save_pretrained
+from gyre_jax.sharding import EXPERT, FSDP, TENSOR
+from gyre_jax.testing.tiny_hf_checkpoint import write_tiny_hf_checkpoint
+from tests.test_hf_checkpoint import _files_bitwise, _our_logits, hf_reference_logits
+
+MIXED = dict(layers=3, mlp_only_layers=[1])  # layers 0 and 2 sparse, layer 1 dense: three stacks
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()).reshape(2, 2, 2), (FSDP, EXPERT, TENSOR))
+
+
+@pytest.mark.parametrize("over", [dict(), dict(MIXED, norm_topk_prob=False, tie=False)], ids=["all-moe", "mixed"])
+def test_imported_moe_logits_match_reference(tmp_path, over):
+    hf_cfg, tensors = write_tiny_hf_checkpoint(str(tmp_path), "qwen3_moe", seed=3, **over)
+    cfg, params = load_pretrained(str(tmp_path), mesh=_mesh())
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 16)
+    assert cfg.norm_topk_prob == hf_cfg["norm_topk_prob"] and cfg.qk_norm
+    assert cfg.router_aux_loss_coef == 0.0  # output_router_logits=false: transformers adds no aux loss either
+    stacks = [r[0] for r in cfg.layer_runs()]
+    assert stacks == (["layers"] if not over else ["layers_0", "layers_1", "layers_2"])
+    gate = params["params"][stacks[0]]["moe"]["gate"]  # [Y, E, D, F]
+    assert gate.sharding.spec == PartitionSpec(None, EXPERT, FSDP, TENSOR)
+    ids = np.random.default_rng(0).integers(0, hf_cfg["vocab_size"], 12)
+    want = hf_reference_logits(hf_cfg, tensors, ids, np.arange(12))
+    got = _our_logits(cfg, params, ids, np.arange(12))
+    np.testing.assert_allclose(got[:, : cfg.vocab_size], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_moe_import_export_import_is_bit_exact(tmp_path, dtype):
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_tiny_hf_checkpoint(src, "qwen3_moe", dtype=dtype, num_shards=2, **MIXED)
+    cfg, params = load_pretrained(src, mesh=_mesh())
+    written = save_pretrained(params, cfg, out, like=src, max_shard_bytes=20_000)
+    assert sum(w.endswith(".safetensors") for w in written) > 1
+    assert _files_bitwise(out) == _files_bitwise(src)  # every per-expert tensor: name, dtype, shape, bytes
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(out, "config.json")) as g:
+        a, b = json.load(f), json.load(g)
+    for key in ("architectures", "model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "router_aux_loss_coef",
+                "output_router_logits", "intermediate_size"):
+        assert a.get(key) == b.get(key), key
+    cfg2, params2 = load_pretrained(out)
+    assert cfg2 == cfg.replace(vocab_pad_multiple=1)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, params2)
+
+
+def test_moe_errors_name_what_is_wrong(tmp_path):
+    p = str(tmp_path / "a")
+    write_tiny_hf_checkpoint(p, "qwen3_moe")
+    cfg_path = os.path.join(p, "config.json")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    with open(cfg_path, "w") as f:
+        json.dump(dict(hf, num_experts=8), f)  # the files hold 4 experts per layer
+    with pytest.raises(UnsupportedCheckpoint, match=r"mlp\.experts\.[4-7]\."):
+        load_pretrained(p)
+    del hf["moe_intermediate_size"]
+    with open(cfg_path, "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(UnsupportedCheckpoint, match="moe_intermediate_size"):
+        load_pretrained(p)
