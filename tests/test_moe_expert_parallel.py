@@ -43,3 +43,42 @@ def test_expert_parallel_needs_a_mesh_axis(reference):
     cfg, params, row, _, _ = reference
     with pytest.raises(ValueError, match="expert_parallel_axis='expert'"):
         _loss(cfg.replace(expert_parallel_axis="expert"))(params, *row)
+
+
+@pytest.mark.slow  # ~30 CPU-s: three compiles of an 8-device step
+def test_cell_grad_step_with_expert_axis_equals_one_device():
+    """A cell of 8 devices laid out fsdp=2 x expert=2 x tensor=2 (CellConfig.train_expert): CellSteps'
+    grad step of the policy loss (with the aux loss) equals one device's dense-reference gradient."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from gyre_jax import cells
+    from gyre_jax.cells.loss import policy_loss_fn
+    from gyre_jax.losses import METRIC_REDUCTIONS
+    from gyre_jax.model import init_boxed
+    from tests.test_long_context import _policy_batch, check_grads_close
+
+    (cell,) = cells.split_cells(cells.CellConfig(cell_size=8, train_tensor=2, train_expert=2))
+    mesh = cell.train_mesh
+    assert dict(mesh.shape) == {"fsdp": 2, "expert": 2, "tensor": 2}
+    model = moe_config(router_aux_loss_coef=0.01)
+    opt = cells.OptimizerConfig(learning_rate=1e-3)
+
+    def steps(m):
+        spec = cells.StateSpec.create(functools.partial(init_boxed, m), cells.make_optimizer(opt, param_logical_axes(m)))
+        return cells.CellSteps(spec, policy_loss_fn(m), cells.make_schedule(opt), reductions=METRIC_REDUCTIONS)
+
+    ep = steps(model.replace(expert_parallel_axis="expert"))
+    params = init_params(model, jax.random.key(0))
+    mb = {k: np.asarray(v) for k, v in _policy_batch(32, 4, seed=3).items()}
+    grads, stats = ep.grad_step(mesh)(jax.device_put(params, ep.param_shardings(mesh)),
+                                      jax.device_put(mb, ep.batch_sharding(mesh)))
+    assert ep.param_shardings(mesh)["params"]["layers"]["moe"]["up"].spec[1] == "expert"
+
+    ref_loss = policy_loss_fn(model.replace(moe_impl="dense"))
+    (want_loss, want_stats), want_grads = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))(
+        params, {k: jnp.asarray(v) for k, v in mb.items()})
+    np.testing.assert_allclose(float(stats["loss"]), float(want_loss), rtol=ATOL, atol=ATOL)  # with the aux term
+    np.testing.assert_allclose(float(stats["moe_aux_loss"]), float(want_stats["moe_aux_loss"]), rtol=ATOL)
+    check_grads_close(jax.device_get(grads), jax.device_get(want_grads))
