@@ -103,14 +103,20 @@ def param_table(m) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
         ("attn_norm", (D,), ("embed",)), ("mlp_norm", (D,), ("embed",)),
         ("q", (D, H, hd), ("embed", "heads", "head_dim")), ("k", (D, K, hd), ("embed", "kv_heads", "head_dim")),
         ("v", (D, K, hd), ("embed", "kv_heads", "head_dim")), ("o", (H, hd, D), ("heads", "head_dim", "embed")),
-        ("gate", (D, F), ("embed", "mlp")), ("up", (D, F), ("embed", "mlp")), ("down", (F, D), ("mlp", "embed")),
     ]
+    mlp = [("gate", (D, F), ("embed", "mlp")), ("up", (D, F), ("embed", "mlp")), ("down", (F, D), ("mlp", "embed"))]
+    E, Fe = getattr(m, "num_experts", 0), getattr(m, "moe_intermediate_size", 0)
+    moe = [("router", (D, E), ("embed", None)), ("experts_gate", (E, D, Fe), ("expert", "embed", "moe_mlp")),
+           ("experts_up", (E, D, Fe), ("expert", "embed", "moe_mlp")),
+           ("experts_down", (E, Fe, D), ("expert", "moe_mlp", "embed"))]
     if m.qk_norm:
         layer += [("q_norm", (hd,), ("head_dim",)), ("k_norm", (hd,), ("head_dim",))]
     if m.qkv_bias:
         layer += [("q_bias", (H, hd), ("heads", "head_dim")), ("k_bias", (K, hd), ("kv_heads", "head_dim")),
                   ("v_bias", (K, hd), ("kv_heads", "head_dim"))]
-    out += [(f"layers/{n}", (Y,) + s, ("layers",) + a) for n, s, a in layer]
+    runs = m.layer_runs() if hasattr(m, "layer_runs") else (("layers", 0, Y, False),)
+    for stack, start, stop, is_moe in runs:  # one scanned stack per run of same-kind layers (model/transformer.py)
+        out += [(f"{stack}/{n}", (stop - start,) + s, ("layers",) + a) for n, s, a in layer + (moe if is_moe else mlp)]
     return out
 
 
@@ -148,6 +154,9 @@ def activation_bytes(m, rows: int, row_len: int, tensor: int, *, remat: bool, lo
     """
     a = _DTYPE_BYTES[m.dtype]
     D, F, H, K, hd = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim
+    if getattr(m, "num_experts", 0):  # an MoE layer's SwiGLU set is K experts' worth per token (the larger wins)
+        F = max(F if m.mlp_only_layers or m.decoder_sparse_step > 1 else 0,
+                m.num_experts_per_tok * m.moe_intermediate_size)
     t = rows * row_len
     full_layer = t * a * (6 * F // tensor + 4 * D + 4 * H * hd // tensor + 2 * K * hd // tensor)
     if remat:

@@ -73,3 +73,24 @@ def test_moe_errors_name_what_is_wrong(tmp_path):
         json.dump(hf, f)
     with pytest.raises(UnsupportedCheckpoint, match="moe_intermediate_size"):
         load_pretrained(p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over", [dict(), dict(MIXED, norm_topk_prob=False)], ids=["all-moe", "mixed"])
+def test_moe_logits_match_transformers(tmp_path, over):
+    """Optional: transformers' Qwen3MoeForCausalLM on the same files gives our logits (f32, 1e-5), and
+    loads our export to the same logits (GYRE_TORCH_PYTHON, see tests/test_hf_transformers.py)."""
+    from tests import test_hf_transformers as ht
+
+    if not ht._torch_ok():
+        pytest.skip(f"{ht.TORCH_PY} cannot import torch and transformers (set GYRE_TORCH_PYTHON)")
+    src = str(tmp_path / "src")
+    hf_cfg, _ = write_tiny_hf_checkpoint(src, "qwen3_moe", seed=5, **over)
+    ids = [int(x) for x in np.random.default_rng(1).integers(0, hf_cfg["vocab_size"], 10)]
+    pos = list(range(10))
+    want = ht._hf_logits(src, ids, pos, str(tmp_path))
+    cfg, params = load_pretrained(src)
+    np.testing.assert_allclose(ht._our_logits(cfg, params, np.array(ids), np.array(pos)), want, rtol=1e-5, atol=1e-5)
+    out = str(tmp_path / "out")
+    save_pretrained(params, cfg, out, like=src)
+    np.testing.assert_array_equal(ht._hf_logits(out, ids, pos, str(tmp_path)), want)
