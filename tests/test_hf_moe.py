@@ -78,19 +78,53 @@ def test_moe_errors_name_what_is_wrong(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("over", [dict(), dict(MIXED, norm_topk_prob=False)], ids=["all-moe", "mixed"])
 def test_moe_logits_match_transformers(tmp_path, over):
-    """Optional: transformers' Qwen3MoeForCausalLM on the same files gives our logits (f32, 1e-5), and
-    loads our export to the same logits (GYRE_TORCH_PYTHON, see tests/test_hf_transformers.py)."""
+    """Optional: transformers' Qwen3MoeForCausalLM on the same files gives our logits, and loads our
+    export to exactly its logits of the source (GYRE_TORCH_PYTHON, see tests/test_hf_transformers.py).
+
+    All-MoE (2 layers): ours equal transformers' to 1e-5 (f32). Mixed (3 layers, no renormalisation,
+    a sharp router): transformers' own f32 forward is 1.5e-5 from the float64 reference there while ours
+    is 6e-6 from it (measured Dec 4), so ours-vs-theirs is checked as "ours within 1e-5 of float64 and
+    no further from it than transformers is" instead of a direct 1e-5.
+    """
     from tests import test_hf_transformers as ht
 
     if not ht._torch_ok():
         pytest.skip(f"{ht.TORCH_PY} cannot import torch and transformers (set GYRE_TORCH_PYTHON)")
     src = str(tmp_path / "src")
-    hf_cfg, _ = write_tiny_hf_checkpoint(src, "qwen3_moe", seed=5, **over)
+    hf_cfg, tensors = write_tiny_hf_checkpoint(src, "qwen3_moe", seed=5, **over)
     ids = [int(x) for x in np.random.default_rng(1).integers(0, hf_cfg["vocab_size"], 10)]
     pos = list(range(10))
-    want = ht._hf_logits(src, ids, pos, str(tmp_path))
+    theirs = ht._hf_logits(src, ids, pos, str(tmp_path))
     cfg, params = load_pretrained(src)
-    np.testing.assert_allclose(ht._our_logits(cfg, params, np.array(ids), np.array(pos)), want, rtol=1e-5, atol=1e-5)
+    ours = ht._our_logits(cfg, params, np.array(ids), np.array(pos))
+    exact = hf_reference_logits(hf_cfg, tensors, ids, pos)
+    if not over:
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-5)
+    assert np.abs(ours - exact).max() <= np.abs(theirs - exact).max()
     out = str(tmp_path / "out")
     save_pretrained(params, cfg, out, like=src)
-    np.testing.assert_array_equal(ht._hf_logits(out, ids, pos, str(tmp_path)), want)
+    np.testing.assert_array_equal(ht._hf_logits(out, ids, pos, str(tmp_path)), theirs)
+
+
+def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
+    """configs/qwen3_30b_a3b.py on a tiny Qwen3-MoE checkpoint: one RL step of the real stack (cells,
+    engines decoding with the MoE block, the HTTP proxy, the harness, the train step with the aux loss
+    metrics), and the policy exported as a Qwen3-MoE checkpoint that loads again."""
+    from gyre_jax import jobs
+    from tests.test_hf_rl import tiny_checkpoint, tiny_rl_config
+
+    d = tiny_checkpoint(tmp_path / "ck", "qwen3_moe")
+    c = tiny_rl_config("qwen3_30b_a3b", d)
+    # The first calls wait for the engines' MoE prefill/decode compiles: on a loaded 2-core host that
+    # took longer than the dense tests' 30 s deadline (every rollout timed out before one token).
+    c.harness.update(dict(deadline_s=600.0, request_timeout_s=600.0))
+    summary = jobs.get(c.job)(c, str(tmp_path / "run"))
+    wd = os.path.join(tmp_path, "run", c.scheduler.mode)
+    lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    assert [r["step"] for r in lines] == [0] and summary["statuses"] == {"completed": 4}
+    assert 1.0 <= lines[0]["loss/moe_max_load"] <= 4.0 and lines[0]["loss/moe_aux_loss"] > 0, lines[0]
+    cfg1, _ = load_pretrained(d)
+    cfg2, params2 = load_pretrained(os.path.join(wd, "hf_export"))
+    assert cfg2 == cfg1 and cfg2.num_experts == 4
+    assert params2["params"]["layers"]["moe"]["gate"].shape == (2, 4, 32, 16)
