@@ -22,9 +22,10 @@ Cell layout (parallelism) to pick; ``--plan=KIND:N`` prints the memory plan per 
   4 GPUs (96 KiB of KV per token in bf16), 16 slots of 16K tokens (3 GiB per GPU), the
   engine's weights 14.2 GiB per GPU; the plan: 60.9 of 80 GiB used per GPU. f32 master params
   (610 GB) do not fit one node: use two nodes (cell_size=8 each, the second a satellite).
-  With expert parallelism (``CellConfig.train_expert``, model ``expert_parallel_axis``) the
-  128 experts split over an 'expert' mesh axis instead of fsdp's d_model split (the
-  dispatch is exact but its buffers are sized for the worst case; see docs/design.md).
+  With expert parallelism (``--config.cells.train_expert=2``: training mesh fsdp=4 x
+  expert=2 x tensor=1) the 128 experts also split over an 'expert' mesh axis and tokens go
+  to them all-to-all (exact, but the dispatch buffers are sized for the worst case, so the
+  plan above does not cover them; see docs/design.md). Serving keeps every expert per cell.
 * **TPU v5p-16 (8 chips, 95 GB HBM each)**: the same one-cell layout,
   ``--config.cells.cell_size=8`` (a 2x2x2 slice spans two hosts: one process per host is not
   yet supported for a cell, so this layout needs the single-controller run; the plan below

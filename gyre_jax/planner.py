@@ -245,13 +245,15 @@ def train_terms(m, cells, train) -> tuple[dict, dict]:
     """(mesh, bytes per device) of the core's training state and one micro-batch."""
     from gyre_jax.cells.loss import memory_plan
 
-    tensor = cells.train_tensor
+    tensor, expert = cells.train_tensor, getattr(cells, "train_expert", 1)
     mesh = {"fsdp": cells.cell_size // tensor, "tensor": tensor}
+    if expert > 1:  # cells/mesh.py: ('fsdp', 'expert', 'tensor'); rows split over fsdp x expert
+        mesh = {"fsdp": cells.cell_size // (tensor * expert), "expert": expert, "tensor": tensor}
     table = param_table(m)
     p = _DTYPE_BYTES[m.param_dtype]
     params = per_device_bytes(table, mesh, p)
     mp = memory_plan(m, train.micro_batch_rows, train.row_len)
-    rows_here = max(1, train.micro_batch_rows // mesh["fsdp"])  # rows split over fsdp
+    rows_here = max(1, train.micro_batch_rows // (mesh["fsdp"] * expert))  # rows split over fsdp (x expert)
     act = activation_bytes(m, rows_here, train.row_len, tensor, remat=mp.remat, logits_chunk=mp.logits_chunk)
     # gradients: the step's accumulator and the micro-batch gradient being added to it (cells/train_step.py)
     terms = {"params": params, "optimizer": 2 * params, "gradients": 2 * params, **act,

@@ -109,8 +109,8 @@ def test_moe_logits_match_transformers(tmp_path, over):
 
 def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
     """configs/qwen3_30b_a3b.py on a tiny Qwen3-MoE checkpoint: one RL step of the real stack (cells,
-    engines decoding with the MoE block, the HTTP proxy, the harness, the train step with the aux loss
-    metrics), and the policy exported as a Qwen3-MoE checkpoint that loads again."""
+    engines decoding with the MoE block, the HTTP proxy, the harness, the train step expert-parallel
+    with the aux loss metrics), and the policy exported as a Qwen3-MoE checkpoint that loads again."""
     from gyre_jax import jobs
     from tests.test_hf_rl import tiny_checkpoint, tiny_rl_config
 
@@ -119,6 +119,7 @@ def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
     # The first calls wait for the engines' MoE prefill/decode compiles: on a loaded 2-core host that
     # took longer than the dense tests' 30 s deadline (every rollout timed out before one token).
     c.harness.update(dict(deadline_s=600.0, request_timeout_s=600.0))
+    c.cells.train_expert = 2  # training mesh fsdp=1 x expert=2 x tensor=2: the loss dispatches all-to-all
     summary = jobs.get(c.job)(c, str(tmp_path / "run"))
     wd = os.path.join(tmp_path, "run", c.scheduler.mode)
     lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]

@@ -82,3 +82,16 @@ def test_cell_grad_step_with_expert_axis_equals_one_device():
     np.testing.assert_allclose(float(stats["loss"]), float(want_loss), rtol=ATOL, atol=ATOL)  # with the aux term
     np.testing.assert_allclose(float(stats["moe_aux_loss"]), float(want_stats["moe_aux_loss"]), rtol=ATOL)
     check_grads_close(jax.device_get(grads), jax.device_get(want_grads))
+
+
+def test_expert_degree_must_fit_the_cell():
+    from gyre_jax import cells
+    from gyre_jax.errors import ConfigError
+    from gyre_jax.rl.config import CellsConfig
+
+    with pytest.raises(ValueError, match="train_tensor \\* train_expert=8"):
+        cells.CellConfig(cell_size=4, train_tensor=2, train_expert=4)
+    with pytest.raises(ConfigError, match="config.cells.train_tensor \\* train_expert=8"):
+        CellsConfig(cell_size=4, train_tensor=2, train_expert=4)
+    cell = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=2))[0]
+    assert cell.train_mesh.axis_names == ("fsdp", "tensor")  # train_expert=1: the mesh dense models always had
