@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.cells = ml_collections.ConfigDict(dict(
         cell_size=8,  # devices per cell: an 8-GPU node -> 1 cell (colocate)
         train_tensor=1,  # training mesh ('fsdp', 'tensor') = (8, 1)
+        train_expert=1,  # 2 splits the experts over an 'expert' mesh axis (fsdp=4 x expert=2)
         serve_tensor=4,  # serving mesh ('data', 'tensor') = (2, 4): 4 KV heads, one per tensor shard
         max_slots=16,  # concurrent decode slots per engine (x max_len of KV preallocated)
         max_len=16384,  # KV-cache length per slot
