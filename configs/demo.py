@@ -71,6 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.cells = ml_collections.ConfigDict(dict(
         cell_size=2,  # devices per cell: 8 devices -> 4 cells
         train_tensor=1,  # training mesh ('fsdp', 'tensor') = (2, 1)
+        train_expert=1,  # expert-parallel degree (MoE models): > 1 adds an 'expert' axis to the training mesh
         serve_tensor=1,  # serving mesh ('data', 'tensor') = (2, 1): decode slots split over the 2 devices
         max_slots=16,  # concurrent decode slots per engine
         max_len=160,  # KV-cache length per slot

@@ -88,6 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.cells = ml_collections.ConfigDict(dict(
         cell_size=4,  # devices per cell: an 8-GPU node -> 2 cells
         train_tensor=1,  # training mesh ('fsdp', 'tensor') = (4, 1)
+        train_expert=1,  # expert-parallel degree: 1 (a dense model)
         serve_tensor=4,  # serving mesh ('data', 'tensor') = (1, 4)
         max_slots=16,  # concurrent decode slots per engine (x max_len of KV preallocated: see Memory above)
         max_len=32768,  # KV-cache length per slot

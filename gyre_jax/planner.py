@@ -105,14 +105,20 @@ def param_table(m) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
         ("attn_norm", (D,), ("embed",)), ("mlp_norm", (D,), ("embed",)),
         ("q", (D, H, hd), ("embed", "heads", "head_dim")), ("k", (D, K, hd), ("embed", "kv_heads", "head_dim")),
         ("v", (D, K, hd), ("embed", "kv_heads", "head_dim")), ("o", (H, hd, D), ("heads", "head_dim", "embed")),
-        ("gate", (D, F), ("embed", "mlp")), ("up", (D, F), ("embed", "mlp")), ("down", (F, D), ("mlp", "embed")),
     ]
+    mlp = [("gate", (D, F), ("embed", "mlp")), ("up", (D, F), ("embed", "mlp")), ("down", (F, D), ("mlp", "embed"))]
+    E, Fe = getattr(m, "num_experts", 0), getattr(m, "moe_intermediate_size", 0)
+    moe = [("router", (D, E), ("embed", None)), ("experts_gate", (E, D, Fe), ("expert", "embed", "moe_mlp")),
+           ("experts_up", (E, D, Fe), ("expert", "embed", "moe_mlp")),
+           ("experts_down", (E, Fe, D), ("expert", "moe_mlp", "embed"))]
     if m.qk_norm:
         layer += [("q_norm", (hd,), ("head_dim",)), ("k_norm", (hd,), ("head_dim",))]
     if m.qkv_bias:
         layer += [("q_bias", (H, hd), ("heads", "head_dim")), ("k_bias", (K, hd), ("kv_heads", "head_dim")),
                   ("v_bias", (K, hd), ("kv_heads", "head_dim"))]
-    out += [(f"layers/{n}", (Y,) + s, ("layers",) + a) for n, s, a in layer]
+    runs = m.layer_runs() if hasattr(m, "layer_runs") else (("layers", 0, Y, False),)
+    for stack, start, stop, is_moe in runs:  # one scanned stack per run of same-kind layers (model/transformer.py)
+        out += [(f"{stack}/{n}", (stop - start,) + s, ("layers",) + a) for n, s, a in layer + (moe if is_moe else mlp)]
     return out
 
 
@@ -150,6 +156,9 @@ def activation_bytes(m, rows: int, row_len: int, tensor: int, *, remat: bool, lo
     """
     a = _DTYPE_BYTES[m.dtype]
     D, F, H, K, hd = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim
+    if getattr(m, "num_experts", 0):  # an MoE layer's SwiGLU set is K experts' worth per token (the larger wins)
+        F = max(F if m.mlp_only_layers or m.decoder_sparse_step > 1 else 0,
+                m.num_experts_per_tok * m.moe_intermediate_size)
     t = rows * row_len
     full_layer = t * a * (6 * F // tensor + 4 * D + 4 * H * hd // tensor + 2 * K * hd // tensor)
     if remat:
@@ -239,13 +248,15 @@ def train_terms(m, cells, train) -> tuple[dict, dict]:
     """(mesh, bytes per device) of the core's training state and one micro-batch."""
     from gyre_jax.cells.loss import memory_plan
 
-    tensor = cells.train_tensor
+    tensor, expert = cells.train_tensor, getattr(cells, "train_expert", 1)
     mesh = {"fsdp": cells.cell_size // tensor, "tensor": tensor}
+    if expert > 1:  # cells/mesh.py: ('fsdp', 'expert', 'tensor'); rows split over fsdp x expert
+        mesh = {"fsdp": cells.cell_size // (tensor * expert), "expert": expert, "tensor": tensor}
     table = param_table(m)
     p = _DTYPE_BYTES[m.param_dtype]
     params = per_device_bytes(table, mesh, p)
     mp = memory_plan(m, train.micro_batch_rows, train.row_len)
-    rows_here = max(1, train.micro_batch_rows // mesh["fsdp"])  # rows split over fsdp
+    rows_here = max(1, train.micro_batch_rows // (mesh["fsdp"] * expert))  # rows split over fsdp (x expert)
     act = activation_bytes(m, rows_here, train.row_len, tensor, remat=mp.remat, logits_chunk=mp.logits_chunk)
     # gradients: the step's accumulator and the micro-batch gradient being added to it (cells/train_step.py)
     terms = {"params": params, "optimizer": 2 * params, "gradients": 2 * params, **act,

@@ -23,17 +23,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 FSDP = "fsdp"
 TENSOR = "tensor"
 DATA = "data"
+EXPERT = "expert"  # mixture of experts: experts split over it; tokens too (it is data parallel outside the experts)
 
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", (DATA, FSDP)),  # rows of a packed batch: data parallel, and fsdp shards batch too
+    ("batch", (DATA, FSDP, EXPERT)),  # rows of a packed batch: data parallel; fsdp and expert shard batch too
     ("vocab", TENSOR),
     ("embed", FSDP),  # fsdp: weights split along d_model, all-gathered per layer in the step
     ("heads", TENSOR),
     ("kv_heads", TENSOR),
     ("head_dim", None),
     ("mlp", TENSOR),
+    ("expert", EXPERT),  # the experts of an MoE layer (model/moe.py dispatches tokens to them all-to-all)
+    ("moe_mlp", TENSOR),  # one expert's hidden width
     ("layers", None),  # scanned layer axis: every device holds its slice of every layer
     ("length", None),  # sequence axis of a packed row
     # A serving engine's KV cache [layers, slots, positions, kv_heads, head_dim] and the

@@ -43,7 +43,7 @@ def _reference_grads(params, mb):
 
 def test_context_parallel_rules():
     rules = dict(context_parallel_rules(cells.RULES, "fsdp"))
-    assert rules["length"] == "fsdp" and rules["batch"] == ("data",)
+    assert rules["length"] == "fsdp" and rules["batch"] == ("data", "expert")
     with pytest.raises(ValueError, match="no 'length'"):
         context_parallel_rules((("batch", "data"),), "fsdp")
 

@@ -23,7 +23,7 @@ from gyre_jax.cells.mesh import FSDP, TENSOR
 from gyre_jax.model import Transformer
 from gyre_jax.model.hf import UnsupportedCheckpoint, load_pretrained, save_pretrained
 from gyre_jax.model.transformer import PAD_LOGIT
-from gyre_jax.testing.tiny_hf_checkpoint import write_tiny_hf_checkpoint
+from gyre_jax.testing.tiny_hf_checkpoint import is_moe_layer, write_tiny_hf_checkpoint
 
 
 # --------------------------------------------------------------- reference (HF semantics)
@@ -75,7 +75,7 @@ def hf_reference_logits(cfg: dict, t: dict, ids, positions):
         q = linear(hs, p + "self_attn.q_proj", bias).reshape(T, n, h)
         k = linear(hs, p + "self_attn.k_proj", bias).reshape(T, kv, h)
         v = linear(hs, p + "self_attn.v_proj", bias).reshape(T, kv, h)
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             q = rmsnorm(q, t[p + "self_attn.q_norm.weight"])
             k = rmsnorm(k, t[p + "self_attn.k_norm.weight"])
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -87,11 +87,33 @@ def hf_reference_logits(cfg: dict, t: dict, ids, positions):
         o = np.einsum("nqk,knh->qnh", pr, v).reshape(T, n * h)
         x = x + linear(o, p + "self_attn.o_proj")
         hs = rmsnorm(x, t[p + "post_attention_layernorm.weight"])
-        g = linear(hs, p + "mlp.gate_proj")
-        x = x + linear((g / (1 + np.exp(-g))) * linear(hs, p + "mlp.up_proj"), p + "mlp.down_proj")
+        if is_moe_layer(cfg, i):
+            x = x + _sparse_moe_block(cfg, hs, linear, p + "mlp.")
+        else:
+            x = x + _swiglu(hs, linear, p + "mlp.")
     x = rmsnorm(x, t["model.norm.weight"])
     head = t["model.embed_tokens.weight"] if cfg["tie_word_embeddings"] else t["lm_head.weight"]
     return x @ head.T
+
+
+def _swiglu(hs, linear, p):
+    g = linear(hs, p + "gate_proj")
+    return linear((g / (1 + np.exp(-g))) * linear(hs, p + "up_proj"), p + "down_proj")
+
+
+def _sparse_moe_block(cfg, hs, linear, p):
+    """transformers' Qwen3MoeSparseMoeBlock: softmax router in float, top k (renormalised if norm_topk_prob)."""
+    logits = linear(hs, p + "gate")
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    k = cfg["num_experts_per_tok"]
+    out = np.zeros_like(hs)
+    for n in range(hs.shape[0]):
+        top = np.argsort(-probs[n], kind="stable")[:k]
+        w = probs[n, top] / (probs[n, top].sum() if cfg["norm_topk_prob"] else 1.0)
+        for e, we in zip(top, w):
+            out[n] += we * _swiglu(hs[n:n + 1], linear, p + f"experts.{e}.")[0]
+    return out
 
 
 @functools.cache
@@ -230,8 +252,11 @@ def test_clear_errors(tmp_path):
 
     p = str(tmp_path / "a")
     write_tiny_hf_checkpoint(p, "qwen3")
-    _edit(p, "config.json", architectures=["Qwen3MoeForCausalLM"])
-    with pytest.raises(UnsupportedCheckpoint, match="Qwen3MoeForCausalLM.*supported"):
+    _edit(p, "config.json", architectures=["MixtralForCausalLM"])
+    with pytest.raises(UnsupportedCheckpoint, match="MixtralForCausalLM.*supported"):
+        load_pretrained(p)
+    _edit(p, "config.json", architectures=["Qwen3MoeForCausalLM"])  # supported, but no MoE fields given
+    with pytest.raises(UnsupportedCheckpoint, match="Qwen3-MoE config needs"):
         load_pretrained(p)
     _edit(p, "config.json", architectures=["Qwen3ForCausalLM"], rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(UnsupportedCheckpoint, match="yarn"):

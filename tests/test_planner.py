@@ -22,7 +22,9 @@ from launch import plan as launch_plan
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(qk_norm=True, qkv_bias=True, tie_embeddings=False, vocab_pad_multiple=3)])
+@pytest.mark.parametrize("kw", [dict(), dict(qk_norm=True, qkv_bias=True, tie_embeddings=False, vocab_pad_multiple=3),
+                                dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_layers=3,
+                                     mlp_only_layers=(1,))])
 def test_param_table_matches_the_models_own_params(kw):
     m = model_config_tiny(**kw)
     abstract = jax.eval_shape(functools.partial(init_params, m), jax.random.key(0))

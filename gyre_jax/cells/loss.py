@@ -18,16 +18,30 @@ naming any knob:
   fixes the projection (None: full logits, an int: that chunk size).
 
 The plan changes how the result is computed, never the result (tests/test_long_context.py).
+
+A mixture-of-experts model (``num_experts > 0``) adds ``router_aux_loss_coef`` x HF's
+load-balancing loss over the micro-batch's real tokens, weighted by the micro-batch's share
+of the step's loss weight (the shares sum to 1 over a step); metrics ``moe_aux_loss`` (that
+weighted mean) and ``moe_max_load`` (max over layers and experts of E x the expert's share of
+(token, expert) pairs: 1 is perfectly balanced, E is everything on one expert).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
+import jax
+import jax.numpy as jnp
+
 from gyre_jax.losses import PolicyLossConfig, chunked_token_logprobs, loss_from_hidden, loss_from_logits, token_logprobs
+from gyre_jax.losses.registry import declare_metrics
 from gyre_jax.model import ModelConfig, Transformer
+from gyre_jax.model.moe import expert_load, load_balancing_loss
+from gyre_jax.model.transformer import moe_stats
 
 log = logging.getLogger(__name__)
+declare_metrics({"moe_aux_loss": "mean", "moe_max_load": "max"}, "gyre_jax.cells.loss")
 
 LOGITS_BYTES_BUDGET = 512 << 20  # full float32 logits of a micro-batch above this: chunked projection
 CHUNK_BYTES = 64 << 20  # target float32 logits of one chunk of positions
@@ -91,13 +105,22 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
             models[plan.remat] = Transformer(model_config.replace(remat=plan.remat))
         model = models[plan.remat]
         inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
+        moe = model_config.num_experts > 0
+        apply = functools.partial(model.apply, mutable=["intermediates"]) if moe else model.apply
         if plan.logits_chunk is None:
-            return loss_from_logits(model.apply(params, *inputs), mb, loss_config)
-        hidden_BxLxD, unembed_DxV = model.apply(params, *inputs, return_hidden=True)
-        return loss_from_hidden(hidden_BxLxD, unembed_DxV, mb, loss_config, chunk_size=plan.logits_chunk,
-                                layout="DxV")
+            out = apply(params, *inputs)
+            logits, inter = out if moe else (out, None)
+            loss, metrics = loss_from_logits(logits, mb, loss_config)
+        else:
+            out = apply(params, *inputs, return_hidden=True)
+            (hidden_BxLxD, unembed_DxV), inter = out if moe else (out, None)
+            loss, metrics = loss_from_hidden(hidden_BxLxD, unembed_DxV, mb, loss_config,
+                                             chunk_size=plan.logits_chunk, layout="DxV")
+        if moe:
+            loss, metrics = _add_moe_loss(loss, metrics, moe_stats(inter), model_config)
+        return loss, metrics
 
-    def logprob_fn(params, mb):
+    def logprob_fn(params, mb):  # the MoE statistics are not collected: apply without mutable sows nothing
         rows, row_len = mb["tokens"].shape
         plan = memory_plan(model_config, rows, row_len, logits_chunk=logits_chunk)
         if False not in models:  # a forward alone never needs remat
@@ -110,5 +133,15 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
                                       layout="DxV")
 
     loss_fn.context_parallel_axis = model_config.context_parallel_axis
+    loss_fn.expert_parallel_axis = model_config.expert_parallel_axis
     loss_fn.logprob_fn = logprob_fn
     return loss_fn
+
+
+def _add_moe_loss(loss, metrics, stats, model_config: ModelConfig):
+    """The load-balancing term and the routing metrics of one micro-batch (module docstring)."""
+    share = jax.lax.stop_gradient(metrics["weight_sum"])
+    aux = load_balancing_loss(stats, model_config.num_experts)
+    metrics = dict(metrics, moe_aux_loss=share * jax.lax.stop_gradient(aux),
+                   moe_max_load=model_config.num_experts * jnp.max(expert_load(stats)))
+    return loss + model_config.router_aux_loss_coef * share * aux, metrics

@@ -27,9 +27,12 @@ from jax.sharding import Mesh
 
 from gyre_jax.scheduler import vocab
 
-from gyre_jax.sharding import DATA, FSDP, TENSOR  # noqa: F401  (re-exported: cells speak of their axes)
+from gyre_jax.sharding import DATA, EXPERT, FSDP, TENSOR  # noqa: F401  (re-exported: cells speak of their axes)
 TRAIN_AXES = (FSDP, TENSOR)
 SERVE_AXES = (DATA, TENSOR)
+# With expert parallelism (train_expert > 1) the training mesh gains an 'expert' axis between the two;
+# without it the meshes are exactly as before, so dense layouts and their compiled steps do not change.
+TRAIN_AXES_EP = (FSDP, EXPERT, TENSOR)
 
 
 class Role(enum.Enum):
@@ -48,15 +51,19 @@ class CellConfig:
     ``cell_size`` devices per cell; inside a cell the training mesh is
     ``(cell_size // train_tensor, train_tensor)`` over ('fsdp', 'tensor') and the
     serving mesh ``(cell_size // serve_tensor, serve_tensor)`` over
-    ('data', 'tensor').
+    ('data', 'tensor'). ``train_expert > 1`` makes the training mesh
+    ``(cell_size // (train_expert * train_tensor), train_expert, train_tensor)`` over
+    ('fsdp', 'expert', 'tensor'): an MoE model's experts split over 'expert' (rows too),
+    set ``ModelConfig.expert_parallel_axis="expert"`` for the loss (model/moe.py).
     """
 
     cell_size: int
     train_tensor: int = 1  # tensor-parallel degree in the training layout
     serve_tensor: int | None = None  # tensor-parallel degree when serving; None = cell_size
+    train_expert: int = 1  # expert-parallel degree in the training layout (MoE models)
 
     def __post_init__(self):
-        for name in ("cell_size", "train_tensor"):
+        for name in ("cell_size", "train_tensor", "train_expert"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"CellConfig.{name} must be a positive int, got {v!r}")
@@ -67,6 +74,9 @@ class CellConfig:
         for name, v in (("train_tensor", self.train_tensor), ("serve_tensor", self.serve_tensor_or_size)):
             if self.cell_size % v:
                 raise ValueError(f"CellConfig: cell_size={self.cell_size} is not a multiple of {name}={v}")
+        if self.cell_size % (self.train_tensor * self.train_expert):
+            raise ValueError(f"CellConfig: cell_size={self.cell_size} is not a multiple of train_tensor * "
+                             f"train_expert={self.train_tensor * self.train_expert}")
 
     @property
     def serve_tensor_or_size(self) -> int:
@@ -121,11 +131,17 @@ def split_cells(config: CellConfig, devices: Sequence[jax.Device] | None = None)
             Cell(
                 index=i,
                 devices=tuple(devs.tolist()),
-                train_mesh=Mesh(devs.reshape(size // st, st), TRAIN_AXES),
+                train_mesh=_train_mesh(devs, st, config.train_expert),
                 serve_mesh=Mesh(devs.reshape(size // vt, vt), SERVE_AXES),
             )
         )
     return tuple(cells)
+
+
+def _train_mesh(devs: np.ndarray, tensor: int, expert: int) -> Mesh:
+    if expert == 1:
+        return Mesh(devs.reshape(devs.size // tensor, tensor), TRAIN_AXES)
+    return Mesh(devs.reshape(devs.size // (tensor * expert), expert, tensor), TRAIN_AXES_EP)
 
 
 @dataclasses.dataclass(frozen=True)

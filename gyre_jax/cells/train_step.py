@@ -182,6 +182,8 @@ class CellSteps:
         """``context_parallel_axis``: mesh axis to split rows' sequence over; default the
         ``loss_fn.context_parallel_axis`` that ``policy_loss_fn`` sets from the model config."""
         self.context_parallel_axis = context_parallel_axis or getattr(loss_fn, "context_parallel_axis", None)
+        # Expert parallelism (model/moe.py) dispatches inside shard_map over the abstract mesh, as CP does.
+        self.expert_parallel_axis = getattr(loss_fn, "expert_parallel_axis", None)
         if self.context_parallel_axis is not None:
             rules = context_parallel_rules(rules, self.context_parallel_axis)
         self.spec = spec
@@ -210,13 +212,14 @@ class CellSteps:
         return batch_sharding(mesh, rules=self.rules)
 
     def _in_mesh(self, fn, mesh: Mesh):
-        """``fn`` traced with ``mesh`` as the abstract mesh when rows are context-parallel (the
-        model's attention finds its sequence axis there); ``fn`` itself otherwise."""
-        if self.context_parallel_axis is None:
+        """``fn`` traced with ``mesh`` as the abstract mesh when rows are context-parallel or experts
+        expert-parallel (the model finds its sequence or expert axis there); ``fn`` itself otherwise."""
+        named = {"context_parallel_axis": self.context_parallel_axis, "expert_parallel_axis": self.expert_parallel_axis}
+        if all(a is None for a in named.values()):
             return fn
-        if self.context_parallel_axis not in mesh.shape:
-            raise ValueError(f"context_parallel_axis={self.context_parallel_axis!r} is not an axis of the cell's "
-                             f"mesh {dict(mesh.shape)}")
+        for what, axis in named.items():
+            if axis is not None and axis not in mesh.shape:
+                raise ValueError(f"{what}={axis!r} is not an axis of the cell's mesh {dict(mesh.shape)}")
 
         def wrapped(*args):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

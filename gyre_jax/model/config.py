@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 ROPE_SCALINGS = ("none", "llama3")
 REMAT_POLICIES = ("full", "save_dots")  # what a rematerialised layer keeps (transformer._REMAT_POLICY)
+MOE_IMPLS = ("ragged", "dense")  # ragged: grouped matmuls over tokens sorted by expert; dense: every expert on every token (reference)
 ATTENTION_IMPLS = ("blockwise", "dense")  # blockwise: tree_attention.py (O(L) memory); dense: [B, L, L] reference
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -49,6 +50,16 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
     rope_original_max_len: int = 8192  # llama3 scaling: original_max_position_embeddings
     vocab_pad_multiple: int = 1  # embedding rows padded to a multiple of this (the mesh's vocab split); padded logits masked
+    # Mixture of experts (Qwen3-MoE's names; model/moe.py). num_experts == 0: every layer is the dense MLP.
+    num_experts: int = 0  # experts per MoE layer
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # SwiGLU hidden width of one expert
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE: true)
+    mlp_only_layers: tuple[int, ...] = ()  # layer indices that keep the dense MLP
+    decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 (and not in mlp_only_layers)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss the train loss adds (HF: 0.001)
+    moe_impl: str = "ragged"  # one of MOE_IMPLS; both give the same result
+    expert_parallel_axis: str | None = None  # mesh axis the experts are split over (jax.set_mesh); None: no dispatch
 
     def __post_init__(self):
         where = "ModelConfig"
@@ -92,9 +103,54 @@ class ModelConfig:
         v = self.vocab_pad_multiple
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{where}.vocab_pad_multiple must be a positive int, got {v!r}")
+        self._check_moe(where)
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{where}.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+
+    def _check_moe(self, where):
+        e, k = self.num_experts, self.num_experts_per_tok
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{where}.{name} must be an int >= 0, got {v!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"{where}.moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if not isinstance(self.mlp_only_layers, tuple) or not all(
+                isinstance(i, int) and 0 <= i < self.n_layers for i in self.mlp_only_layers):
+            raise ValueError(f"{where}.mlp_only_layers must be a tuple of layer indices in [0, {self.n_layers}), "
+                             f"got {self.mlp_only_layers!r}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"{where}.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+        if e == 0:
+            return
+        if not 0 < k <= e:
+            raise ValueError(f"{where}.num_experts_per_tok must be in [1, num_experts={e}], got {k}")
+        if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+            raise ValueError(f"{where}: an MoE model needs moe_intermediate_size > 0 and decoder_sparse_step > 0, got "
+                             f"{self.moe_intermediate_size} and {self.decoder_sparse_step}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Qwen3-MoE's rule: layer i routes to experts unless listed in mlp_only_layers or off the sparse step."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    def layer_runs(self) -> tuple[tuple[str, int, int, bool], ...]:
+        """(param name, start, stop, is_moe) of each run of consecutive layers of one kind.
+
+        Each run is its own scanned stack (all layers of a scan share one param structure):
+        "layers" when every layer is of one kind (every dense model), else "layers_0", "layers_1", ...
+        """
+        runs: list[list] = []
+        for i in range(self.n_layers):
+            m = self.is_moe_layer(i)
+            if runs and runs[-1][2] == m:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1, m])
+        if len(runs) == 1:
+            return (("layers", *runs[0]),)
+        return tuple((f"layers_{r}", *run) for r, run in enumerate(runs))
 
     @property
     def jnp_dtype(self):

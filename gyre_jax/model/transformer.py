@@ -29,6 +29,7 @@ from gyre_jax.model.attention import Attention, tree_attention_mask
 from gyre_jax.model.tree_attention import CacheMask, TreeMask
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import MLP, RMSNorm
+from gyre_jax.model.moe import MoE, MoEStats
 from gyre_jax.model.paged import PagedMask
 
 
@@ -38,18 +39,27 @@ PAD_LOGIT = -1e9
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; the scan body (carry = residual stream)."""
+    """Pre-norm residual block; the scan body (carry = residual stream).
+
+    ``moe``: the feed-forward is the mixture of experts (model/moe.py), whose routing
+    statistics over the ``valid_BxT`` tokens come out beside the cache (None for a dense layer).
+    """
 
     config: ModelConfig
+    moe: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask, cache_index_B):
+    def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT):
         y, new_cache = Attention(self.config, name="attn")(
             RMSNorm(self.config, name="attn_norm")(x_BxTxD), positions_BxT, mask, layer_cache, cache_index_B
         )
         x = x_BxTxD + y.astype(x_BxTxD.dtype)
-        x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x)).astype(x.dtype)
-        return x, new_cache
+        h = RMSNorm(self.config, name="mlp_norm")(x)
+        if self.moe:
+            y, stats = MoE(self.config, name="moe")(h, valid_BxT)
+        else:
+            y, stats = MLP(self.config, name="mlp")(h), None
+        return x + y.astype(x.dtype), (new_cache, stats)
 
 
 # What a rematerialised layer saves for the backward pass (the rest is recomputed):
@@ -59,7 +69,7 @@ class Block(nn.Module):
 _REMAT_POLICY = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _scanned_blocks(config: ModelConfig):
+def _scanned_blocks(config: ModelConfig, length: int):
     block = Block
     if config.remat:  # per layer: the scan body is the checkpointed unit
         block = nn.remat(Block, prevent_cse=False, policy=_REMAT_POLICY[config.remat_policy])
@@ -67,8 +77,8 @@ def _scanned_blocks(config: ModelConfig):
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-        length=config.n_layers,
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=length,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
 
@@ -91,7 +101,10 @@ class Transformer(nn.Module):
                 (cfg.d_model, cfg.padded_vocab),
                 cfg.jnp_param_dtype,
             )
-        self.layers = _scanned_blocks(cfg)(cfg, name="layers")
+        # One scanned stack per run of same-kind layers (config.layer_runs): "layers" for every
+        # dense model and every all-MoE one, so their param trees and compiled steps are as before.
+        self.stacks = tuple(_scanned_blocks(cfg, stop - start)(cfg, moe=moe, name=name)
+                            for name, start, stop, moe in cfg.layer_runs())
         self.final_norm = RMSNorm(cfg, name="final_norm")
 
     def unembed_matrix(self, *, padded: bool = False):
@@ -131,7 +144,11 @@ class Transformer(nn.Module):
             subtree_end=subtree_end_BxL,
         )
         x = self._embed(tokens_BxL)
-        x, _ = self.layers(x, None, positions_BxL, self._tree_mask(segment_ids_BxL, subtree_end_BxL), None)
+        mask = self._tree_mask(segment_ids_BxL, subtree_end_BxL)
+        valid = segment_ids_BxL > 0  # padding (segment 0) is routed but not counted in the MoE statistics
+        for stack in self.stacks:
+            x, (_, stats) = stack(x, None, positions_BxL, mask, None, valid)
+            self._sow_moe(stats)
         hidden = self.final_norm(x)
         if return_hidden:
             return hidden, self.unembed_matrix()
@@ -179,8 +196,34 @@ class Transformer(nn.Module):
             chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
         chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
         x = self._embed(tokens_BxT)
-        x, (k, v) = self.layers(x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS, cache_index_B)
-        return self._logits(self.final_norm(x)), (k, v)
+        runs = cfg.layer_runs()
+        if len(runs) == 1:  # one stack: the whole cache in and out, no copies
+            x, ((k, v), stats) = self.stacks[0](x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS,
+                                                cache_index_B, None)
+            self._sow_moe(stats)
+            return self._logits(self.final_norm(x)), (k, v)
+        ks, vs = [], []
+        for stack, (_, start, stop, _) in zip(self.stacks, runs):
+            x, ((k, v), stats) = stack(x, (k_YxBxSxKxH[start:stop], v_YxBxSxKxH[start:stop]), positions_BxT,
+                                       mask_BxTxS, cache_index_B, None)
+            self._sow_moe(stats)
+            ks.append(k)
+            vs.append(v)
+        return self._logits(self.final_norm(x)), (jnp.concatenate(ks), jnp.concatenate(vs))
+
+    def _sow_moe(self, stats):
+        """MoE layers' routing statistics into the "intermediates" collection, one [Y_run, E] entry per stack
+        (``moe_stats`` joins them); a no-op unless the caller applies with mutable=["intermediates"]."""
+        if stats is not None:
+            self.sow("intermediates", "moe_stats", stats)
+
+
+def moe_stats(intermediates) -> MoEStats | None:
+    """The MoE layers' statistics ([Y_moe, E]) from ``apply(..., mutable=["intermediates"])``'s second output."""
+    parts = intermediates.get("intermediates", {}).get("moe_stats", ())
+    if not parts:
+        return None
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 def cache_mask(config: ModelConfig, q_index_BxT, cache_len: int):
@@ -209,7 +252,8 @@ def _dummy_inputs():
 def init_boxed(config: ModelConfig, rng):
     """Variables ``{"params": ...}`` with nn.Partitioned boxes (logical axis names attached)."""
     # The params do not depend on how rows are split; init runs on a 1-token row, no mesh.
-    return Transformer(config.replace(context_parallel_axis=None)).init(rng, *_dummy_inputs())
+    return Transformer(config.replace(context_parallel_axis=None, expert_parallel_axis=None)).init(
+        rng, *_dummy_inputs())
 
 
 @functools.partial(jax.jit, static_argnums=0)

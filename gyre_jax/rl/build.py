@@ -594,7 +594,10 @@ def _cell_steps(cfg: RLConfig) -> cells_lib.CellSteps:
     mc, opt = cfg.model, cfg.optimizer_config()
     spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
                                       cells_lib.make_optimizer(opt, param_logical_axes(mc)))
-    return cells_lib.CellSteps(spec, policy_loss_fn(mc, cfg.loss_config()), cells_lib.make_schedule(opt),
+    # Expert parallelism is a training layout only: the loss dispatches over the training mesh's 'expert'
+    # axis; engines run the same params with every expert on the serving mesh (no 'expert' axis there).
+    loss_model = mc.replace(expert_parallel_axis="expert") if cfg.cells.train_expert > 1 else mc
+    return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.loss_config()), cells_lib.make_schedule(opt),
                                reductions=METRIC_REDUCTIONS)
 
 

@@ -93,6 +93,7 @@ class CellsConfig:
     SECTION: ClassVar[str] = "cells"
     cell_size: int = 2  # devices per cell (8 CPU devices -> 4 cells)
     train_tensor: int = 1
+    train_expert: int = 1  # > 1: training mesh ('fsdp', 'expert', 'tensor'); an MoE model's experts split over 'expert'
     serve_tensor: int = 1  # 1: slots split over the cell's devices ('data'), weights replicated
     max_slots: int = 16  # concurrent decode slots per engine (one engine per cell)
     max_len: int = 160  # KV-cache length per slot (prompt + generated)
@@ -106,12 +107,11 @@ class CellsConfig:
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
 
     def __post_init__(self):
-        _ints(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call",
-                     "switch_retries"))
-        _positive(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call"))
+        _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "max_slots", "max_len",
+                     "tokens_per_call", "switch_retries", "page_size", "kv_pages"))
+        _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "max_slots", "max_len",
+                         "tokens_per_call", "page_size"))
         _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
-        _ints(self, ("page_size", "kv_pages"))
-        _positive(self, ("page_size",))
         if self.kv_cache not in ("contiguous", "paged"):
             raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.max_len % self.page_size:
@@ -120,6 +120,9 @@ class CellsConfig:
         for name in ("train_tensor", "serve_tensor"):
             if self.cell_size % getattr(self, name):
                 raise ConfigError(f"config.cells.{name}={getattr(self, name)} must divide cells.cell_size={self.cell_size}")
+        if self.cell_size % (self.train_tensor * self.train_expert):
+            raise ConfigError(f"config.cells.train_tensor * train_expert={self.train_tensor * self.train_expert} must "
+                              f"divide cells.cell_size={self.cell_size}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -676,7 +679,7 @@ class RLConfig:
 
         c = self.cells
         return _built("cells", lambda: CellConfig(cell_size=c.cell_size, train_tensor=c.train_tensor,
-                                                  serve_tensor=c.serve_tensor))
+                                                  train_expert=c.train_expert, serve_tensor=c.serve_tensor))
 
     @property
     def warm_seed(self) -> int:

@@ -5,7 +5,9 @@ linear weights, biases/q-k norms per family, optional ``lm_head``, bf16 or f32, 
 file or several plus ``model.safetensors.index.json`` -- with the ``safetensors``
 library itself, so the loader under test (gyre_jax.model.hf) is checked against an
 independent writer. Nothing is downloaded. Families: ``qwen2`` (q/k/v bias),
-``qwen3`` (q/k norm), ``llama3`` (rope scaling ``llama3``, untied head).
+``qwen3`` (q/k norm), ``llama3`` (rope scaling ``llama3``, untied head), ``qwen3_moe``
+(Qwen3 with sparse expert blocks: router ``mlp.gate`` and per-expert ``mlp.experts.{j}.*``;
+the layers ``mlp_only_layers`` names keep a dense MLP).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import os
 import ml_dtypes
 import numpy as np
 
-FAMILIES = ("qwen2", "qwen3", "llama3")
+FAMILIES = ("qwen2", "qwen3", "llama3", "qwen3_moe")
+ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def tiny_hf_config(family: str, *, vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, heads: int = 4,
@@ -23,7 +28,7 @@ def tiny_hf_config(family: str, *, vocab_size: int = 96, hidden_size: int = 32, 
                    tie: bool | None = None, dtype: str = "float32", **extra) -> dict:
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: expected one of {FAMILIES}")
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}[family]
+    arch = ARCHS[family]
     cfg = {
         "architectures": [arch], "model_type": "llama" if family == "llama3" else family,
         "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
@@ -33,9 +38,13 @@ def tiny_hf_config(family: str, *, vocab_size: int = 96, hidden_size: int = 32, 
         "tie_word_embeddings": (family != "llama3") if tie is None else tie, "torch_dtype": dtype,
         "bos_token_id": 1, "eos_token_id": 2,
     }
-    if family == "qwen3" or head_dim is not None:
+    if family == "qwen3_moe":  # 4 experts, top 2, renormalised (as Qwen3-30B-A3B: 128 experts, top 8)
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                   mlp_only_layers=[], decoder_sparse_step=1, router_aux_loss_coef=0.001,
+                   output_router_logits=False)
+    if family in ("qwen3", "qwen3_moe") or head_dim is not None:
         cfg["head_dim"] = head_dim or 2 * hidden_size // heads  # Qwen3 decouples head_dim from hidden/heads
-    if family in ("qwen3", "llama3"):
+    if family in ("qwen3", "llama3", "qwen3_moe"):
         cfg["attention_bias"] = False
     if family == "llama3":
         cfg["mlp_bias"] = False
@@ -73,16 +82,30 @@ def tiny_hf_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
         t[p + "self_attn.k_proj.weight"] = w(k * h, d)
         t[p + "self_attn.v_proj.weight"] = w(k * h, d)
         t[p + "self_attn.o_proj.weight"] = w(d, n * h)
-        t[p + "mlp.gate_proj.weight"] = w(f, d)
-        t[p + "mlp.up_proj.weight"] = w(f, d)
-        t[p + "mlp.down_proj.weight"] = w(d, f)
+        if is_moe_layer(cfg, i):
+            e, fe = cfg["num_experts"], cfg["moe_intermediate_size"]
+            t[p + "mlp.gate.weight"] = w(e, d, scale=1.0)  # a sharp router: top-k choices far from ties
+            for j in range(e):
+                t[p + f"mlp.experts.{j}.gate_proj.weight"] = w(fe, d)
+                t[p + f"mlp.experts.{j}.up_proj.weight"] = w(fe, d)
+                t[p + f"mlp.experts.{j}.down_proj.weight"] = w(d, fe)
+        else:
+            t[p + "mlp.gate_proj.weight"] = w(f, d)
+            t[p + "mlp.up_proj.weight"] = w(f, d)
+            t[p + "mlp.down_proj.weight"] = w(d, f)
         if arch == "Qwen2ForCausalLM":
             for name, m in (("q", n), ("k", k), ("v", k)):
                 t[p + f"self_attn.{name}_proj.bias"] = (0.5 * rng.standard_normal(m * h)).astype(np.float32)
-        if arch == "Qwen3ForCausalLM":
+        if arch in QK_NORM_ARCHS:
             t[p + "self_attn.q_norm.weight"] = norm(h)
             t[p + "self_attn.k_norm.weight"] = norm(h)
     return t
+
+
+def is_moe_layer(cfg: dict, i: int) -> bool:
+    """transformers' Qwen3MoeDecoderLayer rule for a sparse block at layer i."""
+    return (cfg.get("num_experts", 0) > 0 and i not in (cfg.get("mlp_only_layers") or [])
+            and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
 
 
 def write_tiny_hf_checkpoint(path: str, family: str, *, seed: int = 0, num_shards: int = 1,

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Qwen2/Qwen2.5, Qwen3 and Llama-3 (dense).
+"""Hugging Face checkpoints in and out: Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Llama-3.
 
     from gyre_jax.model.hf import load_pretrained, save_pretrained
     cfg, params = load_pretrained("/ckpt/Qwen3-8B", mesh=mesh)  # params born sharded

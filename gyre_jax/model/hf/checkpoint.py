@@ -155,16 +155,19 @@ def _zeros(shape, dtype, sharding):
 
 
 @functools.cache
-def _write_layer(sharding):
-    return jax.jit(lambda s, x, i: jax.lax.dynamic_update_slice_in_dim(s, x, i, 0), donate_argnums=0,
-                   out_shardings=sharding)
+def _write_layer(sharding, rank: int = 1):
+    """Write a [1, ...] slice (rank 2: [1, 1, ...], one expert of one layer) at index (i[, j], 0, ...)."""
+    def put(s, x, *idx):
+        return jax.lax.dynamic_update_slice(s, x, (*idx, *([0] * (s.ndim - rank))))
+
+    return jax.jit(put, donate_argnums=0, out_shardings=sharding)
 
 
-def _slice_sharding(sharding):
-    """Sharding of one [1, ...] layer slice of a stacked param (the layers axis unsplit)."""
+def _slice_sharding(sharding, rank: int = 1):
+    """Sharding of one [1, ...] layer slice of a stacked param (the layers (and experts) axes unsplit)."""
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec)
-        return NamedSharding(sharding.mesh, PartitionSpec(None, *spec[1:]))
+        return NamedSharding(sharding.mesh, PartitionSpec(*([None] * rank), *spec[rank:]))
     return sharding
 
 
@@ -193,19 +196,21 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
         _check_names(ck, cfg, plan)
         params: dict = {}
         t0, last, done, nbytes = time.perf_counter(), time.perf_counter(), 0, 0
-        total = sum(cfg.n_layers if e.per_layer else 1 for e in plan)
+        total = sum(len(e.tensors()) for e in plan)
         for e in plan:
             a, sh = _get(abstract, e.path), _get(shardings, e.path)
             if not e.per_layer:
-                w = _read(ck, e, None, a.dtype)
+                w = _read(ck, e, e.name(), a.dtype)
                 _set(params, e.path, jax.device_put(w, sh))
                 done, nbytes = done + 1, nbytes + w.nbytes
                 continue
             stacked = _zeros(a.shape, a.dtype, sh)()
-            put, one_sh = _write_layer(sh), _slice_sharding(sh)
-            for i in range(cfg.n_layers):
-                w = _read(ck, e, i, a.dtype)
-                stacked = put(stacked, jax.device_put(w[None], one_sh), np.int32(i))
+            rank = 2 if e.experts else 1  # one tensor per layer, or per expert of a layer
+            put, one_sh = _write_layer(sh, rank), _slice_sharding(sh, rank)
+            for name, idx, _ in e.tensors():
+                w = _read(ck, e, name, a.dtype)
+                stacked = put(stacked, jax.device_put(w.reshape((1,) * rank + w.shape), one_sh),
+                              *(np.int32(x) for x in idx))
                 done, nbytes = done + 1, nbytes + w.nbytes
                 del w
                 if time.perf_counter() - last > 10:
@@ -220,7 +225,7 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
 
 
 def _check_names(ck: _Checkpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
-    expected = {e.name(i) for e in plan for i in (range(cfg.n_layers) if e.per_layer else [None])}
+    expected = {name for e in plan for name, _, _ in e.tensors()}
     have = set(ck.file_of)
     missing = sorted(expected - have)
     if missing:
@@ -234,8 +239,7 @@ def _check_names(ck: _Checkpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
                                     f"not compute?), e.g. {extra[:5]}")
 
 
-def _read(ck: _Checkpoint, e: Entry, i: int | None, dtype) -> np.ndarray:
-    name = e.name(i)
+def _read(ck: _Checkpoint, e: Entry, name: str, dtype) -> np.ndarray:
     got = ck.shape(name)
     if got != e.hf_shape:
         raise UnsupportedCheckpoint(f"{ck.path}: tensor {name!r} ({ck.file_of[name]}) has shape {got}, "
@@ -261,16 +265,15 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
     for e in plan:  # HF order: embeddings, layer by layer, final norm, head
         if not e.per_layer and e.path == ("embed",):
             specs.append((e.name(), e.hf_shape, out_dt))
-            makers.append(functools.partial(_fetch, tree, e, None, out_dt))
-    for i in range(config.n_layers):
-        for e in plan:
-            if e.per_layer:
-                specs.append((e.name(i), e.hf_shape, out_dt))
-                makers.append(functools.partial(_fetch, tree, e, i, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
+    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()]
+    for _, name, e, idx in sorted(per_layer, key=lambda t: t[0]):  # layer by layer (stable: plan order within)
+        specs.append((name, e.hf_shape, out_dt))
+        makers.append(functools.partial(_fetch, tree, e, idx, out_dt))
     for e in plan:
         if not e.per_layer and e.path != ("embed",):
             specs.append((e.name(), e.hf_shape, out_dt))
-            makers.append(functools.partial(_fetch, tree, e, None, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
     shards: list[list[int]] = [[]]
     size = 0
     for k, (_, shape, dt) in enumerate(specs):
@@ -309,7 +312,7 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
     return written
 
 
-def _fetch(tree, e: Entry, i: int | None, dt) -> np.ndarray:
+def _fetch(tree, e: Entry, idx: tuple[int, ...], dt) -> np.ndarray:
     leaf = _get(tree, e.path)
-    a = np.asarray(jax.device_get(leaf if i is None else leaf[i]))
+    a = np.asarray(jax.device_get(leaf[idx] if idx else leaf))
     return np.ascontiguousarray(e.to_hf(a).astype(dt, copy=False))

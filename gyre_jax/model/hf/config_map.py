@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig`` for the dense Llama/Qwen families.
 
 Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: q/k/v bias), ``Qwen3ForCausalLM`` (q/k
-RMSNorm over head_dim, no bias) and ``LlamaForCausalLM`` (Llama-3.x, plain or ``llama3``
-rope scaling). Anything the model here does not compute (sliding windows, MoE, other
+RMSNorm over head_dim, no bias), ``Qwen3MoeForCausalLM`` (Qwen3 with sparse expert blocks,
+hf/moe_config.py) and ``LlamaForCausalLM`` (Llama-3.x, plain or ``llama3``
+rope scaling). Anything the model here does not compute (sliding windows, other MoE families, other
 rope scalings, MLP or output-projection biases, another activation) raises
 ``UnsupportedCheckpoint`` naming the field, instead of loading a model that computes
 something else.
@@ -12,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.hf.moe_config import MOE_FAMILY, moe_from_hf, moe_to_hf
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                 "Qwen3MoeForCausalLM": MOE_FAMILY}
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16",
                 "torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16"}
 
@@ -91,6 +94,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, vocab_pad_mu
     d, n = int(need("hidden_size")), int(need("num_attention_heads"))
     dt = dtype or source_dtype(hf, where) or "float32"
     try:
+        moe = moe_from_hf(hf, where) if fam == MOE_FAMILY else {}
         return ModelConfig(
             vocab_size=int(need("vocab_size")), d_model=d, n_layers=int(need("num_hidden_layers")), n_heads=n,
             n_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or d // n),
@@ -98,7 +102,8 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, vocab_pad_mu
             # Absent, transformers' Qwen2, Qwen3 and Llama configs all default it to False (untied).
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dt, param_dtype=dt,
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings") or 4096),
-            qkv_bias=fam == "qwen2", qk_norm=fam == "qwen3", vocab_pad_multiple=vocab_pad_multiple, **rope)
+            qkv_bias=fam == "qwen2", qk_norm=fam in ("qwen3", MOE_FAMILY), vocab_pad_multiple=vocab_pad_multiple,
+            **rope, **moe)
     except ValueError as e:
         raise UnsupportedCheckpoint(f"{where}: {e}") from None
 
@@ -107,6 +112,11 @@ def family_of_config(cfg: ModelConfig) -> str:
     """The HF family a ModelConfig exports as (its features pick it)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise UnsupportedCheckpoint("ModelConfig has both qkv_bias and qk_norm: no HF family computes that")
+    if cfg.num_experts > 0:
+        if not cfg.qk_norm or cfg.qkv_bias:
+            raise UnsupportedCheckpoint("ModelConfig: an MoE model exports as Qwen3-MoE, which needs qk_norm=True "
+                                        "and qkv_bias=False")
+        return MOE_FAMILY
     return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
 
 
@@ -126,6 +136,8 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str,
     out["rope_scaling"] = None if cfg.rope_scaling == "none" else dict(
         rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
         high_freq_factor=cfg.rope_high_freq_factor, original_max_position_embeddings=cfg.rope_original_max_len)
+    if fam == MOE_FAMILY:
+        out.update(moe_to_hf(cfg, base or {}))
     if fam != "qwen2":
         out["attention_bias"] = False
     if fam == "llama":
