@@ -42,12 +42,21 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask, cache_index_B):
+    def __call__(self, carry, layer_cache, positions_BxT, mask, cache_index_B):
+        """carry: the residual x_BxTxD, or for the decode step (x, k_all, v_all, layer) with the
+        whole stacked cache [Y, B, S, K, H] updated in place (then layer_cache is None)."""
+        if isinstance(carry, tuple):
+            x_BxTxD, k_all, v_all, layer = carry
+            layer_cache = (k_all, v_all, layer)
+        else:
+            x_BxTxD = carry
         y, new_cache = Attention(self.config, name="attn")(
             RMSNorm(self.config, name="attn_norm")(x_BxTxD), positions_BxT, mask, layer_cache, cache_index_B
         )
         x = x_BxTxD + y.astype(x_BxTxD.dtype)
         x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x)).astype(x.dtype)
+        if isinstance(carry, tuple):
+            return (x, *new_cache, layer + 1), None
         return x, new_cache
 
 
@@ -169,7 +178,14 @@ class Transformer(nn.Module):
             chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
         chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
         x = self._embed(tokens_BxT)
-        x, (k, v) = self.layers(x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS, cache_index_B)
+        if t == 1 and not isinstance(mask_BxTxS, CacheMask):
+            # Decode: the scan carries the whole stacked cache and each layer writes its new
+            # entry in place. Scanning over the cache instead slices each layer out, writes a
+            # new stacked buffer and copies it: several times the bytes of the cache per token.
+            (x, k, v, _), _ = self.layers((x, k_YxBxSxKxH, v_YxBxSxKxH, jnp.int32(0)), None, positions_BxT,
+                                          mask_BxTxS, cache_index_B)
+        else:
+            x, (k, v) = self.layers(x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS, cache_index_B)
         return self._logits(self.final_norm(x)), (k, v)
 
 
