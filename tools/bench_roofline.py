@@ -4,13 +4,15 @@
     python tools/bench_roofline.py --peer=tunix      # also Tunix's Qwen3 of the same shape, in its own venv (--peer-python)
     python tools/bench_roofline.py --small           # a ~10M model, row 512: a quick look (not the issue's sizes)
 
-Each figure is the median of ``--repeats`` timed runs after a warm-up (the machine is shared;
-the load average is printed beside the figures).
+Each figure is the median of ``--repeats`` timed runs after a warm-up. The machine is shared
+and its load changes by the minute, so every timed run is paired with a peak measured just
+before it and each fraction is the median of the pairs' fractions; the load average is
+printed beside the figures.
 
 * Peaks, measured here in the model's dtype: ``matmul_flops`` = 2 n^3 / time of one
-  ``jnp.dot`` of two n x n matrices (``--matmul-n``); ``memory_bw`` = the larger of a
-  ``jnp.sum`` over a ``--bw-mib`` array (bytes read / time) and a copy ``x + 1``
-  ((read + write) / time).
+  ``jnp.dot`` of two n x n matrices (``--matmul-n``, best of 3); ``memory_bw`` = the larger
+  of a ``jnp.sum`` over a ``--bw-mib`` array (bytes read / time) and a copy ``x + 1``
+  ((read + write) / time), best of 3 each.
 * Train (a): the real jitted ``CellSteps.train_step`` (policy loss, AdamW update) on one
   device, one micro-batch of one causal row of ``--row-len`` tokens. FLOPs are counted,
   not measured: per token, forward = 2 x (matmul params per layer x layers + d_model x vocab)
@@ -55,17 +57,14 @@ MODEL_SMALL = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=4, n_kv_hea
                    qk_norm=True, rope_theta=1e6)
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` (which must block until its work is done) over ``repeats`` runs."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def measure_matmul_flops(n: int, dtype: str, repeats: int) -> float:
+def matmul_sampler(n: int, dtype: str):
+    """() -> FLOP/s of one ``jnp.dot`` of two n x n matrices (best of 3 back-to-back: a peak)."""
     import jax
     import jax.numpy as jnp
 
@@ -74,12 +73,11 @@ def measure_matmul_flops(n: int, dtype: str, repeats: int) -> float:
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
     dot = jax.jit(jnp.dot)
     jax.block_until_ready(dot(a, b))
-    t = median_time(lambda: jax.block_until_ready(dot(a, b)), repeats)
-    return 2.0 * n**3 / t
+    return lambda: 2.0 * n**3 / min(_timed(lambda: jax.block_until_ready(dot(a, b))) for _ in range(3))
 
 
-def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
-    """Bytes/s of a full read (sum) and of a copy (read + write) of a ``mib`` MiB array."""
+def memory_sampler(mib: int, dtype: str):
+    """() -> (read bytes/s of a sum, (read + write) bytes/s of a copy) over a ``mib`` MiB array (best of 3)."""
     import jax
     import jax.numpy as jnp
 
@@ -89,10 +87,39 @@ def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     copy = jax.jit(lambda a: a + jnp.ones((), a.dtype))
     jax.block_until_ready((total(x), copy(x)))
-    t_read = median_time(lambda: jax.block_until_ready(total(x)), repeats)
-    t_copy = median_time(lambda: jax.block_until_ready(copy(x)), repeats)
-    read, cp = nbytes / t_read, 2 * nbytes / t_copy
+
+    def sample():
+        t_read = min(_timed(lambda: jax.block_until_ready(total(x))) for _ in range(3))
+        t_copy = min(_timed(lambda: jax.block_until_ready(copy(x))) for _ in range(3))
+        return nbytes / t_read, 2 * nbytes / t_copy
+
+    return sample
+
+
+def measure_matmul_flops(n: int, dtype: str, repeats: int) -> float:
+    sample = matmul_sampler(n, dtype)
+    return statistics.median(sample() for _ in range(repeats))
+
+
+def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
+    """Bytes/s of a full read (sum) and of a copy (read + write): medians over ``repeats`` samples."""
+    sample = memory_sampler(mib, dtype)
+    got = [sample() for _ in range(repeats)]
+    read, cp = statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
     return {"read_bytes_per_s": read, "copy_bytes_per_s": cp, "bytes_per_s": max(read, cp)}
+
+
+def paired(peak_sample, work, repeats: int):
+    """(median work seconds, median peak, median of per-pair peak-normalized work rate 1/(t * peak)).
+
+    On a shared machine the load changes by the minute: each timing of the work is paired
+    with a peak measured just before it, and the fraction is the median of the pairs."""
+    ts, peaks = [], []
+    for _ in range(repeats):
+        p = peak_sample()
+        peaks.append(p)
+        ts.append(_timed(work))
+    return statistics.median(ts), statistics.median(peaks), statistics.median(1 / (t * p) for t, p in zip(ts, peaks))
 
 
 def train_flops_per_token(mc, row_len: int) -> dict:
@@ -127,7 +154,7 @@ def policy_row(mc, row_len: int, rows: int = 1, seed: int = 0) -> dict[str, np.n
     }
 
 
-def bench_train(mc, args) -> dict:
+def bench_train(mc, args, peak) -> dict:
     """Median seconds of the real jitted train step (one micro-batch of one row)."""
     import jax
 
@@ -157,8 +184,9 @@ def bench_train(mc, args) -> dict:
         box[0], m = step(box[0], batch)
         jax.block_until_ready(m)
 
-    t = median_time(run, args.repeats)
-    return {"step_s": t, "compile_and_first_s": compile_s, "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
+    t, p, inv = paired(peak, run, args.repeats)
+    return {"step_s": t, "peak": p, "inv_t_peak": inv, "compile_and_first_s": compile_s,
+            "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
 
 
 def _param_bytes(params) -> int:
@@ -173,7 +201,7 @@ def kv_bytes_per_token(mc) -> int:
     return 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * jnp.dtype(mc.jnp_dtype).itemsize
 
 
-def bench_engine_decode(mc, params, slots: int, args) -> dict:
+def bench_engine_decode(mc, params, slots: int, args, peak) -> dict:
     """GyreEngine at ``slots`` live calls of ``--context`` tokens: median seconds per decode step."""
     import jax
 
@@ -205,14 +233,16 @@ def bench_engine_decode(mc, params, slots: int, args) -> dict:
     t0 = time.perf_counter()
     run()
     warm_s = time.perf_counter() - t0
-    t = median_time(run, args.repeats) / (args.decode_steps * tpc)
+    n = args.decode_steps * tpc
+    t, p, inv = paired(peak, run, args.repeats)
     live = np.asarray(jax.device_get(box[0].active_S)).sum()
     # Mean live length over the timed calls: the context plus the tokens decoded so far.
     mean_len = args.context + (1 + (1 + args.repeats) / 2) * args.decode_steps * tpc
-    return {"step_s": t, "warm_s": warm_s, "live_at_end": int(live), "mean_len": mean_len, "cache_len": max_len}
+    return {"step_s": t / n, "peak": p, "inv_t_peak": inv * n, "warm_s": warm_s, "live_at_end": int(live),
+            "mean_len": mean_len, "cache_len": max_len}
 
 
-def bench_model_decode(mc, params, slots: int, args) -> dict:
+def bench_model_decode(mc, params, slots: int, args, peak) -> dict:
     """The model's own jitted decode_step loop (no engine, greedy argmax on device): seconds per step."""
     import jax
     import jax.numpy as jnp
@@ -241,7 +271,8 @@ def bench_model_decode(mc, params, slots: int, args) -> dict:
         jax.block_until_ready(box[0])
 
     run()
-    return {"step_s": median_time(run, args.repeats) / steps}
+    t, p, inv = paired(peak, run, args.repeats)
+    return {"step_s": t / steps, "peak": p, "inv_t_peak": inv * steps}
 
 
 def run_peer(args, mc) -> dict:
@@ -291,39 +322,41 @@ def main(argv=None) -> dict:
     mc = model_config(args)
     params = init_params(mc, jax.random.key(0))
     n_params = count_params(params)
-    peak = measure_matmul_flops(args.matmul_n, args.dtype, args.repeats)
-    bw = measure_memory_bw(args.bw_mib, args.dtype, args.repeats)
+    mm = matmul_sampler(args.matmul_n, args.dtype)
+    mem = memory_sampler(args.bw_mib, args.dtype)
+    bw_peak = lambda: max(mem())  # noqa: E731 - the larger of read and copy: the stricter roofline
     out: dict = {"params": n_params, "dtype": args.dtype, "row_len": args.row_len, "context": args.context,
-                 "tokens_per_call": args.tokens_per_call, "matmul_n": args.matmul_n,
-                 "matmul_gflops": peak / 1e9, "memory_bw_gbps": bw["bytes_per_s"] / 1e9,
-                 "memory_read_gbps": bw["read_bytes_per_s"] / 1e9, "memory_copy_gbps": bw["copy_bytes_per_s"] / 1e9}
-    rows = [("matmul peak", f"{peak / 1e9:.1f} GFLOP/s", f"jnp.dot {args.matmul_n}^2 {args.dtype}"),
-            ("memory bw", f"{bw['bytes_per_s'] / 1e9:.1f} GB/s",
-             f"read {bw['read_bytes_per_s'] / 1e9:.1f}, copy {bw['copy_bytes_per_s'] / 1e9:.1f}")]
+                 "tokens_per_call": args.tokens_per_call, "matmul_n": args.matmul_n}
+    rows = []
     if not args.skip_train:
         fl = train_flops_per_token(mc, args.row_len)
-        tr = bench_train(mc, args)
-        flops = fl["train"] * args.row_len / tr["step_s"]
+        tr = bench_train(mc, args, mm)
+        step_flops = fl["train"] * args.row_len
+        flops = step_flops / tr["step_s"]
+        frac = step_flops * tr["inv_t_peak"]
         out.update(train_step_s=tr["step_s"], train_gflops=flops / 1e9, train_tokens_per_s=args.row_len / tr["step_s"],
-                   train_fraction_of_matmul_peak=flops / peak, train_flops_per_token=fl["train"],
-                   train_compile_s=tr["compile_and_first_s"])
+                   train_fraction_of_matmul_peak=frac, train_matmul_gflops=tr["peak"] / 1e9,
+                   train_flops_per_token=fl["train"], train_compile_s=tr["compile_and_first_s"])
+        rows.append(("matmul peak", f"{tr['peak'] / 1e9:.1f} GFLOP/s", f"jnp.dot {args.matmul_n}^2 {args.dtype}, "
+                     "median of the samples paired with the train steps"))
         rows.append(("train step", f"{flops / 1e9:.1f} GFLOP/s",
-                     f"{tr['step_s']:.2f} s/step, {flops / peak:.2f} of peak, compile+1st {tr['compile_and_first_s']:.0f} s"))
+                     f"{tr['step_s']:.2f} s/step, {frac:.2f} of peak, compile+1st {tr['compile_and_first_s']:.0f} s"))
     w_bytes = _param_bytes(params)
     kvt = kv_bytes_per_token(mc)
     for s in args.slots:
-        e = bench_engine_decode(mc, params, s, args)
-        m = bench_model_decode(mc, params, s, args)
+        e = bench_engine_decode(mc, params, s, args, bw_peak)
+        m = bench_model_decode(mc, params, s, args, bw_peak)
         step_bytes = w_bytes + s * e["mean_len"] * kvt
-        frac = step_bytes / e["step_s"] / bw["bytes_per_s"]
-        mfrac = step_bytes / m["step_s"] / bw["bytes_per_s"]
+        frac, mfrac = step_bytes * e["inv_t_peak"], step_bytes * m["inv_t_peak"]
         out.update({f"decode_fraction_of_memory_bw_{s}": frac, f"decode_tokens_per_s_{s}": s / e["step_s"],
-                    f"decode_step_ms_{s}": e["step_s"] * 1e3, f"model_decode_fraction_of_memory_bw_{s}": mfrac,
+                    f"decode_step_ms_{s}": e["step_s"] * 1e3, f"memory_bw_gbps_{s}": e["peak"] / 1e9,
+                    f"model_decode_fraction_of_memory_bw_{s}": mfrac,
                     f"model_decode_step_ms_{s}": m["step_s"] * 1e3, f"decode_bytes_per_step_{s}": step_bytes,
                     f"decode_live_at_end_{s}": e["live_at_end"]})
-        rows.append((f"engine decode x{s}", f"{step_bytes / e['step_s'] / 1e9:.1f} GB/s",
-                     f"{e['step_s'] * 1e3:.1f} ms/step, {frac:.2f} of bw, {s / e['step_s']:.0f} tok/s"))
-        rows.append((f"model decode x{s}", f"{step_bytes / m['step_s'] / 1e9:.1f} GB/s",
+        rows.append((f"memory bw (x{s})", f"{e['peak'] / 1e9:.1f} GB/s", "max(sum, copy), paired with the decode runs"))
+        rows.append((f"engine decode x{s}", f"{step_bytes / e['step_s'] / 1e9:.2f} GB/s",
+                     f"{e['step_s'] * 1e3:.1f} ms/step, {frac:.2f} of bw, {s / e['step_s']:.1f} tok/s"))
+        rows.append((f"model decode x{s}", f"{step_bytes / m['step_s'] / 1e9:.2f} GB/s",
                      f"{m['step_s'] * 1e3:.1f} ms/step, {mfrac:.2f} of bw (decode_step loop, no engine)"))
     if args.peer != "none":
         peer = run_peer(args, mc)
