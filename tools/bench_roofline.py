@@ -286,13 +286,19 @@ def run_peer(args, mc) -> dict:
     cmd = [py, os.path.join(here, "peer_tunix.py"), json.dumps({
         "shape": shape, "dtype": args.dtype, "row_len": args.row_len, "context": args.context,
         "decode_steps": args.decode_steps * args.tokens_per_call, "slots": args.slots, "repeats": args.repeats})]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout_s,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return {"peer_error": f"peer child failed: {tail}"}
-    return json.loads(lines[-1])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout_s, env=env)
+        stdout, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # keep what it measured before the limit (it prints as it goes)
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err, rc = f"timed out after --peer-timeout-s={args.peer_timeout_s:.0f}", None
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    got = json.loads(lines[-1]) if lines else {}
+    if rc != 0 or not lines:
+        tail = (err.strip().splitlines() or [f"exit {rc}"])[-1]
+        got["peer_error"] = f"peer child failed: {tail}"
+    return got
 
 
 def main(argv=None) -> dict:
@@ -361,7 +367,7 @@ def main(argv=None) -> dict:
     if args.peer != "none":
         peer = run_peer(args, mc)
         out.update({f"peer_{k}" if not k.startswith("peer") else k: v for k, v in peer.items()})
-        if "peer_error" not in peer:
+        if "version" in peer:
             out["peer"] = f"tunix {peer.get('version')}"
             if "train_tokens_per_s" in out:
                 out["train_vs_peer"] = out["train_tokens_per_s"] / peer["train_tokens_per_s"]
@@ -369,7 +375,7 @@ def main(argv=None) -> dict:
                 if f"decode_tokens_per_s_{s}" in peer:
                     out[f"decode_vs_peer_{s}"] = out[f"decode_tokens_per_s_{s}"] / peer[f"decode_tokens_per_s_{s}"]
             rows.append(("peer", out["peer"], ", ".join(f"{k}={v:.2f}" for k, v in out.items() if "_vs_peer" in k)))
-        else:
+        if "peer_error" in peer:
             rows.append(("peer", "failed", peer["peer_error"]))
     load1 = os.getloadavg()
     out["load_avg_1m_before_after"] = [round(load0[0], 2), round(load1[0], 2)]

@@ -128,9 +128,10 @@ def main():
     out = {"version": importlib.metadata.version("google-tunix"), "jax": jax.__version__}
     t = time_train(model, cfg, a["row_len"], a["repeats"])
     out.update(train_step_s=t, train_tokens_per_s=a["row_len"] / t)
+    print(json.dumps(out), flush=True)  # as it goes: a parent that stops us early keeps what was measured
     for s in a["slots"]:
         out[f"decode_tokens_per_s_{s}"] = time_decode(model, cfg, s, a["context"], a["decode_steps"], a["repeats"])
-    print(json.dumps(out), flush=True)
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
