@@ -111,3 +111,17 @@ def test_bad_input_is_named():
         dec.insert(cache, dec.KV(k=kv.k[:, :, :1], v=kv.v[:, :, :1]), 0)
     with pytest.raises(AssertionError, match="decode_step: tokens_S must be"):
         dec.decode_step(None, cfg, jnp.zeros(2, jnp.int32), cache)
+
+
+def test_decode_step_updates_the_cache_in_place():
+    """The decode step writes each layer's new k/v into the donated cache where it lies: its
+    temporaries hold about one layer's k/v (the slice its attention reads), never a second
+    copy of the whole cache (scanning over the cache's layers used to build a new stacked
+    cache every token: temporaries above the cache's own size)."""
+    cfg = model_config_tiny(n_layers=4, max_seq_len=512)
+    params = init_params(cfg, jax.random.key(0))
+    cache = dec.init_cache(cfg, 4, 512)
+    step = jax.jit(lambda p, t, c: dec.decode_step(p, cfg, t, c), donate_argnums=2)
+    mem = step.lower(params, jnp.ones((4,), jnp.int32), cache).compile().memory_analysis()
+    cache_bytes = cache.k.nbytes + cache.v.nbytes
+    assert mem.temp_size_in_bytes < cache_bytes / 2, (mem.temp_size_in_bytes, cache_bytes)

@@ -51,6 +51,47 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
     return out.reshape(b, t, n, h)
 
 
+def attend_one_query(q_Bx1xNxH, k_YxBxSxKxH, v_YxBxSxKxH, layer, mask_Bx1xS):
+    """``attend`` for one query per row against layer ``layer`` of a stacked [Y, B, S, K, H] cache.
+
+    The decode step's attention. Both products are dots batched over rows only, on the
+    cache in its own layout viewed as [B, S, K*H]: the query enters as a block-diagonal
+    [K*H, K*G] matrix (zeros off the diagonal blocks; K times the flops of the useful
+    products, which decode can afford: it is bound by reading the cache). A dot batched
+    over (row, kv head) as ``attend`` writes it makes XLA transpose every layer's cache to
+    [B, K, S, H] first, a copy of the whole cache per step (on CPU most of a 32-slot step).
+    Same math as ``attend``: float32 scores and softmax, masked entries excluded, and the
+    zero blocks add exact zeros.
+    """
+    b, _, n, h = q_Bx1xNxH.shape
+    s, kv = k_YxBxSxKxH.shape[2], k_YxBxSxKxH.shape[3]
+    g = n // kv
+    dt = k_YxBxSxKxH.dtype
+    k_BxSxKH = jax.lax.dynamic_index_in_dim(k_YxBxSxKxH, layer, keepdims=False).reshape(b, s, kv * h)
+    v_BxSxKH = jax.lax.dynamic_index_in_dim(v_YxBxSxKxH, layer, keepdims=False).reshape(b, s, kv * h)
+    eye_KxK = jnp.eye(kv, dtype=dt)
+    q_BxKxGxH = q_Bx1xNxH.reshape(b, kv, g, h).astype(dt)
+    q_BxKHxKG = jnp.einsum("bkgh,kj->bkhjg", q_BxKxGxH, eye_KxK).reshape(b, kv * h, kv * g)
+    scores_BxSxKG = jnp.einsum("bsx,bxy->bsy", k_BxSxKH, q_BxKHxKG, preferred_element_type=jnp.float32) * (h**-0.5)
+    scores_BxSxKG = jnp.where(mask_Bx1xS[:, 0, :, None], scores_BxSxKG, jnp.finfo(jnp.float32).min)
+    probs_BxSxKG = jax.nn.softmax(scores_BxSxKG, axis=1).astype(dt)
+    out_BxKGxKH = jnp.einsum("bsy,bsx->byx", probs_BxSxKG, v_BxSxKH, preferred_element_type=jnp.float32)
+    out_BxKxGxH = jnp.einsum("bkgjh,kj->bkgh", out_BxKGxKH.reshape(b, kv, g, kv, h), eye_KxK.astype(jnp.float32))
+    return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
+
+
+def write_one_row(cache_YxBxSxKxH, new_Bx1xKxH, layer, index_B):
+    """Write each row's one new entry at [layer, b, index[b]] of a stacked cache, in place.
+
+    A scatter into the buffer the layer scan carries (no per-layer slice, no new stacked
+    buffer); an index past the end is clamped onto the last entry, as dynamic_update_slice does.
+    """
+    _, b, s, _, _ = cache_YxBxSxKxH.shape
+    idx_B = jnp.clip(index_B, 0, s - 1)
+    return cache_YxBxSxKxH.at[layer, jnp.arange(b), idx_B].set(new_Bx1xKxH[:, 0].astype(cache_YxBxSxKxH.dtype),
+                                                                unique_indices=True, mode="promise_in_bounds")
+
+
 def _write_rows(cache_BxSxKxH, new_BxTxKxH, index_B):
     """Write each batch row's T new entries at its own offset (a KV-cache slot update)."""
     return jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (i, 0, 0)))(
@@ -67,6 +108,8 @@ class Attention(nn.Module):
     the whole updated cache with ``mask`` [B, T, S], and the updated cache is
     returned: one code path serves prefill-with-prefix and decode. With a ``PagedMask``
     the cache is a pool of pages (paged.py) and T must be 1 (a decode step).
+    ``cache=(k_YxBxSxKxH, v_YxBxSxKxH, layer)`` (one token per row, a dense mask) is
+    the decode step's form: the whole stacked cache, updated in place at ``layer``.
     """
 
     config: ModelConfig
@@ -119,6 +162,12 @@ class Attention(nn.Module):
             out = paged_attention(q[:, 0], k_pages, v_pages, mask.page_table, cache_index_B + 1, impl=mask.impl,
                                   block_q=mask.block_q, block_k=mask.block_k, blockwise=mask.blockwise)[:, None]
             new_cache = (k_pages, v_pages)
+        elif len(cache) == 3:  # decode: the stacked cache, carried through the layer scan
+            k_all, v_all, layer = cache
+            k_all = write_one_row(k_all, k, layer, cache_index_B)
+            v_all = write_one_row(v_all, v, layer, cache_index_B)
+            out = attend_one_query(q, k_all, v_all, layer, mask).astype(dt)
+            new_cache = (k_all, v_all)
         else:
             k_cache, v_cache = cache
             k_all = _write_rows(k_cache, k, cache_index_B)

@@ -49,7 +49,15 @@ class Block(nn.Module):
     moe: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT):
+    def __call__(self, carry, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT):
+        """carry: the residual x_BxTxD, or for the decode step (x, k_all, v_all, layer) with the
+        whole stacked cache [Y, B, S, K, H] updated in place (then layer_cache is None)."""
+        decode = isinstance(carry, tuple)
+        if decode:
+            x_BxTxD, k_all, v_all, layer = carry
+            layer_cache = (k_all, v_all, layer)
+        else:
+            x_BxTxD = carry
         y, new_cache = Attention(self.config, name="attn")(
             RMSNorm(self.config, name="attn_norm")(x_BxTxD), positions_BxT, mask, layer_cache, cache_index_B
         )
@@ -59,7 +67,10 @@ class Block(nn.Module):
             y, stats = MoE(self.config, name="moe")(h, valid_BxT)
         else:
             y, stats = MLP(self.config, name="mlp")(h), None
-        return x + y.astype(x.dtype), (new_cache, stats)
+        x = x + y.astype(x.dtype)
+        if decode:
+            return (x, *new_cache, layer + 1), stats
+        return x, (new_cache, stats)
 
 
 # What a rematerialised layer saves for the backward pass (the rest is recomputed):
@@ -196,6 +207,17 @@ class Transformer(nn.Module):
             chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
         chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
         x = self._embed(tokens_BxT)
+        if t == 1 and not isinstance(mask_BxTxS, (CacheMask, PagedMask)):
+            # Decode: the scan carries the whole stacked cache and each layer writes its new
+            # entry in place (the layer index runs on across stacks). Scanning over the cache
+            # instead slices each layer out, writes a new stacked buffer and copies it: several
+            # times the bytes of the cache per token.
+            carry = (x, k_YxBxSxKxH, v_YxBxSxKxH, jnp.int32(0))
+            for stack in self.stacks:
+                carry, stats = stack(carry, None, positions_BxT, mask_BxTxS, cache_index_B, None)
+                self._sow_moe(stats)
+            x, k, v, _ = carry
+            return self._logits(self.final_norm(x)), (k, v)
         runs = cfg.layer_runs()
         if len(runs) == 1:  # one stack: the whole cache in and out, no copies
             x, ((k, v), stats) = self.stacks[0](x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS,

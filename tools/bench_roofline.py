@@ -1,0 +1,393 @@
+"""How near the roofline our steps run on this machine: train FLOP/s over matmul FLOP/s, decode bytes/s over memory bandwidth.
+
+    python tools/bench_roofline.py                   # ~100M model, row 2048, engine at 1 and 32 live calls; ~6 min on 2 cores
+    python tools/bench_roofline.py --peer=tunix      # also Tunix's Qwen3 of the same shape, in its own venv (--peer-python)
+    python tools/bench_roofline.py --small           # a ~10M model, row 512: a quick look (not the issue's sizes)
+
+Each figure is the median of ``--repeats`` timed runs after a warm-up. The machine is shared
+and its load changes by the minute, so every timed run is paired with a peak measured just
+before it and each fraction is the median of the pairs' fractions; the load average is
+printed beside the figures.
+
+* Peaks, measured here in the model's dtype: ``matmul_flops`` = 2 n^3 / time of one
+  ``jnp.dot`` of two n x n matrices (``--matmul-n``, best of 3); ``memory_bw`` = the larger
+  of a ``jnp.sum`` over a ``--bw-mib`` array (bytes read / time) and a copy ``x + 1``
+  ((read + write) / time), best of 3 each.
+* Train (a): the real jitted ``CellSteps.train_step`` (policy loss, AdamW update) on one
+  device, one micro-batch of one causal row of ``--row-len`` tokens. FLOPs are counted,
+  not measured: per token, forward = 2 x (matmul params per layer x layers + d_model x vocab)
+  + 4 x layers x heads x head_dim x (L + 1) / 2 (QK^T and PV over the causal context);
+  fwd + bwd = 3 x forward. The embedding gather, norms, softmax and the optimizer are not
+  counted (they are work the roofline does not credit). ``train_fraction_of_matmul_peak`` =
+  (FLOPs / step time) / matmul_flops.
+* Decode (b): ``GyreEngine`` (JetStream Engine API: prefill, insert, generate; greedy,
+  ``--tokens-per-call`` steps per call as the shipped configs use) with 1 and 32 live
+  calls of ``--context`` tokens each. Bytes per decode step = all weights once + every live
+  call's K and V over all layers at its current length. ``decode_fraction_of_memory_bw_S`` =
+  (bytes per step / step time) / memory_bw. The model's own jitted ``decode_step`` loop (no
+  engine, no sampler) is timed beside it, to tell model cost from engine cost.
+* Peer (``--peer=tunix``): Tunix's Qwen3 (``tunix.models.qwen3``) of the same shape, random
+  weights, in its own venv (never a project dependency): its train step (value_and_grad of
+  cross-entropy + optax AdamW, jitted) and its ``Sampler`` tokens/s at the same batch sizes.
+  ``train_vs_peer`` = our train tokens/s / Tunix's; ``decode_vs_peer_S`` likewise for decode.
+
+Prints a table, then ONE final JSON line. Goals (issue 30): train >= 0.5, decode_32 >= 0.5,
+vs peer >= 1.0.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+# ~100M parameters, Qwen3-shaped (qk-norm, GQA 12:4, tied embeddings, vocab 32K):
+# 12 layers x 6.29M + 32768 x 768 embedding = 100.7M.
+MODEL_100M = dict(vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048,
+                  qk_norm=True, rope_theta=1e6)
+MODEL_SMALL = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024,
+                   qk_norm=True, rope_theta=1e6)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def matmul_sampler(n: int, dtype: str):
+    """() -> FLOP/s of one ``jnp.dot`` of two n x n matrices (best of 3 back-to-back: a peak)."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(dtype)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
+    dot = jax.jit(jnp.dot)
+    jax.block_until_ready(dot(a, b))
+    return lambda: 2.0 * n**3 / min(_timed(lambda: jax.block_until_ready(dot(a, b))) for _ in range(3))
+
+
+def memory_sampler(mib: int, dtype: str):
+    """() -> (read bytes/s of a sum, (read + write) bytes/s of a copy) over a ``mib`` MiB array (best of 3)."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(dtype)
+    x = jnp.ones((mib << 20) // dt.itemsize, dt)
+    nbytes = x.size * dt.itemsize
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    copy = jax.jit(lambda a: a + jnp.ones((), a.dtype))
+    jax.block_until_ready((total(x), copy(x)))
+
+    def sample():
+        t_read = min(_timed(lambda: jax.block_until_ready(total(x))) for _ in range(3))
+        t_copy = min(_timed(lambda: jax.block_until_ready(copy(x))) for _ in range(3))
+        return nbytes / t_read, 2 * nbytes / t_copy
+
+    return sample
+
+
+def measure_matmul_flops(n: int, dtype: str, repeats: int) -> float:
+    sample = matmul_sampler(n, dtype)
+    return statistics.median(sample() for _ in range(repeats))
+
+
+def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
+    """Bytes/s of a full read (sum) and of a copy (read + write): medians over ``repeats`` samples."""
+    sample = memory_sampler(mib, dtype)
+    got = [sample() for _ in range(repeats)]
+    read, cp = statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+    return {"read_bytes_per_s": read, "copy_bytes_per_s": cp, "bytes_per_s": max(read, cp)}
+
+
+def paired(peak_sample, work, repeats: int):
+    """(median work seconds, median peak, median of per-pair peak-normalized work rate 1/(t * peak)).
+
+    On a shared machine the load changes by the minute: each timing of the work is paired
+    with a peak measured just before it, and the fraction is the median of the pairs."""
+    ts, peaks = [], []
+    for _ in range(repeats):
+        p = peak_sample()
+        peaks.append(p)
+        ts.append(_timed(work))
+    return statistics.median(ts), statistics.median(peaks), statistics.median(1 / (t * p) for t, p in zip(ts, peaks))
+
+
+def train_flops_per_token(mc, row_len: int) -> dict:
+    """Analytic FLOPs per trained token of one causal row (module docstring's formula)."""
+    d, n, k, h, f, y = mc.d_model, mc.n_heads, mc.n_kv_heads, mc.head_dim, mc.d_ff, mc.n_layers
+    per_layer = d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+    dense = 2 * (y * per_layer + d * mc.vocab_size)
+    attn = 4 * y * n * h * (row_len + 1) / 2
+    return {"matmul_params": y * per_layer + d * mc.vocab_size, "forward": dense + attn, "train": 3 * (dense + attn)}
+
+
+def model_config(args):
+    from gyre_jax.model import ModelConfig
+
+    base = MODEL_SMALL if args.small else MODEL_100M
+    max_len = max(args.row_len, args.context + args.decode_steps * args.tokens_per_call + 64)
+    return ModelConfig(**base, dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max_len)
+
+
+def policy_row(mc, row_len: int, rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    """One micro-batch of ``rows`` causal rows, every token trained (weights sum to 1)."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(1, mc.vocab_size, (rows, row_len + 1)).astype(np.int32)
+    shape = (rows, row_len)
+    return {
+        "tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones(shape, np.float32),
+        "behavior_logprobs": np.full(shape, -np.log(mc.vocab_size), np.float32),
+        "positions": np.broadcast_to(np.arange(row_len, dtype=np.int32), shape).copy(),
+        "segment_ids": np.ones(shape, np.int32), "subtree_end": np.full(shape, row_len, np.int32),
+        "target_version": np.zeros(shape, np.int32), "loss_weights": np.full(shape, 1.0 / (rows * row_len), np.float32),
+        "advantages": rng.standard_normal(shape).astype(np.float32),
+    }
+
+
+def bench_train(mc, args, peak) -> dict:
+    """Median seconds of the real jitted train step (one micro-batch of one row)."""
+    import jax
+
+    from gyre_jax import cells
+    from gyre_jax.cells.loss import policy_loss_fn
+    from gyre_jax.cells.train_step import device_micro_batch
+    from gyre_jax.losses import METRIC_REDUCTIONS, PolicyLossConfig
+    from gyre_jax.model import init_boxed, init_params, param_logical_axes
+
+    opt = cells.OptimizerConfig(learning_rate=1e-4, weight_decay=0.01)
+    spec = cells.StateSpec.create(functools.partial(init_boxed, mc), cells.make_optimizer(opt, param_logical_axes(mc)))
+    steps = cells.CellSteps(spec, policy_loss_fn(mc, PolicyLossConfig()), cells.make_schedule(opt),
+                            reductions=METRIC_REDUCTIONS)
+    (cell,) = cells.split_cells(cells.CellConfig(cell_size=1), jax.devices()[:1])
+    mesh = cell.train_mesh
+    mb = device_micro_batch(policy_row(mc, args.row_len))
+    batch = jax.device_put({k: v[None] for k, v in mb.items()})
+    state = spec.state_from_params(init_params(mc, jax.random.key(0)), mesh)
+    step = steps.train_step(mesh)
+    t0 = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    box = [state]
+
+    def run():
+        box[0], m = step(box[0], batch)
+        jax.block_until_ready(m)
+
+    t, p, inv = paired(peak, run, args.repeats)
+    return {"step_s": t, "peak": p, "inv_t_peak": inv, "compile_and_first_s": compile_s,
+            "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
+
+
+def _param_bytes(params) -> int:
+    import jax
+
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def kv_bytes_per_token(mc) -> int:
+    import jax.numpy as jnp
+
+    return 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * jnp.dtype(mc.jnp_dtype).itemsize
+
+
+def bench_engine_decode(mc, params, slots: int, args, peak) -> dict:
+    """GyreEngine at ``slots`` live calls of ``--context`` tokens: median seconds per decode step."""
+    import jax
+
+    from gyre_jax.serving.backend import SamplingParams
+    from gyre_jax.serving.engine import GyreEngine
+    from gyre_jax.serving.engine_state import PrefillInput
+
+    tpc = args.tokens_per_call
+    calls = 1 + args.repeats  # a warm-up call, then the timed ones
+    max_len = args.context + calls * args.decode_steps * tpc + 8
+    eng = GyreEngine(mc, params, max_slots=slots, max_len=max_len, tokens_per_call=tpc, prefill_chunk=4096)
+    prompt = np.random.default_rng(1).integers(1, mc.vocab_size, args.context + 1).astype(np.int32)
+    sp = SamplingParams(max_tokens=max_len, temperature=0.0)
+    # One prefill, inserted into every slot (insert copies it; the prefix is not donated).
+    pre = eng.prefill(params=eng.params_ref, padded_tokens=PrefillInput("p", prompt[:-1], int(prompt[-1]), 0, sp),
+                      true_length=args.context)
+    assert eng.pop_error("p") is None
+    ds = eng.init_decode_state()
+    for s in range(slots):
+        ds = eng.insert(pre, ds, s)
+    box = [ds]
+
+    def run():  # decode_steps generate calls, as JetStream's generate thread makes them
+        res = None
+        for _ in range(args.decode_steps):
+            box[0], res = eng.generate(eng.params_ref, box[0])
+        jax.block_until_ready(res.data)
+
+    t0 = time.perf_counter()
+    run()
+    warm_s = time.perf_counter() - t0
+    n = args.decode_steps * tpc
+    t, p, inv = paired(peak, run, args.repeats)
+    live = np.asarray(jax.device_get(box[0].active_S)).sum()
+    # Mean live length over the timed calls: the context plus the tokens decoded so far.
+    mean_len = args.context + (1 + (1 + args.repeats) / 2) * args.decode_steps * tpc
+    return {"step_s": t / n, "peak": p, "inv_t_peak": inv * n, "warm_s": warm_s, "live_at_end": int(live),
+            "mean_len": mean_len, "cache_len": max_len}
+
+
+def bench_model_decode(mc, params, slots: int, args, peak) -> dict:
+    """The model's own jitted decode_step loop (no engine, greedy argmax on device): seconds per step."""
+    import jax
+    import jax.numpy as jnp
+
+    from gyre_jax.model import decode
+
+    steps = args.decode_steps * args.tokens_per_call
+    max_len = args.context + (1 + args.repeats) * steps + 8
+
+    def loop(p, tok_S, cache):
+        def body(carry, _):
+            tok, c = carry
+            logits, c = decode.decode_step(p, mc, tok, c)
+            return (jnp.argmax(logits, -1).astype(jnp.int32), c), None
+
+        (tok_S, cache), _ = jax.lax.scan(body, (tok_S, cache), None, length=steps)
+        return tok_S, cache
+
+    fn = jax.jit(loop, donate_argnums=2)
+    cache = decode.init_cache(mc, slots, max_len)
+    cache = cache.replace(lengths=jnp.full((slots,), args.context, jnp.int32))  # k/v values do not change the cost
+    box = [jnp.ones((slots,), jnp.int32), cache]
+
+    def run():
+        box[0], box[1] = fn(params, box[0], box[1])
+        jax.block_until_ready(box[0])
+
+    run()
+    t, p, inv = paired(peak, run, args.repeats)
+    return {"step_s": t / steps, "peak": p, "inv_t_peak": inv * steps}
+
+
+def run_peer(args, mc) -> dict:
+    """Tunix's Qwen3 of the same shape in the peer venv (a child process); its JSON or why it failed."""
+    py = args.peer_python
+    if not os.path.exists(py):
+        return {"peer_error": f"no python at --peer-python={py} (make the venv: see tools/peer_tunix.py)"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    shape = {k: getattr(mc, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                         "d_ff", "rope_theta", "norm_eps")}
+    cmd = [py, os.path.join(here, "peer_tunix.py"), json.dumps({
+        "shape": shape, "dtype": args.dtype, "row_len": args.row_len, "context": args.context,
+        "decode_steps": args.decode_steps * args.tokens_per_call, "slots": args.slots, "repeats": args.repeats})]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout_s, env=env)
+        stdout, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # keep what it measured before the limit (it prints as it goes)
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err, rc = f"timed out after --peer-timeout-s={args.peer_timeout_s:.0f}", None
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    got = json.loads(lines[-1]) if lines else {}
+    if rc != 0 or not lines:
+        tail = (err.strip().splitlines() or [f"exit {rc}"])[-1]
+        got["peer_error"] = f"peer child failed: {tail}"
+    return got
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="a ~10M model (quick look; not the issue's sizes)")
+    ap.add_argument("--dtype", default="float32", help="model params and activations, and the peaks' dtype")
+    ap.add_argument("--row-len", type=int, default=2048)
+    ap.add_argument("--context", type=int, default=512, help="tokens per live call before decoding")
+    ap.add_argument("--slots", default="1,32", help="live calls to decode with (comma-separated)")
+    ap.add_argument("--decode-steps", type=int, default=4, help="generate calls per timed run")
+    ap.add_argument("--tokens-per-call", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--matmul-n", type=int, default=4096)
+    ap.add_argument("--bw-mib", type=int, default=512)
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--peer", default="none", choices=("none", "tunix"))
+    ap.add_argument("--peer-python", default="/work/venvs/peer/bin/python")
+    ap.add_argument("--peer-timeout-s", type=float, default=1800)
+    args = ap.parse_args(argv)
+    args.slots = [int(s) for s in args.slots.split(",")]
+
+    import jax
+
+    from gyre_jax.model import count_params, init_params
+
+    load0 = os.getloadavg()
+    mc = model_config(args)
+    params = init_params(mc, jax.random.key(0))
+    n_params = count_params(params)
+    mm = matmul_sampler(args.matmul_n, args.dtype)
+    mem = memory_sampler(args.bw_mib, args.dtype)
+    bw_peak = lambda: max(mem())  # noqa: E731 - the larger of read and copy: the stricter roofline
+    out: dict = {"params": n_params, "dtype": args.dtype, "row_len": args.row_len, "context": args.context,
+                 "tokens_per_call": args.tokens_per_call, "matmul_n": args.matmul_n}
+    rows = []
+    if not args.skip_train:
+        fl = train_flops_per_token(mc, args.row_len)
+        tr = bench_train(mc, args, mm)
+        step_flops = fl["train"] * args.row_len
+        flops = step_flops / tr["step_s"]
+        frac = step_flops * tr["inv_t_peak"]
+        out.update(train_step_s=tr["step_s"], train_gflops=flops / 1e9, train_tokens_per_s=args.row_len / tr["step_s"],
+                   train_fraction_of_matmul_peak=frac, train_matmul_gflops=tr["peak"] / 1e9,
+                   train_flops_per_token=fl["train"], train_compile_s=tr["compile_and_first_s"])
+        rows.append(("matmul peak", f"{tr['peak'] / 1e9:.1f} GFLOP/s", f"jnp.dot {args.matmul_n}^2 {args.dtype}, "
+                     "median of the samples paired with the train steps"))
+        rows.append(("train step", f"{flops / 1e9:.1f} GFLOP/s",
+                     f"{tr['step_s']:.2f} s/step, {frac:.2f} of peak, compile+1st {tr['compile_and_first_s']:.0f} s"))
+    w_bytes = _param_bytes(params)
+    kvt = kv_bytes_per_token(mc)
+    for s in args.slots:
+        e = bench_engine_decode(mc, params, s, args, bw_peak)
+        m = bench_model_decode(mc, params, s, args, bw_peak)
+        step_bytes = w_bytes + s * e["mean_len"] * kvt
+        frac, mfrac = step_bytes * e["inv_t_peak"], step_bytes * m["inv_t_peak"]
+        out.update({f"decode_fraction_of_memory_bw_{s}": frac, f"decode_tokens_per_s_{s}": s / e["step_s"],
+                    f"decode_step_ms_{s}": e["step_s"] * 1e3, f"memory_bw_gbps_{s}": e["peak"] / 1e9,
+                    f"model_decode_fraction_of_memory_bw_{s}": mfrac,
+                    f"model_decode_step_ms_{s}": m["step_s"] * 1e3, f"decode_bytes_per_step_{s}": step_bytes,
+                    f"decode_live_at_end_{s}": e["live_at_end"]})
+        rows.append((f"memory bw (x{s})", f"{e['peak'] / 1e9:.1f} GB/s", "max(sum, copy), paired with the decode runs"))
+        rows.append((f"engine decode x{s}", f"{step_bytes / e['step_s'] / 1e9:.2f} GB/s",
+                     f"{e['step_s'] * 1e3:.1f} ms/step, {frac:.2f} of bw, {s / e['step_s']:.1f} tok/s"))
+        rows.append((f"model decode x{s}", f"{step_bytes / m['step_s'] / 1e9:.2f} GB/s",
+                     f"{m['step_s'] * 1e3:.1f} ms/step, {mfrac:.2f} of bw (decode_step loop, no engine)"))
+    if args.peer != "none":
+        peer = run_peer(args, mc)
+        out.update({f"peer_{k}" if not k.startswith("peer") else k: v for k, v in peer.items()})
+        if "version" in peer:
+            out["peer"] = f"tunix {peer.get('version')}"
+            if "train_tokens_per_s" in out:
+                out["train_vs_peer"] = out["train_tokens_per_s"] / peer["train_tokens_per_s"]
+            for s in args.slots:
+                if f"decode_tokens_per_s_{s}" in peer:
+                    out[f"decode_vs_peer_{s}"] = out[f"decode_tokens_per_s_{s}"] / peer[f"decode_tokens_per_s_{s}"]
+            rows.append(("peer", out["peer"], ", ".join(f"{k}={v:.2f}" for k, v in out.items() if "_vs_peer" in k)))
+        if "peer_error" in peer:
+            rows.append(("peer", "failed", peer["peer_error"]))
+    load1 = os.getloadavg()
+    out["load_avg_1m_before_after"] = [round(load0[0], 2), round(load1[0], 2)]
+    out["sizes"] = (f"{n_params / 1e6:.1f}M params ({mc.n_layers}L d{mc.d_model} V{mc.vocab_size}), row {args.row_len}, "
+                    f"decode ctx {args.context} x slots {args.slots}, {args.dtype}")
+    print(f"{'what':<20} {'rate':>14}  detail")
+    for what, rate, detail in rows:
+        print(f"{what:<20} {rate:>14}  {detail}")
+    print(f"load average (1 min) before/after: {out['load_avg_1m_before_after']}")
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
