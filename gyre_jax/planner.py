@@ -10,9 +10,9 @@ the run will hold there:
 * **serve** (a rollout cell's engine): params in the serving layout and the KV cache
   (``cells.max_slots x cells.max_len`` preallocated per engine), and the decode
   step's logits;
-* a cell that does both (``scheduler.mode='colocate'``, or one cell only) holds
+* a cell that does both (a colocated ``scheduler.mode``, or one cell only) holds
   both at once: its engine keeps its cache while it trains;
-* **satellite** (elastic modes): a serving cell that turns to training keeps its engine
+* **satellite** (modes whose satellites switch roles): a serving cell that turns to training keeps its engine
   and adds a params snapshot, one micro-batch's gradient and the activations.
 
 Every term is divided the way ``gyre_jax.sharding.RULES`` splits it on that role's
@@ -40,6 +40,7 @@ import math
 import os
 
 from gyre_jax.errors import ConfigError
+from gyre_jax.scheduler.modes import get_mode
 
 GIB = 1 << 30
 
@@ -70,7 +71,6 @@ DEVICE_KINDS: dict[str, DeviceKind] = {k.name: k for k in (
 RESERVE_FRACTION = 0.10
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ELASTIC_MODES = ("elastic", "elastic_no_stream")  # scheduler modes whose satellites switch between serving and training
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -276,15 +276,16 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
     per_device = device_bytes(device_kind, n_devices) if per_device is None else per_device
     tmesh, tterms = train_terms(cfg.model, cells, cfg.train)
     smesh, sterms = serve_terms(cfg.model, cells)
-    colocate = n_cells == 1 or getattr(cfg.scheduler, "mode", "") == "colocate"
-    if colocate:  # one cell trains and serves in turn: its engine's params and cache stay while it trains
+    mode = get_mode(cfg.scheduler.mode)
+    # One cell trains and serves in turn: its engine's params and cache stay while it trains.
+    if n_cells == 1 or mode.colocated:
         both = dict(tterms)
         both["serve_params"] = sterms["params"]
         both["kv_cache"], both["decode_logits"] = sterms["kv_cache"], sterms["decode_logits"]
         roles = (RolePlan("core+serve", tmesh, both, per_device),)
     else:
         roles = (RolePlan("core", tmesh, tterms, per_device), RolePlan("serve", smesh, sterms, per_device))
-        if getattr(cfg.scheduler, "mode", "") in ELASTIC_MODES:
+        if mode.switches_satellites:
             # A satellite that turns to training keeps its engine (params and cache stay, rl/cell_pool.py)
             # and takes a params snapshot, one micro-batch's gradient and its activations on top.
             sat = {("serve_params" if k == "params" else k): v for k, v in sterms.items()}
