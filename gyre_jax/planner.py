@@ -95,11 +95,11 @@ def param_table(m) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
     """(name, shape, logical axes) of every parameter of the Transformer for ModelConfig ``m``
     (checked against ``jax.eval_shape`` of the model in tests/test_planner.py)."""
     D, F, Y, H, K, hd, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.padded_vocab
-    out = [("embedding", (V, D), ("vocab", "embed"))]
+    out: list[tuple[str, tuple[int, ...], tuple[str | None, ...]]] = [("embedding", (V, D), ("vocab", "embed"))]
     if not m.tie_embeddings:
         out.append(("unembedding", (D, V), ("embed", "vocab")))
     out.append(("final_norm", (D,), ("embed",)))
-    layer = [
+    layer: list[tuple[str, tuple[int, ...], tuple[str | None, ...]]] = [
         ("attn_norm", (D,), ("embed",)), ("mlp_norm", (D,), ("embed",)),
         ("q", (D, H, hd), ("embed", "heads", "head_dim")), ("k", (D, K, hd), ("embed", "kv_heads", "head_dim")),
         ("v", (D, K, hd), ("embed", "kv_heads", "head_dim")), ("o", (H, hd, D), ("heads", "head_dim", "embed")),
@@ -282,7 +282,7 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
         both = dict(tterms)
         both["serve_params"] = sterms["params"]
         both["kv_cache"], both["decode_logits"] = sterms["kv_cache"], sterms["decode_logits"]
-        roles = (RolePlan("core+serve", tmesh, both, per_device),)
+        roles: tuple[RolePlan, ...] = (RolePlan("core+serve", tmesh, both, per_device),)
     else:
         roles = (RolePlan("core", tmesh, tterms, per_device), RolePlan("serve", smesh, sterms, per_device))
         if mode.switches_satellites:

@@ -61,6 +61,7 @@ import numpy as np
 from aiohttp import web
 
 from gyre_jax.serving import api_anthropic as A
+from gyre_jax.serving.bound_port import bound_port
 from gyre_jax.serving import api_openai as O
 from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
@@ -164,7 +165,7 @@ class Proxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = bound_port(site)
         if self.cfg.unix_path is not None:
             if os.path.exists(self.cfg.unix_path):  # a stale socket of an earlier run
                 os.unlink(self.cfg.unix_path)
