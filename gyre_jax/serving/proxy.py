@@ -411,6 +411,8 @@ class Proxy:
 
     async def _record(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""
+        if binding.call_index is None:  # the ledger numbers every call before it is routed
+            raise RuntimeError(f"proxy: call of rollout {binding.rollout_id!r} reached its record with no call index")
         key = (binding.run_id, binding.rollout_id, binding.call_index)
         if binding.attempt > 0 and self._ledger.is_recorded(*key):
             self.counters["retry_already_recorded"] += 1
