@@ -33,6 +33,24 @@ def test_gains_spread_and_time_to_target_from_known_curves():
     assert out["time_to_target_s_elastic"] == 0.0
 
 
+def test_the_final_spread_is_judged_against_the_evals_own_noise():
+    # Same warm-start params: v0 evals 0.40 and 0.46 (the eval's run-to-run spread 0.06). Finals 0.70, 0.66
+    # from two tasks x 2 samples each: within-task variances 0.02 (0.6, 0.8) and 0.08 (0.5, 0.9).
+    eps = {"a": [0.6, 0.8], "b": [0.5, 0.9]}
+    se = bench_learning.eval_se(eps)
+    assert se == pytest.approx((2 * 0.02 + 2 * 0.08) ** 0.5 / 4)  # the sum over tasks, by hand
+    runs = {(0, "elastic"): {**_run([(0, 0.0, 0.40), (4, 40.0, 0.70)], 40.0), "episodes": {4: eps}},
+            (0, "async"): {**_run([(0, 0.0, 0.46), (4, 50.0, 0.66)], 50.0), "episodes": {4: eps}}}
+    out = bench_learning.analyse(runs, [0], ["elastic", "async"])
+    assert out["warm_eval_spread"] == pytest.approx(0.06) and out["final_eval_se"] == pytest.approx(se)
+    assert out["eval_noise"] == pytest.approx(max(0.06, 1.96 * 2 ** 0.5 * se))
+    assert out["final_spread_within_noise"] is True  # 0.04 apart
+    runs[0, "async"]["curve"][-1] = (4, 50.0, 0.30)  # 0.40 apart: more than the noise explains
+    assert bench_learning.analyse(runs, [0], ["elastic", "async"])["final_spread_within_noise"] is False
+    # a task with one scored episode has no within-task variance to estimate: no SE (not a zero)
+    assert bench_learning.eval_se({"a": [1.0], "b": [0.5, 0.7]}) is None
+
+
 def test_read_run_dates_each_eval_by_the_step_that_published_its_version(tmp_path):
     d = tmp_path / "elastic"
     (d / "eval").mkdir(parents=True)
@@ -41,8 +59,13 @@ def test_read_run_dates_each_eval_by_the_step_that_published_its_version(tmp_pat
     (d / "eval" / "eval.jsonl").write_text("".join(json.dumps({"step": v, "eval/reward": v / 10}) + "\n"
                                                    for v in (0, 2, 4)))
     (d / "summary.json").write_text(json.dumps({"rl_s": 40.0}))
+    (d / "eval" / "v000002").mkdir()
+    (d / "eval" / "v000002" / "episodes.jsonl").write_text("".join(
+        json.dumps({"rollout_id": r, "task_id": t, "score": x}) + "\n"
+        for r, t, x in (("e0-0", "a", 1.0), ("e0-1", "a", None), ("e1-0", "b", 0.5))))
     run = bench_learning.read_run(str(d))
     assert run["curve"] == [(0, 0.0, 0.0), (2, 20.0, 0.2), (4, 40.0, 0.4)]
+    assert run["episodes"] == {2: {"a": [1.0], "b": [0.5]}}  # unscored episodes are not zeros
 
 
 @pytest.mark.slow  # ~80 s on 2 idle cores (a whole launch, warm start and eval); the arithmetic above runs by default

@@ -104,11 +104,23 @@ def test_example_task_set_solutions_score_full_and_the_untouched_workspace_score
         assert dataset.grade(task, prepare_workspace(tmp_path, f"u{i}", task)).score == 0.0, task.task_id
 
 
-def _result(rid, task, score, status="completed"):
+def _result(rid, task, score, status="completed", subagents=0, compactions=0):
     return RolloutResult(rollout_id=rid, group_id=task, task_id=task, status=status, score=score, grader_details={},
-                         calls=0, retries=0, compactions=0, subagents=0, tool_calls=0, tool_errors=0,
+                         calls=0, retries=0, compactions=compactions, subagents=subagents, tool_calls=0, tool_errors=0,
                          finish_reason=None, error=None, wall_time_s=0.0, agent_time_s=0.0, grader_time_s=0.0,
                          workspace="", t_end=0.0)
+
+
+def test_the_eval_keeps_every_episode_score_in_order(tmp_path):
+    from gyre_jax.rl.episode_eval import write_episodes
+
+    results = [_result("e0001-0", "b", None, "timeout"), _result("e0000-1", "a", 0.5, subagents=1),
+               _result("e0000-0", "a", 1.0)]
+    write_episodes(str(tmp_path / "episodes.jsonl"), results, {"e0000-1": 3})
+    rows = [json.loads(line) for line in open(tmp_path / "episodes.jsonl")]
+    assert [(r["rollout_id"], r["task_id"], r["status"], r["score"], r["calls"], r["subagents"]) for r in rows] == [
+        ("e0000-0", "a", "completed", 1.0, 0, 0), ("e0000-1", "a", "completed", 0.5, 3, 1),
+        ("e0001-0", "b", "timeout", None, 0, 0)]
 
 
 def test_episode_metrics_pass_at_k_counts_failures_apart():
@@ -117,7 +129,7 @@ def test_episode_metrics_pass_at_k_counts_failures_apart():
             self.task_id = tid
 
     tasks = [T("a"), T("b"), T("c")]
-    results = [_result("a0", "a", 1.0), _result("a1", "a", 0.0), _result("a2", "a", 0.5),
+    results = [_result("a0", "a", 1.0, subagents=2, compactions=1), _result("a1", "a", 0.0), _result("a2", "a", 0.5),
                _result("b0", "b", 0.0), _result("b1", "b", 0.0), _result("b2", "b", None, "infra_error"),
                _result("c0", "c", None, "verifier_error"), _result("c1", "c", None, "infra_error"),
                _result("c2", "c", None, "timeout")]
@@ -128,6 +140,7 @@ def test_episode_metrics_pass_at_k_counts_failures_apart():
     assert m["eval_pass_at_k"] == pytest.approx((1.0 + 0.0) / 2)  # a: k=3 of n=3 with c=1 -> 1
     assert (m["eval_failed"], m["eval_grader_errors"], m["eval_timeouts"]) == (4, 1, 1)
     assert m["eval_calls"] == pytest.approx(6 / 9)
+    assert (m["eval_subagents"], m["eval_compactions"]) == (pytest.approx(2 / 9), pytest.approx(1 / 9))
     # the unbiased estimator against its definition, by enumeration of k-subsets
     import itertools
 

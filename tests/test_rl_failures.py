@@ -251,17 +251,19 @@ def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
         pending = store.pending_rollouts()
         complete, short = resume_plan(store, "rl", 4, 5, pending)
         g5 = [g for g in complete if g.group_id == "g00005"]
-        assert [g.version for g in g5] == [4]  # not 2: the trainer must have reached version 4 to train it
+        # The bound counts from its oldest tokens (2); no step before version 4 may train it (its newest).
+        assert [(g.version, g.earliest) for g in g5] == [(2, 4)]
         complete = [g for g in complete if g.group_id != "g00005"]
         assert [(g.group_id, g.version, g.rollout_ids) for g in complete] == [
             ("g00001", 3, [f"g00001-{k}" for k in range(4)])]
         by_id = {g.group_id: g for g in short}
         assert sorted(by_id) == ["g00002", "g00003"]
         g2, g3 = by_id["g00002"], by_id["g00003"]
-        # Dated by the newest tokens it will train: its re-runs are sampled now, at step 5.
-        assert (g2.number, g2.version, g2.finished, g2.abandoned) == (2, 5, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
+        # Dated by its oldest tokens (version 4); its re-runs are sampled now, at step 5, so no step before 5.
+        assert (g2.number, g2.version, g2.earliest, g2.finished, g2.abandoned) == (
+            2, 4, 5, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
         assert g2.rerun == ("g00002-2.r1", "g00002-3.r1")
-        assert (g3.version, g3.finished, g3.abandoned) == (5, (), ("g00003-1",))
+        assert (g3.version, g3.earliest, g3.finished, g3.abandoned) == (5, 5, (), ("g00003-1",))
         assert g3.rerun == ("g00003-0.r1", "g00003-1.r1", "g00003-2.r1", "g00003-3.r1")
         # The cut-off attempts now have an outcome: infra_error, never trained, and nothing is unfinished.
         assert store.unfinished_rollouts() == []

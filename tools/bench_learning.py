@@ -18,6 +18,13 @@ mode and seed, the warm start's level dashed) and prints a table, then ONE final
   eval_final_<mode>, eval_warm_start   the levels themselves (mean over seeds)
   final_eval_spread                    max - min over modes of the final eval (mean over seeds); per seed in
                                        final_eval_spread_by_seed
+  warm_eval_spread                     max - min over modes of the v0 eval: the SAME params in each run, so
+                                       the eval's own run-to-run spread (load, timeouts, numerics)
+  final_eval_se                        the final eval's standard error from its episodes' sampling (fixed
+                                       tasks: within-task variance; eval/v<version>/episodes.jsonl)
+  eval_noise, final_spread_within_noise   max(warm_eval_spread, 1.96*sqrt(2)*final_eval_se), and whether every
+                                       seed's final spread is within it: the modes "match" as far as the
+                                       eval can tell
   time_to_target_s_<mode>              RL seconds until the eval first reaches the target, the warm start plus
                                        90% of the smallest mode's gain (per seed, then the mean); None: never
   time_to_target_colocate_over_elastic, time_to_target_async_over_elastic   ratios of those means
@@ -75,7 +82,26 @@ def read_run(run_dir: str) -> dict:
     curve = sorted((v, t_of[v], e) for v, e in evals.items() if v in t_of)
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    return {"curve": curve, "summary": summary}
+    episodes = {}  # version -> task id -> scores of its scored episodes (eval/v<version>/episodes.jsonl)
+    for v in evals:
+        path = os.path.join(run_dir, "eval", f"v{v:06d}", "episodes.jsonl")
+        if os.path.exists(path):
+            by_task: dict[str, list[float]] = {}
+            for r in _jsonl(path):
+                if r.get("score") is not None:
+                    by_task.setdefault(r["task_id"], []).append(float(r["score"]))
+            episodes[v] = by_task
+    return {"curve": curve, "summary": summary, "episodes": episodes}
+
+
+def eval_se(by_task: dict[str, list[float]]) -> float | None:
+    """Standard error of an eval's mean score from its episodes' sampling alone: the held-out tasks are the
+    same in every run, so only the within-task variance counts (sum_t n_t s_t^2 / N^2)."""
+    n = sum(len(xs) for xs in by_task.values())
+    if n == 0 or any(len(xs) < 2 for xs in by_task.values()):
+        return None
+    var = sum(len(xs) * sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1) for xs in by_task.values())
+    return math.sqrt(var) / n
 
 
 def time_to(curve, target: float) -> float | None:
@@ -110,6 +136,18 @@ def analyse(runs: dict[tuple[int, str], dict], seeds, modes) -> dict:
         out[f"rl_s_{m}"] = _mean([runs[s, m]["summary"].get("rl_s") for s in seeds])
     out["final_eval_spread"] = max(out[f"eval_final_{m}"] for m in modes) - min(out[f"eval_final_{m}"] for m in modes)
     out["final_eval_spread_by_seed"] = per_seed_spread
+    # What "match" can mean: the same params evaluated in each mode's run (its warm start, v0) spread this much,
+    # and two evals' means differ by up to 1.96 * sqrt(2) * SE by episode sampling alone (95%).
+    v0 = [[runs[s, m]["curve"][0][2] for m in modes if runs[s, m]["curve"] and runs[s, m]["curve"][0][0] == 0]
+          for s in seeds]
+    out["warm_eval_spread"] = _mean([max(x) - min(x) for x in v0 if len(x) == len(modes)])
+    ses = [eval_se(runs[s, m].get("episodes", {}).get(runs[s, m]["curve"][-1][0], {}))
+           for s in seeds for m in modes if runs[s, m]["curve"]]
+    out["final_eval_se"] = max(ses) if ses and all(x is not None for x in ses) else None
+    noise = [x for x in (out["warm_eval_spread"], out["final_eval_se"] and 1.96 * math.sqrt(2) * out["final_eval_se"])
+             if x is not None]
+    out["eval_noise"] = max(noise) if noise else None
+    out["final_spread_within_noise"] = (max(per_seed_spread) <= out["eval_noise"]) if noise else None
     for m in modes:
         if m != "elastic" and "elastic" in modes:
             a, b = out[f"time_to_target_s_{m}"], out["time_to_target_s_elastic"]

@@ -18,7 +18,9 @@ Metrics, over the episodes the grader scored (infra and verifier failures are co
 zeros): ``eval_reward`` mean score; ``eval_exact`` pass@1 (the mean over tasks of the fraction
 of samples scoring >= ``pass_score``); ``eval_pass_at_k`` the unbiased pass@k estimator
 (Chen et al. 2021: 1 - C(n-c, k) / C(n, k) per task, k = n = samples_per_task: any sample
-passed); ``eval_calls`` recorded model calls per episode; ``eval_failed`` episodes not scored.
+passed); ``eval_calls`` recorded model calls per episode; ``eval_subagents``, ``eval_compactions``
+per episode (how the episodes branched); ``eval_failed`` episodes not scored. Every episode's score
+is kept in ``v<version>/episodes.jsonl`` (a comparison of two versions or runs needs their noise).
 
 ``BackgroundEval`` runs it on its own thread so the RL loop's controller never waits for an
 eval: ``submit(version, params)`` (params are copied to the host first: the trainer may donate
@@ -27,6 +29,7 @@ its buffers at the next step), results in ``results`` and ``eval.jsonl`` as they
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -68,6 +71,16 @@ class CallCounter:
             return dict(self._n)
 
 
+def write_episodes(path: str, results: Sequence, calls: dict[str, int]) -> None:
+    """One line per episode (which held-out tasks fail, and the per-episode scores a comparison of two
+    versions or two runs needs for its noise: the mean alone hides it)."""
+    with open(path, "w") as f:
+        for r in sorted(results, key=lambda r: r.rollout_id):
+            f.write(json.dumps(dict(rollout_id=r.rollout_id, task_id=r.task_id, status=r.status, score=r.score,
+                                    calls=calls.get(r.rollout_id, 0), subagents=r.subagents,
+                                    compactions=r.compactions, wall_time_s=round(r.wall_time_s, 3))) + "\n")
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of a task with ``c`` of ``n`` samples passing."""
     if n - c < k:
@@ -102,6 +115,9 @@ def episode_metrics(results: Sequence, tasks: Sequence, k: int, pass_score: floa
         "eval_grader_errors": statuses.get("verifier_error", 0),
         "eval_timeouts": statuses.get("timeout", 0),
         "eval_calls": float(np.mean([calls.get(r.rollout_id, 0) for r in results])) if results else 0.0,
+        # how the episodes branched: sub-agents run and contexts compacted per episode
+        "eval_subagents": float(np.mean([r.subagents for r in results])) if results else 0.0,
+        "eval_compactions": float(np.mean([r.compactions for r in results])) if results else 0.0,
         "eval_format": float(np.mean([r.status == "completed" for r in results])) if results else float("nan"),
     }
 
@@ -165,8 +181,10 @@ class EpisodeEval:
             shutil.rmtree(root, ignore_errors=True)
         results = asyncio.run(run_rollouts(reqs, hc, workspace_root=root, harness=self._make_harness(self._sock),
                                            keys=server.proxy))
-        out = episode_metrics(results, self.tasks, self.k, self.pass_score, sink.calls_by_rollout())
+        calls = sink.calls_by_rollout()
+        out = episode_metrics(results, self.tasks, self.k, self.pass_score, calls)
         out["eval_s"] = time.perf_counter() - t0
+        write_episodes(os.path.join(root, "episodes.jsonl"), results, calls)
         return out
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ class Group:
     version: int  # published policy version when it was admitted (the oldest, for a resumed group)
     rollout_ids: list[str]  # every rollout with an outcome, failures included
     work_s: float  # estimated training cell-seconds
+    earliest: int = 0  # first step that may train it (a resumed group's newest tokens; policy.ReadyGroup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +57,11 @@ class ResumedGroup:
 
     group_id: str
     number: int  # g in the group id (the task seed)
-    version: int  # newest policy version of the tokens it will train (finished rollouts, re-runs at resume)
+    version: int  # oldest policy version of the tokens it will train: the staleness bound counts from it
     finished: tuple[str, ...]  # rollout ids with an outcome (kept)
     rerun: tuple[str, ...]  # new rollout ids for the missing slots
     abandoned: tuple[str, ...]  # attempts that were in flight at the kill (infra_error outcomes now)
+    earliest: int = 0  # newest version of those tokens: no step before it may train the group
 
 
 def _abandoned(store, rid: str) -> bool:
@@ -107,16 +109,19 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
         # pending too (an outcome, not yet dropped), but it does not fill its slot: counting it let a group
         # stopped again before its re-runs finished train short (a second kill inside one interval).
         done_slots = {k for k, ids in by_slot.items() if any(r in pending_set and not _abandoned(store, r) for r in ids)}
-        # The group's version: the step it may be trained in at the earliest, i.e. the newest policy that
-        # sampled any token it will train (its finished rollouts, and the re-run slots, sampled now at
-        # steps_done). Dating it by the oldest (as before) let a group that a first resume had finished
-        # with re-runs be taken before the trainer reached its newest tokens: every later resume then
-        # failed with "sampled by policy version v, newer than the version being trained".
+        # Two dates: the oldest policy that sampled a token it will train (the staleness bound counts from
+        # it, so the policy trains it within the bound where it can) and the newest (its earliest step: a
+        # stop can rewind the trainer below tokens sampled after the restored checkpoint, and a step must
+        # never train tokens newer than its version). Re-run slots are sampled now, at steps_done. Dating by
+        # the oldest alone took such a group too early (every later resume failed with "sampled by policy
+        # version v, newer than the version being trained"); by the newest alone, its oldest tokens were
+        # trained up to 2x the bound late.
         versions = [v for r in finished for v in store.outcome(r).policy_versions]
         if len(done_slots) >= group_size:
-            complete.append(Group(gid, max(versions, default=steps_done), finished, 0.0))
+            complete.append(Group(gid, min(versions, default=steps_done), finished, 0.0,
+                                  earliest=max(versions, default=steps_done)))
             continue
-        version = max(versions + [steps_done])
+        oldest, newest = min(versions + [steps_done]), max(versions + [steps_done])
         abandoned = tuple(r for k in sorted(by_slot) for r in by_slot[k] if r in unfinished)
         rerun = []
         for k in range(group_size):
@@ -124,7 +129,7 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
                 continue
             attempts = [int(m.group(3) or 0) for r in by_slot.get(k, []) if (m := _ROLLOUT_ID.match(r))]
             rerun.append(f"{gid}-{k}.r{max(attempts, default=0) + 1}")
-        short.append(ResumedGroup(gid, group_number(gid), version, tuple(finished), tuple(rerun), abandoned))
+        short.append(ResumedGroup(gid, group_number(gid), oldest, tuple(finished), tuple(rerun), abandoned, newest))
     for rid in sorted(unfinished):  # every attempt the stop cut off gets its outcome now, once
         calls = store.calls(rid)
         store.append(infra_error_outcome(run_id, rid, calls[0].task_id, calls[0].group_id, calls,
@@ -178,16 +183,18 @@ class Launcher:
             log.info("resume: group %s had %d of %d rollouts; running %s", rg.group_id, len(rg.finished),
                      self.group_size, list(rg.rerun))
             # The cut-off attempts belong to the group too: consumed (dropped, infra_error) with it.
-            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished) + list(rg.abandoned))
+            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished) + list(rg.abandoned),
+                        earliest=rg.earliest)
 
-    def _start(self, gid: str, number: int, version: int, reqs, finished: Sequence[str] = ()) -> None:
+    def _start(self, gid: str, number: int, version: int, reqs, finished: Sequence[str] = (),
+               earliest: int = 0) -> None:
         with self._lock:
             self._launched += 1
             self._running += len(reqs)
             self._groups_by_version[version] += 1
         if self.faults is not None:
             reqs = [self.faults.apply(r, self) for r in reqs]
-        fut = self.loop.submit(self._run_group(gid, version, reqs, list(finished)))
+        fut = self.loop.submit(self._run_group(gid, version, reqs, list(finished), earliest))
         fut.add_done_callback(self._group_done)
         self._futures.append(fut)
 
@@ -207,7 +214,7 @@ class Launcher:
             return self._rollouts_launched
 
     # -- the group coroutine (harness loop) --
-    async def _run_group(self, gid: str, version: int, reqs, finished: list[str]) -> None:
+    async def _run_group(self, gid: str, version: int, reqs, finished: list[str], earliest: int = 0) -> None:
         ids, tokens = list(finished), 0
         left = {r.rollout_id: r for r in reqs}
         try:
@@ -248,7 +255,7 @@ class Launcher:
                 return
         # Ready before it stops counting as running: the policy must never see the group in
         # neither place, or it fills a step with a newer group and this one trains a step late.
-        self.on_group(Group(gid, version, ids, self.work_s(tokens)))
+        self.on_group(Group(gid, version, ids, self.work_s(tokens), earliest))
         with self._lock:
             self._groups_by_version[version] -= 1
 

@@ -172,17 +172,22 @@ class TrainerAdapter:
                 open_step_taken=self.G if self._updating else len(self._taken) + len(self._in_step),
                 pending_work_s=self._queued_work_s + running,
                 update_in_progress=self._updating,
-                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s) for g in self._ready),
+                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s, earliest=g.earliest)
+                                   for g in self._ready),
                 dropped_groups=self._dropped_groups,
             )
 
     def take_groups(self, n: int) -> None:
         with self._lock:
             open_taken = len(self._taken) + len(self._in_step)
-            if self._updating or n > len(self._ready) or open_taken + n > self.G:
-                raise RuntimeError(f"take_groups({n}): {len(self._ready)} ready, {open_taken} taken, "
-                                   f"updating={self._updating}")
-            groups, self._ready = self._ready[:n], self._ready[n:]
+            # The policy's rule (takeable_groups): the n oldest that this step may train, in buffer order.
+            eligible = [i for i, g in enumerate(self._ready) if g.earliest <= self._steps_done][:n]
+            if self._updating or n > len(eligible) or open_taken + n > self.G:
+                raise RuntimeError(f"take_groups({n}): {len(eligible)} of {len(self._ready)} ready may be taken, "
+                                   f"{open_taken} taken, updating={self._updating}")
+            chosen = set(eligible)
+            groups = [self._ready[i] for i in eligible]
+            self._ready = [g for i, g in enumerate(self._ready) if i not in chosen]
             self._queued_work_s += sum(g.work_s for g in groups)
             step = self._steps_done
             if self.stream_groups:
