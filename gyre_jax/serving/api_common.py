@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -63,6 +63,10 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
+@overload
+def get_str(body: dict, key: str, *, required: Literal[True] = True, where: str = "") -> str: ...
+@overload
+def get_str(body: dict, key: str, *, required: bool, where: str = "") -> str | None: ...
 def get_str(body: dict, key: str, *, required: bool = True, where: str = "") -> str | None:
     v = body.get(key)
     if v is None and not required:

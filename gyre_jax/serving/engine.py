@@ -498,7 +498,7 @@ class GyreEngine(engine_api.Engine):
                     fut.set_result(None)
                     continue
                 active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
-                result = None
+                result: ExportedSlot | bool | None = None
                 if kind == "export" and active or kind == "release_snapshot" and held:
                     k, v = self._export(ds, np.int32(slot), self.bucket(length))
                     result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))

@@ -82,9 +82,9 @@ class PrefillInput:
 class Prefix:
     k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
     v: jax.Array | None
-    scalars_i: jax.Array  # int32[5]: length, next_tok, generated, max_tokens, seed
-    scalars_f: jax.Array  # float32[2]: temperature, top_p
-    stop_N: jax.Array  # int32[MAX_STOP_IDS], -1 = unused
+    scalars_i: jax.Array | np.ndarray  # int32[5]: length, next_tok, generated, max_tokens, seed
+    scalars_f: jax.Array | np.ndarray  # float32[2]: temperature, top_p
+    stop_N: jax.Array | np.ndarray  # int32[MAX_STOP_IDS], -1 = unused
     request_id: str = flax.struct.field(pytree_node=False)
 
 
@@ -129,7 +129,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
     config, cache shape and mesh (so a second engine costs no compile)."""
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
-    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
+    # The state's own pytree, with a NamedSharding per leaf (jit's in/out shardings).
+    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))  # type: ignore[arg-type]
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
 
     def prefill_new(params, tokens_T, n):
