@@ -48,6 +48,7 @@ from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.controller import Controller
+from gyre_jax.scheduler.modes import get_mode
 from gyre_jax.scheduler.vocab import ROLLOUT
 from gyre_jax.serving.backend import GenerateRequest, SamplingParams
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
@@ -253,6 +254,11 @@ def _warm_engines(cfg: RLConfig, server: ServerThread, backends: dict, tok) -> N
     log.info("rl: warmed %d engines in %.1fs", len(backends), time.perf_counter() - t0)
 
 
+def _serving_cells(mode: str, n_cells: int, async_train_cells: int) -> list[int]:
+    """Cells that may ever serve in this mode (each gets an engine): the mode's to say."""
+    return list(get_mode(mode).serving_cells(n_cells, async_train_cells))
+
+
 def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstream_backend) -> Components:
     """Every part of the loop, started; ``drive`` runs it. ``make_backend`` puts an engine on a cell."""
     t_start = time.perf_counter()
@@ -337,7 +343,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     # Engines on the cells that may serve, behind the router and the recording proxy.
     faults = faults_lib.RLFaults(cfg.faults) if cfg.faults.any else None
     chaos = faults_lib.Chaos(cfg.faults) if cfg.faults.chaos else None
-    serving = list(pc.strategy.serving_cells(n_cells, s.async_train_cells))  # each gets an engine
+    serving = _serving_cells(s.mode, n_cells, s.async_train_cells)
     names = {c: f"cell{c}" for c in serving}
     params0 = trainer.state.params
     sats, remote_backends = None, {}

@@ -99,7 +99,7 @@ class CellsConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     _SECTION: ClassVar[str] = "scheduler"
-    mode: str = ELASTIC  # a registered scheduling mode (gyre_jax/scheduler/modes.py)
+    mode: str = ELASTIC  # one of MODES (the scheduler's policy modes)
     groups_per_step: int = 2  # G: groups trained per optimizer step
     group_size: int = 4  # rollouts per group (advantage baseline)
     staleness_bound: int = 1  # S: admission bound, in optimizer updates
