@@ -109,7 +109,6 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         return chunked_token_logprobs(hidden_BxLxD, unembed_DxV, mb["targets"], chunk_size=plan.logits_chunk,
                                       layout="DxV")
 
-    # The step reads these off the loss (a plain function carries them).
-    loss_fn.context_parallel_axis = model_config.context_parallel_axis  # type: ignore[attr-defined]
-    loss_fn.logprob_fn = logprob_fn  # type: ignore[attr-defined]
+    loss_fn.context_parallel_axis = model_config.context_parallel_axis
+    loss_fn.logprob_fn = logprob_fn
     return loss_fn

@@ -9,7 +9,7 @@ both ways, so import and export are exact inverses (pure reshapes/transposes).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def entries(cfg: ModelConfig) -> list[Entry]:
         out.append(Entry(("unembed",), "lm_head.weight", (v, d), False,
                          lambda w: rows_in(w).T, lambda a: rows_out(a.T)))
     out.append(Entry(("final_norm", "scale"), "model.norm.weight", (d,), False, *same))
-    layer: list[tuple[tuple[str, ...], str, tuple[int, ...], Any]] = [
+    layer = [
         (("attn_norm", "scale"), "input_layernorm.weight", (d,), same),
         (("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same),
         (("attn", "q"), "self_attn.q_proj.weight", (n * h, d), _linear_in(d, n, h)),
