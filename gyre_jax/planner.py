@@ -10,9 +10,9 @@ the run will hold there:
 * **serve** (a rollout cell's engine): params in the serving layout and the KV cache
   (``cells.max_slots x cells.max_len`` preallocated per engine), and the decode
   step's logits;
-* a cell that does both (a colocated ``scheduler.mode``, or one cell only) holds
+* a cell that does both (``scheduler.mode='colocate'``, or one cell only) holds
   both at once: its engine keeps its cache while it trains;
-* **satellite** (modes whose satellites switch roles): a serving cell that turns to training keeps its engine
+* **satellite** (elastic modes): a serving cell that turns to training keeps its engine
   and adds a params snapshot, one micro-batch's gradient and the activations.
 
 Every term is divided the way ``gyre_jax.sharding.RULES`` splits it on that role's

@@ -129,8 +129,7 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
     config, cache shape and mesh (so a second engine costs no compile)."""
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
-    # The state's own pytree, with a NamedSharding per leaf (jit's in/out shardings).
-    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))  # type: ignore[arg-type]
+    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
 
     def prefill_new(params, tokens_T, n):
