@@ -77,6 +77,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(dict(
         hf_path="",  # REQUIRED: a HF checkpoint directory (--config.model.hf_path=/ckpt/Qwen3-8B)
         hf_export=True,  # save_pretrained the policy into <workdir>/<mode>/hf_export after the last step
+        # Variables for the checkpoint's chat template in every render, as JSON; e.g. '{"enable_thinking": false}'
+        # (Qwen3's non-thinking mode). A request's own chat_template_kwargs go over them.
+        chat_template_kwargs="",
         max_seq_len=32768,  # longest context trained/served (<= the checkpoint's max_position_embeddings)
         remat=True,  # recompute each layer in the backward pass: long rows fit
         dtype="bfloat16",  # activations and matmul inputs

@@ -27,6 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
         # tokenizer and chat template are served (only max_seq_len below applies). Empty: the tiny random model
         # with the byte tokenizer.
         hf_path="",
+        # With hf_path: variables for its chat template in every prompt, as JSON, e.g. '{"enable_thinking": false}'
+        # (Qwen3 without reasoning); a request's own chat_template_kwargs go over them.
+        chat_template_kwargs="",
         vocab_size=272,  # byte tokenizer: 256 bytes + 11 special tokens, rounded up
         d_model=64,  # residual width
         n_layers=2,  # decoder blocks

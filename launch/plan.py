@@ -31,6 +31,7 @@ def plan_inputs(config, config_path: str | None):
     model = dict(d["model"])
     hf_path = model.pop("hf_path", "") or ""
     model.pop("hf_export", None)
+    model.pop("chat_template_kwargs", None)  # the tokenizer's, not the model's: no bytes to plan
     if hf_path:
         m = rl_config._hf_model_config(hf_path, model, cells)
     elif "vocab_size" in model:

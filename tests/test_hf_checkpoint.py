@@ -250,3 +250,51 @@ def test_clear_errors(tmp_path):
         load_pretrained(q)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_pretrained(str(tmp_path))
+
+
+def _set_config(path, drop=(), **changes):
+    p = os.path.join(path, "config.json")
+    with open(p) as f:
+        d = json.load(f)
+    for k in drop:
+        d.pop(k)
+    d.update(changes)
+    with open(p, "w") as f:
+        json.dump(d, f)
+
+
+def test_tie_word_embeddings_is_read_as_transformers_reads_it(tmp_path):
+    """No field: untied (transformers' Qwen/Llama default) when lm_head.weight is stored, tied when it is not;
+    ``true`` beside a stored head that differs from the embedding: the head is used (transformers does not tie);
+    ``true`` beside an equal copy: tied."""
+    from safetensors.numpy import save_file
+
+    untied, tied = str(tmp_path / "untied"), str(tmp_path / "tied")
+    hf_u, t_u = write_tiny_hf_checkpoint(untied, "qwen3", seed=2, tie=False)
+    hf_t, t_t = write_tiny_hf_checkpoint(tied, "qwen3", seed=2)
+    ids, pos = np.arange(8) * 11 % 96, np.arange(8)
+    for path, hf_cfg, t, want_tied in ((untied, hf_u, t_u, False), (tied, hf_t, t_t, True)):
+        _set_config(path, drop=["tie_word_embeddings"])
+        cfg, params = load_pretrained(path)
+        assert cfg.tie_embeddings == want_tied, path
+        np.testing.assert_allclose(_our_logits(cfg, params, ids, pos)[:, : cfg.vocab_size],
+                                   hf_reference_logits(hf_cfg, t, ids, pos), rtol=1e-5, atol=1e-5)
+    _set_config(untied, tie_word_embeddings=True)  # a field that disagrees with the files: the stored head wins
+    assert not load_pretrained(untied)[0].tie_embeddings
+    save_file({**t_t, "lm_head.weight": t_t["model.embed_tokens.weight"]}, os.path.join(tied, "model.safetensors"))
+    _set_config(tied, tie_word_embeddings=True)  # the head stored as an equal copy (torch .bin conversions)
+    assert load_pretrained(tied)[0].tie_embeddings
+
+
+def test_rl_export_keeps_the_source_dtype_named_by_dtype(tmp_path):
+    """transformers >= 4.56 writes ``dtype`` (not ``torch_dtype``): a bf16 source exports as bf16."""
+    from types import SimpleNamespace
+
+    from gyre_jax.rl.build import export_hf
+
+    src = str(tmp_path / "src")
+    write_tiny_hf_checkpoint(src, "qwen3", dtype="bfloat16")
+    _set_config(src, drop=["torch_dtype"], dtype="bfloat16")
+    cfg, params = load_pretrained(src, dtype="float32")  # the policy trains in float32
+    out = export_hf(SimpleNamespace(hf_path=src, model=cfg), params, str(tmp_path), version=1)
+    assert {v.dtype for v in load_file(os.path.join(out, "model.safetensors")).values()} == {np.dtype(ml_dtypes.bfloat16)}

@@ -78,6 +78,27 @@ def test_config_takes_the_shape_from_the_checkpoint(tmp_path):
         RLConfig.from_config(tiny_rl_config("qwen3_8b", str(tmp_path)))
 
 
+def test_chat_template_kwargs_from_the_config_reach_the_runs_tokenizer(tmp_path):
+    """config.model.chat_template_kwargs (JSON) is passed to the checkpoint's template in every render: Qwen3's
+    non-thinking mode from the command line. A bad value or one without a checkpoint fails naming the field."""
+    from gyre_jax.rl.build import _tokenizer
+
+    d = tiny_checkpoint(tmp_path / "ck", "qwen3")
+    c = tiny_rl_config("qwen3_8b", d)
+    c.model.chat_template_kwargs = '{"enable_thinking": false}'
+    cfg = RLConfig.from_config(c)
+    assert cfg.chat_template_kwargs == {"enable_thinking": False}
+    assert _tokenizer(cfg).render_text([{"role": "user", "content": "hi"}]).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    c.model.chat_template_kwargs = '{"enable_thinking": false'
+    with pytest.raises(ConfigError, match="config.model.chat_template_kwargs: not valid JSON"):
+        RLConfig.from_config(c)
+    demo = _config("demo")
+    demo.model.chat_template_kwargs = '{"enable_thinking": false}'
+    with pytest.raises(ConfigError, match="chat_template_kwargs=.*needs config.model.hf_path"):
+        RLConfig.from_config(demo)
+
+
 @pytest.mark.parametrize("name,family", [("qwen3_8b", "qwen3"),
                                          pytest.param("llama3_8b", "llama3", marks=pytest.mark.slow)])
 def test_rl_step_on_a_hf_checkpoint_and_export(tmp_path, name, family):

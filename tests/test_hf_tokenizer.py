@@ -175,3 +175,69 @@ def test_drifted_rerender_keeps_both_branches_exactly(toks):
         assert train[len(prompt):].all()  # what the model generated is trained, on its own branch
     div = next(i for i, (a, b) in enumerate(zip(p1 + out1, p2)) if a != b)
     assert rt.unique_tokens == len(p2) + len(out2) + (len(p1) + len(out1) - div)
+
+
+QWEN3_TOOLS_HEAD = ("<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query."
+                    "\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN3_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                    "<args-json-object>}\n</tool_call><|im_end|>\n")
+# One OpenAI request with the three things transformers renders and a rebuilt request lost: a tool with neither
+# description nor parameters and one whose keys come in another order, an earlier turn's reasoning_content,
+# and chat_template_kwargs. tests/test_hf_transformers.py renders the same cases with transformers itself.
+FIDELITY_REQUEST = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Find x."},
+                 {"role": "assistant", "content": "Looking.", "reasoning_content": "Grep for it.",
+                  "tool_calls": [{"id": "c0", "type": "function",
+                                  "function": {"name": "grep", "arguments": '{"p": "x"}'}}]},
+                 {"role": "tool", "tool_call_id": "c0", "content": "x.py:1"}],
+    "tools": [{"type": "function", "function": {"name": "grep"}},
+              {"type": "function", "function": {"parameters": {"type": "object"}, "name": "ls", "description": "List."}}],
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+def test_openai_request_renders_what_qwen3s_template_makes_of_it(toks):
+    """Tools as sent (no empty fields added, keys in the client's order), reasoning_content inside <think>,
+    and enable_thinking=false's empty think block after the generation prompt."""
+    from gyre_jax.serving.api_openai import parse_chat
+
+    tok = toks["qwen3"]
+    want = (QWEN3_TOOLS_HEAD + '\n{"type": "function", "function": {"name": "grep"}}'
+            '\n{"type": "function", "function": {"parameters": {"type": "object"}, "name": "ls", "description": "List."}}'
+            + QWEN3_TOOLS_TAIL
+            + "<|im_start|>user\nFind x.<|im_end|>\n"
+            + '<|im_start|>assistant\n<think>\nGrep for it.\n</think>\n\nLooking.\n<tool_call>\n{"name": "grep", '
+              '"arguments": {"p": "x"}}\n</tool_call><|im_end|>\n'
+            + "<|im_start|>user\n<tool_response>\nx.py:1\n</tool_response><|im_end|>\n"
+            + "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    call = parse_chat(FIDELITY_REQUEST, tok)
+    assert tok.decode(call.prompt_ids) == tok.decode(tok.encode_with_special(want))  # a readable diff first
+    assert call.prompt_ids.tolist() == tok.encode_with_special(want)
+    assert "chat_template_kwargs" not in call.ignored
+    # Without the request's kwargs the prompt ends at the generation prompt: thinking stays on.
+    plain = parse_chat({k: v for k, v in FIDELITY_REQUEST.items() if k != "chat_template_kwargs"}, tok)
+    assert plain.prompt_ids.tolist() == tok.encode_with_special(want[: -len("<think>\n\n</think>\n\n")])
+
+
+def test_template_kwargs_of_the_tokenizer_and_of_a_request(tmp_path, toks):
+    """load_tokenizer's template_kwargs (a config's chat_template_kwargs) apply to every render; a request's go
+    over them; the byte tokenizer's token-level template has none (listed as ignored, refused from a config)."""
+    from gyre_jax.serving.api_openai import parse_chat
+    from gyre_jax.serving.tokenizer import ByteTokenizer
+
+    tok = load_tokenizer(f"hf:{_tok_dir('qwen3', str(tmp_path))}", template_kwargs={"enable_thinking": False})
+    hi = [{"role": "user", "content": "hi"}]
+    assert tok.render_text(hi).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.render_text(hi, template_kwargs={"enable_thinking": True}) == toks["qwen3"].render_text(hi)
+    with pytest.raises(ValueError, match="add_generation_prompt.*set from the request"):
+        tok.render_text(hi, template_kwargs={"add_generation_prompt": False})
+    with pytest.raises(ValueError, match="chat_template_kwargs.*'byte' has no chat template"):
+        load_tokenizer("byte", template_kwargs={"enable_thinking": False})
+    byte = ByteTokenizer()
+    call = parse_chat(FIDELITY_REQUEST, byte)
+    assert "chat_template_kwargs" in call.ignored
+    # The token-level template still renders a bare tool with the empty fields it always had.
+    assert byte.render_chat(hi, [{"name": "grep"}]) == byte.render_chat(hi, [{"name": "grep", "description": "",
+                                                                             "parameters": {}}])

@@ -170,14 +170,13 @@ def _hf_params(cfg: RLConfig, mesh):
 
 def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
     """The policy as a HF checkpoint in <workdir>/hf_export (servable by vLLM/SGLang); its path."""
-    from gyre_jax.model.hf import read_config, save_pretrained
+    from gyre_jax.model.hf import read_config, save_pretrained, source_dtype
 
     out = os.path.join(workdir, "hf_export")
     t0 = time.perf_counter()
     # In the source's dtype (bf16 for released checkpoints: what servers expect), else the params'.
-    dtype = read_config(cfg.hf_path).get("torch_dtype") if cfg.hf_path else None
-    save_pretrained(params, cfg.model, out, like=cfg.hf_path or None,
-                    dtype=dtype if dtype in ("bfloat16", "float16", "float32") else None)
+    dtype = source_dtype(read_config(cfg.hf_path)) if cfg.hf_path else None
+    save_pretrained(params, cfg.model, out, like=cfg.hf_path or None, dtype=dtype)
     with open(os.path.join(out, "gyre_version.txt"), "w") as f:
         f.write(f"{version}\n")
     print(f"rl: exported policy version {version} as a Hugging Face checkpoint to {out} "
@@ -462,7 +461,9 @@ def _quiet_absl() -> None:
 
 
 def _tokenizer(cfg: RLConfig):
-    return load_tokenizer(f"hf:{cfg.hf_path}") if cfg.hf_path else ByteTokenizer()
+    if not cfg.hf_path:
+        return ByteTokenizer()
+    return load_tokenizer(f"hf:{cfg.hf_path}", template_kwargs=dict(cfg.chat_template_kwargs))
 
 
 def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:

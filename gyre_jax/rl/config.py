@@ -477,6 +477,10 @@ class RLConfig:
     # params from its weights and the proxy speaks its chat template and tool-call syntax.
     hf_path: str = ""
     hf_export: bool = False  # config.model.hf_export: save_pretrained into <workdir>/hf_export after the last step
+    # config.model.chat_template_kwargs: variables for the checkpoint's chat template in every render (the proxy's
+    # prompts, SFT), as JSON text, e.g. '{"enable_thinking": false}' for Qwen3's non-thinking mode; a request's
+    # own chat_template_kwargs go over them. Needs hf_path (the byte tokenizer's template has no variables).
+    chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     cells: CellsConfig = CellsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     task: TaskConfig = TaskConfig()
@@ -492,6 +496,9 @@ class RLConfig:
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"config.{n} must be > 0, got {v!r}")
+        if self.chat_template_kwargs and not self.hf_path:
+            raise ConfigError(f"config.model.chat_template_kwargs={dict(self.chat_template_kwargs)} needs "
+                              "config.model.hf_path (the byte tokenizer's chat template takes no variables)")
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ConfigError(f"config.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if self.train.row_len > self.model.max_seq_len:
@@ -681,6 +688,12 @@ class RLConfig:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
         hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
+        from gyre_jax.serving.tokenizer import chat_template_kwargs
+
+        try:
+            template_kw = chat_template_kwargs(model.pop("chat_template_kwargs", None), "config.model.chat_template_kwargs")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         kw = {}
         for k, v in d.items():
             if k != "model":
@@ -692,7 +705,7 @@ class RLConfig:
                               "--config.model.hf_path=/path/to/hf/checkpoint")
         else:
             kw["model"] = _build(ModelConfig, model, "model")
-        return cls(hf_path=hf_path, hf_export=hf_export, **kw)
+        return cls(hf_path=hf_path, hf_export=hf_export, chat_template_kwargs=template_kw, **kw)
 
 
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.

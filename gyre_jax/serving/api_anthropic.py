@@ -109,8 +109,7 @@ def parse_messages(body: dict, tok: Tokenizer) -> ChatCall:
     for i, t in enumerate(get_list(body, "tools")):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type", "custom") != "custom":
             raise bad(f"tools[{i}]: only custom tools with a 'name' and 'input_schema' are supported", "tools")
-        tools.append({"name": t["name"], "description": t.get("description", ""),
-                      "parameters": t.get("input_schema", {})})
+        tools.append(_function_of(t))
     try:
         prompt = tok.render_chat(_messages(body), tools)
     except ValueError as e:
@@ -146,9 +145,15 @@ def _required(name: str):
     raise bad(f"{name}: required", name)
 
 
+def _function_of(tool: dict) -> dict:
+    """An Anthropic custom tool as the OpenAI function object a chat template renders: only the fields it
+    has (no empty description added), ``input_schema`` as ``parameters``."""
+    keys = {"name": "name", "description": "description", "input_schema": "parameters"}
+    return {keys[k]: v for k, v in tool.items() if k in keys}
+
+
 def count_tokens(body: dict, tok: Tokenizer) -> dict:
-    tools = [{"name": t.get("name"), "description": t.get("description", ""), "parameters": t.get("input_schema", {})}
-             for t in get_list(body, "tools") if isinstance(t, dict)]
+    tools = [{"name": t.get("name"), **_function_of(t)} for t in get_list(body, "tools") if isinstance(t, dict)]
     return {"input_tokens": len(tok.render_chat(_messages(body), tools))}
 
 

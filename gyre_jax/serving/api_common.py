@@ -17,7 +17,7 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from gyre_jax.serving.tokenizer import ByteTokenizer, Tokenizer, _parse_call, client_call_id, invented_call_id, is_invented_call_id
+from gyre_jax.serving.tokenizer import ByteTokenizer, Tokenizer, client_call_id, invented_call_id, is_invented_call_id
 
 
 class ApiError(Exception):
@@ -267,7 +267,7 @@ class AssistantStream:
         elif parse_tools and fmt == "qwen":
             self._open, self._close = tok.special["<|tool_call|>"], tok.special["<|/tool_call|>"]
             self._hold, self._keep_marks = "\n", True
-        self._parse_span = getattr(tok, "parse_call_span", None) or (lambda ids: _parse_call(tok.decode(ids)))
+        self._parse_span = tok.parse_call_span  # the same span parser as parse_assistant's
         self._stop = set(tok.stop_ids if stop_ids is None else stop_ids)
         self._span: list[int] | None = None
         self._run: list[int] = []  # current text run (generic tokenizers re-decode it)

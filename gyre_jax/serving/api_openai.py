@@ -4,7 +4,11 @@ Supported: ``/v1/chat/completions`` (messages with system/developer/user/
 assistant/tool roles, text content parts, ``tools`` of type function, assistant
 ``tool_calls``, streaming SSE with ``stream_options.include_usage``, ``logprobs``)
 and ``/v1/completions`` (``prompt`` as a string or a list of token ids).
-Extensions: ``stop_token_ids`` (token-level stops), ``ignore_eos`` (completions:
+Extensions (as vLLM has them): ``chat_template_kwargs`` (variables for the checkpoint's chat
+template, e.g. Qwen3's ``{"enable_thinking": false}``; listed in ``X-Gyre-Ignored-Fields`` with the
+byte tokenizer, whose template has none), an assistant message's ``reasoning_content`` (or
+``reasoning``: rendered where the template puts it, Qwen3 inside ``<think>``),
+``stop_token_ids`` (token-level stops), ``ignore_eos`` (completions:
 do not stop at <|eos|>, as in vLLM) and ``return_token_ids``
 (adds ``prompt_token_ids`` / ``token_ids`` to the response, for harnesses that
 keep tokens themselves). Text ``stop`` sequences are matched on the decoded text
@@ -24,12 +28,12 @@ import numpy as np
 
 from gyre_jax.serving.api_common import (ApiError, ChatCall, bad, get_bool, get_float, get_int, get_list, get_str,
                                          get_stop_strings, get_stop_token_ids, tool_choice_plan)
-from gyre_jax.serving.tokenizer import Tokenizer
+from gyre_jax.serving.tokenizer import Tokenizer, chat_template_kwargs
 
 _CHAT_KNOWN = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens",
                "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options", "seed", "stop",
                "logprobs", "top_logprobs", "user", "stop_token_ids", "return_token_ids", "metadata", "store",
-               "presence_penalty", "frequency_penalty"}
+               "presence_penalty", "frequency_penalty", "chat_template_kwargs"}
 _COMPLETION_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
                      "seed", "stop", "logprobs", "echo", "best_of", "user", "stop_token_ids", "return_token_ids",
                      "presence_penalty", "frequency_penalty", "suffix", "ignore_eos"}
@@ -108,6 +112,11 @@ def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
         out = {"role": role, "content": _content_text(m.get("content"), f"{w}.content")}
         if role == "tool":
             out["tool_call_id"] = get_str(m, "tool_call_id", required=False, where=f"{w}.") or ""
+        if role == "assistant":  # the reasoning of an earlier turn (vLLM's field; "reasoning" is its newer name)
+            key = "reasoning_content" if m.get("reasoning_content") is not None else "reasoning"
+            reasoning = get_str(m, key, required=False, where=f"{w}.")
+            if reasoning is not None:
+                out["reasoning_content"] = reasoning
         calls = []
         for j, tc in enumerate(get_list(m, "tool_calls", where=f"{w}.")):
             fn = tc.get("function") if isinstance(tc, dict) else None
@@ -132,15 +141,16 @@ def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str):
             raise bad(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
-        tools.append({"name": fn["name"], "description": fn.get("description", ""),
-                      "parameters": fn.get("parameters", {})})
+        tools.append(dict(fn))  # as sent: a template renders the client's object, not one we rebuilt
     try:
-        prompt = tok.render_chat(msgs, tools)
+        kwargs = chat_template_kwargs(body.get("chat_template_kwargs"), "chat_template_kwargs")
+        prompt = tok.render_chat(msgs, tools, template_kwargs=kwargs)
     except ValueError as e:
         raise bad(str(e)) from None
     forced, stop_extra, parse_tools = _tool_choice(body, tok, tools)
-    ignored = tuple(sorted(c["ignored"] + (("parallel_tool_calls",) if body.get("parallel_tool_calls") is False
-                                           else ())))
+    not_honoured = [k for k, no in (("parallel_tool_calls", body.get("parallel_tool_calls") is False),
+                                    ("chat_template_kwargs", bool(kwargs) and not tok.accepts_template_kwargs)) if no]
+    ignored = tuple(sorted(c["ignored"] + tuple(not_honoured)))
     lp = get_bool(body, "logprobs")
     if get_int(body, "top_logprobs", 0, lo=0) not in (0, None):
         raise bad("top_logprobs: only 0 is supported (the sampled token's log-prob is returned)", "top_logprobs")

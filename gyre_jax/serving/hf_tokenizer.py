@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from gyre_jax.serving.tokenizer import Tokenizer
+from gyre_jax.serving.tokenizer import Tokenizer, cut_at_stop, parse_call_json
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 TOOL_FORMATS = ("qwen", "llama3_json", "none")
@@ -175,15 +175,23 @@ class HFChatTokenizer(Tokenizer):
         raise ValueError(f"{self.where}: this chat template has no tool-call syntax (tool_format='none')")
 
     # ---- the chat template ----------------------------------------------
+    accepts_template_kwargs = True
+
     def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+        """The template's text, as transformers' ``apply_chat_template(messages, tools=[{"type": "function",
+        "function": tool}], **kwargs)`` renders it: each tool is the client's function object as sent (no
+        fields added, its key order kept: the template dumps it with ``tojson``), and ``template_kwargs``
+        (a request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) go over the tokenizer's own."""
         hf_msgs = [_to_hf_message(m, i) for i, m in enumerate(messages)]
-        hf_tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                       "parameters": t.get("parameters") or {}}}
-                    for t in tools or ()] or None
         kw = dict(self.template_kwargs)
-        if hf_tools is not None:
-            kw["tools"] = hf_tools
+        if template_kwargs:
+            clash = sorted(set(template_kwargs) & {"messages", "tools", "add_generation_prompt"})
+            if clash:
+                raise ValueError(f"chat_template_kwargs: {clash} are set from the request itself, not here")
+            kw.update(template_kwargs)
+        if tools:
+            kw["tools"] = [{"type": "function", "function": dict(t)} for t in tools]
         import jinja2
 
         try:
@@ -192,8 +200,9 @@ class HFChatTokenizer(Tokenizer):
             raise ValueError(f"chat template: {e}") from None
 
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    *, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode_with_special(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt))
+                    *, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+        return self.encode_with_special(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt,
+                                                         template_kwargs=template_kwargs))
 
     def render_tool_call(self, tc: dict) -> list[int]:
         args = tc.get("arguments") or {}
@@ -207,48 +216,24 @@ class HFChatTokenizer(Tokenizer):
 
     # ---- generated ids -> message ---------------------------------------
     def parse_assistant(self, ids: Sequence[int]) -> dict[str, Any]:
-        stop = set(self.stop_ids)
-        cut, stopped = [], False
-        for t in ids:
-            if int(t) in stop:
-                stopped = True
-                break
-            cut.append(int(t))
+        cut, stopped = cut_at_stop(ids, self.stop_ids)
         if self.tool_format == "qwen":
-            content, calls = self._parse_qwen(cut)
+            content, calls = self.split_tool_calls(cut, self._open, self._close, keep_marks=True, separator="\n",
+                                                   call_id=lambda k: f"call_{k}")
         elif self.tool_format == "llama3_json":
             content, calls = self._parse_llama(cut)
         else:
             content, calls = self.decode(cut), []
         return {"content": content, "tool_calls": calls, "stopped": stopped}
 
-    def parse_call_span(self, span: list[int]) -> dict | None:
-        """The ids between ``<tool_call>`` and ``</tool_call>`` -> {"name", "arguments"}, or None."""
-        return parse_json_call(self.decode(span), "arguments")
+    def parse_call_span(self, span: Sequence[int]) -> dict | None:
+        """The ids between ``<tool_call>`` and ``</tool_call>`` -> {"name", "arguments"}, or None.
 
-    def _parse_qwen(self, ids: list[int]) -> tuple[str, list[dict]]:
-        parts, calls, run, span = [], [], [], None
-        for t in ids:
-            if t == self._open and span is None:
-                span = []
-            elif t == self._close and span is not None:
-                call = self.parse_call_span(span)
-                if call is None:  # not a well-formed call: the model's text stays text
-                    run += [self._open] + span + [self._close]
-                else:
-                    parts.append(_strip_one(self.decode(run), "\n"))
-                    run = []
-                    call["id"] = f"call_{len(calls)}"
-                    calls.append(call)
-                span = None
-            elif span is not None:
-                span.append(t)
-            else:
-                run.append(t)
-        if span is not None:
-            run += [self._open] + span
-        parts.append(self.decode(run))
-        return "".join(parts), calls
+        Qwen's calls carry no id: one the model wrote into the JSON is dropped (call_<k> is given)."""
+        call = parse_call_json(self.decode(span))
+        if call is not None:
+            call.pop("id", None)
+        return call
 
     def _parse_llama(self, ids: list[int]) -> tuple[str, list[dict]]:
         body = [t for t in ids if t != self.python_tag_id] if ids[:1] == [self.python_tag_id] else ids
@@ -261,33 +246,15 @@ class HFChatTokenizer(Tokenizer):
         return "", calls
 
 
-def _strip_one(s: str, suffix: str) -> str:
-    return s[: -len(suffix)] if s.endswith(suffix) else s
-
-
-def parse_json_call(text: str, args_key: str) -> dict | None:
-    """``{"name": str, args_key: object}`` -> {"name", "arguments"}; None if it is not one."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-        return None
-    args = body.get(args_key, body.get("arguments", {}))
-    if not isinstance(args, dict):
-        return None
-    return {"name": body["name"], "arguments": args}
-
-
 def parse_llama_calls(text: str) -> list[dict] | None:
     """Llama-3 JSON tool calls: the whole message is one call, or several joined by ';'."""
     s = text.strip()
     if not s.startswith("{"):
         return None
-    one = parse_json_call(s, "parameters")
+    one = parse_call_json(s, "parameters")
     if one is not None:
         return [one]
-    calls = [parse_json_call(p, "parameters") for p in s.split(";")]
+    calls = [parse_call_json(p, "parameters") for p in s.split(";")]
     return calls if len(calls) > 1 and all(c is not None for c in calls) else None
 
 
@@ -305,6 +272,12 @@ def _to_hf_message(m: dict, i: int) -> dict:
                              for tc in m["tool_calls"]]
     if role == "tool" and m.get("tool_call_id"):
         out["tool_call_id"] = m["tool_call_id"]
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise ValueError(f"messages[{i}].reasoning_content must be text, got {type(reasoning).__name__}")
+        # transformers' aliasing: Qwen3 reads reasoning_content (inside <think>), gpt-oss templates read thinking.
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
 
 

@@ -28,6 +28,7 @@ def _model_config(c):
 
     m = dict(c.model)
     m.pop("hf_path", None)
+    m.pop("chat_template_kwargs", None)
     try:
         return ModelConfig(**m)
     except (TypeError, ValueError) as e:
@@ -39,10 +40,17 @@ def _model(c, cells):
     template; only config.model.max_seq_len is taken from the config) or the tiny random model."""
     from gyre_jax.cells.mesh import Role
     from gyre_jax.model import init_params
-    from gyre_jax.serving.tokenizer import ByteTokenizer, load_tokenizer
+    from gyre_jax.serving.tokenizer import ByteTokenizer, chat_template_kwargs, load_tokenizer
 
     hf_path = str(c.model.get("hf_path", "") or "")
+    try:
+        template_kw = chat_template_kwargs(c.model.get("chat_template_kwargs"), "config.model.chat_template_kwargs")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not hf_path:
+        if template_kw:
+            raise ConfigError(f"config.model.chat_template_kwargs={template_kw} needs config.model.hf_path (the "
+                              "byte tokenizer's chat template takes no variables)")
         mc = _model_config(c)
         tok = ByteTokenizer()
         if tok.vocab_size > mc.vocab_size:
@@ -51,7 +59,7 @@ def _model(c, cells):
     from gyre_jax.model.hf import load_pretrained
 
     try:
-        tok = load_tokenizer(f"hf:{hf_path}")
+        tok = load_tokenizer(f"hf:{hf_path}", template_kwargs=template_kw)
         # Loaded once onto the first cell's serving mesh; every engine puts them in its own shardings.
         mc, params = load_pretrained(hf_path, mesh=cells[0].mesh(Role.ROLLOUT), max_seq_len=int(c.model.max_seq_len),
                                      vocab_pad_multiple=int(c.cells.serve_tensor))

@@ -72,17 +72,26 @@ class Tokenizer(abc.ABC):
         return [self.special[name]]
 
     # ---- chat template (token level) -----------------------------------
+    # Whether render_chat's template_kwargs can change the prompt (a checkpoint's jinja template); the
+    # token-level template has no options, so the API layers list a request's chat_template_kwargs as ignored.
+    accepts_template_kwargs = False
+
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    *, add_generation_prompt: bool = True) -> list[int]:
+                    *, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
         """Render normalized messages (see module docstring) to prompt ids.
 
         A message is ``{"role", "content": str, "tool_calls": [{"id","name",
-        "arguments": dict}], "tool_call_id"}``; the API layers convert OpenAI and
-        Anthropic shapes into this one. Raises ValueError naming the bad message.
+        "arguments": dict}], "tool_call_id", "reasoning_content": str}``; the API layers
+        convert OpenAI and Anthropic shapes into this one. A tool is the client's function
+        object (``name``, optional ``description`` and ``parameters``). Raises ValueError
+        naming the bad message. The token-level template drops reasoning_content and has
+        no ``template_kwargs``.
         """
         ids = self._tok("<|bos|>")
         msgs = list(messages)
         if tools:
+            tools = [{"name": t["name"], "description": t.get("description", ""), "parameters": t.get("parameters", {})}
+                     for t in tools]
             if not msgs or msgs[0].get("role") != "system":
                 msgs.insert(0, {"role": "system", "content": ""})
         for i, m in enumerate(msgs):
@@ -123,37 +132,65 @@ class Tokenizer(abc.ABC):
         object with a string "name" is kept as text (the harness sees what the
         model wrote; nothing is dropped).
         """
-        open_id, close_id = self.special["<|tool_call|>"], self.special["<|/tool_call|>"]
-        stop = set(self.stop_ids)
-        runs: list[list[int]] = []  # text runs, decoded separately (a tool call splits them)
-        cur: list[int] = []
+        cut, stopped = cut_at_stop(ids, self.stop_ids)
+        content, calls = self.split_tool_calls(cut, self.special["<|tool_call|>"], self.special["<|/tool_call|>"],
+                                               keep_marks=False, separator="", call_id=invented_call_id)
+        return {"content": content, "tool_calls": calls, "stopped": stopped}
+
+    def parse_call_span(self, span: Sequence[int]) -> dict | None:
+        """The ids between a call's open and close marks -> ``{"name", "arguments"[, "id"]}``, or None."""
+        return parse_call_json(self.decode(span))
+
+    def split_tool_calls(self, ids: Sequence[int], open_id: int, close_id: int, *, keep_marks: bool,
+                         separator: str, call_id) -> tuple[str, list[dict]]:
+        """(text, calls) of ids whose calls sit between ``open_id`` and ``close_id``: the one span scanner.
+
+        Each span is parsed by ``parse_call_span``; one that does not parse (or never closes) stays
+        text, with its marks when they are text tokens (``keep_marks``: Qwen's) and without when they
+        are specials that decode to nothing (ours). ``separator``: what the template puts before a
+        call, cut from the text there. Text runs are decoded where AssistantStream ends them (at a
+        call's open mark when nothing is held back, else at a parsed call), so streaming adds up to
+        this. A call the model gave no id gets ``call_id(k)``.
+        """
+        parts: list[str] = []
+        run: list[int] = []
         calls: list[dict] = []
         span: list[int] | None = None
-        stopped = False
         for t in ids:
-            t = int(t)
-            if t in stop:
-                stopped = True
-                break
             if t == open_id and span is None:
-                runs.append(cur)
-                cur, span = [], []
+                span = []
+                if not separator:
+                    parts.append(self.decode(run))
+                    run = []
             elif t == close_id and span is not None:
-                call = _parse_call(self.decode(span))
-                if call is None:
-                    cur += span
+                call = self.parse_call_span(span)
+                if call is None:  # not a well-formed call: the model's text stays text
+                    run += [open_id, *span, close_id] if keep_marks else span
                 else:
-                    call.setdefault("id", invented_call_id(len(calls)))
+                    text = self.decode(run)
+                    parts.append(text[: -len(separator)] if separator and text.endswith(separator) else text)
+                    run = []
+                    call.setdefault("id", call_id(len(calls)))
                     calls.append(call)
                 span = None
             elif span is not None:
                 span.append(t)
             else:
-                cur.append(t)
-        if span is not None:  # unterminated tool call: keep its text
-            cur += span
-        runs.append(cur)
-        return {"content": "".join(self.decode(r) for r in runs), "tool_calls": calls, "stopped": stopped}
+                run.append(t)
+        if span is not None:  # unterminated tool call: its text
+            run += [open_id, *span] if keep_marks else span
+        parts.append(self.decode(run))
+        return "".join(parts), calls
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """(the ids before the first stop id, whether there was one)."""
+    stop, cut = set(stop_ids), []
+    for t in ids:
+        if int(t) in stop:
+            return cut, True
+        cut.append(int(t))
+    return cut, False
 
 
 # Tool-call ids the proxy makes up when the model wrote none: recognizable, so rendering the call back
@@ -192,14 +229,20 @@ def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
-def _parse_call(text: str) -> dict | None:
+def parse_call_json(text: str, args_key: str = "arguments") -> dict | None:
+    """A tool call's JSON body -> ``{"name", "arguments"[, "id"]}``, or None if it is not one.
+
+    Every format's: ours and Qwen's spans, Llama-3's JSON message (``args_key="parameters"``;
+    "arguments" is taken too). The arguments must be an object; an "id" is kept when the model
+    wrote a non-empty one (the formats without ids drop or replace it).
+    """
     try:
         body = json.loads(text)
     except ValueError:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         return None
-    args = body.get("arguments", {})
+    args = body.get(args_key, body.get("arguments", {}))
     if not isinstance(args, dict):
         return None
     out = {"name": body["name"], "arguments": args}
@@ -275,13 +318,37 @@ def _has_chat_template(directory: str) -> bool:
         return bool(json.load(f).get("chat_template"))
 
 
-def load_tokenizer(spec: str = "byte") -> Tokenizer:
+def chat_template_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """A config's or a request's ``chat_template_kwargs`` (a JSON object, as text or a mapping) as a dict.
+
+    Empty text or None is ``{}``. Each key reaches the checkpoint's jinja template as a variable, as
+    transformers' ``apply_chat_template(**kwargs)`` and vLLM's request field of the same name pass them
+    (Qwen3: ``{"enable_thinking": false}`` renders the empty think block that asks for no reasoning).
+    """
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: not valid JSON ({e}); e.g. '{{\"enable_thinking\": false}}'") from None
+    if not hasattr(value, "keys") or not all(isinstance(k, str) for k in value.keys()):
+        raise ValueError(f"{where}: expected a JSON object of template variables, got {type(value).__name__}")
+    return {k: value[k] for k in value.keys()}
+
+
+def load_tokenizer(spec: str = "byte", *, template_kwargs: dict | None = None) -> Tokenizer:
     """``"byte"`` (built in) or ``"<kind>:<path>"`` with kind hf | sentencepiece | tiktoken.
 
     ``hf:DIR`` (or ``hf:DIR/tokenizer.json`` beside a tokenizer_config.json with a
     ``chat_template``) is the checkpoint's own tokenizer, template and tool-call syntax
     (``HFChatTokenizer``); a bare tokenizer.json gets our token-level template.
+    ``template_kwargs``: variables every render passes to that chat template (a config's
+    ``chat_template_kwargs``); the other kinds have no template to pass them to (ValueError).
     """
+    if template_kwargs and not spec.startswith("hf:"):
+        raise ValueError(f"chat_template_kwargs {template_kwargs}: tokenizer {spec!r} has no chat template of its "
+                         "own (only a checkpoint's, hf:DIR, takes them)")
     if spec == "byte":
         return ByteTokenizer()
     kind, sep, path = spec.partition(":")
@@ -295,7 +362,10 @@ def load_tokenizer(spec: str = "byte") -> Tokenizer:
             _require("tokenizers", "tokenizers")
             from gyre_jax.serving.hf_tokenizer import HFChatTokenizer
 
-            return HFChatTokenizer.from_dir(d)
+            return HFChatTokenizer.from_dir(d, template_kwargs=template_kwargs)
+        if template_kwargs:
+            raise ValueError(f"chat_template_kwargs {template_kwargs}: {path} has no chat template (no "
+                             "tokenizer_config.json chat_template beside it)")
         tk = _require("tokenizers", "tokenizers").Tokenizer.from_file(path)
         known = {n: tk.token_to_id(n) for n in SPECIAL_TOKENS if tk.token_to_id(n) is not None}
         return FileTokenizer(encode_fn=lambda s: tk.encode(s, add_special_tokens=False).ids,

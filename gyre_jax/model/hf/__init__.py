@@ -9,7 +9,8 @@ reshapes each tensor, ``st_io`` streams safetensors files, ``checkpoint`` does t
 """
 from gyre_jax.model.hf.checkpoint import (TOKENIZER_FILES, load_pretrained, read_config, save_pretrained,
                                           vocab_multiple)
-from gyre_jax.model.hf.config_map import ARCHITECTURES, UnsupportedCheckpoint, config_from_hf, hf_config
+from gyre_jax.model.hf.config_map import (ARCHITECTURES, UnsupportedCheckpoint, config_from_hf, hf_config,
+                                          source_dtype)
 
 __all__ = ["ARCHITECTURES", "TOKENIZER_FILES", "UnsupportedCheckpoint", "config_from_hf", "hf_config",
-           "load_pretrained", "read_config", "save_pretrained", "vocab_multiple"]
+           "load_pretrained", "read_config", "save_pretrained", "source_dtype", "vocab_multiple"]

@@ -93,11 +93,48 @@ def vocab_multiple(mesh, rules=RULES) -> int:
 
 
 def read_config(path: str) -> dict[str, Any]:
+    """``path``/config.json, with ``tie_word_embeddings`` as transformers loads these files (``_tie_as_loaded``)."""
     p = os.path.join(path, CONFIG)
     if not os.path.exists(p):
         raise FileNotFoundError(f"{p}: no config.json (is {path!r} a Hugging Face checkpoint directory?)")
     with open(p) as f:
-        return json.load(f)
+        hf = json.load(f)
+    return _tie_as_loaded(path, hf)
+
+
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _tie_as_loaded(path: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with ``tie_word_embeddings`` set to whether the head is the embedding once loaded.
+
+    transformers (5.x) reads an absent field as False (Qwen2, Qwen3 and Llama configs alike) and does
+    not tie when the files hold an ``lm_head.weight`` that differs from the embedding, whatever the
+    field says: a stored head is never dropped. One case differs on purpose: no field and no
+    ``lm_head.weight`` is a tied checkpoint (transformers would leave the head random). An explicit
+    ``false`` without the tensor stays an error (_check_names names it). Without weight files here
+    (a bare config.json) the field is left as it is.
+    """
+    try:
+        ck = _Checkpoint(path)
+    except FileNotFoundError:
+        return hf
+    try:
+        given = hf.get("tie_word_embeddings")
+        if given is None:
+            tied = HEAD not in ck.file_of
+            if tied:
+                log.warning("hf: %s: config.json has no tie_word_embeddings and no %s; loading it tied", path, HEAD)
+        elif given and HEAD in ck.file_of and EMBED in ck.file_of and not np.array_equal(ck.read(HEAD),
+                                                                                          ck.read(EMBED)):
+            log.warning("hf: %s: tie_word_embeddings=true but %s differs from the embedding; using %s (as "
+                        "transformers does)", path, HEAD, HEAD)
+            tied = False
+        else:
+            return hf
+    finally:
+        ck.close()
+    return {**hf, "tie_word_embeddings": tied}
 
 
 def _get(tree, path):
@@ -135,7 +172,7 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
                     max_seq_len: int | None = None, rules=RULES) -> tuple[ModelConfig, dict]:
     """(ModelConfig, {"params": ...}) of a HF checkpoint directory, params placed on ``mesh``.
 
-    ``dtype``: the params' dtype ("bfloat16", "float32"; default the file's torch_dtype).
+    ``dtype``: the params' dtype ("bfloat16", "float32"; default config.json's ``dtype``/``torch_dtype``).
     ``vocab_pad_multiple`` defaults to what ``mesh`` needs to split the vocab axis.
     Without a mesh, params go to the first device.
     """
@@ -190,9 +227,8 @@ def _check_names(ck: _Checkpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
         raise UnsupportedCheckpoint(f"{ck.path}: {len(missing)} tensors the config implies are missing, e.g. "
                                     f"{missing[:5]}")
     extra = sorted(n for n in have - expected if not n.endswith(IGNORED_SUFFIXES))
-    if cfg.tie_embeddings and "lm_head.weight" in extra:  # a tied checkpoint that also stores the copy
-        log.warning("hf: %s has lm_head.weight but tie_word_embeddings=true; using the embedding", ck.path)
-        extra.remove("lm_head.weight")
+    if cfg.tie_embeddings and HEAD in extra:  # a tied checkpoint that also stores an equal copy (_tie_as_loaded)
+        extra.remove(HEAD)
     if extra:
         raise UnsupportedCheckpoint(f"{ck.path}: {len(extra)} tensors this model has no place for (a feature it does "
                                     f"not compute?), e.g. {extra[:5]}")

@@ -22,6 +22,21 @@ class UnsupportedCheckpoint(ValueError):
     """A checkpoint this model cannot compute faithfully (the message names the field or tensor)."""
 
 
+def source_dtype(hf: dict[str, Any], where: str = "config.json") -> str | None:
+    """The dtype config.json gives its tensors, or None if it names none.
+
+    transformers >= 4.56 writes ``dtype``; older files (and our export, for older servers) ``torch_dtype``.
+    """
+    raw = hf.get("dtype") or hf.get("torch_dtype")
+    if raw is None:
+        return None
+    name = _DTYPE_NAMES.get(str(raw))
+    if name is None:
+        key = "dtype" if hf.get("dtype") else "torch_dtype"
+        raise UnsupportedCheckpoint(f"{where}: {key}={raw!r} is not supported; supported: bfloat16, float16, float32")
+    return name
+
+
 def family_of(hf: dict[str, Any], where: str = "config.json") -> str:
     archs = hf.get("architectures") or []
     known = [a for a in archs if a in ARCHITECTURES]
@@ -74,16 +89,14 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, vocab_pad_mu
                     rope_high_freq_factor=float(scaling["high_freq_factor"]),
                     rope_original_max_len=int(scaling["original_max_position_embeddings"]))
     d, n = int(need("hidden_size")), int(need("num_attention_heads"))
-    file_dtype = _DTYPE_NAMES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
-    if file_dtype is None:
-        raise UnsupportedCheckpoint(f"{where}: torch_dtype={hf.get('torch_dtype')!r} is not supported")
-    dt = dtype or file_dtype
+    dt = dtype or source_dtype(hf, where) or "float32"
     try:
         return ModelConfig(
             vocab_size=int(need("vocab_size")), d_model=d, n_layers=int(need("num_hidden_layers")), n_heads=n,
             n_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or d // n),
             d_ff=int(need("intermediate_size")), rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", fam != "llama")), dtype=dt, param_dtype=dt,
+            # Absent, transformers' Qwen2, Qwen3 and Llama configs all default it to False (untied).
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dt, param_dtype=dt,
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings") or 4096),
             qkv_bias=fam == "qwen2", qk_norm=fam == "qwen3", vocab_pad_multiple=vocab_pad_multiple, **rope)
     except ValueError as e:
