@@ -29,9 +29,10 @@ split=eval tasks through the same harness on a dedicated engine (eval/eval.jsonl
 
 The model is a tiny random byte-level transformer with a 2K context (no warm start: the task
 file has no demonstrations), so it produces no useful actions and rewards stay ~0: this
-config shows the machinery working end to end with an external harness; point
-`--config.model.hf_path` at a real checkpoint (and a larger context) to learn. Rerunning the
-same command resumes.
+config shows the machinery working end to end with an external harness. To learn, start from a
+real checkpoint: take a checkpoint config (configs/qwen3_8b.py, whose model section has `hf_path`)
+and give it this config's `task.*` and `harness.*` settings as flags (this config's model section
+is the tiny model's shape, not a checkpoint's). Rerunning the same command resumes.
 
 Expected (2 CPU cores, Dec 3 2026): about 3-5 minutes for 3 steps x 2 groups x 4 rollouts,
 ~3 model calls per rollout (mini-swe-agent stops after 3 format errors in a row), every
