@@ -123,7 +123,8 @@ def get_config() -> ml_collections.ConfigDict:
     ))
     c.sft = ml_collections.ConfigDict(dict(steps=0, rows=6, learning_rate=1e-5, demos=64, noisy_fraction=0.0,
                                            noisy_kind="reverse"))  # a real checkpoint needs no warm start
-    c.eval = ml_collections.ConfigDict(section(EvalConfig, every=20, tasks=32, samples_per_task=4))  # whole episodes
+    c.eval = ml_collections.ConfigDict(section(EvalConfig, every=20, kind="episodes", tasks=32,
+                                                    samples_per_task=4))  # whole episodes
     c.faults = ml_collections.ConfigDict(dict(
         grader_crash_every=0, timeout_every=0, engine_error_every=0, pause_at_step=0, switch_delay_s=0.0,
         switch_fail_every=0, satellite_fail_every=0, chaos_seed=0, core_fail_at_step=0,

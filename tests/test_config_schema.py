@@ -36,3 +36,30 @@ def test_shipped_rl_configs_list_every_field_of_every_section_and_nothing_else(n
         assert not fields - have, f"configs/{name}: config.{section} lacks {sorted(fields - have)}"
         assert not have - fields, f"configs/{name}: config.{section} has unknown {sorted(have - fields)}"
     RLConfig.from_config(_load(name))  # and it validates
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def test_the_dataclass_defaults_are_the_demos_values():
+    """One set of defaults: a field left out of a config means what configs/demo.py ships."""
+    c = _load("demo.py").to_dict()
+    differ = [f"config.{name}.{f.name}: default {_default(f)!r}, demo {c[name][f.name]!r}"
+              for name, cls in SECTIONS.items() for f in dataclasses.fields(cls) if _default(f) != c[name][f.name]]
+    differ += [f"config.{f.name}: default {_default(f)!r}, demo {c[f.name]!r}" for f in dataclasses.fields(RLConfig)
+               if f.name in c and f.name not in SECTIONS and f.name != "model" and _default(f) != c[f.name]]
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("where, typo, hint", [("scheduler", "modee", "did you mean 'mode'?"),
+                                               ("train", "learning_rat", "did you mean 'learning_rate'?"),
+                                               ("", "stepz", "did you mean 'steps'?")])
+def test_a_misspelled_field_names_the_nearest(where, typo, hint):
+    d = _load("demo.py").to_dict()
+    (d[where] if where else d)[typo] = 1
+    with pytest.raises(C.ConfigError, match=rf"^config{'.' + where if where else ''}: unknown field\(s\) "
+                                            rf"\['{typo}'\] \({hint.replace('?', '[?]')}\)"):
+        RLConfig.from_config(d)

@@ -251,19 +251,17 @@ def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
         pending = store.pending_rollouts()
         complete, short = resume_plan(store, "rl", 4, 5, pending)
         g5 = [g for g in complete if g.group_id == "g00005"]
-        # The bound counts from its oldest tokens (2); no step before version 4 may train it (its newest).
-        assert [(g.version, g.earliest) for g in g5] == [(2, 4)]
+        assert [g.version for g in g5] == [2]  # the bound counts from its oldest tokens
         complete = [g for g in complete if g.group_id != "g00005"]
         assert [(g.group_id, g.version, g.rollout_ids) for g in complete] == [
             ("g00001", 3, [f"g00001-{k}" for k in range(4)])]
         by_id = {g.group_id: g for g in short}
         assert sorted(by_id) == ["g00002", "g00003"]
         g2, g3 = by_id["g00002"], by_id["g00003"]
-        # Dated by its oldest tokens (version 4); its re-runs are sampled now, at step 5, so no step before 5.
-        assert (g2.number, g2.version, g2.earliest, g2.finished, g2.abandoned) == (
-            2, 4, 5, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
+        # Dated by its oldest tokens (version 4); its re-runs are sampled now, at step 5.
+        assert (g2.number, g2.version, g2.finished, g2.abandoned) == (2, 4, ("g00002-0", "g00002-1.r1"), ("g00002-2",))
         assert g2.rerun == ("g00002-2.r1", "g00002-3.r1")
-        assert (g3.version, g3.earliest, g3.finished, g3.abandoned) == (5, 5, (), ("g00003-1",))
+        assert (g3.version, g3.finished, g3.abandoned) == (5, (), ("g00003-1",))
         assert g3.rerun == ("g00003-0.r1", "g00003-1.r1", "g00003-2.r1", "g00003-3.r1")
         # The cut-off attempts now have an outcome: infra_error, never trained, and nothing is unfinished.
         assert store.unfinished_rollouts() == []
@@ -279,6 +277,17 @@ def test_resume_plan_finishes_groups_a_stop_cut_short(tmp_path):
         assert by_id["g00002"].rerun == ("g00002-2.r1", "g00002-3.r1")
         assert by_id["g00002"].finished == ("g00002-0", "g00002-1.r1", "g00002-2")  # dropped with the group
         assert len(by_id["g00003"].rerun) == 4
+        # Rewound further, to step 3: tokens of versions 4 came from policies the stop lost; they count as the
+        # restored policy's (3), so no group waits for version numbers this lineage has yet to reach.
+        complete3, short3 = resume_plan(store, "rl", 4, 3, store.pending_rollouts())
+        assert [g.version for g in complete3 if g.group_id == "g00001"] == [3]
+        assert {g.group_id: g.version for g in short3}["g00002"] == 3
+        from gyre_jax.rl.launcher import lineage_calls
+
+        calls = store.calls("g00002-0") + store.calls("g00001-0")
+        assert [c.policy_version for c in lineage_calls(calls, 3)] == [3, 3]
+        assert [c.policy_version for c in lineage_calls(calls, 5)] == [4, 3]
+        assert [(c.rollout_id, c.call_index) for c in lineage_calls(calls, 3)] == [(c.rollout_id, c.call_index) for c in calls]
 
 
 def test_a_full_disk_stops_the_run_naming_the_path_and_the_rerun_resumes(tmp_path):

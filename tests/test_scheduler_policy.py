@@ -173,32 +173,6 @@ def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():
     assert P.takeable_groups(s, cfg(staleness_bound=2)) == 1
 
 
-def test_a_resumed_group_is_taken_within_its_bound_but_never_before_its_newest_tokens():
-    # After a resume at step 2 (S=1): group A's oldest tokens are version 1 (it must train in step 2) and its
-    # newest version 2; group B holds tokens of version 3 from the lost lineage (no step before 3 may
-    # train it) though its oldest are version 2. Step 2 takes A and skips B, also when B is older in the buffer.
-    a = P.ReadyGroup(version=1, work_s=1.0, earliest=2)
-    b = P.ReadyGroup(version=2, work_s=1.0, earliest=3)
-    s = state(steps_done=2, published_version=2, launched_groups=9, ready_groups=(a, b))
-    c = cfg(staleness_bound=1, groups_per_step=4, total_steps=10)
-    assert P.takeable_groups(s, c) == 1
-    b_first = dataclasses.replace(s, ready_groups=(dataclasses.replace(b, version=0), a))
-    assert P.takeable_groups(b_first, c) == 1
-    # A skipped group still counts against the bound: with B, 3 ready and 4 running version-2 groups are due
-    # by step 3 (8 > the 7 positions left in steps 2-3), so step 2 takes only what is due in it (A); were B
-    # not counted, 7 would fit and A + 3 fresh would be taken.
-    fresh = P.ReadyGroup(version=2, work_s=1.0)
-    crowded = dataclasses.replace(s, ready_groups=(a, b) + (fresh,) * 3, running_groups=((2, 4),))
-    assert P.takeable_groups(crowded, c) == 1
-    assert P.takeable_groups(dataclasses.replace(crowded, ready_groups=(a,) + (fresh,) * 3), c) == 4
-    # B's oldest tokens (version 0) are beyond help: it does not reserve a position in step 2 it cannot take.
-    hopeless = dataclasses.replace(crowded, ready_groups=(dataclasses.replace(b, version=0), a) + (fresh,) * 3,
-                                   running_groups=())
-    assert P.takeable_groups(hopeless, c) == 4
-    # Once the trainer reaches version 3 B is taken too.
-    assert P.takeable_groups(dataclasses.replace(s, steps_done=3, published_version=3), c) == 2
-
-
 def test_without_streaming_a_step_takes_only_a_whole_batch():
     ready = tuple(P.ReadyGroup(version=0, work_s=1.0) for _ in range(3))
     s = state(ready_groups=ready, running_groups=((0, 1),), launched_groups=4)
@@ -306,19 +280,13 @@ def reference_takeable(s, c):
         return 0
     u, G, S, N = s.steps_done, c.groups_per_step, c.effective_staleness, c.total_steps
     slots_left = G - s.open_step_taken
-    # A group whose earliest step is ahead is not takeable; it is due at max(its bound, its earliest step).
-    skipped = [max(r.version, r.earliest - S) for r in s.ready_groups if r.earliest > u]
-    ready = [r for r in s.ready_groups if r.earliest <= u]
-    if not c.streaming and len(ready) < slots_left:
-        return 0
     n = 0
-    while n < min(slots_left, len(ready)):
-        g = ready[n]
+    while n < min(slots_left, len(s.ready_groups)):
+        g = s.ready_groups[n]
         if g.version <= u - S:
             n += 1
             continue
-        unassigned = ([v for v, k in s.running_groups for _ in range(k)] + [r.version for r in ready[n + 1:]]
-                      + skipped)
+        unassigned = [v for v, k in s.running_groups for _ in range(k)] + [r.version for r in s.ready_groups[n + 1:]]
         if all(sum(v <= w - S for v in unassigned) <= (slots_left - n - 1) + G * (w - u)
                for w in range(u, min(N - 1, u + S) + 1)):
             n += 1
@@ -332,16 +300,14 @@ def reference_takeable(s, c):
     u=st.integers(0, 5),
     bound=st.integers(0, 3),
     taken=st.integers(0, 4),
-    ready=st.lists(st.tuples(st.integers(0, 5), st.sampled_from([0, 0, 0, 1, 2])), max_size=9),
+    ready=st.lists(st.integers(0, 5), max_size=9),
     running=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)), max_size=3, unique_by=lambda t: t[0]),
     mode=st.sampled_from(["elastic", "elastic_no_stream"]),
 )
 def test_takeable_matches_group_by_group_reference(u, bound, taken, ready, running, mode):
-    # ready: (version, steps ahead of u its earliest step is; 0: any step, as for groups a run launches itself)
     c = cfg(mode, groups_per_step=5, staleness_bound=bound, total_steps=8)
     s = state(steps_done=u, open_step_taken=taken, published_version=u,
-              ready_groups=tuple(P.ReadyGroup(version=min(v, u), work_s=1.0, earliest=u + a if a else 0)
-                                 for v, a in sorted(ready)),
+              ready_groups=tuple(P.ReadyGroup(version=min(v, u), work_s=1.0) for v in sorted(ready)),
               running_groups=tuple(sorted((min(v, u), k) for v, k in running)))
     assert P.takeable_groups(s, c) == reference_takeable(s, c)
 

@@ -22,7 +22,14 @@ dispatch until the target cell holds every byte:
                jax.distributed KV store). Two child processes of 4 devices each
                (--cross_process 0 skips them); cross_process_gbps = param bytes /
                median pull seconds (offer to every byte on the satellite's devices).
-               Target: >= 0.3 x plain copy.
+               Target: >= 0.3 x plain copy, or >= 0.8 x the link limit:
+  * link limit: the same number of bytes between the same two processes over
+               plain loopback TCP (sender ``sendall`` from a preallocated buffer,
+               receiver ``recv_into`` preallocated buffers), over 1 socket and
+               over as many as the Transport uses; link_limit_gbps is the faster.
+  * --sweep:   each transfer-server setting in SWEEP (sockets, chunk size, chunks
+               in flight, raw buffers) and per-leaf offers, in the same rounds;
+               this is how TransferConfig's defaults were picked.
 
 Each kind of move runs in blocks of --repeats, the kinds alternating over
 --rounds; times are medians over all blocks. The first move of each kind is
@@ -32,7 +39,8 @@ nothing for its old role, as in a real switch (the plain copy likewise). copy_gb
 the slower of the two moves: param_bytes / max(to_train_s, to_rollout_s).
 Target: copy_gbps >= 0.5 * plain_copy_gbps.
 
-    python tools/bench_role_switch.py     # ~490 MB model, ~1.5 min on 2 cores; ~3 GB of host memory in all
+    python tools/bench_role_switch.py     # 623 MB model, ~5 min on 2 loaded cores; ~4 GB of host memory in all
+    python tools/bench_role_switch.py --sweep --in_process 0   # the transfer settings only, ~6 min
     python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
 """
 from __future__ import annotations
@@ -49,14 +57,17 @@ if not PEER:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -81,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed moves per block")
     p.add_argument("--rounds", type=int, default=3, help="blocks of each kind, alternating")
     p.add_argument("--cross_process", type=int, default=1, help="1: also time the move between two processes")
+    p.add_argument("--sweep", action="store_true",
+                   help="cross-process: also time each transfer-server setting in SWEEP and per-leaf offers")
+    p.add_argument("--in_process", type=int, default=1, help="0: skip the in-process moves (plain copy and role "
+                   "switches); the cross-process ratio is then to the link limit only")
     p.add_argument("--_peer", nargs=2, type=int, metavar=("PROCESS_ID", "PORT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -88,6 +103,32 @@ def parse_args(argv=None):
 def model_config(args) -> ModelConfig:
     return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                        n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, tie_embeddings=False)
+
+
+# --sweep: transfer-server settings (TransferConfig fields) timed beside the Transport's default, and per-leaf
+# offers (one uuid per array, all pulls in flight at once) instead of one offer of the whole tree. Each server
+# maps 3 x transfer_size x parallel_copies bytes of staging (jax 0.10.2: 6 GiB at jax's default), so big chunks
+# cost memory as well as pipelining (a chunk is copied to staging, sent, received, copied out: smaller chunks
+# overlap those stages).
+SWEEP = [
+    dict(sockets=1, transfer_size=256 << 20, parallel_copies=8),  # jax's default
+    dict(sockets=2, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),  # the default, raw (opt-in)
+    dict(sockets=1, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=4, transfer_size=4 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=1 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=2 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=8 << 20, parallel_copies=8, raw_buffers=True),
+    dict(sockets=2, transfer_size=4 << 20, parallel_copies=16, raw_buffers=True),
+    dict(sockets=4, transfer_size=1 << 20, parallel_copies=32, raw_buffers=True),
+]
+
+
+def sweep_name(c: dict) -> str:
+    return (f"{c['sockets']} sock {c['transfer_size'] >> 20} MiB x{c['parallel_copies']}"
+            f"{' raw' if c.get('raw_buffers') else ''}")
+
+
+LEAF = "per-leaf offers"
 
 
 def cross_process(args, argv) -> dict:
@@ -99,7 +140,7 @@ def cross_process(args, argv) -> dict:
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--_peer", str(i), str(port)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     try:
-        outs = [p.communicate(timeout=900) for p in procs]
+        outs = [p.communicate(timeout=1800) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -112,42 +153,133 @@ def cross_process(args, argv) -> dict:
     return json.loads(line[-1][len("PEER "):])
 
 
+def _tcp_serve(conn, buf) -> None:
+    """The link probe's sender: on each 1-byte request, ``sendall`` its whole slice of the preallocated buffer."""
+    with conn:
+        while conn.recv(1):
+            conn.sendall(buf)
+
+
+def _tcp_pull(conns, bufs) -> float:
+    """The link probe's receiver: ask every socket for its slice, ``recv_into`` preallocated buffers; seconds."""
+    def rx(c, view):
+        while len(view):
+            view = view[c.recv_into(view):]
+
+    t0 = time.perf_counter()
+    for c in conns:
+        c.sendall(b"g")
+    threads = [threading.Thread(target=rx, args=(c, memoryview(b))) for c, b in zip(conns, bufs)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t0
+
+
+def _split(n: int, k: int) -> list[int]:
+    return [n // k + (i < n % k) for i in range(k)]
+
+
 def peer(args) -> None:
-    """One of the two cross-process peers: 0 = core (offers its params), 1 = satellite (pulls them)."""
+    """One of the two cross-process peers: 0 = core (offers its params), 1 = satellite (pulls them).
+
+    Kinds, alternating in rounds of --repeats moves each: ``transport`` (the pods Transport, its default
+    TransferConfig), ``tcp xN`` (the link's own limit: the same bytes over N plain loopback sockets, for N
+    = 1 and N = the Transport's socket count) and, with --sweep, each SWEEP setting and per-leaf offers.
+    """
     from gyre_jax import distributed
-    from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
+    from gyre_jax.pods.transport import ENV, Mailbox, Transport, TransferConfig, abstract, get
 
     pid, port = args._peer
     distributed.initialize(distributed.DistributedConfig(
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid))
     jax.config.update("jax_num_cpu_devices", 4)
     t = Transport()
+    base = dataclasses.asdict(t.transfer)
+    servers = {"transport": t.server}
+    if args.sweep:  # one more server per setting, in both processes (each side's settings are its own)
+        for c in SWEEP:
+            servers[sweep_name(c)] = TransferConfig(**c).start("127.0.0.1")
+    for name, srv in servers.items():
+        t.kv.key_value_set(f"bench/addr/{pid}/{name}", srv.address())
+    socket_counts = sorted({1, t.transfer.sockets})
+    kinds = [*servers, *([LEAF] if args.sweep else []), *(f"tcp x{n}" for n in socket_counts)]
     (cell,) = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=1, serve_tensor=4), jax.local_devices())
     model = model_config(args)
     spec = cells.StateSpec.create(functools.partial(init_boxed, model), cells.make_optimizer(
         cells.OptimizerConfig(learning_rate=1e-4), param_logical_axes(model)))
     shardings = spec.param_shardings(cell.train_mesh)
     n = 1 + args.rounds * args.repeats
+    # The plan: per round, each kind in turn, --repeats moves (plus one first move of each kind, shown apart).
+    plan = [(k, r) for r in range(args.rounds) for k in kinds for _ in range(args.repeats + (r == 0))]
+    param_bytes = cells.tree_bytes(spec.abstract_params)
     if pid == 0:
         params = jax.jit(lambda r: nn.unbox(init_boxed(model, r)), out_shardings=shardings)(jax.random.key(0))
         params = jax.block_until_ready(params)
-        mail = Mailbox(t.kv, 1)
-        for _ in range(n):  # offered at once: the server only keeps references until each is pulled
-            uuid = t.new_uuid()
-            t.offer(uuid, params)
-            mail.send({"uuid": uuid})
-        times = json.loads(get(t.kv, "bench/pull_times", timeout_s=900))
-        print("PEER " + json.dumps({"param_bytes": cells.tree_bytes(params), "times": times}), flush=True)
+        buf = np.ones(param_bytes, np.uint8)  # the link probe's bytes, preallocated (same count as the params)
+        listener = socket.create_server(("127.0.0.1", 0))
+        t.kv.key_value_set("bench/tcp", str(listener.getsockname()[1]))
+        for _ in range(sum(socket_counts)):  # the satellite opens 1 socket, then N
+            conn, _ = listener.accept()
+            lo, hi = json.loads(conn.recv(64).decode().split("\n")[0])
+            threading.Thread(target=_tcp_serve, args=(conn, memoryview(buf)[lo:hi]), daemon=True).start()
+        leaves = jax.tree.leaves(params)
+        uuids = []
+        for kind, _ in plan:  # offered at once: the server only keeps references until each is pulled
+            if kind.startswith("tcp"):
+                uuids.append(None)
+            elif kind == LEAF:
+                ids = [t.new_uuid() for _ in leaves]
+                for u, x in zip(ids, leaves):
+                    t.server.await_pull(u, [x])
+                uuids.append(ids)
+            else:
+                uuids.append(t.new_uuid())
+                servers[kind].await_pull(uuids[-1], params)
+        Mailbox(t.kv, 1).send({"uuids": uuids})
+        res = json.loads(get(t.kv, "bench/pull_times", timeout_s=1800))
+        res.update(param_bytes=param_bytes, transfer=base, env=os.environ.get(ENV, ""))
+        print("PEER " + json.dumps(res), flush=True)
     else:
-        mail = Mailbox(t.kv, 1)
+        conns = {}
+        tcp_port = int(get(t.kv, "bench/tcp", timeout_s=300))
+        for k in socket_counts:
+            sizes = _split(param_bytes, k)
+            offs = np.cumsum([0, *sizes]).tolist()
+            conns[f"tcp x{k}"] = []
+            for i in range(k):
+                c = socket.create_connection(("127.0.0.1", tcp_port))
+                c.sendall((json.dumps([offs[i], offs[i + 1]]) + "\n").encode())
+                conns[f"tcp x{k}"].append(c)
+            conns[f"tcp x{k}"] = (conns[f"tcp x{k}"], [bytearray(sz) for sz in sizes])
+        links = {name: srv.connect(get(t.kv, f"bench/addr/0/{name}", timeout_s=300)) for name, srv in servers.items()}
         like = abstract(spec.abstract_params, shardings)
-        times = []
-        for _ in range(n):
-            uuid = mail.recv(timeout_s=900)["uuid"]
-            out, st = t.pull_ready(0, uuid, like)
-            times.append(st.seconds)
-            del out
-        t.kv.key_value_set("bench/pull_times", json.dumps(times))
+        like_leaves = jax.tree.leaves(like)
+        uuids = Mailbox(t.kv, 1).recv(timeout_s=1800)["uuids"]
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        first: dict[str, float] = {}
+        for (kind, _), u in zip(plan, uuids):
+            t0 = time.perf_counter()
+            if kind.startswith("tcp"):
+                dt = _tcp_pull(*conns[kind])
+            else:
+                if kind == LEAF:
+                    out = [links["transport"].pull(i, [x])[0] for i, x in zip(u, like_leaves)]
+                else:
+                    out = links[kind].pull(u, like)
+                jax.block_until_ready(out)
+                dt = time.perf_counter() - t0
+                del out
+            if kind in first:
+                times[kind].append(dt)
+            else:
+                first[kind] = dt
+        for c, _ in conns.values():
+            for x in c:
+                x.close()
+        assert all(len(v) == n - 1 for v in times.values()), {k: len(v) for k, v in times.items()}
+        t.kv.key_value_set("bench/pull_times", json.dumps({"times": times, "first": first}))
 
 
 def timed(fn):
@@ -159,12 +291,8 @@ def timed(fn):
     return dt
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args._peer is not None:
-        peer(args)
-        return
+def in_process(args) -> dict:
+    """The role-switch moves and the plain copy in this process (two cells of 4 devices); the JSON fields."""
     model = model_config(args)
     core, sat = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=1, serve_tensor=4))
     logical = param_logical_axes(model)
@@ -243,19 +371,7 @@ def main(argv=None):
     ratio = copy_gbps / plain_gbps
     print(f"\ncopy_gbps (slower move) = {copy_gbps:.2f} GB/s = {ratio:.2f} x plain copy "
           f"({'meets' if ratio >= 0.5 else 'MISSES'} target 0.5x)")
-    xp = {}
-    if args.cross_process:
-        del src, params  # the peers hold their own copies
-        res = cross_process(args, argv)
-        xt = res["times"][1:]
-        xp = {"cross_process_s": statistics.median(xt), "cross_process_first_s": res["times"][0],
-              "cross_process_gbps": res["param_bytes"] / statistics.median(xt) / gb}
-        xr = xp["cross_process_gbps"] / plain_gbps
-        print(f"cross-process pull (train fsdp=4 in process 0 -> train fsdp=4 in process 1): {res['param_bytes'] / 1e6:.1f} MB, "
-              f"first {res['times'][0]:.3f} s, median {xp['cross_process_s']:.4f} s, min {min(xt):.4f} s, "
-              f"{xp['cross_process_gbps']:.2f} GB/s = {xr:.2f} x plain copy ({'meets' if xr >= 0.3 else 'MISSES'} target 0.3x)")
-        xp = {k: round(v, 4) for k, v in xp.items()} | {"cross_process_ratio": round(xr, 3)}
-    print(json.dumps({
+    return {
         "param_bytes": int(param_bytes),
         "to_train_s": round(to_train_s, 5),
         "to_rollout_s": round(to_rollout_s, 5),
@@ -266,8 +382,55 @@ def main(argv=None):
         "to_rollout_first_s": round(first["to_rollout"], 4),
         "n_arrays": n_leaves,
         "devices_per_cell": 4,
-        **xp,
-    }))
+    }
+
+
+def report_cross_process(res: dict, plain_gbps: float | None) -> dict:
+    """Print the cross-process table (every kind the peers timed) and return the JSON fields."""
+    gb, b = 1e9, res["param_bytes"]
+    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    cfg = res["transfer"]
+    print(f"\ncross-process moves of {b / 1e6:.1f} MB (train fsdp=4 in process 0 -> train fsdp=4 in process 1); "
+          f"Transport default: {cfg}{' from ' + res['env'] if res['env'] else ''}")
+    print(f"{'kind':28s} {'first s':>8s} {'median s':>9s} {'min s':>7s} {'GB/s':>6s}")
+    for k, v in res["times"].items():
+        print(f"{k:28s} {res['first'][k]:8.3f} {med[k]:9.4f} {min(v):7.4f} {b / med[k] / gb:6.2f}")
+    link_kind = min((k for k in med if k.startswith("tcp")), key=med.get)
+    out = {"cross_process_s": round(med["transport"], 4), "cross_process_first_s": round(res["first"]["transport"], 4),
+           "cross_process_gbps": round(b / med["transport"] / gb, 4),
+           "link_limit_gbps": round(b / med[link_kind] / gb, 4), "link_limit_kind": link_kind,
+           **{f"link_{k.replace(' ', '_')}_gbps": round(b / med[k] / gb, 4) for k in med if k.startswith("tcp")},
+           "cross_process_vs_link": round(med[link_kind] / med["transport"], 3),
+           "transfer_sockets": cfg["sockets"], "transfer_size": cfg["transfer_size"],
+           "transfer_parallel_copies": cfg["parallel_copies"], "transfer_raw_buffers": cfg["raw_buffers"]}
+    line = (f"cross_process_gbps = {out['cross_process_gbps']:.2f} GB/s = {out['cross_process_vs_link']:.2f} x the "
+            f"link limit ({out['link_limit_gbps']:.2f} GB/s, {link_kind})")
+    if plain_gbps:
+        out["cross_process_ratio"] = round(out["cross_process_gbps"] / plain_gbps, 3)
+        line += f", {out['cross_process_ratio']:.2f} x plain copy"
+    met = out["cross_process_vs_link"] >= 0.8 or out.get("cross_process_ratio", 0) >= 0.3
+    print(line + f" ({'meets' if met else 'MISSES'} target: >= 0.3x plain copy or >= 0.8x link limit)")
+    if len(med) > 3:  # --sweep: the fastest setting, for TransferConfig's default
+        best = min((k for k in med if not k.startswith("tcp")), key=med.get)
+        out["sweep_best"] = best
+        out["sweep_gbps"] = {k: round(b / v / gb, 3) for k, v in med.items()}
+        print(f"fastest transfer setting: {best} ({b / med[best] / gb:.2f} GB/s)")
+    return out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args._peer is not None:
+        peer(args)
+        return
+    fields = in_process(args) if args.in_process else {"param_bytes": None}
+    if args.cross_process:
+        res = cross_process(args, argv)
+        fields |= {"param_bytes": res["param_bytes"]} | report_cross_process(res, fields.get("plain_copy_gbps"))
+    fields |= {"rounds": args.rounds, "repeats": args.repeats, "n_layers": args.n_layers, "d_model": args.d_model,
+               "vocab": args.vocab, "load_avg_1m": round(os.getloadavg()[0], 2)}
+    print(json.dumps(fields))
 
 
 if __name__ == "__main__":

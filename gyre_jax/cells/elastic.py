@@ -141,7 +141,7 @@ class ElasticTrainer:
             raise RuntimeError("start_step: the previous step has not been waited for")
         if not micro_batches and not more:
             raise ValueError("start_step: no micro-batches")
-        step = ElasticStep(self, on_pull, on_done)
+        step = ElasticStep(self, self._state, self._end_step, on_pull, on_done)
         step.add(micro_batches)
         if not more:
             step.close()
@@ -156,17 +156,23 @@ class ElasticTrainer:
             step.join(cell)
         return step.wait()
 
-    def _finish(self, state: TrainState) -> None:
-        self._state = state
-        self._version += 1
+    def _end_step(self, state: TrainState | None) -> None:
+        """The running step's end, called by it: its new state, or None when it failed."""
+        if state is not None:
+            self._state = state
+            self._version += 1
         self._running = None
 
 
 class ElasticStep:
     """One step in progress. ``join`` / ``leave`` / ``add`` / ``close`` from any thread; ``wait`` once."""
 
-    def __init__(self, trainer: ElasticTrainer, on_pull, on_done):
-        self._t = trainer
+    def __init__(self, trainer: ElasticTrainer, state: TrainState, on_end: Callable[[TrainState | None], None],
+                 on_pull, on_done):
+        self._t = trainer  # its public steps, core and version; the state and the step's end come in explicitly
+        self._state0 = state  # the step's starting state (its params are what every worker computes with)
+        self._version0 = trainer.version
+        self._on_end = on_end  # the trainer's: the new state, or None when the step failed
         self._on_pull = on_pull
         self._on_done = on_done
         self._t0 = time.perf_counter()
@@ -193,7 +199,7 @@ class ElasticStep:
     def start(self) -> None:
         core = self._t.core
         with self._cv:
-            self._spawn(core.index, self._work_loop, core, self._t._state.params)
+            self._spawn(core.index, self._work_loop, core, self._state0.params)
         self._reducer = self._pool.submit(self._reduce)
 
     # ---- queue ---------------------------------------------------------------
@@ -298,7 +304,7 @@ class ElasticStep:
             if self._exhausted(cell):
                 return False
             self._leaving.discard(cell.index)
-            params = self._t._state.params  # the step's version: the update waits for every worker
+            params = self._state0.params  # the step's version: the update waits for every worker
             self._spawn(cell.index, self._satellite, cell, params)
         return True
 
@@ -467,10 +473,10 @@ class ElasticStep:
             scale = self._grad_scale
             if scale != 1.0:  # only an open step closed with a scale pays for this (exact 1.0 otherwise)
                 grads = self._t.steps.scale(self._t.core.train_mesh)(grads, np.float32(scale))
-            new_state, metrics = self._t.steps.apply_update(self._t.core.train_mesh)(self._t._state, grads)
+            new_state, metrics = self._t.steps.apply_update(self._t.core.train_mesh)(self._state0, grads)
             metrics, stats = jax.device_get((metrics, stats))
         except BaseException:
-            self._t._running = None
+            self._on_end(None)
             raise
         finally:
             self._pool.shutdown(wait=True)
@@ -480,10 +486,10 @@ class ElasticStep:
         summed = {k: float(v) * (scale if _sums(k, self._t.steps.reductions) else 1.0) for k, v in summed.items()}
         tv = np.concatenate([m["target_version"].ravel() for m in self._mbs])
         lm = np.concatenate([m["loss_mask"].ravel() for m in self._mbs])
-        st_mean, st_max = staleness(tv, lm, self._t.version)
-        self._t._finish(new_state)
+        st_mean, st_max = staleness(tv, lm, self._version0)
+        self._on_end(new_state)
         return StepReport(
-            version=self._t.version - 1,
+            version=self._version0,
             loss=summed["loss"],
             stats=summed,
             grad_norm=float(metrics["grad_norm"]),

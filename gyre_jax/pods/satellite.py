@@ -16,6 +16,8 @@ Publication: ``SatelliteLink.publish`` offers a new policy version; the
 satellite pulls it in the training layout (a pull cannot change the layout),
 reshards it locally into its *serving* layout (train fsdp -> serve tensor) and
 reports bytes and seconds (``published``), as an engine there would load it.
+The version it held stays in until the new one is (``serve(keep_serving=)``):
+calls keep being served during the pull.
 
 Messages (``Mailbox``, JSON): ``{"op": "params", "uuid", "version", "core"}``,
 ``{"op": "grad", "i", "in", "out", "shapes", "core"}``, ``{"op": "publish",
@@ -40,9 +42,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gyre_jax.cells.publish import TO_ROLLOUT, TO_TRAIN, MoveStats
+from gyre_jax.cells.publish import TO_ROLLOUT, TO_TRAIN, MoveStats, tree_bytes
 from gyre_jax.cells.train_step import CellSteps
-from gyre_jax.pods.transport import Mailbox, Transport, abstract, get
+from gyre_jax.pods.transport import Mailbox, PullStats, Transport, abstract, get
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +159,8 @@ class RemoteCell:
 
 def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
           on_grad: Callable[[int, int], None] | None = None,
-          on_publish: Callable[[int, Any], None] | None = None, generation: str | None = None) -> dict[str, Any]:
+          on_publish: Callable[[int, Any], None] | None = None, generation: str | None = None,
+          keep_serving: bool = True) -> dict[str, Any]:
     """Serve the core's messages until ``stop``: the satellite process's main loop.
 
     ``mesh``: the cell's training mesh; ``serve_shardings``: the params' serving
@@ -168,6 +171,16 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
     (the rl job loads it into this process's engine) before the core hears it is
     held. Returns
     counts and the latest published version for the caller's summary.
+
+    ``keep_serving``: a publication replaces the version held here only once the
+    new one is in, so an engine here serves the old one meanwhile (the engine
+    keeps its own reference until ``on_publish`` hands it the new one, so this is
+    so for it either way). Peak device memory during a publication: the old
+    version (serving layout) + the new one in the training layout + the new one
+    in the serving layout while the reshard runs, 3x the params' bytes (plus the
+    last training snapshot if this cell trained). ``keep_serving=False`` drops
+    this loop's reference first (2x when nothing else holds the old version): for
+    a process that serves nothing and has no memory for two versions.
     """
     me = transport.process
     generation = generation or uuid_lib.uuid4().hex  # this life of the process: a restart gets a fresh mailbox
@@ -197,11 +210,16 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
             log.info("pods satellite %d: params v%d pulled, %.2f MB in %.3f s (%.2f GB/s)",
                      me, version, st.bytes / 1e6, st.seconds, st.gbps)
         elif op == "publish":
-            published = None  # drop the old version first, as a role switch does
+            if not keep_serving:
+                published = None  # no engine here reads it: free it before the new version lands
             t0 = time.perf_counter()
             # A pull cannot change the layout (jax 0.10.2: "Async transfer object was deleted before transfers
             # completed" when the target sharding differs), so: the core's layout across, the reshard here.
-            p, st = transport.pull_ready(int(msg["core"]), int(msg["uuid"]), params_like)
+            pending = transport.pull(int(msg["core"]), int(msg["uuid"]), params_like)  # in flight from here
+            log.info("pods satellite %d: pulling v%d, serving v%s meanwhile", me, int(msg["version"]),
+                     None if published is None else published[0])
+            p = jax.block_until_ready(pending)
+            st = PullStats(int(msg["uuid"]), tree_bytes(params_like), time.perf_counter() - t0)
             if serve_shardings is not None:
                 p = jax.block_until_ready(jax.device_put(p, serve_shardings))
             seconds = time.perf_counter() - t0

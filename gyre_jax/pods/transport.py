@@ -20,6 +20,28 @@ pull waits fails within about a second (the server's socket closes): that is
 how the core learns a satellite died. Connecting to a peer that is already
 dead can hang, so connections are made once, when the peer says hello.
 
+Speed: ``TransferConfig`` (constructor argument ``transfer=``, or the
+``GYRE_TRANSFER`` environment variable for operators, e.g.
+``GYRE_TRANSFER="sockets=2,transfer_size=256M,parallel_copies=8"``) sets how
+many sockets carry the bulk bytes between two servers (transport addresses),
+the staging chunk size, how many chunks are in flight and whether the sender
+reads the arrays' own memory (raw buffers) instead of first copying each chunk
+to staging. The defaults (2 sockets, 4 MiB chunks, 8 in flight, staged) come
+from ``tools/bench_role_switch.py --sweep`` for 623 MB of params between two
+processes on loopback (numbers in that file's docstring): small chunks gave most
+of the gain over jax's own defaults (1 socket, 256 MiB chunks; 0.36-0.81 GB/s,
+raw loopback TCP 0.7-1.3 GB/s on a loaded 2-core machine), and jax's defaults
+map 6 GiB of staging per server where these map 96 MiB.
+
+Raw buffers (``raw_buffers=1`` in ``GYRE_TRANSFER``) were faster still in 3 of
+4 runs (1.1x-1.7x; 0.91-1.04 GB/s in all) but are not the default: an offered
+pytree must then be neither donated nor deleted until its pull is complete, or
+the pull carries whatever its memory holds by then, silently, where a staged
+pull fails loudly ("deleted or donated"). The pods keep to that rule today (a
+publication is a copy the core waits on, a step's snapshot is pulled before the
+gradients the update waits for), but weights that are silently wrong are the
+one failure an RL run must never have, so the speed is an operator's opt-in.
+
 Uuids are unique per run: the high bits are the allocating process, the low
 bits a counter, so two processes never offer under the same uuid.
 """
@@ -42,6 +64,7 @@ from jax.sharding import SingleDeviceSharding
 
 from gyre_jax.cells.publish import tree_bytes
 
+ENV = "GYRE_TRANSFER"  # operators' override of TransferConfig: "sockets=N,transfer_size=64M,parallel_copies=N"
 ADDR = "pods/addr/{process}"
 MAIL = "pods/mail/{process}/{generation}/{n}"
 POLL_MS = 60_000  # a blocking KV read waits this long per try, then looks again
@@ -85,6 +108,69 @@ class PullStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """How a transfer server moves bulk bytes (``jax.experimental.transfer.start_transfer_server``'s knobs).
+
+    ``sockets``: transport addresses, i.e. parallel sockets per connection (the
+    bytes of one pull are spread over them); ``transfer_size``: bytes per staging
+    chunk; ``parallel_copies``: chunks in flight at once; ``raw_buffers``: send
+    from the arrays' own buffers (no staging copy; offered arrays must then not
+    be donated before they are pulled). Defaults: measured, see the module docstring.
+    """
+
+    sockets: int = 2
+    transfer_size: int = 4 << 20
+    parallel_copies: int = 8
+    raw_buffers: bool = False  # opt-in: faster, but a donated offer is pulled silently wrong (module docstring)
+
+    def __post_init__(self):
+        for name in ("sockets", "transfer_size", "parallel_copies"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TransferConfig.{name} must be a positive int, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str, *, where: str = ENV) -> "TransferConfig":
+        """``"sockets=4,transfer_size=64M,parallel_copies=8,raw_buffers=0"`` (any subset; sizes take K/M/G)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, eq, val = item.partition("=")
+            key, val = key.strip(), val.strip()
+            if not eq or key not in fields:
+                raise ValueError(f"{where}: {item!r} is not one of {sorted(fields)} as key=value (in {text!r})")
+            try:
+                if key == "raw_buffers":
+                    if val not in ("0", "1", "true", "false"):
+                        raise ValueError(val)
+                    kw[key] = val in ("1", "true")
+                else:
+                    unit = val[-1:].upper() if val[-1:].upper() in _SIZE_SUFFIX else ""
+                    kw[key] = int(val[: len(val) - len(unit)]) * _SIZE_SUFFIX[unit]
+            except ValueError:
+                raise ValueError(f"{where}: {key}={val!r} is not a number (in {text!r})") from None
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e} (in {text!r})") from None
+
+    @classmethod
+    def from_env(cls) -> "TransferConfig":
+        """``GYRE_TRANSFER`` if set, else the defaults."""
+        return cls.parse(os.environ[ENV]) if os.environ.get(ENV) else cls()
+
+    def start(self, host: str):
+        """A transfer server on this process's local devices, bound to ``host`` (any free ports)."""
+        return transfer.start_transfer_server(
+            jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"] * self.sockets,
+            max_num_parallel_copies=self.parallel_copies, transfer_size=self.transfer_size,
+            use_raw_buffers=self.raw_buffers)
+
+
 def abstract(tree, shardings) -> Any:
     """ShapeDtypeStructs of ``tree`` (arrays or ShapeDtypeStructs) placed on ``shardings`` (a pytree or one)."""
     if not isinstance(shardings, jax.sharding.Sharding):
@@ -95,12 +181,14 @@ def abstract(tree, shardings) -> Any:
 class Transport:
     """This process's end: a transfer server, a KV client, connections to peers by process index."""
 
-    def __init__(self, *, host: str | None = None, client=None, process_index: int | None = None):
+    def __init__(self, *, host: str | None = None, client=None, process_index: int | None = None,
+                 transfer: TransferConfig | None = None):
+        """``transfer``: the server's speed knobs (default ``TransferConfig.from_env()``)."""
         self.kv = kv_client() if client is None else client
         host = host or transfer_host()
         self.process = jax.process_index() if process_index is None else int(process_index)
-        device_client = jax.local_devices()[0].client
-        self.server = transfer.start_transfer_server(device_client, f"{host}:0", [f"{host}:0"])
+        self.transfer = TransferConfig.from_env() if transfer is None else transfer
+        self.server = self.transfer.start(host)
         self._counter = itertools.count(1)
         self._conns: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -111,7 +199,9 @@ class Transport:
 
     # ---- arrays ----------------------------------------------------------------
     def offer(self, uuid: int, tree) -> None:
-        """Let a peer pull ``tree`` once under ``uuid`` (returns at once; the server holds the arrays until then)."""
+        """Let a peer pull ``tree`` once under ``uuid`` (returns at once; the server holds the arrays until then).
+
+        Do not donate or delete ``tree`` before the pull is complete (raw buffers: see the module docstring)."""
         self.server.await_pull(uuid, tree)
 
     def connect(self, process: int, *, timeout_s: float = 300.0):

@@ -18,7 +18,7 @@ import secrets
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -33,7 +33,7 @@ from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, init_params, param_logical_axes
 from gyre_jax.rl import faults as faults_lib
 from gyre_jax.rl import reference as reference_lib
-from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter
+from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter, RoleTable
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
 from gyre_jax import planner
 from gyre_jax.rl.config import RLConfig
@@ -45,6 +45,7 @@ from gyre_jax.rl.metrics import MetricsWriter, WandbOptions
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl import warm_cache
 from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
+from gyre_jax.rl.step_events import TrainerSnapshot
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.controller import Controller
@@ -80,17 +81,19 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     return JetStreamBackend(engine, name=name)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Start:
     """Where this run starts: a checkpoint's step, or a fresh (warm-started) model."""
 
     steps_done: int
-    sft_history: list[dict]  # the warm start's per-step metrics (empty on resume)
+    sft_history: tuple[dict, ...]  # the warm start's per-step metrics (empty on resume)
     setup_s: float
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Components:
+    """Every part of a started run, as ``drive`` uses it (the builders below make them in order)."""
+
     cfg: RLConfig
     workdir: str
     layout: CellLayout
@@ -111,8 +114,7 @@ class Components:
     start: Start
     faults: faults_lib.RLFaults | None
     chaos: faults_lib.Chaos | None
-    records: list[dict] = dataclasses.field(default_factory=list)  # per-step infos from the trainer thread
-    evals: list[dict] = dataclasses.field(default_factory=list)
+    evals: list[dict] = dataclasses.field(default_factory=list)  # held-out eval results, appended by the loop
     warm_thread: threading.Thread | None = None
     satellites: Any = None  # gyre_jax.pods.rl_job.Satellites when the cells run in separate processes
 
@@ -128,6 +130,62 @@ class Components:
                 log.exception("closing %s failed", getattr(stop, "__qualname__", stop))
         if self.warm_thread is not None:
             self.warm_thread.join(60)
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """The run's footing: its directory, store (whose lock says nobody else runs here), tokenizer, cells."""
+
+    workdir: str
+    multi: bool  # pods: this is process 0, the core; cell k runs in process k
+    n_cells: int
+    store: TrajectoryStore
+    tok: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The cells and who does what on them: the layout's role -> mesh map places the trainer and engines."""
+
+    layout: CellLayout
+    roles: tuple[str, ...]  # the policy's initial roles
+    policy: Any  # scheduler.policy.PolicyConfig
+    steps: cells_lib.CellSteps
+    core_mesh: Any
+    warm_thread: threading.Thread  # compiling every cell's training step meanwhile
+    evaluator: HeldOutEval | BackgroundEval | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """The train state: the last checkpoint's (with its data position and buffered rollouts) or a fresh model's."""
+
+    ckpt: Checkpointer
+    stream: RowStream
+    iterator: Any  # the grain iterator over ``stream``, at the state's step
+    trainer: cells_lib.ElasticTrainer
+    steps_done: int
+    ready: tuple[ResumedGroup, ...]  # finished groups to train first
+    short: tuple[ResumedGroup, ...]  # groups a stop cut short: their missing rollouts run again
+    ref_params: Any  # KL's target, or None
+    sft_history: tuple[dict, ...]
+    resumed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """Engines on the cells that may serve, behind the router and the recording proxy (started)."""
+
+    server: ServerThread
+    url: str
+    sock: str
+    names: Mapping[int, str]  # serving cell -> its engine's name in the router
+    backends: Mapping[int, Any]  # serving cell -> its backend (the router's)
+    remote_backends: Mapping[int, Any]  # pods: the satellites' engines
+    satellites: Any
+    publisher: cells_lib.WeightPublisher
+    faults: faults_lib.RLFaults | None
+    chaos: faults_lib.Chaos | None
 
 
 # ---------------------------------------------------------------------------- build
@@ -259,8 +317,27 @@ def _serving_cells(mode: str, n_cells: int, async_train_cells: int) -> list[int]
 
 
 def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstream_backend) -> Components:
-    """Every part of the loop, started; ``drive`` runs it. ``make_backend`` puts an engine on a cell."""
+    """Every part of the loop, started; ``drive`` runs it. ``make_backend`` puts an engine on a cell.
+
+    Built in data-flow order, each builder taking what the earlier ones made (no part refers back to
+    a later one): the footing, the placement, the train state, the serving side, then the control side
+    (roles, trainer, pool, launcher, controller), and only then are its threads started."""
     t_start = time.perf_counter()
+    base = build_base(cfg, workdir)
+    place = build_placement(cfg, base, make_backend)
+    restored = restore_or_init(cfg, base, place)
+    serving = build_serving(cfg, base, place, restored, make_backend)
+    c = build_control(cfg, base, place, restored, serving)
+    c.harness_loop.start()
+    c.trainer.start()
+    setup_s = time.perf_counter() - t_start
+    _describe(cfg, base, place, serving, restored, setup_s)
+    return dataclasses.replace(c, start=Start(restored.steps_done, restored.sft_history, setup_s))
+
+
+def build_base(cfg: RLConfig, workdir: str) -> Base:
+    """The workdir, the devices' cells, the store (first: its writer lock says whether another run owns this
+    workdir, before any work starts) and the tokenizer."""
     _quiet_absl()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -269,7 +346,6 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         ensure_cpu_devices(cfg.num_cpu_devices)
     n_cells = cfg.check_devices(len(jax.devices()))
     planner.check_local(cfg, jax.devices())  # a layout that cannot fit its devices stops here, in one line
-    # The store first: its writer lock says whether another run owns this workdir, before any work starts.
     try:
         store = TrajectoryStore(os.path.join(workdir, "store"), run_id=RUN_ID,
                                 config=StoreConfig(vocab_size=cfg.model.vocab_size))
@@ -277,174 +353,212 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
         raise ConfigError(f"--workdir={os.path.dirname(workdir)}: another run is using it ({e}); stop that run "
                           "or choose another --workdir") from None
     tok = _tokenizer(cfg)
-    mc = cfg.model
-    if tok.vocab_size > mc.vocab_size:
-        raise ConfigError(f"config.model.vocab_size={mc.vocab_size} < the tokenizer's {tok.vocab_size} ids")
-    evaluator = _make_eval(cfg, tok)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"config.model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tok.vocab_size} ids")
+    return Base(workdir=workdir, multi=multi, n_cells=n_cells, store=store, tok=tok)
 
-    # Cells and placement: the layout's role -> mesh map places the trainer and engines.
-    pc = cfg.policy_config(n_cells)
-    roles = policy_lib.initial_roles(pc, n_cells)
+
+def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> Placement:
+    """Cells and roles, the jitted steps (compiling on a thread of their own while set-up goes on) and the
+    held-out eval (whole episodes get an engine on the core cell's devices)."""
+    pc = cfg.policy_config(base.n_cells)
+    roles = tuple(policy_lib.initial_roles(pc, base.n_cells))
     cs = cells_lib.split_cells(cfg.cell_config())
-    if multi:
+    if base.multi:
         from gyre_jax.pods.rl_job import check_layout
 
         check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
-    core_mesh = layout.role_to_mesh()[Role.CORE][0]
-    if cfg.eval.every and cfg.eval.kind == "episodes":  # its own engine, on the core cell's devices
-        evaluator = _episode_eval(cfg, tok, layout.cells[0], make_backend, workdir)
+    evaluator: HeldOutEval | BackgroundEval | None = _make_eval(cfg, base.tok)
+    if cfg.eval.every and cfg.eval.kind == "episodes":
+        evaluator = _episode_eval(cfg, base.tok, layout.cells[0], make_backend, base.workdir)
     steps = _cell_steps(cfg)
-    spec = steps.spec
-    # Each satellite process compiles its own cell's step.
-    warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if multi else cs, cfg), name="gyre-warm",
-                            daemon=True)  # a run that fails during set-up must not wait for its compiles
+    # Each satellite process compiles its own cell's step; a run that fails during set-up must not wait for these.
+    warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if base.multi else cs, cfg), name="gyre-warm",
+                            daemon=True)
     warm.start()  # compile every cell's training step while SFT and set-up run
+    return Placement(layout=layout, roles=roles, policy=pc, steps=steps, core_mesh=layout.role_to_mesh()[Role.CORE][0],
+                     warm_thread=warm, evaluator=evaluator)
 
-    # State: the last checkpoint (with the data position and the buffer), or a fresh model.
-    ckpt = Checkpointer(CheckpointConfig(directory=os.path.join(workdir, "checkpoints"), max_to_keep=2,
+
+def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
+    """The last checkpoint (state, data position, buffered rollouts), or a fresh model warm-started by SFT."""
+    ckpt = Checkpointer(CheckpointConfig(directory=os.path.join(base.workdir, "checkpoints"), max_to_keep=2,
                                          save_interval_steps=cfg.checkpoint_every or cfg.steps,
-                                         this_process_only=multi))  # pods: the core alone owns and saves the state
-    s = cfg.scheduler
+                                         this_process_only=base.multi))  # pods: the core alone owns and saves
+    spec, mesh = place.steps.spec, place.core_mesh
     stream = RowStream(cfg.train.row_len)
     iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
-    restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(core_mesh)),
+    restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
                                    data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
     sft_history: list[dict] = []
+    ready: list[ResumedGroup] = []
     short: list[ResumedGroup] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step
-        pending = resume_store(store, restored)
-        ready, short = resume_plan(store, RUN_ID, s.group_size, steps_done, pending)
-        damaged = store.damaged_rollouts()
-        if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
-            log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
-                        {r: d.reason for r, d in list(damaged.items())[:10]})
-        ref_params = reference_lib.restore_reference(cfg, workdir, steps, core_mesh)
-        print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
-              f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
-              f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
+        ready, short = _resume_groups(cfg, base.store, restored)
+        ref_params = reference_lib.restore_reference(cfg, base.workdir, place.steps, mesh)
     else:
-        params, sft_history = fresh_params(cfg, tok, core_mesh)
-        ref_params = reference_lib.keep_reference(cfg, workdir, params, steps, core_mesh)  # KL's target
-        state = spec.state_from_params(params, core_mesh)
-        steps_done, ready = 0, []
+        params, sft_history = fresh_params(cfg, base.tok, mesh)
+        ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
+        state, steps_done = spec.state_from_params(params, mesh), 0
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
-    trainer = cells_lib.ElasticTrainer(steps, layout.core, state)
+    trainer = cells_lib.ElasticTrainer(place.steps, place.layout.core, state)
     if trainer.version != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} != policy version {trainer.version}")
-    if isinstance(evaluator, BackgroundEval):  # eval.jsonl keeps the lineage's versions; none is evaluated twice
-        evaluator.start(resume_step=steps_done if restored is not None else None)
+    if isinstance(place.evaluator, BackgroundEval):  # eval.jsonl keeps the lineage's versions; none evaluated twice
+        place.evaluator.start(resume_step=steps_done if restored is not None else None)
     if steps_done >= cfg.steps:
         print(f"rl: already at step {steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
+    return Restored(ckpt=ckpt, stream=stream, iterator=iterator, trainer=trainer, steps_done=steps_done,
+                    ready=tuple(ready), short=tuple(short), ref_params=ref_params, sft_history=tuple(sft_history),
+                    resumed=restored is not None)
 
-    # Engines on the cells that may serve, behind the router and the recording proxy.
+
+def _resume_groups(cfg: RLConfig, store: TrajectoryStore, restored):
+    """A resumed run's (ready, short) groups: the buffered ones to train, the ones a stop cut short."""
+    steps_done = restored.step
+    pending = resume_store(store, restored)
+    ready, short = resume_plan(store, RUN_ID, cfg.scheduler.group_size, steps_done, pending)
+    damaged = store.damaged_rollouts()
+    if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
+        log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
+                    {r: d.reason for r, d in list(damaged.items())[:10]})
+    print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
+          f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
+          f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
+    return ready, short
+
+
+def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restored,
+                  make_backend: BackendFactory) -> Serving:
+    """An engine on every cell that may serve (born holding the starting policy), the router and the
+    recording proxy on their server thread, every engine warmed up."""
     faults = faults_lib.RLFaults(cfg.faults) if cfg.faults.any else None
     chaos = faults_lib.Chaos(cfg.faults) if cfg.faults.chaos else None
-    serving = _serving_cells(s.mode, n_cells, s.async_train_cells)
+    s = cfg.scheduler
+    serving = _serving_cells(s.mode, base.n_cells, s.async_train_cells)
     names = {c: f"cell{c}" for c in serving}
-    params0 = trainer.state.params
+    params0, version = restored.trainer.state.params, restored.steps_done
     sats, remote_backends = None, {}
-    if multi:  # the satellite processes' cells: training handles, and engines built on the starting policy
+    if base.multi:  # the satellite processes' cells: training handles, and engines built on the starting policy
         from gyre_jax.pods.rl_job import Satellites
 
-        sats = Satellites(steps, core_mesh)
-        remote_backends = sats.start_engines(params0, steps_done)
+        sats = Satellites(place.steps, place.core_mesh)
+        remote_backends = sats.start_engines(params0, version)
+    sock = _socket_path(base.workdir, "proxy.sock")
 
     async def build_proxy():
         backends = []
         for c in serving:
-            b = remote_backends[c] if c in remote_backends else make_backend(cfg, layout.cells[c], params0, steps_done,
-                                                                             names[c], tok)
+            b = remote_backends[c] if c in remote_backends else make_backend(cfg, place.layout.cells[c], params0,
+                                                                             version, names[c], base.tok)
             backends.append(faults.wrap(b) if faults is not None else b)
         # Only keys the launcher issues (one per rollout, revoked at its end) or the run's own token are
         # credentials; any model name is this policy; a harness asking more tokens than the cap gets the cap.
-        return Proxy(Router(backends, wait_for_cell_s=600.0), tok, store,
+        return Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
                      ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
                                  auth_token=secrets.token_hex(16), unix_path=sock))
 
-    sock = _socket_path(workdir, "proxy.sock")
     server = ServerThread(build_proxy)
     url = server.start()
     backends = {c: server.proxy.router.cells[names[c]] for c in serving}
-    _warm_engines(cfg, server, backends, tok)
-
-    # Adapters behind the scheduler's Protocols, and the controller.
-    clock = RealClock()
-    timeline = Timeline(clock, roles)
-    wake = threading.Event()
-    proxy_ad = ProxyAdapter(server, names, [c for c in serving if roles[c] == ROLLOUT])
+    _warm_engines(cfg, server, backends, base.tok)
+    spec = place.steps.spec
     publisher = cells_lib.WeightPublisher(spec.logical_params, spec.abstract_params)
     for c in serving:  # the engines were born holding version steps_done
         if c not in remote_backends:
-            publisher.publish(params0, steps_done, layout.cells[c], Role.ROLLOUT)
+            publisher.publish(params0, version, place.layout.cells[c], Role.ROLLOUT)
     publisher.history.clear()
-    pool = CellPoolAdapter(layout=layout, roles=roles, backends=backends, proxy=proxy_ad, timeline=timeline,
-                           notify=wake.set, publisher=publisher, published=(steps_done, params0),
-                           slots=cfg.cells.max_slots, retries=cfg.cells.switch_retries, chaos=chaos,
-                           remote={c: (sats.remotes[c], b) for c, b in remote_backends.items()})
-    for c, b in remote_backends.items():  # a satellite that stops answering calls is taken out (its calls retried)
+    return Serving(server=server, url=url, sock=sock, names=names, backends=backends, remote_backends=remote_backends,
+                   satellites=sats, publisher=publisher, faults=faults, chaos=chaos)
+
+
+def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restored, serving: Serving) -> Components:
+    """The adapters behind the scheduler's Protocols and the controller over them, in the order that lets each
+    take the ones it calls: the role table, the trainer, the cell pool (asks the trainer), the launcher
+    (hands finished groups to the trainer), the controller. Nothing is started here but the harness loop."""
+    s, steps_done = cfg.scheduler, restored.steps_done
+    clock, wake = RealClock(), threading.Event()
+    timeline = Timeline(clock, list(place.roles))
+    table = RoleTable(place.roles, timeline, wake.set)
+    proxy_ad = ProxyAdapter(serving.server, dict(serving.names), [c for c in serving.names if place.roles[c] == ROLLOUT])
+    trainer_ad = _trainer_adapter(cfg, base, place, restored, serving, table, wake)
+    remote = {c: (serving.satellites.remotes[c], b) for c, b in serving.remote_backends.items()}
+    pool = CellPoolAdapter(layout=place.layout, roles=table, trainer=trainer_ad, backends=dict(serving.backends),
+                           proxy=proxy_ad, notify=wake.set, publisher=serving.publisher,
+                           published=(steps_done, restored.trainer.state.params), slots=cfg.cells.max_slots,
+                           retries=cfg.cells.switch_retries, chaos=serving.chaos, remote=remote)
+    for c, b in serving.remote_backends.items():  # a satellite that stops answering calls is taken out (retried)
         b.on_unreachable = functools.partial(_take_out_later, pool, c)
-    records: list[dict] = []
-    c_box: dict = {}
-
-    def on_step(info: dict) -> None:  # trainer thread: latest_params() is exactly this step's version here
-        if evaluator is not None and _eval_due(cfg, info["version"]):
-            info["eval_params"] = c_box["trainer"].latest_params()
-        records.append(info)
-        wake.set()
-
-    def after_update(version: int) -> None:
-        if ckpt.should_save(version) or version >= cfg.steps:
-            save_checkpoint(ckpt, c_box["trainer"], store, s.mode, version, force=version >= cfg.steps)
-        if cfg.hf_export and version >= cfg.steps:
-            export_hf(cfg, c_box["trainer"].trainer.state.params, workdir, version)
-
-    scorer = reference_lib.make_scorer(cfg, steps, core_mesh, ref_params)  # the objective's per-step pass
-    print(reference_lib.describe(cfg, scorer, params0), flush=True)
-    pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
-    trainer_ad = TrainerAdapter(
-        trainer=trainer, store=store, processor_config=cfg.processor_config(), groups_per_step=s.groups_per_step,
-        group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
-        cells=[sats.remotes[c] if sats is not None and c in sats.remotes else cell for c, cell in enumerate(layout.cells)],
-        cell_roles=pool.roles, notify=wake.set, on_step=on_step, work_s_per_row=cfg.train.work_s_per_row,
-        stream=stream, data_iterator=iterator, stream_groups=cfg.stream_groups, steps_done=steps_done, ready=ready,
-        after_update=after_update, on_step_started=pause, on_failed_cell=pool.training_failed,
-        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget())
-    c_box["trainer"] = trainer_ad
-    pool.trainer = trainer_ad
     harness_loop = LoopThread()
+    store = base.store
     existing = [group_number(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"(g\d+)-", r))]
-    launcher = Launcher(loop=harness_loop, harness_config=cfg.harness_config(url + "/v1", RUN_ID), store=store,
-                        harness=cfg.harness.make(sock), keys=server.proxy,
-                        run_id=RUN_ID, task_fn=cfg.group_task, group_size=s.group_size,
-                        workspace_root=os.path.join(workdir, "workspaces"),
-                        on_group=trainer_ad.add_group,
-                        work_s=lambda tokens: trainer_ad.work_s_per_row * max(1.0, tokens / cfg.train.row_len),
+    launcher = Launcher(loop=harness_loop, harness_config=cfg.harness_config(serving.url + "/v1", RUN_ID), store=store,
+                        harness=cfg.harness.make(serving.sock), keys=serving.server.proxy, run_id=RUN_ID,
+                        task_fn=cfg.group_task, group_size=s.group_size,
+                        workspace_root=os.path.join(base.workdir, "workspaces"), on_group=trainer_ad.add_group,
+                        work_s=functools.partial(trainer_ad.work_s, row_len=cfg.train.row_len),
                         next_group=max(existing, default=-1) + 1,
-                        launched=steps_done * s.groups_per_step + len(ready), faults=faults)
-    launcher.on_error = wake.set
-    launcher.resume(short)
-    controller = Controller(pc, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad, clock=clock)
+                        launched=steps_done * s.groups_per_step + len(restored.ready), faults=serving.faults,
+                        on_error=wake.set)
+    launcher.resume(list(restored.short))
+    controller = Controller(place.policy, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad,
+                            clock=clock)
     wandb = (WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
              if cfg.metrics.wandb != "off" else None)  # the whole config copied only for a run that shows it
-    metrics = MetricsWriter(workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B
-    setup_s = time.perf_counter() - t_start
+    metrics = MetricsWriter(base.workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B
+    return Components(cfg=cfg, workdir=base.workdir, layout=place.layout, trainer=trainer_ad, pool=pool,
+                      proxy=proxy_ad, launcher=launcher, controller=controller, server=serving.server,
+                      harness_loop=harness_loop, store=store, ckpt=restored.ckpt, metrics=metrics,
+                      evaluator=place.evaluator, timeline=timeline, clock=clock, wake=wake,
+                      start=Start(steps_done, restored.sft_history, 0.0), faults=serving.faults, chaos=serving.chaos,
+                      warm_thread=place.warm_thread, satellites=serving.satellites)
+
+
+def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Restored, serving: Serving,
+                     table: RoleTable, wake: threading.Event) -> TrainerAdapter:
+    """The trainer behind the scheduler's Protocol: finished groups -> rows -> elastic steps, a checkpoint after
+    each update that is due one (and the HF export after the last)."""
+    s, workdir, store = cfg.scheduler, base.workdir, base.store
+    ckpt, sats = restored.ckpt, serving.satellites
+
+    def after_update(version: int, snap: TrainerSnapshot) -> None:  # the trainer thread, between steps
+        if ckpt.should_save(version) or version >= cfg.steps:
+            save_checkpoint(ckpt, snap, store, s.mode, version, force=version >= cfg.steps)
+        if cfg.hf_export and version >= cfg.steps:
+            export_hf(cfg, snap.state.params, workdir, version)
+
+    scorer = reference_lib.make_scorer(cfg, place.steps, place.core_mesh, restored.ref_params)  # the per-step pass
+    print(reference_lib.describe(cfg, scorer, restored.trainer.state.params), flush=True)
+    pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
+    chaos = serving.chaos
+    cells = [sats.remotes[c] if sats is not None and c in sats.remotes else cell
+             for c, cell in enumerate(place.layout.cells)]
+    return TrainerAdapter(
+        trainer=restored.trainer, store=store, processor_config=cfg.processor_config(),
+        groups_per_step=s.groups_per_step, group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
+        cells=cells, cell_roles=table.all, notify=wake.set, work_s_per_row=cfg.train.work_s_per_row,
+        stream=restored.stream, data_iterator=restored.iterator, stream_groups=cfg.stream_groups,
+        steps_done=restored.steps_done, ready=restored.ready, after_update=after_update, on_step_started=pause,
+        restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
+        | {r for g in restored.short for r in g.finished},
+        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
+        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget())
+
+
+def _describe(cfg: RLConfig, base: Base, place: Placement, serving: Serving, restored: Restored,
+              setup_s: float) -> None:
+    s = cfg.scheduler
     how = (f" (multi-step, k={s.updates_per_publication})" if s.multi_step else
            " (groups train as they finish)" if cfg.stream_groups else
            f" (whole batches: advantage={cfg.train.advantage} normalises over the step)" if s.stream_groups else
            " (whole batches)")
     print(f"rl: mode={s.mode}{how} "
-          f"cells={n_cells}x{cfg.cells.cell_size} devices, roles={''.join(r[0] for r in roles)}, "
-          f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {url}, "
-          f"setup {setup_s:.1f}s (SFT {len(sft_history)} steps), workdir {workdir}", flush=True)
-    return Components(cfg=cfg, workdir=workdir, layout=layout, trainer=trainer_ad, pool=pool, proxy=proxy_ad,
-                      launcher=launcher, controller=controller, server=server, harness_loop=harness_loop, store=store,
-                      ckpt=ckpt, metrics=metrics, evaluator=evaluator, timeline=timeline, clock=clock, wake=wake,
-                      start=Start(steps_done, sft_history, setup_s),
-                      faults=faults, chaos=chaos, records=records, warm_thread=warm, satellites=sats)
+          f"cells={base.n_cells}x{cfg.cells.cell_size} devices, roles={''.join(r[0] for r in place.roles)}, "
+          f"{cfg.steps} steps x {s.groups_per_step} groups x {s.group_size} rollouts, proxy {serving.url}, "
+          f"setup {setup_s:.1f}s (SFT {len(restored.sft_history)} steps), workdir {base.workdir}", flush=True)
 
 
 def _socket_path(workdir: str, name: str) -> str:
@@ -491,11 +605,6 @@ def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_bac
     return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
 
 
-def _eval_due(cfg: RLConfig, version: int) -> bool:
-    e = cfg.eval.every
-    return bool(e) and (version % e == 0 or version >= cfg.steps)
-
-
 def check_checkpoint(restored, iterator) -> None:
     """A checkpoint's label is its state's policy version and its data position's step (ValueError if not)."""
     version = int(jax.device_get(restored.train_state.policy_version))
@@ -505,16 +614,14 @@ def check_checkpoint(restored, iterator) -> None:
         raise ValueError(f"checkpoint step {restored.step} holds data position {iterator.get_state()}")
 
 
-def save_checkpoint(ckpt: Checkpointer, trainer: TrainerAdapter, store, mode: str, version: int, *,
+def save_checkpoint(ckpt: Checkpointer, snap: TrainerSnapshot, store, mode: str, version: int, *,
                     force: bool) -> None:
     """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint.
 
     Its label ``version`` must be the state's own policy version (a checkpoint whose label lies
     cannot be resumed: the loop refuses it at load)."""
-    state_version = int(jax.device_get(trainer.trainer.state.policy_version))
+    state_version = int(jax.device_get(snap.state.policy_version))
     if state_version != version:
         raise RuntimeError(f"save_checkpoint: label {version} but the state is at policy version {state_version}")
-    ckpt.save(version, train_state=trainer.trainer.state, store_cursor=store.cursor_state(),
-              buffer=trainer.buffered_rollouts(), data_iterator=trainer.it, meta={"mode": mode}, force=force)
-
-
+    ckpt.save(version, train_state=snap.state, store_cursor=store.cursor_state(),
+              buffer=list(snap.buffered_rollouts), data_iterator=snap.data_iterator, meta={"mode": mode}, force=force)

@@ -28,7 +28,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from gyre_jax.cells.mesh import CellLayout, Role
 from gyre_jax.cells.publish import MoveStats, WeightPublisher
@@ -83,22 +83,56 @@ class ProxyAdapter:
         return 0  # the router keeps no queue we can count without waiting on it; calls wait for a cell
 
 
+class RoleTable:
+    """Each cell's role, shared: the pool writes it (a switch's thread), the trainer and the loop read it.
+
+    Built before either of them, so neither needs the other to exist to know the roles."""
+
+    def __init__(self, roles: Sequence[str], timeline, notify: Callable[[], None]):
+        self.timeline, self.notify = timeline, notify
+        self._roles = list(roles)
+        self._lock = threading.Lock()
+
+    def get(self, cell: int) -> str:
+        with self._lock:
+            return self._roles[cell]
+
+    def all(self) -> list[str]:
+        with self._lock:
+            return list(self._roles)
+
+    def set(self, cell: int, role: str) -> None:
+        with self._lock:
+            self._roles[cell] = role
+        self.timeline.set(cell, role)
+        self.notify()
+
+
+class TrainerLink(Protocol):
+    """What the pool asks of the trainer (``rl.trainer.TrainerAdapter``): built first, passed in."""
+
+    def on_train_cell(self, cell: int) -> None: ...
+    def leave_step(self, cell: int): ...
+    def wait_cell_free(self, cell: int) -> None: ...
+    def latest_params(self) -> tuple[int, Any]: ...
+
+
 class CellPoolAdapter:
     """Cells, roles, switches and weight publication (``scheduler.interfaces.CellPool``)."""
 
-    def __init__(self, *, layout: CellLayout, roles: Sequence[str], backends: dict[int, Any], proxy: ProxyAdapter,
-                 timeline, notify: Callable[[], None], publisher: WeightPublisher, published: tuple[int, Any],
-                 slots: int, retries: int, chaos=None, remote: dict[int, Any] | None = None):
-        self.cells, self.backends, self.proxy, self.timeline, self.notify = layout.cells, backends, proxy, timeline, notify
+    def __init__(self, *, layout: CellLayout, roles: RoleTable, trainer: TrainerLink, backends: dict[int, Any],
+                 proxy: ProxyAdapter, notify: Callable[[], None], publisher: WeightPublisher,
+                 published: tuple[int, Any], slots: int, retries: int, chaos=None, remote: dict[int, Any] | None = None):
+        self.cells, self.backends, self.proxy, self.notify = layout.cells, backends, proxy, notify
         self.publisher, self.retries, self.chaos = publisher, retries, chaos
-        self._roles = list(roles)
+        self.trainer = trainer
+        self._roles = roles
         self._slots = slots
         self._published = published  # (version, params): what serving cells load
         self._publishing = False
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="switch")
         self._load_lock = threading.RLock()  # held across a whole publication: a cell never loads a version being replaced
         self._lock = threading.Lock()
-        self.trainer = None  # TrainerAdapter, set by the loop (they refer to each other)
         self.errors: list[BaseException] = []  # failures the run cannot survive (the core's)
         self.failures: list[tuple[int, str, str]] = []  # (cell, what, error) of every failed attempt
         self.out: dict[int, str] = {}  # cell -> why it was taken out of service
@@ -117,19 +151,16 @@ class CellPoolAdapter:
         return 0
 
     def role(self, cell: int) -> str:
-        return self._roles[cell]
+        return self._roles.get(cell)
 
     def roles(self) -> list[str]:
-        return list(self._roles)
+        return self._roles.all()
 
     def slots(self, cell: int) -> int:
         return self._slots
 
     def _set(self, cell: int, role: str) -> None:
-        with self._lock:
-            self._roles[cell] = role
-        self.timeline.set(cell, role)
-        self.notify()
+        self._roles.set(cell, role)
 
     def _retried(self, what: str, cell: int, attempt: Callable[[], None], *, chaos: bool) -> None:
         """``attempt()``, retried; out of service (or a run error, for the core) if it keeps failing.
@@ -180,8 +211,7 @@ class CellPoolAdapter:
                 self.proxy.drain(cell)
             except Exception:  # noqa: BLE001 - the server may be stopping; the cell gets no work anyway
                 log.exception("cell %d: drain while taking it out failed", cell)
-        if self.trainer is not None:
-            self.trainer.leave_step(cell)
+        self.trainer.leave_step(cell)
         self._set(cell, OUT)
         if all(c in self.out for c in self.backends):
             self.errors.append(RuntimeError(f"no cell left to serve rollouts: {self.out}"))
@@ -244,7 +274,7 @@ class CellPoolAdapter:
                 return
             with self._load_lock:  # a cell turning to rollout meanwhile loads after us, the new version
                 for c in self.backends:
-                    if self._roles[c] in SERVING_ROLES:
+                    if self._roles.get(c) in SERVING_ROLES:
                         self._retried(f"publish of version {have}", c,
                                       functools.partial(self._load, c, have, params), chaos=False)
                 self._published = (have, params)

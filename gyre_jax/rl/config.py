@@ -30,7 +30,7 @@ def section(cls, **overrides) -> dict:
     names = {f.name for f in dataclasses.fields(cls)}
     bad = sorted(set(overrides) - names)
     if bad:
-        raise ConfigError(f"config.{cls._SECTION}: unknown field(s) {bad}; known: {sorted(names)}")
+        raise unknown_fields(cls.SECTION, bad, names)
     out = {}
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
@@ -41,19 +41,33 @@ def section(cls, **overrides) -> dict:
     return {k: dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
 
+def unknown_fields(where: str, unknown, known) -> ConfigError:
+    """The error for fields a section does not have, each with its nearest known field when one is close
+    (``config.scheduler: unknown field(s) ['modee'] (did you mean 'mode'?)``)."""
+    import difflib
+
+    known = sorted(known)
+    hints = [f"{u!r} -> {m[0]!r}" for u in unknown if (m := difflib.get_close_matches(u, known, n=1, cutoff=0.6))]
+    if len(unknown) == 1 and hints:
+        near = f" (did you mean {hints[0].split(' -> ')[1]}?)"
+    else:
+        near = f" (did you mean: {', '.join(hints)})" if hints else ""
+    return ConfigError(f"config{'.' + where if where else ''}: unknown field(s) {sorted(unknown)}{near}; known: {known}")
+
+
 def _positive(obj, names, *, allow_zero=False):
     for n in names:
         v = getattr(obj, n)
         ok = v >= 0 if allow_zero else v > 0
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok:
-            raise ConfigError(f"config.{obj._SECTION}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+            raise ConfigError(f"config.{obj.SECTION}.{n} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
 def _ints(obj, names):
     for n in names:
         v = getattr(obj, n)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"config.{obj._SECTION}.{n} must be an int, got {v!r}")
+            raise ConfigError(f"config.{obj.SECTION}.{n} must be an int, got {v!r}")
 
 
 def _built(section: str, build, renames: Mapping[str, str] | None = None):
@@ -77,13 +91,13 @@ def _built(section: str, build, renames: Mapping[str, str] | None = None):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CellsConfig:
-    _SECTION: ClassVar[str] = "cells"
+    SECTION: ClassVar[str] = "cells"
     cell_size: int = 2  # devices per cell (8 CPU devices -> 4 cells)
     train_tensor: int = 1
     serve_tensor: int = 1  # 1: slots split over the cell's devices ('data'), weights replicated
-    max_slots: int = 8  # concurrent decode slots per engine (one engine per cell)
-    max_len: int = 256  # KV-cache length per slot (prompt + generated)
-    tokens_per_call: int = 1  # decode steps per engine generate call (GyreEngine: amortizes host work)
+    max_slots: int = 16  # concurrent decode slots per engine (one engine per cell)
+    max_len: int = 160  # KV-cache length per slot (prompt + generated)
+    tokens_per_call: int = 8  # decode steps per engine generate call (GyreEngine: amortizes host work)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
 
     def __post_init__(self):
@@ -98,10 +112,10 @@ class CellsConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    _SECTION: ClassVar[str] = "scheduler"
+    SECTION: ClassVar[str] = "scheduler"
     mode: str = ELASTIC  # one of MODES (the scheduler's policy modes)
-    groups_per_step: int = 2  # G: groups trained per optimizer step
-    group_size: int = 4  # rollouts per group (advantage baseline)
+    groups_per_step: int = 8  # G: groups trained per optimizer step
+    group_size: int = 8  # rollouts per group (advantage baseline)
     staleness_bound: int = 1  # S: admission bound, in optimizer updates
     # k: optimizer updates per weight publication. 1 = one-step mode (one update per
     # publication; the streaming modes train each group as it is taken, the batch modes
@@ -137,11 +151,11 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    _SECTION: ClassVar[str] = "task"
+    SECTION: ClassVar[str] = "task"
     family: str = "tiny"  # gyre_jax.agents.tasks family
-    ops: str = "copy,upper,reverse"  # tiny family: comma-separated ops
+    ops: str = "copy"  # tiny family: comma-separated ops (e.g. "copy,upper,reverse")
     min_len: int = 3
-    max_len: int = 4
+    max_len: int = 3
     run_tests_scale: float = 1.0  # tiny_tests, tiny_agent: x each task's test-suite seconds (1-30 s at 1)
     # tiny_agent: the fraction of the warm start's demonstrations that test their answer (RL's headroom)
     demo_test_fraction: float = 0.3
@@ -186,16 +200,16 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HarnessKnobs:
-    _SECTION: ClassVar[str] = "harness"
-    max_tokens: int = 96  # per model call
+    SECTION: ClassVar[str] = "harness"
+    max_tokens: int = 88  # per model call
     temperature: float = 1.0
-    max_turns: int = 2  # model calls per agent
+    max_turns: int = 1  # model calls per agent
     deadline_s: float = 60.0  # per rollout
     request_timeout_s: float = 60.0
     max_retries: int = 2
     backoff_base_s: float = 0.05
     grader_timeout_s: float = 30.0
-    system_prompt: str = ""  # overrides the task's system prompt when non-empty (shorter contexts)
+    system_prompt: str = "Write the answer to answer.txt."  # replaces the task's when non-empty (shorter contexts)
     # Compaction and sub-agents (gyre_jax.agents.agent). context_budget_tokens: the next prompt's
     # estimated tokens above which the agent compacts (0 = the engine's max_len); "" = the defaults.
     context_budget_tokens: int = 0
@@ -257,10 +271,10 @@ class TrainConfig:
     option the chosen entry does not take is a config error naming it.
     """
 
-    _SECTION: ClassVar[str] = "train"
-    row_len: int = 256  # packed row length L
+    SECTION: ClassVar[str] = "train"
+    row_len: int = 160  # packed row length L
     micro_batch_rows: int = 2  # rows per micro-batch (one compiled shape)
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -348,10 +362,10 @@ NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.no
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    _SECTION: ClassVar[str] = "sft"
-    steps: int = 300  # supervised steps on scripted demonstrations (0: no warm start)
-    rows: int = 4  # packed rows per step
-    learning_rate: float = 3e-3
+    SECTION: ClassVar[str] = "sft"
+    steps: int = 600  # supervised steps on scripted demonstrations (0: no warm start)
+    rows: int = 6  # packed rows per step
+    learning_rate: float = 1e-3
     demos: int = 512  # distinct demonstration tasks (cycled)
     # Fraction of demonstrations that are deliberately bad (a wrong answer, or giving up;
     # 'tiny' family only, see gyre_jax.rl.sft.noisy_tasks). 0 = clean.
@@ -385,9 +399,9 @@ class EvalConfig:
     dedicated engine; mean score, pass@1, pass@k. kind=first_call (gyre_jax.rl.evaluate): a fast
     extra for one-call families: the built-in agent's FIRST model call only, in-process."""
 
-    _SECTION: ClassVar[str] = "eval"
-    every: int = 0  # evaluate after every k-th step (and before the first, after the last); 0 = off
-    kind: str = "episodes"  # episodes | first_call
+    SECTION: ClassVar[str] = "eval"
+    every: int = 10  # evaluate after every k-th step (and before the first, after the last); 0 = off
+    kind: str = "first_call"  # episodes | first_call
     tasks: int = 32  # held-out tasks (a family's seeds 2**29 + s; a task file's split=eval lines)
     samples_per_task: int = 8  # k of pass@k
     temperature: float = 1.0  # 0 = greedy; default = the harness's rollout temperature
@@ -407,7 +421,7 @@ class EvalConfig:
 class MetricsConfig:
     """Where per-step metrics go besides metrics.jsonl and TensorBoard (gyre_jax.rl.metrics)."""
 
-    _SECTION: ClassVar[str] = "metrics"
+    SECTION: ClassVar[str] = "metrics"
     wandb: str = "off"  # off | offline (files under <workdir>/<mode>/wandb; `wandb sync` them later) | online
     wandb_project: str = "gyre_jax"
 
@@ -424,7 +438,7 @@ class MetricsConfig:
 class FaultConfig:
     """Injected faults (gyre_jax.rl.faults); 0 = off. Every k-th rollout launched (1-based) gets it."""
 
-    _SECTION: ClassVar[str] = "faults"
+    SECTION: ClassVar[str] = "faults"
     grader_crash_every: int = 0  # its grader raises -> verifier_error
     timeout_every: int = 0  # its calls stall past the deadline -> timeout, graded for partial credit
     engine_error_every: int = 0  # its first model call fails in the engine -> 500, the harness retries
@@ -463,12 +477,12 @@ class FaultConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLConfig:
-    _SECTION: ClassVar[str] = "config"
+    SECTION: ClassVar[str] = "config"
     seed: int = 0
-    steps: int = 20  # optimizer steps (N)
+    steps: int = 60  # optimizer steps (N)
     num_cpu_devices: int = 8  # host devices when running on CPU (set before JAX starts)
-    first_last: int = 5  # steps averaged for the "reward first vs last" line
-    checkpoint_every: int = 0  # save every k steps (0 = only at the end)
+    first_last: int = 10  # steps averaged for the "reward first vs last" line
+    checkpoint_every: int = 10  # save every k steps (0 = only at the end)
     progress: bool = True  # a bar on a terminal, one line per step otherwise
     progress_every_s: float = 60.0  # off a terminal: a line at least this often while a step runs
     model: ModelConfig
@@ -683,7 +697,7 @@ class RLConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"config: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise unknown_fields("", unknown, known)
         if "model" not in d:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
@@ -742,5 +756,5 @@ def _build(klass, value: Mapping[str, Any], where: str):
     names = {f.name for f in dataclasses.fields(klass)}
     unknown = sorted(set(value) - names)
     if unknown:
-        raise ConfigError(f"config.{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+        raise unknown_fields(where, unknown, names)
     return _built(where, lambda: klass(**dict(value)))

@@ -48,7 +48,6 @@ class Group:
     version: int  # published policy version when it was admitted (the oldest, for a resumed group)
     rollout_ids: list[str]  # every rollout with an outcome, failures included
     work_s: float  # estimated training cell-seconds
-    earliest: int = 0  # first step that may train it (a resumed group's newest tokens; policy.ReadyGroup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +56,27 @@ class ResumedGroup:
 
     group_id: str
     number: int  # g in the group id (the task seed)
-    version: int  # oldest policy version of the tokens it will train: the staleness bound counts from it
+    version: int  # oldest policy version of the tokens it will train (lineage_version): the bound counts from it
     finished: tuple[str, ...]  # rollout ids with an outcome (kept)
     rerun: tuple[str, ...]  # new rollout ids for the missing slots
     abandoned: tuple[str, ...]  # attempts that were in flight at the kill (infra_error outcomes now)
-    earliest: int = 0  # newest version of those tokens: no step before it may train the group
 
 
 def _abandoned(store, rid: str) -> bool:
     o = store.outcome(rid)
     return o.status == STATUS_INFRA_ERROR and str(o.details.get("error", "")).startswith(ABANDONED)
+
+
+def lineage_version(version: int, restored_step: int) -> int:
+    """The version a resumed token counts as: one sampled after the restored checkpoint (by a policy the
+    stop lost) counts as sampled by the restored policy, the newest this lineage has."""
+    return min(version, restored_step)
+
+
+def lineage_calls(calls, restored_step: int) -> list:
+    """A restored rollout's call records with their versions as ``lineage_version`` counts them."""
+    return [c if c.policy_version <= restored_step else dataclasses.replace(c, policy_version=restored_step)
+            for c in calls]
 
 
 def group_number(group_id: str) -> int:
@@ -109,19 +119,19 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
         # pending too (an outcome, not yet dropped), but it does not fill its slot: counting it let a group
         # stopped again before its re-runs finished train short (a second kill inside one interval).
         done_slots = {k for k, ids in by_slot.items() if any(r in pending_set and not _abandoned(store, r) for r in ids)}
-        # Two dates: the oldest policy that sampled a token it will train (the staleness bound counts from
-        # it, so the policy trains it within the bound where it can) and the newest (its earliest step: a
-        # stop can rewind the trainer below tokens sampled after the restored checkpoint, and a step must
-        # never train tokens newer than its version). Re-run slots are sampled now, at steps_done. Dating by
-        # the oldest alone took such a group too early (every later resume failed with "sampled by policy
-        # version v, newer than the version being trained"); by the newest alone, its oldest tokens were
-        # trained up to 2x the bound late.
-        versions = [v for r in finished for v in store.outcome(r).policy_versions]
+        # Dated by the oldest policy that sampled a token it will train: the staleness bound counts from it,
+        # as for any group. Tokens sampled after the restored checkpoint came from the lost lineage's newer
+        # policies, which this lineage never has: they count as sampled by the restored one (the trainer
+        # re-dates them the same way, lineage_versions). Waiting for the trainer to reach their version
+        # numbers instead trained the group's oldest tokens up to 2x the bound late, or (a step that could
+        # take only such groups, with launches held back by the bound) stalled the run.
+        # (An abandoned attempt is consumed with its group, never trained: its tokens do not date it.)
+        versions = [lineage_version(v, steps_done) for r in finished if not _abandoned(store, r)
+                    for v in store.outcome(r).policy_versions]
         if len(done_slots) >= group_size:
-            complete.append(Group(gid, min(versions, default=steps_done), finished, 0.0,
-                                  earliest=max(versions, default=steps_done)))
+            complete.append(Group(gid, min(versions, default=steps_done), finished, 0.0))
             continue
-        oldest, newest = min(versions + [steps_done]), max(versions + [steps_done])
+        version = min(versions + [steps_done])  # re-run slots are sampled now, at steps_done
         abandoned = tuple(r for k in sorted(by_slot) for r in by_slot[k] if r in unfinished)
         rerun = []
         for k in range(group_size):
@@ -129,7 +139,7 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
                 continue
             attempts = [int(m.group(3) or 0) for r in by_slot.get(k, []) if (m := _ROLLOUT_ID.match(r))]
             rerun.append(f"{gid}-{k}.r{max(attempts, default=0) + 1}")
-        short.append(ResumedGroup(gid, group_number(gid), oldest, tuple(finished), tuple(rerun), abandoned, newest))
+        short.append(ResumedGroup(gid, group_number(gid), version, tuple(finished), tuple(rerun), abandoned))
     for rid in sorted(unfinished):  # every attempt the stop cut off gets its outcome now, once
         calls = store.calls(rid)
         store.append(infra_error_outcome(run_id, rid, calls[0].task_id, calls[0].group_id, calls,
@@ -144,7 +154,7 @@ class Launcher:
     def __init__(self, *, loop, harness_config, store, run_id: str, task_fn: Callable[[int], Any],
                  group_size: int, workspace_root: str, on_group: Callable[[Group], None],
                  work_s: Callable[[int], float], next_group: int = 0, launched: int = 0, faults=None,
-                 harness=None, keys=None):
+                 harness=None, keys=None, on_error: Callable[[], None] | None = None):
         """``harness``: what runs each rollout (gyre_jax.agents.harnesses; None: the built-in agent);
         ``keys``: who issues and revokes rollout keys (the proxy; None: the plain gyre:run:rollout form)."""
         self.loop, self.hc, self.store, self.run_id = loop, harness_config, store, run_id
@@ -164,7 +174,7 @@ class Launcher:
         self._session = None
         self._futures: list[concurrent.futures.Future] = []
         self.errors: list[BaseException] = []  # failures no group can survive (drive stops the run on them)
-        self.on_error: Callable[[], None] | None = None  # wakes the loop (set by build)
+        self.on_error = on_error  # wakes the loop
 
     # -- Protocol --
     def launch(self, n_groups: int, version: int) -> None:
@@ -183,18 +193,16 @@ class Launcher:
             log.info("resume: group %s had %d of %d rollouts; running %s", rg.group_id, len(rg.finished),
                      self.group_size, list(rg.rerun))
             # The cut-off attempts belong to the group too: consumed (dropped, infra_error) with it.
-            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished) + list(rg.abandoned),
-                        earliest=rg.earliest)
+            self._start(rg.group_id, rg.number, rg.version, reqs, finished=list(rg.finished) + list(rg.abandoned))
 
-    def _start(self, gid: str, number: int, version: int, reqs, finished: Sequence[str] = (),
-               earliest: int = 0) -> None:
+    def _start(self, gid: str, number: int, version: int, reqs, finished: Sequence[str] = ()) -> None:
         with self._lock:
             self._launched += 1
             self._running += len(reqs)
             self._groups_by_version[version] += 1
         if self.faults is not None:
             reqs = [self.faults.apply(r, self) for r in reqs]
-        fut = self.loop.submit(self._run_group(gid, version, reqs, list(finished), earliest))
+        fut = self.loop.submit(self._run_group(gid, version, reqs, list(finished)))
         fut.add_done_callback(self._group_done)
         self._futures.append(fut)
 
@@ -214,7 +222,7 @@ class Launcher:
             return self._rollouts_launched
 
     # -- the group coroutine (harness loop) --
-    async def _run_group(self, gid: str, version: int, reqs, finished: list[str], earliest: int = 0) -> None:
+    async def _run_group(self, gid: str, version: int, reqs, finished: list[str]) -> None:
         ids, tokens = list(finished), 0
         left = {r.rollout_id: r for r in reqs}
         try:
@@ -255,7 +263,7 @@ class Launcher:
                 return
         # Ready before it stops counting as running: the policy must never see the group in
         # neither place, or it fills a step with a newer group and this one trains a step late.
-        self.on_group(Group(gid, version, ids, self.work_s(tokens), earliest))
+        self.on_group(Group(gid, version, ids, self.work_s(tokens)))
         with self._lock:
             self._groups_by_version[version] -= 1
 

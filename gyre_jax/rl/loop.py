@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import time
 
 import jax
@@ -81,6 +82,46 @@ def _errors(c: Components) -> list[tuple[str, BaseException]]:
     return sorted(found, key=lambda we: not isinstance(we[1], StorageError))
 
 
+def _eval_due(cfg: RLConfig, version: int) -> bool:
+    e = cfg.eval.every
+    return bool(e) and (version % e == 0 or version >= cfg.steps)
+
+
+class _Records:
+    """The loop's side of the trainer's ``done`` queue: each ``StepDone`` becomes a metrics record."""
+
+    def __init__(self, c: Components, bar: Progress):
+        self.c, self.bar = c, bar
+        self.history: list = []  # StepRecords of this attempt, in step order
+        self.step_end_s: list[float] = []
+        self.recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher,
+                                     pool=c.pool, controller=c.controller)
+        # The starting policy's eval (version steps_done) goes into the first step record of
+        # this run as eval/*_start, so metrics.jsonl stays one line per step.
+        self.start_eval: dict = {}
+        if c.evaluator is not None:
+            self.start_eval = {k + "_start": v for k, v in _run_eval(c, *c.trainer.latest_params()).items()}
+
+    def take(self) -> None:
+        c = self.c
+        while True:
+            try:
+                done = c.trainer.done.get_nowait()
+            except queue.Empty:
+                return
+            for cell, err in done.report.failed_cells:  # its work went to the other cells; the pool decides
+                c.pool.training_failed(cell, f"training failed in step {done.step}: {err}")
+            rec = self.recorder.record(done)
+            if self.start_eval:
+                rec, self.start_eval = rec.with_values(self.start_eval), {}
+            if c.evaluator is not None and _eval_due(c.cfg, done.version):
+                rec = rec.with_values(_run_eval(c, done.version, done.params))
+            self.step_end_s.append(rec["time_s"])
+            c.metrics.write(rec.step, scalars(rec))
+            self.history.append(rec)
+            self.bar.step()
+
+
 def drive(c: Components) -> dict:
     """Run the controller until the last step is trained; the summary dict."""
     cfg, t0 = c.cfg, time.perf_counter()
@@ -91,50 +132,21 @@ def drive(c: Components) -> dict:
             with open(path) as f:
                 return json.load(f)
         return {"mode": cfg.scheduler.mode, "steps": 0}
-    history: list[dict] = []
-    step_end_s: list[float] = []
-    recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher, pool=c.pool,
-                            controller=c.controller)
-    # The starting policy's eval (version steps_done) goes into the first step record of
-    # this run as eval/*_start, so metrics.jsonl stays one line per step.
-    start_eval = {}
-    if c.evaluator is not None:
-        start_eval = {k + "_start": v for k, v in _run_eval(c, *c.trainer.latest_params()).items()}
     bar = Progress(total=cfg.steps, initial=c.start.steps_done, desc=f"rl[{cfg.scheduler.mode}]",
                    enabled=cfg.progress, every_s=cfg.progress_every_s)
+    records = _Records(c, bar)
     failure: BaseException | None = None
-
-    def take_records():
-        nonlocal start_eval
-        while c.records:
-            info = c.records.pop(0)
-            rec = recorder.record(info)
-            if start_eval:
-                rec.update(start_eval)
-                start_eval = {}
-            if "eval_params" in info:
-                rec.update(_run_eval(c, *info.pop("eval_params")))
-            step_end_s.append(rec["time_s"])
-            c.metrics.write(rec["step"], scalars(rec))
-            history.append(rec)
-            bar.step()
-
     try:
         while not c.controller.done():
-            errors = _errors(c)
-            if errors:
-                what, e = errors[0]
-                if isinstance(e, StorageError):
-                    raise e
-                raise RunFailed(f"{what}: {e!r}") from e
+            _raise_errors(c)
             c.controller.tick()
-            take_records()
+            records.take()
             roles = "".join(">" if r.startswith("to") else r[0] for r in c.pool.roles())
-            reward = f"reward={history[-1]['reward']:.3f} " if history else ""
+            reward = f"reward={records.history[-1]['reward']:.3f} " if records.history else ""
             bar.set_status(f"{reward}in_flight={c.launcher.running_rollouts()} roles={roles}")
             c.wake.wait(cfg.scheduler.poll_s)
             c.wake.clear()
-        take_records()  # the last step's
+        records.take()  # the last step's
         if getattr(c.evaluator, "background", False):  # the last version's episodes, then every result
             c.evals.extend(c.evaluator.finish())
     except BaseException as e:  # noqa: BLE001 - save what we can, then one clear line
@@ -147,20 +159,35 @@ def drive(c: Components) -> dict:
             _save_after_failure(c)
         c.close()
     if failure is not None:
-        if isinstance(failure, KeyboardInterrupt):
-            raise failure
-        if isinstance(failure, StorageError):  # its own exit code; the message names the path
-            raise StorageError(failure.path, failure.what, failure.__cause__ or failure) from failure
-        what = failure if isinstance(failure, RunFailed) else RunFailed(f"{type(failure).__name__}: {failure}")
-        raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {what}; the last checkpoint and the "
-                        f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
+        _reraise(c, failure)
     injected = {**(dict(c.faults.injected) if c.faults is not None else {}),
                 **(dict(c.chaos.injected) if c.chaos is not None else {})}
-    return run_summary(cfg=cfg, workdir=c.workdir, history=history, evals=c.evals, segments=segments,
-                       n_cells=len(c.layout.cells), step_end_s=step_end_s, wall_rl=wall_rl,
+    return run_summary(cfg=cfg, workdir=c.workdir, history=records.history, evals=c.evals, segments=segments,
+                       n_cells=len(c.layout.cells), step_end_s=records.step_end_s, wall_rl=wall_rl,
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
                        pool=c.pool, server=c.server, injected=injected, sft_history=c.start.sft_history,
                        earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done))
+
+
+def _raise_errors(c: Components) -> None:
+    """Raise the first failure of background work the run cannot survive, if any."""
+    errors = _errors(c)
+    if errors:
+        what, e = errors[0]
+        if isinstance(e, StorageError):
+            raise e
+        raise RunFailed(f"{what}: {e!r}") from e
+
+
+def _reraise(c: Components, failure: BaseException) -> None:
+    """The run's failure as one clear line (an interrupt as itself, a storage failure with its path)."""
+    if isinstance(failure, KeyboardInterrupt):
+        raise failure
+    if isinstance(failure, StorageError):  # its own exit code; the message names the path
+        raise StorageError(failure.path, failure.what, failure.__cause__ or failure) from failure
+    what = failure if isinstance(failure, RunFailed) else RunFailed(f"{type(failure).__name__}: {failure}")
+    raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {what}; the last checkpoint and the "
+                    f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
 
 
 def _save_after_failure(c: Components) -> None:
@@ -179,7 +206,7 @@ def _save_after_failure(c: Components) -> None:
             # A failed step may have read some of its rows: the saved position is the step's
             # start, whose rows the resumed run rebuilds from the buffered rollouts.
             c.trainer.it.set_state({"step": version, "row": 0})
-            save_checkpoint(c.ckpt, c.trainer, c.store, c.cfg.scheduler.mode, version, force=True)
+            save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True)
             print(f"rl: saved checkpoint step {version} after the failure", flush=True)
     except Exception:  # noqa: BLE001 - the failure is what the user needs to see
         log.exception("saving a checkpoint after the failure failed")

@@ -11,18 +11,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+from typing import Any, Mapping
 
 import numpy as np
 
 from gyre_jax.rl import summary as summary_lib
+from gyre_jax.rl.step_events import StepDone, StepTotals
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.vocab import ROLLOUT, TRAIN
 
 
-def scalars(rec: dict) -> dict:
-    """A step record as the metrics writer takes it: scalars and strings only."""
+def scalars(rec) -> dict:
+    """A step record (or its dict) as the metrics writer takes it: scalars and strings only."""
     out = {}
-    for k, v in rec.items():
+    for k, v in (rec.values.items() if isinstance(rec, StepRecord) else rec.items()):
         if k == "step" or v is None:
             continue
         if isinstance(v, (list, tuple)):
@@ -31,8 +34,90 @@ def scalars(rec: dict) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step's line of metrics.jsonl: its step and its named values (read-only).
+
+    Indexing reads a value (``rec["reward"]``; ``rec["step"]`` is the step), as a line read back
+    from metrics.jsonl is read, so a run's summary takes this run's records and earlier attempts'
+    lines alike."""
+
+    step: int
+    values: Mapping[str, Any]
+
+    def __post_init__(self):
+        object.__setattr__(self, "values", types.MappingProxyType(dict(self.values)))
+
+    def __getitem__(self, key: str):
+        return self.step if key == "step" else self.values[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key == "step" or key in self.values
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def with_values(self, extra: Mapping[str, Any]) -> "StepRecord":
+        return StepRecord(self.step, {**self.values, **extra})
+
+
+def _nan_or(scores: np.ndarray, fn) -> float:
+    return float(fn(scores)) if scores.size else float("nan")
+
+
+def reward_metrics(done: StepDone) -> dict:
+    """Reward and partial credit of the step's trained rollouts, and what failed by class."""
+    scores = np.asarray(done.scores, np.float64)
+    t = done.totals
+    return {"reward": _nan_or(scores, np.mean), "exact": _nan_or(scores, lambda s: (s == 1.0).mean()),
+            "partial_credit": _nan_or(scores, lambda s: ((s > 0) & (s < 1)).mean()),
+            "rollouts": done.rollouts, "trained_rollouts": t.trained_rollouts,
+            **{f"failures/{k}": v for k, v in t.failures.items()},
+            "staleness_mean": done.report.staleness_mean, "staleness_max": done.report.staleness_max,
+            "groups": list(done.groups), "group_versions": list(done.group_versions)}  # in the order taken
+
+
+def tree_metrics(t: StepTotals) -> dict:
+    """What the Jmax path budget cost (each unique trainable token once) and what the trees did:
+    branching, compactions, sub-agents, retries; dedup_factor is the tokens every selected path
+    would cost trained alone over the tokens packed."""
+    n = max(t.trained_rollouts, 1)
+    return {
+        "dedup_factor": t.dedup_factor, "trainable_tokens": t.trainable_unique,
+        "trainable_tokens_kept": t.trainable_selected, "trainable_tokens_dropped": t.trainable_dropped,
+        "paths": t.paths_total, "paths_kept": t.paths_selected, "rollouts_truncated": t.rollouts_truncated,
+        "max_dropped_fraction": t.max_dropped_fraction,
+        **{f"trees/{k}": getattr(t, k) for k in ("branching_rollouts", "branch_points", "compaction_calls",
+                                                  "subagent_calls", "retried_calls")},
+        "trees/paths_per_rollout": t.paths_total / n, "trees/branch_points_per_rollout": t.branch_points / n,
+        "trees/branching_rollout_fraction": t.branching_rollouts / n,
+        "trees/expanded_tokens": t.expanded_tokens, "trees/packed_tokens": t.packed_tokens,
+    }
+
+
+def train_metrics(done: StepDone) -> dict:
+    """The update: loss terms, the estimator's counts, the per-step pass (cells/score.py), DAPO's
+    dynamic sampling (groups dropped for no signal since the last record; each replaced), timing."""
+    rep = done.report
+    return {
+        "rows": done.rows, "micro_batches": done.micro_batches,
+        "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate, "grad_scale": rep.grad_scale,
+        **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
+        **{f"adv/{k}": v for k, v in done.totals.advantage_metrics.items()},
+        **{f"score/{k}": v for k, v in done.score.items()},
+        "dynamic_sampling/dropped_groups": done.dropped_groups,
+        "train_tokens_per_s": done.totals.packed_tokens / max(rep.seconds, 1e-9), "train_step_s": rep.seconds,
+        "train_busy_cell_s": float(sum(end - pulled for _, pulled, end in rep.timeline)),
+        "process_s": done.process_s, "cells_trained": list(done.cells_used),
+        # Streaming: rows came in one chunk per group, and only the last group's rows and the
+        # update were left once it was in; a whole step: one chunk, all its training after.
+        "row_chunks": done.row_chunks, "after_last_group_s": done.after_last_group_s,
+        "failed_cells": [c for c, _ in rep.failed_cells],
+    }
+
+
 class StepRecorder:
-    """Turns the trainer's per-step info into a flat record; remembers counters between steps."""
+    """Turns the trainer's ``StepDone`` into a ``StepRecord``; remembers counters between steps."""
 
     def __init__(self, *, clock, server, timeline, launcher, pool, controller=None):
         self.clock, self.server, self.timeline, self.launcher, self.pool = clock, server, timeline, launcher, pool
@@ -43,71 +128,37 @@ class StepRecorder:
         self._moves = len(pool.moves())
         self._failures = len(pool.failures)
 
-    def record(self, info: dict) -> dict:
+    def record(self, done: StepDone) -> StepRecord:
         now = self.clock.now()
-        rep, st = info["report"], info["stats"]
-        scores = np.asarray(info["scores"], np.float64)
+        values = {"version": done.version, "time_s": now, **reward_metrics(done), **tree_metrics(done.totals),
+                  **train_metrics(done), **self._cluster_view(now), **self._scheduler_view()}
+        self._t = now
+        return StepRecord(done.step, values)
+
+    def _cluster_view(self, now: float) -> dict:
+        """Generation, role switches and weight moves since the last record, and the cluster's counters."""
         counters = self.server.proxy.counters
         gen = int(counters.get("completion_tokens", 0))
-        sw = self.timeline.switches[self._switches:]
+        sw = self.timeline.switches_since(self._switches)
         moves = self.pool.moves()[self._moves:]
-        dt = max(now - self._t, 1e-9)
-        rec = {
-            "step": info["step"], "version": info["version"], "time_s": now,
-            "reward": float(scores.mean()) if scores.size else float("nan"),
-            "exact": float((scores == 1.0).mean()) if scores.size else float("nan"),
-            "partial_credit": float(((scores > 0) & (scores < 1)).mean()) if scores.size else float("nan"),
-            "rollouts": info["rollouts"], "trained_rollouts": st["trained_rollouts"],
-            **{f"failures/{k}": v for k, v in st["failures"].items()},
-            "staleness_mean": rep.staleness_mean, "staleness_max": rep.staleness_max,
-            "groups": info["groups"], "group_versions": info["group_versions"],  # in the order the step took them
-            "dedup_factor": st["dedup_factor"], "rows": info["rows"], "micro_batches": info["micro_batches"],
-            # What the Jmax path budget cost this step (each unique trainable token once).
-            "trainable_tokens": st["trainable_unique"], "trainable_tokens_kept": st["trainable_selected"],
-            "trainable_tokens_dropped": st["trainable_dropped"], "paths": st["paths_total"],
-            "paths_kept": st["paths_selected"], "rollouts_truncated": st["rollouts_truncated"],
-            "max_dropped_fraction": st["max_dropped_fraction"],
-            # What the trees did: branching, compactions, sub-agents, retries; dedup_factor above is
-            # the tokens every selected path would cost trained alone over the tokens packed.
-            **{f"trees/{k}": st[k] for k in ("branching_rollouts", "branch_points", "compaction_calls",
-                                              "subagent_calls", "retried_calls")},
-            "trees/paths_per_rollout": st["paths_total"] / max(st["trained_rollouts"], 1),
-            "trees/branch_points_per_rollout": st["branch_points"] / max(st["trained_rollouts"], 1),
-            "trees/branching_rollout_fraction": st["branching_rollouts"] / max(st["trained_rollouts"], 1),
-            "trees/expanded_tokens": st["expanded_tokens"], "trees/packed_tokens": st["packed_tokens"],
-            "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate,
-            "grad_scale": rep.grad_scale,
-            **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
-            # the advantage estimator's counts, the per-step pass (cells/score.py) and DAPO's
-            # dynamic sampling (groups dropped for no signal since the last record; each replaced)
-            **{f"adv/{k}": v for k, v in st.get("advantage_metrics", {}).items()},
-            **{f"score/{k}": v for k, v in info.get("score", {}).items()},
-            "dynamic_sampling/dropped_groups": info.get("dropped_groups", 0),
-            "gen_tokens_per_s": (gen - self._gen) / dt,
-            "train_tokens_per_s": st["packed_tokens"] / max(rep.seconds, 1e-9),
-            "train_step_s": rep.seconds,
-            "train_busy_cell_s": float(sum(done - pulled for _, pulled, done in rep.timeline)),
-            "process_s": info["process_s"], "cells_trained": info["cells_used"],
-            # Streaming: rows came in one chunk per group, and only the last group's rows and the
-            # update were left once it was in; a whole step: one chunk, all its training after.
-            "row_chunks": info["row_chunks"], "after_last_group_s": info["after_last_group_s"],
-            "failed_cells": [c for c, _ in rep.failed_cells],
-            "switches": len(sw), "switch_s_mean": float(np.mean([x[3] for x in sw])) if sw else 0.0,
-            "switch_s_max": float(np.max([x[3] for x in sw])) if sw else 0.0,
+        results = self.launcher.results
+        out = {
+            "gen_tokens_per_s": (gen - self._gen) / max(now - self._t, 1e-9),
+            "switches": len(sw), "switch_s_mean": float(np.mean([x.seconds for x in sw])) if sw else 0.0,
+            "switch_s_max": float(np.max([x.seconds for x in sw])) if sw else 0.0,
             "switch_failures": len(self.pool.failures) - self._failures, "cells_out": len(self.pool.out),
             "weight_moves": len(moves), "weight_move_bytes": int(sum(m.bytes for m in moves)),
             "weight_move_s": float(sum(m.seconds for m in moves)),
             "rollouts_in_flight": self.launcher.running_rollouts(), "roles": self.pool.roles(),
             "engine_errors": int(counters.get("engine_errors", 0)),
-            "retries": int(sum(r["retries"] for r in self.launcher.results)),
+            "retries": int(sum(r["retries"] for r in results)),
             # Tool commands run in rollout sandboxes, refusals and limits hit (cumulative, like retries).
-            **{k: int(sum(r.get(k, 0) for r in self.launcher.results))
-               for k in ("sandbox_commands", "sandbox_violations", "sandbox_limits_hit")},
+            **{k: int(sum(r.get(k, 0) for r in results)) for k in ("sandbox_commands", "sandbox_violations",
+                                                                   "sandbox_limits_hit")},
         }
-        rec.update(self._scheduler_view())
-        self._t, self._gen, self._switches = now, gen, len(self.timeline.switches)
+        self._gen, self._switches = gen, self._switches + len(sw)
         self._moves, self._failures = self._moves + len(moves), len(self.pool.failures)
-        return rec
+        return out
 
     def _scheduler_view(self) -> dict:
         """What the controller measured and what its policy concludes from it now: the
@@ -147,7 +198,7 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         "util_train_busy": sum(r["train_busy_cell_s"] for r in h) / max(n_cells * wall_rl, 1e-9),
         "staleness_mean": float(np.mean([r["staleness_mean"] for r in h])) if h else 0.0,
         "staleness_max": float(max([r["staleness_max"] for r in h], default=0.0)),
-        "switches": len(timeline.switches), "switch_failures": len(pool.failures), "cells_out": dict(pool.out),
+        "switches": timeline.switch_count(), "switch_failures": len(pool.failures), "cells_out": dict(pool.out),
         "statuses": dict(launcher.statuses), "group_failures": len(launcher.group_failures),
         "rerun_rollouts": launcher.rerun_rollouts,
         "trainable_tokens_dropped": int(sum(r["trainable_tokens_dropped"] for r in h)),

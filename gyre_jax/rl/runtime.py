@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from typing import Sequence
@@ -24,6 +25,9 @@ class LoopThread:
     def __init__(self, name: str = "gyre-harness"):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Run the loop on its thread (construction starts nothing)."""
         self._thread.start()
 
     def submit(self, coro) -> concurrent.futures.Future:
@@ -48,15 +52,35 @@ class LoopThread:
             self._thread.join(10)
 
 
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A completed role switch."""
+
+    cell: int
+    role: str  # the role it switched to (train or rollout)
+    t_start: float
+    seconds: float
+
+
 class Timeline:
-    """Role segments per cell (cell, t0, t1, role) and completed switch durations."""
+    """Role segments per cell (cell, t0, t1, role) and completed switches; written by the switch threads,
+    read by the loop's (every read and write under one lock)."""
 
     def __init__(self, clock: RealClock, roles: Sequence[str]):
         self.clock = clock
         self._lock = threading.Lock()
         self._open = {c: (r, 0.0) for c, r in enumerate(roles)}
         self.segments: list[tuple[int, float, float, str]] = []
-        self.switches: list[tuple[int, str, float, float]] = []  # (cell, to_role, t_start, seconds)
+        self._switches: list[Switch] = []
+
+    def switches_since(self, n: int) -> list[Switch]:
+        """The switches completed after the first ``n``."""
+        with self._lock:
+            return self._switches[n:]
+
+    def switch_count(self) -> int:
+        with self._lock:
+            return len(self._switches)
 
     def set(self, cell: int, role: str) -> None:
         now = self.clock.now()
@@ -65,7 +89,7 @@ class Timeline:
             self.segments.append((cell, t0, now, prev))
             self._open[cell] = (role, now)
             if prev in SWITCHING_ROLES and role in (TRAIN, ROLLOUT):
-                self.switches.append((cell, role, t0, now - t0))
+                self._switches.append(Switch(cell, role, t0, now - t0))
 
     def close(self) -> list[tuple[int, float, float, str]]:
         now = self.clock.now()

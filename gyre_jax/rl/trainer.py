@@ -23,6 +23,13 @@ Three stages, each on its own thread, connected by the dataset of packed rows:
   publication the same gradient as the whole step's (a sum over micro-batches
   does not depend on how rows were grouped), summed in arrival order.
 
+Threads (docs/design.md has the whole run's map). ``start()`` starts both; the constructor
+starts nothing. The processor thread owns each open step's data and hands it over,
+frozen, on ``_inputs`` (a queue) before the step's last rows enter the stream; the
+trainer thread owns the running ``ElasticStep`` and puts one frozen ``StepDone`` per
+update on ``done`` (a queue the loop drains). Everything the controller's thread reads
+(``progress``, ``take_groups``) is under ``_lock``.
+
 Both read the same ``StreamingDataset`` iterator, whose position is saved in
 every checkpoint; after an update it is the next step's start.
 
@@ -59,10 +66,11 @@ import numpy as np
 
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
 from gyre_jax.cells.train_step import MICRO_BATCH_KEYS
+from gyre_jax.rl.launcher import Group, lineage_calls
+from gyre_jax.rl.step_events import StepDone, StepInput, StepTotals, TrainerSnapshot
 from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.vocab import TRAIN
-from gyre_jax.rl.launcher import Group
 from gyre_jax.trajectory.processor import ProcessorConfig, StepStats, process_step
 from gyre_jax.trajectory.rewards import has_signal
 from gyre_jax.trajectory.serialize import pack_rows
@@ -71,73 +79,74 @@ log = logging.getLogger(__name__)
 NO_SIGNAL = "no_signal"  # the store's drop reason for DAPO's dynamic sampling
 
 
-@dataclasses.dataclass
-class _StepData:
-    """What the processor learned about a step (read by the trainer at its last batch)."""
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """Controller -> processor: groups the open step took. ``group``: one streamed group; ``step``: a whole
+    step's groups at once; ``end``: a streamed step's last group is already in."""
 
+    kind: str
+    step: int
+    groups: tuple[Group, ...] = ()
+
+
+@dataclasses.dataclass
+class _OpenStep:
+    """A step's data while the processor thread builds it (that thread alone touches it)."""
+
+    step: int
     groups: list[Group] = dataclasses.field(default_factory=list)
     outcomes: list = dataclasses.field(default_factory=list)
     stats: list[StepStats] = dataclasses.field(default_factory=list)
     rows: int = 0
     process_s: float = 0.0
-    grad_scale: float = 1.0
+    offset: int = 0  # rollout index of the next streamed chunk's first rollout
     score: dict = dataclasses.field(default_factory=dict)  # the per-step pass, summed over chunks
 
+    def frozen(self, grad_scale: float) -> StepInput:
+        return StepInput(step=self.step, groups=tuple(self.groups), outcomes=tuple(self.outcomes),
+                         stats=tuple(self.stats), rows=self.rows, process_s=self.process_s, grad_scale=grad_scale,
+                         score=dict(self.score))
 
-def merge_stats(stats: Sequence[StepStats]) -> dict:
+
+def merge_stats(stats: Sequence[StepStats]) -> StepTotals:
     """One step's numbers from the StepStats of its chunks (one for a whole step)."""
-    out: dict = {}
-    for k in ("rollouts", "trained_rollouts", "packed_tokens", "expanded_tokens", "trainable_targets", "paths_total",
-              "paths_selected", "trainable_unique", "trainable_selected", "trainable_dropped", "rollouts_truncated",
-              "branching_rollouts", "branch_points", "compaction_calls", "subagent_calls", "retried_calls"):
-        out[k] = int(sum(getattr(s, k) for s in stats))
-    failures: dict = {}
-    for s in stats:
-        for k, v in s.failures.items():
-            failures[k] = failures.get(k, 0) + v
-    out["failures"] = failures
-    out["dedup_factor"] = out["expanded_tokens"] / out["packed_tokens"] if out["packed_tokens"] else 0.0
-    worst = max(stats, key=lambda s: s.max_dropped_fraction, default=None)
-    out["max_dropped_fraction"] = worst.max_dropped_fraction if worst is not None else 0.0
-    out["max_dropped_rollout"] = worst.max_dropped_rollout if worst is not None else None
-    adv: dict = {}
-    for s in stats:  # the estimator's counts, summed over the step's chunks
-        for k, v in s.advantage_metrics.items():
-            adv[k] = adv.get(k, 0.0) + v
-    out["advantage_metrics"] = adv
-    return out
+    return StepTotals.merge(stats)
 
 
 class TrainerAdapter:
     def __init__(self, *, trainer: ElasticTrainer, store, processor_config: ProcessorConfig, groups_per_step: int,
                  group_size: int, micro_batch_rows: int, cells, cell_roles: Callable[[], list[str]],
-                 notify: Callable[[], None], on_step: Callable[[dict], None], work_s_per_row: float,
+                 notify: Callable[[], None], work_s_per_row: float,
                  stream, data_iterator, stream_groups: bool, steps_done: int = 0, ready: Sequence[Group] = (),
-                 after_update: Callable[[int], None] | None = None,
+                 after_update: Callable[[int, TrainerSnapshot], None] | None = None,
                  on_step_started: Callable[[int], None] | None = None,
-                 on_failed_cell: Callable[[int, str], None] | None = None,
                  on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None,
-                 scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0):
+                 scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0,
+                 restored_rollouts: frozenset[str] = frozenset()):
+        """``restored_rollouts``: the finished rollouts a resume at ``steps_done`` found untrained; their tokens
+        sampled after that checkpoint count as sampled by it (``launcher.lineage_version``)."""
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
         self.cells, self.cell_roles, self.stream_groups = cells, cell_roles, stream_groups
-        self.notify, self.on_step, self.after_update = notify, on_step, after_update
+        self.notify, self.after_update = notify, after_update  # after_update: the checkpoint, on the trainer thread
         self.on_step_started = on_step_started  # FaultConfig.pause_at_step; None in real runs
-        self.on_failed_cell, self.on_pull_for_step = on_failed_cell, on_pull_for_step  # chaos (rl.faults)
-        self.work_s_per_row = work_s_per_row
+        self.on_pull_for_step = on_pull_for_step  # chaos (rl.faults)
         self.stream, self.it = stream, data_iterator
-        self._lock = threading.RLock()
+        self.done: queue.SimpleQueue[StepDone] = queue.SimpleQueue()  # one per update, drained by the loop
+        self._lock = threading.RLock()  # everything below that two threads touch
+        self._work_s_per_row = work_s_per_row
         self._ready: list[Group] = []
         self._taken: list[Group] = []  # in the open step, not yet handed to the processor (whole steps)
         self._in_step: list[Group] = []  # handed to the processor for the open step, not yet trained
         self._queued_work_s = 0.0  # taken, not yet in the stream
         self._steps_done = steps_done
         self._cursor_version = steps_done
+        self._restored, self._restored_step = restored_rollouts, steps_done
         self._updating = False
         self._last_group_t = 0.0  # when the open step took its last group (its training's remaining part starts)
         self._step: ElasticStep | None = None
-        self._data: dict[int, _StepData] = {}
-        self._proc_q: queue.Queue = queue.Queue()
+        self._proc_q: queue.Queue[Taken | None] = queue.Queue()  # controller -> processor; None: stop
+        self._inputs: queue.Queue[StepInput] = queue.Queue()  # processor -> trainer: each step's data, at its end
         self._latest = (trainer.version, jax.tree.map(lambda x: x.copy(), trainer.state.params))
         # The per-step pass (cells.score.StepScorer) and the versions it reads: the step's own
         # (the _latest copy, shared) and, for a mismatch correction, the last keep_versions ones.
@@ -152,13 +161,19 @@ class TrainerAdapter:
                                     if e.get("reason") == NO_SIGNAL}) if self.drop_budget else 0
         self._dropped_reported = 0
         self.errors: list[BaseException] = []
+        self._threads: list[threading.Thread] = []
+        for g in sorted(ready, key=lambda g: g.version):  # a resumed run's groups pass the same filter
+            if self._admit(g):
+                self._ready.append(g)
+
+    def start(self) -> None:
+        """Start the processor and trainer threads (once)."""
+        if self._threads:
+            raise RuntimeError("TrainerAdapter.start: already started")
         self._threads = [threading.Thread(target=self._guard, args=(self._process_main, "processing"),
                                           name="gyre-processor", daemon=True),
                          threading.Thread(target=self._guard, args=(self._train_main, "training"),
                                           name="gyre-trainer", daemon=True)]
-        for g in sorted(ready, key=lambda g: g.version):  # a resumed run's groups pass the same filter
-            if self._admit(g):
-                self._ready.append(g)
         for t in self._threads:
             t.start()
 
@@ -166,44 +181,39 @@ class TrainerAdapter:
     def progress(self) -> TrainProgress:
         with self._lock:
             step = self._step
-            running = step.remaining() * self.b * self.work_s_per_row if step is not None else 0.0
+            running = step.remaining() * self.b * self._work_s_per_row if step is not None else 0.0
             return TrainProgress(
                 steps_done=self._steps_done,
                 open_step_taken=self.G if self._updating else len(self._taken) + len(self._in_step),
                 pending_work_s=self._queued_work_s + running,
                 update_in_progress=self._updating,
-                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s, earliest=g.earliest)
-                                   for g in self._ready),
+                ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s) for g in self._ready),
                 dropped_groups=self._dropped_groups,
             )
 
     def take_groups(self, n: int) -> None:
         with self._lock:
             open_taken = len(self._taken) + len(self._in_step)
-            # The policy's rule (takeable_groups): the n oldest that this step may train, in buffer order.
-            eligible = [i for i, g in enumerate(self._ready) if g.earliest <= self._steps_done][:n]
-            if self._updating or n > len(eligible) or open_taken + n > self.G:
-                raise RuntimeError(f"take_groups({n}): {len(eligible)} of {len(self._ready)} ready may be taken, "
-                                   f"{open_taken} taken, updating={self._updating}")
-            chosen = set(eligible)
-            groups = [self._ready[i] for i in eligible]
-            self._ready = [g for i, g in enumerate(self._ready) if i not in chosen]
+            if self._updating or n > len(self._ready) or open_taken + n > self.G:
+                raise RuntimeError(f"take_groups({n}): {len(self._ready)} ready, {open_taken} taken, "
+                                   f"updating={self._updating}")
+            groups, self._ready = self._ready[:n], self._ready[n:]
             self._queued_work_s += sum(g.work_s for g in groups)
             step = self._steps_done
             if self.stream_groups:
                 self._in_step += groups
                 for g in groups:
-                    self._proc_q.put(("group", step, [g]))
+                    self._proc_q.put(Taken("group", step, (g,)))
             else:
                 self._taken += groups
             if open_taken + n == self.G:
                 self._updating = True
                 self._last_group_t = time.perf_counter()
                 if self.stream_groups:
-                    self._proc_q.put(("end", step, []))
+                    self._proc_q.put(Taken("end", step))
                 else:
                     self._in_step, self._taken = self._taken, []
-                    self._proc_q.put(("step", step, list(self._in_step)))
+                    self._proc_q.put(Taken("step", step, tuple(self._in_step)))
 
     # -- inputs from other adapters --
     def add_group(self, group: Group) -> None:
@@ -228,7 +238,8 @@ class TrainerAdapter:
             lengths = [sum(int(c.output_ids.shape[0]) for c in self._calls(r)) for r in group.rollout_ids]
         if has_signal(outcomes, self.pc.advantage, lengths):
             return True
-        step = self._steps_done
+        with self._lock:
+            step = self._steps_done
         valid = [o.rollout_id for o in outcomes if not o.is_failure]
         if valid:
             self.store.mark_dropped(valid, step=step, reason=NO_SIGNAL)
@@ -272,11 +283,23 @@ class TrainerAdapter:
 
     @property
     def steps_done(self) -> int:
-        return self._steps_done
+        with self._lock:
+            return self._steps_done
 
     def cursor_version(self) -> int:
         """The newest policy version whose rollouts the store's cursor marks consumed (what a save may label)."""
-        return self._cursor_version
+        with self._lock:
+            return self._cursor_version
+
+    def work_s(self, tokens: int, row_len: int) -> float:
+        """The measured training time of a group of ``tokens`` tokens (rows of ``row_len``)."""
+        with self._lock:
+            return self._work_s_per_row * max(1.0, tokens / row_len)
+
+    def snapshot(self) -> TrainerSnapshot:
+        """The state, the buffered rollouts and the data position, for a checkpoint (no step may be open)."""
+        return TrainerSnapshot(state=self.trainer.state, buffered_rollouts=tuple(self.buffered_rollouts()),
+                               data_iterator=self.it)
 
     def stop(self) -> None:
         """End both threads; an open step is aborted (its update is not applied), so nothing waits for
@@ -305,69 +328,79 @@ class TrainerAdapter:
         with self._lock:
             return self._versions.get(version)
 
+    # -- the processor thread: groups -> packed rows in the stream; each step's data to _inputs --
     def _process_main(self) -> None:
-        offsets: dict[int, int] = {}
         if self.scorer is not None:  # compile the per-step pass while no group is in yet
             warm = pack_rows([[]] * self.b, self.pc.row_len).as_dict()
-            self.scorer.warm(warm, self._latest[1])
+            self.scorer.warm(warm, self.latest_params()[1])
+        data: _OpenStep | None = None
         while True:
             ev = self._proc_q.get()
             if ev is None:
                 return
-            kind, step, groups = ev
-            with self._lock:  # the training thread pops it (_finish); RowStream's end_step orders the fields
-                data = self._data.setdefault(step, _StepData())
-            if kind == "end":  # multi-step: the step's last group is in
-                self._end_step(step, data)
-                continue
-            t0 = time.perf_counter()
-            # Whole steps: groups (and rollouts within a group) arrive in finishing order; sorting
-            # by id makes the packed rows, hence the losses, a function of the step's rollouts
-            # alone (a resumed run reproduces an uninterrupted one).
-            groups = sorted(groups, key=lambda g: g.group_id) if kind == "step" else groups
-            rids = [r for g in groups for r in sorted(g.rollout_ids)]
-            outcomes = [self.store.outcome(r) for r in rids]
-            calls = [c for r in rids for c in self._calls(r)]
-            if kind == "step":
-                batch = process_step(calls, outcomes, self.pc)
-            else:
-                batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self.G * self.group_size,
-                                     rollout_index_offset=offsets.get(step, 0))
-                offsets[step] = offsets.get(step, 0) + len(batch.rollout_ids)
-            if self.scorer is not None and batch.rows.tokens.shape[0]:
-                for k, v in self.scorer.score(batch.rows, batch.rollout_index, version=step,
-                                              params_of=self._params_of).items():
-                    data.score[k] = data.score.get(k, 0) + v
-            data.groups += groups
-            data.outcomes += outcomes
-            data.stats.append(batch.stats)
-            data.process_s += time.perf_counter() - t0
-            rows = int(batch.rows.tokens.shape[0])
-            if rows:
-                data.rows += rows
-                self.stream.add(step, batch.rows, batch.rollout_index)
-            with self._lock:
-                self._queued_work_s = max(0.0, self._queued_work_s - sum(g.work_s for g in groups))
-            if kind == "step":
-                self._end_step(step, data)
+            if data is None or data.step != ev.step:
+                data = _OpenStep(ev.step)
+            if ev.kind != "end":  # "end" (streamed groups): the step's last group is already in
+                self._process(ev.kind, data, list(ev.groups))
+            if ev.kind != "group":
+                self._end_step(data)
+                data = None
 
-    def _end_step(self, step: int, data: _StepData) -> None:
+    def _process(self, kind: str, data: _OpenStep, groups: list[Group]) -> None:
+        """One chunk (a whole step, or one streamed group): rewards -> trees -> packed rows in the stream."""
+        t0 = time.perf_counter()
+        # Whole steps: groups (and rollouts within a group) arrive in finishing order; sorting
+        # by id makes the packed rows, hence the losses, a function of the step's rollouts
+        # alone (a resumed run reproduces an uninterrupted one).
+        groups = sorted(groups, key=lambda g: g.group_id) if kind == "step" else groups
+        rids = [r for g in groups for r in sorted(g.rollout_ids)]
+        outcomes = [self.store.outcome(r) for r in rids]
+        calls = [c for r in rids for c in self._calls(r)]
+        if kind == "step":
+            batch = process_step(calls, outcomes, self.pc)
+        else:
+            batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self.G * self.group_size,
+                                 rollout_index_offset=data.offset)
+            data.offset += len(batch.rollout_ids)
+        if self.scorer is not None and batch.rows.tokens.shape[0]:
+            for k, v in self.scorer.score(batch.rows, batch.rollout_index, version=data.step,
+                                          params_of=self._params_of).items():
+                data.score[k] = data.score.get(k, 0) + v
+        data.groups += groups
+        data.outcomes += outcomes
+        data.stats.append(batch.stats)
+        data.process_s += time.perf_counter() - t0
+        rows = int(batch.rows.tokens.shape[0])
+        if rows:
+            data.rows += rows
+            self.stream.add(data.step, batch.rows, batch.rollout_index)
+        with self._lock:
+            self._queued_work_s = max(0.0, self._queued_work_s - sum(g.work_s for g in groups))
+
+    def _end_step(self, data: _OpenStep) -> None:
+        """Hand the step's data to the trainer thread, then let its last rows out of the stream."""
         if not data.rows:  # every rollout failed: one empty row, so the step still runs (and counts)
             empty = pack_rows([[]], self.pc.row_len)
-            self.stream.add(step, empty, np.full(empty.tokens.shape, -1, np.int32))
+            self.stream.add(data.step, empty, np.full(empty.tokens.shape, -1, np.int32))
             data.rows = 1
         units = sum(s.weight_units for s in data.stats)
+        grad_scale = 1.0
         if self.stream_groups and units:  # weights were divided by a nominal normaliser: the actual one now
             # every chunk with rollouts used the same nominal normaliser (a chunk of failures alone: 0)
-            data.grad_scale = max(s.weight_normalizer for s in data.stats) / units
-        self.stream.end_step(step)
+            grad_scale = max(s.weight_normalizer for s in data.stats) / units
+        self._inputs.put(data.frozen(grad_scale))  # before end_step: the trainer reads it at the last batch
+        self.stream.end_step(data.step)
 
     def _calls(self, rid: str):
         try:
-            return self.store.calls(rid)
+            calls = self.store.calls(rid)
         except KeyError:  # a rollout that never reached the model
             return []
+        if rid in self._restored:  # the lost lineage's versions count as the restored one (resume_plan dates so)
+            calls = lineage_calls(calls, self._restored_step)
+        return calls
 
+    # -- the trainer thread: packed rows -> the elastic step -> the update, a StepDone on done --
     def _train_main(self) -> None:
         t0 = None
         n_mb = 0
@@ -392,38 +425,24 @@ class TrainerAdapter:
                 self._finish(step, t0, n_mb)
 
     def _finish(self, step: int, t0: float, n_mb: int) -> None:
+        data = self._inputs.get()
+        if data.step != step:
+            raise RuntimeError(f"trainer: step {step}'s last rows came with step {data.step}'s data")
         with self._lock:
-            data = self._data.pop(step)
-        self._step.close(grad_scale=data.grad_scale)
+            running = self._step
+        running.close(grad_scale=data.grad_scale)
         if self.on_step_started is not None:
             self.on_step_started(step)  # the step runs; its update is neither kept nor saved yet
-        report: StepReport = self._step.wait()
+        report: StepReport = running.wait()
         version = self.trainer.version
-        outcomes = data.outcomes
-        trained = [o.rollout_id for o in outcomes if not o.is_failure]
-        failed = [o for o in outcomes if o.is_failure]
-        if trained:
-            self.store.mark_trained(trained, step=version - 1)
-        for status in sorted({o.status for o in failed}):
-            self.store.mark_dropped([o.rollout_id for o in failed if o.status == status], step=version - 1,
-                                    reason=status)
-        self._cursor_version = version  # the store's cursor now covers every update up to this version
-        for cell, err in report.failed_cells:
-            if self.on_failed_cell is not None:
-                self.on_failed_cell(cell, f"training failed in step {step}: {err}")
+        self._mark_consumed(data.outcomes, version - 1)
         params = jax.tree.map(lambda x: x.copy(), self.trainer.state.params)
         cells_used = max(1, len(set(report.cell_of)))
         measured = report.seconds * cells_used / max(n_mb * self.b, 1)
-        self.work_s_per_row = 0.7 * self.work_s_per_row + 0.3 * measured
-        scores = [o.score for o in outcomes if not o.is_failure]
-        info = dict(step=version - 1, version=version, groups=[g.group_id for g in data.groups],
-                    group_versions=[g.version for g in data.groups], rollouts=len(outcomes), report=report,
-                    stats=merge_stats(data.stats), scores=scores, rows=n_mb * self.b, micro_batches=n_mb,
-                    process_s=data.process_s, step_s=time.perf_counter() - t0, cells_used=sorted(set(report.cell_of)),
-                    row_chunks=len(data.stats), after_last_group_s=time.perf_counter() - self._last_group_t,
-                    score=dict(data.score))
         with self._lock:
-            info["dropped_groups"] = self._dropped_groups - self._dropped_reported  # since the last step
+            self._cursor_version = version  # the store's cursor now covers every update up to this version
+            self._work_s_per_row = 0.7 * self._work_s_per_row + 0.3 * measured
+            dropped = self._dropped_groups - self._dropped_reported  # since the last step
             self._dropped_reported = self._dropped_groups
             self._latest = (version, params)
             self._versions[version] = params  # the same copy as _latest: no extra memory for the step's own
@@ -431,10 +450,27 @@ class TrainerAdapter:
                 del self._versions[v]
             self._step = None
             self._in_step = []
+            after_last_group_s = time.perf_counter() - self._last_group_t
+        done = StepDone(
+            step=version - 1, version=version, params=params, groups=tuple(g.group_id for g in data.groups),
+            group_versions=tuple(g.version for g in data.groups), rollouts=len(data.outcomes), report=report,
+            totals=merge_stats(data.stats), scores=tuple(o.score for o in data.outcomes if not o.is_failure),
+            rows=n_mb * self.b, micro_batches=n_mb, process_s=data.process_s, step_s=time.perf_counter() - t0,
+            cells_used=tuple(sorted(set(report.cell_of))), row_chunks=len(data.stats),
+            after_last_group_s=after_last_group_s, score=data.score, dropped_groups=dropped)
         if self.after_update is not None:
-            self.after_update(version)  # checkpoint: before the policy may take the next step
-        self.on_step(info)  # before steps_done moves: a loop that sees the last step done has its record
+            self.after_update(version, self.snapshot())  # checkpoint: before the policy may take the next step
+        self.done.put(done)  # before steps_done moves: a loop that sees the last step done has its record
         with self._lock:
             self._steps_done = version
             self._updating = False
         self.notify()
+
+    def _mark_consumed(self, outcomes, step: int) -> None:
+        """The step's rollouts in the store: trained, or dropped with their failure class."""
+        trained = [o.rollout_id for o in outcomes if not o.is_failure]
+        failed = [o for o in outcomes if o.is_failure]
+        if trained:
+            self.store.mark_trained(trained, step=step)
+        for status in sorted({o.status for o in failed}):
+            self.store.mark_dropped([o.rollout_id for o in failed if o.status == status], step=step, reason=status)

@@ -169,12 +169,8 @@ class CellView:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadyGroup:
-    version: int  # policy version the group was launched under (its oldest tokens: the bound counts from it)
+    version: int  # policy version the group was launched under
     work_s: float  # training work, cell-seconds
-    # The first step that may train it: a group a resumed run rebuilt can hold tokens sampled after the
-    # checkpoint it restored (by the lost lineage's newer policies), which the trainer must not train before
-    # it reaches their version. 0 (any step) for every group a run launches itself.
-    earliest: int = 0
 
 
 
@@ -236,8 +232,7 @@ def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
 
 
 def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
-    """How many ready groups the open step may take now (oldest version first; a group whose
-    ``earliest`` step is still ahead is skipped, and the taker skips it too).
+    """How many ready groups the open step may take now (oldest version first).
 
     A group of version v <= u - S must be trained in step u: always take it. Another
     group is taken only if, afterwards, for every step w in [u, u + S] the unassigned
@@ -250,14 +245,6 @@ def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
     u, G, S, N = state.steps_done, config.groups_per_step, config.effective_staleness, config.total_steps
     ready = state.ready_groups
     slots_left = G - state.open_step_taken
-    rest: dict[int, int] = {}  # unassigned groups by version (ready, takeable now or not, or running)
-    if any(g.earliest > u for g in ready):  # only after a resume; the takers skip them the same way
-        for g in ready:
-            # One that cannot meet its bound (tokens older than its earliest step minus S) reserves no
-            # position before it may be trained: it is due at its earliest step.
-            v = max(g.version, g.earliest - S)
-            rest[v] = rest.get(v, 0) + 1
-        ready = tuple(g for g in ready if g.earliest <= u)
     if not config.streaming and len(ready) < slots_left:
         return 0  # without streaming a step starts only with its whole batch
     runs: list[tuple[int, int]] = []  # (version, count) of the ready buffer, oldest first
@@ -267,8 +254,7 @@ def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
         j = bisect.bisect_right(ready, v, lo=i, key=lambda g: g.version)
         runs.append((v, j - i))
         i = j
-    if not rest:
-        rest = dict(runs)
+    rest: dict[int, int] = dict(runs)  # unassigned groups by version (ready or running)
     for v, c in state.running_groups:
         rest[v] = rest.get(v, 0) + c
     n = 0

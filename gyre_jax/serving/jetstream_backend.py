@@ -187,14 +187,37 @@ class _Stream(TokenStream):
         self.finish = finish
         self._ch.detached = True  # nothing more to read (a held slot only reports markers)
         self._ch.wake()  # a consumer waiting on the channel sees the end (no-op for one that is not)
-        if self._b._live.get(self.request_id) is self:
-            del self._b._live[self.request_id]
+        self._b.forget(self)
         if finish == "moved":
             self.resume = ResumeState(prompt_ids=self._req.prompt_ids, output_ids=np.asarray(self.tokens, np.int32),
                                       output_logprobs=np.asarray(self.logprobs, np.float32), kv=kv,
                                       source=self._b.name)
         elif finish in ("stop", "length"):
-            self._b._release(self._req, self.tokens, self.engine_id)
+            self._b.release_call(self._req, self.tokens, self.engine_id)
+
+    # ---- the backend's side (cancel, export): what it learns and decides about this stream ----
+    end = _end
+
+    @property
+    def detached(self) -> bool:
+        """The backend has cancelled, exported or recomputed it (or is doing so)."""
+        return self._detach is not None
+
+    def detach(self, how: str | None) -> None:
+        """"cancel" | "export" | "recompute", or None: an export that found it finished on its own."""
+        self._detach = how
+
+    @property
+    def inherited_kv(self):
+        """The k/v it arrived with (passed on if it never reached a slot here)."""
+        return self._inherited_kv
+
+    def settle(self) -> None:
+        """The export has learnt what the engine did (``_closed`` may read the result now)."""
+        self._settled.set()
+
+    def exported_as(self, exported: ExportedSlot) -> None:
+        self._exported = exported
 
 
 class JetStreamBackend(Backend):
@@ -262,22 +285,22 @@ class JetStreamBackend(Backend):
 
     def cancel(self, request_id: str) -> None:
         stream = self._live.get(request_id)
-        if stream is None or stream._detach is not None:
+        if stream is None or stream.detached:
             return
-        stream._detach = "cancel"
-        stream._end("cancelled")  # the consumer is gone: stop counting it now
+        stream.detach("cancel")
+        stream.end("cancelled")  # the consumer is gone: stop counting it now
         self.engine.detach(stream.engine_id, export=False)
 
     async def export(self, request_id: str) -> bool:
         """Stop the call here at a token boundary; True if its stream will end "moved"."""
         stream = self._live.get(request_id)
-        if stream is None or stream._detach is not None:
+        if stream is None or stream.detached:
             return False
-        stream._detach = "export"
+        stream.detach("export")
         fut = self.engine.detach(stream.engine_id, export=True)
         if fut is None:  # never reached a slot: nothing computed here to move
-            stream._end("moved", kv=stream._inherited_kv)
-            stream._settled.set()
+            stream.end("moved", kv=stream.inherited_kv)
+            stream.settle()
             self._counts["exported_unstarted"] += 1
             return True
         try:
@@ -285,21 +308,26 @@ class JetStreamBackend(Backend):
         except Exception:  # noqa: BLE001 - export failed: stop here, the router recomputes elsewhere
             log.exception("%s: export of %s failed; falling back to recompute", self.name, request_id)
             self._counts["export_failed"] += 1
-            stream._detach = "recompute"
+            stream.detach("recompute")
             if self.engine.detach(stream.engine_id, export=False) is None:
-                stream._end("moved")
+                stream.end("moved")
             return True
         finally:
-            stream._settled.set()
+            stream.settle()
         if exported is None:  # finished on its own; its stream ends stop/length
-            stream._detach = None
+            stream.detach(None)
             return False
-        stream._exported = exported
+        stream.exported_as(exported)  # before we yield: _closed reads it once it wakes
         self._counts["exported"] += 1
         return True
 
     # ---- prefix cache (multi-turn calls of one agent reuse their KV) ----------------
-    def _release(self, req: GenerateRequest, tokens: list[int], engine_id: str) -> None:
+    def forget(self, stream: _Stream) -> None:
+        """An ended stream is no longer live here (unless a new attempt took its request id)."""
+        if self._live.get(stream.request_id) is stream:
+            del self._live[stream.request_id]
+
+    def release_call(self, req: GenerateRequest, tokens: list[int], engine_id: str) -> None:
         """Free the finished call's held slot, keeping its KV if it has a cache key."""
         fut = self.engine.release(engine_id, snapshot=bool(req.cache_key))
         if fut is None or not req.cache_key:

@@ -384,7 +384,7 @@ class Proxy:
             self._inflight -= call.n
             self._ledger.release(binding, call.n)
 
-    def _headers(self, call: ChatCall) -> dict[str, str]:
+    def reply_headers(self, call: ChatCall) -> dict[str, str]:
         return {"X-Gyre-Ignored-Fields": ",".join(call.ignored)} if call.ignored else {}
 
     def output(self, call: ChatCall, routed) -> OutputText:
@@ -396,7 +396,7 @@ class Proxy:
         async def one(i, r) -> Sample:
             out = self.output(call, r)
             sample = await consume(r, out)
-            await self._record(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
+            await self.record_call(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
             return sample
 
         samples = await gather_samples(one(i, r) for i, r in enumerate(routed))
@@ -407,9 +407,9 @@ class Proxy:
             body = O.completion_response(call, self.tok, rid, samples)
         else:
             body = A.message_response(call, self.tok, rid, samples[0])
-        return web.json_response(body, headers=self._headers(call))
+        return web.json_response(body, headers=self.reply_headers(call))
 
-    async def _record(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
+    async def record_call(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""
         if binding.call_index is None:  # the ledger numbers every call before it is routed
             raise RuntimeError(f"proxy: call of rollout {binding.rollout_id!r} reached its record with no call index")

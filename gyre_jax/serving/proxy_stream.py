@@ -75,10 +75,10 @@ async def gather_samples(coros) -> list:
 
 async def stream_response(proxy, request, call: ChatCall, routed: list, binding, t0) -> web.StreamResponse:
     """Server-sent events for a call's samples (``routed``: one per choice; Anthropic has one), in the
-    API's own event shapes; each record is written (proxy._record) before the final events, errors
+    API's own event shapes; each record is written (proxy.record_call) before the final events, errors
     become an error event."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       **proxy._headers(call)})
+                                       **proxy.reply_headers(call)})
     await resp.prepare(request)
     anthropic = call.api.startswith("anthropic")
     rid = f"{'msg' if anthropic else 'gyre'}-{routed[0].request_id}"
@@ -130,7 +130,7 @@ async def stream_response(proxy, request, call: ChatCall, routed: list, binding,
 
     async def one(i: int, r) -> Sample:
         sample = await consume(r, proxy.output(call, r), emitter(i))
-        await proxy._record(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
+        await proxy.record_call(call, r, dataclasses.replace(binding, call_index=binding.call_index + i), t0, sample)
         return sample
 
     recorded = False

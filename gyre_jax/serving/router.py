@@ -66,7 +66,7 @@ class RoutedCall:
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         req = self.request
-        backend = await self._r._acquire(self.affinity)
+        backend = await self._r.acquire(self.affinity)
         stream = self._submit(backend, req)
         fresh_import = False
         try:
@@ -83,7 +83,7 @@ class RoutedCall:
                     if not (fresh_import and req.resume is not None and req.resume.kv is not None):
                         raise
                     log.warning("%s: KV import on %s failed; recomputing", self.request_id, backend.name)
-                    self._r._leave(self, backend)
+                    self._r.leave_call(self, backend)
                     self.moves_kv -= 1
                     self.moves_recompute += 1
                     self._r.counters["moves_kv"] -= 1
@@ -91,7 +91,7 @@ class RoutedCall:
                     req = dataclasses.replace(req, resume=req.resume.without_kv())
                     stream = self._submit(backend, req)
                     continue
-                self._r._leave(self, backend)
+                self._r.leave_call(self, backend)
                 if stream.finish != "moved" or self._cancelled:
                     self.finish = "cancelled" if self._cancelled else stream.finish
                     return
@@ -100,7 +100,7 @@ class RoutedCall:
                     raise EngineError(f"{self.request_id}: moved with {state.num_generated} tokens, "
                                       f"consumer saw {len(self.tokens)}")
                 kv_version = backend.policy_version
-                backend = await self._r._acquire(self.affinity)
+                backend = await self._r.acquire(self.affinity)
                 if state.kv is not None and backend.policy_version != kv_version:
                     state = state.without_kv()  # the KV was computed by other weights: recompute it
                 req = dataclasses.replace(self.request, resume=state)
@@ -117,13 +117,13 @@ class RoutedCall:
                 self.finish = "cancelled"
                 if self._backend is not None:
                     self._backend.cancel(self.request_id)
-                    self._r._leave(self, self._backend)
+                    self._r.leave_call(self, self._backend)
 
     def _submit(self, backend: Backend, req: GenerateRequest):
         stream = backend.submit(req)
         self._backend = backend
         self.cells.append(backend.name)
-        self._r._join(self, backend)
+        self._r.join_call(self, backend)
         return stream
 
 
@@ -173,7 +173,8 @@ class Router:
         async with self._cond():
             self._cond().notify_all()
 
-    async def _acquire(self, affinity: str | None) -> Backend:
+    async def acquire(self, affinity: str | None) -> Backend:
+        """A cell for a call (``RoutedCall``), waiting for one to admit calls; remembers the affinity's choice."""
         b = self.pick(affinity)
         if b is None:
             self.counters["waited_for_cell"] += 1
@@ -199,10 +200,11 @@ class Router:
     def affinity_count(self) -> int:
         return len(self._affinity)
 
-    def _join(self, call: RoutedCall, backend: Backend):
+    def join_call(self, call: RoutedCall, backend: Backend):
+        """``call`` runs on ``backend`` (counted until ``leave_call``: a drain waits for it)."""
         self._calls[backend.name].add(call)
 
-    def _leave(self, call: RoutedCall, backend: Backend):
+    def leave_call(self, call: RoutedCall, backend: Backend):
         s = self._calls[backend.name]
         if call in s:
             s.discard(call)
@@ -221,7 +223,7 @@ class Router:
 
         Best effort (False when not done): a backend without a prefix cache (no ``settle``), no cache
         key, or an engine error leaves the samples to prefill on their own."""
-        backend = await self._acquire(affinity)
+        backend = await self.acquire(affinity)
         if not request.cache_key or not hasattr(backend, "settle"):
             return False
         warm = dataclasses.replace(request, request_id=f"{request.request_id}-prefill",

@@ -84,7 +84,20 @@ class _FakeStream(TokenStream):
     def _end(self, finish: str) -> None:
         if self.finish is None:
             self.finish = finish
-            self._b._live.pop(self.request_id, None)
+            self._b.forget(self.request_id)
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
+
+    def cancel(self) -> None:
+        """The consumer is gone: end now (the backend's cancel)."""
+        self._state = "cancelled"
+        self._end("cancelled")
+
+    def move(self) -> None:
+        """Ends at its next token with its state to resume elsewhere (the backend's export)."""
+        self._state = "moved"
 
 
 class FakeBackend(Backend):
@@ -113,17 +126,20 @@ class FakeBackend(Backend):
         self.counters["submitted"] += 1
         return s
 
+    def forget(self, request_id: str) -> None:
+        """A stream that ended is no longer live (called by the stream)."""
+        self._live.pop(request_id, None)
+
     def cancel(self, request_id: str) -> None:
         s = self._live.get(request_id)
         if s is not None:
-            s._state = "cancelled"
-            s._end("cancelled")
+            s.cancel()
 
     async def export(self, request_id: str) -> bool:
         s = self._live.get(request_id)
-        if s is None or s._state != "running":
+        if s is None or not s.running:
             return False
-        s._state = "moved"
+        s.move()
         self.counters["exported"] += 1
         if self.on_export is not None:
             self.on_export(request_id)
