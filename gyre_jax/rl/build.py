@@ -40,7 +40,7 @@ from gyre_jax.rl.config import RLConfig
 from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
-from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
+from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter, WandbOptions
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl import warm_cache
@@ -165,7 +165,7 @@ class Restored:
     iterator: Any  # the grain iterator over ``stream``, at the state's step
     trainer: cells_lib.ElasticTrainer
     steps_done: int
-    ready: tuple[ResumedGroup, ...]  # finished groups to train first
+    ready: tuple[Group, ...]  # finished groups to train first
     short: tuple[ResumedGroup, ...]  # groups a stop cut short: their missing rollouts run again
     ref_params: Any  # KL's target, or None
     sft_history: tuple[dict, ...]
@@ -392,7 +392,7 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
                                    data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
     sft_history: list[dict] = []
-    ready: list[ResumedGroup] = []
+    ready: list[Group] = []
     short: list[ResumedGroup] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step
