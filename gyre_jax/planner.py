@@ -8,8 +8,10 @@ the run will hold there:
   the micro-batch gradient being added to it), activations of one micro-batch, the
   micro-batch itself;
 * **serve** (a rollout cell's engine): params in the serving layout and the KV cache
-  (``cells.max_slots x cells.max_len`` preallocated per engine), and the decode
-  step's logits;
+  (``cells.max_slots x cells.max_len`` preallocated per engine; with
+  ``cells.kv_cache='paged'`` the page pool, ``cells.kv_pages`` pages of ``cells.page_size``
+  tokens, split over kv heads only: every 'data' replica holds the whole pool), and the
+  decode step's logits;
 * a cell that does both (``scheduler.mode='colocate'``, or one cell only) holds
   both at once: its engine keeps its cache while it trains;
 * **satellite** (elastic modes): a serving cell that turns to training keeps its engine
@@ -225,7 +227,8 @@ _ADVICE = {
     "gradients": "raise config.cells.cell_size (the fsdp degree shards the gradients)",
     "activations": "lower config.train.micro_batch_rows or train.row_len, or set config.model.remat=True",
     "logits": "lower config.train.micro_batch_rows or train.row_len (long rows project the vocab in chunks)",
-    "kv_cache": "lower config.cells.max_slots or cells.max_len, or raise cells.serve_tensor",
+    "kv_cache": "lower config.cells.max_slots or cells.max_len (cells.kv_pages when paged), or raise "
+                "cells.serve_tensor",
     "batch": "lower config.train.micro_batch_rows or train.row_len",
     "decode_logits": "lower config.cells.max_slots",
 }
@@ -255,8 +258,13 @@ def serve_terms(m, cells) -> tuple[dict, dict]:
     tensor = cells.serve_tensor
     mesh = {"data": cells.cell_size // tensor, "tensor": tensor}
     params = per_device_bytes(param_table(m), mesh, _DTYPE_BYTES[m.param_dtype])
-    kv_shape = (m.n_layers, cells.max_slots, cells.max_len, m.n_kv_heads, m.head_dim)
-    kv_logical = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # serving/engine_state.py
+    if getattr(cells, "kv_cache", "contiguous") == "paged":  # the engine's page pool (serving/engine_state.py)
+        pages = getattr(cells, "kv_pages", 0) or cells.max_slots * cells.max_len // cells.page_size + 1
+        kv_shape = (m.n_layers, m.n_kv_heads, pages, cells.page_size, m.head_dim)
+        kv_logical = ("layers", "kv_heads", "cache_len", None, "head_dim")
+    else:
+        kv_shape = (m.n_layers, cells.max_slots, cells.max_len, m.n_kv_heads, m.head_dim)
+        kv_logical = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # serving/engine_state.py
     kv = 2 * math.prod(kv_shape) * _DTYPE_BYTES[m.dtype] // split(kv_logical, kv_shape, mesh,
                                                                   replicate_indivisible=True)
     slots_here = cells.max_slots // split(("cache_batch",), (cells.max_slots,), mesh, replicate_indivisible=True)

@@ -73,3 +73,22 @@ def test_decode_step_memory_matches_xla(slots, max_len):
     _, terms = planner.serve_terms(m, Cells)
     _close(terms["params"] + terms["kv_cache"], ma.argument_size_in_bytes, "params + KV cache")
     _close(terms["kv_cache"] + terms["decode_logits"], ma.output_size_in_bytes, "KV cache + logits")
+
+
+def test_paged_decode_step_memory_matches_xla():
+    """cells.kv_cache='paged': the planner's KV term is the page pool (pages x page_size), not slots x max_len."""
+    m = model_config_tiny(**BASE)
+    slots, max_len, page_size, pages = 8, 512, 16, 97
+    cache = jax.eval_shape(lambda: mdecode.init_paged_cache(m, slots, pages, page_size, max_len))
+    tokens = jax.ShapeDtypeStruct((slots,), jnp.int32)
+    step = jax.jit(lambda p, t, c: mdecode.paged_decode_step(p, m, t, c))
+    ma = step.lower(_abstract_params(m), tokens, cache).compile().memory_analysis()
+
+    class Cells:  # a one-device serving cell
+        cell_size, serve_tensor, kv_cache = 1, 1, "paged"
+
+    Cells.max_slots, Cells.max_len, Cells.page_size, Cells.kv_pages = slots, max_len, page_size, pages
+    _, terms = planner.serve_terms(m, Cells)
+    assert terms["kv_cache"] == 2 * m.n_layers * m.n_kv_heads * pages * page_size * m.head_dim * 4
+    _close(terms["params"] + terms["kv_cache"], ma.argument_size_in_bytes, "params + KV pages")
+    _close(terms["kv_cache"] + terms["decode_logits"], ma.output_size_in_bytes, "KV pages + logits")

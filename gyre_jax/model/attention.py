@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import RMSNorm, dense_init, rope, rope_inv_freq
+from gyre_jax.model.paged import PagedMask, page_slots, paged_attention, write_pages
 from gyre_jax.model.tree_attention import CacheMask, TreeMask, attend_structured
 
 
@@ -64,7 +65,8 @@ class Attention(nn.Module):
     With ``cache=(k_BxSxKxH, v_BxSxKxH)`` and ``cache_index_B``, the new keys are
     first written into the cache at ``cache_index`` (per row), attention runs over
     the whole updated cache with ``mask`` [B, T, S], and the updated cache is
-    returned: one code path serves prefill-with-prefix and decode.
+    returned: one code path serves prefill-with-prefix and decode. With a ``PagedMask``
+    the cache is a pool of pages (paged.py) and T must be 1 (a decode step).
     """
 
     config: ModelConfig
@@ -108,6 +110,15 @@ class Attention(nn.Module):
         if cache is None:
             out = attend(q, k, v, mask)
             new_cache = None
+        elif isinstance(mask, PagedMask):  # one decode token per row, k/v pages [K, NP, G, H]
+            k_pages, v_pages = cache
+            pos_BxT = cache_index_B[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+            page_BxT, row_BxT = page_slots(mask.page_table, pos_BxT, k_pages.shape[2])
+            k_pages = write_pages(k_pages, k, page_BxT, row_BxT)
+            v_pages = write_pages(v_pages, v, page_BxT, row_BxT)
+            out = paged_attention(q[:, 0], k_pages, v_pages, mask.page_table, cache_index_B + 1, impl=mask.impl,
+                                  block_q=mask.block_q, block_k=mask.block_k, blockwise=mask.blockwise)[:, None]
+            new_cache = (k_pages, v_pages)
         else:
             k_cache, v_cache = cache
             k_all = _write_rows(k_cache, k, cache_index_B)

@@ -16,6 +16,14 @@ tokens start at p. Insert the prefix and the new tokens (``start=p``) to decode.
 All functions are pure and jittable with static shapes; ``config`` is hashable,
 so ``jax.jit(decode_step, static_argnums=1, donate_argnames="cache")`` works.
 Position of a token = its index in its slot (one sequence per slot).
+
+Paged cache (paged.py): the same decode over a pool of fixed-size pages, where a slot
+holds only the pages its tokens fill (the host hands them out; serving/pages.py):
+
+    cache = init_paged_cache(cfg, batch_slots=S, num_pages=NP, page_size=G, max_len=M)
+    cache = set_page_rows(cache, table_SxPPS)                # the host's page tables
+    cache = insert_paged(cache, kv, slot=3, length=T)        # scatter into slot 3's pages
+    logits_SxV, cache = paged_decode_step(params, cfg, tokens_S, cache)  # equals decode_step
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.paged import PagedMask, gather_pages, page_slots  # noqa: F401 - gather_pages re-exported
 from gyre_jax.model.transformer import Transformer, cache_mask
 
 
@@ -246,6 +255,97 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
         # no full-cache select is needed.
         lengths = pos_S + active_S.astype(jnp.int32)
     return logits[:, 0], KVCache(k=k, v=v, lengths=lengths)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """A pool of k/v pages shared by S slots; slot s's token p is at page_table[s, p // G], row p % G."""
+
+    k: jax.Array  # [Y, K, NP, G, H]
+    v: jax.Array  # [Y, K, NP, G, H]
+    page_table: jax.Array  # int32[S, PPS]; 0 = the trash page (unallocated)
+    lengths: jax.Array  # int32[S]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.page_table.shape[0]
+
+
+def init_paged_cache(config: ModelConfig, batch_slots: int, num_pages: int, page_size: int, max_len: int,
+                     dtype=None) -> PagedKVCache:
+    """Empty pool of ``num_pages`` pages (page 0 is the trash page) for ``batch_slots`` slots of up to
+    ``max_len`` tokens (a multiple of ``page_size``)."""
+    if batch_slots <= 0 or num_pages < 2 or page_size <= 0 or max_len <= 0 or max_len % page_size:
+        raise ValueError(f"init_paged_cache: need batch_slots > 0, num_pages >= 2 (page 0 is trash), page_size > 0 "
+                         f"and max_len a positive multiple of page_size; got {batch_slots}, {num_pages}, "
+                         f"{page_size}, {max_len}")
+    shape = (config.n_layers, config.n_kv_heads, num_pages, page_size, config.head_dim)
+    dt = config.jnp_dtype if dtype is None else dtype
+    return PagedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+                        page_table=jnp.zeros((batch_slots, max_len // page_size), jnp.int32),
+                        lengths=jnp.zeros((batch_slots,), jnp.int32))
+
+
+def set_page_rows(cache: PagedKVCache, table_SxP) -> PagedKVCache:
+    """Replace every slot's page table (the host's copy is the truth; serving/pages.py)."""
+    chex.assert_shape(table_SxP, cache.page_table.shape, custom_message="set_page_rows: table must be [S, PPS]")
+    return cache.replace(page_table=jnp.asarray(table_SxP, jnp.int32))
+
+
+def insert_paged(cache: PagedKVCache, kv: KV, slot, *, start=0, length=None, shared=0) -> PagedKVCache:
+    """Scatter ``kv`` [Y, T, K, H] (tokens start..start+T-1) into ``slot``'s pages; the slot then
+    holds start+length tokens. Tokens before ``shared`` sit on pages other calls share (a prefix):
+    they are not written. Entries past the slot's pages go to the trash page."""
+    y, kh, _, _, hd = cache.k.shape
+    chex.assert_shape([kv.k, kv.v], (y, None, kh, hd), custom_message="insert_paged: kv must be [Y, T, K, H]")
+    t = kv.k.shape[1]
+    pos_1xT = jnp.asarray(start, jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None]
+    row_1xP = jax.lax.dynamic_slice_in_dim(cache.page_table, slot, 1, axis=0)
+    page_1xT, off_1xT = page_slots(row_1xP, pos_1xT, cache.page_size, jnp.asarray(shared, jnp.int32)[None])
+    k = cache.k.at[:, :, page_1xT[0], off_1xT[0]].set(jnp.transpose(kv.k, (0, 2, 1, 3)).astype(cache.k.dtype))
+    v = cache.v.at[:, :, page_1xT[0], off_1xT[0]].set(jnp.transpose(kv.v, (0, 2, 1, 3)).astype(cache.v.dtype))
+    n = t if length is None else length
+    lengths = cache.lengths.at[slot].set(jnp.asarray(start, jnp.int32) + jnp.asarray(n, jnp.int32))
+    return cache.replace(k=k, v=v, lengths=lengths)
+
+
+def paged_slot_kv(cache: PagedKVCache, slot, length: int) -> KV:
+    """The first ``length`` (static) entries of a slot as a contiguous KV [Y, length, K, H]: what a
+    call moving to another cell carries (its pages' contents, nothing past them)."""
+    pps = -(-length // cache.page_size)
+    row_1xP = jax.lax.dynamic_slice(cache.page_table, (slot, 0), (1, pps))
+    k = jax.vmap(gather_pages, in_axes=(0, None))(cache.k, row_1xP)[:, 0, :length]
+    v = jax.vmap(gather_pages, in_axes=(0, None))(cache.v, row_1xP)[:, 0, :length]
+    return KV(k=k, v=v)
+
+
+def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache, active_S=None):
+    """``decode_step`` over a paged cache (same contract, same result): slot s's token sits at
+    position lengths[s], its k/v lands on the page holding that position (the trash page if
+    the host gave the slot none there). The kernel is config.attention_kernel ("xla" gathers
+    the pages and attends like the contiguous cache; "pallas" runs JAX's paged kernel)."""
+    chex.assert_shape(tokens_S, (cache.num_slots,), custom_message="paged_decode_step: tokens_S must be [S]")
+    if active_S is not None:
+        chex.assert_shape(active_S, (cache.num_slots,), custom_message="paged_decode_step: active_S must be [S]")
+    pos_S = cache.lengths
+    mask = PagedMask(cache.page_table, impl=config.attention_kernel, block_q=config.attention_block_q,
+                     block_k=config.attention_block_k, blockwise=config.attention_impl == "blockwise")
+    logits, (k, v) = Transformer(config).apply(
+        params, tokens_S[:, None], pos_S[:, None], mask, cache.k, cache.v, pos_S, method=Transformer.with_cache)
+    lengths = pos_S + 1 if active_S is None else pos_S + active_S.astype(jnp.int32)
+    return logits[:, 0], cache.replace(k=k, v=v, lengths=lengths)
 
 
 def _concrete_nonzero(x) -> bool:

@@ -29,6 +29,7 @@ from gyre_jax.model.attention import Attention, tree_attention_mask
 from gyre_jax.model.tree_attention import CacheMask, TreeMask
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import MLP, RMSNorm
+from gyre_jax.model.paged import PagedMask
 
 
 # Logit of a vocab-padding id: finite (p * log p stays 0, a temperature cannot make it -inf
@@ -158,11 +159,20 @@ class Transformer(nn.Module):
         _check_int_BxL(where, tokens=tokens_BxT, positions=positions_BxT)
         cfg = self.config
         b, t = tokens_BxT.shape
-        kv_shape = (cfg.n_layers, b, None, cfg.n_kv_heads, cfg.head_dim)
-        chex.assert_shape(k_YxBxSxKxH, kv_shape, custom_message=f"{where}: k cache must be [Y, B, S, K, H]")
+        if isinstance(mask_BxTxS, PagedMask):  # k/v are page pools [Y, K, NP, G, H] (paged.py)
+            pages = (cfg.n_layers, cfg.n_kv_heads, None, None, cfg.head_dim)
+            chex.assert_shape(k_YxBxSxKxH, pages, custom_message=f"{where}: k pages must be [Y, K, NP, G, H]")
+            chex.assert_shape(mask_BxTxS.page_table, (b, None), custom_message=f"{where}: page_table must be [B, P]")
+            if t != 1:
+                raise ValueError(f"{where}: a paged cache takes one token per row (decode), got T={t}")
+        else:
+            kv_shape = (cfg.n_layers, b, None, cfg.n_kv_heads, cfg.head_dim)
+            chex.assert_shape(k_YxBxSxKxH, kv_shape, custom_message=f"{where}: k cache must be [Y, B, S, K, H]")
         chex.assert_shape(v_YxBxSxKxH, k_YxBxSxKxH.shape, custom_message=f"{where}: v cache must match the k cache")
         s = k_YxBxSxKxH.shape[2]
-        if isinstance(mask_BxTxS, CacheMask):
+        if isinstance(mask_BxTxS, PagedMask):
+            pass
+        elif isinstance(mask_BxTxS, CacheMask):
             chex.assert_shape(mask_BxTxS.q_index, (b, t), custom_message=f"{where}: CacheMask.q_index must be [B, T]")
         else:
             chex.assert_shape(mask_BxTxS, (b, t, s), custom_message=f"{where}: mask must be [B, T, S]")

@@ -77,7 +77,8 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     special = (tok.special["<|bos|>"], tok.special["<|eos|>"], tok.special["<|pad|>"])
     c = cfg.cells
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
-                        version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call)
+                        version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
+                        kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None)
     return JetStreamBackend(engine, name=name)
 
 

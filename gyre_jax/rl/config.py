@@ -98,13 +98,26 @@ class CellsConfig:
     max_slots: int = 16  # concurrent decode slots per engine (one engine per cell)
     max_len: int = 160  # KV-cache length per slot (prompt + generated)
     tokens_per_call: int = 8  # decode steps per engine generate call (GyreEngine: amortizes host work)
+    # "contiguous": max_slots x max_len preallocated (the default until paged has run a whole RL
+    # job on an accelerator); "paged": pages of page_size tokens for live tokens only, calls
+    # admitted by free pages (GyreEngine, serving/pages.py).
+    kv_cache: str = "contiguous"
+    page_size: int = 16  # tokens per KV page (paged); max_len must be a multiple
+    kv_pages: int = 0  # pages per engine (paged); 0 = the contiguous cache's memory (max_slots x max_len)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
 
     def __post_init__(self):
         _ints(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call",
                      "switch_retries"))
         _positive(self, ("cell_size", "train_tensor", "serve_tensor", "max_slots", "max_len", "tokens_per_call"))
-        _positive(self, ("switch_retries",), allow_zero=True)
+        _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
+        _ints(self, ("page_size", "kv_pages"))
+        _positive(self, ("page_size",))
+        if self.kv_cache not in ("contiguous", "paged"):
+            raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
+        if self.kv_cache == "paged" and self.max_len % self.page_size:
+            raise ConfigError(f"config.cells.max_len={self.max_len} must be a multiple of cells.page_size="
+                              f"{self.page_size} when cells.kv_cache='paged'")
         for name in ("train_tensor", "serve_tensor"):
             if self.cell_size % getattr(self, name):
                 raise ConfigError(f"config.cells.{name}={getattr(self, name)} must divide cells.cell_size={self.cell_size}")

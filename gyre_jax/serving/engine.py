@@ -41,7 +41,8 @@ Throughput on a host with few cores (jetstream_backend has the measurements): a
 ``generate`` call runs ``tokens_per_call`` decode steps in one jitted scan; it
 does not decode while requests being prefilled can still join the batch, nor
 while no slot is generating; at most MAX_INFLIGHT_CALLS calls run ahead of the
-device. The device functions and state layout are in engine_state.py.
+device. The device functions and state layout are in engine_state.py; the paged
+cache's host side (kv_cache="paged": admission by pages, prefix pages) in engine_paged.py.
 """
 from __future__ import annotations
 
@@ -63,13 +64,16 @@ from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
-    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_memory_plan,
+    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_bytes_per_page, kv_memory_plan,
 )
+from gyre_jax.serving.engine_paged import PagedSlots
+from gyre_jax.serving.pages import PagePool, PrefixPages
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 MAX_INFLIGHT_CALLS = 2  # decode calls dispatched ahead of the device
+KV_CACHES = ("contiguous", "paged")
 
 
 class ParamsRef:
@@ -111,11 +115,12 @@ class _JetStreamTokenizer(tokenizer_api.Tokenizer):
         return set()
 
 
-class GyreEngine(engine_api.Engine):
+class GyreEngine(PagedSlots, engine_api.Engine):
     def __init__(self, config: ModelConfig, params, *, mesh: Mesh | None = None, max_slots: int = 8,
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
-                 max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None):
+                 max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None,
+                 kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None):
         """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
 
         mesh: the cell's serving mesh (axes 'data', 'tensor'); default: device 0.
@@ -133,7 +138,14 @@ class GyreEngine(engine_api.Engine):
           chunk's activations, not a [75K, 75K] mask.
         kv_budget_bytes: if set, the decode cache (max_slots x max_len) must fit
           it; otherwise a ValueError gives the plan (slots that fit, longest
-          context at one slot; engine_state.kv_memory_plan).
+          context at one slot; engine_state.kv_memory_plan). A paged cache
+          instead gets as many pages as the budget holds.
+        kv_cache: "contiguous" (max_len entries preallocated per slot) or "paged"
+          (a pool of ``page_size``-token pages handed to live tokens; a call is
+          admitted when pages for its prompt + max_tokens are free, so slots are
+          cheap and max_slots can exceed what slots x max_len memory allows).
+        kv_pages: pages in the pool (page 0 is never used); default: the budget's
+          worth, or the contiguous cache's memory (max_slots x max_len) + 1.
         """
         if max_slots < 1:
             raise ValueError(f"GyreEngine.max_slots must be >= 1, got {max_slots}")
@@ -147,14 +159,32 @@ class GyreEngine(engine_api.Engine):
         if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"GyreEngine.prefill_chunk must be a power of two >= {MIN_BUCKET}, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk)
-        if kv_budget_bytes is not None:
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"GyreEngine.kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+        self.kv_cache, self._pool = kv_cache, None
+        if kv_cache == "paged":
+            if page_size < 1 or self.max_len % page_size:
+                raise ValueError(f"GyreEngine: max_len={self.max_len} must be a multiple of page_size={page_size}")
+            if kv_pages is None:
+                kv_pages = (int(kv_budget_bytes) // kv_bytes_per_page(config, page_size) if kv_budget_bytes is not None
+                            else max_slots * self.max_len // page_size + 1)
+            self._pool = PagePool(int(kv_pages), page_size, max_slots, self.max_len)
+        elif kv_budget_bytes is not None:
             plan = kv_memory_plan(config, self.max_len, int(kv_budget_bytes))
             if plan["slots_that_fit"] < max_slots:
                 raise ValueError(
                     f"GyreEngine: {max_slots} slots x max_len={self.max_len} need "
                     f"{max_slots * plan['bytes_per_slot'] / 2**30:.2f} GiB of KV cache, more than "
                     f"kv_budget_bytes={kv_budget_bytes / 2**30:.2f} GiB; {plan['slots_that_fit']} slots fit at this "
-                    f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens")
+                    f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens (or kv_cache='paged')")
+        self._prefix_pages = None if self._pool is None else PrefixPages(self._pool)
+        # Per request between prefill and insert: its prompt tokens and the cached prefix pages it maps.
+        self._pending_pages: dict[str, tuple[np.ndarray, PrefillInput | None]] = {}
+        self._waiting: collections.deque[tuple[Prefix, int]] = collections.deque()  # inserted, waiting for pages
+        # Host bound on each slot's length (paged: pages are handed out before the decode call
+        # that writes them) and whether the slot may still be generating.
+        self._host_len = np.zeros((max_slots,), np.int64)
+        self._host_live = np.zeros((max_slots,), bool)
         self._slots = max_slots
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
@@ -182,11 +212,13 @@ class GyreEngine(engine_api.Engine):
         self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
         self._ids = itertools.count()
         self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
-                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0)
+                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0,
+                             page_waits=0, shared_page_tokens=0)
         self._build_jits()
 
     def _build_jits(self):
-        fns = device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call)
+        paged = None if self._pool is None else (self._pool.num_pages, self._pool.page_size)
+        fns = device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call, paged)
         self._ds_sharding, self._block_sharding = fns["ds_sharding"], fns["block_sharding"]
         for k, v in fns.items():
             setattr(self, "_" + k, v)
@@ -206,8 +238,17 @@ class GyreEngine(engine_api.Engine):
         Call between drain and admit: calls already in a slot would mix versions."""
         self.params_ref.value = jax.device_put(params, self._param_shardings)
         self.params_ref.version = int(version)
+        if self._prefix_pages is not None:  # k/v of the old weights: never reused
+            self._prefix_pages.clear()
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """A fresh decode state (all slots empty). Paged: a fresh pool, so the host's page
+        tables, waiting calls and cached prefix pages are reset with it."""
+        if self._pool is not None:
+            for s in range(self._slots):
+                self._free_pages(s)
+            self._drop_waiting()
+            self._prefix_pages.clear()
         return self._make_state()
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int) -> Prefix:
@@ -227,6 +268,8 @@ class GyreEngine(engine_api.Engine):
             with self._lock:
                 if inp.request_id in self._cancelled:
                     return self._dead_prefix(inp.request_id)
+            if self._pool is not None:
+                return self._prefill_paged(params, inp)
             return self._prefill(params, inp)
         except Exception as e:  # noqa: BLE001 - must not reach JetStream's thread
             log.exception("%s: prefill of %s failed", self.name, inp.request_id)
@@ -236,6 +279,13 @@ class GyreEngine(engine_api.Engine):
             with self._cv:
                 self._prefilling -= 1
                 self._cv.notify_all()
+
+    def _prefix_out(self, k, v, inp: PrefillInput, n_all: int) -> Prefix:
+        sp = inp.sampling
+        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop[: len(sp.stop_ids)] = sp.stop_ids
+        return Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed], np.int32),
+                      np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
         t0 = time.perf_counter()
@@ -272,11 +322,7 @@ class GyreEngine(engine_api.Engine):
                 k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c))
             self.counters["prefill_tokens"] += int(new.shape[0])
         self.counters["prefills"] += 1
-        sp = inp.sampling
-        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stop[: len(sp.stop_ids)] = sp.stop_ids
-        out = Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed], np.int32),
-                     np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
+        out = self._prefix_out(k, v, inp, n_all)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return out
 
@@ -313,21 +359,40 @@ class GyreEngine(engine_api.Engine):
                 self._owner_slot.pop(old, None)
             self._slot_owner[slot] = rid
             self._owner_slot[rid] = slot
-            dead = prefix.k is None or rid in self._cancelled
+            pending = self._pending_pages.get(rid)
+            deferred_compute = pending is not None and pending[1] is not None
+            dead = (prefix.k is None and not deferred_compute) or rid in self._cancelled
             self._cancelled.discard(rid)
         try:
+            if self._pool is not None and self._pool.owned[slot]:  # left by a call JetStream freed on its own
+                self._free_pages(slot)
             if dead:
+                if self._pool is not None:
+                    self._pending_pages.pop(rid, None)
                 return self._stop_slot(decode_state, np.int32(slot))
-            # A slot is generating now; results still in flight predate it and must
-            # not be read as "nothing is generating" by _idle.
-            self._any_active = True
-            self._inflight.clear()
-            return self._insert(decode_state, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
-                                np.int32(slot))
+            if self._pool is not None:  # admitted when its pages are free (_admit_waiting)
+                if prefix.k is not None:  # JetStream deletes a prefix's arrays once insert returns
+                    prefix = prefix.replace(k=jnp.copy(prefix.k), v=jnp.copy(prefix.v))
+                self._waiting.append((prefix, slot))
+                decode_state = self._admit_waiting(self._hold_slot(decode_state, np.int32(slot), prefix.scalars_i[2]))
+                if self._waiting and self._waiting[-1][1] == slot:
+                    self.counters["page_waits"] += 1  # admission by pages: it waits, though it has a slot
+                return decode_state
+            return self._insert_now(decode_state, prefix, slot)
         except Exception as e:  # noqa: BLE001
             log.exception("%s: insert of %s failed", self.name, rid)
             self._fail(rid, f"insert failed: {type(e).__name__}: {e}")
             return decode_state
+
+    def _insert_now(self, ds: DecodeState, prefix: Prefix, slot: int, extra=()) -> DecodeState:
+        # A slot is generating now; results still in flight predate it and must
+        # not be read as "nothing is generating" by _idle.
+        self._any_active = True
+        self._inflight.clear()
+        n = int(prefix.scalars_i[0])
+        self._host_len[slot], self._host_live[slot] = n, True
+        return self._insert(ds, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
+                            np.int32(slot), *extra)
 
     def _idle(self) -> bool:
         """No slot is generating (only held or empty ones): skip the decode and
@@ -336,7 +401,9 @@ class GyreEngine(engine_api.Engine):
         while self._inflight and self._inflight[0].is_ready():
             newest = self._inflight.popleft()
         if newest is not None and not self._inflight:  # the latest call is done: its flags are current
-            self._any_active = bool(np.asarray(newest)[:, -1].any())
+            active_S = np.asarray(newest)[:, -1].astype(bool)
+            self._any_active = bool(active_S.any())
+            self._host_live &= active_S  # a finished slot grows no more pages
         if self._any_active is not False:
             return False
         with self._cv:
@@ -374,12 +441,15 @@ class GyreEngine(engine_api.Engine):
         t0 = time.perf_counter()
         try:
             decode_state = self._service(decode_state)
+            if self._waiting:
+                decode_state = self._admit_waiting(decode_state)
             if self._should_pause() or self._idle():
                 self.counters["decode_pauses"] += 1
                 return decode_state, self._result(self._pause(decode_state))
             p = params.value if isinstance(params, ParamsRef) else params
             if len(self._inflight) >= MAX_INFLIGHT_CALLS:
                 jax.block_until_ready(self._inflight.popleft())
+            decode_state = self._grow_pages(decode_state)
             decode_state, data = self._generate(p, decode_state)
             self._inflight.append(data)
             self._any_active = None
@@ -457,6 +527,7 @@ class GyreEngine(engine_api.Engine):
         self._wake()
         return fut
 
+    # ---- paged cache (host side) --------------------------------------------------------
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -491,6 +562,12 @@ class GyreEngine(engine_api.Engine):
             return ds
         stop_S = np.zeros((self._slots,), bool)
         for kind, rid, fut in cmds:
+            if kind == "gather":  # a cached prefix's pages, for a prefill (rid: the page list)
+                try:
+                    fut.set_result(self._gather(ds, rid))
+                except Exception as e:  # noqa: BLE001
+                    fut.set_exception(e)
+                continue
             try:
                 with self._lock:
                     slot = self._owner_slot.get(rid)
@@ -499,6 +576,18 @@ class GyreEngine(engine_api.Engine):
                     continue
                 active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
                 result: ExportedSlot | bool | None = None
+                i, waiting = (None, None) if self._pool is None else self._waiting_slot(slot)
+                if waiting is not None:  # never admitted: nothing computed here to move but its prompt
+                    del self._waiting[i]
+                    _, inp = self._pending_pages.pop(rid, (None, None))
+                    if kind == "export":
+                        kv = None if inp is not None else KVBlock(waiting.k, waiting.v, int(waiting.scalars_i[0]))
+                        result = ExportedSlot(kv, int(waiting.scalars_i[2]))
+                    else:
+                        result = True
+                    stop_S[slot] = True
+                    fut.set_result(result)
+                    continue
                 if kind == "export" and active or kind == "release_snapshot" and held:
                     k, v = self._export(ds, np.int32(slot), self.bucket(length))
                     result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))
@@ -509,8 +598,17 @@ class GyreEngine(engine_api.Engine):
             except Exception as e:  # noqa: BLE001
                 log.exception("%s: %s of %s failed", self.name, kind, rid)
                 fut.set_exception(e)
+        self._host_len[:] = len_S
+        self._host_live[:] = active_S
         if stop_S.any():
             ds = self._stop_slots(ds, stop_S)
+        for kind, rid, _ in cmds:  # stopped, or ended on its own (context full): its pages go back
+            if kind == "gather":
+                continue
+            with self._lock:
+                slot = self._owner_slot.get(rid)
+            if slot is not None and kind != "export" or slot is not None and stop_S[slot]:
+                self._free_pages(slot)
         self._any_active = bool((active_S & ~stop_S).any())  # exact for ds now (the read waited for it)
         self._inflight.clear()
         return ds

@@ -33,6 +33,9 @@ MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after th
 # Logical axes of the k/v arrays (their shardings come from gyre_jax.sharding.RULES):
 CACHE_LOGICAL = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # KVCache.k/v [Y, S, M, K, H]
 BLOCK_LOGICAL = ("layers", "cache_len", "kv_heads", "head_dim")  # KVBlock.k/v [Y, Lb, K, H]
+# A paged pool [Y, K, NP, G, H] splits over kv heads only: any page may hold any slot's tokens,
+# so a data-parallel serving mesh keeps the whole pool on each of its replicas.
+PAGES_LOGICAL = ("layers", "kv_heads", "cache_len", None, "head_dim")
 
 
 def kv_shardings(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
@@ -48,6 +51,11 @@ def kv_shardings(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> tuple[Name
     cache = spec(CACHE_LOGICAL, (cfg.n_layers, slots, m, cfg.n_kv_heads, cfg.head_dim), "KV cache")
     block = spec(BLOCK_LOGICAL, (cfg.n_layers, m, cfg.n_kv_heads, cfg.head_dim), "KV block")
     return cache, block
+
+
+def pages_sharding(cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh) -> NamedSharding:
+    shape = (cfg.n_layers, cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
+    return NamedSharding(mesh, mesh_spec(PAGES_LOGICAL, mesh, shape=shape, where="KV pages", replicate_indivisible=True))
 
 
 @flax.struct.dataclass
@@ -90,7 +98,7 @@ class Prefix:
 
 @flax.struct.dataclass
 class DecodeState:
-    cache: mdecode.KVCache
+    cache: mdecode.KVCache | mdecode.PagedKVCache
     next_tok_S: jax.Array
     generated_S: jax.Array
     max_tokens_S: jax.Array
@@ -116,6 +124,10 @@ def kv_bytes_per_slot(cfg: ModelConfig, max_len: int) -> int:
     return 2 * cfg.n_layers * max_len * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
+    return kv_bytes_per_slot(cfg, page_size)
+
+
 def kv_memory_plan(cfg: ModelConfig, max_len: int, budget_bytes: int) -> dict:
     """How many decode slots of ``max_len`` tokens the KV budget holds (and the longest context at 1 slot)."""
     per_slot = kv_bytes_per_slot(cfg, max_len)
@@ -124,12 +136,21 @@ def kv_memory_plan(cfg: ModelConfig, max_len: int, budget_bytes: int) -> dict:
             "slots_that_fit": int(budget_bytes // per_slot), "max_len_one_slot": int(budget_bytes // per_token)}
 
 
-def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -> dict:
+def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
+               paged: tuple[int, int] | None = None) -> dict:
     """Jitted device functions of an engine, shared by engines with the same
-    config, cache shape and mesh (so a second engine costs no compile)."""
+    config, cache shape and mesh (so a second engine costs no compile).
+
+    paged: (num_pages, page_size) for a paged cache (model/paged.py; the host's
+    PagePool says which page holds what), None for one buffer of m tokens per slot.
+    """
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
-    ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
+    if paged is None:
+        ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
+    else:
+        pages_s = pages_sharding(cfg, paged[0], paged[1], mesh)
+        ds_s = DecodeState(mdecode.PagedKVCache(pages_s, pages_s, rep, rep), *([rep] * 10))
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
 
     def prefill_new(params, tokens_T, n):
@@ -155,8 +176,12 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
         pad = [(0, 0), (0, lb - k.shape[1]), (0, 0), (0, 0)]
         return jnp.pad(k, pad), jnp.pad(v, pad)
 
-    def insert(ds, k, v, si, sf, stop_N, slot):  # arrays only: a Prefix's request_id would key the jit cache
-        cache = mdecode.insert(ds.cache, mdecode.KV(k, v), slot, start=0, length=si[0])
+    def insert(ds, k, v, si, sf, stop_N, slot, row_P=None, shared=None):  # arrays only: a Prefix's request_id
+        if paged is None:  # would key the jit cache
+            cache = mdecode.insert(ds.cache, mdecode.KV(k, v), slot, start=0, length=si[0])
+        else:  # the slot's page-table row from the host; tokens before ``shared`` are on shared pages
+            cache = ds.cache.replace(page_table=ds.cache.page_table.at[slot].set(row_P))
+            cache = mdecode.insert_paged(cache, mdecode.KV(k, v), slot, start=0, length=si[0], shared=shared)
         return ds.replace(
             cache=cache, next_tok_S=ds.next_tok_S.at[slot].set(si[1]), generated_S=ds.generated_S.at[slot].set(si[2]),
             max_tokens_S=ds.max_tokens_S.at[slot].set(si[3]), seed_S=ds.seed_S.at[slot].set(si[4]),
@@ -167,11 +192,21 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
     def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
         return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
 
+    def hold_slot(ds, slot, generated):  # a call waiting for pages: its slot is kept (held: no token, valid),
+        # never expires, and reports the call's own token count (JetStream ends a request past max_tokens)
+        return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(True),
+                          hold_steps_S=ds.hold_steps_S.at[slot].set(-(2**30)),
+                          generated_S=ds.generated_S.at[slot].set(generated))
+
     def stop_slots(ds, mask_S):
         return ds.replace(active_S=ds.active_S & ~mask_S, held_S=ds.held_S & ~mask_S)
 
+    def set_table(ds, table_SxP):
+        return ds.replace(cache=ds.cache.replace(page_table=table_SxP))
+
     def one_step(params, ds):
-        logits, cache = mdecode.decode_step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S)
+        step = mdecode.decode_step if paged is None else mdecode.paged_decode_step
+        logits, cache = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S)
         tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
         act_S = ds.active_S
         gen_S = ds.generated_S + act_S.astype(jnp.int32)
@@ -212,6 +247,9 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
         return row
 
     def export_slot(ds, slot, lb):
+        if paged is not None:  # the slot's pages (those holding its first lb tokens), gathered
+            kv = mdecode.paged_slot_kv(ds.cache, slot, lb)
+            return kv.k, kv.v
         sh = (cfg.n_layers, 1, lb, cfg.n_kv_heads, cfg.head_dim)
         k = jax.lax.dynamic_slice(ds.cache.k, (0, slot, 0, 0, 0), sh)[:, 0]
         v = jax.lax.dynamic_slice(ds.cache.v, (0, slot, 0, 0, 0), sh)[:, 0]
@@ -224,14 +262,25 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int) -
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
     out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
     out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
+    out["hold_slot"] = jax.jit(hold_slot, donate_argnums=0, out_shardings=ds_s)
     out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
     out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
     out["pause"] = jax.jit(pause, out_shardings=rep)
+    out["set_table"] = jax.jit(set_table, donate_argnums=0, out_shardings=ds_s)
+
+    def gather(ds, pages_P):  # a cached prefix's pages as one contiguous block (for a prefill to attend to)
+        k = jax.vmap(mdecode.gather_pages, in_axes=(0, None))(ds.cache.k, pages_P[None])[:, 0]
+        v = jax.vmap(mdecode.gather_pages, in_axes=(0, None))(ds.cache.v, pages_P[None])[:, 0]
+        return k, v
+
+    out["gather"] = jax.jit(gather, out_shardings=(blk, blk))
 
     def make_state():
         z = jnp.zeros((slots,), jnp.int32)
         f = jnp.zeros((slots,), bool)
-        return DecodeState(mdecode.init_cache(cfg, slots, m), z, z, z, z, jnp.zeros((slots,), jnp.float32),
+        cache = (mdecode.init_cache(cfg, slots, m) if paged is None
+                 else mdecode.init_paged_cache(cfg, slots, paged[0], paged[1], m))
+        return DecodeState(cache, z, z, z, z, jnp.zeros((slots,), jnp.float32),
                            jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z)
 
     out["make_state"] = jax.jit(make_state, out_shardings=ds_s)

@@ -110,7 +110,10 @@ def build_server(c, workdir: str):
                                                 max_len=mc.max_seq_len, name=f"cell{cell.index}", special_ids=special,
                                                 tokens_per_call=c.cells.tokens_per_call,
                                                 prefill_chunk=c.cells.get("prefill_chunk", 4096),
-                                                kv_budget_bytes=_kv_budget(c)), name=f"cell{cell.index}")
+                                                kv_budget_bytes=_kv_budget(c),
+                                                kv_cache=c.cells.get("kv_cache", "contiguous"),
+                                                page_size=c.cells.get("page_size", 16),
+                                                kv_pages=c.cells.get("kv_pages", 0) or None), name=f"cell{cell.index}")
                     for cell in cells]
         return Proxy(Router(backends), tok, store, pc)
 
