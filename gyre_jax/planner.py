@@ -42,6 +42,7 @@ import math
 import os
 
 from gyre_jax.errors import ConfigError
+from gyre_jax.scheduler.modes import get_mode
 
 GIB = 1 << 30
 
@@ -72,7 +73,6 @@ DEVICE_KINDS: dict[str, DeviceKind] = {k.name: k for k in (
 RESERVE_FRACTION = 0.10
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ELASTIC_MODES = ("elastic", "elastic_no_stream")  # scheduler modes whose satellites switch between serving and training
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -97,11 +97,11 @@ def param_table(m) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
     """(name, shape, logical axes) of every parameter of the Transformer for ModelConfig ``m``
     (checked against ``jax.eval_shape`` of the model in tests/test_planner.py)."""
     D, F, Y, H, K, hd, V = m.d_model, m.d_ff, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.padded_vocab
-    out = [("embedding", (V, D), ("vocab", "embed"))]
+    out: list[tuple[str, tuple[int, ...], tuple[str | None, ...]]] = [("embedding", (V, D), ("vocab", "embed"))]
     if not m.tie_embeddings:
         out.append(("unembedding", (D, V), ("embed", "vocab")))
     out.append(("final_norm", (D,), ("embed",)))
-    layer = [
+    layer: list[tuple[str, tuple[int, ...], tuple[str | None, ...]]] = [
         ("attn_norm", (D,), ("embed",)), ("mlp_norm", (D,), ("embed",)),
         ("q", (D, H, hd), ("embed", "heads", "head_dim")), ("k", (D, K, hd), ("embed", "kv_heads", "head_dim")),
         ("v", (D, K, hd), ("embed", "kv_heads", "head_dim")), ("o", (H, hd, D), ("heads", "head_dim", "embed")),
@@ -295,15 +295,16 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
     per_device = device_bytes(device_kind, n_devices) if per_device is None else per_device
     tmesh, tterms = train_terms(cfg.model, cells, cfg.train)
     smesh, sterms = serve_terms(cfg.model, cells)
-    colocate = n_cells == 1 or getattr(cfg.scheduler, "mode", "") == "colocate"
-    if colocate:  # one cell trains and serves in turn: its engine's params and cache stay while it trains
+    mode = get_mode(cfg.scheduler.mode)
+    # One cell trains and serves in turn: its engine's params and cache stay while it trains.
+    if n_cells == 1 or mode.colocated:
         both = dict(tterms)
         both["serve_params"] = sterms["params"]
         both["kv_cache"], both["decode_logits"] = sterms["kv_cache"], sterms["decode_logits"]
-        roles = (RolePlan("core+serve", tmesh, both, per_device),)
+        roles: tuple[RolePlan, ...] = (RolePlan("core+serve", tmesh, both, per_device),)
     else:
         roles = (RolePlan("core", tmesh, tterms, per_device), RolePlan("serve", smesh, sterms, per_device))
-        if getattr(cfg.scheduler, "mode", "") in ELASTIC_MODES:
+        if mode.switches_satellites:
             # A satellite that turns to training keeps its engine (params and cache stay, rl/cell_pool.py)
             # and takes a params snapshot, one micro-batch's gradient and its activations on top.
             sat = {("serve_params" if k == "params" else k): v for k, v in sterms.items()}

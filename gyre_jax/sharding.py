@@ -78,7 +78,7 @@ def mesh_spec(
     if shape is not None and len(shape) != len(logical):
         raise ValueError(f"{where}: {len(logical)} logical axes {logical} for an array of shape {shape}")
     used: dict[str, str] = {}
-    out = []
+    out: list[str | tuple[str, ...] | None] = []
     for dim, name in enumerate(logical):
         if name is None:
             out.append(None)
@@ -124,7 +124,7 @@ def tree_shardings(logical_tree, mesh: Mesh, abstract_tree=None, *, rules=RULES)
     if abstract_tree is None:
         return jax.tree.map(lambda s: NamedSharding(mesh, mesh_spec(s, mesh, rules=rules)), logical_tree, is_leaf=_is_spec)
     specs, treedef = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)
-    shapes = treedef.flatten_up_to(abstract_tree)
+    shapes = treedef.flatten_up_to(abstract_tree)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef is unresolved in jax's stubs; flatten_up_to is its method
     out = [
         NamedSharding(mesh, mesh_spec(s, mesh, shape=tuple(a.shape), rules=rules, where=jax.tree_util.keystr(p)))
         for (p, s), a in zip(specs, shapes)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_jax.scheduler import policy as P
-from gyre_jax.scheduler import vocab
+from gyre_jax.scheduler import modes, vocab
 
 
 def cells(roles, *, slots=8, calls=None):
@@ -315,13 +315,15 @@ def test_takeable_matches_group_by_group_reference(u, bound, taken, ready, runni
 def test_one_vocabulary_of_cell_roles_and_modes_and_no_jax_in_the_policy():
     # The policy, the simulator and the JAX side (cells.mesh.Role) share scheduler.vocab;
     # the policy itself stays free of jax and numpy so any host can run it.
-    code = ("import sys, gyre_jax.scheduler.policy; "
+    code = ("import sys, gyre_jax.scheduler.policy, gyre_jax.scheduler.modes; "
             "print(sorted(m for m in ('numpy', 'jax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     from gyre_jax.cells.mesh import Role
     assert {Role.TRAIN.value, Role.ROLLOUT.value} == {vocab.TRAIN, vocab.ROLLOUT}
-    assert P.MODES is vocab.MODES and set(vocab.FIXED_SPLIT_MODES + vocab.STREAMING_MODES) <= set(vocab.MODES)
+    # the built-in modes' names are the vocabulary's, each a registered strategy object
+    assert P.MODES is vocab.MODES and vocab.MODES == tuple(m.name for m in modes.BUILTIN)
+    assert all(modes.get_mode(m).name == m for m in vocab.MODES)
 
 
 def test_multi_step_publishes_every_k_updates():

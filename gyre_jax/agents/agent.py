@@ -213,7 +213,7 @@ class Agent:
                                       f"{', '.join(self.tool_names)}")
             if call.name == tools.SPAWN_SUBAGENT:
                 return await self._spawn(tools.check_args(call.name, call.arguments)["task"])
-            return await self.ctx.workspace.call(call.name, call.arguments)
+            return await self.ctx.workspace.call(call.name, call.arguments or {})
         except tools.ToolError as e:
             return self._tool_error(e)
         except OSError as e:  # e.g. a file the agent made unreadable: the agent's problem, not infra
@@ -282,7 +282,7 @@ def _needs_commands(task: Task) -> bool:
     return tools.RUN in task.tools or tools.RUN_TESTS in task.tools
 
 
-run_episode.needs_commands = _needs_commands
+run_episode.needs_commands = _needs_commands  # type: ignore[attr-defined]  # the function is the builtin harness (harnesses.Harness's needs_commands)
 
 
 def tool_call_message(calls: list[tuple[str, dict]], *, text_format: bool, id_prefix: str = "call") -> dict:

@@ -61,9 +61,10 @@ class BoundedCapture:
         return data.decode(errors="replace")
 
 
-async def drain_async(stream: asyncio.StreamReader, capture: BoundedCapture, chunk: int = 65536) -> None:
-    """Read ``stream`` to its end into ``capture`` (memory stays bounded however much is written)."""
-    while True:
+async def drain_async(stream: asyncio.StreamReader | None, capture: BoundedCapture, chunk: int = 65536) -> None:
+    """Read ``stream`` to its end into ``capture`` (memory stays bounded however much is written).
+    None (a process started without that pipe) has nothing to read."""
+    while stream is not None:
         data = await stream.read(chunk)
         if not data:
             return
@@ -130,8 +131,8 @@ def _bound(value, text_bytes: int, depth: int):
             out["..."] = f"{len(items) - RECORD_ITEMS} more entries not kept"
         return out
     if isinstance(value, (list, tuple)):
-        out = [_bound(v, text_bytes, depth + 1) for v in value[:RECORD_ITEMS]]
+        kept = [_bound(v, text_bytes, depth + 1) for v in value[:RECORD_ITEMS]]
         if len(value) > RECORD_ITEMS:
-            out.append(f"... {len(value) - RECORD_ITEMS} more items not kept")
-        return out
+            kept.append(f"... {len(value) - RECORD_ITEMS} more items not kept")
+        return kept
     return bound_text(str(value), text_bytes)

@@ -61,6 +61,7 @@ def _script(task: Task, config: HarnessConfig, text_format: bool):
                 return {"role": "assistant", "content": out}
             return tool_call_message(out, text_format=text_format, id_prefix=f"call{k}")
         turn = sum(m["role"] == "assistant" for m in messages)
+        assert turns is not None  # set whenever the family has no scripted_reply (above)
         if role != ROLE_MAIN or turn >= len(turns):
             raise RuntimeError(f"demonstration of {task.task_id}: the agent asked for {role} turn {turn} but the "
                                f"script has {len(turns)} main turns")

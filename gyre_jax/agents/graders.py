@@ -59,7 +59,7 @@ def snapshot_workspace(src: str | os.PathLike, dst: str | os.PathLike, *, max_by
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=exist_ok)
     os.chmod(dst, 0o755)
-    stats = {"files": 0, "bytes": 0, "apparent_bytes": 0, "skipped": 0, "truncated": False,
+    stats: dict[str, Any] = {"files": 0, "bytes": 0, "apparent_bytes": 0, "skipped": 0, "truncated": False,
              "skipped_by_reason": dict.fromkeys(SKIP_REASONS, 0)}
 
     def skip(reason: str) -> None:
@@ -251,7 +251,8 @@ async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: f
         except BaseException:
             pass
         raise
-    score, details, error = parse_grader_output(out.tail_text(), proc.returncode, err.text())
+    returncode = proc.returncode if proc.returncode is not None else -1  # waited for above: always set
+    score, details, error = parse_grader_output(out.tail_text(), returncode, err.text())
     return GraderOutcome(error is None, score, bound_json(details), None if error is None else bound_text(error),
                          time.monotonic() - t0)
 

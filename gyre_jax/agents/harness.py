@@ -361,7 +361,7 @@ async def iter_rollouts(requests: Sequence[RolloutRequest], config: HarnessConfi
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        if own:
+        if own and session is not None:
             await session.close()
 
 

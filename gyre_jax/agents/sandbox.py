@@ -53,7 +53,7 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
-from gyre_jax.agents.sandbox_cgroup import make_cap
+from gyre_jax.agents.sandbox_cgroup import CgroupCap, make_cap
 from gyre_jax.agents.sandbox_seccomp import filter_path
 
 log = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ class Sandbox:
     at the rollout's end. Subclasses build the command line."""
 
     kind = "none"
-    _cap = None  # its cgroup (sandbox_cgroup.CgroupCap), made at the first command where one can be
+    _cap: CgroupCap | None = None  # its cgroup, made at the first command where one can be
     _oom_kills = 0  # the cap's OOM kills already reported
 
     def __init__(self, config: SandboxConfig, workspace: Path, *, network: bool = False, image: str | None = None,
@@ -570,6 +570,7 @@ class ContainerSandbox(Sandbox):
                  image: str | None = None, name: str = "gyre", commands: bool = True):
         self.kind = runtime
         super().__init__(config, workspace, network=network, image=image or config.default_image, commands=commands)
+        self.image: str = image or config.default_image
         self.name_prefix = re.sub(r"[^a-zA-Z0-9_.-]", "_", name)
         self._n = 0
 

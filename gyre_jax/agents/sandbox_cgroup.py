@@ -104,9 +104,9 @@ def _mounts() -> list[tuple[str, str, set[str]]]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             pre, _, post = line.partition(" - ")
-            fields, post = pre.split(), post.split()
-            if len(post) >= 3 and post[0] in ("cgroup", "cgroup2"):
-                out.append((fields[4], post[0], set(post[2].split(","))))
+            fields, words = pre.split(), post.split()
+            if len(words) >= 3 and words[0] in ("cgroup", "cgroup2"):
+                out.append((fields[4], words[0], set(words[2].split(","))))
     return out
 
 

@@ -91,7 +91,7 @@ TOOL_SCHEMAS: dict[str, dict] = {
     },
 }
 TOOL_NAMES = tuple(TOOL_SCHEMAS)
-_ARG_TYPES = {"string": str, "number": (int, float)}
+_ARG_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "number": (int, float)}
 
 
 def openai_tools(names) -> list[dict]:

@@ -205,7 +205,7 @@ class ElasticStep:
     # ---- queue ---------------------------------------------------------------
     def add(self, micro_batches: Sequence[Mapping[str, Any]]) -> None:
         """Append micro-batches to an open step (checked like ``start_step``'s)."""
-        checked = []
+        checked: list[dict[str, Any]] = []
         with self._cv:
             n0 = len(self._mbs)
         for j, m in enumerate(micro_batches):
@@ -399,7 +399,7 @@ class ElasticStep:
                 began[0] = True
             return link.submit(i, self._mbs[i]), first
 
-        self._pull_loop(cell, dispatch, lambda i, sent, t_pull: self._deliver_remote(cell, i, *sent, t_pull))
+        self._pull_loop(cell, dispatch, lambda i, sent, t_pull: self._deliver_remote(cell, i, sent[0], sent[1], t_pull))
 
     def _pull_loop(self, cell, dispatch, finish) -> None:
         """Pull, ``dispatch(i)``, keep up to ``in_flight`` dispatched; ``finish`` the oldest before pulling more."""
@@ -480,7 +480,7 @@ class ElasticStep:
             raise
         finally:
             self._pool.shutdown(wait=True)
-        summed = {k: np.float64(v) for k, v in stats[0].items()}
+        summed: dict[str, Any] = {k: np.float64(v) for k, v in stats[0].items()}
         for s in stats[1:]:  # index order, float64 on the host
             summed = combine_stats(summed, {k: np.float64(v) for k, v in s.items()}, self._t.steps.reductions, host=True)
         summed = {k: float(v) * (scale if _sums(k, self._t.steps.reductions) else 1.0) for k, v in summed.items()}

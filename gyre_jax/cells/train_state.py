@@ -98,8 +98,10 @@ def make_optimizer(cfg: OptimizerConfig, logical_params) -> optax.GradientTransf
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: optimizer updates applied (drives the schedule)
-    policy_version: jax.Array  # int32 scalar: version of ``params``
+    # Leaves are arrays; abstract_state() / state_shardings() fill the same tree with their
+    # ShapeDtypeStructs / NamedShardings, hence Any.
+    step: Any  # int32 scalar: optimizer updates applied (drives the schedule)
+    policy_version: Any  # int32 scalar: version of ``params``
     params: Any
     opt_state: Any
 
@@ -156,7 +158,7 @@ class StateSpec:
 
     def state_from_params(self, params, mesh: Mesh, *, initial_version: int = 0, rules=RULES) -> TrainState:
         """State around given params (e.g. a loaded checkpoint), fresh optimizer, laid out on ``mesh``."""
-        if jax.tree.structure(params) != jax.tree.structure(self.abstract_params):
+        if jax.tree.structure(params) != jax.tree.structure(self.abstract_params):  # type: ignore[operator]  # PyTreeDef is unresolved in jax's stubs
             raise ValueError("state_from_params: params tree does not match the model's")
         params = jax.device_put(params, self.param_shardings(mesh, rules=rules))  # from wherever they are
         return self._jit("from_params", mesh, rules, self._wrap)(params, jnp.asarray(initial_version, jnp.int32))

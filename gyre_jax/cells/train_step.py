@@ -38,7 +38,7 @@ from gyre_jax.losses.policy_gradient import combine_metrics
 from gyre_jax.sharding import RULES, batch_sharding
 from gyre_jax.cells.train_state import StateSpec, TrainState
 
-MICRO_BATCH_KEYS = (
+MICRO_BATCH_KEYS: tuple[str, ...] = (
     "tokens",
     "targets",
     "loss_mask",

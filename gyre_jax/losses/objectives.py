@@ -103,6 +103,13 @@ def clipped_surrogate(log_ratio, x: PolicyInputs, eps_low, eps_high, clip_c):
     return pg, m
 
 
+def _given(value: jax.Array | None, name: str) -> jax.Array:
+    """An optional PolicyInputs field the loss's registration asks for (the loss function fills it)."""
+    if value is None:
+        raise ValueError(f"PolicyInputs.{name} is None, but this loss's registration needs it")
+    return value
+
+
 def _check_clip(where, eps_low, eps_high, clip_c):
     check_number(where, "eps_low", eps_low, lo=0.0, hi=1.0, hi_open=True)
     check_number(where, "eps_high", eps_high, lo=0.0)
@@ -172,7 +179,7 @@ class GSPOConfig:
     paper="Zheng et al. 2025, Group Sequence Policy Optimization (GSPO)")
 def gspo(x: PolicyInputs, cfg: GSPOConfig):
     c = x.log_ratio_clamp
-    seq = sg(x.seq_log_ratio)
+    seq = sg(_given(x.seq_log_ratio, "seq_log_ratio"))
     outside = jnp.abs(seq) > c
     # value: the sequence's clamped log-ratio; gradient: d logp_t (none where the clamp acts)
     tok = jnp.where(outside, 0.0, x.logp - sg(x.logp))
@@ -237,7 +244,7 @@ class DecoupledConfig(ClipConfig):
     summary="PPO clip against the proximal policy (the step's params), weighted by pi_prox / pi_behav",
     paper="Hilton et al. 2021 (batch size-invariant PPO); Fu et al. 2025 (AReaL, decoupled PPO)")
 def decoupled_ppo(x: PolicyInputs, cfg: DecoupledConfig):
-    prox = sg(x.prox_logp)
+    prox = sg(_given(x.prox_logp, "prox_logp"))
     pg, m = clipped_surrogate(x.logp - prox, x, cfg.eps_low, cfg.eps_high, cfg.clip_c)
     lb = prox - x.old_logp
     b = jnp.exp(jnp.clip(lb, -x.log_ratio_clamp, x.log_ratio_clamp))

@@ -91,7 +91,8 @@ class Registry:
         """Decorator: register ``fn`` under ``name`` (a duplicate name is an error)."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"{self.kind}: name must be an identifier, got {name!r}")
-        if not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):
+        # dataclasses has no public "is it frozen" query; __dataclass_params__ is what dataclass() sets.
+        if not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):  # type: ignore[attr-defined]
             raise TypeError(f"{self.kind} {name!r}: config must be a frozen dataclass, got {config!r}")
         metrics = dict(metrics or {})
 

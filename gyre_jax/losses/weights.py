@@ -56,17 +56,17 @@ def group_mean_weights(
     """
     g = _check_count(name, "num_groups", num_groups)
     if _is_jax(loss_mask, group_ids, group_token_counts):
-        mask = jnp.asarray(loss_mask).astype(bool)
-        ids = jnp.asarray(group_ids)
-        if ids.shape != mask.shape:
-            raise ValueError(f"{name}: ids shape {ids.shape} != loss_mask shape {mask.shape}")
-        ids = jnp.where(mask, ids, 0).astype(jnp.int32)
+        mask_j = jnp.asarray(loss_mask).astype(bool)
+        ids_j = jnp.asarray(group_ids)
+        if ids_j.shape != mask_j.shape:
+            raise ValueError(f"{name}: ids shape {ids_j.shape} != loss_mask shape {mask_j.shape}")
+        ids_j = jnp.where(mask_j, ids_j, 0).astype(jnp.int32)
         if group_token_counts is None:
-            counts = jnp.zeros(g, jnp.float32).at[ids].add(mask.astype(jnp.float32))
+            counts_j = jnp.zeros(g, jnp.float32).at[ids_j].add(mask_j.astype(jnp.float32))
         else:
-            counts = jnp.asarray(group_token_counts, jnp.float32)
-        n = counts[ids]
-        return jnp.where(mask, 1.0 / (jnp.where(n > 0, n, 1.0) * g), 0.0).astype(jnp.float32)
+            counts_j = jnp.asarray(group_token_counts, jnp.float32)
+        n_j = counts_j[ids_j]
+        return jnp.where(mask_j, 1.0 / (jnp.where(n_j > 0, n_j, 1.0) * g), 0.0).astype(jnp.float32)
 
     mask = np.asarray(loss_mask).astype(bool)
     ids = np.asarray(group_ids)
@@ -123,9 +123,9 @@ def token_mean_weights(loss_mask, total_tokens: int | None = None):
     """``w = 1 / N`` on trainable tokens, ``N = total_tokens`` of the step (default: ``loss_mask.sum()``)."""
     name = "token_mean_weights"
     if _is_jax(loss_mask):
-        mask = jnp.asarray(loss_mask).astype(bool)
-        n = jnp.sum(mask).astype(jnp.float32) if total_tokens is None else jnp.float32(total_tokens)
-        return jnp.where(mask, 1.0 / jnp.maximum(n, 1.0), 0.0).astype(jnp.float32)
+        mask_j = jnp.asarray(loss_mask).astype(bool)
+        n_j = jnp.sum(mask_j).astype(jnp.float32) if total_tokens is None else jnp.float32(total_tokens)
+        return jnp.where(mask_j, 1.0 / jnp.maximum(n_j, 1.0), 0.0).astype(jnp.float32)
     mask = np.asarray(loss_mask).astype(bool)
     seen = int(mask.sum())
     n = seen if total_tokens is None else _check_count(name, "total_tokens", total_tokens)

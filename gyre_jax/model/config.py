@@ -6,6 +6,7 @@ it one field at a time (hidden_size -> d_model, intermediate_size -> d_ff, ...).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -172,7 +173,7 @@ class ModelConfig:
 
 def model_config_tiny(**overrides) -> ModelConfig:
     """A model small enough for unit tests on CPU (a few ms per forward pass)."""
-    base = dict(
+    base: dict[str, Any] = dict(
         vocab_size=128,
         d_model=32,
         n_layers=2,

@@ -28,6 +28,7 @@ holds only the pages its tokens fill (the host hands them out; serving/pages.py)
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import chex
 import flax.struct
@@ -73,6 +74,12 @@ def init_cache(config: ModelConfig, batch_slots: int, max_len: int | None = None
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_slots,), jnp.int32))
 
 
+def _with_cache(config: ModelConfig, params, *args) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``Transformer.with_cache`` applied: (logits, (k, v)) with k/v [Y, B, P, K, H] (flax types apply() loosely)."""
+    out = Transformer(config).apply(params, *args, method=Transformer.with_cache)
+    return cast(tuple[jax.Array, tuple[jax.Array, jax.Array]], out)  # no mutable collections: just the output
+
+
 def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None):
     """Run T new tokens (one sequence), after an optional cached prefix.
 
@@ -103,7 +110,7 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     positions_T = start + jnp.arange(t, dtype=jnp.int32)
     # Query t sees every buffer entry up to its own position (prefix then causal); blockwise
     # by default, so a long prompt never forms a [T, P+T] mask or scores.
-    logits, (k, v) = Transformer(config).apply(
+    logits, (k, v) = _with_cache(config,
         params,
         tokens_T[None],
         positions_T[None],
@@ -111,7 +118,6 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
         k_buf[:, None],
         v_buf[:, None],
         start[None],
-        method=Transformer.with_cache,
     )
     kv_shape = (config.n_layers, t, config.n_kv_heads, config.head_dim)
     new_k = jax.lax.dynamic_slice(k[:, 0], (0, start, 0, 0), kv_shape)
@@ -139,9 +145,9 @@ def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_len
     start = jnp.asarray(start, jnp.int32)
     n = jnp.asarray(t if true_length is None else true_length, jnp.int32)
     positions_T = start + jnp.arange(t, dtype=jnp.int32)
-    logits, (k, v) = Transformer(config).apply(
+    logits, (k, v) = _with_cache(config,
         params, tokens_T[None], positions_T[None], cache_mask(config, positions_T[None], p),
-        buf.k[:, None], buf.v[:, None], start[None], method=Transformer.with_cache,
+        buf.k[:, None], buf.v[:, None], start[None],
     )
     return logits[0, n - 1], KV(k=k[:, 0], v=v[:, 0])
 
@@ -232,7 +238,7 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
     m = cache.max_len
     pos_S = cache.lengths
     mask_Sx1xM = (jnp.arange(m, dtype=jnp.int32)[None, :] <= pos_S[:, None])[:, None, :]
-    logits, (k, v) = Transformer(config).apply(
+    logits, (k, v) = _with_cache(config,
         params,
         tokens_S[:, None],
         pos_S[:, None],
@@ -240,7 +246,6 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
         cache.k,
         cache.v,
         pos_S,
-        method=Transformer.with_cache,
     )
     if active_S is None:
         lengths = pos_S + 1

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import jax
 import ml_collections
@@ -191,10 +192,10 @@ def _core(cfg, model, spec, steps, core, transport, workdir) -> dict:
         with open(metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
         pulls = ", ".join(f"cell {m['cell']} {m['bytes'] / 1e6:.2f} MB {m['gbps']:.2f} GB/s" for m in snaps)
-        failed = f" failed {report.failed_cells}" if report.failed_cells else ""
+        failed_note = f" failed {report.failed_cells}" if report.failed_cells else ""
         pub = ", ".join(f"cell {m.cell_index} {m.bytes / 1e6:.2f} MB {m.seconds:.3f} s" for m in pubs)
         print(f"pods_dp: step {s} loss {report.loss:.6f} grad_norm {report.grad_norm:.4f} micro-batches by cell "
-              f"{by_cell} snapshots [{pulls}] published v{trainer.version} [{pub}]{failed} {report.seconds:.2f} s",
+              f"{by_cell} snapshots [{pulls}] published v{trainer.version} [{pub}]{failed_note} {report.seconds:.2f} s",
               flush=True)
     failed = {c for ln in lines for c, _ in ln["failed_cells"]}
     for r in remotes:
@@ -202,7 +203,8 @@ def _core(cfg, model, spec, steps, core, transport, workdir) -> dict:
     for r in remotes:  # the coordination service lives in this process: live satellites shut down first
         get(transport.kv, BYE.format(process=r.process), timeout_s=120)
         transport.wait_gone(r.process)
-    np.savez(os.path.join(workdir, "params.npz"), **flat_params(trainer.state.params))
+    final: dict[str, Any] = flat_params(trainer.state.params)  # savez's stub would take an array for allow_pickle
+    np.savez(os.path.join(workdir, "params.npz"), **final)
     summary = dict(steps=cfg.steps, processes=jax.process_count(), seconds=time.perf_counter() - t_run,
                    failed_cells=sorted(failed), final_loss=lines[-1]["loss"])
     with open(os.path.join(workdir, "summary.json"), "w") as f:

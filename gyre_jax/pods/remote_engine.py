@@ -26,6 +26,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from gyre_jax.serving.bound_port import bound_port
 from gyre_jax.serving.backend import (Backend, EngineError, GenerateRequest, ResumeState, SamplingParams, TokenEvent,
                                       TokenStream)
 
@@ -78,7 +79,7 @@ class EngineServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no bound port otherwise
+        port = bound_port(site)
         self.url = f"http://{host}:{port}"
         return self.url
 

@@ -37,6 +37,7 @@ from gyre_jax.errors import ConfigError
 from gyre_jax.pods.remote_engine import EngineServer, RemoteBackend
 from gyre_jax.pods.satellite import RemoteCell, say_done, serve
 from gyre_jax.pods.transport import Transport, get, transfer_host
+from gyre_jax.scheduler.modes import get_mode, mode_names
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,10 @@ def check_layout(cfg, cs) -> None:
         if procs != {c.index}:
             raise ConfigError(f"cell {c.index} spans processes {sorted(procs)}: the rl job across processes needs "
                               f"cell k on process k")
-    if cfg.scheduler.mode != "elastic":
-        raise ConfigError(f"the rl job across processes runs scheduler.mode=elastic (cell 0 trains, the satellite "
-                          f"processes serve or train); got {cfg.scheduler.mode!r}")
+    if not get_mode(cfg.scheduler.mode).across_processes:
+        ok = [m for m in mode_names() if get_mode(m).across_processes]
+        raise ConfigError(f"the rl job across processes runs scheduler.mode={'|'.join(ok)} (cell 0 trains, the "
+                          f"satellite processes serve or train); got {cfg.scheduler.mode!r}")
 
 
 def satellite_main(cfg, steps, make_backend, tok) -> dict:

@@ -191,7 +191,7 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
     transport.kv.key_value_set(HELLO.format(process=me), json.dumps(
         {"process": me, "generation": generation, "devices": [d.id for d in mesh.devices.flat]}), allow_overwrite=True)
     params, version = None, None
-    done = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0,
+    done: dict[str, Any] = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0,
             "published_version": None, "publish_bytes": 0, "publish_seconds": 0.0}
     published = None  # (version, params in the serving layout): what an engine here would serve
     while True:

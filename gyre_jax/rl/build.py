@@ -40,7 +40,7 @@ from gyre_jax.rl.config import RLConfig
 from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
-from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number, resume_plan
+from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter, WandbOptions
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl import warm_cache
@@ -49,7 +49,8 @@ from gyre_jax.rl.step_events import TrainerSnapshot
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.controller import Controller
-from gyre_jax.scheduler.vocab import COLOCATE, FIXED_SPLIT_MODES, ROLLOUT
+from gyre_jax.scheduler.modes import get_mode
+from gyre_jax.scheduler.vocab import ROLLOUT
 from gyre_jax.serving.backend import GenerateRequest, SamplingParams
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
 from gyre_jax.serving.router import Router
@@ -165,7 +166,7 @@ class Restored:
     iterator: Any  # the grain iterator over ``stream``, at the state's step
     trainer: cells_lib.ElasticTrainer
     steps_done: int
-    ready: tuple[ResumedGroup, ...]  # finished groups to train first
+    ready: tuple[Group, ...]  # finished groups to train first
     short: tuple[ResumedGroup, ...]  # groups a stop cut short: their missing rollouts run again
     ref_params: Any  # KL's target, or None
     sft_history: tuple[dict, ...]
@@ -312,12 +313,8 @@ def _warm_engines(cfg: RLConfig, server: ServerThread, backends: dict, tok) -> N
 
 
 def _serving_cells(mode: str, n_cells: int, async_train_cells: int) -> list[int]:
-    """Cells that may ever serve in this mode (each gets an engine)."""
-    if mode == COLOCATE:
-        return list(range(n_cells))
-    if mode in FIXED_SPLIT_MODES:
-        return list(range(async_train_cells, n_cells))
-    return list(range(1, n_cells))
+    """Cells that may ever serve in this mode (each gets an engine): the mode's to say."""
+    return list(get_mode(mode).serving_cells(n_cells, async_train_cells))
 
 
 def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstream_backend) -> Components:
@@ -396,7 +393,7 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
                                    data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
     sft_history: list[dict] = []
-    ready: list[ResumedGroup] = []
+    ready: list[Group] = []
     short: list[ResumedGroup] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step

@@ -162,7 +162,7 @@ class CellPoolAdapter:
     def _set(self, cell: int, role: str) -> None:
         self._roles.set(cell, role)
 
-    def _retried(self, what: str, cell: int, attempt: Callable[[], None], *, chaos: bool) -> None:
+    def _retried(self, what: str, cell: int, attempt: Callable[[], object], *, chaos: bool) -> None:
         """``attempt()``, retried; out of service (or a run error, for the core) if it keeps failing.
         ``chaos``: the injected switch delays and failures (config.faults) apply to it."""
         err = None

@@ -143,7 +143,7 @@ def _rng_to_json(rng) -> dict:
 
 def _rng_from_json(d) -> jax.Array:
     data = np.asarray(d["key_data"], np.uint32).reshape(d["shape"])
-    return jnp.asarray(data) if d["impl"] is None else jax.random.wrap_key_data(data, impl=d["impl"])
+    return jnp.asarray(data) if d["impl"] is None else jax.random.wrap_key_data(jnp.asarray(data), impl=d["impl"])
 
 
 def _check_target(abstract) -> None:
@@ -360,6 +360,8 @@ class Checkpointer:
                       f"{str(first_error).splitlines()[0] if str(first_error) else ''}); resumed from step {step}",
                       flush=True)
             return restored
+        if first_error is None:  # unreachable: each step above returned or set it
+            raise RuntimeError(f"checkpoint: no step of {steps} in {self.directory} restored")
         raise first_error
 
     def restore(self, step: int, abstract_train_state, *, data_iterator=None) -> Restored:

@@ -19,7 +19,8 @@ from typing import Any, ClassVar, Mapping
 from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
-from gyre_jax.scheduler.vocab import ELASTIC, FIXED_SPLIT_MODES, MODES, STREAMING_MODES  # the scheduler owns the policy modes
+from gyre_jax.scheduler.modes import get_mode, mode_names  # the scheduler owns the policy modes
+from gyre_jax.scheduler.vocab import ELASTIC
 
 
 def section(cls, **overrides) -> dict:
@@ -146,8 +147,8 @@ class SchedulerConfig:
     poll_s: float = 0.05  # controller tick period (it also wakes on every event)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ConfigError(f"config.scheduler.mode={self.mode!r}; known: {MODES}")
+        if self.mode not in mode_names():
+            raise ConfigError(f"config.scheduler.mode={self.mode!r}; known: {mode_names()}")
         _ints(self, ("groups_per_step", "group_size", "staleness_bound", "updates_per_publication", "async_train_cells"))
         _positive(self, ("groups_per_step", "group_size", "updates_per_publication", "async_train_cells",
                          "serve_reserve", "poll_s"))
@@ -161,7 +162,7 @@ class SchedulerConfig:
     def stream_groups(self) -> bool:
         """Groups are packed and trained as they are taken (the streaming modes, as the
         simulator models them, and multi-step), not once the step's batch is whole."""
-        return self.multi_step or self.mode in STREAMING_MODES
+        return self.multi_step or get_mode(self.mode).streams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -595,9 +596,9 @@ class RLConfig:
         pc = _built("scheduler", lambda: policy_lib.PolicyConfig(
             mode=s.mode, total_steps=self.steps, groups_per_step=s.groups_per_step, group_size=s.group_size,
             staleness_bound=s.staleness_bound, updates_per_publication=s.updates_per_publication,
-            async_train_cells=s.async_train_cells if s.mode in FIXED_SPLIT_MODES else 0,
+            async_train_cells=s.async_train_cells if get_mode(s.mode).fixed_split else 0,
             serve_reserve=s.serve_reserve, min_work_per_switch_s=s.min_work_per_switch_s))
-        if n_cells is not None and s.mode in FIXED_SPLIT_MODES and not 1 <= s.async_train_cells < n_cells:
+        if n_cells is not None and pc.strategy.fixed_split and not 1 <= s.async_train_cells < n_cells:
             raise ConfigError(f"config.scheduler.async_train_cells={s.async_train_cells} must be in [1, {n_cells - 1}]: "
                               f"{n_cells} cells of cells.cell_size={self.cells.cell_size} devices, one must serve")
         if n_cells is not None:

@@ -38,10 +38,14 @@ import secrets
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:  # imported where used: serving pulls in the engine, metrics TensorBoard
+    from gyre_jax.rl.metrics import MetricsWriter
+    from gyre_jax.serving.server_thread import ServerThread
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +133,11 @@ class EpisodeEval:
         self.tasks, self.k, self.pass_score = list(tasks), samples_per_task, pass_score
         self.hc, self._make_harness, self._make_backend = harness_config, make_harness, make_backend
         self.tok, self.workdir, self.seed, self.cap = tokenizer, workdir, seed, max_tokens_cap
-        self._server = None
-        self._backend = None
-        self._sock_dir = None
+        self._server: ServerThread | None = None
+        self._backend: Any = None
+        self._sock_dir: str | None = None
 
-    def _start(self, params, version: int) -> None:
+    def _start(self, params, version: int) -> ServerThread:
         from gyre_jax.serving.proxy import Proxy, ProxyConfig
         from gyre_jax.serving.router import Router
         from gyre_jax.serving.server_thread import ServerThread
@@ -153,6 +157,7 @@ class EpisodeEval:
         self._server = ServerThread(build)
         url = self._server.start()
         self._url, self._sock = url, sock
+        return self._server
 
     def __call__(self, params, version: int) -> dict:
         import dataclasses
@@ -161,10 +166,11 @@ class EpisodeEval:
 
         t0 = time.perf_counter()
         if self._server is None:
-            self._start(params, version)
+            server = self._start(params, version)
         else:
+            server = self._server
             self._backend.engine.publish(params, version)
-        sink = self._server.proxy.sink
+        sink = server.proxy.sink
         sink.start_version(version)
         hc = dataclasses.replace(self.hc, base_url=self._url + "/v1", run_id=sink.run_id)
         reqs = [RolloutRequest(rollout_id=f"e{i:04d}-{j}", task=t, group_id=f"e{i:04d}")
@@ -174,7 +180,7 @@ class EpisodeEval:
             import shutil
             shutil.rmtree(root, ignore_errors=True)
         results = asyncio.run(run_rollouts(reqs, hc, workspace_root=root, harness=self._make_harness(self._sock),
-                                           keys=self._server.proxy))
+                                           keys=server.proxy))
         calls = sink.calls_by_rollout()
         out = episode_metrics(results, self.tasks, self.k, self.pass_score, calls)
         out["eval_s"] = time.perf_counter() - t0
@@ -199,7 +205,7 @@ class BackgroundEval:
                  on_close: Sequence[Callable[[], None]] = ()):
         """log_dir: where eval.jsonl and TensorBoard events go (one line per version: ``eval/<metric>``)."""
         self.fn, self.log_dir, self.on_close = fn, log_dir, tuple(on_close)
-        self.writer = None
+        self.writer: MetricsWriter | None = None
         self.done_through: int | None = None  # versions up to this one were evaluated by an earlier attempt
         self.results: list[dict] = []
         self.errors: list[tuple[int, BaseException]] = []

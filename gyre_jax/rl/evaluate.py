@@ -204,7 +204,7 @@ class HeldOutEval:
         args = jax.device_put((self.prompts_SxT, self.lengths_S), self.device)
         return jax.device_get(self._sample(params, *args, self.key))
 
-    def score_outputs(self, outputs: Sequence[Sequence[int]]) -> dict:
+    def score_outputs(self, outputs: Sequence[Sequence[int]] | np.ndarray) -> dict:
         """Scores of generated token rows (task-major, ``samples_per_task`` per task)."""
         if len(outputs) != len(self.tasks) * self.k:
             raise ValueError(f"HeldOutEval: {len(outputs)} outputs for {len(self.tasks)} tasks x {self.k} samples")

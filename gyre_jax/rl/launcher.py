@@ -171,7 +171,7 @@ class Launcher:
         self.results: list[dict] = []  # per finished rollout: small dict for metrics
         self.group_failures: list[tuple[str, str]] = []  # (group id, error) of groups the harness could not run
         self.rerun_rollouts = 0  # rollouts re-run at resume (their first attempt was cut off)
-        self._session = None
+        self._session: aiohttp.ClientSession | None = None
         self._futures: list[concurrent.futures.Future] = []
         self.errors: list[BaseException] = []  # failures no group can survive (drive stops the run on them)
         self.on_error = on_error  # wakes the loop

@@ -41,6 +41,7 @@ import jax
 from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint
 from gyre_jax.rl.config import RLConfig
+from gyre_jax.rl.episode_eval import BackgroundEval
 from gyre_jax.rl.progress import Progress
 from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars
 
@@ -59,7 +60,9 @@ def run(config, workdir: str) -> dict:
 def _run_eval(c: Components, version: int, params) -> dict:
     """One held-out eval: whole episodes are queued on the eval's own thread (results in eval/eval.jsonl
     and the summary); the first-call eval runs here (~2 s for the demo). A failure is logged, not fatal."""
-    if getattr(c.evaluator, "background", False):
+    if c.evaluator is None:  # callers check; said here for the reader (and the type checker)
+        return {}
+    if isinstance(c.evaluator, BackgroundEval):
         c.evaluator.submit(version, params)
         return {}
     t0 = time.perf_counter()
@@ -147,7 +150,7 @@ def drive(c: Components) -> dict:
             c.wake.wait(cfg.scheduler.poll_s)
             c.wake.clear()
         records.take()  # the last step's
-        if getattr(c.evaluator, "background", False):  # the last version's episodes, then every result
+        if isinstance(c.evaluator, BackgroundEval):  # the last version's episodes, then every result
             c.evals.extend(c.evaluator.finish())
     except BaseException as e:  # noqa: BLE001 - save what we can, then one clear line
         failure = e
@@ -165,7 +168,7 @@ def drive(c: Components) -> dict:
     return run_summary(cfg=cfg, workdir=c.workdir, history=records.history, evals=c.evals, segments=segments,
                        n_cells=len(c.layout.cells), step_end_s=records.step_end_s, wall_rl=wall_rl,
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
-                       pool=c.pool, server=c.server, injected=injected, sft_history=c.start.sft_history,
+                       pool=c.pool, server=c.server, injected=injected, sft_history=list(c.start.sft_history),
                        earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done))
 
 

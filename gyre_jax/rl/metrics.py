@@ -38,7 +38,7 @@ import math
 import numbers
 import os
 import time
-from typing import Any, Mapping, Protocol
+from typing import Any, Literal, Mapping, Protocol, TextIO
 
 import numpy as np
 
@@ -95,8 +95,8 @@ class MetricsWriter:
         self.purged_path = os.path.splitext(self.jsonl_path)[0] + ".purged.jsonl"
         self._last_step: int | None = None
         self._closed = False
-        self._sinks = []
-        self._jsonl = None
+        self._sinks: list[MetricSink] = []
+        self._jsonl: TextIO | None = None  # open exactly when active
         if not self.active:
             return
         os.makedirs(self.logdir, exist_ok=True)
@@ -105,7 +105,7 @@ class MetricsWriter:
         else:
             self._last_step = self._last_jsonl_step()
         self._jsonl = open(self.jsonl_path, "a", buffering=1)  # line-buffered: a crash loses at most a line
-        self._sinks: list[MetricSink] = [TensorBoardSink(self.logdir, purge_step, flush_secs)]
+        self._sinks = [TensorBoardSink(self.logdir, purge_step, flush_secs)]
         if wandb is not None and wandb.mode != "off":
             self._sinks.append(WandbSink(self.logdir, wandb, resumed=purge_step is not None and purge_step > 0))
 
@@ -165,7 +165,7 @@ class MetricsWriter:
             raise ValueError(f"MetricsWriter.write: step {step} after step {self._last_step}; steps must increase "
                              "(on resume, open the writer with purge_step=<first step to write>)")
         self._last_step = step
-        if not self.active:
+        if self._jsonl is None:  # not active
             return
         t = time.time() if walltime is None else float(walltime)
         self._jsonl.write(json.dumps({"step": step, "time": t, **flat}) + "\n")
@@ -173,7 +173,7 @@ class MetricsWriter:
             sink.write(step, flat, t)
 
     def flush(self) -> None:
-        if self.active and not self._closed:
+        if self._jsonl is not None and not self._closed:
             for sink in self._sinks:
                 sink.flush()
             self._jsonl.flush()
@@ -184,7 +184,7 @@ class MetricsWriter:
             return
         self.flush()
         self._closed = True
-        if self.active:
+        if self._jsonl is not None:
             for sink in self._sinks:
                 sink.close()
             self._jsonl.close()
@@ -269,7 +269,8 @@ class WandbSink:
             run_id = f"{os.getpid():x}{int(time.time() * 1e3):x}"[-16:]
             f.write(run_id + "\n")
         name = options.name or "/".join(logdir.rstrip("/").split("/")[-2:])
-        self._run = wandb.init(project=options.project, dir=directory, mode=options.mode, id=run_id,
+        mode: Literal["offline", "online"] = "offline" if options.mode == "offline" else "online"  # "off": no sink
+        self._run = wandb.init(project=options.project, dir=directory, mode=mode, id=run_id,
                                name=name if attempt == 0 else f"{name} (attempt {attempt + 1})",
                                group=logdir, config=dict(options.config), reinit="create_new")
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import types
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -177,7 +177,7 @@ class StepRecorder:
 
 def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], segments, n_cells: int,
                 step_end_s: list[float], wall_rl: float, wall: float, launcher, timeline, pool, server, injected: dict,
-                sft_history: list[dict], earlier: list[dict] = ()) -> dict:
+                sft_history: list[dict], earlier: Sequence[dict] = ()) -> dict:
     """summary.json (and the timeline PNG) of this run; printed as one line plus the modes table.
 
     ``earlier``: the step records of attempts before this one (a resumed run), oldest first."""

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 _KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_weights", "loss_mask")
 
 
-def assistant_ids(prompt: Sequence[int], extended: Sequence[int], tok: Tokenizer, *, where: str) -> list[int]:
+def assistant_ids(prompt: Sequence[int] | np.ndarray, extended: Sequence[int] | np.ndarray, tok: Tokenizer, *,
+                  where: str) -> list[int]:
     """What the model generates for an assistant turn: the template's own rendering of it.
 
     ``extended`` renders the conversation up to and including the turn; the target is
@@ -177,7 +178,8 @@ def _as_tree(example) -> TreeNode:
 def _batch(examples, order, start: int, rows: int, row_len: int):
     """Examples (trees, or (prompt, target) pairs) from ``order[start:]`` packed into exactly
     ``rows`` rows; (arrays, next start). A tree longer than a row is split by the packer."""
-    trees, used, i = [], 0, start
+    trees: list = []  # TreeNode, or a (prompt, target) pair packed as one
+    used, i = 0, start
     budget = int(0.9 * rows * row_len)
     while True:
         example = examples[order[i % len(order)]]

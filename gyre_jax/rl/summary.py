@@ -17,7 +17,7 @@ from gyre_jax.scheduler.vocab import ROLLOUT, SWITCHING_ROLES, TRAIN
 
 def utilization(segments: Sequence[tuple[int, float, float, str]], n_cells: int, wall_s: float) -> dict[str, float]:
     """Fraction of cell-time (cells x wall time) spent in each role."""
-    t = collections.Counter()
+    t: dict[str, float] = collections.defaultdict(float)
     for _, t0, t1, role in segments:
         t[role] += max(0.0, t1 - t0)
     total = max(n_cells * wall_s, 1e-9)

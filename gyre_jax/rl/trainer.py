@@ -402,7 +402,7 @@ class TrainerAdapter:
 
     # -- the trainer thread: packed rows -> the elastic step -> the update, a StepDone on done --
     def _train_main(self) -> None:
-        t0 = None
+        t0 = 0.0  # set when a step's first micro-batch starts it
         n_mb = 0
         for batch in self.it:
             step = int(batch["step"][0])
@@ -430,6 +430,8 @@ class TrainerAdapter:
             raise RuntimeError(f"trainer: step {step}'s last rows came with step {data.step}'s data")
         with self._lock:
             running = self._step
+        if running is None:  # the step's first micro-batch started it (_train_main)
+            raise RuntimeError(f"trainer: step {step}'s last rows came with no step running")
         running.close(grad_scale=data.grad_scale)
         if self.on_step_started is not None:
             self.on_step_started(step)  # the step runs; its update is neither kept nor saved yet

@@ -13,7 +13,8 @@ import os
 
 from gyre_jax.scheduler import presets
 from gyre_jax.scheduler.simulator import SimResult, simulate
-from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, FIXED_SPLIT_MODES, MODES
+from gyre_jax.scheduler.modes import mode_names
+from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ class SimJobConfig:
     def __post_init__(self):
         if self.preset not in presets.PRESETS:
             raise ValueError(f"config.preset={self.preset!r}; known: {sorted(presets.PRESETS)}")
-        bad = [m for m in self.modes if m not in MODES]
+        bad = [m for m in self.modes if m not in mode_names()]
         if bad or not self.modes:
-            raise ValueError(f"config.modes={','.join(self.modes)!r}: unknown {bad}; known: {MODES}")
+            raise ValueError(f"config.modes={','.join(self.modes)!r}: unknown {bad}; known: {mode_names()}")
 
     @classmethod
     def from_config(cls, config) -> "SimJobConfig":
@@ -87,7 +88,7 @@ def table(results: dict[str, SimResult]) -> str:
     lines = [hdr, "-" * len(hdr)]
     for mode, r in results.items():
         s = r.summary()
-        extra = f" (train cells {r.config.policy.async_train_cells})" if mode in FIXED_SPLIT_MODES else ""
+        extra = f" (train cells {r.config.policy.async_train_cells})" if r.config.policy.strategy.fixed_split else ""
         lines.append(
             f"{mode:18s} {s['makespan_h']:10.2f} {s['over_lower_bound']:6.3f} {s['staleness_mean']:10.2f} "
             f"{s['staleness_max']:9d} {s['switches']:8d} {100 * s['util_rollout_role']:8.1f} "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.interfaces import CellPool, Clock, Proxy, RolloutLauncher, Trainer
@@ -93,11 +93,9 @@ class Controller:
     def reconcile(self) -> None:
         """Admit cells that finished switching to rollout (mechanics, not policy), and
         re-read the cells that may have changed."""
-        if self._changed is None:
-            todo = self._ids
-        else:
-            todo = set(self._changed())
-            todo.update(self._switching)
+        todo: Iterable[int] = self._ids
+        if self._changed is not None:
+            todo = set(self._changed()) | set(self._switching)
         for c in todo:
             if self.cells.role(c) == ROLLOUT and not self.proxy.routable(c):
                 self.proxy.admit(c)
@@ -143,11 +141,11 @@ class Controller:
             ready_work_s=prog.ready_work_s,
         )
 
-    def _sample_load(self) -> None:
+    def _sample_load(self, estimates: OnlineEstimates) -> None:
         # After the tick's actions (launched agents' first calls included): the load that
         # holds until the next sample. A read of every cell, once per estimates.sample_every finishes.
         running = self.rollouts.running_rollouts()
-        self.estimates.sample(self.clock.now(), finished=self.rollouts.launched_groups() * self.config.group_size - running,
+        estimates.sample(self.clock.now(), finished=self.rollouts.launched_groups() * self.config.group_size - running,
                               in_flight=sum(self.proxy.in_flight_calls(c) for c in self._ids),
                               queued=self.proxy.queued_calls(), running=running)
 
@@ -196,7 +194,7 @@ class Controller:
             if any(isinstance(a, policy_lib.TakeGroups) for a in actions) and self.trainer.progress().update_in_progress:
                 self.estimates.on_update_started(self.clock.now())  # time the update from its start, not the next tick
             if self._sample_due:
-                self._sample_load()
+                self._sample_load(self.estimates)
         if actions and self.record:
             self.decisions.append(Decision(self.clock.now(), actions))
         return actions

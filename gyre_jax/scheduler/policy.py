@@ -23,7 +23,8 @@ Both rules keep one invariant: for every step ``w`` from the open one on, the
 unassigned groups of version ``<= w - S`` fit in the positions left in steps up to
 ``w``. That invariant is what makes ``staleness <= S`` hold for every rollout.
 
-Modes (baselines and ablations use the same machinery):
+Modes (baselines and ablations use the same machinery; each is a strategy object in
+``scheduler.modes`` that this module asks for its roles, capacity and switches):
   colocate           one pool, all cells switch together; generate a batch, then
                      train it (staleness 0 by construction: rollouts of step u start
                      only after version u is published).
@@ -39,19 +40,13 @@ import bisect
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
-from gyre_jax.scheduler.vocab import (
-    COLOCATE,
-    FIXED_SPLIT_MODES,
-    MODES,
-    OUT,
-    ROLLOUT,
-    SERVING_ROLES,
-    STREAMING_MODES,
-    TRAIN,
-    TRAINING_ROLES,
-)
+from gyre_jax.scheduler.vocab import MODES  # noqa: F401 - the built-in modes' names, for callers of the policy
+from gyre_jax.scheduler.vocab import OUT, SERVING_ROLES, TRAINING_ROLES
+
+if TYPE_CHECKING:
+    from gyre_jax.scheduler.modes import Mode
 
 
 # The priors' defaults: one source for the simulator (PolicyConfig), the RL loop
@@ -81,7 +76,7 @@ NOT_MEASURED = Measured()
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
-    mode: str  # one of MODES
+    mode: str  # a registered mode's name (scheduler.modes; the built-in ones: vocab.MODES)
     total_steps: int  # optimizer steps of the run (N)
     groups_per_step: int  # groups trained per step (G)
     group_size: int  # rollouts per group
@@ -111,10 +106,18 @@ class PolicyConfig:
     # Async baselines only: the split per optimizer step (an oracle that knows each step's
     # rollouts; the benchmark's per-step async). Empty = async_train_cells for every step.
     async_split_by_step: tuple[int, ...] = ()
+    # The mode's strategy object (scheduler.modes), looked up once in __post_init__: the
+    # policy asks it on every tick. Equality, hashing and replace() go by the name.
+    strategy: Mode = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"PolicyConfig.mode={self.mode!r}; known modes: {MODES}")
+        # Imported here: scheduler.modes builds on this module's helpers.
+        from gyre_jax.scheduler.modes import get_mode, mode_names
+
+        try:
+            object.__setattr__(self, "strategy", get_mode(self.mode))
+        except LookupError:
+            raise ValueError(f"PolicyConfig.mode={self.mode!r}; known modes: {mode_names()}") from None
         if self.async_train_cells < 0:
             raise ValueError(f"PolicyConfig.async_train_cells={self.async_train_cells} must be >= 0")
         for name in ("total_steps", "groups_per_step", "group_size"):
@@ -127,8 +130,8 @@ class PolicyConfig:
         k = self.updates_per_publication
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"PolicyConfig.updates_per_publication={k!r} must be an int >= 1")
-        if k > 1 and self.mode == COLOCATE:
-            raise ValueError(f"PolicyConfig.updates_per_publication={k}: colocate is on-policy (one update per "
+        if k > 1 and self.strategy.colocated:
+            raise ValueError(f"PolicyConfig.updates_per_publication={k}: {self.mode} is on-policy (one update per "
                              "publication by construction); multi-step needs an overlapping mode")
         if k > 1 and self.staleness_bound < k - 1:
             # Groups admitted at the published version p may train up to step p + S; the
@@ -147,12 +150,12 @@ class PolicyConfig:
 
     @property
     def streaming(self) -> bool:
-        return self.mode in STREAMING_MODES
+        return self.strategy.streams
 
     @property
     def effective_staleness(self) -> int:
         # Colocate cannot overlap generation with training, so it is on-policy.
-        return 0 if self.mode == COLOCATE else self.staleness_bound
+        return 0 if self.strategy.colocated else self.staleness_bound
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,27 +223,12 @@ Action = Union[Publish, TakeGroups, Launch, ToTrain, ToRollout]
 
 
 def initial_roles(config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
-    """Layout the cluster starts in (no switch paid). Cell 0 is the core."""
-    if n_cells < 2 and config.mode != COLOCATE:
-        raise ValueError(f"mode {config.mode!r} needs >= 2 cells (a core and a satellite); got {n_cells}")
-    if config.mode == COLOCATE:
-        return (ROLLOUT,) * n_cells
-    if config.mode in FIXED_SPLIT_MODES:
-        for k in (config.async_train_cells,) + config.async_split_by_step:
-            if not 1 <= k < n_cells:
-                raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
-        k = config.async_split(0)
-        return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
-    # Elastic: the core alone until the costs are measured; with priors that say switches cost
-    # more than a step, the split the policy would move to at once (admission serves only its
-    # n - k cells), without paying a switch.
-    p = config.priors
-    k = 1
-    if priors_apply(config, n_cells):
-        R = config.groups_per_step * config.group_size
-        rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
-        k = best_split(n_cells, p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0, rt)
-    return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
+    """Layout the cluster starts in (no switch paid), the mode's. Cell 0 is the core."""
+    mode = config.strategy
+    if n_cells < mode.min_cells:
+        raise ValueError(f"mode {config.mode!r} needs >= {mode.min_cells} cells (a core and a satellite); "
+                         f"got {n_cells}")
+    return mode.initial_roles(config, n_cells)
 
 
 def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
@@ -304,14 +292,14 @@ def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) 
     # queue, slowing every running agent toward its deadline. Colocate generates its
     # batch at once by definition (a late-launched group would hold the whole step).
     by_capacity = by_bound
-    if config.mode != COLOCATE:
+    if not config.strategy.colocated:
         by_capacity = (max_running_rollouts(state, config) - state.running_rollouts) // config.group_size
         if state.running_rollouts == 0:
             by_capacity = max(by_capacity, 1)
     return max(0, min(by_bound, by_capacity, G * N - state.launched_groups))
 
 
-class _Census(NamedTuple):
+class Census(NamedTuple):
     live: int  # cells not out of service, core included
     training: int  # cells training or switching to it, core included
     sats: int  # live satellites
@@ -326,7 +314,7 @@ class _Census(NamedTuple):
 _census_cache: tuple = (None, None)
 
 
-def _census(cells: tuple[CellView, ...]) -> _Census:
+def census(cells: tuple[CellView, ...]) -> Census:
     """One pass over the cells (cached while the controller passes the same tuple)."""
     global _census_cache
     cached_cells, cached = _census_cache
@@ -346,27 +334,15 @@ def _census(cells: tuple[CellView, ...]) -> _Census:
             slots = slots or c.slots
             if r in SERVING_ROLES:
                 serving += 1
-    out = _Census(live, training, sats, sat_slots, serving, slots)
+    out = Census(live, training, sats, sat_slots, serving, slots)
     _census_cache = (cells, out)
     return out
 
 
 def max_running_rollouts(state: ClusterState, config: PolicyConfig) -> int:
-    """Agents the cells that may serve in this mode can hold at the reserve's slots each.
-
-    Elastic: the cells the steady-state split leaves to serving (``train_cells_target``):
-    admitting more agents would only take cells from training that the work coming needs."""
-    if config.mode == COLOCATE:
-        serving = [c for c in state.cells if c.role != OUT]
-    elif config.mode in FIXED_SPLIT_MODES:
-        k = config.async_split(state.steps_done)
-        serving = [c for c in state.cells if c.id >= k and c.role != OUT]
-    else:
-        cen = _census(state.cells)
-        extra = train_cells_target(state, config) - 1
-        keep = max(1, cen.sats - extra) if cen.sats else 0
-        return math.floor(keep * cen.slots / serve_reserve(state, config) + 1e-9)
-    return math.floor(sum(c.slots for c in serving) / serve_reserve(state, config) + 1e-9)
+    """Agents the cells that may serve in this mode can hold at the reserve's slots each
+    (the mode's ``serving_capacity``)."""
+    return config.strategy.serving_capacity(state, config)
 
 
 def serve_reserve(state: ClusterState, config: PolicyConfig) -> float:
@@ -395,7 +371,7 @@ def priors_apply(config: PolicyConfig, n_cells: int) -> bool:
 def costs(state: ClusterState, config: PolicyConfig) -> Measured:
     """What the policy takes each cost to be: measured, else the config's prior (priors_apply)."""
     m, p = state.measured, config.priors
-    if p is NOT_MEASURED or not priors_apply(config, _census(state.cells).live):
+    if p is NOT_MEASURED or not priors_apply(config, census(state.cells).live):
         return m
     return Measured(**{f.name: p_ if (m_ := getattr(m, f.name)) is None and (p_ := getattr(p, f.name)) is not None
                        else m_ for f in dataclasses.fields(Measured)})
@@ -460,7 +436,7 @@ def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
     m = costs(state, config)
     if m.serve_s_per_rollout is None or m.work_s_per_rollout is None:
         return 1
-    n = _census(state.cells).live
+    n = census(state.cells).live
     if n < 3:
         return 1
     R = config.groups_per_step * config.group_size
@@ -469,7 +445,7 @@ def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
     best = best_split(n, serve, train, upd, switch_cost_s(state, config))
     # Hysteresis: estimates are noisy (3%), and a move costs a switch round trip, paid back
     # only by the time it saves on the steps left.
-    now = min(n - 1, max(1, _census(state.cells).training))
+    now = min(n - 1, max(1, census(state.cells).training))
     gain_s = (step_s(now) - step_s(best)) * max(0, config.total_steps - state.steps_done)
     if step_s(now) <= 1.03 * step_s(best) or gain_s <= switch_cost_s(state, config):
         return now
@@ -492,7 +468,7 @@ def publication_due(state: ClusterState, config: PolicyConfig) -> bool:
 
 def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
     """The policy. Pure: same state and config, same actions, in this order:
-    publish, take groups, launch, role switches."""
+    publish, take groups, launch, role switches (the mode's)."""
     acts: list[Action] = []
     if state.steps_done >= config.total_steps:
         return ()
@@ -511,51 +487,6 @@ def decide(state: ClusterState, config: PolicyConfig) -> tuple[Action, ...]:
     a_t = costs(state, config).work_s_per_rollout or 0.0
     ready_s = state.ready_work_s if state.ready_work_s is not None else sum(g.work_s for g in state.ready_groups)
     available_s = state.pending_work_s + ready_s
-    acts.extend(_roles(state, config, taken=taken, work_s=available_s + a_t * running, available_s=available_s,
-                       running=running))
+    acts.extend(config.strategy.roles(state, config, taken=taken, work_s=available_s + a_t * running,
+                                      available_s=available_s, running=running))
     return tuple(acts)
-
-
-def _roles(state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, available_s: float,
-           running: int) -> list[Action]:
-    cells = state.cells
-    if config.mode == COLOCATE:
-        training = taken == config.groups_per_step or state.update_in_progress
-        if training:
-            return [ToTrain(c.id) for c in cells if c.role == ROLLOUT]
-        return [ToRollout(c.id) for c in cells if c.role == TRAIN]
-    if config.mode in FIXED_SPLIT_MODES:
-        out: list[Action] = []
-        k = config.async_split(state.steps_done)
-        for c in cells:
-            want_train = c.id < k
-            if want_train and c.role == ROLLOUT:
-                out.append(ToTrain(c.id))
-            elif not want_train and c.role == TRAIN:
-                out.append(ToRollout(c.id))
-        return out
-    # elastic: serving first (keep a slot for every running agent; admission keeps that
-    # need within the steady-state split), spare cells train when the work coming pays
-    # for the switch.
-    cen = _census(cells)
-    if not cen.sats:
-        return []
-    need = min(cen.sats, serving_cells_needed(running, cen.slots, serve_reserve(state, config)))
-    if need > cen.serving:
-        back = sorted((c for c in cells if not c.is_core and c.role == TRAIN), key=lambda c: c.id)
-        return [ToRollout(c.id) for c in back[: need - cen.serving]]
-    limit = cen.serving - need
-    if limit <= 0 or work_s <= 0:
-        return []
-    n_train = cen.training
-    cost = max(switch_cost_s(state, config), 1e-9)
-    # Up to the steady-state split, the work coming (running agents' included) decides:
-    # largest k with work / (n_train + k) >= cost. Beyond it (the tail: the staleness bound
-    # holds admission back, agents finish, serving cells idle), only work already there
-    # does: a cell moved for work that has not arrived waits, then is pulled back.
-    k = min(limit, max(0, train_cells_target(state, config) - n_train), max(0, math.floor(work_s / cost) - n_train))
-    k += min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
-    if k <= 0:
-        return []
-    spare = sorted((c for c in cells if not c.is_core and c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))
-    return [ToTrain(c.id) for c in spare[:k]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from gyre_jax.scheduler.policy import PolicyConfig
 from gyre_jax.scheduler.vocab import ELASTIC
@@ -114,7 +115,8 @@ _TRAIN_122B = _train_tok_s(16, 1.3e11)
 
 
 def _wl_122b(name: str, **kw) -> WorkloadConfig:
-    base = dict(decode_tok_s=45, prefill_tok_s=20000, train_tokens_per_s_per_cell=_TRAIN_122B, optimizer_s=10)
+    base: dict[str, Any] = dict(decode_tok_s=45, prefill_tok_s=20000, train_tokens_per_s_per_cell=_TRAIN_122B,
+                                optimizer_s=10)
     base.update(kw)
     return WorkloadConfig(name=name, **base)
 

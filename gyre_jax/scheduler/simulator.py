@@ -38,7 +38,7 @@ from gyre_jax.scheduler.controller import Controller
 from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
-from gyre_jax.scheduler.vocab import FIXED_SPLIT_MODES, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
+from gyre_jax.scheduler.vocab import ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
 from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, pilot_priors, rollouts_for
 
 _CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE, _POLL = range(8)
@@ -505,7 +505,7 @@ def resolve(config: SimConfig, rollouts: Rollouts) -> SimConfig:
     """What the config leaves to the workload: async's balanced split (async_train_cells=0)
     and elastic's priors (model_priors). Anything that drives the controller on these
     rollouts (the simulator, the fakes) runs the resolved config."""
-    if config.policy.mode in FIXED_SPLIT_MODES and config.policy.async_train_cells == 0:
+    if config.policy.strategy.fixed_split and config.policy.async_train_cells == 0:
         config = config.replace(**{"policy.async_train_cells": balanced_async_split(config, rollouts)})
     if config.model_priors and config.policy.priors is policy_lib.NOT_MEASURED:
         config = config.replace(**{"policy.priors": pilot_priors(config, rollouts)})

@@ -22,12 +22,11 @@ SWITCHING_ROLES = (TO_TRAIN, TO_ROLLOUT)
 # Timelines only (simulator, plots): a cell in TRAIN role with no micro-batch to compute.
 TRAIN_IDLE = "train_idle"
 
-# Policy modes (scheduler.policy's docstring says what each does).
+# The built-in policy modes' names (scheduler.policy's docstring says what each does). What a
+# mode does is its strategy object's (scheduler.modes: get_mode(name)); ask it, not the name.
 COLOCATE = "colocate"
 ASYNC = "async"
 ASYNC_STREAM = "async_stream"
 ELASTIC_NO_STREAM = "elastic_no_stream"
 ELASTIC = "elastic"
 MODES = (COLOCATE, ASYNC, ASYNC_STREAM, ELASTIC_NO_STREAM, ELASTIC)
-FIXED_SPLIT_MODES = (ASYNC, ASYNC_STREAM)  # async_train_cells cells train, the rest serve, never switching
-STREAMING_MODES = (ELASTIC, ASYNC_STREAM)  # finished groups enter the open step one by one

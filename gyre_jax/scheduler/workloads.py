@@ -25,7 +25,6 @@ import math
 import numpy as np
 
 from gyre_jax.scheduler.policy import Measured, PolicyConfig
-from gyre_jax.scheduler.vocab import COLOCATE
 
 CALL_DISTS = ("lognormal", "pareto")
 
@@ -129,14 +128,15 @@ class SimConfig:
     def __post_init__(self):
         if self.call_merge < 1:
             raise ValueError(f"SimConfig.call_merge={self.call_merge} must be >= 1")
-        if self.policy.mode != COLOCATE and self.cluster.n_cells < 2:
-            raise ValueError(f"SimConfig: mode {self.policy.mode!r} needs >= 2 cells, cluster has {self.cluster.n_cells}")
+        if self.cluster.n_cells < self.policy.strategy.min_cells:
+            raise ValueError(f"SimConfig: mode {self.policy.mode!r} needs >= {self.policy.strategy.min_cells} cells, "
+                             f"cluster has {self.cluster.n_cells}")
 
     @property
     def publish_delay_s(self) -> float:
-        """Colocate's rollout and training share devices: new weights are loaded as part of
-        its train -> rollout switch, with no broadcast; the other modes broadcast."""
-        return 0.0 if self.policy.mode == COLOCATE else self.cluster.publish_s
+        """A colocated mode's rollout and training share devices: new weights are loaded as
+        part of its train -> rollout switch, with no broadcast; the other modes broadcast."""
+        return 0.0 if self.policy.strategy.colocated else self.cluster.publish_s
 
     def replace(self, **kw) -> "SimConfig":
         """Override fields by dotted path: replace(**{'policy.mode': 'async'})."""

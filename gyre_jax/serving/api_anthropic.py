@@ -17,7 +17,7 @@ inside ``messages`` (Claude Code's mid-conversation system turns) are kept in pl
 from __future__ import annotations
 
 import json
-
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +92,7 @@ def _messages(body: dict) -> list[dict]:
             else:
                 raise bad(f"{wb}: block type {kind!r} is not supported in a {role} message")
         if role == "assistant":
-            msg = {"role": "assistant", "content": "".join(text)}
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -63,6 +63,10 @@ def get_bool(body: dict, key: str, default: bool = False) -> bool:
     return v
 
 
+@overload
+def get_str(body: dict, key: str, *, required: Literal[True] = True, where: str = "") -> str: ...
+@overload
+def get_str(body: dict, key: str, *, required: bool, where: str = "") -> str | None: ...
 def get_str(body: dict, key: str, *, required: bool = True, where: str = "") -> str | None:
     v = body.get(key)
     if v is None and not required:
@@ -252,7 +256,8 @@ class AssistantStream:
     def __init__(self, tok: Tokenizer, *, parse_tools: bool = True, stop_ids=None):
         self.tok = tok
         fmt = getattr(tok, "tool_format", "gyre")
-        self._open = self._close = None
+        self._open: int | None = None  # the tool-call span's open and close ids (None: no spans parsed)
+        self._close: int | None = None
         self._hold = ""  # text kept back at the end of a run: the template's separator before a call
         self._keep_marks = False  # a malformed call's open/close tokens are text (Qwen) or dropped specials (ours)
         self._json_message = parse_tools and fmt == "llama3_json"
@@ -292,7 +297,7 @@ class AssistantStream:
             span, self._span = self._span, None
             call = self._parse_span(span)
             if call is None:
-                return self._text_ids([self._open] + span + [self._close] if self._keep_marks else span)
+                return self._text_ids(self._marked(span, closed=True) if self._keep_marks else span)
             out = self._flush_text(final=True, strip=self._hold)
             if "id" in call and self._ids_rendered:  # the model's own id, escaped if it looks like one we invent
                 call["id"] = client_call_id(call["id"])
@@ -305,22 +310,31 @@ class AssistantStream:
         out = self._end_message()
         if self._span is not None:  # unterminated tool call: its text
             span, self._span = self._span, None
-            out += self._text_ids([self._open] + span if self._keep_marks else span)
+            out += self._text_ids(self._marked(span, closed=False) if self._keep_marks else span)
         return out + self._flush_text(final=True)
+
+    def _marked(self, span: list[int], *, closed: bool) -> list[int]:
+        """A malformed span as text, with its open (and close) tokens."""
+        if self._open is None or self._close is None:  # a span starts only at self._open
+            raise RuntimeError("AssistantStream: a tool-call span with no open/close ids")
+        return [self._open] + span + ([self._close] if closed else [])
 
     def _feed_message(self, t: int) -> list[tuple[str, Any]]:
         """Llama-3 JSON: decide from the first non-blank text whether the message is a tool call."""
-        self._message.append(t)
+        message = self._message
+        if message is None:  # feed() calls this only while a message is undecided
+            return self._text_ids([t])
+        message.append(t)
         if self._buffering:
             return []
-        text = self.tok.decode(self._message)
-        if self._message[0] == getattr(self.tok, "python_tag_id", None) or text.lstrip().startswith("{"):
+        text = self.tok.decode(message)
+        if message[0] == getattr(self.tok, "python_tag_id", None) or text.lstrip().startswith("{"):
             self._buffering = True
             return []
         if not text.strip():
             return []
-        ids, self._message = self._message, None
-        return self._text_ids(ids)
+        self._message = None
+        return self._text_ids(message)
 
     def _end_message(self) -> list[tuple[str, Any]]:
         if self._message is None:
@@ -332,7 +346,7 @@ class AssistantStream:
         return out + [("tool_call", c) for c in parsed["tool_calls"]]
 
     def _text_ids(self, ids: list[int]) -> list[tuple[str, Any]]:
-        if self._bytes:
+        if isinstance(self.tok, ByteTokenizer):
             s = self._dec.decode(self.tok.decode_bytes(ids))
             return [("text", s)] if s else []
         self._run += ids

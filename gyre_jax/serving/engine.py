@@ -575,7 +575,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                     fut.set_result(None)
                     continue
                 active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
-                result = None
+                result: ExportedSlot | bool | None = None
                 i, waiting = (None, None) if self._pool is None else self._waiting_slot(slot)
                 if waiting is not None:  # never admitted: nothing computed here to move but its prompt
                     del self._waiting[i]

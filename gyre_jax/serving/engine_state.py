@@ -90,9 +90,9 @@ class PrefillInput:
 class Prefix:
     k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
     v: jax.Array | None
-    scalars_i: jax.Array  # int32[5]: length, next_tok, generated, max_tokens, seed
-    scalars_f: jax.Array  # float32[2]: temperature, top_p
-    stop_N: jax.Array  # int32[MAX_STOP_IDS], -1 = unused
+    scalars_i: jax.Array | np.ndarray  # int32[5]: length, next_tok, generated, max_tokens, seed
+    scalars_f: jax.Array | np.ndarray  # float32[2]: temperature, top_p
+    stop_N: jax.Array | np.ndarray  # int32[MAX_STOP_IDS], -1 = unused
     request_id: str = flax.struct.field(pytree_node=False)
 
 

@@ -101,11 +101,11 @@ class HFChatTokenizer(Tokenizer):
         self._special_tokens = {t.content: i for i, t in tk.get_added_tokens_decoder().items() if t.special}
         self._special_ids = set(self._special_tokens.values())
         self.template_kwargs = dict(template_kwargs or {})
-        self._open = self._close = None
+        self._open: int | None = None  # <tool_call> and </tool_call> (qwen format)
+        self._close: int | None = None
         if self.tool_format == "qwen":
             self._open, self._close = tk.token_to_id("<tool_call>"), tk.token_to_id("</tool_call>")
-            if self._open is None or self._close is None:
-                raise ValueError(f"{where}: the template uses <tool_call> but it is not a single token here")
+            self._marks()
         self.python_tag_id = tk.token_to_id("<|python_tag|>")
         # For the text of a plain encode: special-token text stays text (only templates make specials).
         self._plain = tk.__class__.from_str(tk.to_str())
@@ -167,9 +167,15 @@ class HFChatTokenizer(Tokenizer):
     def stop_ids(self) -> tuple[int, ...]:
         return self._stop
 
+    def _marks(self) -> tuple[int, int]:
+        """The qwen format's <tool_call> / </tool_call> ids."""
+        if self._open is None or self._close is None:
+            raise ValueError(f"{self.where}: the template uses <tool_call> but it is not a single token here")
+        return self._open, self._close
+
     def tool_call_open_ids(self) -> list[int]:
         if self.tool_format == "qwen":
-            return [self._open] + self.encode('\n{"name": "')
+            return [self._marks()[0]] + self.encode('\n{"name": "')
         if self.tool_format == "llama3_json":
             return self.encode('{"name": "')
         raise ValueError(f"{self.where}: this chat template has no tool-call syntax (tool_format='none')")
@@ -208,7 +214,8 @@ class HFChatTokenizer(Tokenizer):
         args = tc.get("arguments") or {}
         if self.tool_format == "qwen":
             body = '\n{"name": "' + tc["name"] + '", "arguments": ' + json.dumps(args, ensure_ascii=False) + "}\n"
-            return [self._open] + self.encode(body) + [self._close]
+            open_id, close_id = self._marks()
+            return [open_id] + self.encode(body) + [close_id]
         if self.tool_format == "llama3_json":
             return self.encode('{"name": "' + tc["name"] + '", "parameters": ' + json.dumps(args, ensure_ascii=False)
                                + "}")
@@ -218,7 +225,7 @@ class HFChatTokenizer(Tokenizer):
     def parse_assistant(self, ids: Sequence[int]) -> dict[str, Any]:
         cut, stopped = cut_at_stop(ids, self.stop_ids)
         if self.tool_format == "qwen":
-            content, calls = self.split_tool_calls(cut, self._open, self._close, keep_marks=True, separator="\n",
+            content, calls = self.split_tool_calls(cut, *self._marks(), keep_marks=True, separator="\n",
                                                    call_id=lambda k: f"call_{k}")
         elif self.tool_format == "llama3_json":
             content, calls = self._parse_llama(cut)
@@ -255,7 +262,8 @@ def parse_llama_calls(text: str) -> list[dict] | None:
     if one is not None:
         return [one]
     calls = [parse_call_json(p, "parameters") for p in s.split(";")]
-    return calls if len(calls) > 1 and all(c is not None for c in calls) else None
+    whole = [c for c in calls if c is not None]
+    return whole if len(calls) > 1 and len(whole) == len(calls) else None
 
 
 def _to_hf_message(m: dict, i: int) -> dict:

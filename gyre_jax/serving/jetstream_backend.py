@@ -244,7 +244,7 @@ class JetStreamBackend(Backend):
         self._cache: collections.OrderedDict[str, tuple[int, np.ndarray, KVBlock]] = collections.OrderedDict()
         self._cache_entries, self._min_cached = prefix_cache_entries, min_cached_prefix
         self._cache_bytes_limit = prefix_cache_bytes
-        self._counts = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
         self._pending: set[asyncio.Future] = set()
         self._closed = False
 

@@ -24,7 +24,7 @@ import jax
 
 # (1) Compatibility shim: jetstream 0.2.2 predates jax.tree_map's removal.
 if not hasattr(jax, "tree_map"):
-    jax.tree_map = jax.tree.map
+    jax.tree_map = jax.tree.map  # type: ignore[attr-defined]  # the shim adds what jax 0.10 removed
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # tensorflow's C++ start-up banner
 

@@ -61,6 +61,7 @@ import numpy as np
 from aiohttp import web
 
 from gyre_jax.serving import api_anthropic as A
+from gyre_jax.serving.bound_port import bound_port
 from gyre_jax.serving import api_openai as O
 from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
@@ -164,7 +165,7 @@ class Proxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = bound_port(site)
         if self.cfg.unix_path is not None:
             if os.path.exists(self.cfg.unix_path):  # a stale socket of an earlier run
                 os.unlink(self.cfg.unix_path)
@@ -410,6 +411,8 @@ class Proxy:
 
     async def record_call(self, call: ChatCall, routed, binding: Binding, t0: float, sample: Sample) -> None:
         """Write the call's record once; raises (the call then fails) if the store refuses it."""
+        if binding.call_index is None:  # the ledger numbers every call before it is routed
+            raise RuntimeError(f"proxy: call of rollout {binding.rollout_id!r} reached its record with no call index")
         key = (binding.run_id, binding.rollout_id, binding.call_index)
         if binding.attempt > 0 and self._ledger.is_recorded(*key):
             self.counters["retry_already_recorded"] += 1

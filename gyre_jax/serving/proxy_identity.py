@@ -48,7 +48,7 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], auth_token: str | None):
     """Checks auth; returns the (run, rollout) a key names, if any. Raises ApiError(401)."""
     key = presented_key(headers)
-    if key in keys:
+    if key is not None and key in keys:
         return keys[key]
     if auth_token is not None:
         if key is None or not secrets.compare_digest(key, auth_token):

@@ -83,9 +83,9 @@ class CallLedger:
         for what, have, got in (("task", r.task_id, b.task_id), ("group", r.group_id, b.group_id)):
             if have is not None and have != got:
                 raise conflict(f"{where} belongs to {what} {have!r}, this call says {got!r}")
-        if b.call_index is None:
-            b = dataclasses.replace(b, call_index=r.next_call)
-        numbers = range(b.call_index, b.call_index + n)
+        first = r.next_call if b.call_index is None else b.call_index
+        b = dataclasses.replace(b, call_index=first)
+        numbers = range(first, first + n)
         if b.attempt == 0:  # a first attempt: its number must be new (a retry says X-Gyre-Attempt > 0)
             for i in numbers:
                 if i in r.recorded or i in r.in_flight:
@@ -120,7 +120,7 @@ class CallLedger:
         """Keep at most max_entries: drop least recently used rollouts with no call in flight."""
         if not self._reloadable or len(self._rollouts) < self.max_entries:
             return
-        drop = []
+        drop: list[tuple[str, str]] = []
         for key, r in self._rollouts.items():  # oldest first
             if len(self._rollouts) - len(drop) < self.max_entries:
                 break

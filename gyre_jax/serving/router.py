@@ -142,7 +142,7 @@ class Router:
         self._max_affinity = max_affinity
         self._wait_s = wait_for_cell_s
         self._changed: asyncio.Condition | None = None
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- placement ---------------------------------------------------------------
     def admitting(self) -> list[str]:
@@ -184,6 +184,8 @@ class Router:
                 except asyncio.TimeoutError:
                     raise NoCellError(f"no rollout cell admitted calls within {self._wait_s}s") from None
             b = self.pick(affinity)
+            if b is None:  # not after the wait above (no await in between); said, not assumed
+                raise NoCellError("no rollout cell admits calls")
         if affinity:
             self._affinity[affinity] = b.name
             self._affinity.move_to_end(affinity)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 
 class ServerThread:
@@ -24,7 +24,7 @@ class ServerThread:
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
-        self.proxy = None
+        self.proxy: Any = None  # what build() made (a Proxy), once started
         self.url: str | None = None
 
     def start(self, timeout: float = 300.0) -> str:
@@ -50,12 +50,17 @@ class ServerThread:
         await self.proxy.stop()
         await self.proxy.router.close()
 
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("ServerThread: not started (call start() first)")
+        return self._loop
+
     def run(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self._started_loop()).result(timeout)
 
     def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(coro, self._started_loop())
 
     async def run_async(self, coro):
         """Await, from another event loop, a coroutine run on the server's loop."""

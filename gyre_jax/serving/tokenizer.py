@@ -185,7 +185,8 @@ class Tokenizer(abc.ABC):
 
 def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
     """(the ids before the first stop id, whether there was one)."""
-    stop, cut = set(stop_ids), []
+    stop = set(stop_ids)
+    cut: list[int] = []
     for t in ids:
         if int(t) in stop:
             return cut, True

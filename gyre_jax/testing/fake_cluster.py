@@ -58,6 +58,7 @@ class _Call:
     cell: int = -1
     remaining: float = -1.0  # set while waiting in the queue
     live: bool = True  # False once finished, cut or moved (its pending callback is stale)
+    on_end: Callable[[], None] = lambda: None  # the launcher's callback when the call finishes
 
 
 class FakeProxy:

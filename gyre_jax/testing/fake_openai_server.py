@@ -21,6 +21,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from gyre_jax.serving.bound_port import bound_port
+
 _AUTO = "auto"
 
 
@@ -99,7 +101,7 @@ class FakeOpenAIServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = bound_port(site)
         return self
 
     async def close(self) -> None:

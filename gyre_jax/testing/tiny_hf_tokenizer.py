@@ -20,7 +20,7 @@ _SPECIAL = {
 }
 _ADDED = {"qwen3": ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
           "llama3": []}
-_CONFIG = {
+_CONFIG: dict[str, dict[str, str | None]] = {
     "qwen3": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
 }

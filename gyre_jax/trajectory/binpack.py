@@ -147,15 +147,15 @@ def _build_unit(nodes, chain, *, owned_here, subtrees) -> TreeNode:
 
 def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     """Item indices per row. Longest first; ties by index, so the result is deterministic."""
-    lengths = np.asarray(lengths, np.int64)
-    chex.assert_rank(lengths, 1, custom_message="first_fit_decreasing: lengths must be a flat sequence")
-    if lengths.size and lengths.max() > row_len:
-        raise ValueError(f"first_fit_decreasing: item of {int(lengths.max())} tokens > row_len={row_len}")
-    order = np.lexsort((np.arange(lengths.size), -lengths))
+    sizes = np.asarray(lengths, np.int64)
+    chex.assert_rank(sizes, 1, custom_message="first_fit_decreasing: lengths must be a flat sequence")
+    if sizes.size and sizes.max() > row_len:
+        raise ValueError(f"first_fit_decreasing: item of {int(sizes.max())} tokens > row_len={row_len}")
+    order = np.lexsort((np.arange(sizes.size), -sizes))
     remaining = np.zeros(0, np.int64)
     rows: list[list[int]] = []
     for k in order:
-        fits = np.flatnonzero(remaining >= lengths[k])
+        fits = np.flatnonzero(remaining >= sizes[k])
         if fits.size:
             r = int(fits[0])
         else:
@@ -163,7 +163,7 @@ def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]
             rows.append([])
             remaining = np.append(remaining, row_len)
         rows[r].append(int(k))
-        remaining[r] -= lengths[k]
+        remaining[r] -= sizes[k]
     return rows
 
 
@@ -188,7 +188,7 @@ class PackResult:
 
 def pack_trees(
     trees: Sequence[TreeNode | None],
-    advantages: Sequence[float],
+    advantages: Sequence[float] | np.ndarray,
     row_len: int,
     *,
     num_step_rollouts: int | None = None,

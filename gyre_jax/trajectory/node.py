@@ -64,7 +64,8 @@ class TreeNode:
 
     def preorder(self) -> tuple[list["TreeNode"], np.ndarray]:
         """Nodes in depth-first pre-order and each one's parent index (-1 for the root)."""
-        nodes, parent = [], []
+        nodes: list[TreeNode] = []
+        parent: list[int] = []
         stack = [(self, -1)]
         while stack:
             node, par = stack.pop()

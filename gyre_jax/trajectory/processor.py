@@ -33,6 +33,7 @@ import numpy as np
 
 from gyre_jax.losses import get_weight_builder
 from gyre_jax.trajectory.binpack import pack_trees
+from gyre_jax.trajectory.node import TreeNode
 from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
 from gyre_jax.trajectory.select import SelectConfig, select_paths
 from gyre_jax.trajectory.serialize import PackedRows
@@ -185,7 +186,7 @@ def process_step(
         log.info("process_step: dropped calls of failed rollouts (not trained): %s", calls_dropped)
 
     recorded = 0
-    trees = []
+    trees: list[TreeNode | None] = []
     t1 = time.perf_counter()
     no_calls = []
     for rid, cs in trained:

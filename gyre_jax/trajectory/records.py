@@ -228,9 +228,9 @@ class ModelCallRecord:
         head += b" " * (-len(head) % 4)  # keep the arrays 4-byte aligned
         return h, [
             struct.pack("<I", len(head)) + head,
-            memoryview(self.prompt_ids.astype(_LE_I32, copy=False)).cast("B"),
-            memoryview(self.output_ids.astype(_LE_I32, copy=False)).cast("B"),
-            memoryview(self.output_logprobs.astype(_LE_F32, copy=False)).cast("B"),
+            self.prompt_ids.astype(_LE_I32, copy=False).data.cast("B"),
+            self.output_ids.astype(_LE_I32, copy=False).data.cast("B"),
+            self.output_logprobs.astype(_LE_F32, copy=False).data.cast("B"),
         ]
 
     def to_bytes(self) -> bytes:
@@ -351,6 +351,7 @@ def _from_header(d: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None) 
     if not isinstance(d, Mapping):
         raise RecordError("record", "kind", f"expected a JSON object, got {type(d).__name__}")
     kind = d.get("kind")
+    cls: type[Record]
     if kind == "call":
         where = _where_call(d.get("rollout_id"), d.get("call_index"))
         fields, cls = _CALL_FIELDS, ModelCallRecord
@@ -361,7 +362,7 @@ def _from_header(d: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None) 
         raise RecordError(f"record(rollout_id={d.get('rollout_id')!r})", "kind", f"must be 'call' or 'outcome', got {kind!r}")
     if d.get("v", FORMAT_VERSION) != FORMAT_VERSION:
         raise RecordError(where, "v", f"format version {d.get('v')!r}, this code reads {FORMAT_VERSION}")
-    kw = {}
+    kw: dict[str, Any] = {}
     for f in fields:
         if arrays is not None and f in arrays:
             kw[f] = arrays[f]

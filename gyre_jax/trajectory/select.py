@@ -156,7 +156,7 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
     )
 
 
-def _mark_path(keep: np.ndarray, parent: list, leaf: int) -> None:
+def _mark_path(keep: np.ndarray, parent: np.ndarray, leaf: int) -> None:
     i = leaf
     while i >= 0 and not keep[i]:
         keep[i] = True

@@ -111,7 +111,7 @@ def serialize_tree(root: TreeNode) -> SerializedTree:
     parent: list[int] = []
     depth: list[int] = []  # path position of each node's first own token
     eff_src: list[list[tuple[int, np.ndarray]]] = []  # per node: [(src node idx, offsets)]
-    stack = [(root, -1, 0, [])]
+    stack: list[tuple[TreeNode, int, int, list[tuple[int, np.ndarray]]]] = [(root, -1, 0, [])]
     while stack:
         node, par, d, carry = stack.pop()
         if par >= 0 and node.tokens.shape[0] == 0:
@@ -232,11 +232,12 @@ class PackedRows:
     # gyre_jax/cells/score.py): the trainer's log-probs under the step's params (proximal),
     # under each token's behaviour version, under the reference params, and per-rollout
     # statistics broadcast to its tokens (GSPO's mean log-ratio, the mismatch's log-product).
-    prox_logprobs: np.ndarray = None
-    trainer_logprobs: np.ndarray = None
-    ref_logprobs: np.ndarray = None
-    seq_log_ratio: np.ndarray = None
-    seq_log_mismatch: np.ndarray = None
+    # None given = zeros: __post_init__ fills them, so after construction each is an array.
+    prox_logprobs: np.ndarray = None  # type: ignore[assignment]
+    trainer_logprobs: np.ndarray = None  # type: ignore[assignment]
+    ref_logprobs: np.ndarray = None  # type: ignore[assignment]
+    seq_log_ratio: np.ndarray = None  # type: ignore[assignment]
+    seq_log_mismatch: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         for k in SCORE_FIELDS:

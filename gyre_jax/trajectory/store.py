@@ -114,7 +114,7 @@ import struct
 import threading
 import time
 import zlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, cast
 
 import numpy as np
 
@@ -227,7 +227,9 @@ def _scan(buf, start: int, end: int):
     ``tail_start`` is where the bytes that no good frame follows begin (== end when
     the log ends cleanly); the caller decides whether that tail is torn or pending.
     """
-    frames, corrupt, off = [], [], start
+    frames: list[tuple[int, int]] = []
+    corrupt: list[tuple[int, int]] = []
+    off = start
     while off < end:
         plen = _frame_ok(buf, off, end)
         if plen >= 0:
@@ -582,13 +584,14 @@ class TrajectoryStore:
         r = self._rollouts.get(rollout_id)
         if r is None:
             raise KeyError(f"no records for rollout {rollout_id!r} in {self.directory}")
-        return [record_from_bytes(self._read_payload(*r.calls[ci])) for ci in sorted(r.calls)]
+        # The index files call payloads under calls and the outcome's under outcome.
+        return [cast(ModelCallRecord, record_from_bytes(self._read_payload(*r.calls[ci]))) for ci in sorted(r.calls)]
 
     def outcome(self, rollout_id: str) -> RolloutOutcome | None:
         r = self._rollouts.get(rollout_id)
         if r is None:
             raise KeyError(f"no records for rollout {rollout_id!r} in {self.directory}")
-        return None if r.outcome is None else record_from_bytes(self._read_payload(*r.outcome))
+        return None if r.outcome is None else cast(RolloutOutcome, record_from_bytes(self._read_payload(*r.outcome)))
 
     def _is_complete(self, r: _Rollout) -> bool:
         return r.outcome is not None and (r.num_calls is None or len(r.calls) >= r.num_calls)
@@ -651,7 +654,7 @@ class TrajectoryStore:
                         reason, regs = "outcome_maybe_damaged", after
                     else:
                         continue
-                out[rid] = DamagedRollout(rid, reason, 0 if r is None else len(r.calls), tuple(sorted(set(regs), key=rank.get)))
+                out[rid] = DamagedRollout(rid, reason, 0 if r is None else len(r.calls), tuple(sorted(set(regs), key=rank.__getitem__)))
             return out
 
     def _read_region(self, reg: tuple) -> tuple[list, bool]:
@@ -779,7 +782,7 @@ class TrajectoryStore:
     def _append_cursor(self, ids: list[str], entry: dict) -> None:
         """One journal line for ``ids``, durable on return; nothing of it on disk if this raises."""
         jpath = self._path(JOURNAL_NAME)
-        line = json.dumps({"epoch": self._cursor_epoch, **entry, "rollouts": {rid: self._rollouts[rid].outcome[0] for rid in ids}},
+        line = json.dumps({"epoch": self._cursor_epoch, **entry, "rollouts": {rid: self._outcome_offset(rid) for rid in ids}},
                           separators=(",", ":")).encode() + b"\n"
         start = self._journal_good
         try:
@@ -808,6 +811,13 @@ class TrajectoryStore:
         except FileNotFoundError:
             return None
         return st.st_ino, st.st_mtime_ns, st.st_size  # a rename puts a new inode there
+
+    def _outcome_offset(self, rid: str) -> int:
+        """Where a finished rollout's outcome record starts (only finished rollouts are consumed)."""
+        outcome = self._rollouts[rid].outcome
+        if outcome is None:
+            raise RuntimeError(f"store: rollout {rid!r} has no outcome record to consume")
+        return outcome[0]
 
     def _snapshot_bytes(self) -> int:
         try:
@@ -838,7 +848,7 @@ class TrajectoryStore:
                 raise ValueError(f"rollout {rid!r} was already consumed: {self._consumed[rid]}")
         self._append_cursor(ids, entry)  # memory changes only once the disk has it: no half-step in a save
         for rid in ids:
-            self._consumed[rid] = dict(entry, outcome_offset=self._rollouts[rid].outcome[0])
+            self._consumed[rid] = dict(entry, outcome_offset=self._outcome_offset(rid))
         if self._journal_good > max(CURSOR_COMPACT_MIN_BYTES, self._snapshot_bytes()):
             try:
                 self._write_snapshot(dict(self._consumed))

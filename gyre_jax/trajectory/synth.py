@@ -192,6 +192,7 @@ def synth_rollout(cfg: SynthConfig, group: int, index: int) -> tuple[list[ModelC
                            st.length(cfg.summary_len), agent=0, parent=None, role=ROLE_SUMMARY)
             nxt = np.concatenate([system, task, st.tokens(8), st.render(summ)])
         ctx = _frozen(nxt)
+    details: dict[str, object]
     if status in SCORED_STATUSES:
         score = float(rng.beta(2, 2)) if status == STATUS_COMPLETED else float(rng.beta(1, 3))
         total = 20

@@ -274,8 +274,8 @@ def grade(task: Task, workspace: Path) -> Grade:
                 proc.wait()
             reader.join(5.0)
     score, details, error = score_from_output(capture.tail_text(), returncode)
-    if error is not None:
-        raise VerifierError(error)
+    if error is not None or score is None:  # score_from_output gives a score exactly when no error
+        raise VerifierError(error or "grader command gave no score")
     tail = capture.tail_text(OUTPUT_TAIL_BYTES)
     return Grade(score, {**details, "output_tail": tail, "output_bytes": capture.total,
                          "exact": score == 1.0})

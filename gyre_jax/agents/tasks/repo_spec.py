@@ -171,8 +171,13 @@ def _run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str
                                 env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": os.environ.get("PATH", "")})
         err_reader = drain_thread(proc.stderr, err)
         fired = threading.Event()
-        timer = threading.Timer(timeout_s * (n_cases + 1) + 10, lambda: (fired.set(), _kill_group(proc)))
+        def on_timeout() -> None:
+            fired.set()
+            _kill_group(proc)
+
+        timer = threading.Timer(timeout_s * (n_cases + 1) + 10, on_timeout)
         timer.start()
+        assert proc.stdin is not None and proc.stdout is not None  # both are pipes (Popen above)
         try:
             try:
                 proc.stdin.write(json.dumps(spec).encode())

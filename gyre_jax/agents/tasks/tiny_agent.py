@@ -70,7 +70,7 @@ def test_suite(task: Task) -> ts.TestSuite:
     return tiny_tests.test_suite(task)
 
 
-test_suite.__test__ = False  # not a pytest test
+test_suite.__test__ = False  # type: ignore[attr-defined]  # not a pytest test (pytest reads the attribute)
 
 
 def demo_strategy(task: Task) -> str:

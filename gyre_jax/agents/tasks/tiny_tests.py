@@ -61,7 +61,7 @@ def test_suite(task: Task) -> ts.TestSuite:
                         receipt_key=p["receipt_key"])
 
 
-test_suite.__test__ = False  # not a pytest test
+test_suite.__test__ = False  # type: ignore[attr-defined]  # not a pytest test (pytest reads the attribute)
 
 
 def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:

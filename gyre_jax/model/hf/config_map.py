@@ -82,7 +82,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, vocab_pad_mu
     if fam != "qwen2" and hf.get("attention_bias"):
         raise UnsupportedCheckpoint(f"{where}: attention_bias=true ({fam}: biases on q/k/v and o) is not supported")
     theta, scaling = _rope_params(hf)
-    rope = {}
+    rope: dict[str, Any] = {}
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "llama3":

@@ -63,7 +63,7 @@ class SafetensorsReader:
             raise ValueError(f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {shape} {info['dtype']}")
         out = np.empty(shape, dt)
         self._f.seek(self._base + begin)
-        if self._f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != end - begin:
+        if self._f.readinto(out.reshape(-1).view(np.uint8).data) != end - begin:
             raise ValueError(f"{self.path}: tensor {name!r} is truncated")
         return out
 
@@ -92,6 +92,6 @@ def write_safetensors(path: str, specs: Iterable[tuple[str, tuple[int, ...], np.
             a = np.ascontiguousarray(a)
             if a.shape != tuple(shape) or a.dtype != np.dtype(dt):
                 raise ValueError(f"{path}: tensor {name!r} is {a.shape} {a.dtype}, its header says {shape} {dt}")
-            f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            f.write(a.reshape(-1).view(np.uint8).data)
     os.replace(tmp, path)
     return off

@@ -1,0 +1,224 @@
+"""Scheduling modes: one strategy object per mode, registered by name.
+
+A mode says how the cluster is run: the roles the cells start in, which cells may ever
+serve (each gets an engine), whether finished groups stream into the open step, how many
+agents the serving cells can hold, and which role switches to make on each tick. The
+policy (``scheduler.policy``), the simulator, the RL loop (``rl.config``, ``rl.build``),
+the memory planner and the pods ask the object ``get_mode(name)`` returns; none of them
+compares mode names. The names are plain strings (``scheduler.vocab``): they appear
+unchanged in configs, JSON logs and plots.
+
+Registered here (``scheduler.policy``'s docstring says what each does): colocate, async,
+async_stream, elastic_no_stream, elastic. To add a mode, subclass ``Mode`` (or one of the
+classes below) in this file and ``register_mode`` an instance; a test may register its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from gyre_jax.scheduler import policy as P
+from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, OUT, ROLLOUT, TRAIN
+
+if TYPE_CHECKING:
+    from gyre_jax.scheduler.policy import Action, ClusterState, PolicyConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mode:
+    """One scheduling mode: its traits (fields) and its decisions (methods)."""
+
+    name: str
+    # Finished groups enter the open step one by one; False: a step starts only with its whole batch.
+    streams: bool
+    # Rollout and training take turns on the same cells (all switch together). So: on-policy
+    # (staleness 0), new weights load with the switch back (no broadcast), one cell is enough,
+    # and admission is not paced to serving capacity (a late group would hold the whole step).
+    colocated: bool = False
+    # PolicyConfig.async_train_cells (or its per-step schedule) train, the rest serve, never switching.
+    fixed_split: bool = False
+    # Satellites move between serving and training, each keeping its engine (the planner
+    # budgets a satellite for both).
+    switches_satellites: bool = False
+    # Runs as the rl job across processes (gyre_jax.pods: cell k on process k).
+    across_processes: bool = False
+
+    @property
+    def min_cells(self) -> int:
+        """A mode that overlaps serving and training needs a core and a satellite."""
+        return 1 if self.colocated else 2
+
+    def initial_roles(self, config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
+        """The layout the cluster starts in (no switch paid). Cell 0 is the core."""
+        raise NotImplementedError
+
+    def serving_cells(self, n_cells: int, async_train_cells: int) -> range:
+        """Cells that may ever serve (the RL loop puts an engine on each)."""
+        raise NotImplementedError
+
+    def serving_capacity(self, state: ClusterState, config: PolicyConfig) -> int:
+        """Agents the cells that may serve can hold, at the reserve's slots each."""
+        raise NotImplementedError
+
+    def roles(self, state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, available_s: float,
+              running: int) -> list[Action]:
+        """This tick's role switches (after `taken` groups joined the open step and with
+        `running` agents); `work_s` is the training work coming, `available_s` the part
+        already there."""
+        raise NotImplementedError
+
+
+def _capacity(cells, state: ClusterState, config: PolicyConfig) -> int:
+    return math.floor(sum(c.slots for c in cells) / P.serve_reserve(state, config) + 1e-9)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Colocate(Mode):
+    """One pool: every cell generates the step's batch, then every cell trains it."""
+
+    colocated: bool = True
+
+    def initial_roles(self, config, n_cells):
+        return (ROLLOUT,) * n_cells
+
+    def serving_cells(self, n_cells, async_train_cells):
+        return range(n_cells)
+
+    def serving_capacity(self, state, config):
+        return _capacity([c for c in state.cells if c.role != OUT], state, config)
+
+    def roles(self, state, config, *, taken, work_s, available_s, running):
+        if taken == config.groups_per_step or state.update_in_progress:
+            return [P.ToTrain(c.id) for c in state.cells if c.role == ROLLOUT]
+        return [P.ToRollout(c.id) for c in state.cells if c.role == TRAIN]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FixedSplit(Mode):
+    """The async baselines: cells 0..k-1 train (k = async_train_cells, or the per-step
+    schedule's), the rest serve."""
+
+    fixed_split: bool = True
+
+    def initial_roles(self, config, n_cells):
+        for k in (config.async_train_cells,) + config.async_split_by_step:
+            if not 1 <= k < n_cells:
+                raise ValueError(f"async_train_cells={k} must be in [1, {n_cells - 1}] for {n_cells} cells")
+        k = config.async_split(0)
+        return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
+
+    def serving_cells(self, n_cells, async_train_cells):
+        return range(async_train_cells, n_cells)
+
+    def serving_capacity(self, state, config):
+        k = config.async_split(state.steps_done)
+        return _capacity([c for c in state.cells if c.id >= k and c.role != OUT], state, config)
+
+    def roles(self, state, config, *, taken, work_s, available_s, running):
+        out: list[Action] = []
+        k = config.async_split(state.steps_done)
+        for c in state.cells:
+            want_train = c.id < k
+            if want_train and c.role == ROLLOUT:
+                out.append(P.ToTrain(c.id))
+            elif not want_train and c.role == TRAIN:
+                out.append(P.ToRollout(c.id))
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Elastic(Mode):
+    """The core trains; satellites serve first and train when the work coming pays for the switch."""
+
+    switches_satellites: bool = True
+
+    def initial_roles(self, config, n_cells):
+        # The core alone until the costs are measured; with priors that say switches cost
+        # more than a step, the split the policy would move to at once (admission serves only
+        # its n - k cells), without paying a switch.
+        p = config.priors
+        k = 1
+        if P.priors_apply(config, n_cells):
+            R = config.groups_per_step * config.group_size
+            rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
+            k = P.best_split(n_cells, p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0, rt)
+        return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
+
+    def serving_cells(self, n_cells, async_train_cells):
+        return range(1, n_cells)
+
+    def serving_capacity(self, state, config):
+        # The cells the steady-state split leaves to serving (train_cells_target): admitting
+        # more agents would only take cells from training that the work coming needs.
+        cen = P.census(state.cells)
+        extra = P.train_cells_target(state, config) - 1
+        keep = max(1, cen.sats - extra) if cen.sats else 0
+        return math.floor(keep * cen.slots / P.serve_reserve(state, config) + 1e-9)
+
+    def roles(self, state, config, *, taken, work_s, available_s, running):
+        # Serving first (keep a slot for every running agent; admission keeps that need within
+        # the steady-state split), spare cells train when the work coming pays for the switch.
+        cells = state.cells
+        cen = P.census(cells)
+        if not cen.sats:
+            return []
+        need = min(cen.sats, P.serving_cells_needed(running, cen.slots, P.serve_reserve(state, config)))
+        if need > cen.serving:
+            back = sorted((c for c in cells if not c.is_core and c.role == TRAIN), key=lambda c: c.id)
+            return [P.ToRollout(c.id) for c in back[: need - cen.serving]]
+        limit = cen.serving - need
+        if limit <= 0 or work_s <= 0:
+            return []
+        n_train = cen.training
+        cost = max(P.switch_cost_s(state, config), 1e-9)
+        # Up to the steady-state split, the work coming (running agents' included) decides:
+        # largest k with work / (n_train + k) >= cost. Beyond it (the tail: the staleness bound
+        # holds admission back, agents finish, serving cells idle), only work already there
+        # does: a cell moved for work that has not arrived waits, then is pulled back.
+        target = P.train_cells_target(state, config)
+        k = min(limit, max(0, target - n_train), max(0, math.floor(work_s / cost) - n_train))
+        k += min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+        if k <= 0:
+            return []
+        spare = sorted((c for c in cells if not c.is_core and c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))
+        return [P.ToTrain(c.id) for c in spare[:k]]
+
+
+_REGISTRY: dict[str, Mode] = {}
+
+
+def register_mode(mode: Mode) -> None:
+    """Make `mode` available by its name (configs, PolicyConfig.mode, the simulator's CLI)."""
+    if mode.name in _REGISTRY:
+        raise ValueError(f"scheduling mode {mode.name!r} is already registered")
+    _REGISTRY[mode.name] = mode
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a mode a test registered (the built-in ones stay)."""
+    if name in {m.name for m in BUILTIN}:
+        raise ValueError(f"scheduling mode {name!r} is built in")
+    _REGISTRY.pop(name, None)
+
+
+def get_mode(name: str) -> Mode:
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise LookupError(f"unknown scheduling mode {name!r}; known: {mode_names()}") from None
+
+
+def mode_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+BUILTIN = (
+    Colocate(name=COLOCATE, streams=False),
+    FixedSplit(name=ASYNC, streams=False),
+    FixedSplit(name=ASYNC_STREAM, streams=True),
+    Elastic(name=ELASTIC_NO_STREAM, streams=False),
+    Elastic(name=ELASTIC, streams=True, across_processes=True),
+)
+for _m in BUILTIN:
+    register_mode(_m)
