@@ -176,6 +176,7 @@ def get_config() -> ml_collections.ConfigDict:
         samples_per_task=8,  # first model call sampled 8x per task with one fixed key (~2 s per eval on 2 cores)
         temperature=1.0,  # the rollouts' temperature (0 = greedy)
         pass_score=1.0,  # pass@k counts samples scoring at least this
+        deadline_scale=4.0,  # episodes: harness.deadline_s x this (an eval beside a busy run must not time out)
     ))
     c.metrics = ml_collections.ConfigDict(dict(  # metrics.jsonl and TensorBoard always; Weights & Biases optionally
         wandb="off",  # off | offline (<workdir>/<mode>/wandb, `wandb sync` later; no network) | online

@@ -152,6 +152,9 @@ def test_config_and_size_validation_name_the_field():
         RLConfig.from_config(c)
     c.eval = dict(every=3)
     assert RLConfig.from_config(c).eval.every == 3
+    c.eval = dict(deadline_scale=0.0)
+    with pytest.raises(ValueError, match="config.eval.deadline_scale"):
+        RLConfig.from_config(c)
     with pytest.raises(ValueError, match="max_len=40 cannot hold"):
         _eval(_tasks(), temperature=0.0, max_len=40)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -175,3 +178,19 @@ def test_eval_runs_a_replys_commands_in_the_rollout_sandbox(tmp_path):
     assert parsed and score is not None and not target.exists()
     score_text(task, reply, SandboxConfig(kind="none"))
     assert target.read_text() == "pwned\n"
+
+
+def test_episode_eval_gives_its_episodes_the_scaled_deadline(tmp_path):
+    """The eval's harness is the run's, with harness.deadline_s x eval.deadline_scale (a run's own load must not
+    score as the policy's timeouts), its temperature and as many episodes in flight as the engine has slots."""
+    from configs import demo as demo_config
+    from gyre_jax.rl.build import _episode_eval
+    from gyre_jax.rl.config import RLConfig
+
+    c = demo_config.get_config()
+    c.eval.kind, c.eval.deadline_scale, c.eval.temperature = "episodes", 3.0, 0.5
+    cfg = RLConfig.from_config(c)
+    ev = _episode_eval(cfg, ByteTokenizer(), None, lambda *a: None, str(tmp_path))
+    hc = ev.fn.hc
+    assert hc.deadline_s == pytest.approx(cfg.harness.deadline_s * 3.0) and hc.temperature == 0.5
+    assert hc.concurrency == max(cfg.scheduler.group_size, cfg.cells.max_slots)

@@ -264,7 +264,10 @@ def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdi
     e = cfg.eval
     # As many episodes in flight as the eval engine has decode slots: multi-call episodes spend most of
     # their time in tools and test suites, so a group's worth in flight leaves the engine idle.
-    hc = dataclasses.replace(cfg.harness_config("http://127.0.0.1:1/v1"), temperature=e.temperature,
+    # A longer deadline than the rollouts': a loaded machine (this run's own training) must not score as the
+    # policy's timeouts (on Dec 4 a third of the warm start's eval episodes timed out beside RL's start).
+    hc = cfg.harness_config("http://127.0.0.1:1/v1")
+    hc = dataclasses.replace(hc, temperature=e.temperature, deadline_s=hc.deadline_s * e.deadline_scale,
                              concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
     ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
                      pass_score=e.pass_score, harness_config=hc, make_harness=cfg.harness.make,

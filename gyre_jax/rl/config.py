@@ -422,10 +422,14 @@ class EvalConfig:
     samples_per_task: int = 8  # k of pass@k
     temperature: float = 1.0  # 0 = greedy; default = the harness's rollout temperature
     pass_score: float = 1.0  # an episode scoring at least this counts as passed (pass@k)
+    # kind=episodes: each episode's deadline is harness.deadline_s times this. An eval scores the policy;
+    # the run's own rollouts and training load the machine beside it, and an episode that misses the
+    # rollouts' deadline for that reason must not score as the policy's timeout (eval_timeouts still counts).
+    deadline_scale: float = 4.0
 
     def __post_init__(self):
         _positive(self, ("every",), allow_zero=True)
-        _positive(self, ("tasks", "samples_per_task"))
+        _positive(self, ("tasks", "samples_per_task", "deadline_scale"))
         _positive(self, ("temperature",), allow_zero=True)
         if self.kind not in ("episodes", "first_call"):
             raise ConfigError(f"config.eval.kind={self.kind!r}; known: ('episodes', 'first_call')")
