@@ -44,6 +44,7 @@ def test_audit_counts_lost_twice_short_stale_and_infra_errors(tmp_path):
             f.write(json.dumps({"step": step, "groups": groups}) + "\n")
     a = audit_workdir(wd, group_size=2, staleness_bound=1)
     assert (a["rollouts_lost"], a["groups_short"], a["staleness_max"], a["max_staleness_over_bound"]) == (1, 1, 3, 2)  # short: g00001
+    assert a["over_bound_examples"] == [["g00002-0", 3, [0]]]  # which rollout, its step and sampling versions
     assert a["rollouts_trained_twice"] == 1 + 2  # g00001's slot 0, and g00000's two rollouts in a second step
     assert (a["infra_errors"], a["wrong_state"], a["duplicate_steps"], a["finished"]) == (1, 0, 0, 8)
     outs, consumed, unfinished = store_view(wd)

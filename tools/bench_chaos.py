@@ -304,6 +304,9 @@ def main(argv=None) -> dict:
     print(f"{'trial':>5} {'done':>5} " + " ".join(f"{k:>{max(6, len(k))}}" for k in keys))
     for i, t in enumerate(trials):
         au = t["audit"] or {}
+        if au.get("over_bound_examples"):
+            print(f"trial {i}: trained past the staleness bound (rollout, step, "
+                  f"versions): {au['over_bound_examples']}")
         print(f"{i:>5} {str(t['completed']):>5} " + " ".join(f"{str(au.get(k, '-')):>{max(6, len(k))}}" for k in keys))
 
     def total(k):

@@ -93,9 +93,11 @@ def audit_workdir(mode_dir: str, *, group_size: int, staleness_bound: int) -> di
     for gid, ss in steps_of_group.items():
         if len(ss) > 1:
             twice += (len(ss) - 1) * sum(consumed[r]["state"] == "trained" for ids in slots.get(gid, {}).values() for r in ids)
-    stale = [e["step"] - min(outs[r].policy_versions) for r, e in consumed.items()
-             if e["state"] == "trained" and r in outs and outs[r].policy_versions]
-    st_max = max(stale, default=0)
+    stale = {r: e["step"] - min(outs[r].policy_versions) for r, e in consumed.items()
+             if e["state"] == "trained" and r in outs and outs[r].policy_versions}
+    st_max = max(stale.values(), default=0)
+    # which rollouts trained past the bound (a few, to find why): id, step, the versions that sampled it
+    over = sorted((r for r, s in stale.items() if s > staleness_bound), key=lambda r: (-stale[r], r))[:5]
     wrong = sum(bool(_state_problems(outs[r], e)) for r, e in consumed.items() if r in outs)
     return dict(
         finished=len(outs), trained=sum(e["state"] == "trained" for e in consumed.values()),
@@ -103,6 +105,7 @@ def audit_workdir(mode_dir: str, *, group_size: int, staleness_bound: int) -> di
         rollouts_lost=len(set(outs) - set(consumed)), consumed_not_finished=len(set(consumed) - set(outs)),
         rollouts_trained_twice=twice, wrong_state=wrong, groups=len(slots), groups_short=short,
         staleness_max=st_max, max_staleness_over_bound=max(0, st_max - staleness_bound),
+        over_bound_examples=[[r, consumed[r]["step"], list(outs[r].policy_versions)] for r in over],
         unfinished=len(unfinished),
         infra_errors=sum(o.status == "infra_error" and not str(o.details.get("error", "")).startswith("abandoned")
                          for o in outs.values()),
