@@ -182,6 +182,7 @@ def test_config_refuses_unknown_harness_and_unsandboxed_commands(monkeypatch, tm
 @pytest.mark.skipif(not _USABLE, reason=f"bubblewrap sandbox unavailable: {_WHY}")
 @pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mini")),
                     reason="mini-swe-agent not installed (pip install -e '.[harnesses]')")
+@pytest.mark.slow  # ~70 s idle (a whole RL job with a third-party harness); its episode test stays in the default run
 def test_rl_job_trains_mini_swe_agent_rollouts_on_the_task_file_and_resumes(tmp_path):
     """configs/external.py shrunk: one step of 2 mini-swe-agent rollouts (processes in their sandboxes)
     on the example task file, trained; whole-episode eval before and after; a rerun with steps=2
