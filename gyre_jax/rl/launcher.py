@@ -75,8 +75,8 @@ def lineage_version(version: int, restored_step: int) -> int:
 
 def lineage_calls(calls, restored_step: int) -> list:
     """A restored rollout's call records with their versions as ``lineage_version`` counts them."""
-    return [c if c.policy_version <= restored_step else dataclasses.replace(c, policy_version=restored_step)
-            for c in calls]
+    return [c if c.policy_version <= restored_step
+            else dataclasses.replace(c, policy_version=lineage_version(c.policy_version, restored_step)) for c in calls]
 
 
 def group_number(group_id: str) -> int:
