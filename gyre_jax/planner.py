@@ -272,7 +272,7 @@ def serve_terms(m, cells) -> tuple[dict, dict]:
     if getattr(cells, "kv_cache", "contiguous") == "paged":  # the engine's page pool (serving/engine_state.py)
         pages = getattr(cells, "kv_pages", 0) or cells.max_slots * cells.max_len // cells.page_size + 1
         kv_shape = (m.n_layers, m.n_kv_heads, pages, cells.page_size, m.head_dim)
-        kv_logical = ("layers", "kv_heads", "cache_len", None, "head_dim")
+        kv_logical: tuple[str | None, ...] = ("layers", "kv_heads", "cache_len", None, "head_dim")
     else:
         kv_shape = (m.n_layers, cells.max_slots, cells.max_len, m.n_kv_heads, m.head_dim)
         kv_logical = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # serving/engine_state.py

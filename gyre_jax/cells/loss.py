@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Any, Callable, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,16 @@ class MemoryPlan:
     remat: bool
     logits_chunk: int | None
     why: str
+
+
+class PolicyLossFn(Protocol):
+    """What ``policy_loss_fn`` returns: the loss, carrying what ``CellSteps`` and the scorer read."""
+
+    context_parallel_axis: str | None
+    expert_parallel_axis: str | None
+    logprob_fn: Callable[[Any, Any], Any]  # (params, micro_batch) -> logp_BxL
+
+    def __call__(self, params: Any, mb: Any) -> tuple[Any, dict[str, Any]]: ...
 
 
 def _chunk_for(model_config: ModelConfig, rows: int) -> int:
@@ -83,7 +94,7 @@ def memory_plan(model_config: ModelConfig, rows: int, row_len: int, *, logits_ch
 
 
 def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = PolicyLossConfig(), *,
-                   logits_chunk: int | None | str = "auto"):
+                   logits_chunk: int | None | str = "auto") -> PolicyLossFn:
     """``logits_chunk``: "auto" (``memory_plan`` decides from each micro-batch's shape), None
     (full [B, L, V] logits), or scan the vocab projection over chunks of this many positions.
 
@@ -132,10 +143,11 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         return chunked_token_logprobs(hidden_BxLxD, unembed_DxV, mb["targets"], chunk_size=plan.logits_chunk,
                                       layout="DxV")
 
-    loss_fn.context_parallel_axis = model_config.context_parallel_axis
-    loss_fn.expert_parallel_axis = model_config.expert_parallel_axis
-    loss_fn.logprob_fn = logprob_fn
-    return loss_fn
+    fn = cast(PolicyLossFn, loss_fn)  # a plain function (jit traces it), given the protocol's attributes here
+    fn.context_parallel_axis = model_config.context_parallel_axis
+    fn.expert_parallel_axis = model_config.expert_parallel_axis
+    fn.logprob_fn = logprob_fn
+    return fn
 
 
 def _add_moe_loss(loss, metrics, stats, model_config: ModelConfig):

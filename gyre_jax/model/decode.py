@@ -257,8 +257,7 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
     return logits[:, 0], KVCache(k=k, v=v, lengths=lengths)
 
 
-@flax.struct.dataclass
-class PagedKVCache:
+class PagedKVCache(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     """A pool of k/v pages shared by S slots; slot s's token p is at page_table[s, p // G], row p % G."""
 
     k: jax.Array  # [Y, K, NP, G, H]

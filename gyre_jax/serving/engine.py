@@ -248,7 +248,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             for s in range(self._slots):
                 self._free_pages(s)
             self._drop_waiting()
-            self._prefix_pages.clear()
+            if self._prefix_pages is not None:  # set with the pool
+                self._prefix_pages.clear()
         return self._make_state()
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int) -> Prefix:
@@ -371,7 +372,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                     self._pending_pages.pop(rid, None)
                 return self._stop_slot(decode_state, np.int32(slot))
             if self._pool is not None:  # admitted when its pages are free (_admit_waiting)
-                if prefix.k is not None:  # JetStream deletes a prefix's arrays once insert returns
+                # JetStream deletes a prefix's arrays once insert returns (k and v are None together)
+                if prefix.k is not None and prefix.v is not None:
                     prefix = prefix.replace(k=jnp.copy(prefix.k), v=jnp.copy(prefix.v))
                 self._waiting.append((prefix, slot))
                 decode_state = self._admit_waiting(self._hold_slot(decode_state, np.int32(slot), prefix.scalars_i[2]))
@@ -576,12 +578,15 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                     continue
                 active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
                 result: ExportedSlot | bool | None = None
-                i, waiting = (None, None) if self._pool is None else self._waiting_slot(slot)
-                if waiting is not None:  # never admitted: nothing computed here to move but its prompt
+                found = None if self._pool is None else self._waiting_slot(slot)
+                if found is not None:  # never admitted: nothing computed here to move but its prompt
+                    i, waiting = found
                     del self._waiting[i]
                     _, inp = self._pending_pages.pop(rid, (None, None))
                     if kind == "export":
-                        kv = None if inp is not None else KVBlock(waiting.k, waiting.v, int(waiting.scalars_i[0]))
+                        # Its prefill ran (inp None; a dead prefix never waits) or was left for admission.
+                        kv = (KVBlock(waiting.k, waiting.v, int(waiting.scalars_i[0]))
+                              if inp is None and waiting.k is not None and waiting.v is not None else None)
                         result = ExportedSlot(kv, int(waiting.scalars_i[2]))
                     else:
                         result = True

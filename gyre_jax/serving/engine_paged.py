@@ -15,22 +15,51 @@ everything that touches the pool's pages runs on the generate thread:
 """
 from __future__ import annotations
 
+import collections
 import logging
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from gyre_jax.serving.engine_state import DecodeState, KVBlock, Prefix, PrefillInput
-from gyre_jax.serving.pages import pages_for
+from gyre_jax.serving.pages import PagePool, PrefixPages, pages_for
+
+if TYPE_CHECKING:  # engine.py imports this module
+    from gyre_jax.serving.engine import ParamsRef
 
 log = logging.getLogger("gyre_jax.serving.engine")
 
 
 class PagedSlots:
+    # What this mixin uses of GyreEngine (engine.py sets them in __init__, the jitted device
+    # functions in _build_jits from engine_state.device_fns), declared for the type checker.
+    name: str
+    max_len: int
+    tokens_per_call: int
+    params_ref: ParamsRef
+    counters: dict[str, Any]
+    _pool: PagePool | None  # None: contiguous cache (no method here is reached then but kv_stats, _free_pages)
+    _prefix_pages: PrefixPages | None  # None exactly when _pool is
+    _pending_pages: dict[str, tuple[np.ndarray, PrefillInput | None]]
+    _waiting: collections.deque[tuple[Prefix, int]]
+    _host_len: np.ndarray
+    _host_live: np.ndarray
+    _gather: Callable[..., tuple[Any, Any]]
+    _set_table: Callable[..., DecodeState]
+    _stop_slot: Callable[..., DecodeState]
+
+    _prefill: Callable[[Any, PrefillInput], Prefix]  # GyreEngine's methods, engine.py
+    _prefix_out: Callable[[Any, Any, PrefillInput, int], Prefix]
+    _insert_now: Callable[..., DecodeState]
+    _fail: Callable[[str, str], None]
+    _wake: Callable[[], None]
+
     def _prefill_paged(self, params, inp: PrefillInput) -> Prefix:
         """Paged cache, on JetStream's prefill thread, which must never wait for the generate
         thread (in interleaved mode that thread waits for this one while requests are queued).
         A prompt that starts with cached full pages (PrefixPages) is computed at admission, on
         the generate thread, which owns the pool; any other is prefilled here as usual."""
+        assert self._prefix_pages is not None  # GyreEngine.prefill calls this only for a paged cache
         rid, tokens = inp.request_id, np.asarray(inp.tokens, np.int32)
         # Only a look: a waiting call holds no pages (it could block the calls ahead of it).
         if inp.kv is None and self._prefix_pages.cached_pages(tokens):
@@ -58,6 +87,7 @@ class PagedSlots:
         generate are free (cached prefixes nobody maps are dropped to make room). A waiting call
         keeps its slot as a held one (no tokens, never expires), so JetStream does not reuse it."""
         while self._waiting:
+            assert self._pool is not None and self._prefix_pages is not None  # only a paged engine queues calls
             prefix, slot = self._waiting[0]
             rid = prefix.request_id
             tokens, inp = self._pending_pages[rid]
@@ -103,11 +133,12 @@ class PagedSlots:
                 self._pool.release_pages(shared)  # the slot holds them now (or nobody does)
         return ds
 
-    def _waiting_slot(self, slot: int):
+    def _waiting_slot(self, slot: int) -> tuple[int, Prefix] | None:
+        """(index in the queue, prefix) of the call waiting for pages in ``slot``, if one is."""
         for i, (prefix, s) in enumerate(self._waiting):
             if s == slot:
                 return i, prefix
-        return None, None
+        return None
 
     def _drop_waiting(self) -> None:
         while self._waiting:
@@ -123,7 +154,7 @@ class PagedSlots:
 
     def kv_stats(self) -> dict[str, int]:
         """Pages in use / free / promised (paged cache), and the live tokens they hold."""
-        if self._pool is None:
+        if self._pool is None or self._prefix_pages is None:
             return {}
         out = self._pool.stats()
         out["page_size"] = self._pool.page_size

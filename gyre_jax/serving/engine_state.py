@@ -69,7 +69,7 @@ class KVBlock:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExportedSlot:
-    kv: KVBlock
+    kv: KVBlock | None  # None: exported while waiting for pages, its prefill left for admission (none ran)
     generated: int  # tokens the request had generated when exported
 
 
@@ -86,8 +86,7 @@ class PrefillInput:
     kv_origin: str = "cached"  # "cached" (prefix cache) or "moved" (exported call)
 
 
-@flax.struct.dataclass
-class Prefix:
+class Prefix(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
     v: jax.Array | None
     scalars_i: jax.Array | np.ndarray  # int32[5]: length, next_tok, generated, max_tokens, seed
@@ -147,10 +146,11 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
     if paged is None:
-        ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))
+        # A pytree of shardings shaped like the state (jit's out_shardings), so leaves are not arrays.
+        ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))  # type: ignore[arg-type]
     else:
         pages_s = pages_sharding(cfg, paged[0], paged[1], mesh)
-        ds_s = DecodeState(mdecode.PagedKVCache(pages_s, pages_s, rep, rep), *([rep] * 10))
+        ds_s = DecodeState(mdecode.PagedKVCache(pages_s, pages_s, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
 
     def prefill_new(params, tokens_T, n):

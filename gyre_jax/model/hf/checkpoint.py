@@ -266,7 +266,8 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
         if not e.per_layer and e.path == ("embed",):
             specs.append((e.name(), e.hf_shape, out_dt))
             makers.append(functools.partial(_fetch, tree, e, (), out_dt))
-    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()]
+    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()
+                 if i is not None]  # always: a per-layer entry's tensors name their layer
     for _, name, e, idx in sorted(per_layer, key=lambda t: t[0]):  # layer by layer (stable: plan order within)
         specs.append((name, e.hf_shape, out_dt))
         makers.append(functools.partial(_fetch, tree, e, idx, out_dt))

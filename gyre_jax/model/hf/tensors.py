@@ -15,6 +15,10 @@ import numpy as np
 
 from gyre_jax.model.config import ModelConfig
 
+Convert = Callable[[np.ndarray], np.ndarray]
+# An entry's two conversions: HF tensor -> ours, ours -> HF (Entry.to_ours, Entry.to_hf).
+Converters = tuple[Convert, Convert]
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -22,8 +26,8 @@ class Entry:
     hf_name: str  # with "{i}" for the layer index when per_layer
     hf_shape: tuple[int, ...]
     per_layer: bool
-    to_ours: Callable[[np.ndarray], np.ndarray]  # HF tensor -> our (one layer's) array
-    to_hf: Callable[[np.ndarray], np.ndarray]  # inverse
+    to_ours: Convert  # HF tensor -> our (one layer's) array
+    to_hf: Convert  # inverse
     layers: tuple[int, ...] = ()  # per_layer: the HF layer index of each slot of our stack (a run of layers)
     experts: int = 0  # > 0: one HF tensor per expert ("{j}" in hf_name), stacked on our axis 1
 
@@ -40,17 +44,17 @@ class Entry:
                 for j in range(self.experts)]
 
 
-def _linear_in(d_in, *out):
+def _linear_in(d_in: int, *out: int) -> Converters:
     """HF [prod(out), d_in] <-> ours [d_in, *out] (q, k, v, gate, up)."""
     return (lambda w: w.T.reshape(d_in, *out)), (lambda a: a.reshape(d_in, -1).T)
 
 
-def _linear_out(d_out, *inn):
+def _linear_out(d_out: int, *inn: int) -> Converters:
     """HF [d_out, prod(inn)] <-> ours [*inn, d_out] (o, down)."""
     return (lambda w: w.T.reshape(*inn, d_out)), (lambda a: a.reshape(-1, d_out).T)
 
 
-def _vocab_rows(v, vp):
+def _vocab_rows(v: int, vp: int) -> Converters:
     """HF [V, D] <-> ours [Vp, D] (zero rows appended for the mesh's vocab padding)."""
     def to_ours(w):
         return w if vp == v else np.concatenate([w, np.zeros((vp - v, w.shape[1]), w.dtype)], axis=0)
@@ -61,7 +65,7 @@ def _vocab_rows(v, vp):
 def entries(cfg: ModelConfig) -> list[Entry]:
     d, n, k, h, f, v, vp = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size,
                             cfg.padded_vocab)
-    same = (lambda w: w), (lambda a: a)
+    same: Converters = (lambda w: w), (lambda a: a)
     L = "model.layers.{i}."
     out = [Entry(("embed",), "model.embed_tokens.weight", (v, d), False, *_vocab_rows(v, vp))]
     if not cfg.tie_embeddings:
@@ -69,7 +73,8 @@ def entries(cfg: ModelConfig) -> list[Entry]:
         out.append(Entry(("unembed",), "lm_head.weight", (v, d), False,
                          lambda w: rows_in(w).T, lambda a: rows_out(a.T)))
     out.append(Entry(("final_norm", "scale"), "model.norm.weight", (d,), False, *same))
-    attn = [
+    # (our path under the stack, HF name after the layer prefix, HF shape, conversions)
+    attn: list[tuple[tuple[str, ...], str, tuple[int, ...], Converters]] = [
         (("attn_norm", "scale"), "input_layernorm.weight", (d,), same),
         (("mlp_norm", "scale"), "post_attention_layernorm.weight", (d,), same),
         (("attn", "q"), "self_attn.q_proj.weight", (n * h, d), _linear_in(d, n, h)),
@@ -77,7 +82,7 @@ def entries(cfg: ModelConfig) -> list[Entry]:
         (("attn", "v"), "self_attn.v_proj.weight", (k * h, d), _linear_in(d, k, h)),
         (("attn", "o"), "self_attn.o_proj.weight", (d, n * h), _linear_out(d, n, h)),
     ]
-    mlp = [
+    mlp: list[tuple[tuple[str, ...], str, tuple[int, ...], Converters]] = [
         (("mlp", "gate"), "mlp.gate_proj.weight", (f, d), _linear_in(d, f)),
         (("mlp", "up"), "mlp.up_proj.weight", (f, d), _linear_in(d, f)),
         (("mlp", "down"), "mlp.down_proj.weight", (d, f), _linear_out(d, f)),
