@@ -93,6 +93,8 @@ def get_config() -> ml_collections.ConfigDict:
         # priors until the controller measured them (the policy's defaults; scheduler/policy.py says why)
         min_work_per_switch_s=DEFAULT_MIN_WORK_PER_SWITCH_S,  # elastic: cell-seconds a role switch costs
         serve_reserve=DEFAULT_SERVE_RESERVE,  # slots kept per running agent
+        # measured costs as priors: a pilot run's <workdir>/<mode>/scheduler_costs.json ("" = none)
+        priors="",
         poll_s=0.05,  # controller tick (it also wakes on every event)
     ))
     c.task = ml_collections.ConfigDict(dict(

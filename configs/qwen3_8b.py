@@ -98,6 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.scheduler = ml_collections.ConfigDict(dict(
         mode="elastic", groups_per_step=8, group_size=8, staleness_bound=1, updates_per_publication=1,
         async_train_cells=1, min_work_per_switch_s=DEFAULT_MIN_WORK_PER_SWITCH_S, serve_reserve=1.0, poll_s=0.05,
+        priors="",  # measured costs as priors: a pilot run's <workdir>/<mode>/scheduler_costs.json ("" = none)
     ))
     c.task = ml_collections.ConfigDict(section(TaskConfig, family="repo_spec"))  # or dataset=<your tasks.jsonl>
     c.harness = ml_collections.ConfigDict(section(

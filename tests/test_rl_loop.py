@@ -55,6 +55,10 @@ def _check_run(workdir, summary, *, steps, rollouts):
     last = lines[-1]
     assert last["sched/work_s_per_rollout"] > 0 and 1 <= last["sched/train_cells_target"] <= 3, last
     assert last["sched/max_running_rollouts"] >= 1
+    # ... and the same costs in scheduler_costs.json, rewritten each step: the next run's priors, a resume's start
+    costs = json.load(open(os.path.join(workdir, "scheduler_costs.json")))
+    assert costs["work_s_per_rollout"] == last["sched/work_s_per_rollout"]
+    assert costs["serve_s_per_rollout"] == last.get("sched/serve_s_per_rollout"), costs
     assert os.path.getsize(os.path.join(workdir, "timeline.png")) > 1000
     assert os.path.isdir(os.path.join(workdir, "checkpoints", str(steps)))
     outs, consumed, _ = _outcomes(workdir)
@@ -257,11 +261,19 @@ def test_loop_baseline_modes(tmp_path, mode):
 @pytest.mark.slow
 def test_loop_resumes_without_losing_or_retraining(tmp_path):
     c = tiny_config("elastic", steps=2)
-    jobs.get(c.job)(c, str(tmp_path))
+    first = jobs.get(c.job)(c, str(tmp_path))
     wd = os.path.join(tmp_path, "elastic")
     _, consumed_before, _ = _outcomes(wd)
+    # The resumed run goes on from the costs its workdir holds: told a switch costs a day, it lends the
+    # satellite to training no more (the first run, switches measured cheap, did).
+    path = os.path.join(wd, "scheduler_costs.json")
+    costs = json.load(open(path))
+    assert first["switches"] > 0 and costs["switch_round_trip_s"] is not None, (first["switches"], costs)
+    with open(path, "w") as f:
+        json.dump({**costs, "switch_round_trip_s": 86400.0}, f)
     c.steps = 3
     summary = jobs.get(c.job)(c, str(tmp_path))  # same workdir: resumes at step 2
+    assert summary["switches"] == 0 and json.load(open(path))["switch_round_trip_s"] == 86400.0
     outs, consumed, _ = _outcomes(wd)
     assert summary["steps"] == 1
     assert all(consumed[r] == e for r, e in consumed_before.items())  # nothing re-trained

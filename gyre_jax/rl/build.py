@@ -28,7 +28,7 @@ from gyre_jax import cells as cells_lib
 from gyre_jax.cells.loss import policy_loss_fn
 from gyre_jax.cells.mesh import CellLayout, Role
 from gyre_jax.distributed import ensure_cpu_devices
-from gyre_jax.errors import ConfigError, RunFailed
+from gyre_jax.errors import ConfigError, RunFailed, storage_error
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, init_params, param_logical_axes
 from gyre_jax.rl import faults as faults_lib
@@ -47,6 +47,7 @@ from gyre_jax.rl import warm_cache
 from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
 from gyre_jax.rl.step_events import TrainerSnapshot
 from gyre_jax.rl.trainer import TrainerAdapter
+from gyre_jax.scheduler import costs_file
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.controller import Controller
 from gyre_jax.scheduler.modes import get_mode
@@ -142,6 +143,7 @@ class Base:
     n_cells: int
     store: TrajectoryStore
     tok: Any
+    costs: policy_lib.Measured | None = None  # what an earlier attempt in this workdir measured (costs_file)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,13 +361,36 @@ def build_base(cfg: RLConfig, workdir: str) -> Base:
     tok = _tokenizer(cfg)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config.model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tok.vocab_size} ids")
-    return Base(workdir=workdir, multi=multi, n_cells=n_cells, store=store, tok=tok)
+    return Base(workdir=workdir, multi=multi, n_cells=n_cells, store=store, tok=tok, costs=own_costs(workdir))
+
+
+def own_costs(workdir: str) -> policy_lib.Measured | None:
+    """The scheduler costs an earlier attempt in ``workdir`` measured (None: none did), read after the store's
+    lock says no other run writes them."""
+    path = os.path.join(workdir, costs_file.FILE_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        return costs_file.load(path)
+    except ValueError as e:
+        raise ConfigError(f"--workdir: {e}; delete it to let this run measure its costs afresh") from None
+
+
+def save_costs(workdir: str, controller: Controller) -> None:
+    """``<workdir>/scheduler_costs.json``: what the controller has measured (each step; a pilot's, a resume's)."""
+    if controller.estimates is None:
+        return
+    path = os.path.join(workdir, costs_file.FILE_NAME)
+    try:
+        costs_file.save(path, controller.estimates.measured())
+    except OSError as e:
+        raise storage_error(path, "writing the scheduler costs", e) from e
 
 
 def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> Placement:
     """Cells and roles, the jitted steps (compiling on a thread of their own while set-up goes on) and the
     held-out eval (whole episodes get an engine on the core cell's devices)."""
-    pc = cfg.policy_config(base.n_cells)
+    pc = cfg.policy_config(base.n_cells, own_costs=base.costs)
     roles = tuple(policy_lib.initial_roles(pc, base.n_cells))
     cs = cells_lib.split_cells(cfg.cell_config())
     if base.multi:
@@ -510,6 +535,8 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     launcher.resume(list(restored.short))
     controller = Controller(place.policy, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad,
                             clock=clock)
+    if base.costs is not None and controller.estimates is not None:
+        controller.estimates.restore(base.costs)  # a resumed run goes on measured, not blind
     wandb = (WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
              if cfg.metrics.wandb != "off" else None)  # the whole config copied only for a run that shows it
     metrics = MetricsWriter(base.workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B

@@ -144,6 +144,9 @@ class SchedulerConfig:
     # (gyre_jax/scheduler/policy.py says where each value comes from).
     min_work_per_switch_s: float = DEFAULT_MIN_WORK_PER_SWITCH_S
     serve_reserve: float = DEFAULT_SERVE_RESERVE
+    # A JSON of measured costs (policy.Measured's fields), e.g. a pilot run's
+    # <workdir>/<mode>/scheduler_costs.json: the policy's priors (PolicyConfig.priors). "" = none.
+    priors: str = ""
     poll_s: float = 0.05  # controller tick period (it also wakes on every event)
 
     def __post_init__(self):
@@ -592,16 +595,32 @@ class RLConfig:
                               "--config.harness.sandbox=none to run them on the host deliberately")
 
     # ---- the objects the loop builds from the config (validated here) ----
-    def policy_config(self, n_cells: int | None = None):
-        """The scheduler's PolicyConfig; with ``n_cells``, also checks the mode's layout fits."""
+    @functools.cached_property
+    def scheduler_priors(self):
+        """config.scheduler.priors's costs (policy.Measured; NOT_MEASURED when unset), read once."""
+        from gyre_jax.scheduler import costs_file, policy as policy_lib
+
+        path = self.scheduler.priors
+        if not path:
+            return policy_lib.NOT_MEASURED
+        try:
+            return costs_file.load(path)
+        except ValueError as e:
+            raise ConfigError(f"config.scheduler.priors={path!r}: {e}") from None
+
+    def policy_config(self, n_cells: int | None = None, own_costs=None):
+        """The scheduler's PolicyConfig; with ``n_cells``, also checks the mode's layout fits.
+        ``own_costs``: what this workdir's earlier attempt measured (a resumed run): its priors
+        where it measured them, config.scheduler.priors's elsewhere."""
         from gyre_jax.scheduler import policy as policy_lib
 
         s = self.scheduler
+        priors = self.scheduler_priors if own_costs is None else policy_lib.filled(own_costs, self.scheduler_priors)
         pc = _built("scheduler", lambda: policy_lib.PolicyConfig(
             mode=s.mode, total_steps=self.steps, groups_per_step=s.groups_per_step, group_size=s.group_size,
             staleness_bound=s.staleness_bound, updates_per_publication=s.updates_per_publication,
             async_train_cells=s.async_train_cells if get_mode(s.mode).fixed_split else 0,
-            serve_reserve=s.serve_reserve, min_work_per_switch_s=s.min_work_per_switch_s))
+            serve_reserve=s.serve_reserve, min_work_per_switch_s=s.min_work_per_switch_s, priors=priors))
         if n_cells is not None and pc.strategy.fixed_split and not 1 <= s.async_train_cells < n_cells:
             raise ConfigError(f"config.scheduler.async_train_cells={s.async_train_cells} must be in [1, {n_cells - 1}]: "
                               f"{n_cells} cells of cells.cell_size={self.cells.cell_size} devices, one must serve")

@@ -26,7 +26,9 @@ rollout is found again) and raises ``RunFailed`` with one line saying what faile
 rerunning the same command resumes.
 
 Everything lives under ``<workdir>/<mode>/``: store, workspaces, checkpoints,
-metrics.jsonl, timeline.png, summary.json.
+metrics.jsonl, timeline.png, summary.json, scheduler_costs.json (the controller's
+measured costs, rewritten each step: a resumed run starts from them, and
+``--config.scheduler.priors`` gives them to another run).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import time
 import jax
 
 from gyre_jax.errors import RunFailed, StorageError
-from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint
+from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint, save_costs
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.episode_eval import BackgroundEval
 from gyre_jax.rl.progress import Progress
@@ -121,6 +123,7 @@ class _Records:
                 rec = rec.with_values(_run_eval(c, done.version, done.params))
             self.step_end_s.append(rec["time_s"])
             c.metrics.write(rec.step, scalars(rec))
+            save_costs(c.workdir, c.controller)  # the next run's priors (--config.scheduler.priors), a resume's start
             self.history.append(rec)
             self.bar.step()
 

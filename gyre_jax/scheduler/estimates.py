@@ -22,9 +22,10 @@ steps rather than seconds so that it fits runs of minutes and runs of days alike
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from gyre_jax.scheduler.policy import Measured
+from gyre_jax.scheduler.policy import NOT_MEASURED, Measured, filled
 
 
 class OnlineEstimates:
@@ -50,6 +51,7 @@ class OnlineEstimates:
         self._update_t0: float | None = None
         self._steps = 0
         self._measured = Measured()
+        self._restored = NOT_MEASURED  # an earlier attempt's costs, until measured again (restore)
         self._dirty = False
         self._now = 0.0
         self._switch_since: float | None = None
@@ -116,6 +118,13 @@ class OnlineEstimates:
         self._switch_s[kind] = old + (seconds - old) / n
         self._dirty = True
 
+    def restore(self, costs: Measured) -> None:
+        """A resumed run's own costs (costs_file): each stands until this attempt has measured
+        it anew, so a resumed run does not start unmeasured (core alone, switches taken for
+        free). A switch in flight then is not one now."""
+        self._restored = dataclasses.replace(costs, switch_in_flight_s=None)
+        self._measured = filled(self._measured, self._restored)
+
     # ---- output
     def measured(self) -> Measured:
         return self._measured
@@ -131,8 +140,9 @@ class OnlineEstimates:
         rt = sum(self._switch_s.values()) if self._switch_s else None
         # (refreshed on the sampling grid like the load: a lower bound need not be exact)
         in_flight = None if self._switch_since is None else self._now - self._switch_since
-        self._measured = Measured(call_share=share, serve_s_per_rollout=serve, work_s_per_rollout=work,
-                                  switch_round_trip_s=rt, update_s=self._update_s, switch_in_flight_s=in_flight)
+        self._measured = filled(Measured(call_share=share, serve_s_per_rollout=serve, work_s_per_rollout=work,
+                                         switch_round_trip_s=rt, update_s=self._update_s,
+                                         switch_in_flight_s=in_flight), self._restored)
 
     @staticmethod
     def _mean(old, new, w):

@@ -137,12 +137,7 @@ class Elastic(Mode):
         # The core alone until the costs are measured; with priors that say switches cost
         # more than a step, the split the policy would move to at once (admission serves only
         # its n - k cells), without paying a switch.
-        p = config.priors
-        k = 1
-        if P.priors_apply(config, n_cells):
-            R = config.groups_per_step * config.group_size
-            rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
-            k = P.best_split(n_cells, p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0, rt)
+        k = P.priors_split(config, n_cells) or 1
         return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
 
     def serving_cells(self, n_cells, async_train_cells):
@@ -165,8 +160,16 @@ class Elastic(Mode):
             return []
         need = min(cen.sats, P.serving_cells_needed(running, cen.slots, P.serve_reserve(state, config)))
         if need > cen.serving:
+            n_back = need - cen.serving
+            if P.round_trip_outlasts_step(state, config):
+                # A switch must pay for itself (issue 26): a cell sent back below the split
+                # arrives after the calls it was sent for (a burst, or a noisy first call share:
+                # every agent starts in a model call) and must later pay to come back. Only
+                # cells lent beyond the split return; the others' calls wait for a slot, and
+                # admission (serving_capacity) holds the agents to the split's serving cells.
+                n_back = min(n_back, max(0, cen.training - P.train_cells_target(state, config)))
             back = sorted((c for c in cells if not c.is_core and c.role == TRAIN), key=lambda c: c.id)
-            return [P.ToRollout(c.id) for c in back[: need - cen.serving]]
+            return [P.ToRollout(c.id) for c in back[:n_back]]
         limit = cen.serving - need
         if limit <= 0 or work_s <= 0:
             return []

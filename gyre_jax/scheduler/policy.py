@@ -352,20 +352,37 @@ def serve_reserve(state: ClusterState, config: PolicyConfig) -> float:
     return config.serve_reserve if share is None else min(1.0, max(0.02, share))
 
 
-@functools.lru_cache(maxsize=64)
-def priors_apply(config: PolicyConfig, n_cells: int) -> bool:
-    """Whether elastic runs on its priors: only when a switch round trip outlasts a step at the
-    split they give. Then a first move is a commitment and the priors must make it (they also
-    set the starting split). With cheaper switches a wrong move is undone within a step, and the
-    first step runs fastest with every satellite serving (there is no training work yet): the
-    core alone until the costs are measured, as without priors."""
-    p = config.priors
-    if p.serve_s_per_rollout is None or p.work_s_per_rollout is None or n_cells < 3:
-        return False
+def step_costs(m: Measured, config: PolicyConfig) -> tuple[float, float, float] | None:
+    """(serving cell-seconds, training cell-seconds, update seconds) of one step's rollouts from
+    the costs ``m``: the step model's inputs, read the same way from priors and from measurements
+    (so the split a pilot's costs give and the split the same costs measured online give are
+    one computation). None while either per-rollout cost is unknown."""
+    if m.serve_s_per_rollout is None or m.work_s_per_rollout is None:
+        return None
     R = config.groups_per_step * config.group_size
-    serve, train, upd = p.serve_s_per_rollout * R, p.work_s_per_rollout * R, p.update_s or 0.0
+    return m.serve_s_per_rollout * R, m.work_s_per_rollout * R, m.update_s or 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def priors_split(config: PolicyConfig, n_cells: int) -> int | None:
+    """The split (training cells, core included) elastic starts at on its priors, or None when
+    they do not apply: only when a switch round trip outlasts a step at the split they give.
+    Then a first move is a commitment and the priors must make it. With cheaper switches a
+    wrong move is undone within a step, and the first step runs fastest with every satellite
+    serving (there is no training work yet): the core alone until the costs are measured, as
+    without priors."""
+    p = config.priors
+    sc = step_costs(p, config)
+    if sc is None or n_cells < 3:
+        return None
     rt = config.min_work_per_switch_s if p.switch_round_trip_s is None else p.switch_round_trip_s
-    return rt >= _step_model(n_cells, serve, train, upd)(best_split(n_cells, serve, train, upd, rt))
+    k = best_split(n_cells, *sc, rt)
+    return k if rt >= _step_model(n_cells, *sc)(k) else None
+
+
+def priors_apply(config: PolicyConfig, n_cells: int) -> bool:
+    """Whether elastic runs on its priors (``priors_split``)."""
+    return priors_split(config, n_cells) is not None
 
 
 def costs(state: ClusterState, config: PolicyConfig) -> Measured:
@@ -373,8 +390,16 @@ def costs(state: ClusterState, config: PolicyConfig) -> Measured:
     m, p = state.measured, config.priors
     if p is NOT_MEASURED or not priors_apply(config, census(state.cells).live):
         return m
-    return Measured(**{f.name: p_ if (m_ := getattr(m, f.name)) is None and (p_ := getattr(p, f.name)) is not None
-                       else m_ for f in dataclasses.fields(Measured)})
+    return filled(m, p)
+
+
+def filled(m: Measured, fallback: Measured) -> Measured:
+    """``m`` with each cost it has not measured taken from ``fallback``: the one merge of
+    measured over earlier costs (the priors here; a resumed run's own costs in estimates.py)."""
+    if fallback is NOT_MEASURED:
+        return m
+    return Measured(**{f.name: getattr(fallback, f.name) if getattr(m, f.name) is None else getattr(m, f.name)
+                       for f in dataclasses.fields(Measured)})
 
 
 def switch_cost_s(state: ClusterState, config: PolicyConfig) -> float:
@@ -433,16 +458,12 @@ def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
     the time the better split saves over the steps left exceeds a switch round trip. With
     switches that cost more than the steps they would speed up, elastic keeps its split:
     the best fixed split, when it started there (``initial_roles``)."""
-    m = costs(state, config)
-    if m.serve_s_per_rollout is None or m.work_s_per_rollout is None:
-        return 1
+    sc = step_costs(costs(state, config), config)
     n = census(state.cells).live
-    if n < 3:
+    if sc is None or n < 3:
         return 1
-    R = config.groups_per_step * config.group_size
-    serve, train, upd = m.serve_s_per_rollout * R, m.work_s_per_rollout * R, m.update_s or 0.0
-    step_s = _step_model(n, serve, train, upd)
-    best = best_split(n, serve, train, upd, switch_cost_s(state, config))
+    step_s = _step_model(n, *sc)
+    best = best_split(n, *sc, switch_cost_s(state, config))
     # Hysteresis: estimates are noisy (3%), and a move costs a switch round trip, paid back
     # only by the time it saves on the steps left.
     now = min(n - 1, max(1, census(state.cells).training))
@@ -450,6 +471,19 @@ def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
     if step_s(now) <= 1.03 * step_s(best) or gain_s <= switch_cost_s(state, config):
         return now
     return best
+
+
+def round_trip_outlasts_step(state: ClusterState, config: PolicyConfig) -> bool:
+    """Whether a switch round trip takes longer than a step at the current split, by the step
+    model on the costs the policy has (False while they are unknown). Then a cell moved for a
+    need of this step arrives after the need is gone, and moving it back costs as much again:
+    issue 26's case (600 s / 300 s switches, ~100 s steps), where elastic kept switching."""
+    sc = step_costs(costs(state, config), config)
+    cen = census(state.cells)
+    if sc is None or cen.live < 3:
+        return False
+    now = min(cen.live - 1, max(1, cen.training))
+    return switch_cost_s(state, config) >= _step_model(cen.live, *sc)(now)
 
 
 def serving_cells_needed(running_rollouts: int, slots_per_cell: int, reserve: float) -> int:

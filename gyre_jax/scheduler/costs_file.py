@@ -1,0 +1,79 @@
+"""The scheduler's measured costs as a JSON file, so that one run's measurement seeds the next.
+
+Every RL run writes ``<workdir>/<mode>/scheduler_costs.json`` (``FILE_NAME``) after each
+step, atomically: the costs its controller has measured so far (``policy.Measured``'s
+fields, in seconds; null = not measured). Two readers:
+
+* ``--config.scheduler.priors=PATH``: a pilot run's file becomes another run's
+  ``PolicyConfig.priors``, so elastic can start at the split they give instead of
+  measuring first (``policy.priors_split``: only when a switch outlasts a step);
+* a resumed run reads its own file back (``OnlineEstimates.restore``), so it continues
+  measured instead of starting blind.
+
+The simulator's pilot (``workloads.pilot_priors``) produces the same ``Measured``, so a
+file and a simulation given the same costs run the same policy decisions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+
+from gyre_jax.scheduler.policy import Measured
+
+FILE_NAME = "scheduler_costs.json"
+_FIELDS = tuple(f.name for f in dataclasses.fields(Measured))
+
+
+def to_json(m: Measured) -> dict:
+    """The costs to keep. A switch still in progress is no cost by itself, but how long it has
+    taken is a lower bound on the round trip (a 10-minute switch must not be read as free by
+    the next run because the first one had not finished): it is folded into the round trip."""
+    d = dataclasses.asdict(m)
+    in_flight = d.pop("switch_in_flight_s")
+    if in_flight is not None:
+        d["switch_round_trip_s"] = max(d["switch_round_trip_s"] or 0.0, in_flight)
+    return d
+
+
+def save(path: str, m: Measured) -> None:
+    """Write ``m`` to ``path`` atomically (a reader never sees half a file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".scheduler_costs.", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(to_json(m), f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(path: str) -> Measured:
+    """The costs in ``path``; ValueError in one line naming the path (and the field) if the file
+    is missing or is not an object of ``Measured``'s fields, each null or a finite number >= 0."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the scheduler costs ({e.strerror or e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: must be a JSON object of costs {list(_FIELDS)}, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {unknown}; known: {list(_FIELDS)}")
+    for k, v in d.items():
+        ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+        if not ok:
+            raise ValueError(f"{path}: field {k!r} must be null or a number >= 0 (seconds, or calls per agent), "
+                             f"got {v!r}")
+    m = Measured(**{k: None if v is None else float(v) for k, v in d.items()})
+    return Measured(**to_json(m))  # a switch_in_flight_s given in the file is the round trip's lower bound
