@@ -54,7 +54,7 @@ def params():
 # ---- model level -------------------------------------------------------------------------------
 def _decode_routing(params, seq, start):
     """Prefill seq[:start], then decode seq[start:] one token at a time: (logits, routing) per position."""
-    _, kv = dec.prefill(params, CFG, jnp.asarray(seq[:start]))
+    _, kv = jax.jit(dec.prefill, static_argnums=1)(params, CFG, jnp.asarray(seq[:start]))
     cache = dec.insert(dec.init_cache(CFG, 1, 32), kv, 0)
     step = jax.jit(dec.decode_step, static_argnums=1, static_argnames="with_routing")
     logits, routing = [], []
@@ -95,9 +95,6 @@ def test_decode_routing_replayed_by_the_packed_forward(params):
     np.testing.assert_array_equal(got_mismatch, differs)
     forced, _ = fwd(params, routing, replay)
     assert np.abs(np.asarray(forced[0, start:]) - logits_dec).max(-1)[differs].min() > 1e-3
-    # The dense reference takes the same recorded experts.
-    dense, _ = fwd(params, routing, replay.replace(moe_impl="dense"))
-    np.testing.assert_allclose(np.asarray(dense), np.asarray(forced), atol=ATOL, rtol=0)
 
     def nll(p):
         lg = Transformer(replay).apply(p, seq[None], pos, seg, end, routing_BxLxR=jnp.asarray(routing))
