@@ -158,6 +158,7 @@ def get_config() -> ml_collections.ConfigDict:
         overlong_buffer_tokens=0,  # its soft-penalty band Lc below Lmax
         overlong_penalty=1.0,  # the penalty at and beyond Lmax
         work_s_per_row=0.05,  # first estimate of training cost (then measured)
+        routing_replay=False,  # MoE models: train on the experts the engine recorded per sampled token (R3)
     ))
     c.sft = ml_collections.ConfigDict(dict(
         steps=600,  # supervised warm-start steps on scripted demonstrations

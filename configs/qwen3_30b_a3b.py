@@ -13,6 +13,12 @@ layout at the end of the run. The train loss adds ``router_aux_loss_coef`` x the
 load-balancing loss only when the checkpoint's config.json says ``output_router_logits``
 (as transformers does); the step reports ``moe_aux_loss`` and ``moe_max_load``.
 
+Routing replay is on (``train.routing_replay``): the engines record the 8 experts each of the
+48 MoE layers chose for every sampled token (384 bytes per generated token in the call
+records), and the training forward routes those tokens to the recorded experts (the live
+router still weights them and gets the gradient). The step reports ``routing_mismatch``, the
+fraction of trained tokens whose live routing differs from the recorded one.
+
 Cell layout (parallelism) to pick; ``--plan=KIND:N`` prints the memory plan per device:
 
 * **8-GPU node (8x H100 80 GB), one process**: the defaults below, one cell of 8 that serves
@@ -66,4 +72,7 @@ def get_config():
     c.cells.max_len = 16384  # KV-cache length per slot (16 slots)
     c.scheduler.mode = "colocate"  # one cell serves and trains in turn
     c.train.row_len, c.train.micro_batch_rows = 16384, 8  # a multiple of the fsdp size (8)
+    # R3: a token routed to other experts in training than when it was sampled (bf16 engine vs trainer
+    # numerics, and stale policies) makes its importance ratio meaningless; replay the sampled routing.
+    c.train.routing_replay = True
     return c

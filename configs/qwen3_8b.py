@@ -119,6 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
         row_len=32768, micro_batch_rows=4,  # a multiple of the fsdp size (4)
         learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, max_grad_norm=1.0, adam_b2=0.999, adam_eps=1e-8,
         work_s_per_row=2.0,
+        routing_replay=False,  # MoE models only (configs/qwen3_30b_a3b.py turns it on)
         # The objective (loss, advantage, weights, mismatch and their options; configs/demo.py comments
         # each): gyre_jax.rl.config.TrainConfig's defaults, clipped-ratio GRPO with DAPO's clip-higher.
         **train_objective_fields(),

@@ -110,8 +110,9 @@ def test_moe_logits_match_transformers(tmp_path, over):
 @pytest.mark.slow  # a whole RL job with MoE compiles: ~100 s idle, 5 min under load; the default run keeps 10 min
 def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
     """configs/qwen3_30b_a3b.py on a tiny Qwen3-MoE checkpoint: one RL step of the real stack (cells,
-    engines decoding with the MoE block, the HTTP proxy, the harness, the train step expert-parallel
-    with the aux loss metrics), and the policy exported as a Qwen3-MoE checkpoint that loads again."""
+    engines decoding with the MoE block and recording its routing, the HTTP proxy, the harness, the
+    train step expert-parallel replaying that routing, with the aux loss and routing metrics), and the
+    policy exported as a Qwen3-MoE checkpoint that loads again."""
     from gyre_jax import jobs
     from tests.test_hf_rl import tiny_checkpoint, tiny_rl_config
 
@@ -126,6 +127,9 @@ def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
     lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
     assert [r["step"] for r in lines] == [0] and summary["statuses"] == {"completed": 4}
     assert 1.0 <= lines[0]["loss/moe_max_load"] <= 4.0 and lines[0]["loss/moe_aux_loss"] > 0, lines[0]
+    # The config replays the engines' recorded routing (train.routing_replay): every trained token had it.
+    assert c.train.routing_replay and 0.0 <= lines[0]["routing_mismatch"] <= 1.0, lines[0]
+    assert lines[0]["loss/routing_recorded_tokens"] > 0, lines[0]
     cfg1, _ = load_pretrained(d)
     cfg2, params2 = load_pretrained(os.path.join(wd, "hf_export"))
     assert cfg2 == cfg1 and cfg2.num_experts == 4

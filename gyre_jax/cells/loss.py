@@ -24,6 +24,13 @@ load-balancing loss over the micro-batch's real tokens, weighted by the micro-ba
 of the step's loss weight (the shares sum to 1 over a step); metrics ``moe_aux_loss`` (that
 weighted mean) and ``moe_max_load`` (max over layers and experts of E x the expert's share of
 (token, expert) pairs: 1 is perfectly balanced, E is everything on one expert).
+
+Routing replay (R3): a micro-batch with a ``routing`` field ([B, L, MoE layers x top-k] expert
+ids the engine recorded at each trained token's predicting position, -1 elsewhere) passes it
+to the model, which uses it where ``model_config.routing_replay`` (model/moe.py) and compares
+it with the live routing either way: metrics ``routing_recorded_tokens`` (trained tokens with
+recorded routing) and ``routing_mismatch_tokens`` (those whose live top-k set differs from the
+recorded one in at least one MoE layer); the step record's ``routing_mismatch`` is their ratio.
 """
 from __future__ import annotations
 
@@ -42,7 +49,8 @@ from gyre_jax.model.moe import expert_load, load_balancing_loss
 from gyre_jax.model.transformer import moe_stats
 
 log = logging.getLogger(__name__)
-declare_metrics({"moe_aux_loss": "mean", "moe_max_load": "max"}, "gyre_jax.cells.loss")
+declare_metrics({"moe_aux_loss": "mean", "moe_max_load": "max", "routing_mismatch_tokens": "count",
+                 "routing_recorded_tokens": "count"}, "gyre_jax.cells.loss")
 
 LOGITS_BYTES_BUDGET = 512 << 20  # full float32 logits of a micro-batch above this: chunked projection
 CHUNK_BYTES = 64 << 20  # target float32 logits of one chunk of positions
@@ -118,6 +126,7 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
         moe = model_config.num_experts > 0
         apply = functools.partial(model.apply, mutable=["intermediates"]) if moe else model.apply
+        apply = _with_routing(apply, mb)
         if plan.logits_chunk is None:
             out = apply(params, *inputs)
             logits, inter = out if moe else (out, None)
@@ -128,7 +137,10 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
             loss, metrics = loss_from_hidden(hidden_BxLxD, unembed_DxV, mb, loss_config,
                                              chunk_size=plan.logits_chunk, layout="DxV")
         if moe:
-            loss, metrics = _add_moe_loss(loss, metrics, moe_stats(inter), model_config)
+            stats = moe_stats(inter)
+            loss, metrics = _add_moe_loss(loss, metrics, stats, model_config)
+            if "routing" in mb:
+                metrics = dict(metrics, **_routing_metrics(stats, mb))
         return loss, metrics
 
     def logprob_fn(params, mb):  # the MoE statistics are not collected: apply without mutable sows nothing
@@ -137,9 +149,10 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         if False not in models:  # a forward alone never needs remat
             models[False] = Transformer(model_config.replace(remat=False))
         inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
+        apply = _with_routing(models[False].apply, mb)
         if plan.logits_chunk is None:
-            return token_logprobs(models[False].apply(params, *inputs), mb["targets"])
-        hidden_BxLxD, unembed_DxV = models[False].apply(params, *inputs, return_hidden=True)
+            return token_logprobs(apply(params, *inputs), mb["targets"])
+        hidden_BxLxD, unembed_DxV = apply(params, *inputs, return_hidden=True)
         return chunked_token_logprobs(hidden_BxLxD, unembed_DxV, mb["targets"], chunk_size=plan.logits_chunk,
                                       layout="DxV")
 
@@ -148,6 +161,22 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
     fn.expert_parallel_axis = model_config.expert_parallel_axis
     fn.logprob_fn = logprob_fn
     return fn
+
+
+def _with_routing(apply, mb):
+    """The model's apply, given the micro-batch's recorded routing when it has one."""
+    if "routing" not in mb:
+        return apply
+    return functools.partial(apply, routing_BxLxR=mb["routing"])
+
+
+def _routing_metrics(stats, mb):
+    """Trained tokens with recorded routing, and those whose live routing differs in any MoE layer."""
+    b, n = mb["tokens"].shape
+    recorded_BxL = mb["loss_mask"].astype(bool) & (mb["routing"][..., 0] >= 0)
+    differs_BxL = jnp.max(stats.mismatch, axis=0).reshape(b, n) > 0
+    return {"routing_recorded_tokens": jnp.sum(recorded_BxL).astype(jnp.float32),
+            "routing_mismatch_tokens": jnp.sum(recorded_BxL & differs_BxL).astype(jnp.float32)}
 
 
 def _add_moe_loss(loss, metrics, stats, model_config: ModelConfig):

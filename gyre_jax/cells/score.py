@@ -82,7 +82,9 @@ class StepScorer:
         d = rows.as_dict()
         pad = -n % self.b
         if pad:  # whole micro-batches: one compiled shape (padding rows carry no loss)
-            d = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in d.items()}
+            # (-1 routing: padding is routed live, never to a made-up recorded expert 0)
+            d = {k: np.concatenate([v, np.full((pad,) + v.shape[1:], -1 if k == "routing" else 0, v.dtype)])
+                 for k, v in d.items()}
         mbs = [device_micro_batch({k: v[i:i + self.b] for k, v in d.items()}, where="score")
                for i in range(0, n + pad, self.b)]
         return fill_score_fields(rows, rollout_index, passes=self.passes, corrected=self.corrected,

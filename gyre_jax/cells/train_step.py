@@ -53,6 +53,9 @@ MICRO_BATCH_KEYS: tuple[str, ...] = (
 # The per-step pass's fields (gyre_jax/cells/score.py; zeros when the objective reads none).
 SCORE_KEYS = ("prox_logprobs", "trainer_logprobs", "ref_logprobs", "seq_log_ratio", "seq_log_mismatch")
 MICRO_BATCH_KEYS = MICRO_BATCH_KEYS + SCORE_KEYS
+# An MoE model's recorded routing (routing replay, cells/loss.py): [B, L, R] int16, -1 = routed
+# live; present for every micro-batch of an MoE run, absent otherwise. Sharded like [B, L].
+ROUTING_KEY = "routing"
 
 LossFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -89,6 +92,12 @@ def device_micro_batch(rows: Mapping[str, Any], *, where: str = "micro-batch") -
     for k, v in out.items():
         if v.shape != shape:
             raise ValueError(f"{where}: {k} has shape {v.shape}, tokens has {shape}")
+    if d.get(ROUTING_KEY) is not None:
+        r = np.asarray(d[ROUTING_KEY])
+        if r.ndim != 3 or r.shape[:2] != shape or r.dtype.kind != "i":
+            raise ValueError(f"{where}: {ROUTING_KEY} must be integer [B, L, R] with [B, L] = {shape}, got "
+                             f"{r.dtype} {r.shape}")
+        out[ROUTING_KEY] = r
     return out
 
 

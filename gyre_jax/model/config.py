@@ -61,6 +61,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss the train loss adds (HF: 0.001)
     moe_impl: str = "ragged"  # one of MOE_IMPLS; both give the same result
     expert_parallel_axis: str | None = None  # mesh axis the experts are split over (jax.set_mesh); None: no dispatch
+    # Rollout routing replay (R3, model/moe.py): a forward given recorded routing uses those experts
+    # where recorded (the router's live probabilities still weight them); False: it only compares.
+    routing_replay: bool = False
 
     def __post_init__(self):
         where = "ModelConfig"
@@ -135,6 +138,16 @@ class ModelConfig:
         """Qwen3-MoE's rule: layer i routes to experts unless listed in mlp_only_layers or off the sparse step."""
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def routing_width(self) -> int:
+        """Expert ids one token's routing holds (MoE layers x top-k; 0 for a dense model): the
+        last dim of a recorded routing array, in layer order, each layer's k ids together."""
+        return self.num_moe_layers * self.num_experts_per_tok
 
     def layer_runs(self) -> tuple[tuple[str, int, int, bool], ...]:
         """(param name, start, stop, is_moe) of each run of consecutive layers of one kind.

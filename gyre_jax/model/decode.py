@@ -38,7 +38,7 @@ import numpy as np
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.paged import PagedMask, gather_pages, page_slots  # noqa: F401 - gather_pages re-exported
-from gyre_jax.model.transformer import Transformer, cache_mask
+from gyre_jax.model.transformer import Transformer, cache_mask, moe_stats
 
 
 @flax.struct.dataclass
@@ -78,6 +78,20 @@ def _with_cache(config: ModelConfig, params, *args) -> tuple[jax.Array, tuple[ja
     """``Transformer.with_cache`` applied: (logits, (k, v)) with k/v [Y, B, P, K, H] (flax types apply() loosely)."""
     out = Transformer(config).apply(params, *args, method=Transformer.with_cache)
     return cast(tuple[jax.Array, tuple[jax.Array, jax.Array]], out)  # no mutable collections: just the output
+
+
+def _decode_apply(config: ModelConfig, params, with_routing: bool, *args):
+    """``with_cache`` for one token per slot: (logits, (k, v), routing_SxR int32 or None).
+
+    ``with_routing`` (an MoE model): also the experts every MoE layer chose for each slot's
+    token, [S, MoE layers x top-k] in layer order: what the engine records for routing replay."""
+    if not with_routing:
+        return (*_with_cache(config, params, *args), None)
+    (logits, kv), inter = Transformer(config).apply(params, *args, method=Transformer.with_cache,
+                                                    mutable=["intermediates"])
+    experts_YxSxK = moe_stats(inter).experts
+    s = experts_YxSxK.shape[1]
+    return logits, kv, jnp.transpose(experts_YxSxK, (1, 0, 2)).reshape(s, -1)
 
 
 def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None):
@@ -221,7 +235,7 @@ def slot_kv(cache: KVCache, slot) -> KV:
     return KV(k=cache.k[:, slot], v=cache.v[:, slot])
 
 
-def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=None):
+def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=None, *, with_routing=False):
     """One token for every slot: logits of the next token and the updated cache.
 
     Slot s's token sits at position ``cache.lengths[s]``; its k/v is written
@@ -230,7 +244,8 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
     would be clamped onto its last valid entry). Inactive slots compute a token
     that is never kept, at static shape.
 
-    Returns (logits_SxV float32, cache).
+    Returns (logits_SxV float32, cache), and with ``with_routing`` (an MoE model) a third
+    value: routing_SxR int32, the experts each slot's token was routed to (``_decode_apply``).
     """
     chex.assert_shape(tokens_S, (cache.num_slots,), custom_message="decode_step: tokens_S must be [S], one per slot")
     if active_S is not None:
@@ -238,8 +253,7 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
     m = cache.max_len
     pos_S = cache.lengths
     mask_Sx1xM = (jnp.arange(m, dtype=jnp.int32)[None, :] <= pos_S[:, None])[:, None, :]
-    logits, (k, v) = _with_cache(config,
-        params,
+    logits, (k, v), routing = _decode_apply(config, params, with_routing,
         tokens_S[:, None],
         pos_S[:, None],
         mask_Sx1xM,
@@ -254,7 +268,8 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
         # valid entries: masked now and overwritten by its next real token, so
         # no full-cache select is needed.
         lengths = pos_S + active_S.astype(jnp.int32)
-    return logits[:, 0], KVCache(k=k, v=v, lengths=lengths)
+    out = logits[:, 0], KVCache(k=k, v=v, lengths=lengths)
+    return (*out, routing) if with_routing else out
 
 
 class PagedKVCache(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
@@ -330,7 +345,8 @@ def paged_slot_kv(cache: PagedKVCache, slot, length: int) -> KV:
     return KV(k=k, v=v)
 
 
-def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache, active_S=None):
+def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache, active_S=None, *,
+                      with_routing=False):
     """``decode_step`` over a paged cache (same contract, same result): slot s's token sits at
     position lengths[s], its k/v lands on the page holding that position (the trash page if
     the host gave the slot none there). The kernel is config.attention_kernel ("xla" gathers
@@ -341,10 +357,11 @@ def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache
     pos_S = cache.lengths
     mask = PagedMask(cache.page_table, impl=config.attention_kernel, block_q=config.attention_block_q,
                      block_k=config.attention_block_k, blockwise=config.attention_impl == "blockwise")
-    logits, (k, v) = Transformer(config).apply(
-        params, tokens_S[:, None], pos_S[:, None], mask, cache.k, cache.v, pos_S, method=Transformer.with_cache)
+    logits, (k, v), routing = _decode_apply(config, params, with_routing, tokens_S[:, None], pos_S[:, None], mask,
+                                            cache.k, cache.v, pos_S)
     lengths = pos_S + 1 if active_S is None else pos_S + active_S.astype(jnp.int32)
-    return logits[:, 0], cache.replace(k=k, v=v, lengths=lengths)
+    out = logits[:, 0], cache.replace(k=k, v=v, lengths=lengths)
+    return (*out, routing) if with_routing else out
 
 
 def _concrete_nonzero(x) -> bool:

@@ -18,6 +18,16 @@ implementation computes the same function:
   local tokens), so no pair can be dropped; a capacity factor would shrink them at the
   cost of exactness and is not done here.
 
+Routing replay (R3, "rollout routing replay"): ``MoE`` may be given recorded routing
+[B, T, K] (expert ids the engine chose for each token while sampling, -1 where none was
+recorded: prompt tokens are routed live). Each recorded token's top-k set is compared with
+the live one (``MoEStats.mismatch``); with ``config.routing_replay`` the recorded experts are
+used instead of the live top-k, and their weights are the *live* router probabilities of
+those experts (renormalised as ``norm_topk_prob`` says), as R3 does: the expert outputs then
+match sampling, while the router still gets a gradient through the weights (and the aux
+loss). Replaying the recorded weights too would freeze the router on replayed tokens and
+make its gradient vanish exactly where the policy is trained.
+
 Statistics per layer (``MoEStats``): how many pairs went to each expert and the summed
 router probability, over real tokens only; ``load_balancing_loss`` turns a stack of
 them into HF's auxiliary loss.
@@ -44,6 +54,8 @@ class MoEStats:
     count_E: jax.Array  # float32: (token, expert) pairs routed to each expert
     prob_E: jax.Array  # float32: summed router probability of each expert
     tokens: jax.Array  # float32 scalar: real tokens routed
+    experts: jax.Array | None = None  # int32 [N, K]: the experts each token used (what the engine records)
+    mismatch: jax.Array | None = None  # float32 [N]: 1 where recorded routing's set differs from the live top-k
 
 
 def route(x_NxD, router_DxE, k: int, norm_topk: bool):
@@ -54,6 +66,23 @@ def route(x_NxD, router_DxE, k: int, norm_topk: bool):
     if norm_topk:
         w_NxK = w_NxK / jnp.sum(w_NxK, axis=-1, keepdims=True)
     return probs, w_NxK, idx_NxK.astype(jnp.int32)
+
+
+def replay_routing(probs_NxE, live_NxK, recorded_NxK, norm_topk: bool, replay: bool):
+    """(weights_NxK, experts_NxK, mismatch_N): the recorded experts where a token has them (row of
+    ids >= 0) if ``replay``, else the live ones; weights are the live probabilities of the experts
+    used. mismatch_N is 1.0 where a recorded token's set of k experts differs from the live top-k."""
+    e = probs_NxE.shape[-1]
+    has_N = recorded_NxK[:, 0] >= 0
+    # Ids come from the host (records); a bad one must not gather out of range inside the step.
+    rec_NxK = jnp.clip(recorded_NxK.astype(jnp.int32), 0, e - 1)
+    same_N = jnp.all(jnp.sort(live_NxK, axis=-1) == jnp.sort(rec_NxK, axis=-1), axis=-1)
+    mismatch_N = (has_N & ~same_N).astype(jnp.float32)
+    idx_NxK = jnp.where(has_N[:, None], rec_NxK, live_NxK) if replay else live_NxK
+    w_NxK = jnp.take_along_axis(probs_NxE, idx_NxK, axis=-1)
+    if norm_topk:
+        w_NxK = w_NxK / jnp.sum(w_NxK, axis=-1, keepdims=True)
+    return w_NxK, idx_NxK, mismatch_N
 
 
 def _swiglu_grouped(x_MxD, gate_ExDxF, up_ExDxF, down_ExFxD, group_sizes_E):
@@ -168,12 +197,15 @@ _EXPERTS = {"ragged": experts_ragged, "dense": experts_dense}
 
 
 class MoE(nn.Module):
-    """Router + E SwiGLU experts; returns (y_BxTxD, MoEStats over the tokens where ``valid_BxT``)."""
+    """Router + E SwiGLU experts; returns (y_BxTxD, MoEStats over the tokens where ``valid_BxT``).
+
+    ``routing_BxTxK``: recorded expert ids (-1: none recorded) to compare with, and with
+    ``config.routing_replay`` to use (module docstring)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, valid_BxT=None):
+    def __call__(self, x_BxTxD, valid_BxT=None, routing_BxTxK=None):
         cfg = self.config
         dt = cfg.jnp_dtype
         d, e, f, k = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
@@ -190,6 +222,10 @@ class MoE(nn.Module):
         b, t, _ = x_BxTxD.shape
         x_NxD = x_BxTxD.astype(dt).reshape(b * t, d)
         probs_NxE, w_NxK, idx_NxK = route(x_NxD, router_DxE, k, cfg.norm_topk_prob)
+        mismatch_N = jnp.zeros((b * t,), jnp.float32)
+        if routing_BxTxK is not None:
+            w_NxK, idx_NxK, mismatch_N = replay_routing(probs_NxE, idx_NxK, routing_BxTxK.reshape(b * t, k),
+                                                        cfg.norm_topk_prob, cfg.routing_replay)
         if cfg.expert_parallel_axis is not None:
             experts = functools.partial(experts_expert_parallel, axis=cfg.expert_parallel_axis)
         else:
@@ -199,7 +235,7 @@ class MoE(nn.Module):
                    else valid_BxT.reshape(b * t).astype(jnp.float32))
         count_E = jnp.zeros((e,), jnp.float32).at[idx_NxK].add(jnp.broadcast_to(valid_N[:, None], idx_NxK.shape))
         stats = MoEStats(count_E=jax.lax.stop_gradient(count_E), prob_E=probs_NxE.T @ valid_N,
-                         tokens=jnp.sum(valid_N))
+                         tokens=jnp.sum(valid_N), experts=idx_NxK, mismatch=mismatch_N * valid_N)
         return y_NxD.reshape(b, t, d), stats
 
 

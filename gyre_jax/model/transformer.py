@@ -49,7 +49,7 @@ class Block(nn.Module):
     moe: bool = False
 
     @nn.compact
-    def __call__(self, carry, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT):
+    def __call__(self, carry, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT, routing_BxTxK=None):
         """carry: the residual x_BxTxD, or for the decode step (x, k_all, v_all, layer) with the
         whole stacked cache [Y, B, S, K, H] updated in place (then layer_cache is None)."""
         decode = isinstance(carry, tuple)
@@ -64,7 +64,7 @@ class Block(nn.Module):
         x = x_BxTxD + y.astype(x_BxTxD.dtype)
         h = RMSNorm(self.config, name="mlp_norm")(x)
         if self.moe:
-            y, stats = MoE(self.config, name="moe")(h, valid_BxT)
+            y, stats = MoE(self.config, name="moe")(h, valid_BxT, routing_BxTxK)
         else:
             y, stats = MLP(self.config, name="mlp")(h), None
         x = x + y.astype(x.dtype)
@@ -88,7 +88,7 @@ def _scanned_blocks(config: ModelConfig, length: int):
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),  # routing: one [B, T, K] per layer
         length=length,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
@@ -144,11 +144,14 @@ class Transformer(nn.Module):
             logits = jnp.where(real_V, logits, PAD_LOGIT)
         return logits
 
-    def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL, subtree_end_BxL, *, return_hidden=False):
+    def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL, subtree_end_BxL, *, return_hidden=False,
+                 routing_BxLxR=None):
         """Forward over packed rows with the tree attention mask.
 
         Returns logits_BxLxV (float32), or (hidden_BxLxD, unembed_DxV) if
-        ``return_hidden``; then logits = hidden @ unembed.
+        ``return_hidden``; then logits = hidden @ unembed. ``routing_BxLxR``: recorded expert
+        ids per token (R = config.routing_width: MoE layers x top-k, -1 where none), compared
+        with the live routing and, with config.routing_replay, used (model/moe.py).
         """
         _check_int_BxL(
             "Transformer", tokens=tokens_BxL, positions=positions_BxL, segment_ids=segment_ids_BxL,
@@ -157,13 +160,31 @@ class Transformer(nn.Module):
         x = self._embed(tokens_BxL)
         mask = self._tree_mask(segment_ids_BxL, subtree_end_BxL)
         valid = segment_ids_BxL > 0  # padding (segment 0) is routed but not counted in the MoE statistics
-        for stack in self.stacks:
-            x, (_, stats) = stack(x, None, positions_BxL, mask, None, valid)
+        per_layer = self._routing_per_layer(routing_BxLxR, tokens_BxL.shape)
+        for stack, routing in zip(self.stacks, per_layer):
+            x, (_, stats) = stack(x, None, positions_BxL, mask, None, valid, routing)
             self._sow_moe(stats)
         hidden = self.final_norm(x)
         if return_hidden:
             return hidden, self.unembed_matrix()
         return self._logits(hidden)
+
+    def _routing_per_layer(self, routing_BxLxR, shape):
+        """Recorded routing [B, L, R] -> one [Y_run, B, L, K] block per stack (None for dense stacks)."""
+        cfg = self.config
+        runs = cfg.layer_runs()
+        if routing_BxLxR is None:
+            return [None] * len(runs)
+        b, n = shape
+        chex.assert_shape(routing_BxLxR, (b, n, cfg.routing_width),
+                          custom_message=f"Transformer: routing must be [B, L, MoE layers x top-k = {cfg.routing_width}]")
+        k = cfg.num_experts_per_tok
+        r_YxBxLxK = jnp.moveaxis(routing_BxLxR.reshape(b, n, cfg.num_moe_layers, k), 2, 0)
+        out, m = [], 0
+        for _, start, stop, moe in runs:
+            out.append(r_YxBxLxK[m: m + stop - start] if moe else None)
+            m += stop - start if moe else 0
+        return out
 
     def _tree_mask(self, segment_ids_BxL, subtree_end_BxL):
         """The tree rule in the form config.attention_impl attends with (dense [B, L, L] only for "dense")."""
@@ -214,20 +235,20 @@ class Transformer(nn.Module):
             # times the bytes of the cache per token.
             carry = (x, k_YxBxSxKxH, v_YxBxSxKxH, jnp.int32(0))
             for stack in self.stacks:
-                carry, stats = stack(carry, None, positions_BxT, mask_BxTxS, cache_index_B, None)
+                carry, stats = stack(carry, None, positions_BxT, mask_BxTxS, cache_index_B, None, None)
                 self._sow_moe(stats)
             x, k, v, _ = carry
             return self._logits(self.final_norm(x)), (k, v)
         runs = cfg.layer_runs()
         if len(runs) == 1:  # one stack: the whole cache in and out, no copies
             x, ((k, v), stats) = self.stacks[0](x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS,
-                                                cache_index_B, None)
+                                                cache_index_B, None, None)
             self._sow_moe(stats)
             return self._logits(self.final_norm(x)), (k, v)
         ks, vs = [], []
         for stack, (_, start, stop, _) in zip(self.stacks, runs):
             x, ((k, v), stats) = stack(x, (k_YxBxSxKxH[start:stop], v_YxBxSxKxH[start:stop]), positions_BxT,
-                                       mask_BxTxS, cache_index_B, None)
+                                       mask_BxTxS, cache_index_B, None, None)
             self._sow_moe(stats)
             ks.append(k)
             vs.append(v)

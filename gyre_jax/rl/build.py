@@ -287,7 +287,8 @@ def _warm_steps(steps, cs, cfg: RLConfig) -> None:
 
     t = cfg.train
     tree = TreeNode.span([1, 2, 3], children=[TreeNode.span([4, 5], trainable=True)])
-    mb = pack_trees([tree], [0.0], t.row_len, min_rows=t.micro_batch_rows).rows.as_dict()
+    mb = pack_trees([tree], [0.0], t.row_len, min_rows=t.micro_batch_rows,
+                    routing_width=cfg.model.routing_width).rows.as_dict()  # the run's batches' fields
     t0 = time.perf_counter()
     try:
         for c in cs:
@@ -624,6 +625,7 @@ def _cell_steps(cfg: RLConfig) -> cells_lib.CellSteps:
     # Expert parallelism is a training layout only: the loss dispatches over the training mesh's 'expert'
     # axis; engines run the same params with every expert on the serving mesh (no 'expert' axis there).
     loss_model = mc.replace(expert_parallel_axis="expert") if cfg.cells.train_expert > 1 else mc
+    loss_model = loss_model.replace(routing_replay=cfg.train.routing_replay)  # engines never replay: they record
     return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.loss_config()), cells_lib.make_schedule(opt),
                                reductions=METRIC_REDUCTIONS)
 

@@ -331,9 +331,15 @@ class TrainConfig:
     overlong_buffer_tokens: int = 0
     overlong_penalty: float = 1.0
     work_s_per_row: float = 0.05  # initial estimate of training cell-seconds per row (then measured)
+    # MoE models: the training forward uses the experts the engine recorded for each sampled token
+    # (rollout routing replay, R3; gyre_jax/model/moe.py) instead of re-routing it live. Either way
+    # the step reports routing_mismatch, the fraction of trained tokens whose live routing differs.
+    routing_replay: bool = False
 
     def __post_init__(self):
         _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
+        if not isinstance(self.routing_replay, bool):
+            raise ConfigError(f"config.train.routing_replay must be True or False, got {self.routing_replay!r}")
         from gyre_jax.losses import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, MISMATCH_OFF, POLICY_LOSSES, \
             WEIGHT_BUILDERS
 
@@ -666,7 +672,7 @@ class RLConfig:
         else:
             wcfg = wb.config()
         return _built("train", lambda: ProcessorConfig(row_len=t.row_len, advantage=adv, weights=t.weights,
-                                                       weights_config=wcfg))
+                                                       weights_config=wcfg, routing_width=self.model.routing_width))
 
     def loss_config(self):
         from gyre_jax.losses import PolicyLossConfig

@@ -95,6 +95,16 @@ def tree_metrics(t: StepTotals) -> dict:
     }
 
 
+def routing_metrics(stats: Mapping[str, float]) -> dict:
+    """An MoE run's ``routing_mismatch``: of the step's trained tokens with recorded routing, the
+    fraction whose live top-k experts differ from the engine's in some MoE layer (cells/loss.py).
+    With routing replay on, the tokens whose routing replay fixed; off, those trained off-route."""
+    n = stats.get("routing_recorded_tokens")
+    if n is None:
+        return {}
+    return {"routing_mismatch": float(stats["routing_mismatch_tokens"]) / n if n > 0 else 0.0}
+
+
 def train_metrics(done: StepDone) -> dict:
     """The update: loss terms, the estimator's counts, the per-step pass (cells/score.py), DAPO's
     dynamic sampling (groups dropped for no signal since the last record; each replaced), timing."""
@@ -103,6 +113,7 @@ def train_metrics(done: StepDone) -> dict:
         "rows": done.rows, "micro_batches": done.micro_batches,
         "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate, "grad_scale": rep.grad_scale,
         **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
+        **routing_metrics(rep.stats),
         **{f"adv/{k}": v for k, v in done.totals.advantage_metrics.items()},
         **{f"score/{k}": v for k, v in done.score.items()},
         "dynamic_sampling/dropped_groups": done.dropped_groups,

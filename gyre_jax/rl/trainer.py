@@ -65,7 +65,7 @@ import jax
 import numpy as np
 
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
-from gyre_jax.cells.train_step import MICRO_BATCH_KEYS
+from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, ROUTING_KEY
 from gyre_jax.rl.launcher import Group, lineage_calls
 from gyre_jax.rl.step_events import StepDone, StepInput, StepTotals, TrainerSnapshot
 from gyre_jax.scheduler.interfaces import TrainProgress
@@ -331,7 +331,7 @@ class TrainerAdapter:
     # -- the processor thread: groups -> packed rows in the stream; each step's data to _inputs --
     def _process_main(self) -> None:
         if self.scorer is not None:  # compile the per-step pass while no group is in yet
-            warm = pack_rows([[]] * self.b, self.pc.row_len).as_dict()
+            warm = pack_rows([[]] * self.b, self.pc.row_len, routing_width=self.pc.routing_width).as_dict()
             self.scorer.warm(warm, self.latest_params()[1])
         data: _OpenStep | None = None
         while True:
@@ -380,7 +380,7 @@ class TrainerAdapter:
     def _end_step(self, data: _OpenStep) -> None:
         """Hand the step's data to the trainer thread, then let its last rows out of the stream."""
         if not data.rows:  # every rollout failed: one empty row, so the step still runs (and counts)
-            empty = pack_rows([[]], self.pc.row_len)
+            empty = pack_rows([[]], self.pc.row_len, routing_width=self.pc.routing_width)
             self.stream.add(data.step, empty, np.full(empty.tokens.shape, -1, np.int32))
             data.rows = 1
         units = sum(s.weight_units for s in data.stats)
@@ -409,7 +409,7 @@ class TrainerAdapter:
             if step != self.trainer.version:
                 raise RuntimeError(f"data position is at step {step} but the trainer is at version "
                                    f"{self.trainer.version}: checkpoint and data iterator disagree")
-            mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS}
+            mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS + (ROUTING_KEY,) if k in batch}
             with self._lock:
                 if self._step is None:
                     t0, n_mb = time.perf_counter(), 0

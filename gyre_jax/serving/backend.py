@@ -3,7 +3,7 @@
 A ``Backend`` serves one cell. The router only ever does four things with it:
 
 * ``submit(GenerateRequest) -> TokenStream``: start a call; the stream yields one
-  ``TokenEvent`` (token id + behavior log-prob) per generated token and then
+  ``TokenEvent`` (token id + behavior log-prob, + routing for an MoE engine) per generated token and then
   ends with ``stream.finish`` set to ``"stop"`` (a stop id was produced; it is the
   last token yielded), ``"length"`` (max_tokens or the context was reached),
   ``"moved"`` (exported, see below) or ``"cancelled"``. An engine failure for
@@ -120,6 +120,9 @@ class GenerateRequest:
 class TokenEvent:
     token_id: int
     logprob: float
+    # An MoE engine: uint8/uint16 [R] experts every MoE layer chose at the step that sampled this
+    # token (recorded for routing replay); None where the engine records none.
+    routing: Any = None
 
 
 class TokenStream(abc.ABC):

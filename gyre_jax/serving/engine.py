@@ -10,7 +10,9 @@ slot by one token. This engine adds, without leaving that contract:
   carries token ids, so each slot reports two int32 columns, [token id,
   float32 bits of -|logprob|], which JetStream forwards as two "speculative"
   tokens; the bits are always negative, so they never collide with a token id
-  (``decode_result_pairs`` unpacks them). Stop ids are handled here (JetStream's
+  (``decode_result_pairs`` unpacks them). An MoE model adds each token's routing
+  (the experts of every MoE layer at the step that sampled it) as more columns
+  beside it, for routing replay in training (engine_state.RoutingLayout). Stop ids are handled here (JetStream's
   tokenizer stop set is empty), so the stop token itself is emitted and recorded:
   the policy must learn to produce it.
 * prefix reuse and KV moves: ``prefill`` accepts a ``PrefillInput`` (through the
@@ -64,7 +66,8 @@ from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
-    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_bytes_per_page, kv_memory_plan,
+    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, kv_bytes_per_page,
+    kv_memory_plan,
 )
 from gyre_jax.serving.engine_paged import PagedSlots
 from gyre_jax.serving.pages import PagePool, PrefixPages
@@ -153,6 +156,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             raise ValueError(f"GyreEngine.tokens_per_call must be >= 1, got {tokens_per_call}")
         self.tokens_per_call = int(tokens_per_call)
         self.config, self.name = config, name
+        # An MoE model's routing rides beside each token in the result rows (engine_state.py).
+        self.result_layout = RoutingLayout.of(config)
         self.max_len = config.max_seq_len if max_len is None else int(max_len)
         if not 2 <= self.max_len <= config.max_seq_len:
             raise ValueError(f"GyreEngine.max_len={self.max_len} must be in [2, config.max_seq_len={config.max_seq_len}]")
@@ -462,13 +467,13 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             for rid in owners:
                 self._fail(rid, f"generate step failed: {type(e).__name__}: {e}")
             decode_state = self.init_decode_state()
-            data = np.zeros((self._slots, 4 * self.tokens_per_call + 2), np.int32)
+            data = np.zeros((self._slots, 2 * self.result_layout.step_cols * self.tokens_per_call + 2), np.int32)
         self.counters["generate_steps"] += self.tokens_per_call
         self.counters["generate_s"] += time.perf_counter() - t0
         return decode_state, self._result(data)
 
     def _result(self, data) -> engine_api.ResultTokens:
-        k2 = 2 * self.tokens_per_call
+        k2 = self.result_layout.step_cols * self.tokens_per_call
         return engine_api.ResultTokens(data, (0, k2), (k2, 2 * k2), (2 * k2, 2 * k2 + 1), 1)
 
     def get_prefix_destination_sharding(self):

@@ -10,6 +10,13 @@ lpbits is the float32 bit pattern of -|log-prob| (always negative, so never a
 token id); tok is HELD_MARK for a finished slot kept for its backend; valid 0
 tells JetStream to free the slot; the last column (which JetStream does not read)
 says whether the slot is still generating.
+
+An MoE model also records each sampled token's routing (routing replay): the experts
+every MoE layer chose at the step that sampled it, R = MoE layers x top-k ids packed
+into ``RoutingLayout.words`` int32 columns right after its log-prob (4 ids per word up
+to 256 experts, else 2), so a step is ``[tok, lpbits, w_1..w_P]`` and JetStream passes
+the words through as more "speculative" tokens, aligned with their token by
+construction. ``decode_result_steps`` unpacks them.
 """
 from __future__ import annotations
 
@@ -110,6 +117,50 @@ class DecodeState:
     hold_steps_S: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutingLayout:
+    """How one decode step's routing rides in the result row (module docstring); width 0: none."""
+
+    width: int = 0  # R expert ids per token (ModelConfig.routing_width)
+    itemsize: int = 1  # bytes per id: 1 up to 256 experts, else 2
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "RoutingLayout":
+        return cls(cfg.routing_width, 1 if cfg.num_experts <= 256 else 2)
+
+    @property
+    def words(self) -> int:
+        """int32 columns per step."""
+        return -(-self.width * self.itemsize // 4)
+
+    @property
+    def step_cols(self) -> int:
+        return 2 + self.words
+
+    @property
+    def dtype(self):
+        return np.dtype("u1") if self.itemsize == 1 else np.dtype("<u2")
+
+    def pack(self, routing_SxR):
+        """int32 ids [S, R] -> int32 words [S, P] (little-endian bytes, as the host unpacks them)."""
+        s = routing_SxR.shape[0]
+        per = 4 // self.itemsize
+        dt = jnp.uint8 if self.itemsize == 1 else jnp.uint16
+        r = jnp.pad(routing_SxR.astype(dt), ((0, 0), (0, self.words * per - self.width)))
+        return jax.lax.bitcast_convert_type(r.reshape(s, self.words, per), jnp.int32)
+
+    def unpack(self, words_P) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(words_P, "<i4")).view(self.dtype)[: self.width].copy()
+
+
+def decode_result_steps(token_ids, layout: RoutingLayout) -> list[tuple[int, float, np.ndarray | None]]:
+    """One slot's JetStream tokens -> [(tok, logprob, routing uint8/uint16 [R] or None), ...] (held markers dropped)."""
+    arr = np.asarray(token_ids, dtype=np.int32).reshape(-1, layout.step_cols)
+    lps = arr[:, 1].copy().view(np.float32)
+    return [(int(t), float(lp), layout.unpack(row[2:]) if layout.width else None)
+            for t, lp, row in zip(arr[:, 0], lps, arr) if t != HELD_MARK]
+
+
 def decode_result_pairs(token_ids) -> list[tuple[int, float]]:
     """[tok, lp_bits, tok, lp_bits, ...] from JetStream -> [(tok, logprob), ...] (held markers dropped)."""
     arr = np.asarray(token_ids, dtype=np.int32).reshape(-1, 2)
@@ -152,6 +203,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         pages_s = pages_sharding(cfg, paged[0], paged[1], mesh)
         ds_s = DecodeState(mdecode.PagedKVCache(pages_s, pages_s, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
+    layout = RoutingLayout.of(cfg)
+    w = layout.step_cols  # result columns per decode step
 
     def prefill_new(params, tokens_T, n):
         logits, kv = mdecode.prefill(params, cfg, tokens_T, true_length=n)
@@ -206,7 +259,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
 
     def one_step(params, ds):
         step = mdecode.decode_step if paged is None else mdecode.paged_decode_step
-        logits, cache = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S)
+        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0)
+        logits, cache = routed[:2]
         tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
         act_S = ds.active_S
         gen_S = ds.generated_S + act_S.astype(jnp.int32)
@@ -221,28 +275,31 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         new = ds.replace(cache=cache, next_tok_S=jnp.where(act_S, tok_S, ds.next_tok_S), generated_S=gen_S,
                          active_S=act_S & ~ended_S, held_S=still_held_S | (ended_S & ~full_S),
                          hold_steps_S=jnp.where(still_held_S, ds.hold_steps_S + 1, 0))
-        return new, (out_S, lp_bits_S, valid_S)
+        cols_SxW = jnp.stack([out_S, lp_bits_S], axis=-1)
+        if layout.width:  # the experts that produced this token, beside it (module docstring)
+            cols_SxW = jnp.concatenate([cols_SxW, layout.pack(routed[2])], axis=-1)
+        return new, (cols_SxW, valid_S)
 
     def generate(params, ds):
         """k_steps decode steps in one program. Per slot the result row is
-        [tok_1, lp_1, ..., tok_k, lp_k | valid x 2k | generated]: JetStream reads
-        the 2k entries as "speculative" tokens, in order, stopping at an invalid one."""
+        [tok_1, lp_1, (routing words), ..., tok_k, lp_k, (..) | valid x w*k | generated]: JetStream
+        reads the w*k entries as "speculative" tokens, in order, stopping at an invalid one."""
         if k_steps == 1:
             ds, ys = one_step(params, ds)
             ys = tuple(y[None] for y in ys)
         else:
             ds, ys = jax.lax.scan(lambda d, _: one_step(params, d), ds, None, length=k_steps)
-        tok_KxS, lp_KxS, valid_KxS = ys
-        pairs_SxKx2 = jnp.stack([tok_KxS.T, lp_KxS.T], axis=-1).reshape(slots, 2 * k_steps)
-        valid_SxKx2 = jnp.repeat(valid_KxS.T, 2, axis=1)
+        cols_KxSxW, valid_KxS = ys
+        cols_SxKW = jnp.transpose(cols_KxSxW, (1, 0, 2)).reshape(slots, w * k_steps)
+        valid_SxKW = jnp.repeat(valid_KxS.T, w, axis=1)
         # Last column (ignored by JetStream): still generating after this call.
-        return ds, jnp.concatenate([pairs_SxKx2, valid_SxKx2, ds.generated_S[:, None],
+        return ds, jnp.concatenate([cols_SxKW, valid_SxKW, ds.generated_S[:, None],
                                     ds.active_S.astype(jnp.int32)[:, None]], axis=1)
 
     def pause(ds):  # no decode this call: live slots report "no token", released ones are freed
         valid_S = (ds.active_S | ds.held_S).astype(jnp.int32)
-        row = jnp.concatenate([jnp.full((slots, 2 * k_steps), HELD_MARK, jnp.int32),
-                               jnp.repeat(valid_S[:, None], 2 * k_steps, axis=1), ds.generated_S[:, None],
+        row = jnp.concatenate([jnp.full((slots, w * k_steps), HELD_MARK, jnp.int32),
+                               jnp.repeat(valid_S[:, None], w * k_steps, axis=1), ds.generated_S[:, None],
                                ds.active_S.astype(jnp.int32)[:, None]], axis=1)
         return row
 

@@ -59,7 +59,7 @@ import numpy as np
 from gyre_jax.serving.backend import (Backend, EngineError, GenerateRequest, ResumeState, TokenEvent,
                                       TokenStream)
 from gyre_jax.serving.engine import GyreEngine
-from gyre_jax.serving.engine_state import ExportedSlot, KVBlock, PrefillInput, decode_result_pairs
+from gyre_jax.serving.engine_state import ExportedSlot, KVBlock, PrefillInput, decode_result_steps
 from gyre_jax.serving.jetstream_compat import async_multifuture, orchestrator
 
 log = logging.getLogger(__name__)
@@ -153,10 +153,10 @@ class _Stream(TokenStream):
                 continue
             if self.finish is not None:  # cancelled meanwhile: drop the rest
                 continue
-            for tok, lp in decode_result_pairs(samples[0].token_ids):
+            for tok, lp, routing in decode_result_steps(samples[0].token_ids, self._b.engine.result_layout):
                 self.tokens.append(tok)
                 self.logprobs.append(lp)
-                self._pending.append(TokenEvent(tok, lp))
+                self._pending.append(TokenEvent(tok, lp, routing))
                 if tok in self._stop or len(self.tokens) >= self._req.sampling.max_tokens:
                     self._end("stop" if tok in self._stop else "length")
                     break

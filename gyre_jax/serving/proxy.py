@@ -422,7 +422,8 @@ class Proxy:
             run_id=binding.run_id, rollout_id=binding.rollout_id, task_id=binding.task_id, group_id=binding.group_id,
             agent_id=binding.agent_id, parent_agent_id=binding.parent_agent_id, role=binding.role,
             call_index=binding.call_index, prompt_ids=call.prompt_ids, output_ids=np.asarray(sample.tokens, np.int32),
-            output_logprobs=np.asarray(sample.logprobs, np.float32), policy_version=int(routed.policy_version or 0),
+            output_logprobs=np.asarray(sample.logprobs, np.float32), output_routing=sample.routing_array(),
+            policy_version=int(routed.policy_version or 0),
             t_start=t0, t_end=max(t0, time.time()), finish_reason=fin if fin in ("stop", "length", "tool_calls") else "abort")
         fut = asyncio.get_running_loop().run_in_executor(self._writer, self.sink.append, rec)
         try:

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 
+import numpy as np
 from aiohttp import web
 
 from gyre_jax.serving import api_anthropic as A
@@ -29,6 +30,16 @@ class Sample:
     finish: str  # "stop" (a stop id or a stop sequence) | "length" | "cancelled"
     events: list  # OutputText events: ("text", str) / ("tool_call", dict)
     stop_sequence: str | None = None  # the text stop sequence that ended it
+    routing: list | None = None  # per token: the engine's recorded routing (or None), RoutedCall.routing
+
+    def routing_array(self):
+        """[tokens, R] recorded routing, or None unless every token has one (a call that moved through an
+        engine recording none keeps no routing: its tokens are then routed live in training)."""
+        if not self.routing or any(r is None for r in self.routing):
+            return None
+        if len({(r.shape, r.dtype) for r in self.routing}) != 1:
+            return None
+        return np.stack(self.routing)
 
     @property
     def text(self) -> str:
@@ -56,7 +67,8 @@ async def consume(routed, out: OutputText, emit=None) -> Sample:
     if emit is not None:
         await emit(evs, None)
     finish = "stop" if out.hit is not None else routed.finish
-    return Sample(list(routed.tokens), list(routed.logprobs), finish, events, out.hit)
+    return Sample(list(routed.tokens), list(routed.logprobs), finish, events, out.hit,
+                  list(getattr(routed, "routing", ())))
 
 
 

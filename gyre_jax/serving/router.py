@@ -43,6 +43,7 @@ class RoutedCall:
         self._r = router
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.routing: list = []  # per token: its TokenEvent.routing (None where the engine recorded none)
         self.finish: str | None = None
         self.cells: list[str] = []  # every cell that served part of it, in order
         self.policy_version: int | None = None  # of the cell that produced the first token
@@ -78,6 +79,7 @@ class RoutedCall:
                             self.policy_version = backend.policy_version
                         self.tokens.append(ev.token_id)
                         self.logprobs.append(ev.logprob)
+                        self.routing.append(ev.routing)
                         yield ev
                 except EngineError:
                     if not (fresh_import and req.resume is not None and req.resume.kv is not None):

@@ -138,6 +138,7 @@ def _build_unit(nodes, chain, *, owned_here, subtrees) -> TreeNode:
             logprobs=x.logprobs if keep else np.zeros(x.tokens.shape[0], np.float32),
             children=[], role=x.role, agent_id=x.agent_id, call_ids=x.call_ids,
             policy_version=x.policy_version,
+            routing=x.routing,  # a copy is context the engine computed with these experts: replayed too
         ))
     for a, b in zip(made, made[1:]):
         a.children.append(b)
@@ -196,6 +197,7 @@ def pack_trees(
     min_rows: int = 0,
     weights: str = "rollout_token_mean",
     weights_config=None,
+    routing_width: int | None = None,
 ) -> PackResult:
     """Split, serialize and bin-pack the selected trees of some rollouts into rows.
 
@@ -206,6 +208,7 @@ def pack_trees(
     nominal normaliser (R for rollout-counted builders, R * row_len for token-counted
     ones) and the caller rescales the step by ``weight_normalizer / sum(weight_units)``
     at its end. None: these trees are the whole step (divided by their own units).
+    ``routing_width``: see ``pack_rows`` (an MoE model's recorded routing per row).
     """
     nr = len(trees)
     if len(advantages) != nr:
@@ -230,7 +233,7 @@ def pack_trees(
     assignment = first_fit_decreasing(lengths, row_len)
     while len(assignment) < min_rows:
         assignment.append([])
-    rows = pack_rows([[items[k] for k in row] for row in assignment], row_len)
+    rows = pack_rows([[items[k] for k in row] for row in assignment], row_len, routing_width=routing_width)
 
     # Segment s (1-based) of row b holds item assignment[b][s-1]; map segments to rollouts.
     max_seg = max((len(row) for row in assignment), default=0)

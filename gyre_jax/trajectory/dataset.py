@@ -2,7 +2,7 @@
 with Orbax-checkpointable state.
 
 A batch is a dict of numpy arrays: every ``PackedRows`` field and ``rollout_index``
-as [B, L], plus per row ``step`` int32[B] and ``last_in_step`` bool[B] (all True in
+as [B, L] (an MoE run's ``routing`` [B, L, R] too: ``OPTIONAL_FIELDS``), plus per row ``step`` int32[B] and ``last_in_step`` bool[B] (all True in
 the step's last batch, so the trainer knows when to apply the optimizer). Rows
 that only fill up a step's last batch are empty padding rows (segment 0, weight 0),
 so every batch has the same shape and jitted steps never recompile.
@@ -39,16 +39,28 @@ import numpy as np
 
 from gyre_jax.trajectory.serialize import PackedRows, pack_rows
 
-ROW_FIELDS = tuple(f.name for f in dataclasses.fields(PackedRows)) + ("rollout_index",)
+OPTIONAL_FIELDS = ("routing",)  # [B, L, R]: present in every chunk of an MoE run, in none of a dense one
+ROW_FIELDS = tuple(f.name for f in dataclasses.fields(PackedRows) if f.name not in OPTIONAL_FIELDS) + ("rollout_index",)
 
 
 def _row_arrays(rows: PackedRows, rollout_index: np.ndarray) -> dict[str, np.ndarray]:
     d = rows.as_dict()
     d["rollout_index"] = np.asarray(rollout_index, np.int32)
-    shapes = {k: v.shape for k, v in d.items()}
+    shapes = {k: v.shape for k, v in d.items() if k not in OPTIONAL_FIELDS}
     if len({s for s in shapes.values()}) != 1 or len(d["tokens"].shape) != 2:
         raise ValueError(f"packed rows must all be [B, L] arrays of one shape; got {shapes}")
+    for k in OPTIONAL_FIELDS:
+        if k in d and d[k].shape[:2] != d["tokens"].shape:
+            raise ValueError(f"packed rows: {k} has shape {d[k].shape}, tokens {d['tokens'].shape}")
     return d
+
+
+def _pad_like(batch: dict[str, np.ndarray], n: int, row_len: int) -> dict[str, np.ndarray]:
+    """``n`` empty rows with the batch's fields (an MoE run's routing: all -1, routed live)."""
+    pad = _empty_rows(n, row_len)
+    if "routing" in batch:
+        pad["routing"] = np.full((n, row_len, batch["routing"].shape[2]), -1, batch["routing"].dtype)
+    return pad
 
 
 def _empty_rows(n: int, row_len: int) -> dict[str, np.ndarray]:
@@ -136,7 +148,10 @@ class RowStream:
                 sel = perm[a - off : b - off]
                 parts.append({k: v[sel] for k, v in chunk.items()})
             off += n
-        return {k: np.concatenate([p[k] for p in parts]) for k in ROW_FIELDS}
+        keys = set(parts[0])
+        if any(set(p) != keys for p in parts):
+            raise ValueError(f"RowStream: step {step}'s chunks carry different fields (routing in some, not others)")
+        return {k: np.concatenate([p[k] for p in parts]) for k in keys}
 
 
 class StreamingDataset(grain.IterDataset):
@@ -172,8 +187,8 @@ class _StreamIterator(grain.DatasetIterator):
         self._step, lo, hi, batch, last = self._s.take(self._step, self._row, self._b, self._seed, deadline)
         self._row = lo
         if hi - self._row < self._b:
-            pad = _empty_rows(self._b - (hi - self._row), self._s.row_len)
-            batch = {k: np.concatenate([batch[k], pad[k]]) for k in ROW_FIELDS}
+            pad = _pad_like(batch, self._b - (hi - self._row), self._s.row_len)
+            batch = {k: np.concatenate([batch[k], pad[k]]) for k in batch}
         batch["step"] = np.full(self._b, self._step, np.int32)
         batch["last_in_step"] = np.full(self._b, last)
         # After a step's last batch the position is the next step's start, so a checkpoint

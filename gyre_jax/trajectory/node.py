@@ -10,6 +10,9 @@ Per token:
     re-tokenized copies are never trainable.
   * ``logprobs[k]``: the behavior log-prob the sampler recorded for it (0 where
     not trainable).
+  * ``routing[k]`` (MoE models, else None): int16 [R] experts the engine's step that
+    sampled token k routed its input to (-1 where none was recorded, e.g. prompt tokens);
+    serialization places it at k's predicting position, like the log-prob.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class TreeNode:
     agent_id: int = 0
     call_ids: tuple[int, ...] = ()
     policy_version: int = 0
+    routing: np.ndarray | None = None  # int16 [n, R], -1 = not recorded (routing replay)
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
@@ -43,6 +47,11 @@ class TreeNode:
                 f"({self.trainable.shape[0]}) and logprobs ({self.logprobs.shape[0]}) "
                 "must have the same length"
             )
+        if self.routing is not None:
+            self.routing = np.asarray(self.routing, dtype=np.int16)
+            if self.routing.ndim != 2 or self.routing.shape[0] != n:
+                raise ValueError(f"TreeNode(call_ids={self.call_ids}): routing must be [tokens = {n}, R], got shape "
+                                 f"{self.routing.shape}")
         if self.role not in ROLES:
             raise ValueError(f"TreeNode(call_ids={self.call_ids}): unknown role {self.role!r}; known: {ROLES}")
 

@@ -52,6 +52,9 @@ class ProcessorConfig:
     min_rows: int = 0  # pad the step to at least this many rows (e.g. one batch)
     weights: str = "rollout_token_mean"  # gyre_jax.losses.WEIGHT_BUILDERS name: the loss aggregation
     weights_config: Any = None  # its config (None: defaults)
+    # An MoE model's MoE layers x top-k (ModelConfig.routing_width): rows carry recorded routing
+    # [B, L, R] (-1 where none) for routing replay and its mismatch metric; 0: a dense model, no field.
+    routing_width: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.row_len, int) and self.row_len >= 2):
@@ -214,6 +217,7 @@ def process_step(
         min_rows=config.min_rows,
         weights=config.weights,
         weights_config=config.weights_config,
+        routing_width=config.routing_width,
     )
     t4 = time.perf_counter()
     ri = pack.rollout_index

@@ -19,8 +19,9 @@ Two encodings:
 
 * ``to_bytes`` / ``from_bytes`` (what the store writes): a u32 length, a small
   UTF-8 JSON header padded to 4 bytes, then the raw little-endian arrays
-  (prompt int32, output int32, logprobs float32). 4 bytes per prompt token and
-  8 per output token, and decoding is ``np.frombuffer`` (zero-copy, no Python
+  (prompt int32, output int32, logprobs float32, then an MoE model's routing:
+  uint8 or uint16 [output, R], padded to 4 bytes). 4 bytes per prompt token and
+  8 per output token (+ R or 2R routing bytes), and decoding is ``np.frombuffer`` (zero-copy, no Python
   object per token). Paper-scale rollouts record ~20M prompt tokens, so per-token
   Python parsing (decimal JSON lists: ~6 bytes and one int object per token) or
   zlib (CPU on the proxy's hot path, and random-looking ids barely compress
@@ -53,6 +54,11 @@ MAX_STR_ID = 256
 FORMAT_VERSION = 1
 _LE_I32 = np.dtype("<i4")
 _LE_F32 = np.dtype("<f4")
+# Routing replay: the experts an MoE engine chose for each output token, R = MoE layers x top-k
+# ids per token (Qwen3-30B-A3B: 48 x 8 = 384), one byte each up to 256 experts, else two.
+# Records written before this field (no "routing" in the header) read back with None.
+ROUTING_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
+MAX_ROUTING_WIDTH = 1 << 14  # ids per token: bounds a record's routing bytes at 32 KiB per output token
 
 
 class RecordError(ValueError):
@@ -132,6 +138,30 @@ def _check_tokens(where, field, value, *, min_len) -> np.ndarray:
     return _frozen_array(arr, np.int32)
 
 
+def _check_routing(where, field, value, n):
+    """None, or uint8/uint16 [n, R] expert ids (other integer dtypes are converted after a range check)."""
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)
+    except Exception as e:
+        raise RecordError(where, field, f"not convertible to an array: {e}") from None
+    if arr.ndim != 2 or arr.shape[0] != n or not 1 <= arr.shape[1] <= MAX_ROUTING_WIDTH:
+        raise RecordError(where, field, f"must be [output tokens = {n}, R] with 1 <= R <= {MAX_ROUTING_WIDTH}, "
+                                        f"got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise RecordError(where, field, f"expert ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype not in (np.uint8, np.uint16):
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFF):
+            raise RecordError(where, field, f"expert ids must be in [0, 65535], got [{int(arr.min())}, {int(arr.max())}]")
+        arr = arr.astype(np.uint16)
+    return _frozen_array(arr, arr.dtype)
+
+
+def _routing_code(arr: np.ndarray) -> str:
+    return "u1" if arr.dtype.itemsize == 1 else "u2"
+
+
 def _check_logprobs(where, field, value, n) -> np.ndarray:
     try:
         arr = np.asarray(value)
@@ -172,6 +202,9 @@ class ModelCallRecord:
     t_start: float  # unix seconds
     t_end: float
     finish_reason: str  # one of FINISH_REASONS
+    # MoE engines: uint8/uint16 [O, R] experts chosen at the step that sampled each output token
+    # (routing replay; R = MoE layers x top-k, layer-major). None: not recorded (dense model).
+    output_routing: np.ndarray | None = None
 
     def __post_init__(self):
         w = _where_call(self.rollout_id, self.call_index)
@@ -195,6 +228,7 @@ class ModelCallRecord:
         s("prompt_ids", _check_tokens(w, "prompt_ids", self.prompt_ids, min_len=1))
         s("output_ids", _check_tokens(w, "output_ids", self.output_ids, min_len=0))
         s("output_logprobs", _check_logprobs(w, "output_logprobs", self.output_logprobs, self.output_ids.shape[0]))
+        s("output_routing", _check_routing(w, "output_routing", self.output_routing, self.output_ids.shape[0]))
         s("t_start", _check_time(w, "t_start", self.t_start))
         s("t_end", _check_time(w, "t_end", self.t_end))
         if self.t_end < self.t_start:
@@ -219,6 +253,8 @@ class ModelCallRecord:
             "policy_version": self.policy_version, "t_start": self.t_start, "t_end": self.t_end,
             "finish_reason": self.finish_reason,
             "n_prompt": int(self.prompt_ids.shape[0]), "n_output": int(self.output_ids.shape[0]),
+            **({} if self.output_routing is None else
+               {"routing": [int(self.output_routing.shape[1]), _routing_code(self.output_routing)]}),
         }
 
     def to_parts(self) -> tuple[dict[str, Any], list]:
@@ -226,12 +262,16 @@ class ModelCallRecord:
         h = self._header()
         head = json.dumps(h, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 4)  # keep the arrays 4-byte aligned
-        return h, [
+        parts = [
             struct.pack("<I", len(head)) + head,
             self.prompt_ids.astype(_LE_I32, copy=False).data.cast("B"),
             self.output_ids.astype(_LE_I32, copy=False).data.cast("B"),
             self.output_logprobs.astype(_LE_F32, copy=False).data.cast("B"),
         ]
+        if self.output_routing is not None:
+            r = self.output_routing.astype(ROUTING_DTYPES[_routing_code(self.output_routing)], copy=False)
+            parts.append(r.tobytes() + b"\0" * (-r.nbytes % 4))  # the next frame stays 4-byte aligned
+        return h, parts
 
     def to_bytes(self) -> bytes:
         return b"".join(self.to_parts()[1])
@@ -241,6 +281,8 @@ class ModelCallRecord:
         d["prompt_ids"] = _b64(self.prompt_ids, _LE_I32)
         d["output_ids"] = _b64(self.output_ids, _LE_I32)
         d["output_logprobs"] = _b64(self.output_logprobs, _LE_F32)
+        if self.output_routing is not None:
+            d["output_routing"] = _b64(self.output_routing, ROUTING_DTYPES[_routing_code(self.output_routing)])
         return d
 
     def to_json(self) -> str:
@@ -370,9 +412,11 @@ def _from_header(d: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None) 
             kw[f] = d[f]
         elif kind == "outcome" and f in ("details", "policy_versions", "t_end", "num_calls"):
             continue  # defaults
+        elif kind == "call" and f == "output_routing":
+            continue  # a dense model's record (or one written before routing was recorded)
         else:
             raise RecordError(where, f, "missing")
-    unknown = set(d) - set(fields) - {"kind", "v", "n_prompt", "n_output"}
+    unknown = set(d) - set(fields) - {"kind", "v", "n_prompt", "n_output", "routing"}
     if unknown:
         raise RecordError(where, sorted(unknown)[0], f"unknown field(s) {sorted(unknown)}")
     if kind == "outcome" and isinstance(kw.get("policy_versions"), list):
@@ -389,8 +433,23 @@ def record_from_dict(d: Mapping[str, Any]) -> Record:
             if f not in d:
                 raise RecordError(where, f, "missing")
             arrays[f] = _unb64(where, f, d[f], dt)
+        if d.get("output_routing") is not None:
+            width, code = _routing_header(where, d)
+            flat = _unb64(where, "output_routing", d["output_routing"], ROUTING_DTYPES[code])
+            if flat.size % width:
+                raise RecordError(where, "output_routing", f"{flat.size} ids is not a whole number of rows of {width}")
+            arrays["output_routing"] = flat.reshape(-1, width)
         return _from_header(d, arrays)
     return _from_header(d, None)
+
+
+def _routing_header(where, d) -> tuple[int, str]:
+    r = d.get("routing")
+    if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and 1 <= r[0] <= MAX_ROUTING_WIDTH
+            and r[1] in ROUTING_DTYPES):
+        raise RecordError(where, "routing", f"must be [R in 1..{MAX_ROUTING_WIDTH}, one of {sorted(ROUTING_DTYPES)}], "
+                                            f"got {r!r}")
+    return r[0], r[1]
 
 
 def record_from_json(text: str | bytes) -> Record:
@@ -423,7 +482,10 @@ def record_from_bytes(payload: bytes) -> Record:
     if not (isinstance(n_p, int) and isinstance(n_o, int) and n_p >= 0 and n_o >= 0):
         raise RecordError(where, "n_prompt", f"bad array lengths n_prompt={n_p!r} n_output={n_o!r}")
     off = 4 + hlen
-    need = off + 4 * (n_p + 2 * n_o)
+    routed = "routing" in d
+    width, code = _routing_header(where, d) if routed else (0, "u1")
+    r_bytes = n_o * width * ROUTING_DTYPES[code].itemsize
+    need = off + 4 * (n_p + 2 * n_o) + r_bytes + (-r_bytes % 4)
     if need != len(payload):
         raise RecordError(where, "payload", f"{len(payload)} bytes, header says {need}")
     buf = memoryview(payload)
@@ -432,4 +494,7 @@ def record_from_bytes(payload: bytes) -> Record:
         "output_ids": np.frombuffer(buf, _LE_I32, n_o, off + 4 * n_p),
         "output_logprobs": np.frombuffer(buf, _LE_F32, n_o, off + 4 * (n_p + n_o)),
     }
+    if routed:
+        arrays["output_routing"] = np.frombuffer(buf, ROUTING_DTYPES[code], n_o * width,
+                                                 off + 4 * (n_p + 2 * n_o)).reshape(n_o, width)
     return _from_header(d, arrays)

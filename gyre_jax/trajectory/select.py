@@ -139,6 +139,7 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
         new[i] = TreeNode(
             tokens=x.tokens, trainable=x.trainable, logprobs=x.logprobs, children=kids,
             role=x.role, agent_id=x.agent_id, call_ids=x.call_ids, policy_version=x.policy_version,
+            routing=x.routing,
         )
         if parent[i] >= 0:
             kept_children[parent[i]].append(new[i])

@@ -61,6 +61,9 @@ class SerializedTree:
     node_index: np.ndarray  # int32[n] pre-order index of the node holding each packed token
     node_ranges: np.ndarray  # int32[num_nodes, 2] packed [start, end) of each node's own tokens
     node_parent: np.ndarray  # int32[num_nodes] pre-order index of the parent (-1 for the root)
+    # MoE routing replay: int16 [n, R] experts recorded for the target's sampling step, placed at
+    # its predicting position like behavior_logprobs (-1: none, routed live); None: no routing.
+    routing: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -78,6 +81,9 @@ class SerializedTree:
         chex.assert_type(arrays, [_DTYPES[k] for k in _TOKEN_FIELDS], custom_message=f"{where}: {list(_TOKEN_FIELDS)}")
         chex.assert_shape(self.node_ranges, (num_nodes, 2), custom_message=f"{where}: node_ranges must be [nodes, 2]")
         chex.assert_type([self.node_ranges, self.node_parent], np.int32, custom_message=f"{where}: node arrays")
+        if self.routing is not None:
+            chex.assert_shape(self.routing, (n, None), custom_message=f"{where}: routing must be [n, R]")
+            chex.assert_type(self.routing, np.int16, custom_message=f"{where}: routing")
 
     @property
     def num_trainable(self) -> int:
@@ -184,6 +190,7 @@ def serialize_tree(root: TreeNode) -> SerializedTree:
     loss_mask = has_succ & tr_all[tgt_flat]
     behavior = np.where(loss_mask, lp_all[tgt_flat], 0.0).astype(np.float32)
     target_version = np.where(has_succ, version_all[src_node[np.minimum(succ_c, max(total - 1, 0))]], -1)
+    routing = _packed_routing(nodes, tgt_flat, has_succ)
 
     out = SerializedTree(
         tokens=tokens.astype(np.int32),
@@ -196,8 +203,26 @@ def serialize_tree(root: TreeNode) -> SerializedTree:
         node_index=node_index,
         node_ranges=node_ranges,
         node_parent=np.asarray(parent, np.int32),
+        routing=routing,
     )
     out.check("serialize_tree")
+    return out
+
+
+def _packed_routing(nodes: list[TreeNode], tgt_flat: np.ndarray, has_succ: np.ndarray) -> np.ndarray | None:
+    """Each packed position's routing: its target's recorded routing (-1 rows where no target or none)."""
+    widths = {n.routing.shape[1] for n in nodes if n.routing is not None}
+    if not widths:
+        return None
+    if len(widths) > 1:
+        raise ValueError(f"serialize_tree: nodes carry routing of widths {sorted(widths)}")
+    (w,) = widths
+    all_r = np.concatenate([n.routing if n.routing is not None else np.full((n.tokens.shape[0], w), -1, np.int16)
+                            for n in nodes])
+    if all_r.shape[0] == 0:
+        return np.zeros((0, w), np.int16)
+    out = all_r[np.minimum(tgt_flat, all_r.shape[0] - 1)]
+    out[~has_succ] = -1
     return out
 
 
@@ -238,6 +263,9 @@ class PackedRows:
     ref_logprobs: np.ndarray = None  # type: ignore[assignment]
     seq_log_ratio: np.ndarray = None  # type: ignore[assignment]
     seq_log_mismatch: np.ndarray = None  # type: ignore[assignment]
+    # An MoE model's recorded routing, int16 [B, L, R] (-1: routed live; SerializedTree.routing);
+    # None for a dense model. The one field that is not [B, L].
+    routing: np.ndarray | None = None
 
     def __post_init__(self):
         for k in SCORE_FIELDS:
@@ -245,24 +273,41 @@ class PackedRows:
                 setattr(self, k, np.zeros(self.tokens.shape, np.float32))
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["routing"] is None:  # a dense model's rows: no such field at all (jitted steps see one pytree)
+            del d["routing"]
+        return d
 
     def check(self, where: str = "PackedRows") -> None:
-        """Every field is [B, L] (the shape of ``tokens``) with its dtype ("input k" is the k-th field)."""
+        """Every field is [B, L] (the shape of ``tokens``) with its dtype ("input k" is the k-th field);
+        ``routing``, if present, int16 [B, L, R]."""
         chex.assert_rank(self.tokens, 2, custom_message=f"{where}: tokens must be [B, L]")
-        names = [f.name for f in dataclasses.fields(self)]
+        names = [f.name for f in dataclasses.fields(self) if f.name != "routing"]
         arrays = [getattr(self, k) for k in names]
         chex.assert_shape(arrays, self.tokens.shape, custom_message=f"{where}: {names} must be [B, L] like tokens")
         chex.assert_type(arrays, [_DTYPES[k] for k in names], custom_message=f"{where}: {names}")
+        if self.routing is not None:
+            chex.assert_shape(self.routing, (*self.tokens.shape, None), custom_message=f"{where}: routing must be [B, L, R]")
+            chex.assert_type(self.routing, np.int16, custom_message=f"{where}: routing")
 
 
-def pack_rows(rows: list[list[SerializedTree]], row_len: int) -> PackedRows:
+def pack_rows(rows: list[list[SerializedTree]], row_len: int, *, routing_width: int | None = None) -> PackedRows:
     """Lay out given trees side by side in rows of ``row_len`` (no bin-packing here).
 
     Padding gets segment 0, attends only to itself (so no softmax row is empty)
-    and carries no loss.
+    and carries no loss. ``routing_width``: R of the rows' ``routing`` (an MoE model's
+    MoE layers x top-k; every batch of a run has the field, -1 where a tree has none),
+    0 for none, None to take it from the trees.
     """
     b = len(rows)
+    widths = {t.routing.shape[1] for trees in rows for t in trees if t.routing is not None}
+    if routing_width is None:
+        if len(widths) > 1:
+            raise ValueError(f"pack_rows: trees carry routing of widths {sorted(widths)}")
+        routing_width = widths.pop() if widths else 0
+    elif widths - {routing_width}:
+        raise ValueError(f"pack_rows: trees carry routing of widths {sorted(widths)}, rows take {routing_width} "
+                         "(the model's MoE layers x top-k)")
     out = PackedRows(
         tokens=np.full((b, row_len), PAD_ID, np.int32),
         targets=np.full((b, row_len), PAD_ID, np.int32),
@@ -274,6 +319,7 @@ def pack_rows(rows: list[list[SerializedTree]], row_len: int) -> PackedRows:
         target_version=np.full((b, row_len), -1, np.int32),
         loss_weights=np.zeros((b, row_len), np.float32),
         advantages=np.zeros((b, row_len), np.float32),
+        routing=np.full((b, row_len, routing_width), -1, np.int16) if routing_width else None,
     )
     for r, trees in enumerate(rows):
         start = 0
@@ -292,6 +338,8 @@ def pack_rows(rows: list[list[SerializedTree]], row_len: int) -> PackedRows:
             out.segment_ids[r, sl] = seg
             out.subtree_end[r, sl] = t.subtree_end + start
             out.target_version[r, sl] = t.target_version
+            if out.routing is not None and t.routing is not None:
+                out.routing[r, sl] = t.routing
             start += n
     out.check("pack_rows")
     return out

@@ -174,8 +174,21 @@ def rebuild(calls: Sequence[ModelCallRecord]) -> RebuiltTree:
     return _to_tree_nodes(root, calls, ends, recorded)
 
 
+def _routing_width(calls) -> int:
+    """R of the calls' recorded routing (0: none recorded); calls of one rollout must agree."""
+    widths = {int(c.output_routing.shape[1]) for c in calls if c.output_routing is not None}
+    if len(widths) > 1:
+        raise ValueError(f"build_tree: rollout {calls[0].rollout_id!r} has routing of widths {sorted(widths)}; "
+                         "one model's calls record one width")
+    for c in calls:
+        if c.output_routing is not None and c.output_routing.size and int(c.output_routing.max()) > 32767:
+            raise ValueError(f"build_tree: {c.where}.output_routing has an expert id above 32767 (int16 rows)")
+    return widths.pop() if widths else 0
+
+
 def _to_tree_nodes(root: _N, calls, ends: list[_N], recorded: int) -> RebuiltTree:
     out: dict[int, TreeNode] = {}  # id(_N) -> TreeNode
+    width = _routing_width(calls)
     unique = trainable = 0
     stack = [root]
     order = []
@@ -185,10 +198,13 @@ def _to_tree_nodes(root: _N, calls, ends: list[_N], recorded: int) -> RebuiltTre
         stack.extend(reversed(n.children.values()))
     for n in order:
         k = n.e - n.s
+        routing = None if width == 0 else np.full((k, width), -1, np.int16)
         if n.owner >= 0:
             oc = calls[n.owner]
             p0 = oc.prompt_ids.shape[0]
             lp = oc.output_logprobs[n.s - p0 : n.e - p0]
+            if routing is not None and oc.output_routing is not None:  # the owner's, like its log-probs
+                routing = oc.output_routing[n.s - p0 : n.e - p0].astype(np.int16)
             meta = oc
         else:
             lp = np.zeros(k, np.float32)
@@ -202,6 +218,7 @@ def _to_tree_nodes(root: _N, calls, ends: list[_N], recorded: int) -> RebuiltTre
             agent_id=meta.agent_id,
             call_ids=tuple(sorted(ids)),
             policy_version=meta.policy_version,
+            routing=routing,
         )
         out[id(n)] = t
         if n.parent is not None:

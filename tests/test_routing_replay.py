@@ -1,0 +1,195 @@
+"""Rollout routing replay (R3) for MoE models, end to end on a tiny MoE model.
+
+The real engine (GyreEngine under JetStream) behind the live proxy records each sampled
+token's experts with its call; the store keeps them; the tree and packing put them at each
+trained token's predicting position; the training forward with ``routing_replay`` then
+reproduces the recorded behaviour log-probs to LOGP_ATOL, the tolerance the dense model's
+records meet (tests/test_serving_live.check_record), and uses the recorded experts (rotated
+ids break it). With replay off, the routing-mismatch count is 0 at the sampling params and
+> 0 after an update. Model-level: decode's recorded routing replayed by the packed forward
+gives decode's logits, and foreign routing changes them while the router still trains.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gyre_jax.cells.loss import policy_loss_fn
+from gyre_jax.losses import PolicyLossConfig
+from gyre_jax.model import Transformer, init_params, model_config_tiny
+from gyre_jax.model import decode as dec
+from gyre_jax.model.transformer import moe_stats
+from gyre_jax.rl.report import routing_metrics
+from gyre_jax.serving import identity as P
+from gyre_jax.serving.engine import GyreEngine
+from gyre_jax.serving.jetstream_backend import JetStreamBackend
+from gyre_jax.serving.proxy import Proxy, ProxyConfig
+from gyre_jax.serving.router import Router
+from gyre_jax.serving.server_thread import ServerThread
+from gyre_jax.serving.tokenizer import ByteTokenizer
+from gyre_jax.trajectory.binpack import pack_trees
+from gyre_jax.trajectory.store import TrajectoryStore
+from gyre_jax.trajectory.tree import build_tree
+
+LOGP_ATOL = 1e-4  # float32 cached decode vs full forward (tests/test_serving_live.py, dense)
+ATOL = 1e-5
+# Three layers, the middle one dense: two MoE stacks around a dense one, so the recorded
+# [R = 2 MoE layers x top-2] ids must be split across stacks in order.
+CFG = model_config_tiny(vocab_size=272, max_seq_len=128, n_layers=3, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, mlp_only_layers=(1,))
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0))
+
+
+# ---- model level -------------------------------------------------------------------------------
+def _decode_routing(params, seq, start):
+    """Prefill seq[:start], then decode seq[start:] one token at a time: (logits, routing) per position."""
+    _, kv = jax.jit(dec.prefill, static_argnums=1)(params, CFG, jnp.asarray(seq[:start]))
+    cache = dec.insert(dec.init_cache(CFG, 1, 32), kv, 0)
+    step = jax.jit(dec.decode_step, static_argnums=1, static_argnames="with_routing")
+    logits, routing = [], []
+    for t in range(start, len(seq)):
+        lg, cache, r = step(params, CFG, jnp.asarray([seq[t]], jnp.int32), cache, with_routing=True)
+        logits.append(np.asarray(lg[0]))
+        routing.append(np.asarray(r[0]))
+    return np.stack(logits), np.stack(routing)
+
+
+def _row(n):
+    return (np.arange(n, dtype=np.int32)[None], np.ones((1, n), np.int32), np.full((1, n), n, np.int32))
+
+
+def test_decode_routing_replayed_by_the_packed_forward(params):
+    seq = np.random.default_rng(5).integers(1, CFG.vocab_size, 12).astype(np.int32)
+    n, start = len(seq), 6
+    logits_dec, routing_dec = _decode_routing(params, seq, start)
+    assert routing_dec.shape == (n - start, CFG.routing_width) and routing_dec.max() < CFG.num_experts
+    pos, seg, end = _row(n)
+    routing = np.full((1, n, CFG.routing_width), -1, np.int16)
+    routing[0, start:] = routing_dec  # decode's step t routed the token at position t
+    replay = CFG.replace(routing_replay=True)
+    fwd = jax.jit(lambda p, r, c: Transformer(c).apply(p, seq[None], pos, seg, end, routing_BxLxR=r,
+                                                       mutable=["intermediates"]), static_argnums=2)
+    logits, inter = fwd(params, routing, replay)
+    np.testing.assert_allclose(np.asarray(logits[0, start:]), logits_dec, atol=ATOL, rtol=0)
+    assert float(jnp.sum(moe_stats(inter).mismatch)) == 0  # same params: live routing is what decode chose
+
+    # Routing a decode under other weights chose: replayed, it changes the logits and is counted as mismatched.
+    _, foreign = _decode_routing(init_params(CFG, jax.random.key(1)), seq, start)
+    routing[0, start:] = foreign
+    live, inter_live = fwd(params, routing, CFG)  # replay off: only compared
+    np.testing.assert_allclose(np.asarray(live[0, start:]), logits_dec, atol=ATOL, rtol=0)
+    differs = np.any(np.sort(foreign.reshape(-1, 2, 2), -1) != np.sort(routing_dec.reshape(-1, 2, 2), -1), (1, 2))
+    assert differs.any()
+    got_mismatch = np.asarray(jnp.max(moe_stats(inter_live).mismatch, 0)).reshape(n)[start:] > 0
+    np.testing.assert_array_equal(got_mismatch, differs)
+    forced, _ = fwd(params, routing, replay)
+    assert np.abs(np.asarray(forced[0, start:]) - logits_dec).max(-1)[differs].min() > 1e-3
+
+    def nll(p):
+        lg = Transformer(replay).apply(p, seq[None], pos, seg, end, routing_BxLxR=jnp.asarray(routing))
+        return -jnp.sum(jax.nn.log_softmax(lg)[0, jnp.arange(n - 1), seq[1:]])
+
+    g = jax.grad(nll)(params)["params"]
+    for stack in ("layers_0", "layers_2"):  # R3: the router weights the replayed experts, so it trains
+        assert float(jnp.abs(g[stack]["moe"]["router"]).max()) > 0, stack
+
+
+# ---- through the engine, the proxy and the store ----------------------------------------------
+@pytest.fixture(scope="module")
+def rollout(params, tmp_path_factory):
+    """One rollout of three calls through the live proxy: a first turn, a retry of it (another seed: the
+    tree branches after the shared prompt) and a second turn that extends the first."""
+    store = TrajectoryStore(str(tmp_path_factory.mktemp("store")), run_id="run1")
+    engine = GyreEngine(CFG, params, max_slots=4, max_len=128, name="A")
+
+    async def build():
+        return Proxy(Router([JetStreamBackend(engine)]), TOK, store, ProxyConfig(max_tokens_cap=64))
+
+    st = ServerThread(build)
+    st.start()
+
+    def complete(prompt, call, seed, n):
+        body = {"model": "gyre", "prompt": [int(t) for t in prompt], "max_tokens": n, "temperature": 1.0,
+                "seed": seed, "return_token_ids": True}
+        h = {P.HEADER_RUN: "run1", P.HEADER_ROLLOUT: "rr", P.HEADER_TASK: "t", P.HEADER_GROUP: "g",
+             P.HEADER_CALL: str(call)}
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(st.url + "/v1/completions", json=body, headers=h) as r:
+                    return r.status, await r.text()
+
+        status, text = asyncio.run(go())
+        assert status == 200, text
+        return json.loads(text)["choices"][0]["token_ids"]
+
+    try:
+        prompt = np.random.RandomState(3).randint(0, 256, 20)
+        out0 = complete(prompt, 0, 11, 12)
+        complete(prompt, 1, 12, 12)
+        complete(list(prompt) + out0 + list(np.random.RandomState(4).randint(0, 256, 5)), 2, 13, 10)
+    finally:
+        st.stop()
+    recs = store.calls("rr")
+    store.close()
+    return recs
+
+
+def test_records_carry_one_routing_row_per_output_token(rollout):
+    assert len(rollout) == 3
+    for r in rollout:
+        assert r.output_routing is not None and r.output_routing.dtype == np.uint8
+        assert r.output_routing.shape == (r.output_ids.shape[0], CFG.routing_width)
+        assert int(r.output_routing.max()) < CFG.num_experts
+
+
+@pytest.fixture(scope="module")
+def rows(rollout):
+    tree = build_tree(rollout)
+    pack = pack_trees([tree], [1.0], 128, routing_width=CFG.routing_width)
+    assert len(tree.children) >= 2 or any(len(n.children) >= 2 for n in tree.walk())  # the retry branches
+    return pack.rows
+
+
+def _batch(rows, **over):
+    d = {k: jnp.asarray(v) for k, v in rows.as_dict().items()}
+    return {**d, **{k: jnp.asarray(v) for k, v in over.items()}}
+
+
+def test_replayed_training_forward_reproduces_behaviour_logprobs(params, rows):
+    mask = rows.loss_mask
+    assert (rows.routing[..., 0] >= 0).sum() == mask.sum()  # every trained token has its routing, no other
+    logp = jax.jit(policy_loss_fn(CFG.replace(routing_replay=True)).logprob_fn)
+    got = np.asarray(logp(params, _batch(rows)))
+    np.testing.assert_allclose(got[mask], rows.behavior_logprobs[mask], rtol=0, atol=LOGP_ATOL)
+    # The forward really uses the records: rotated expert ids miss the behaviour log-probs.
+    rotated = np.where(rows.routing >= 0, (rows.routing + 1) % CFG.num_experts, -1).astype(np.int16)
+    bad = np.asarray(logp(params, _batch(rows, routing=rotated)))
+    assert np.abs(bad[mask] - rows.behavior_logprobs[mask]).max() > 1e-2
+
+
+def test_routing_mismatch_is_zero_at_the_sampling_params_and_positive_after_an_update(params, rows):
+    loss_off = policy_loss_fn(CFG, PolicyLossConfig())
+    metrics = jax.jit(lambda p, mb: loss_off(p, mb)[1])
+    m0 = jax.device_get(metrics(params, _batch(rows)))
+    assert m0["routing_recorded_tokens"] == rows.loss_mask.sum() > 0
+    assert m0["routing_mismatch_tokens"] == 0 and routing_metrics(m0)["routing_mismatch"] == 0.0
+    grads = jax.jit(jax.grad(lambda p, mb: loss_off(p, mb)[0]))(params, _batch(rows))
+    updated = jax.tree.map(lambda p, g: p - 50.0 * g, params, grads)  # one large plain gradient step
+    m1 = jax.device_get(metrics(updated, _batch(rows)))
+    assert m1["routing_mismatch_tokens"] > 0, m1
+    assert 0 < routing_metrics(m1)["routing_mismatch"] <= 1
+    on = jax.device_get(jax.jit(lambda p, mb: policy_loss_fn(CFG.replace(routing_replay=True))(p, mb)[1])(
+        updated, _batch(rows)))
+    assert on["routing_mismatch_tokens"] > 0  # with replay on: the tokens replay kept on their sampled experts
