@@ -4,8 +4,8 @@
   function at a time.
 * Nothing reads another object's ``_private`` attributes (``x._name`` where ``x`` is not
   ``self``/``cls``/``super()``): an object's privates are its own business, so a class can change
-  them without breaking a reader elsewhere. ``rl/`` and ``cells/`` are clean; the rest of the
-  package is held to a shrinking list (a new offender fails; one that is fixed must leave the list).
+  them without breaking a reader elsewhere. The whole package is clean (the last readers, the
+  simulator and the remote engine's stream, got public methods); only other libraries' names are allowed.
 * Construction never starts threads: ``TrainerAdapter``'s and ``LoopThread``'s constructors do not; ``start()`` does.
 """
 from __future__ import annotations
@@ -17,16 +17,6 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "gyre_jax")
 MAX_LINES = 60
-CLEAN = ("rl", "cells")  # sub-packages with no private reads at all
-
-# Private reads of ours that remain outside rl/ and cells/ (path -> the expressions read there), in
-# files other work is changing now. Fix one, then remove it here (the test says when).
-KNOWN_PRIVATE_READS = {
-    "pods/remote_engine.py": {"self._b._stats", "self._b._active"},
-    "scheduler/simulator.py": {"cluster._staleness", "cluster._busy_slot_s", "cluster._train_work_s", "cluster._now",
-                               "cluster._truncated", "cluster._moved", "cluster._step_end", "cluster._state_time",
-                               "cluster._segments", "cluster._series"},
-}
 # Other libraries' private names we use: allowed anywhere (not ours to change).
 THIRD_PARTY = {
     "os._exit",  # exit without running cleanup (after a fork; the fault injector's kill)
@@ -75,16 +65,8 @@ def test_no_function_in_rl_is_longer_than_60_lines():
 
 
 def test_nothing_reads_another_objects_privates():
-    new, fixed = [], []
-    for path, tree in _modules():
-        reads = private_reads(tree) - THIRD_PARTY
-        known = KNOWN_PRIVATE_READS.get(path, set()) - THIRD_PARTY
-        if path.split("/")[0] in CLEAN:
-            known = set()
-        new += [f"gyre_jax/{path}: {r}" for r in sorted(reads - known)]
-        fixed += [f"gyre_jax/{path}: {r}" for r in sorted(known - reads)]
-    assert not new, f"reads of another object's private attributes (add a public method): {new}"
-    assert not fixed, f"fixed: remove from KNOWN_PRIVATE_READS: {fixed}"
+    reads = [f"gyre_jax/{path}: {r}" for path, tree in _modules() for r in sorted(private_reads(tree) - THIRD_PARTY)]
+    assert not reads, f"reads of another object's private attributes (add a public method): {reads}"
 
 
 def test_the_checks_see_what_they_look_for():

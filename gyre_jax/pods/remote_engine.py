@@ -163,13 +163,14 @@ class _RemoteStream(TokenStream):
         self.resume = _resume_from_json(d["resume"])
         if self.resume is not None:  # the core's name for the cell it left
             self.resume = dataclasses.replace(self.resume, source=self._b.name)
-        self._b._stats = d.get("stats", self._b._stats)
+        if "stats" in d:
+            self._b.report_stats(d["stats"])
         raise StopAsyncIteration
 
     def _end(self) -> None:
         if not self._done:
             self._done = True
-            self._b._active.discard(self.request_id)
+            self._b.call_ended(self.request_id)
             if self._resp is not None:
                 self._resp.release()
 
@@ -208,6 +209,14 @@ class RemoteBackend(Backend):
 
     def set_version(self, version: int) -> None:
         self._version = int(version)
+
+    def call_ended(self, request_id: str) -> None:
+        """A stream's call is over (finished, failed or cut off): it no longer counts as active."""
+        self._active.discard(request_id)
+
+    def report_stats(self, stats: dict) -> None:
+        """The satellite engine's counters, as the end of its latest finished call reported them."""
+        self._stats = stats
 
     def submit(self, request: GenerateRequest) -> TokenStream:
         if request.prompt_ids.shape[0] + request.sampling.max_tokens > self.max_context:

@@ -121,45 +121,44 @@ def _wl_122b(name: str, **kw) -> WorkloadConfig:
     return WorkloadConfig(name=name, **base)
 
 
+def _agentic_122b(name: str, mode: str, steps: int, kw: dict[str, Any], **workload: Any) -> SimConfig:
+    """An agentic workload on the 122B cluster: per-call token counts lognormal with sigma 0.8
+    [assume], 4 model calls per simulated call (as in large_run) unless ``kw`` says otherwise."""
+    return _make(_CELL_122B, _wl_122b(name, **{"decode_tokens_sigma": 0.8, "context_tokens_sigma": 0.8, **workload}),
+                 mode, steps, **{"call_merge": 4, **kw})
+
+
 # [assume] NL2RepoBench: build a repo from a spec: the longest of the three. Calls median
 #   100 (sigma 0.6), 2.5K context / 500 generated tokens per call, tools median 10 s
 #   (sigma 1.2), 2 h deadline.
 def nl2repo(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("nl2repo_122b", calls_median=100, calls_shape=0.6, calls_max=500,
-                          decode_tokens_median=500, decode_tokens_sigma=0.8,
-                          context_tokens_median=2500, context_tokens_sigma=0.8,
-                          tool_s_median=10, tool_s_sigma=1.2, rollout_timeout_s=2 * 3600),
-        mode, steps, **{"call_merge": 4, **kw},
-    )
+    return _agentic_122b("nl2repo_122b", mode, steps, kw, calls_median=100, calls_shape=0.6, calls_max=500,
+                         decode_tokens_median=500, context_tokens_median=2500, tool_s_median=10, tool_s_sigma=1.2,
+                         rollout_timeout_s=2 * 3600)
 
 
 # [assume] DeepSWE: fix a bug in an existing repo: median 40 calls (sigma 0.7), 2K context
-#   / 300 generated tokens per call, tools median 5 s (sigma 1.0), 1 h deadline.
+#   / 300 generated tokens per call, tools median 5 s (sigma 1.0), 1 h deadline. The drift,
+#   bimodal and giant presets below state only how they differ from it.
+_DEEPSWE = dict(calls_median=40, calls_shape=0.7, calls_max=300, decode_tokens_median=300,
+                context_tokens_median=2000, tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=3600)
+
+
+def _deepswe_like(name: str, mode: str, steps: int, kw: dict[str, Any], **changes: Any) -> SimConfig:
+    return _agentic_122b(name, mode, steps, kw, **{**_DEEPSWE, **changes})
+
+
 def deepswe(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("deepswe_122b", calls_median=40, calls_shape=0.7, calls_max=300,
-                          decode_tokens_median=300, decode_tokens_sigma=0.8,
-                          context_tokens_median=2000, context_tokens_sigma=0.8,
-                          tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=3600),
-        mode, steps, **{"call_merge": 4, **kw},
-    )
+    return _deepswe_like("deepswe_122b", mode, steps, kw)
 
 
 # [assume] TerminalBench: multi-step terminal tasks: median 25 calls but a heavier tail
 #   (Pareto alpha 1.5), 1.5K context / 250 generated tokens per call, long-running
 #   commands (tools median 8 s, sigma 1.4), 30 min deadline.
 def terminalbench(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("terminalbench_122b", calls_dist="pareto", calls_median=25, calls_shape=1.5,
-                          calls_max=300, decode_tokens_median=250, decode_tokens_sigma=0.8,
-                          context_tokens_median=1500, context_tokens_sigma=0.8,
-                          tool_s_median=8, tool_s_sigma=1.4, rollout_timeout_s=1800),
-        mode, steps, **{"call_merge": 4, **kw},
-    )
+    return _agentic_122b("terminalbench_122b", mode, steps, kw, calls_dist="pareto", calls_median=25, calls_shape=1.5,
+                         calls_max=300, decode_tokens_median=250, context_tokens_median=1500, tool_s_median=8,
+                         tool_s_sigma=1.4, rollout_timeout_s=1800)
 
 
 # [paper] ablation on "a 12-step workload": streaming alone cut Async by 11.6%; streaming +
@@ -169,6 +168,16 @@ def ablation12(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
     return nl2repo(mode, steps=steps, **kw)
 
 
+# Short math-like tasks: one model call per rollout, no tools, no deadline, groups of 16 [assume].
+_ONE_CALL = dict(calls_median=1, calls_shape=0.01, calls_max=1, tool_s_median=0, tool_s_sigma=0,
+                 rollout_timeout_s=math.inf)
+
+
+def _one_call_122b(name: str, mode: str, steps: int, kw: dict[str, Any], *, waves: int, **workload: Any) -> SimConfig:
+    return _make(_CELL_122B, _wl_122b(name, **_ONE_CALL, **workload), mode, steps,
+                 **{"group_size": 16, "waves": waves, **kw})
+
+
 # The paper's admitted limit: "short tasks (e.g. 30-second math problems) leave little
 # idle capacity to reclaim". [assume] one model call per rollout, ~1.2K generated
 # tokens (sigma 0.25: nearly uniform) at 45 tokens/s (~27 s), no tools, groups of 16,
@@ -176,14 +185,8 @@ def ablation12(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
 # rollouts), so a step's generation lasts minutes, not one 30-second wave, as math-RL
 # runs size it (a one-wave step would spend more time switching than generating).
 def short_uniform(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("math_short_122b", calls_median=1, calls_shape=0.01, calls_max=1,
-                          decode_tokens_median=1200, decode_tokens_sigma=0.25,
-                          context_tokens_median=300, context_tokens_sigma=0.3,
-                          tool_s_median=0, tool_s_sigma=0, rollout_timeout_s=math.inf),
-        mode, steps, **{"group_size": 16, "waves": 8, **kw},
-    )
+    return _one_call_122b("math_short_122b", mode, steps, kw, waves=8, decode_tokens_median=1200,
+                          decode_tokens_sigma=0.25, context_tokens_median=300, context_tokens_sigma=0.3)
 
 
 # Drift: rollouts grow as the policy learns ([paper]: NL2RepoBench pass rate 52% -> 59% in
@@ -192,15 +195,8 @@ def short_uniform(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
 # rollout to the last, a 3 h deadline (the 1 h one would cut the grown rollouts instead).
 # A split fixed from the first step's measurements goes stale as the training share moves.
 def drift(mode: str = ELASTIC, *, steps: int = 24, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("deepswe_drift_122b", calls_median=40, calls_shape=0.7, calls_max=300,
-                 decode_tokens_median=300, decode_tokens_sigma=0.8,
-                 context_tokens_median=2000, context_tokens_sigma=0.8,
-                 tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=3 * 3600,
-                 drift_calls=3.0, drift_tokens=1.5),
-        mode, steps, **{"call_merge": 4, **kw},
-    )
+    return _deepswe_like("deepswe_drift_122b", mode, steps, kw, rollout_timeout_s=3 * 3600, drift_calls=3.0,
+                         drift_tokens=1.5)
 
 
 # The issue's counter-example: short uniform rollouts in ONE wave of slots ([assume] 256
@@ -208,14 +204,8 @@ def drift(mode: str = ELASTIC, *, steps: int = 24, **kw) -> SimConfig:
 # A step's generation is one 13 s wave: switching a cell costs about a step.
 def short_one_wave(mode: str = ELASTIC, *, steps: int = 20, **kw) -> SimConfig:
     prefill_s = 300 / 20000
-    return _make(
-        _CELL_122B,
-        _wl_122b("short_one_wave_122b", calls_median=1, calls_shape=0.01, calls_max=1,
-                 decode_tokens_median=(13 - prefill_s) * 45, decode_tokens_sigma=0.0,
-                 context_tokens_median=300, context_tokens_sigma=0.0,
-                 tool_s_median=0, tool_s_sigma=0, rollout_timeout_s=math.inf),
-        mode, steps, **{"group_size": 16, "waves": 1, **kw},
-    )
+    return _one_call_122b("short_one_wave_122b", mode, steps, kw, waves=1, decode_tokens_median=(13 - prefill_s) * 45,
+                          decode_tokens_sigma=0.0, context_tokens_median=300, context_tokens_sigma=0.0)
 
 
 # Issue 26's adversarial workloads, where a fixed split is hard to beat.
@@ -243,30 +233,16 @@ def short_uniform_costly_switch(mode: str = ELASTIC, *, steps: int = 12, **kw) -
 # ~1.5 h at the median). The batch's serving work arrives in two humps, so a split sized on
 # the mean is wrong for most of each step.
 def bimodal(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("deepswe_bimodal_122b", calls_median=40, calls_shape=0.5, calls_max=2400,
-                 decode_tokens_median=300, decode_tokens_sigma=0.8,
-                 context_tokens_median=2000, context_tokens_sigma=0.8,
-                 tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=6 * 3600,
-                 long_fraction=0.3, long_factor=8.0),
-        mode, steps, **{"call_merge": 4, **kw},
-    )
+    return _deepswe_like("deepswe_bimodal_122b", mode, steps, kw, calls_shape=0.5, calls_max=2400,
+                         rollout_timeout_s=6 * 3600, long_fraction=0.3, long_factor=8.0)
 
 
 # Giant rollouts: [assume] the DeepSWE-like workload where 1% of rollouts run 40x the calls
 # (a runaway agent: ~1,600 calls, ~7 h uncontended), a 12 h deadline that lets them finish.
 # A handful per step hold the step's end: serving sits nearly idle while they run.
 def giant(mode: str = ELASTIC, *, steps: int = 12, **kw) -> SimConfig:
-    return _make(
-        _CELL_122B,
-        _wl_122b("deepswe_giant_122b", calls_median=40, calls_shape=0.7, calls_max=4000,
-                 decode_tokens_median=300, decode_tokens_sigma=0.8,
-                 context_tokens_median=2000, context_tokens_sigma=0.8,
-                 tool_s_median=5, tool_s_sigma=1.0, rollout_timeout_s=12 * 3600,
-                 long_fraction=0.01, long_factor=40.0),
-        mode, steps, **{"call_merge": 4, **kw},
-    )
+    return _deepswe_like("deepswe_giant_122b", mode, steps, kw, calls_max=4000, rollout_timeout_s=12 * 3600,
+                         long_fraction=0.01, long_factor=40.0)
 
 
 PRESETS = {

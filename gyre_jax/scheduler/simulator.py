@@ -500,6 +500,35 @@ class SimCluster:
     def _record_series(self):
         self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, self._rate))
 
+    def result(self, controller: Controller, *, wall0: float, cpu0: float) -> SimResult:
+        """The finished run (after ``run``) as a SimResult; wall0/cpu0: when the simulation began
+        (perf_counter, process_time)."""
+        k = self.config.policy.group_size
+        stale = self._staleness
+        lb, kind = lower_bound(self.config, self._ro, self._busy_slot_s, self._train_work_s)
+        return SimResult(
+            config=self.config,
+            makespan_s=self._now,
+            step_end_s=tuple(self._step_end),
+            staleness_mean=sum(stale) / len(stale),
+            staleness_max=max(stale),
+            switches=controller.switches,
+            truncated_rollouts=self._truncated,
+            moved_calls=self._moved,
+            rollouts_trained=len(stale) * k,
+            state_time_s=dict(self._state_time),
+            serving_slot_s=self._busy_slot_s,
+            train_work_s=self._train_work_s,
+            lower_bound_s=lb,
+            lower_bound_kind=kind,
+            segments=tuple(self._segments),
+            series=tuple(self._series),
+            decisions=tuple(controller.decisions),
+            events=self.events,
+            wall_s=time.perf_counter() - wall0,
+            cpu_s=time.process_time() - cpu0,
+        )
+
 
 def resolve(config: SimConfig, rollouts: Rollouts) -> SimConfig:
     """What the config leaves to the workload: async's balanced split (async_train_cells=0)
@@ -523,28 +552,4 @@ def simulate(config: SimConfig, *, rollouts: Rollouts | None = None, progress: b
     ctl = Controller(config.policy, cells=cluster, proxy=cluster, rollouts=cluster, trainer=cluster,
                      clock=cluster, record=record_decisions)
     cluster.run(ctl, progress=progress)
-    k = config.policy.group_size
-    stale = cluster._staleness
-    lb, kind = lower_bound(config, rollouts, cluster._busy_slot_s, cluster._train_work_s)
-    return SimResult(
-        config=config,
-        makespan_s=cluster._now,
-        step_end_s=tuple(cluster._step_end),
-        staleness_mean=sum(stale) / len(stale),
-        staleness_max=max(stale),
-        switches=ctl.switches,
-        truncated_rollouts=cluster._truncated,
-        moved_calls=cluster._moved,
-        rollouts_trained=len(stale) * k,
-        state_time_s=dict(cluster._state_time),
-        serving_slot_s=cluster._busy_slot_s,
-        train_work_s=cluster._train_work_s,
-        lower_bound_s=lb,
-        lower_bound_kind=kind,
-        segments=tuple(cluster._segments),
-        series=tuple(cluster._series),
-        decisions=tuple(ctl.decisions),
-        events=cluster.events,
-        wall_s=time.perf_counter() - wall0,
-        cpu_s=time.process_time() - cpu0,
-    )
+    return cluster.result(ctl, wall0=wall0, cpu0=cpu0)

@@ -38,7 +38,7 @@ class PagedSlots:
     tokens_per_call: int
     params_ref: ParamsRef
     counters: dict[str, Any]
-    _pool: PagePool | None  # None: contiguous cache (no method here is reached then but kv_stats, _free_pages)
+    _pool: PagePool | None  # None: a contiguous cache (only _grow_pages, _free_pages, kv_stats run then; they check)
     _prefix_pages: PrefixPages | None  # None exactly when _pool is
     _pending_pages: dict[str, tuple[np.ndarray, PrefillInput | None]]
     _waiting: collections.deque[tuple[Prefix, int]]
