@@ -6,8 +6,15 @@ tree and packed rows of a rollout with it (vs the same rollout without routing).
     python tools/bench_routing.py                       # Qwen3-30B-A3B's shape: 48 MoE layers x top-8, 128 experts
     python tools/bench_routing.py --layers 94 --top-k 8 --experts 128   # Qwen3-235B-A22B
 
-Prints a table, then one JSON line (named fields; the sizes it ran). Host numpy only (the
-engine's packing is one bitcast inside its jitted step), so it runs anywhere in seconds.
+Then what replay buys (``--fidelity-tokens`` > 0): a tiny random MoE model in bfloat16 samples
+sequences with the KV-cache decode (recording its routing), and the packed training forward
+over the same tokens, same params, recomputes their log-probs routed live and replayed: the
+fraction of tokens routed differently and the log-prob error against the sampled ones in each
+mode (bf16 cache decode and tree-packed forward are different kernels, as engine and trainer are).
+
+Prints a table, then one JSON line (named fields; the sizes it ran). The host part is numpy
+only (the engine's packing is one bitcast inside its jitted step); the fidelity part compiles
+a few small functions (~30 CPU-s).
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=2048, help="first call's prompt tokens")
     ap.add_argument("--output", type=int, default=512, help="generated tokens per call")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fidelity-tokens", type=int, default=48, help="tokens sampled per sequence (0: skip)")
+    ap.add_argument("--fidelity-seqs", type=int, default=4)
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import numpy as np
@@ -97,6 +106,12 @@ def main(argv=None) -> int:
     for k, what in (("encode_s", "encode the rollout's records (ms)"), ("decode_s", "decode them (ms)"),
                     ("tree_s", "build its tree (ms)"), ("pack_s", "pack it into a row (ms)")):
         print(f"{what:44s} {timings[False][k] * 1e3:12.2f} {timings[True][k] * 1e3:12.2f}")
+    fid = fidelity(args.fidelity_seqs, args.fidelity_tokens) if args.fidelity_tokens > 0 else {}
+    if fid:
+        print(f"{'tiny bf16 MoE, ' + str(fid['fidelity_tokens']) + ' sampled tokens':44s} {'live':>12s} {'replayed':>12s}")
+        print(f"{'  tokens routed unlike sampling (fraction)':44s} {fid['mismatch_live']:12.4f} {fid['mismatch_replay']:12.4f}")
+        print(f"{'  max |train - sampled log-prob|':44s} {fid['max_err_live']:12.4f} {fid['max_err_replay']:12.4f}")
+        print(f"{'  mean |train - sampled log-prob|':44s} {fid['mean_err_live']:12.5f} {fid['mean_err_replay']:12.5f}")
     print(json.dumps({
         "bench": "routing_record", "moe_layers": args.layers, "top_k": args.top_k, "experts": args.experts,
         "routing_width": width, "calls": args.calls, "prompt_tokens": args.prompt, "output_tokens_per_call": args.output,
@@ -106,8 +121,61 @@ def main(argv=None) -> int:
         "unpack_us_per_token": unpack_s * 1e6, "unpack_us_per_token_without": unpack_plain_s * 1e6,
         **{f"{k[:-2]}_ms" + ("" if r else "_without"): v * 1e3
            for r in (True, False) for k, v in timings[r].items() if k.endswith("_s")},
+        **fid,
     }))
     return 0
+
+
+def fidelity(n_seqs: int, n_tok: int) -> dict:
+    """Sample with the bf16 KV-cache decode (recording routing), score the same tokens with the packed
+    forward routed live and replayed; mismatch fractions and log-prob errors (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gyre_jax.model import Transformer, init_params, model_config_tiny
+    from gyre_jax.model import decode as dec
+    from gyre_jax.model.transformer import moe_stats
+
+    cfg = model_config_tiny(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
+                            max_seq_len=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            dtype="bfloat16")
+    params = init_params(cfg, jax.random.key(0))
+    prompt_len, m = 16, 16 + n_tok + 1
+    prefill = jax.jit(dec.prefill, static_argnums=1)
+    step = jax.jit(dec.decode_step, static_argnums=1, static_argnames="with_routing")
+    rng = np.random.default_rng(0)
+    seqs, lps, routes = [], [], []
+    for _ in range(n_seqs):
+        seq = list(rng.integers(1, cfg.vocab_size, prompt_len))
+        _, kv = prefill(params, cfg, jnp.asarray(seq[:-1], jnp.int32))
+        cache = dec.insert(dec.init_cache(cfg, 1, m), kv, 0)
+        lp_seq, r_seq = [], []
+        for _ in range(n_tok):  # sample at temperature 1 from the decode's float32 logits
+            logits, cache, r = step(params, cfg, jnp.asarray([seq[-1]], jnp.int32), cache, with_routing=True)
+            logp = np.asarray(jax.nn.log_softmax(logits[0]), np.float64)
+            t = int(rng.choice(cfg.vocab_size, p=np.exp(logp) / np.exp(logp).sum()))
+            seq.append(t)
+            lp_seq.append(logp[t])
+            r_seq.append(np.asarray(r[0]))
+        seqs.append(seq), lps.append(lp_seq), routes.append(r_seq)
+    n = prompt_len + n_tok
+    toks = np.asarray(seqs, np.int32)
+    routing = np.full((n_seqs, n, cfg.routing_width), -1, np.int16)
+    routing[:, prompt_len - 1: n - 1] = np.asarray(routes)  # at each sampled token's predicting position
+    pos = np.tile(np.arange(n, dtype=np.int32), (n_seqs, 1))
+    seg, end = np.ones((n_seqs, n), np.int32), np.full((n_seqs, n), n, np.int32)
+    out = {"fidelity_tokens": n_seqs * n_tok, "fidelity_experts": cfg.num_experts, "fidelity_moe_layers": cfg.n_layers}
+    for name, c in (("live", cfg), ("replay", cfg.replace(routing_replay=True))):
+        logits, inter = jax.jit(lambda p, r, c=c: Transformer(c).apply(p, toks, pos, seg, end, routing_BxLxR=r,
+                                                                      mutable=["intermediates"]))(params, routing)
+        logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
+        got = np.take_along_axis(logp[:, prompt_len - 1: n - 1], toks[:, prompt_len:, None], -1)[..., 0]
+        err = np.abs(got - np.asarray(lps))
+        mism = np.asarray(jnp.max(moe_stats(inter).mismatch, 0)).reshape(n_seqs, n)[:, prompt_len - 1: n - 1]
+        out.update({f"mismatch_{name}": float(mism.mean()), f"max_err_{name}": float(err.max()),
+                    f"mean_err_{name}": float(err.mean())})
+    return out
 
 
 if __name__ == "__main__":
