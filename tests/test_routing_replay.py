@@ -122,7 +122,10 @@ def rollout(params, tmp_path_factory):
     """One rollout of three calls through the live proxy: a first turn, a retry of it (another seed: the
     tree branches after the shared prompt) and a second turn that extends the first."""
     store = TrajectoryStore(str(tmp_path_factory.mktemp("store")), run_id="run1")
-    engine = GyreEngine(CFG, params, max_slots=4, max_len=128, name="A")
+    # Paged cache and 2 decode steps per generate call: routing rides through the scan over steps and the
+    # paged decode (the contiguous cache's decode records the same way: the model-level test above).
+    engine = GyreEngine(CFG, params, max_slots=4, max_len=128, name="A", tokens_per_call=2, kv_cache="paged",
+                        page_size=16)
 
     async def build():
         return Proxy(Router([JetStreamBackend(engine)]), TOK, store, ProxyConfig(max_tokens_cap=64))
