@@ -242,6 +242,7 @@ _ADVICE = {
     "decode_logits": "lower config.cells.max_slots",
 }
 BATCH_BYTES_PER_TOKEN = 4 * 15  # the micro-batch's int32/float32 [B, L] fields (cells/train_step.MICRO_BATCH_KEYS)
+ROUTING_BYTES_PER_ID = 2  # an MoE model's recorded routing: int16 [B, L, MoE layers x top-k] (routing replay)
 
 
 def train_terms(m, cells, train) -> tuple[dict, dict]:
@@ -260,7 +261,7 @@ def train_terms(m, cells, train) -> tuple[dict, dict]:
     act = activation_bytes(m, rows_here, train.row_len, tensor, remat=mp.remat, logits_chunk=mp.logits_chunk)
     # gradients: the step's accumulator and the micro-batch gradient being added to it (cells/train_step.py)
     terms = {"params": params, "optimizer": 2 * params, "gradients": 2 * params, **act,
-             "batch": rows_here * train.row_len * BATCH_BYTES_PER_TOKEN}
+             "batch": rows_here * train.row_len * (BATCH_BYTES_PER_TOKEN + ROUTING_BYTES_PER_ID * m.routing_width)}
     return mesh, terms
 
 

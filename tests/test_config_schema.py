@@ -63,3 +63,13 @@ def test_a_misspelled_field_names_the_nearest(where, typo, hint):
     with pytest.raises(C.ConfigError, match=rf"^config{'.' + where if where else ''}: unknown field\(s\) "
                                             rf"\['{typo}'\] \({hint.replace('?', '[?]')}\)"):
         RLConfig.from_config(d)
+
+
+def test_routing_replay_needs_an_moe_model():
+    d = _load("demo.py").to_dict()
+    d["train"]["routing_replay"] = True
+    with pytest.raises(C.ConfigError, match=r"config.train.routing_replay=True needs a mixture-of-experts model"):
+        RLConfig.from_config(d)
+    d["model"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    cfg = RLConfig.from_config(d)
+    assert cfg.processor_config().routing_width == cfg.model.n_layers * 2  # rows carry every MoE layer's top-2

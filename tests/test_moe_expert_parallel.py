@@ -97,6 +97,7 @@ def test_expert_degree_must_fit_the_cell():
     assert cell.train_mesh.axis_names == ("fsdp", "tensor")  # train_expert=1: the mesh dense models always had
 
 
+@pytest.mark.slow  # ~30 CPU-s: a dense-reference and an expert-parallel gradient compile
 def test_expert_parallel_replays_recorded_routing(reference):
     """Routing replay (R3): recorded experts enter before the dispatch, so over 2 expert devices the
     replayed loss and grads equal the single-device dense reference given the same records."""

@@ -154,3 +154,31 @@ def test_bad_encodings():
     # Plain JSON lists are accepted for arrays (hand-written or simple clients).
     back = record_from_dict({**d, "prompt_ids": [5, 6, 7], "output_ids": [8, 9], "output_logprobs": [-0.5, -1.25]})
     np.testing.assert_array_equal(back.prompt_ids, r.prompt_ids)
+
+
+@pytest.mark.parametrize("enc", ["bytes", "json", "dict"])
+@pytest.mark.parametrize("dtype, experts", [(np.uint8, 128), (np.uint16, 512)])
+def test_call_routing_round_trips_and_costs_r_bytes_per_id(enc, dtype, experts):
+    """Routing replay: an MoE engine's [output, R] expert ids (uint8 up to 256 experts, else uint16)."""
+    rng = np.random.default_rng(1)
+    n, width = 7, 48 * 8  # Qwen3-30B-A3B: 48 MoE layers x top-8
+    routing = rng.integers(0, experts, (n, width)).astype(dtype)
+    r = ModelCallRecord(**call_kw(output_ids=rng.integers(0, 1000, n), output_logprobs=-rng.random(n),
+                                  output_routing=routing))
+    back = {"bytes": lambda: record_from_bytes(r.to_bytes()), "json": lambda: record_from_json(r.to_json()),
+            "dict": lambda: record_from_dict(json.loads(json.dumps(r.to_dict())))}[enc]()
+    assert back.output_routing.dtype == dtype and back.output_routing.tobytes() == routing.tobytes()
+    plain = ModelCallRecord(**call_kw(output_ids=r.output_ids, output_logprobs=r.output_logprobs))
+    extra = len(r.to_bytes()) - len(plain.to_bytes())
+    assert extra - n * width * np.dtype(dtype).itemsize < 40  # the ids plus the header's "routing": [R, code]
+    assert record_from_bytes(plain.to_bytes()).output_routing is None  # a dense (or older) record reads as before
+
+
+def test_bad_routing_names_the_field():
+    with pytest.raises(RecordError, match=r"output_routing: must be \[output tokens = 2, R\]"):
+        ModelCallRecord(**call_kw(output_routing=np.zeros((3, 4), np.uint8)))
+    with pytest.raises(RecordError, match=r"output_routing: expert ids must be in \[0, 65535\]"):
+        ModelCallRecord(**call_kw(output_routing=np.full((2, 4), -1, np.int32)))
+    payload = ModelCallRecord(**call_kw(output_routing=np.zeros((2, 4), np.uint8))).to_bytes()
+    with pytest.raises(RecordError, match="payload"):
+        record_from_bytes(payload[:-4])

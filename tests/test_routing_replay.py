@@ -69,6 +69,7 @@ def _row(n):
     return (np.arange(n, dtype=np.int32)[None], np.ones((1, n), np.int32), np.full((1, n), n, np.int32))
 
 
+@pytest.mark.slow  # ~30 CPU-s of compiles (decode, two forwards, a gradient); the proxy tests below cover the path
 def test_decode_routing_replayed_by_the_packed_forward(params):
     seq = np.random.default_rng(5).integers(1, CFG.vocab_size, 12).astype(np.int32)
     n, start = len(seq), 6
@@ -96,13 +97,23 @@ def test_decode_routing_replayed_by_the_packed_forward(params):
     forced, _ = fwd(params, routing, replay)
     assert np.abs(np.asarray(forced[0, start:]) - logits_dec).max(-1)[differs].min() > 1e-3
 
-    def nll(p):
-        lg = Transformer(replay).apply(p, seq[None], pos, seg, end, routing_BxLxR=jnp.asarray(routing))
-        return -jnp.sum(jax.nn.log_softmax(lg)[0, jnp.arange(n - 1), seq[1:]])
 
-    g = jax.grad(nll)(params)["params"]
-    for stack in ("layers_0", "layers_2"):  # R3: the router weights the replayed experts, so it trains
-        assert float(jnp.abs(g[stack]["moe"]["router"]).max()) > 0, stack
+@pytest.mark.parametrize("experts, width", [(128, 384), (512, 6), (4, 3)])
+def test_result_row_routing_round_trips(experts, width):
+    """The engine packs each token's R expert ids into int32 result columns (4 per word up to 256 experts,
+    else 2); the host unpacks exactly those ids, beside their token and log-prob."""
+    from gyre_jax.serving.engine_state import HELD_MARK, RoutingLayout, decode_result_steps
+
+    lay = RoutingLayout(width, 1 if experts <= 256 else 2)
+    ids = np.random.default_rng(0).integers(0, experts, (3, width)).astype(np.int32)
+    words = np.asarray(lay.pack(jnp.asarray(ids)))
+    assert words.shape == (3, -(-width * lay.itemsize // 4)) and words.dtype == np.int32
+    lp = np.array([-0.5, -1.0, -2.0], np.float32).view(np.int32)
+    row = np.concatenate([np.stack([[7, HELD_MARK, 9], lp], 1), words], 1).reshape(-1)
+    got = decode_result_steps(row, lay)
+    assert [(t, p) for t, p, _ in got] == [(7, -0.5), (9, -2.0)]  # the held marker's step is dropped
+    for (_, _, r), want in zip(got, ids[[0, 2]]):
+        assert r.dtype == lay.dtype and r.tolist() == want.tolist()
 
 
 # ---- through the engine, the proxy and the store ----------------------------------------------
@@ -111,7 +122,10 @@ def rollout(params, tmp_path_factory):
     """One rollout of three calls through the live proxy: a first turn, a retry of it (another seed: the
     tree branches after the shared prompt) and a second turn that extends the first."""
     store = TrajectoryStore(str(tmp_path_factory.mktemp("store")), run_id="run1")
-    engine = GyreEngine(CFG, params, max_slots=4, max_len=128, name="A")
+    # Paged cache and 2 decode steps per generate call: routing rides through the scan over steps and the
+    # paged decode (the contiguous cache's decode records the same way: the model-level test above).
+    engine = GyreEngine(CFG, params, max_slots=4, max_len=128, name="A", tokens_per_call=2, kv_cache="paged",
+                        page_size=16)
 
     async def build():
         return Proxy(Router([JetStreamBackend(engine)]), TOK, store, ProxyConfig(max_tokens_cap=64))
@@ -185,11 +199,13 @@ def test_routing_mismatch_is_zero_at_the_sampling_params_and_positive_after_an_u
     m0 = jax.device_get(metrics(params, _batch(rows)))
     assert m0["routing_recorded_tokens"] == rows.loss_mask.sum() > 0
     assert m0["routing_mismatch_tokens"] == 0 and routing_metrics(m0)["routing_mismatch"] == 0.0
-    grads = jax.jit(jax.grad(lambda p, mb: loss_off(p, mb)[0]))(params, _batch(rows))
+    loss_on = policy_loss_fn(CFG.replace(routing_replay=True), PolicyLossConfig())
+    grads = jax.jit(jax.grad(lambda p, mb: loss_on(p, mb)[0]))(params, _batch(rows))
+    for stack in ("layers_0", "layers_2"):  # R3: the live router weights the replayed experts, so it trains
+        assert float(jnp.abs(grads["params"][stack]["moe"]["router"]).max()) > 0, stack
     updated = jax.tree.map(lambda p, g: p - 50.0 * g, params, grads)  # one large plain gradient step
     m1 = jax.device_get(metrics(updated, _batch(rows)))
     assert m1["routing_mismatch_tokens"] > 0, m1
     assert 0 < routing_metrics(m1)["routing_mismatch"] <= 1
-    on = jax.device_get(jax.jit(lambda p, mb: policy_loss_fn(CFG.replace(routing_replay=True))(p, mb)[1])(
-        updated, _batch(rows)))
+    on = jax.device_get(jax.jit(lambda p, mb: loss_on(p, mb)[1])(updated, _batch(rows)))
     assert on["routing_mismatch_tokens"] > 0  # with replay on: the tokens replay kept on their sampled experts

@@ -121,3 +121,31 @@ def test_array_contracts_are_checked_and_named():
         dataclasses.replace(st, node_ranges=st.node_ranges[:, :1]).check()
     with pytest.raises(AssertionError, match=r"input 8 has shape \(1, 3\).*'loss_weights'"):
         dataclasses.replace(rows, loss_weights=np.zeros((1, 3), np.float32)).check("packed")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_routing_sits_at_each_targets_predicting_position(seed):
+    """Routing replay: a token's recorded routing (from the decode step that sampled it) lands where its
+    log-prob does, at the position predicting it, along every path (branch copies take each child's);
+    positions whose target has none hold -1 (routed live); pack_rows keeps it per row."""
+    rng = np.random.default_rng(seed)
+    root = random_tree(rng)
+    for i, node in enumerate(root.walk()):
+        if i % 2:  # some nodes recorded (sampled), others prompts
+            node.routing = rng.integers(0, 8, (node.tokens.shape[0], 3)).astype(np.int16)
+    if all(n.routing is None for n in root.walk()):
+        root.routing = np.zeros((root.tokens.shape[0], 3), np.int16)
+    st = serialize_tree(root)
+    for nodes, idx in zip(root.root_to_leaf_paths(), st.path_indices()):
+        want = np.concatenate([n.routing if n.routing is not None else np.full((n.tokens.shape[0], 3), -1, np.int16)
+                               for n in nodes])
+        np.testing.assert_array_equal(st.tokens[idx], np.concatenate([n.tokens for n in nodes]))
+        np.testing.assert_array_equal(st.routing[idx[:-1]], want[1:])
+    ends = np.ones(len(st), bool)
+    ends[np.concatenate([i[:-1] for i in st.path_indices()])] = False
+    assert (st.routing[ends] == -1).all()  # a path's last token predicts nothing
+    rows = pack_rows([[st]], len(st) + 3)
+    np.testing.assert_array_equal(rows.routing[0, : len(st)], st.routing)
+    assert rows.routing.dtype == np.int16 and (rows.routing[0, len(st):] == -1).all()
+    with pytest.raises(ValueError, match="rows take 0"):  # a dense model's rows cannot take routed trees
+        pack_rows([[st]], len(st), routing_width=0)

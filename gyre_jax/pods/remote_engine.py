@@ -3,7 +3,8 @@
 Model calls are small (prompt ids in, one token id and log-prob per generated
 token out), so they go over HTTP on aiohttp (a well-kept library), not JAX's
 transfer server: one ``POST /generate`` per call whose response streams
-newline-delimited JSON, ``{"t": id, "lp": logprob}`` per token, then one
+newline-delimited JSON, ``{"t": id, "lp": logprob}`` per token (an MoE engine adds
+``"r": [expert ids], "rb": bytes per id``: its routing, for replay), then one
 ``{"finish": ..., "resume": ...}`` (or ``{"error": ...}``, an ``EngineError``
 here). ``POST /cancel`` and ``POST /export`` do what ``Backend.cancel`` and
 ``Backend.export`` do. Weights never travel here: they move on
@@ -101,7 +102,10 @@ class EngineServer:
                                   cache_key=d.get("cache_key"))
             stream = self.backend.submit(req)
             async for ev in stream:
-                await resp.write(json.dumps({"t": int(ev.token_id), "lp": float(ev.logprob)}).encode() + b"\n")
+                msg = {"t": int(ev.token_id), "lp": float(ev.logprob)}
+                if ev.routing is not None:
+                    msg.update(r=ev.routing.tolist(), rb=int(ev.routing.dtype.itemsize))
+                await resp.write(json.dumps(msg).encode() + b"\n")
             end = {"finish": stream.finish, "resume": _resume_to_json(stream.resume.without_kv() if stream.resume else None),
                    "version": int(self.backend.policy_version), "stats": self.backend.stats()}
         except (EngineError, ValueError, KeyError, TypeError) as e:  # KeyError/TypeError: a malformed request
@@ -155,7 +159,8 @@ class _RemoteStream(TokenStream):
             raise EngineError(why)
         d = json.loads(line)
         if "t" in d:
-            return TokenEvent(int(d["t"]), float(d["lp"]))
+            routing = None if "r" not in d else np.asarray(d["r"], np.uint8 if d.get("rb") == 1 else np.uint16)
+            return TokenEvent(int(d["t"]), float(d["lp"]), routing)
         self._end()
         if "error" in d:
             raise EngineError(f"{self._b.name}: {d['error']}")

@@ -548,6 +548,9 @@ class RLConfig:
             raise ConfigError(f"config.train.row_len={self.train.row_len} > model.max_seq_len={self.model.max_seq_len}")
         if self.cells.max_len > self.model.max_seq_len:
             raise ConfigError(f"config.cells.max_len={self.cells.max_len} > model.max_seq_len={self.model.max_seq_len}")
+        if self.train.routing_replay and self.model.num_experts == 0:
+            raise ConfigError("config.train.routing_replay=True needs a mixture-of-experts model (model.num_experts > 0); "
+                              "this model is dense: nothing is routed")
         fsdp = self.cells.cell_size // self.cells.train_tensor
         if self.train.micro_batch_rows % fsdp:
             raise ConfigError(f"config.train.micro_batch_rows={self.train.micro_batch_rows} must be a multiple of the "

@@ -98,11 +98,12 @@ def tree_metrics(t: StepTotals) -> dict:
 def routing_metrics(stats: Mapping[str, float]) -> dict:
     """An MoE run's ``routing_mismatch``: of the step's trained tokens with recorded routing, the
     fraction whose live top-k experts differ from the engine's in some MoE layer (cells/loss.py).
-    With routing replay on, the tokens whose routing replay fixed; off, those trained off-route."""
+    With routing replay on, the tokens whose routing replay fixed; off, those trained off-route.
+    NaN when no trained token had recorded routing (an engine that records none): not "no mismatch"."""
     n = stats.get("routing_recorded_tokens")
     if n is None:
         return {}
-    return {"routing_mismatch": float(stats["routing_mismatch_tokens"]) / n if n > 0 else 0.0}
+    return {"routing_mismatch": float(stats["routing_mismatch_tokens"]) / n if n > 0 else float("nan")}
 
 
 def train_metrics(done: StepDone) -> dict:

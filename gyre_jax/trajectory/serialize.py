@@ -217,12 +217,19 @@ def _packed_routing(nodes: list[TreeNode], tgt_flat: np.ndarray, has_succ: np.nd
     if len(widths) > 1:
         raise ValueError(f"serialize_tree: nodes carry routing of widths {sorted(widths)}")
     (w,) = widths
-    all_r = np.concatenate([n.routing if n.routing is not None else np.full((n.tokens.shape[0], w), -1, np.int16)
-                            for n in nodes])
-    if all_r.shape[0] == 0:
-        return np.zeros((0, w), np.int16)
-    out = all_r[np.minimum(tgt_flat, all_r.shape[0] - 1)]
-    out[~has_succ] = -1
+    # Only the routed nodes' rows are gathered (prompt nodes hold none): flat token -> row of `routed`.
+    sizes = np.array([n.tokens.shape[0] for n in nodes], np.int64)
+    has = np.array([n.routing is not None for n in nodes])
+    routed = np.concatenate([n.routing for n in nodes if n.routing is not None])
+    row_start = np.concatenate([[0], np.cumsum(np.where(has, sizes, 0))])[:-1]
+    row_of_flat = np.where(np.repeat(has, sizes), np.repeat(row_start - np.cumsum(sizes) + sizes, sizes)
+                           + np.arange(int(sizes.sum())), -1)
+    out = np.full((tgt_flat.shape[0], w), -1, np.int16)
+    if row_of_flat.shape[0] == 0:
+        return out
+    rows = np.where(has_succ, row_of_flat[np.minimum(tgt_flat, row_of_flat.shape[0] - 1)], -1)
+    sel = rows >= 0
+    out[sel] = routed[rows[sel]]
     return out
 
 

@@ -198,12 +198,12 @@ def _to_tree_nodes(root: _N, calls, ends: list[_N], recorded: int) -> RebuiltTre
         stack.extend(reversed(n.children.values()))
     for n in order:
         k = n.e - n.s
-        routing = None if width == 0 else np.full((k, width), -1, np.int16)
+        routing = None  # prompt-only nodes hold none (serialization routes them live): no [k, R] of -1s
         if n.owner >= 0:
             oc = calls[n.owner]
             p0 = oc.prompt_ids.shape[0]
             lp = oc.output_logprobs[n.s - p0 : n.e - p0]
-            if routing is not None and oc.output_routing is not None:  # the owner's, like its log-probs
+            if width and oc.output_routing is not None:  # the owner's, like its log-probs
                 routing = oc.output_routing[n.s - p0 : n.e - p0].astype(np.int16)
             meta = oc
         else:
