@@ -159,6 +159,21 @@ def test_a_switch_in_progress_bounds_the_switch_cost_from_below():
     assert of(P.decide(slow, cfg()), P.ToTrain) == []
 
 
+def test_a_cell_goes_back_below_the_split_only_when_a_round_trip_fits_in_a_step():
+    # 8 cells at the split 5 train / 3 serve (slots 2); 12 running agents whose first call share
+    # reads 1.0 need 6 serving cells. A step takes ~88 s here: with a 900 s round trip, sending
+    # training cells back pays nothing (their calls wait); with a 9 s one, three go back.
+    m = P.Measured(call_share=1.0, serve_s_per_rollout=27.3, work_s_per_rollout=53.6, update_s=2.0)
+    s = state(cells=cells(["train"] * 5 + ["rollout"] * 3, slots=2), running_rollouts=12,
+              running_groups=((0, 6),), launched_groups=6)
+    c = cfg(groups_per_step=4, group_size=2, staleness_bound=1, total_steps=8)
+    costly = dataclasses.replace(s, measured=dataclasses.replace(m, switch_round_trip_s=900.0))
+    assert P.round_trip_outlasts_step(costly, c) and of(P.decide(costly, c), P.ToRollout) == []
+    cheap = dataclasses.replace(s, measured=dataclasses.replace(m, switch_round_trip_s=9.0))
+    assert not P.round_trip_outlasts_step(cheap, c)
+    assert of(P.decide(cheap, c), P.ToRollout) == [P.ToRollout(1), P.ToRollout(2), P.ToRollout(3)]
+
+
 def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():
     # S=1, step 1 open with 3 of 4 taken. A version-0 group is still running: it must be
     # trained by step 1, so the ready version-1 group may not take the last position.

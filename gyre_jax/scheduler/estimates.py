@@ -137,12 +137,17 @@ class OnlineEstimates:
         done = self._finished + 0.5 * self._running_now
         serve = self._active_dt / self.slots / done if done > 0 and self._active_dt > 0 else None
         work = self._work / self._work_rollouts if self._work_rollouts > 0 else None
-        rt = sum(self._switch_s.values()) if self._switch_s else None
+        # A round trip is measured once both directions are timed. One direction alone is only
+        # a lower bound: taken for the round trip, a 30 s move back would replace a pilot's (or
+        # an earlier attempt's) 90 s round trip and make switches look three times cheaper.
+        legs = sum(self._switch_s.values()) if self._switch_s else None
+        rt = legs if len(self._switch_s) == 2 else None
         # (refreshed on the sampling grid like the load: a lower bound need not be exact)
         in_flight = None if self._switch_since is None else self._now - self._switch_since
+        bound = max((b for b in (in_flight, None if rt is not None else legs) if b is not None), default=None)
         self._measured = filled(Measured(call_share=share, serve_s_per_rollout=serve, work_s_per_rollout=work,
                                          switch_round_trip_s=rt, update_s=self._update_s,
-                                         switch_in_flight_s=in_flight), self._restored)
+                                         switch_in_flight_s=bound), self._restored)
 
     @staticmethod
     def _mean(old, new, w):

@@ -65,9 +65,10 @@ class Measured:
     work_s_per_rollout: float | None = None  # training cell-seconds per rollout
     switch_round_trip_s: float | None = None  # rollout -> train + train -> rollout, seconds
     update_s: float | None = None  # the core's optimizer update, seconds
-    # the longest a switch now in progress has taken so far: a lower bound on the round trip
-    # that is known before any switch has finished (a 10-minute switch must not be taken for
-    # free while the first one is still under way)
+    # A lower bound on the round trip known before it is measured: the longest a switch now in
+    # progress has taken so far (a 10-minute switch must not be taken for free while the first
+    # one is still under way), or the one direction timed so far. (The name is the metric's,
+    # sched/switch_in_flight_s.)
     switch_in_flight_s: float | None = None
 
 
