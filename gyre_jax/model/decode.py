@@ -89,7 +89,10 @@ def _decode_apply(config: ModelConfig, params, with_routing: bool, *args):
         return (*_with_cache(config, params, *args), None)
     (logits, kv), inter = Transformer(config).apply(params, *args, method=Transformer.with_cache,
                                                     mutable=["intermediates"])
-    experts_YxSxK = moe_stats(inter).experts
+    stats = moe_stats(inter)
+    # with_routing is only asked of MoE configs, whose layers always sow their experts
+    assert stats is not None and stats.experts is not None, "with_routing on a model without MoE layers"
+    experts_YxSxK = stats.experts
     s = experts_YxSxK.shape[1]
     return logits, kv, jnp.transpose(experts_YxSxK, (1, 0, 2)).reshape(s, -1)
 

@@ -57,7 +57,7 @@ _LE_F32 = np.dtype("<f4")
 # Routing replay: the experts an MoE engine chose for each output token, R = MoE layers x top-k
 # ids per token (Qwen3-30B-A3B: 48 x 8 = 384), one byte each up to 256 experts, else two.
 # Records written before this field (no "routing" in the header) read back with None.
-ROUTING_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
+ROUTING_DTYPES: dict[str, np.dtype] = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
 MAX_ROUTING_WIDTH = 1 << 14  # ids per token: bounds a record's routing bytes at 32 KiB per output token
 
 
