@@ -62,6 +62,7 @@ from jax.sharding import Mesh
 from gyre_jax.sharding import tree_shardings
 from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
+from gyre_jax.model.unrolled import LayerParams, layer_sharding, split_params
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
     DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, device_fns, kv_bytes_per_page, kv_memory_plan,
@@ -191,7 +192,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._mesh = mesh
         self._special = special_ids
         self._param_shardings = tree_shardings(param_logical_axes(config), mesh, params)
-        self.params_ref = ParamsRef(jax.device_put(params, self._param_shardings), version)
+        self.params_ref = ParamsRef(self._place(params), version)
         self._lock = threading.Lock()
         self._owner_slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}
@@ -223,6 +224,17 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         for k, v in fns.items():
             setattr(self, "_" + k, v)
 
+    def _place(self, params) -> LayerParams:
+        """Weights as the engine serves them: one array per layer (model/unrolled.py: a decode step
+        over stacked weights copies each layer's out every token), in this cell's serving layout.
+        Each layer's slice goes to the cell as it is cut, so no second whole copy is built."""
+        leaves, treedef = jax.tree.flatten(params)
+        shardings = treedef.flatten_up_to(self._param_shardings)
+        index = jax.tree.unflatten(treedef, list(range(len(leaves))))  # each leaf's number, in its place
+        lp = split_params(self.config, index,
+                          take=lambda j, i: jax.device_put(leaves[j][i], layer_sharding(shardings[j])))
+        return lp.replace(rest=jax.tree.map(lambda j: jax.device_put(leaves[j], shardings[j]), lp.rest))
+
     def bucket(self, n: int) -> int:
         b = MIN_BUCKET
         while b < n:
@@ -236,7 +248,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
     def publish(self, params, version: int) -> None:
         """New weights (already trained elsewhere) in this cell's serving layout.
         Call between drain and admit: calls already in a slot would mix versions."""
-        self.params_ref.value = jax.device_put(params, self._param_shardings)
+        self.params_ref.value = self._place(params)
         self.params_ref.version = int(version)
         if self._prefix_pages is not None:  # k/v of the old weights: never reused
             self._prefix_pages.clear()
