@@ -197,6 +197,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._owner_slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}
         self._cancelled: set[str] = set()
+        self._release_tokens: dict[str, np.ndarray] = {}  # paged: a released call's whole sequence (release)
         self._errors: dict[str, str] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Requests between prefill and insert, and prefills running now (see generate).
@@ -528,12 +529,18 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._wake()
         return fut
 
-    def release(self, request_id: str, *, snapshot: bool) -> concurrent.futures.Future | None:
+    def release(self, request_id: str, *, snapshot: bool, tokens=None) -> concurrent.futures.Future | None:
         """Free a finished request's held slot; with ``snapshot``, first copy out its
-        KV (an ExportedSlot, for the prefix cache). None if it holds no slot."""
+        KV (an ExportedSlot, for the prefix cache). None if it holds no slot.
+
+        Paged cache: ``tokens`` (the call's prompt + the tokens it generated) puts the full pages
+        of everything the slot computed into the engine's page prefix cache, so a later call that
+        re-sends this answer (the next turn of the rollout) maps them instead of recomputing."""
         with self._lock:
             if request_id not in self._owner_slot:
                 return None
+            if tokens is not None and self._pool is not None:
+                self._release_tokens[request_id] = np.asarray(tokens, np.int32)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("release_snapshot" if snapshot else "release", request_id, fut))
         self._wake()
@@ -583,6 +590,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             try:
                 with self._lock:
                     slot = self._owner_slot.get(rid)
+                    seq = self._release_tokens.pop(rid, None) if kind.startswith("release") else None
                 if slot is None or stop_S[slot]:
                     fut.set_result(None)
                     continue
@@ -600,6 +608,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                     stop_S[slot] = True
                     fut.set_result(result)
                     continue
+                if seq is not None and held:
+                    self._keep_sequence_pages(seq, slot, length)  # before _free_pages below drops the slot's hold
                 if kind == "export" and active or kind == "release_snapshot" and held:
                     k, v = self._export(ds, np.int32(slot), self.bucket(length))
                     result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))
