@@ -112,6 +112,8 @@ def test_bad_input_is_named():
         dec.insert(cache, dec.KV(k=kv.k[:, :, :1], v=kv.v[:, :, :1]), 0)
     with pytest.raises(AssertionError, match="decode_step: tokens_S must be"):
         dec.decode_step(None, cfg, jnp.zeros(2, jnp.int32), cache)
+    with pytest.raises(ValueError, match=r"split_params: params lack the layer stacks \['layers'\]"):
+        split_params(cfg, {"params": {"embed": jnp.zeros((4, 4))}})
 
 
 def test_decode_step_updates_the_cache_in_place():
