@@ -8,6 +8,7 @@ import pytest
 
 from gyre_jax.model import Transformer, init_params, model_config_tiny
 from gyre_jax.model import decode as dec
+from gyre_jax.model.unrolled import split_params
 
 ATOL = 1e-5
 
@@ -111,17 +112,21 @@ def test_bad_input_is_named():
         dec.insert(cache, dec.KV(k=kv.k[:, :, :1], v=kv.v[:, :, :1]), 0)
     with pytest.raises(AssertionError, match="decode_step: tokens_S must be"):
         dec.decode_step(None, cfg, jnp.zeros(2, jnp.int32), cache)
+    with pytest.raises(ValueError, match=r"split_params: params lack the layer stacks \['layers'\]"):
+        split_params(cfg, {"params": {"embed": jnp.zeros((4, 4))}})
 
 
 def test_decode_step_updates_the_cache_in_place():
-    """The decode step writes each layer's new k/v into the donated cache where it lies: its
-    temporaries hold about one layer's k/v (the slice its attention reads), never a second
-    copy of the whole cache (scanning over the cache's layers used to build a new stacked
-    cache every token: temporaries above the cache's own size)."""
+    """The decode step writes each layer's new k/v into the donated cache where it lies and reads
+    each layer's buffer and weights where they lie: with per-layer params (split_params) its
+    temporaries stay below one layer's k/v. Stacked arrays made XLA copy every layer's k/v and
+    weights out before the dots (temporaries of a layer's k/v and more), and scanning over the
+    cache's layers built a new stacked cache every token (above the cache's own size)."""
     cfg = model_config_tiny(n_layers=4, max_seq_len=512)
-    params = init_params(cfg, jax.random.key(0))
+    params = split_params(cfg, init_params(cfg, jax.random.key(0)))
     cache = dec.init_cache(cfg, 4, 512)
     step = jax.jit(lambda p, t, c: dec.decode_step(p, cfg, t, c), donate_argnums=2)
     mem = step.lower(params, jnp.ones((4,), jnp.int32), cache).compile().memory_analysis()
-    cache_bytes = cache.k.nbytes + cache.v.nbytes
-    assert mem.temp_size_in_bytes < cache_bytes / 2, (mem.temp_size_in_bytes, cache_bytes)
+    layer_kv_bytes = cache.k[0].nbytes + cache.v[0].nbytes
+    assert mem.temp_size_in_bytes < layer_kv_bytes / 2, (mem.temp_size_in_bytes, layer_kv_bytes)
+    assert mem.alias_size_in_bytes >= sum(c.nbytes for c in cache.k + cache.v)  # the cache is updated in place

@@ -224,12 +224,13 @@ def test_kv_cache_shardings_come_from_the_rules_table(params, slots):
     eng = GyreEngine(CFG, params, max_slots=slots, max_len=MAX_LEN, mesh=mesh)
     rules = dict(RULES)
     assert rules["cache_batch"] == "data" and rules["cache_len"] is None and rules["kv_heads"] == "tensor"
-    cache_spec = PartitionSpec(None, "data" if slots % 2 == 0 else None, None, "tensor")
-    assert mesh_spec(CACHE_LOGICAL, mesh, shape=(CFG.n_layers, slots, MAX_LEN, CFG.n_kv_heads, CFG.head_dim),
+    cache_spec = PartitionSpec("data" if slots % 2 == 0 else None, None, "tensor")  # each layer's [S, M, K, H]
+    assert mesh_spec(CACHE_LOGICAL, mesh, shape=(slots, MAX_LEN, CFG.n_kv_heads, CFG.head_dim),
                      replicate_indivisible=True) == cache_spec
     assert mesh_spec(BLOCK_LOGICAL, mesh) == PartitionSpec(None, None, "tensor")
     ds = eng.init_decode_state()
-    for arr in (ds.cache.k, ds.cache.v):
+    assert len(ds.cache.k) == len(ds.cache.v) == CFG.n_layers
+    for arr in ds.cache.k + ds.cache.v:
         assert arr.sharding.is_equivalent_to(NamedSharding(mesh, cache_spec), arr.ndim), arr.sharding
     assert ds.cache.lengths.sharding.is_fully_replicated
     assert eng.get_prefix_destination_sharding() == NamedSharding(mesh, PartitionSpec(None, None, "tensor"))
@@ -237,7 +238,7 @@ def test_kv_cache_shardings_come_from_the_rules_table(params, slots):
     wide = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
     assert CFG.n_kv_heads % 4
     cache, block = kv_shardings(CFG, MAX_LEN, slots, wide)
-    assert cache.spec == (PartitionSpec(None, "data") if slots % 2 == 0 else PartitionSpec())
+    assert cache.spec == (PartitionSpec("data") if slots % 2 == 0 else PartitionSpec())
     assert block.spec == PartitionSpec()
 
 

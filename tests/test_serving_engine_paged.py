@@ -129,3 +129,32 @@ def test_calls_with_a_common_prefix_share_its_pages(engine, ref_logits):  # noqa
     r2.step(7)
     assert [t for t, _ in r2.out[2]] == ref_greedy(ref_logits, pa, 6)
     _release(r2, engine, "sa2")
+
+
+def test_answer_pages_enter_the_prefix_cache(engine, ref_logits):  # noqa: F811
+    """A rollout's next call re-sends the previous answer: released with its tokens, a call leaves
+    the full pages of its answer (not only of its prompt) in the prefix cache, so the next call
+    maps them, computes only what follows, and decodes exactly as if alone."""
+    p1 = prompts(1, seed=9)[0]
+    r = Runner(engine)  # a fresh state: a fresh pool and prefix cache
+    r.insert(4, pinput("u1", p1, max_tokens=20, temperature=0.0))
+    r.step(21)
+    out1 = [t for t, _ in r.out[4]]
+    assert out1 == ref_greedy(ref_logits, p1, 20)
+    seq1 = np.concatenate([p1, out1]).astype(np.int32)
+    fut = engine.release("u1", snapshot=False, tokens=seq1)
+    r.ds = engine._service(r.ds)
+    assert fut.result(timeout=30)
+    kept = (len(seq1) - 1) // G  # the slot computed every token but the answer's last
+    st = engine.kv_stats()
+    assert kept > (len(p1) - 1) // G and st["pages_in_use"] == st["prefix_cache_pages"] == kept
+    p2 = np.concatenate([seq1, np.arange(50, 60, dtype=np.int32)])
+    prefilled, shared = engine.counters["prefill_tokens"], engine.counters["shared_page_tokens"]
+    r.insert(5, pinput("u2", p2, max_tokens=6, temperature=0.0))
+    assert engine.counters["shared_page_tokens"] - shared == kept * G
+    assert engine.counters["prefill_tokens"] - prefilled == len(p2) - 1 - kept * G
+    r.step(7)
+    assert [t for t, _ in r.out[5]] == ref_greedy(ref_logits, p2, 6)
+    _release(r, engine, "u2")
+    st = engine.kv_stats()
+    assert st["pages_in_use"] == st["prefix_cache_pages"] and st["pages_reserved"] == 0

@@ -96,3 +96,35 @@ def test_drain_moves_paged_calls_to_a_contiguous_cell(ref_logits):  # noqa: F811
     outs, stats, _, _, moved = asyncio.run(_run(None, drain=True))
     assert outs == _reference(ref_logits) and moved > 0
     assert stats["pages_in_use"] == stats["prefix_cache_pages"] and stats["pages_reserved"] == 0
+
+
+def test_next_call_maps_the_previous_answer_pages_stored_once(ref_logits):  # noqa: F811
+    """Turn 2 of a rollout (same cache key) re-sends turn 1's answer through a paged cell behind
+    JetStream's threads: turn 1's pages, answer included, are in the engine's page cache and the
+    backend keeps no copied block beside them (each byte once); turn 2 maps those pages and
+    computes only its new tokens; both turns' greedy tokens equal the reference."""
+    eng = GyreEngine(CFG, sharp_params(), max_slots=2, max_len=128, tokens_per_call=4, kv_cache="paged", page_size=8)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    p1 = np.arange(1, 30, dtype=np.int32) * 7 % 256
+
+    async def turns():
+        backend = JetStreamBackend(eng)
+        try:
+            out1 = [ev.token_id async for ev in backend.submit(
+                GenerateRequest(request_id="t1", prompt_ids=p1, sampling=greedy, cache_key="roll/0"))]
+            await asyncio.wait_for(backend.settle(), BOUND_S)  # turn 1's release has reached the engine
+            block_bytes, kept = backend.prefix_cache_bytes(), eng.kv_stats()["prefix_cache_pages"]
+            p2 = np.concatenate([p1, out1, [5, 6, 7, 8]]).astype(np.int32)
+            before = dict(eng.counters)
+            out2 = [ev.token_id async for ev in backend.submit(
+                GenerateRequest(request_id="t2", prompt_ids=p2, sampling=greedy, cache_key="roll/0"))]
+            return out1, p2, out2, block_bytes, kept, {k: eng.counters[k] - before[k] for k in before}
+        finally:
+            await backend.close()
+
+    out1, p2, out2, block_bytes, kept, delta = asyncio.run(turns())
+    assert out1 == ref_greedy(ref_logits, p1, 16) and out2 == ref_greedy(ref_logits, p2, 16)
+    assert block_bytes == 0  # the pages are the only copy
+    assert kept == (len(p1) + 16 - 1) // 8  # prompt and answer: every full page turn 1 computed
+    assert delta["shared_page_tokens"] == kept * 8
+    assert delta["prefill_tokens"] == len(p2) - 1 - kept * 8

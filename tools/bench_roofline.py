@@ -25,7 +25,12 @@ printed beside the figures.
   calls of ``--context`` tokens each. Bytes per decode step = all weights once + every live
   call's K and V over all layers at its current length. ``decode_fraction_of_memory_bw_S`` =
   (bytes per step / step time) / memory_bw. The model's own jitted ``decode_step`` loop (no
-  engine, no sampler) is timed beside it, to tell model cost from engine cost.
+  engine, no sampler) is timed beside it, to tell model cost from engine cost. The ceiling:
+  a step takes at least max(bytes / bw, FLOPs / matmul peak) (FLOPs: 2 x matmul params per
+  live call + attention over its context), so ``decode_bw_fraction_ceiling_S`` = (bytes / bw)
+  / (FLOPs / matmul peak), capped at 1, is the most the fraction can reach on this machine
+  (at 32 calls in float32 on 2 CPU cores the step is compute-bound). CPU-ms per step (the
+  process's CPU seconds, all threads) move little with the load: compare runs with those.
 * Peer (``--peer=tunix``): Tunix's Qwen3 (``tunix.models.qwen3``) of the same shape, random
   weights, in its own venv (never a project dependency): its train step (value_and_grad of
   cross-entropy + optax AdamW, jitted) and its ``Sampler`` tokens/s at the same batch sizes.
@@ -110,16 +115,22 @@ def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
 
 
 def paired(peak_sample, work, repeats: int):
-    """(median work seconds, median peak, median of per-pair peak-normalized work rate 1/(t * peak)).
+    """(median work seconds, median peak, median of per-pair peak-normalized work rate 1/(t * peak),
+    median CPU seconds of the work).
 
     On a shared machine the load changes by the minute: each timing of the work is paired
-    with a peak measured just before it, and the fraction is the median of the pairs."""
-    ts, peaks = [], []
+    with a peak measured just before it, and the fraction is the median of the pairs. The
+    process's CPU seconds (all its threads) barely move with the load: an A/B across runs
+    at different loads compares those."""
+    ts, peaks, cpus = [], [], []
     for _ in range(repeats):
         p = peak_sample()
         peaks.append(p)
+        c0 = time.process_time()
         ts.append(_timed(work))
-    return statistics.median(ts), statistics.median(peaks), statistics.median(1 / (t * p) for t, p in zip(ts, peaks))
+        cpus.append(time.process_time() - c0)
+    return (statistics.median(ts), statistics.median(peaks), statistics.median(1 / (t * p) for t, p in zip(ts, peaks)),
+            statistics.median(cpus))
 
 
 def train_flops_per_token(mc, row_len: int) -> dict:
@@ -184,7 +195,7 @@ def bench_train(mc, args, peak) -> dict:
         box[0], m = step(box[0], batch)
         jax.block_until_ready(m)
 
-    t, p, inv = paired(peak, run, args.repeats)
+    t, p, inv, _ = paired(peak, run, args.repeats)
     return {"step_s": t, "peak": p, "inv_t_peak": inv, "compile_and_first_s": compile_s,
             "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
 
@@ -193,6 +204,13 @@ def _param_bytes(params) -> int:
     import jax
 
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def decode_flops_per_step(mc, slots: int, mean_len: float) -> float:
+    """Analytic FLOPs of one decode step: every live call's token through the matmuls (2 x matmul
+    params) and its attention over its context (QK^T and PV: 4 x layers x heads x head_dim x len)."""
+    matmul = train_flops_per_token(mc, 1)["matmul_params"]
+    return slots * (2.0 * matmul + 4.0 * mc.n_layers * mc.n_heads * mc.head_dim * mean_len)
 
 
 def kv_bytes_per_token(mc) -> int:
@@ -234,20 +252,24 @@ def bench_engine_decode(mc, params, slots: int, args, peak) -> dict:
     run()
     warm_s = time.perf_counter() - t0
     n = args.decode_steps * tpc
-    t, p, inv = paired(peak, run, args.repeats)
+    t, p, inv, cpu = paired(peak, run, args.repeats)
     live = np.asarray(jax.device_get(box[0].active_S)).sum()
     # Mean live length over the timed calls: the context plus the tokens decoded so far.
     mean_len = args.context + (1 + (1 + args.repeats) / 2) * args.decode_steps * tpc
-    return {"step_s": t / n, "peak": p, "inv_t_peak": inv * n, "warm_s": warm_s, "live_at_end": int(live),
+    return {"step_s": t / n, "peak": p, "inv_t_peak": inv * n, "cpu_s": cpu / n, "warm_s": warm_s, "live_at_end": int(live),
             "mean_len": mean_len, "cache_len": max_len}
 
 
 def bench_model_decode(mc, params, slots: int, args, peak) -> dict:
-    """The model's own jitted decode_step loop (no engine, greedy argmax on device): seconds per step."""
+    """The model's own jitted decode_step loop (no engine, greedy argmax on device), over the
+    per-layer params a server holds (model/unrolled.py): seconds per step."""
     import jax
     import jax.numpy as jnp
 
     from gyre_jax.model import decode
+    from gyre_jax.model.unrolled import split_params
+
+    params = split_params(mc, params)
 
     steps = args.decode_steps * args.tokens_per_call
     max_len = args.context + (1 + args.repeats) * steps + 8
@@ -271,8 +293,8 @@ def bench_model_decode(mc, params, slots: int, args, peak) -> dict:
         jax.block_until_ready(box[0])
 
     run()
-    t, p, inv = paired(peak, run, args.repeats)
-    return {"step_s": t / steps, "peak": p, "inv_t_peak": inv * steps}
+    t, p, inv, cpu = paired(peak, run, args.repeats)
+    return {"step_s": t / steps, "peak": p, "inv_t_peak": inv * steps, "cpu_s": cpu / steps}
 
 
 def run_peer(args, mc) -> dict:
@@ -349,21 +371,30 @@ def main(argv=None) -> dict:
                      f"{tr['step_s']:.2f} s/step, {frac:.2f} of peak, compile+1st {tr['compile_and_first_s']:.0f} s"))
     w_bytes = _param_bytes(params)
     kvt = kv_bytes_per_token(mc)
+    mm_peak = statistics.median(mm() for _ in range(3)) if args.slots else 0.0
     for s in args.slots:
         e = bench_engine_decode(mc, params, s, args, bw_peak)
         m = bench_model_decode(mc, params, s, args, bw_peak)
         step_bytes = w_bytes + s * e["mean_len"] * kvt
         frac, mfrac = step_bytes * e["inv_t_peak"], step_bytes * m["inv_t_peak"]
+        # The roofline's own ceiling here: a step can take no less than max(bytes / bw, flops / matmul
+        # peak), so the fraction of bw cannot exceed (bytes / bw) / (flops / peak) once compute binds.
+        step_flops = decode_flops_per_step(mc, s, e["mean_len"])
+        ceiling = min(1.0, (step_bytes / e["peak"]) / (step_flops / mm_peak))
         out.update({f"decode_fraction_of_memory_bw_{s}": frac, f"decode_tokens_per_s_{s}": s / e["step_s"],
                     f"decode_step_ms_{s}": e["step_s"] * 1e3, f"memory_bw_gbps_{s}": e["peak"] / 1e9,
                     f"model_decode_fraction_of_memory_bw_{s}": mfrac,
                     f"model_decode_step_ms_{s}": m["step_s"] * 1e3, f"decode_bytes_per_step_{s}": step_bytes,
-                    f"decode_live_at_end_{s}": e["live_at_end"]})
+                    f"decode_live_at_end_{s}": e["live_at_end"], f"decode_flops_per_step_{s}": step_flops,
+                    f"decode_bw_fraction_ceiling_{s}": ceiling, f"decode_cpu_ms_per_step_{s}": e["cpu_s"] * 1e3,
+                    f"model_decode_cpu_ms_per_step_{s}": m["cpu_s"] * 1e3, "decode_matmul_gflops": mm_peak / 1e9})
         rows.append((f"memory bw (x{s})", f"{e['peak'] / 1e9:.1f} GB/s", "max(sum, copy), paired with the decode runs"))
         rows.append((f"engine decode x{s}", f"{step_bytes / e['step_s'] / 1e9:.2f} GB/s",
-                     f"{e['step_s'] * 1e3:.1f} ms/step, {frac:.2f} of bw, {s / e['step_s']:.1f} tok/s"))
+                     f"{e['step_s'] * 1e3:.1f} ms/step, {frac:.2f} of bw (ceiling {ceiling:.2f}: "
+                     f"{step_flops / 1e9:.1f} GFLOP/step), {s / e['step_s']:.1f} tok/s, {e['cpu_s'] * 1e3:.0f} CPU-ms/step"))
         rows.append((f"model decode x{s}", f"{step_bytes / m['step_s'] / 1e9:.2f} GB/s",
-                     f"{m['step_s'] * 1e3:.1f} ms/step, {mfrac:.2f} of bw (decode_step loop, no engine)"))
+                     f"{m['step_s'] * 1e3:.1f} ms/step, {mfrac:.2f} of bw (decode_step loop, no engine), "
+                     f"{m['cpu_s'] * 1e3:.0f} CPU-ms/step"))
     if args.peer != "none":
         peer = run_peer(args, mc)
         out.update({f"peer_{k}" if not k.startswith("peer") else k: v for k, v in peer.items()})

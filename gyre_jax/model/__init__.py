@@ -5,7 +5,8 @@
     logits_BxLxV = Transformer(cfg).apply(params, tokens, positions, segment_ids, subtree_end)
 
 KV-cache decoding for serving: gyre_jax.model.decode (KV, KVCache, init_cache,
-prefill, insert, slot_kv, decode_step).
+prefill, insert, slot_kv, decode_step), over params as a server holds them:
+gyre_jax.model.unrolled.split_params (one array per layer, read where it lies).
 """
 from gyre_jax.model.attention import attend, tree_attention_mask
 from gyre_jax.model.config import ModelConfig, model_config_tiny

@@ -17,6 +17,12 @@ All functions are pure and jittable with static shapes; ``config`` is hashable,
 so ``jax.jit(decode_step, static_argnums=1, donate_argnames="cache")`` works.
 Position of a token = its index in its slot (one sequence per slot).
 
+Layout: a cache holds one k and one v array per layer (tuples of Y arrays), so a decode step
+reads and writes each layer's buffer in place; ``prefill`` and ``KV`` blocks keep the stacked
+[Y, T, K, H] form. Every function takes params as ``init_params`` gives them or as
+``unrolled.split_params(config, params)`` (what a server holds: a decode step over stacked
+params splits them on every call, a copy of the weights per call; unrolled.py says why).
+
 Paged cache (paged.py): the same decode over a pool of fixed-size pages, where a slot
 holds only the pages its tokens fill (the host hands them out; serving/pages.py):
 
@@ -38,7 +44,8 @@ import numpy as np
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.paged import PagedMask, gather_pages, page_slots  # noqa: F401 - gather_pages re-exported
-from gyre_jax.model.transformer import Transformer, cache_mask, moe_stats
+from gyre_jax.model.transformer import Transformer, cache_mask
+from gyre_jax.model.unrolled import LayerParams, forward_layers, split_params
 
 
 @flax.struct.dataclass
@@ -51,17 +58,17 @@ class KV:
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [Y, S, M, K, H]
-    v: jax.Array  # [Y, S, M, K, H]
+    k: tuple  # Y arrays [S, M, K, H], one per layer
+    v: tuple  # Y arrays [S, M, K, H]
     lengths: jax.Array  # int32[S]: tokens held per slot = position of the slot's next token
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
 
 def init_cache(config: ModelConfig, batch_slots: int, max_len: int | None = None, dtype=None) -> KVCache:
@@ -69,32 +76,39 @@ def init_cache(config: ModelConfig, batch_slots: int, max_len: int | None = None
     m = config.max_seq_len if max_len is None else max_len
     if batch_slots <= 0 or m <= 0:
         raise ValueError(f"init_cache: batch_slots ({batch_slots}) and max_len ({m}) must be positive")
-    shape = (config.n_layers, batch_slots, m, config.n_kv_heads, config.head_dim)
+    shape = (batch_slots, m, config.n_kv_heads, config.head_dim)
     dt = config.jnp_dtype if dtype is None else dtype
-    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_slots,), jnp.int32))
+    zeros = tuple(jnp.zeros(shape, dt) for _ in range(config.n_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in range(config.n_layers)),
+                   lengths=jnp.zeros((batch_slots,), jnp.int32))
 
 
-def _with_cache(config: ModelConfig, params, *args) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """``Transformer.with_cache`` applied: (logits, (k, v)) with k/v [Y, B, P, K, H] (flax types apply() loosely)."""
-    out = Transformer(config).apply(params, *args, method=Transformer.with_cache)
-    return cast(tuple[jax.Array, tuple[jax.Array, jax.Array]], out)  # no mutable collections: just the output
+def _with_cache(config: ModelConfig, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B):
+    """``Transformer.with_cache`` for any params form and k/v either per-layer tuples (a cache: the
+    unrolled forward) or stacked [Y, B, P, K, H] (a prefill buffer: returned stacked)."""
+    if isinstance(k, tuple):
+        lp = params if isinstance(params, LayerParams) else split_params(config, params)
+        return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B)
+    if isinstance(params, LayerParams):
+        y = config.n_layers
+        logits, (ks, vs) = forward_layers(config, params, tokens_BxT, positions_BxT, mask,
+                                          tuple(k[i] for i in range(y)), tuple(v[i] for i in range(y)), cache_index_B)
+        return logits, (jnp.stack(ks), jnp.stack(vs))
+    out = Transformer(config).apply(params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
+                                    method=Transformer.with_cache)
+    return cast(tuple[jax.Array, tuple[jax.Array, jax.Array]], out)  # no mutable collections (flax types apply() loosely)
 
 
-def _decode_apply(config: ModelConfig, params, with_routing: bool, *args):
-    """``with_cache`` for one token per slot: (logits, (k, v), routing_SxR int32 or None).
+def _decode_apply(config: ModelConfig, params, with_routing: bool, tokens_BxT, positions_BxT, mask, k: tuple,
+                  v: tuple, cache_index_B):
+    """``with_cache`` for one token per slot over a per-layer cache: (logits, (k, v), routing_SxR int32 or None).
 
     ``with_routing`` (an MoE model): also the experts every MoE layer chose for each slot's
     token, [S, MoE layers x top-k] in layer order: what the engine records for routing replay."""
     if not with_routing:
-        return (*_with_cache(config, params, *args), None)
-    (logits, kv), inter = Transformer(config).apply(params, *args, method=Transformer.with_cache,
-                                                    mutable=["intermediates"])
-    stats = moe_stats(inter)
-    # with_routing is only asked of MoE configs, whose layers always sow their experts
-    assert stats is not None and stats.experts is not None, "with_routing on a model without MoE layers"
-    experts_YxSxK = stats.experts
-    s = experts_YxSxK.shape[1]
-    return logits, kv, jnp.transpose(experts_YxSxK, (1, 0, 2)).reshape(s, -1)
+        return (*_with_cache(config, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B), None)
+    lp = params if isinstance(params, LayerParams) else split_params(config, params)
+    return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B, with_routing=True)
 
 
 def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None):
@@ -205,7 +219,9 @@ def prefill_chunked(params, config: ModelConfig, tokens_T, *, cache_len: int, ch
         padded = np.zeros((chunk,), np.int32)
         padded[:real] = toks[start: start + real]
         logits, buf = step(params, config, jnp.asarray(padded), buf, np.int32(start), np.int32(real))
-    cache = KVCache(k=buf.k[:, None], v=buf.v[:, None], lengths=jnp.full((1,), n, jnp.int32))
+    y = config.n_layers
+    cache = KVCache(k=tuple(buf.k[i][None] for i in range(y)), v=tuple(buf.v[i][None] for i in range(y)),
+                    lengths=jnp.full((1,), n, jnp.int32))
     return cache, logits
 
 
@@ -220,14 +236,15 @@ def insert(cache: KVCache, kv: KV, slot, *, start=0, length=None) -> KVCache:
     ``length`` (default T) is how many of kv's T entries are real; padding
     beyond it is written but masked, and overwritten by later decode steps.
     """
-    y, _, _, k_heads, head_dim = cache.k.shape
+    y = len(cache.k)
+    _, _, k_heads, head_dim = cache.k[0].shape
     chex.assert_shape([kv.k, kv.v], (y, None, k_heads, head_dim), custom_message="insert: kv must be [Y, T, K, H]")
     t = kv.k.shape[1]
     if isinstance(start, int) and start + t > cache.max_len:
         raise ValueError(f"insert: {t} tokens at start={start} overflow the cache's max_len={cache.max_len}")
-    idx = (0, slot, start, 0, 0)
-    k = jax.lax.dynamic_update_slice(cache.k, kv.k[:, None].astype(cache.k.dtype), idx)
-    v = jax.lax.dynamic_update_slice(cache.v, kv.v[:, None].astype(cache.v.dtype), idx)
+    idx = (slot, start, 0, 0)
+    k = tuple(jax.lax.dynamic_update_slice(c, kv.k[i][None].astype(c.dtype), idx) for i, c in enumerate(cache.k))
+    v = tuple(jax.lax.dynamic_update_slice(c, kv.v[i][None].astype(c.dtype), idx) for i, c in enumerate(cache.v))
     n = t if length is None else length
     lengths = cache.lengths.at[slot].set(jnp.asarray(start, jnp.int32) + jnp.asarray(n, jnp.int32))
     return KVCache(k=k, v=v, lengths=lengths)
@@ -235,7 +252,7 @@ def insert(cache: KVCache, kv: KV, slot, *, start=0, length=None) -> KVCache:
 
 def slot_kv(cache: KVCache, slot) -> KV:
     """The whole buffer of one slot (KV [Y, M, K, H]); its first cache.lengths[slot] entries are valid."""
-    return KV(k=cache.k[:, slot], v=cache.v[:, slot])
+    return KV(k=jnp.stack([c[slot] for c in cache.k]), v=jnp.stack([c[slot] for c in cache.v]))
 
 
 def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=None, *, with_routing=False):
@@ -278,18 +295,18 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
 class PagedKVCache(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     """A pool of k/v pages shared by S slots; slot s's token p is at page_table[s, p // G], row p % G."""
 
-    k: jax.Array  # [Y, K, NP, G, H]
-    v: jax.Array  # [Y, K, NP, G, H]
+    k: tuple  # Y pools [K, NP, G, H], one per layer
+    v: tuple  # Y pools [K, NP, G, H]
     page_table: jax.Array  # int32[S, PPS]; 0 = the trash page (unallocated)
     lengths: jax.Array  # int32[S]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @property
     def max_len(self) -> int:
@@ -308,9 +325,10 @@ def init_paged_cache(config: ModelConfig, batch_slots: int, num_pages: int, page
         raise ValueError(f"init_paged_cache: need batch_slots > 0, num_pages >= 2 (page 0 is trash), page_size > 0 "
                          f"and max_len a positive multiple of page_size; got {batch_slots}, {num_pages}, "
                          f"{page_size}, {max_len}")
-    shape = (config.n_layers, config.n_kv_heads, num_pages, page_size, config.head_dim)
+    shape = (config.n_kv_heads, num_pages, page_size, config.head_dim)
     dt = config.jnp_dtype if dtype is None else dtype
-    return PagedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+    y = config.n_layers
+    return PagedKVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(y)), v=tuple(jnp.zeros(shape, dt) for _ in range(y)),
                         page_table=jnp.zeros((batch_slots, max_len // page_size), jnp.int32),
                         lengths=jnp.zeros((batch_slots,), jnp.int32))
 
@@ -325,14 +343,19 @@ def insert_paged(cache: PagedKVCache, kv: KV, slot, *, start=0, length=None, sha
     """Scatter ``kv`` [Y, T, K, H] (tokens start..start+T-1) into ``slot``'s pages; the slot then
     holds start+length tokens. Tokens before ``shared`` sit on pages other calls share (a prefix):
     they are not written. Entries past the slot's pages go to the trash page."""
-    y, kh, _, _, hd = cache.k.shape
+    y = len(cache.k)
+    kh, _, _, hd = cache.k[0].shape
     chex.assert_shape([kv.k, kv.v], (y, None, kh, hd), custom_message="insert_paged: kv must be [Y, T, K, H]")
     t = kv.k.shape[1]
     pos_1xT = jnp.asarray(start, jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None]
     row_1xP = jax.lax.dynamic_slice_in_dim(cache.page_table, slot, 1, axis=0)
     page_1xT, off_1xT = page_slots(row_1xP, pos_1xT, cache.page_size, jnp.asarray(shared, jnp.int32)[None])
-    k = cache.k.at[:, :, page_1xT[0], off_1xT[0]].set(jnp.transpose(kv.k, (0, 2, 1, 3)).astype(cache.k.dtype))
-    v = cache.v.at[:, :, page_1xT[0], off_1xT[0]].set(jnp.transpose(kv.v, (0, 2, 1, 3)).astype(cache.v.dtype))
+
+    def scatter(pool_KxPxGxH, new_TxKxH):
+        return pool_KxPxGxH.at[:, page_1xT[0], off_1xT[0]].set(jnp.transpose(new_TxKxH, (1, 0, 2)).astype(pool_KxPxGxH.dtype))
+
+    k = tuple(scatter(c, kv.k[i]) for i, c in enumerate(cache.k))
+    v = tuple(scatter(c, kv.v[i]) for i, c in enumerate(cache.v))
     n = t if length is None else length
     lengths = cache.lengths.at[slot].set(jnp.asarray(start, jnp.int32) + jnp.asarray(n, jnp.int32))
     return cache.replace(k=k, v=v, lengths=lengths)
@@ -343,9 +366,8 @@ def paged_slot_kv(cache: PagedKVCache, slot, length: int) -> KV:
     call moving to another cell carries (its pages' contents, nothing past them)."""
     pps = -(-length // cache.page_size)
     row_1xP = jax.lax.dynamic_slice(cache.page_table, (slot, 0), (1, pps))
-    k = jax.vmap(gather_pages, in_axes=(0, None))(cache.k, row_1xP)[:, 0, :length]
-    v = jax.vmap(gather_pages, in_axes=(0, None))(cache.v, row_1xP)[:, 0, :length]
-    return KV(k=k, v=v)
+    return KV(k=jnp.stack([gather_pages(c, row_1xP)[0, :length] for c in cache.k]),
+              v=jnp.stack([gather_pages(c, row_1xP)[0, :length] for c in cache.v]))
 
 
 def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache, active_S=None, *,

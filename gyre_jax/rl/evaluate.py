@@ -40,6 +40,7 @@ from gyre_jax.agents.sandbox import SandboxConfig, make_sandbox
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.model import ModelConfig
 from gyre_jax.model.decode import init_cache, decode_step, prefill
+from gyre_jax.model.unrolled import split_params
 from gyre_jax.serving.tokenizer import Tokenizer
 
 
@@ -68,11 +69,12 @@ def make_sampler(config: ModelConfig, *, max_tokens: int, max_len: int, temperat
         s, t = prompts_SxT.shape
         logits_SxV, kv = jax.vmap(lambda p, n: prefill(params, config, p, true_length=n))(prompts_SxT, lengths_S)
         cache = init_cache(config, s, max_len)
-        # kv.k: [S, Y, T, K, H] -> cache [Y, S, M, K, H]; entries past a row's length are masked
-        # by decode_step and overwritten by its generated tokens.
-        cache = cache.replace(k=cache.k.at[:, :, :t].set(jnp.moveaxis(kv.k, 0, 1).astype(cache.k.dtype)),
-                              v=cache.v.at[:, :, :t].set(jnp.moveaxis(kv.v, 0, 1).astype(cache.v.dtype)),
+        # kv.k: [S, Y, T, K, H] -> each layer's cache [S, M, K, H]; entries past a row's length are
+        # masked by decode_step and overwritten by its generated tokens.
+        cache = cache.replace(k=tuple(c.at[:, :t].set(kv.k[:, i].astype(c.dtype)) for i, c in enumerate(cache.k)),
+                              v=tuple(c.at[:, :t].set(kv.v[:, i].astype(c.dtype)) for i, c in enumerate(cache.v)),
                               lengths=lengths_S.astype(jnp.int32))
+        layer_params = split_params(config, params)  # once per call, not per token (model/unrolled.py)
 
         def body(carry, key_t):
             logits_SxV, cache = carry
@@ -84,7 +86,7 @@ def make_sampler(config: ModelConfig, *, max_tokens: int, max_len: int, temperat
                 logp_SxV = jax.nn.log_softmax(logits_SxV / temperature)
                 tok_S = jax.random.categorical(key_t, logp_SxV).astype(jnp.int32)
             logp_S = jnp.take_along_axis(logp_SxV, tok_S[:, None], 1)[:, 0]
-            logits_SxV, cache = decode_step(params, config, tok_S, cache)
+            logits_SxV, cache = decode_step(layer_params, config, tok_S, cache)
             return (logits_SxV, cache), (tok_S, logp_S)
 
         _, (tok_NxS, logp_NxS) = jax.lax.scan(body, (logits_SxV, cache), jax.random.split(key, max_tokens))

@@ -64,6 +64,7 @@ from jax.sharding import Mesh
 from gyre_jax.sharding import tree_shardings
 from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
+from gyre_jax.model.unrolled import LayerParams, layer_sharding, split_params
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
     DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, kv_bytes_per_page,
@@ -196,11 +197,12 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._mesh = mesh
         self._special = special_ids
         self._param_shardings = tree_shardings(param_logical_axes(config), mesh, params)
-        self.params_ref = ParamsRef(jax.device_put(params, self._param_shardings), version)
+        self.params_ref = ParamsRef(self._place(params), version)
         self._lock = threading.Lock()
         self._owner_slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}
         self._cancelled: set[str] = set()
+        self._release_tokens: dict[str, np.ndarray] = {}  # paged: a released call's whole sequence (release)
         self._errors: dict[str, str] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Requests between prefill and insert, and prefills running now (see generate).
@@ -228,6 +230,17 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         for k, v in fns.items():
             setattr(self, "_" + k, v)
 
+    def _place(self, params) -> LayerParams:
+        """Weights as the engine serves them: one array per layer (model/unrolled.py: a decode step
+        over stacked weights copies each layer's out every token), in this cell's serving layout.
+        Each layer's slice goes to the cell as it is cut, so no second whole copy is built."""
+        leaves, treedef = jax.tree.flatten(params)
+        shardings = treedef.flatten_up_to(self._param_shardings)
+        index = jax.tree.unflatten(treedef, list(range(len(leaves))))  # each leaf's number, in its place
+        lp = split_params(self.config, index,
+                          take=lambda j, i: jax.device_put(leaves[j][i], layer_sharding(shardings[j])))
+        return lp.replace(rest=jax.tree.map(lambda j: jax.device_put(leaves[j], shardings[j]), lp.rest))
+
     def bucket(self, n: int) -> int:
         b = MIN_BUCKET
         while b < n:
@@ -241,7 +254,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
     def publish(self, params, version: int) -> None:
         """New weights (already trained elsewhere) in this cell's serving layout.
         Call between drain and admit: calls already in a slot would mix versions."""
-        self.params_ref.value = jax.device_put(params, self._param_shardings)
+        self.params_ref.value = self._place(params)
         self.params_ref.version = int(version)
         if self._prefix_pages is not None:  # k/v of the old weights: never reused
             self._prefix_pages.clear()
@@ -523,12 +536,18 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._wake()
         return fut
 
-    def release(self, request_id: str, *, snapshot: bool) -> concurrent.futures.Future | None:
+    def release(self, request_id: str, *, snapshot: bool, tokens=None) -> concurrent.futures.Future | None:
         """Free a finished request's held slot; with ``snapshot``, first copy out its
-        KV (an ExportedSlot, for the prefix cache). None if it holds no slot."""
+        KV (an ExportedSlot, for the prefix cache). None if it holds no slot.
+
+        Paged cache: ``tokens`` (the call's prompt + the tokens it generated) puts the full pages
+        of everything the slot computed into the engine's page prefix cache, so a later call that
+        re-sends this answer (the next turn of the rollout) maps them instead of recomputing."""
         with self._lock:
             if request_id not in self._owner_slot:
                 return None
+            if tokens is not None and self._pool is not None:
+                self._release_tokens[request_id] = np.asarray(tokens, np.int32)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("release_snapshot" if snapshot else "release", request_id, fut))
         self._wake()
@@ -578,6 +597,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             try:
                 with self._lock:
                     slot = self._owner_slot.get(rid)
+                    seq = self._release_tokens.pop(rid, None) if kind.startswith("release") else None
                 if slot is None or stop_S[slot]:
                     fut.set_result(None)
                     continue
@@ -598,6 +618,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                     stop_S[slot] = True
                     fut.set_result(result)
                     continue
+                if seq is not None and held:
+                    self._keep_sequence_pages(seq, slot, length)  # before _free_pages below drops the slot's hold
                 if kind == "export" and active or kind == "release_snapshot" and held:
                     k, v = self._export(ds, np.int32(slot), self.bucket(length))
                     result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))

@@ -11,7 +11,8 @@ everything that touches the pool's pages runs on the generate thread:
     and all they may still generate are free, mapping their prompt's cached pages;
   * ``_grow_pages`` hands out pages just before the decode call that writes them;
   * ``_free_pages`` returns a finished call's pages (its prompt's full pages stay in the
-    prefix cache while nobody needs the room).
+    prefix cache while nobody needs the room, and, when ``release`` is given the call's tokens,
+    the full pages of its answer too: ``_keep_sequence_pages``).
 """
 from __future__ import annotations
 
@@ -132,6 +133,14 @@ class PagedSlots:
             finally:
                 self._pool.release_pages(shared)  # the slot holds them now (or nobody does)
         return ds
+
+    def _keep_sequence_pages(self, tokens: np.ndarray, slot: int, length: int) -> None:
+        """A finished call's full pages, prompt and generated tokens alike, into the prefix cache
+        (keyed by the tokens they hold), so the rollout's next call, which re-sends this answer,
+        maps them: a conversation's pages are computed and stored once, however many turns."""
+        if length > tokens.shape[0]:  # not the sequence the slot holds: keep nothing
+            return
+        self._prefix_pages.register(tokens[:length], self._pool.table[slot])
 
     def _waiting_slot(self, slot: int) -> tuple[int, Prefix] | None:
         """(index in the queue, prefix) of the call waiting for pages in ``slot``, if one is."""

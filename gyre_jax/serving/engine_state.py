@@ -38,15 +38,15 @@ from gyre_jax.serving.sampling import sample_tokens
 HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
 MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps
 # Logical axes of the k/v arrays (their shardings come from gyre_jax.sharding.RULES):
-CACHE_LOGICAL = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # KVCache.k/v [Y, S, M, K, H]
+CACHE_LOGICAL = ("cache_batch", "cache_len", "kv_heads", "head_dim")  # each layer's KVCache.k/v [S, M, K, H]
 BLOCK_LOGICAL = ("layers", "cache_len", "kv_heads", "head_dim")  # KVBlock.k/v [Y, Lb, K, H]
-# A paged pool [Y, K, NP, G, H] splits over kv heads only: any page may hold any slot's tokens,
-# so a data-parallel serving mesh keeps the whole pool on each of its replicas.
-PAGES_LOGICAL = ("layers", "kv_heads", "cache_len", None, "head_dim")
+# A paged pool [K, NP, G, H] (one per layer) splits over kv heads only: any page may hold any
+# slot's tokens, so a data-parallel serving mesh keeps the whole pool on each of its replicas.
+PAGES_LOGICAL = ("kv_heads", "cache_len", None, "head_dim")
 
 
 def kv_shardings(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
-    """(cache, block) shardings of an engine's k/v on ``mesh``, from the rules table.
+    """(cache, block) shardings of an engine's k/v on ``mesh`` (cache: each layer's array), from the rules table.
 
     A dimension its mesh axes do not divide (slots, or fewer kv heads than the tensor
     degree) is replicated. A block's length varies per request; the cache length stands
@@ -55,13 +55,13 @@ def kv_shardings(cfg: ModelConfig, m: int, slots: int, mesh: Mesh) -> tuple[Name
     def spec(logical, shape, what):
         return NamedSharding(mesh, mesh_spec(logical, mesh, shape=shape, where=what, replicate_indivisible=True))
 
-    cache = spec(CACHE_LOGICAL, (cfg.n_layers, slots, m, cfg.n_kv_heads, cfg.head_dim), "KV cache")
+    cache = spec(CACHE_LOGICAL, (slots, m, cfg.n_kv_heads, cfg.head_dim), "KV cache")
     block = spec(BLOCK_LOGICAL, (cfg.n_layers, m, cfg.n_kv_heads, cfg.head_dim), "KV block")
     return cache, block
 
 
 def pages_sharding(cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh) -> NamedSharding:
-    shape = (cfg.n_layers, cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
+    shape = (cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
     return NamedSharding(mesh, mesh_spec(PAGES_LOGICAL, mesh, shape=shape, where="KV pages", replicate_indivisible=True))
 
 
@@ -197,11 +197,12 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
     if paged is None:
+        per_layer = (cache_s,) * cfg.n_layers
         # A pytree of shardings shaped like the state (jit's out_shardings), so leaves are not arrays.
-        ds_s = DecodeState(mdecode.KVCache(cache_s, cache_s, rep), *([rep] * 10))  # type: ignore[arg-type]
+        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 10))  # type: ignore[arg-type]
     else:
-        pages_s = pages_sharding(cfg, paged[0], paged[1], mesh)
-        ds_s = DecodeState(mdecode.PagedKVCache(pages_s, pages_s, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
+        per_layer = (pages_sharding(cfg, paged[0], paged[1], mesh),) * cfg.n_layers
+        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
     layout = RoutingLayout.of(cfg)
     w = layout.step_cols  # result columns per decode step
@@ -307,9 +308,9 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         if paged is not None:  # the slot's pages (those holding its first lb tokens), gathered
             kv = mdecode.paged_slot_kv(ds.cache, slot, lb)
             return kv.k, kv.v
-        sh = (cfg.n_layers, 1, lb, cfg.n_kv_heads, cfg.head_dim)
-        k = jax.lax.dynamic_slice(ds.cache.k, (0, slot, 0, 0, 0), sh)[:, 0]
-        v = jax.lax.dynamic_slice(ds.cache.v, (0, slot, 0, 0, 0), sh)[:, 0]
+        sh = (1, lb, cfg.n_kv_heads, cfg.head_dim)
+        k = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.k])
+        v = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.v])
         return k, v
 
     out["prefill_new"] = jax.jit(prefill_new, out_shardings=(blk, blk))
@@ -326,8 +327,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     out["set_table"] = jax.jit(set_table, donate_argnums=0, out_shardings=ds_s)
 
     def gather(ds, pages_P):  # a cached prefix's pages as one contiguous block (for a prefill to attend to)
-        k = jax.vmap(mdecode.gather_pages, in_axes=(0, None))(ds.cache.k, pages_P[None])[:, 0]
-        v = jax.vmap(mdecode.gather_pages, in_axes=(0, None))(ds.cache.v, pages_P[None])[:, 0]
+        k = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.k])
+        v = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.v])
         return k, v
 
     out["gather"] = jax.jit(gather, out_shardings=(blk, blk))

@@ -244,6 +244,9 @@ class JetStreamBackend(Backend):
         self._cache: collections.OrderedDict[str, tuple[int, np.ndarray, KVBlock]] = collections.OrderedDict()
         self._cache_entries, self._min_cached = prefix_cache_entries, min_cached_prefix
         self._cache_bytes_limit = prefix_cache_bytes
+        # A paged engine keeps finished calls' pages (prompt and answer) in its own page prefix cache:
+        # a block copied out here as well would hold the same k/v twice.
+        self._paged = engine.kv_cache == "paged"
         self._counts: collections.Counter[str] = collections.Counter()
         self._pending: set[asyncio.Future] = set()
         self._closed = False
@@ -272,7 +275,7 @@ class JetStreamBackend(Backend):
         inp = PrefillInput(engine_id, seq[:-1], int(seq[-1]), 0 if r is None else r.num_generated, sp)
         if r is not None and r.kv is not None:
             inp.kv, inp.kv_origin = r.kv, "moved"
-        elif request.cache_key:
+        elif request.cache_key and not self._paged:  # a paged engine finds cached pages by content itself
             inp.kv = self._lookup(request.cache_key, seq[:-1])
         channel = _Channel()
         stream = _Stream(self, request, channel, engine_id)
@@ -328,17 +331,23 @@ class JetStreamBackend(Backend):
             del self._live[stream.request_id]
 
     def release_call(self, req: GenerateRequest, tokens: list[int], engine_id: str) -> None:
-        """Free the finished call's held slot, keeping its KV if it has a cache key."""
-        fut = self.engine.release(engine_id, snapshot=bool(req.cache_key))
+        """Free the finished call's held slot, keeping its KV if it has a cache key: here as a
+        copied block, or for a paged engine as its pages (any call's, keyed by their tokens)."""
+        seq = np.concatenate([req.prompt_ids, np.asarray(tokens, np.int32)])
+        if self._paged:
+            fut = self.engine.release(engine_id, snapshot=False, tokens=seq)
+        else:
+            fut = self.engine.release(engine_id, snapshot=bool(req.cache_key))
         if fut is None or not req.cache_key:
             return
-        seq = np.concatenate([req.prompt_ids, np.asarray(tokens, np.int32)])
         version = self.policy_version  # publish() happens between drain and admit, never mid-call
         afut = asyncio.wrap_future(fut)
-        self._pending.add(afut)
+        self._pending.add(afut)  # settle() waits for it: the pages or the block are in a cache then
 
         def done(f):
             self._pending.discard(f)
+            if self._paged:
+                return
             if not f.cancelled() and f.exception() is None and f.result() is not None:
                 kv = f.result().kv
                 self._store(req.cache_key, version, seq[: kv.length], kv)
