@@ -31,8 +31,7 @@ from gyre_jax.model.transformer import Block, Transformer
 from gyre_jax.model.tree_attention import CacheMask
 
 
-@flax.struct.dataclass
-class LayerParams:
+class LayerParams(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     """Params with the scanned stacks split into one tree per layer (depth order)."""
 
     rest: Any  # {"params": {embed, final_norm[, unembed]}}: everything outside the stacks
@@ -90,12 +89,15 @@ def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_B
     new_k, new_v, experts = [], [], []
     for layer, (p, k, v, moe) in enumerate(zip(lp.layers, ks, vs, moe_flags)):
         block = Block(config, moe=moe)
+        out: Any  # (flax types apply() loosely): the block's (carry or x, cache and MoE stats)
         if one_token:  # the decode form: the row scattered into the buffer in place, attention without a transpose
-            (x, k1, v1, _), stats = block.apply(p, (x, k[None], v[None], 0), None, positions_BxT, mask,
-                                                cache_index_B, None)
+            out = block.apply(p, (x, k[None], v[None], 0), None, positions_BxT, mask,
+                              cache_index_B, None)
+            (x, k1, v1, _), stats = out
             k, v = k1[0], v1[0]
         else:
-            x, ((k, v), stats) = block.apply(p, x, (k, v), positions_BxT, mask, cache_index_B, None)
+            out = block.apply(p, x, (k, v), positions_BxT, mask, cache_index_B, None)
+            x, ((k, v), stats) = out
         new_k.append(k)
         new_v.append(v)
         if with_routing and moe:

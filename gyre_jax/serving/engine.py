@@ -235,7 +235,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         over stacked weights copies each layer's out every token), in this cell's serving layout.
         Each layer's slice goes to the cell as it is cut, so no second whole copy is built."""
         leaves, treedef = jax.tree.flatten(params)
-        shardings = treedef.flatten_up_to(self._param_shardings)
+        shardings = treedef.flatten_up_to(self._param_shardings)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef stub omits it
         index = jax.tree.unflatten(treedef, list(range(len(leaves))))  # each leaf's number, in its place
         lp = split_params(self.config, index,
                           take=lambda j, i: jax.device_put(leaves[j][i], layer_sharding(shardings[j])))

@@ -140,6 +140,7 @@ class PagedSlots:
         maps them: a conversation's pages are computed and stored once, however many turns."""
         if length > tokens.shape[0]:  # not the sequence the slot holds: keep nothing
             return
+        assert self._pool is not None and self._prefix_pages is not None  # called only for a paged cache
         self._prefix_pages.register(tokens[:length], self._pool.table[slot])
 
     def _waiting_slot(self, slot: int) -> tuple[int, Prefix] | None:
