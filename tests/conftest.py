@@ -3,9 +3,24 @@
 XLA reads the device count once per process, so it lives here and nowhere else
 (never per test file). Meshes, cells and resharding in the tests are then real.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run, its processes included (the RL jobs the tests launch
+# inherit the environment): dozens of tests build the same tiny model's steps, and compiling them
+# again was most of the default run's time. Fresh per run (a run measures a cold start, as CI
+# does) and removed after it; a caller's own JAX_COMPILATION_CACHE_DIR is used as is. Every
+# compile is cached (no 1 s floor: the tiny shapes compile in less), and a size bound turns on
+# JAX's file lock, so a process never reads an entry another process is still writing.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="gyre-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # Set before jax is imported anywhere in the run; jax_num_cpu_devices below is the
 # supported way, the flag covers libraries that initialise XLA on their own.
 _flags = os.environ.get("XLA_FLAGS", "")

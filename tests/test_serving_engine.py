@@ -179,19 +179,23 @@ def test_stop_ids_emit_the_stop_token_then_end(engine, ref_logits):
     assert [t for t, _ in r.out[6]] == want and 6 in r.held
 
 
-def test_existing_prefix_is_reused_not_recomputed(engine, ref_logits):
-    """Turn 2 of a conversation prefilled on turn 1's exported KV: only the new
-    tokens run through the model, and the output equals a fresh reference."""
+def turn_two_on_exported_kv(engine, ref_logits, after_release=lambda p1: None):
+    """Turn 2 of a conversation prefilled on turn 1's exported KV: only the new tokens run
+    through the model, and the output equals a fresh reference. Shared by both cache kinds
+    (test_serving_engine_paged.py runs it on pages); ``after_release(p1)`` checks the cache
+    between the turns. Returns the runner, turn 2 still held in slot 8."""
     p1 = prompts(1, seed=5)[0]
     r = Runner(engine)
     r.insert(7, pinput("t1", p1, max_tokens=8, temperature=0.0))
     r.step(9)
     out1 = [t for t, _ in r.out[7]]
+    assert out1 == ref_greedy(ref_logits, p1, 8)
     assert 7 in r.held  # ended by max_tokens: the slot is held for the backend
     snap = engine.release("t1", snapshot=True)
     r.ds = engine._service(r.ds)  # what the generate thread does at its next step
     block = snap.result(timeout=30).kv
     assert block.length == len(p1) + len(out1) - 1
+    after_release(p1)
     p2 = np.concatenate([p1, out1, np.arange(40, 60, dtype=np.int32)])
     before = engine.counters["prefill_tokens"]
     inp = pinput("t2", p2, max_tokens=8, temperature=0.0)
@@ -201,6 +205,11 @@ def test_existing_prefix_is_reused_not_recomputed(engine, ref_logits):
     r.out[8], _ = [], r.live.add(8)
     r.step(9)
     assert [t for t, _ in r.out[8]] == ref_greedy(ref_logits, p2, 8)
+    return r
+
+
+def test_existing_prefix_is_reused_not_recomputed(engine, ref_logits):
+    turn_two_on_exported_kv(engine, ref_logits)
 
 
 def test_a_request_inserted_after_all_others_finished_is_decoded(engine, ref_logits):

@@ -8,7 +8,8 @@ import pytest
 
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.testing.tiny_serving_model import CFG
-from tests.test_serving_engine import MAX_LEN, Runner, params, pinput, prompts, ref_greedy, ref_logits  # noqa: F401
+from tests.test_serving_engine import (  # noqa: F401
+    MAX_LEN, Runner, params, pinput, prompts, ref_greedy, ref_logits, turn_two_on_exported_kv)
 
 G = 8  # tokens per page: small, so every call spans several pages and crosses page boundaries
 
@@ -52,27 +53,13 @@ def test_paged_continuous_batching_equals_reference_and_frees_every_page(engine,
 
 
 def test_paged_prefix_export_and_reuse(engine, ref_logits):  # noqa: F811
-    """Turn 2 of a conversation prefilled on turn 1's exported pages: only the new tokens run."""
-    p1 = prompts(1, seed=5)[0]
-    r = Runner(engine)
-    r.insert(7, pinput("t1", p1, max_tokens=8, temperature=0.0))
-    r.step(9)
-    out1 = [t for t, _ in r.out[7]]
-    assert out1 == ref_greedy(ref_logits, p1, 8)
-    snap = engine.release("t1", snapshot=True)
-    r.ds = engine._service(r.ds)
-    block = snap.result(timeout=30).kv
-    assert block.length == len(p1) + len(out1) - 1
-    assert engine.kv_stats()["pages_in_use"] == engine.kv_stats()["prefix_cache_pages"] == (len(p1) - 1) // G
-    p2 = np.concatenate([p1, out1, np.arange(40, 60, dtype=np.int32)])
-    before = engine.counters["prefill_tokens"]
-    inp = pinput("t2", p2, max_tokens=8, temperature=0.0)
-    pre = engine.prefill(params=engine.params_ref, existing_prefix=block, padded_tokens=inp, true_length=0)
-    assert engine.counters["prefill_tokens"] - before == len(p2) - 1 - block.length
-    r.ds = engine.insert(pre, r.ds, 8)
-    r.out[8], _ = [], r.live.add(8)
-    r.step(9)
-    assert [t for t, _ in r.out[8]] == ref_greedy(ref_logits, p2, 8)
+    """test_serving_engine's turn 2 on turn 1's exported KV, on pages: between the turns only
+    the prompt's full pages stay, held by the prefix cache; after turn 2 nothing else does."""
+
+    def only_the_prefix_cache_holds_pages(p1):
+        assert engine.kv_stats()["pages_in_use"] == engine.kv_stats()["prefix_cache_pages"] == (len(p1) - 1) // G
+
+    r = turn_two_on_exported_kv(engine, ref_logits, after_release=only_the_prefix_cache_holds_pages)
     _release(r, engine, "t2")
     assert engine.kv_stats()["pages_in_use"] == engine.kv_stats()["prefix_cache_pages"]
 
