@@ -27,7 +27,6 @@ import logging as pylogging
 import os
 import signal
 import sys
-import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -144,24 +143,30 @@ def _stop_on_signal(signum, frame):
 
 
 def _exit_cleanly() -> None:
-    """Exit 0 once the job has returned (it closed its files and waited for its checkpoints).
-
-    Not through interpreter teardown: daemon threads (engines, servers, XLA's own) may still be
-    inside C++ when Python finalizes, and that aborts a finished run with SIGABRT ("terminate
-    called ... exception not rethrown"), seen on a rerun of a finished workdir."""
-    pylogging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """Exit 0 once the job has returned (it closed its files and waited for its checkpoints)."""
+    _end(0)
 
 
 def _exit(line: str, code: int) -> None:
-    """One line, then exit; a thread that will not stop cannot keep the process alive past 30 s."""
+    """One line, then exit with ``code`` (gyre_jax.errors lists them), by the same path as a finished run."""
     print(line, file=sys.stderr, flush=True)
-    watchdog = threading.Timer(30.0, os._exit, args=(code,))
-    watchdog.daemon = True
-    watchdog.start()
-    sys.exit(code)
+    _end(code)
+
+
+def _end(code: int) -> None:
+    """Flush, then ``os._exit``: never through interpreter teardown.
+
+    By the time the job has returned or raised, it has closed what it owns (the store's writes are
+    synchronous, checkpoints are waited for), so nothing durable is left to do. Teardown would join
+    non-daemon threads (one that waits for ever keeps the process alive) and stop daemon threads that are
+    still inside C++ (a stop during the SFT warm start finds the gyre-warm thread compiling; a finished
+    run may find engine or XLA threads): Python ends those with a forced unwind that C++ cannot pass,
+    and the process aborts with "terminate called ... FATAL: exception not rethrown" instead of its
+    documented exit code."""
+    pylogging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

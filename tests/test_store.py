@@ -528,3 +528,52 @@ def test_kill_9_while_marking_keeps_every_acknowledged_step(tmp_path):
     assert 300 <= acked <= n < 3000 and sorted(st.consumed().values(), key=lambda e: e["step"])[-1]["step"] == n - 1
     st.mark_trained(st.pending_rollouts()[:1], step=n)  # the cursor takes writes again
     st.close()
+
+
+def _cursor_bytes(d: str, steps: int, monkeypatch) -> tuple[list[int], int]:
+    """Bytes the cursor writes (journal lines + snapshots) at each of ``steps`` steps of 4 rollouts, and the
+    size of the snapshot that holds all of them."""
+    from gyre_jax.trajectory import store as store_mod
+
+    st = TrajectoryStore(d, run_id="run", config=StoreConfig(fsync="never"))
+    for s in range(steps):
+        for k in range(4):
+            st.append(call(f"r{s}-{k}", 0, n_prompt=2, n_out=1))
+            st.append(outcome(f"r{s}-{k}"))
+    written = [0]
+    real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore._journal_write
+
+    def atomic(path, obj):
+        real_atomic(path, obj)
+        written[0] += os.path.getsize(path)
+
+    def jwrite(fd, line, offset):
+        written[0] += len(line)
+        return real_write(fd, line, offset)
+
+    monkeypatch.setattr(store_mod, "_atomic_write_json", atomic)
+    monkeypatch.setattr(TrajectoryStore, "_journal_write", staticmethod(jwrite))
+    monkeypatch.setattr(store_mod, "CURSOR_COMPACT_MIN_BYTES", 256)  # compactions within a short run
+    per_step = []
+    for s in range(steps):
+        before = written[0]
+        st.mark_trained([f"r{s}-{k}" for k in range(4)], step=s)
+        per_step.append(written[0] - before)
+    monkeypatch.undo()
+    st.restore_cursor(st.cursor_state())  # one snapshot of everything: its size per step is the law's E
+    st.close()
+    with TrajectoryStore(d, writable=False) as disk:  # and what was written is the whole cursor
+        assert len(disk.consumed()) == 4 * steps
+    return per_step, os.path.getsize(os.path.join(d, "cursor.json"))
+
+
+@pytest.mark.parametrize("steps", [150, 300])
+def test_the_cursor_writes_bytes_linear_in_the_steps(tmp_path, monkeypatch, steps):
+    """Issue 33 item 6: a whole-cursor rewrite per step is O(steps^2) bytes over a run. The journal (a line of
+    L bytes per step) is compacted when it outgrows the snapshot (E bytes per step done), so compactions come at
+    steps growing by a factor 1 + E/L and all of them together write at most (L + E) bytes per step: the run
+    writes at most 2L + E per step, however long it is (a rewrite per step: E x steps / 2 per step)."""
+    per_step, snapshot = _cursor_bytes(str(tmp_path), steps, monkeypatch)
+    line, e = 1.05 * min(per_step), snapshot / steps  # a step that compacts nothing writes its line (+ digits)
+    assert sum(per_step) / steps <= 2 * line + e, (sum(per_step) / steps, line, e)
+    assert sum(1 for b in per_step if b > 2 * line) >= 3  # compactions happened (the law is not a journal-only one)

@@ -3,6 +3,7 @@
   python tools/bench_chaos.py [--trials 2] [--kills 3] [--steps 8] [--sft-steps 20] [--seed 0]
   python tools/bench_chaos.py --quick          # one trial, 2 stops, 4 steps: a smoke check (~3-5 min on 2 cores)
   python tools/bench_chaos.py --disk-full 1    # + a trial whose workdir is a small tmpfs that fills (needs root)
+  python tools/bench_chaos.py --trials 0 --write-faults cursor,checkpoint   # only injected write faults there
 
 Each trial is a fresh workdir running the README demo (``python -m launch.main --config
 configs/demo.py --workdir W --config.steps=N --config.sft.steps=M --config.checkpoint_every=K``,
@@ -22,6 +23,16 @@ tmpfs is then remounted at 1 GB and the same command reruns to the end (it may b
 ``--kills`` random stops before that, like any trial). Every attempt that ended with exit 3 is
 one ``write_faults``.
 
+A write-fault trial (``--write-faults``, default every site of ``gyre_jax.testing.faulty_main.SITES``: the
+store's frame for a proxy call record, for a grader outcome, the log's fsync, the cursor journal, Orbax's
+checkpoint save, a weight publication) starts its first attempt as ``python -m gyre_jax.testing.faulty_main
+--fault=SITE:N <the same flags>``: from the N-th write at SITE on (N drawn per site so it lands inside the
+RL steps) every write there fails. That attempt must end by itself with one ``error:`` line and exit 3
+(our storage failed; 1 for the publisher, whose failure takes serving cells out until none is left) within
+``--fault-exit-s`` of the injection; then ``launch.main`` reruns the same workdir to the end, with no
+random stops. Each such attempt is one ``write_faults``; per site the JSON says the exit code, the
+seconds from injection to exit, whether the error line was the one line, and the rerun's audit.
+
 The audit (``gyre_jax.rl.audit``) reads only the workdir: the store's outcomes and cursor,
 and metrics.jsonl. Prints a table (one row per attempt, then one per trial's audit), then ONE
 JSON line: trials, kills (stops delivered to a live run: kill9 + sigterm), kill9, sigterm,
@@ -29,7 +40,8 @@ resumes (attempts that said "resumed from checkpoint"), restarts (attempts after
 first), rollouts_lost, rollouts_trained_twice, groups_short, wrong_state,
 max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, infra_errors
 (infra_error outcomes that are not abandoned attempts), write_faults (attempts stopped by a full
-disk, exit 3), hangs, leftover_processes (processes of a stopped attempt
+disk or an injected write fault with the expected code), write_fault_sites, write_fault_results (per
+site: n, rc, expected_rc, exit_s, one_error_line, completed, lost, twice, short), hangs, leftover_processes (processes of a stopped attempt
 still alive 2 s after it: harness or sandbox children a kill -9 orphaned; killed by the bench), unresumable_workdirs, finished_rollouts,
 wall_s, and the sizes (steps, sft_steps, checkpoint_every, groups_per_step, group_size, seed).
 """
@@ -52,12 +64,14 @@ sys.path.insert(0, ROOT)
 
 from configs import demo as demo_config  # noqa: E402
 from gyre_jax.rl.audit import audit_workdir  # noqa: E402
+from gyre_jax.testing.faulty_main import INJECTED, SITES  # noqa: E402
 
 STEP_RE = re.compile(r"^rl\[[\w-]+\]: step (\d+)/(\d+)", re.M)  # the RL progress line, not SFT's
 
 
-def _cmd(workdir: str, a) -> list[str]:
-    return [sys.executable, "-m", "launch.main", "--config", "configs/demo.py", "--workdir", workdir,
+def _cmd(workdir: str, a, fault: str | None = None) -> list[str]:
+    entry = ["gyre_jax.testing.faulty_main", f"--fault={fault}"] if fault else ["launch.main"]
+    return [sys.executable, "-m", *entry, "--config", "configs/demo.py", "--workdir", workdir,
             f"--config.steps={a.steps}", f"--config.sft.steps={a.sft_steps}",
             f"--config.checkpoint_every={a.checkpoint_every}", "--config.eval.every=0", *a.extra]
 
@@ -75,13 +89,13 @@ def _steps_seen(text: str) -> int:
 
 
 class Attempt:
-    def __init__(self, workdir: str, log_path: str, a):
+    def __init__(self, workdir: str, log_path: str, a, fault: str | None = None):
         self.log_path = log_path
         self.t0 = time.monotonic()
         with open(log_path, "w") as log:
             # Own session: a stop reaches the launcher only, as a kill of one process does, and a hung
             # attempt's children can be cleaned up by group.
-            self.p = subprocess.Popen(_cmd(workdir, a), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            self.p = subprocess.Popen(_cmd(workdir, a, fault), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
 
     def elapsed(self) -> float:
@@ -124,19 +138,51 @@ def _last_error(text: str) -> str:
     return lines[-1][:160] if lines else ""
 
 
-def run_trial(trial: int, a, rng: random.Random, rows: list, *, disk_mb: float | None = None) -> dict:
+def _fault_n(site: str, a, rng: random.Random) -> int:
+    """The N of ``--fault=SITE:N``: a write that comes inside the RL steps of a fresh demo attempt."""
+    per_step = demo_config.get_config().scheduler.groups_per_step * demo_config.get_config().scheduler.group_size
+    last = max(1, a.steps - 1)
+    if site in ("call", "outcome"):  # one call per rollout of the 'tiny' tasks; the first steps' rollouts
+        return rng.randint(1, per_step * last)
+    if site == "log_sync":  # one fsync a second at most while frames are appended
+        return rng.randint(1, 10)
+    if site == "cursor":  # one or two journal lines per step (trained, dropped)
+        return rng.randint(1, last)
+    if site == "checkpoint":  # checkpoint 0 at the start (write 1), then every checkpoint_every-th step and the last
+        return rng.randint(2, 1 + max(1, a.steps // a.checkpoint_every))
+    return rng.randint(4, 3 + last)  # publisher: after the start's loads into the serving cells, one per step
+
+
+def _fault_attempt(att: "Attempt", a) -> tuple[object, float | None]:
+    """Wait for a faulty attempt's own end; (rc or None for a hang, seconds from the injection to the exit)."""
+    injected_at = None
+    while True:
+        rc = att.wait(0.5)
+        if injected_at is None and INJECTED in att.text():
+            injected_at = att.elapsed()
+        if rc is not None:
+            return rc, None if injected_at is None else round(att.elapsed() - injected_at, 1)
+        if att.elapsed() > a.attempt_timeout_s or (injected_at is not None
+                                                   and att.elapsed() - injected_at > a.fault_exit_s):
+            att.kill_group()
+            return None, round(att.elapsed() - injected_at, 1) if injected_at is not None else None
+
+
+def run_trial(trial: int, a, rng: random.Random, rows: list, *, disk_mb: float | None = None,
+              fault: str | None = None) -> dict:
     workdir = os.path.join(a.root, f"trial{trial}")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     if disk_mb is not None:  # a real full disk: the kernel answers ENOSPC wherever the run writes next
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(disk_mb * 1024)}k", "tmpfs", workdir], check=True)
-    t = dict(kill9=0, sigterm=0, hangs=0, leftover_processes=0, write_faults=0, disk_mb=disk_mb, resumes=0, restarts=0, attempts=0, completed=False, failed_rc=[])
+    t = dict(kill9=0, sigterm=0, hangs=0, leftover_processes=0, write_faults=0, disk_mb=disk_mb, fault=fault,
+             resumes=0, restarts=0, attempts=0, completed=False, failed_rc=[])
 
-    def start() -> Attempt:
+    def start(fault: str | None = None) -> Attempt:
         t["attempts"] += 1
         if t["attempts"] > 1:
             t["restarts"] += 1
-        return Attempt(workdir, os.path.join(a.root, f"trial{trial}.{t['attempts']}.log"), a)
+        return Attempt(workdir, os.path.join(a.root, f"trial{trial}.{t['attempts']}.log"), a, fault)
 
     def finish(att: Attempt, rc, what: str, stop_s=None) -> None:
         text = att.text()
@@ -165,7 +211,23 @@ def run_trial(trial: int, a, rng: random.Random, rows: list, *, disk_mb: float |
         finish(att, "hang" if rc is None else rc, f"disk full ({disk_mb:.1f} MB tmpfs)")
         t["completed"] = rc == 0
         subprocess.run(["mount", "-o", "remount,size=1g", workdir], check=True)  # room again
-    for _ in range(0 if t["completed"] else a.kills):
+    if fault is not None:
+        site = fault.split(":")[0]
+        expected = 1 if site == "publisher" else 3
+        att = start(fault)
+        rc, exit_s = _fault_attempt(att, a)
+        text = att.text()
+        errors = [x for x in text.splitlines() if x.startswith("error:")]
+        t["hangs"] += rc is None
+        t["write_faults"] += rc == expected
+        if rc not in (0, expected, None):
+            t["failed_rc"].append(rc)
+        t["fault_result"] = dict(site=site, n=int(fault.split(":")[1]), rc=rc, expected_rc=expected, exit_s=exit_s,
+                                 injected=INJECTED in text, one_error_line=len(errors) == 1
+                                 and text.rstrip().splitlines()[-1] == errors[-1])
+        finish(att, "hang" if rc is None else rc, f"write fault {fault}", exit_s)
+        t["completed"] = rc == 0  # the fault came too late to fire: a finished run
+    for _ in range(0 if t["completed"] or fault is not None else a.kills):
         att = start()
         done = _steps_seen(_read_prev_logs(a.root, trial))
         if rng.random() < 0.25 or done >= a.steps - 1:  # mostly inside the RL steps, where the state changes
@@ -258,6 +320,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--attempt-timeout-s", type=float, default=900.0)
     ap.add_argument("--reruns", type=int, default=3)
     ap.add_argument("--disk-full", type=int, default=0, help="more trials whose workdir is a small tmpfs that fills")
+    ap.add_argument("--write-faults", default=None,
+                    help=f"comma-separated sites of injected write faults, a trial each ({','.join(SITES)}), "
+                         "'all' (the default) or 'none' (the default with --quick)")
+    ap.add_argument("--fault-exit-s", type=float, default=120.0,
+                    help="an injected fault's attempt must exit this soon after the injection, else it is a hang")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--root", default=None, help="where the trials' workdirs go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs")
@@ -265,6 +332,13 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.quick:
         a.trials, a.kills, a.steps, a.sft_steps, a.checkpoint_every = 1, 2, 4, 10, 2
+    if a.write_faults is None:
+        a.write_faults = "none" if a.quick else "all"
+    sites = (list(SITES) if a.write_faults == "all" else [] if a.write_faults == "none"
+             else [x for x in a.write_faults.split(",") if x])
+    for x in sites:
+        if x not in SITES:
+            ap.error(f"--write-faults: unknown site {x!r}; known: {', '.join(SITES)}")
     for x in a.extra:
         if not x.startswith("--config."):
             ap.error(f"extra argument {x!r}: only --config.X=V flags pass through")
@@ -278,8 +352,11 @@ def main(argv=None) -> dict:
     rng = random.Random(a.seed)
     t0 = time.monotonic()
     rows, trials = [], []
-    for i in range(a.trials + a.disk_full):
-        t = run_trial(i, a, rng, rows, disk_mb=rng.uniform(1.5, 4.0) if i >= a.trials else None)
+    faults = [f"{x}:{_fault_n(x, a, rng)}" for x in sites]
+    for i in range(a.trials + a.disk_full + len(faults)):
+        disk = i >= a.trials and i < a.trials + a.disk_full
+        fault = faults[i - a.trials - a.disk_full] if i >= a.trials + a.disk_full else None
+        t = run_trial(i, a, rng, rows, disk_mb=rng.uniform(1.5, 4.0) if disk else None, fault=fault)
         mode_dirs = [os.path.join(t["workdir"], d) for d in os.listdir(t["workdir"])
                      if os.path.isdir(os.path.join(t["workdir"], d, "store"))]
         t["audit"] = (audit_workdir(mode_dirs[0], group_size=cfg.scheduler.group_size,
@@ -292,6 +369,11 @@ def main(argv=None) -> dict:
             finally:
                 subprocess.run(["umount", t["workdir"]], check=False)
         trials.append(t)
+        au = t["audit"] or {}
+        print(f"trial {i} done ({'disk full' if disk else fault or 'stops'}): completed={t['completed']} "  # progress
+              f"attempts={t['attempts']} hangs={t['hangs']} lost={au.get('rollouts_lost')} "
+              f"twice={au.get('rollouts_trained_twice')} short={au.get('groups_short')} "
+              f"{t.get('fault_result', '')}", file=sys.stderr, flush=True)
     wall = time.monotonic() - t0
 
     print(f"{'trial':>5} {'att':>3} {'stop':<34} {'at_s':>6} {'rc':>5} {'stop_s':>6} {'steps':>5}  last line")
@@ -323,6 +405,11 @@ def main(argv=None) -> dict:
         steps_short=sum(a.steps - (t["audit"] or {}).get("metrics_steps", 0) for t in trials if t["completed"]),
         infra_errors=total("infra_errors"), write_faults=sum(t["write_faults"] for t in trials), hangs=sum(t["hangs"] for t in trials),
         leftover_processes=sum(t["leftover_processes"] for t in trials),
+        write_fault_sites=sites,
+        write_fault_results={t["fault_result"]["site"]: dict(
+            t["fault_result"], completed=t["completed"], **{k: (t["audit"] or {}).get(v) for k, v in (
+                ("lost", "rollouts_lost"), ("twice", "rollouts_trained_twice"), ("short", "groups_short"))})
+            for t in trials if t.get("fault_result")},
         unresumable_workdirs=sum(not t["completed"] for t in trials),
         failed_attempts=sum(len(t["failed_rc"]) for t in trials), finished_rollouts=total("finished"),
         wall_s=round(wall, 1), steps=a.steps, sft_steps=a.sft_steps, checkpoint_every=a.checkpoint_every,

@@ -7,7 +7,8 @@ trainer's pattern: one ``mark_trained`` per step. "journal" is the store as it i
 line per step, compacted into the snapshot when the journal outgrows it); "rewrite" writes the
 whole cursor each step the way the store did before (temp file, fsync, rename, fsync dir).
 Bytes are what each wrote to the cursor files over the run. Prints a table, then ONE JSON line:
-steps, rollouts_per_step, journal_bytes, rewrite_bytes, bytes_ratio, journal_ms_per_step,
+steps, rollouts_per_step, journal_bytes, rewrite_bytes, bytes_ratio, journal_bytes_per_step, rewrite_bytes_per_step (run it at
+two --steps: the journal's stays flat, a rewrite's grows with the steps), journal_ms_per_step,
 rewrite_ms_per_step, journal_ms_last_100, rewrite_ms_last_100, compactions.
 """
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main() -> None:
         print(f"{name:<8} {x['bytes']:>12,} {x['snapshots']:>9} {x['ms_per_step']:>8.2f} {x['ms_last_100']:>16.2f}")
     print(json.dumps(dict(steps=a.steps, rollouts_per_step=a.rollouts_per_step, journal_bytes=j["bytes"],
                           rewrite_bytes=r["bytes"], bytes_ratio=round(r["bytes"] / j["bytes"], 1),
+                          journal_bytes_per_step=round(j["bytes"] / a.steps), rewrite_bytes_per_step=round(r["bytes"] / a.steps),
                           journal_ms_per_step=round(j["ms_per_step"], 3), rewrite_ms_per_step=round(r["ms_per_step"], 3),
                           journal_ms_last_100=round(j["ms_last_100"], 3), rewrite_ms_last_100=round(r["ms_last_100"], 3),
                           compactions=j["snapshots"])))

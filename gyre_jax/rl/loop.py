@@ -45,6 +45,7 @@ from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint,
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.episode_eval import BackgroundEval
 from gyre_jax.rl.progress import Progress
+from gyre_jax.rl import heap
 from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class _Records:
         self.c, self.bar = c, bar
         self.history: list = []  # StepRecords of this attempt, in step order
         self.step_end_s: list[float] = []
+        self.heap = heap.HeapTrimmer()
         self.recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher,
                                      pool=c.pool, controller=c.controller)
         # The starting policy's eval (version steps_done) goes into the first step record of
@@ -121,6 +123,7 @@ class _Records:
                 rec, self.start_eval = rec.with_values(self.start_eval), {}
             if c.evaluator is not None and _eval_due(c.cfg, done.version):
                 rec = rec.with_values(_run_eval(c, done.version, done.params))
+            rec = rec.with_values(self.heap.after_step())  # freed heap back to the OS when much is held
             self.step_end_s.append(rec["time_s"])
             c.metrics.write(rec.step, scalars(rec))
             save_costs(c.workdir, c.controller)  # the next run's priors (--config.scheduler.priors), a resume's start

@@ -29,6 +29,9 @@ failure can lose: ``always`` (fsync each append), ``interval`` (at most
 Readers. Any number of read-only ``TrajectoryStore(dir, writable=False)``
 instances may tail the log while one writer (an ``flock``) appends: ``refresh()``
 indexes new complete frames and leaves an incomplete tail for the next call.
+It reads with ``pread`` (no mapping): the writer may cut a torn tail or its own
+failed frame while a reader looks at it, and the cursor's loader reads again when
+a compaction ran between its snapshot and its journal (tests/test_store_races.py).
 
 Validation. ``append`` takes records or raw dicts (what the proxy receives).
 An invalid record (field checks in records.py, or cross-record checks here: run
@@ -108,7 +111,6 @@ import dataclasses
 import fcntl
 import json
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -384,28 +386,48 @@ class TrajectoryStore:
         return f
 
     def refresh(self) -> int:
-        """Index complete frames appended since the last scan; returns how many."""
+        """Index complete frames appended since the last scan; returns how many.
+
+        Read with ``pread``, never through a mapping: a writer cuts bytes after the last good frame (a torn
+        tail when it opens, its own failed frame in ``_write``), and a reader that touches a mapped page past
+        the new end of the file is killed by SIGBUS. Good frames are never cut, so a copy read here stays
+        true; a tail read as it is being cut is just shorter (pending, read again next time)."""
         with self._lock:
             end = os.fstat(self._rfd).st_size
             if end <= self._scanned:
                 self._tail_pending = 0
                 return 0
-            with mmap.mmap(self._rfd, end, access=mmap.ACCESS_READ) as buf:
-                frames, corrupt, tail = _scan(buf, self._scanned, end)
-                for off, plen in frames:
-                    self._index_frame(buf, off, plen)
-            for off, n in corrupt:
-                log.warning("trajectory store %s: damaged bytes [%d, %d) skipped", self.directory, off, off + n)
+            n, off, corrupt = 0, self._scanned, []
+            while off < end:
+                head = os.pread(self._rfd, _FRAME.size, off)
+                if len(head) == _FRAME.size:
+                    magic, plen, crc = _FRAME.unpack(head)
+                    if magic == MAGIC and plen <= MAX_PAYLOAD and off + _FRAME.size + plen <= end:
+                        payload = os.pread(self._rfd, plen, off + _FRAME.size)
+                        if len(payload) == plen and zlib.crc32(payload) == crc:
+                            self._index_frame(payload, off, plen)
+                            n, off = n + 1, off + _FRAME.size + plen
+                            continue
+                # Damage or a tail: is a good frame further on (_scan)? Read from a copy of the rest.
+                rest = os.pread(self._rfd, end - off, off)
+                frames, bad, tail = _scan(rest, 0, len(rest))
+                view = memoryview(rest)
+                for f_off, plen in frames:
+                    self._index_frame(view[f_off + _FRAME.size : f_off + _FRAME.size + plen], off + f_off, plen)
+                n, corrupt, end, off = n + len(frames), [(off + o, k) for o, k in bad], off + len(rest), off + tail
+                break
+            for c_off, k in corrupt:
+                log.warning("trajectory store %s: damaged bytes [%d, %d) skipped", self.directory, c_off, c_off + k)
             self._corrupt.extend(corrupt)
-            self._scanned = tail
-            self._tail_pending = end - tail
-            return len(frames)
+            self._scanned = off
+            self._tail_pending = end - off
+            return n
 
-    def _index_frame(self, buf, off: int, plen: int) -> None:
+    def _index_frame(self, payload, off: int, plen: int) -> None:
+        """Index the frame at ``off`` from its payload's JSON header."""
         try:
-            p0 = off + _FRAME.size
-            (hlen,) = struct.unpack_from("<I", buf, p0) if plen >= 4 else (plen,)
-            h = json.loads(bytes(buf[p0 + 4 : p0 + 4 + min(hlen, plen - 4)]))
+            (hlen,) = struct.unpack_from("<I", payload, 0) if plen >= 4 else (plen,)
+            h = json.loads(bytes(payload[4 : 4 + min(hlen, plen - 4)]))
             if not isinstance(h, dict):
                 raise ValueError(f"header is {type(h).__name__}, not a JSON object")
             self._check_and_index(h, off, plen)
