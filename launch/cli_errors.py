@@ -35,7 +35,8 @@ def bad_override(config, argv) -> str | None:
         if not arg.startswith("--config."):
             continue
         dotted = arg[len("--config."):].split("=", 1)[0]
-        node, walked = config, []
+        node = config
+        walked: list[str] = []
         for part in dotted.split("."):
             keys = list(node.keys()) if hasattr(node, "keys") else []
             if part not in keys:
