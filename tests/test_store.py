@@ -395,7 +395,7 @@ def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_wri
         os.pwrite(fd, line[: len(line) // 2], offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(TrajectoryStore, "_journal_write", staticmethod(half_then_full))
+    monkeypatch.setattr(TrajectoryStore, "journal_write", staticmethod(half_then_full))
     with pytest.raises(StorageError, match="cursor.jsonl"):
         s.mark_trained(["a"], step=0)
     assert s.consumed() == {}  # memory says what the disk says
@@ -541,7 +541,7 @@ def _cursor_bytes(d: str, steps: int, monkeypatch) -> tuple[list[int], int]:
             st.append(call(f"r{s}-{k}", 0, n_prompt=2, n_out=1))
             st.append(outcome(f"r{s}-{k}"))
     written = [0]
-    real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore._journal_write
+    real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore.journal_write
 
     def atomic(path, obj):
         real_atomic(path, obj)
@@ -552,7 +552,7 @@ def _cursor_bytes(d: str, steps: int, monkeypatch) -> tuple[list[int], int]:
         return real_write(fd, line, offset)
 
     monkeypatch.setattr(store_mod, "_atomic_write_json", atomic)
-    monkeypatch.setattr(TrajectoryStore, "_journal_write", staticmethod(jwrite))
+    monkeypatch.setattr(TrajectoryStore, "journal_write", staticmethod(jwrite))
     monkeypatch.setattr(store_mod, "CURSOR_COMPACT_MIN_BYTES", 256)  # compactions within a short run
     per_step = []
     for s in range(steps):

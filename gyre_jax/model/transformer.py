@@ -130,10 +130,10 @@ class Transformer(nn.Module):
             u = u[:, : cfg.vocab_size]
         return u.astype(cfg.jnp_dtype)
 
-    def _embed(self, tokens_BxT):
+    def embed_tokens(self, tokens_BxT):
         return jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.config.jnp_dtype)
 
-    def _logits(self, hidden_BxTxD):
+    def head_logits(self, hidden_BxTxD):
         """[B, T, padded_vocab] float32 logits; padding ids get PAD_LOGIT so nothing samples them."""
         cfg = self.config
         logits = jnp.einsum(
@@ -157,7 +157,7 @@ class Transformer(nn.Module):
             "Transformer", tokens=tokens_BxL, positions=positions_BxL, segment_ids=segment_ids_BxL,
             subtree_end=subtree_end_BxL,
         )
-        x = self._embed(tokens_BxL)
+        x = self.embed_tokens(tokens_BxL)
         mask = self._tree_mask(segment_ids_BxL, subtree_end_BxL)
         valid = segment_ids_BxL > 0  # padding (segment 0) is routed but not counted in the MoE statistics
         per_layer = self._routing_per_layer(routing_BxLxR, tokens_BxL.shape)
@@ -167,7 +167,7 @@ class Transformer(nn.Module):
         hidden = self.final_norm(x)
         if return_hidden:
             return hidden, self.unembed_matrix()
-        return self._logits(hidden)
+        return self.head_logits(hidden)
 
     def _routing_per_layer(self, routing_BxLxR, shape):
         """Recorded routing [B, L, R] -> one [Y_run, B, L, K] block per stack (None for dense stacks)."""
@@ -227,7 +227,7 @@ class Transformer(nn.Module):
             chex.assert_shape(mask_BxTxS, (b, t, s), custom_message=f"{where}: mask must be [B, T, S]")
             chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
         chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
-        x = self._embed(tokens_BxT)
+        x = self.embed_tokens(tokens_BxT)
         if t == 1 and not isinstance(mask_BxTxS, (CacheMask, PagedMask)):
             # Decode: the scan carries the whole stacked cache and each layer writes its new
             # entry in place (the layer index runs on across stacks). Scanning over the cache
@@ -238,13 +238,13 @@ class Transformer(nn.Module):
                 carry, stats = stack(carry, None, positions_BxT, mask_BxTxS, cache_index_B, None, None)
                 self._sow_moe(stats)
             x, k, v, _ = carry
-            return self._logits(self.final_norm(x)), (k, v)
+            return self.head_logits(self.final_norm(x)), (k, v)
         runs = cfg.layer_runs()
         if len(runs) == 1:  # one stack: the whole cache in and out, no copies
             x, ((k, v), stats) = self.stacks[0](x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS,
                                                 cache_index_B, None, None)
             self._sow_moe(stats)
-            return self._logits(self.final_norm(x)), (k, v)
+            return self.head_logits(self.final_norm(x)), (k, v)
         ks, vs = [], []
         for stack, (_, start, stop, _) in zip(self.stacks, runs):
             x, ((k, v), stats) = stack(x, (k_YxBxSxKxH[start:stop], v_YxBxSxKxH[start:stop]), positions_BxT,
@@ -252,7 +252,7 @@ class Transformer(nn.Module):
             self._sow_moe(stats)
             ks.append(k)
             vs.append(v)
-        return self._logits(self.final_norm(x)), (jnp.concatenate(ks), jnp.concatenate(vs))
+        return self.head_logits(self.final_norm(x)), (jnp.concatenate(ks), jnp.concatenate(vs))
 
     def _sow_moe(self, stats):
         """MoE layers' routing statistics into the "intermediates" collection, one [Y_run, E] entry per stack

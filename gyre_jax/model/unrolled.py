@@ -65,11 +65,11 @@ def layer_sharding(stacked: NamedSharding) -> NamedSharding:
 
 
 def _embed(module: Transformer, tokens_BxT):
-    return module._embed(tokens_BxT)
+    return module.embed_tokens(tokens_BxT)
 
 
 def _head(module: Transformer, hidden_BxTxD):
-    return module._logits(module.final_norm(hidden_BxTxD))
+    return module.head_logits(module.final_norm(hidden_BxTxD))
 
 
 def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_BxT, mask, ks: tuple, vs: tuple,

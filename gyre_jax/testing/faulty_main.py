@@ -11,7 +11,7 @@ Sites (``SITES``), each with its error:
   call        the proxy's call record: the store's frame write (os.writev) for a ModelCallRecord, ENOSPC
   outcome     the grader's outcome: the store's frame write for a RolloutOutcome, EIO
   log_sync    the store's fsync of its log after a frame (every ``fsync_interval_s``), EIO
-  cursor      the store's cursor journal line (``TrajectoryStore._journal_write``), ENOSPC
+  cursor      the store's cursor journal line (``TrajectoryStore.journal_write``), ENOSPC
   checkpoint  Orbax's checkpoint save (``CheckpointManager.save``), ENOSPC
   publisher   a weight publication into a serving cell (``WeightPublisher.publish``), EIO: retried,
               then the cell goes out of service, and with every serving cell out the run stops
@@ -90,7 +90,7 @@ def install(plan: FaultPlan) -> Callable[[], None]:
 
     where = threading.local()
     saved = [(store_mod, "os", store_mod.os), (store_mod.TrajectoryStore, "append", store_mod.TrajectoryStore.append),
-             (store_mod.TrajectoryStore, "_journal_write", store_mod.TrajectoryStore.__dict__["_journal_write"]),
+             (store_mod.TrajectoryStore, "journal_write", store_mod.TrajectoryStore.__dict__["journal_write"]),
              (ocp.CheckpointManager, "save", ocp.CheckpointManager.save),
              (publish.WeightPublisher, "publish", publish.WeightPublisher.publish)]
     store_mod.os = _FaultyOS(os, plan, where)  # type: ignore[assignment]
@@ -106,13 +106,13 @@ def install(plan: FaultPlan) -> Callable[[], None]:
             where.site = None
 
     store_mod.TrajectoryStore.append = append  # type: ignore[method-assign]
-    real_journal = store_mod.TrajectoryStore._journal_write
+    real_journal = store_mod.TrajectoryStore.journal_write
 
     def journal_write(fd, line, offset):
         plan.write("cursor")
         return real_journal(fd, line, offset)
 
-    store_mod.TrajectoryStore._journal_write = staticmethod(journal_write)  # type: ignore[method-assign]
+    store_mod.TrajectoryStore.journal_write = staticmethod(journal_write)  # type: ignore[method-assign]
     _wrap(ocp.CheckpointManager, "save", lambda: plan.write("checkpoint"))
     _wrap(publish.WeightPublisher, "publish", lambda: plan.write("publisher"))
 

@@ -814,7 +814,7 @@ class TrajectoryStore:
         try:
             if os.fstat(fd).st_size != start:
                 os.ftruncate(fd, start)  # a torn tail, or a failed write that could not be cut back then
-            if self._journal_write(fd, line, start) != len(line):
+            if self.journal_write(fd, line, start) != len(line):
                 raise OSError(28, "short write to the cursor journal")
             os.fsync(fd)
         except OSError as e:
@@ -848,8 +848,8 @@ class TrajectoryStore:
             return 0
 
     @staticmethod
-    def _journal_write(fd: int, line: bytes, offset: int) -> int:
-        return os.pwrite(fd, line, offset)  # a method so a test can make it fail like a full disk
+    def journal_write(fd: int, line: bytes, offset: int) -> int:
+        return os.pwrite(fd, line, offset)  # one seam for every journal write, so a fault injector (testing/faulty_main) can fail it like a full disk
 
     def _consume(self, rollout_ids: Iterable[str], entry: dict) -> None:
         with self._lock:
