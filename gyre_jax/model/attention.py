@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.layers import RMSNorm, dense_init, rope, rope_inv_freq
+from gyre_jax.model.layers import RMSNorm, dense_param, rope, rope_inv_freq
 from gyre_jax.model.paged import PagedMask, page_slots, paged_attention, write_pages
 from gyre_jax.model.tree_attention import CacheMask, TreeMask, attend_structured
 
@@ -120,15 +120,10 @@ class Attention(nn.Module):
         dt = cfg.jnp_dtype
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
-        def w(name, shape, axes, fan_in):
-            return self.param(
-                name, nn.with_logical_partitioning(dense_init(fan_in), axes), shape, cfg.jnp_param_dtype
-            ).astype(dt)
-
-        wq_DxNxH = w("q", (d, n, h), ("embed", "heads", "head_dim"), d)
-        wk_DxKxH = w("k", (d, kv, h), ("embed", "kv_heads", "head_dim"), d)
-        wv_DxKxH = w("v", (d, kv, h), ("embed", "kv_heads", "head_dim"), d)
-        wo_NxHxD = w("o", (n, h, d), ("heads", "head_dim", "embed"), n * h)
+        wq_DxNxH = dense_param(self, "q", (d, n, h), ("embed", "heads", "head_dim"), d)
+        wk_DxKxH = dense_param(self, "k", (d, kv, h), ("embed", "kv_heads", "head_dim"), d)
+        wv_DxKxH = dense_param(self, "v", (d, kv, h), ("embed", "kv_heads", "head_dim"), d)
+        wo_NxHxD = dense_param(self, "o", (n, h, d), ("heads", "head_dim", "embed"), n * h)
 
         x = x_BxTxD.astype(dt)
         q = jnp.einsum("btd,dnh->btnh", x, wq_DxNxH)

@@ -6,6 +6,7 @@ mapping from logical names to mesh axes lives with the cells, not here.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,14 @@ from gyre_jax.model.config import ModelConfig
 # checkpoints overwrite it anyway.
 def dense_init(fan_in: int):
     return nn.initializers.normal(stddev=fan_in**-0.5)
+
+
+def dense_param(module: nn.Module, name: str, shape, axes, fan_in: int):
+    """A weight of ``module`` (dense_init, logical axes for the sharding rules), stored in the
+    config's param dtype and cast to its compute dtype: every block's weights are made this way."""
+    cfg = module.config  # type: ignore[attr-defined]  # every model block carries its ModelConfig
+    w = module.param(name, nn.with_logical_partitioning(dense_init(fan_in), axes), shape, cfg.jnp_param_dtype)
+    return cast(jax.Array, w).astype(cfg.jnp_dtype)  # flax hands back the unboxed array, not the partitioning box
 
 
 class RMSNorm(nn.Module):
@@ -96,14 +105,9 @@ class MLP(nn.Module):
         cfg = self.config
         dt = cfg.jnp_dtype
 
-        def w(name, shape, axes, fan_in):
-            return self.param(
-                name, nn.with_logical_partitioning(dense_init(fan_in), axes), shape, cfg.jnp_param_dtype
-            ).astype(dt)
-
-        gate_DxF = w("gate", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.d_model)
-        up_DxF = w("up", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.d_model)
-        down_FxD = w("down", (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.d_ff)
+        gate_DxF = dense_param(self, "gate", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.d_model)
+        up_DxF = dense_param(self, "up", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.d_model)
+        down_FxD = dense_param(self, "down", (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.d_ff)
         x = x_BxLxD.astype(dt)
         h_BxLxF = nn.silu(x @ gate_DxF) * (x @ up_DxF)
         return h_BxLxF @ down_FxD

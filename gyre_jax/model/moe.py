@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.layers import dense_init
+from gyre_jax.model.layers import dense_param
 from gyre_jax.sharding import RULES
 
 
@@ -210,15 +210,10 @@ class MoE(nn.Module):
         dt = cfg.jnp_dtype
         d, e, f, k = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
 
-        def w(name, shape, axes, fan_in):
-            return self.param(
-                name, nn.with_logical_partitioning(dense_init(fan_in), axes), shape, cfg.jnp_param_dtype
-            ).astype(dt)
-
-        router_DxE = w("router", (d, e), ("embed", None), d)
-        gate_ExDxF = w("gate", (e, d, f), ("expert", "embed", "moe_mlp"), d)
-        up_ExDxF = w("up", (e, d, f), ("expert", "embed", "moe_mlp"), d)
-        down_ExFxD = w("down", (e, f, d), ("expert", "moe_mlp", "embed"), f)
+        router_DxE = dense_param(self, "router", (d, e), ("embed", None), d)
+        gate_ExDxF = dense_param(self, "gate", (e, d, f), ("expert", "embed", "moe_mlp"), d)
+        up_ExDxF = dense_param(self, "up", (e, d, f), ("expert", "embed", "moe_mlp"), d)
+        down_ExFxD = dense_param(self, "down", (e, f, d), ("expert", "moe_mlp", "embed"), f)
         b, t, _ = x_BxTxD.shape
         x_NxD = x_BxTxD.astype(dt).reshape(b * t, d)
         probs_NxE, w_NxK, idx_NxK = route(x_NxD, router_DxE, k, cfg.norm_topk_prob)
