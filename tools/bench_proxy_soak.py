@@ -2,10 +2,14 @@
 
   python tools/bench_proxy_soak.py [--calls 20000] [--clients 32] [--calls-per-rollout 8]
   python tools/bench_proxy_soak.py --calls 4000 --tracemalloc 10   # also: top allocation growth
+  python tools/bench_proxy_soak.py --backend engine --calls 4000 --every 500   # the real engine behind it
 
 The server is its own process (so the RSS is the proxy's, not the clients'): the real Proxy
 (aiohttp, 127.0.0.1) over a FakeBackend cell (a fast scripted model: the proxy's memory is
-measured, not a model's) writing to a real TrajectoryStore in a temp dir. It takes commands on
+measured, not a model's) writing to a real TrajectoryStore in a temp dir. ``--backend engine``
+puts the real serving stack there instead: a tiny random model in a GyreEngine (JetStream's
+engine API, continuous batching, prefix cache, one slot per client) behind a JetStreamBackend,
+so the RSS covers the engine, its driver threads and the recorded outputs as the RL job runs them. It takes commands on
 stdin, as the RL job's rollout runner would act in the same process: ``issue`` a rollout key,
 ``finish`` a rollout (its outcome appended to the store, its key revoked), ``stats``.
 
@@ -71,21 +75,39 @@ async def _held(proxy) -> dict:  # read on the server's loop, where the structur
     return proxy.held()
 
 
-def serve(store_dir: str, trace: int) -> None:
+def _backend(kind: str, slots: int, max_len: int):
+    from gyre_jax.testing.fake_backend import FakeBackend
+
+    if kind == "fake":
+        return FakeBackend("A", max_context=16384, capacity=64)
+    import jax
+
+    from gyre_jax.model import ModelConfig, init_params
+    from gyre_jax.serving.engine import GyreEngine
+    from gyre_jax.serving.jetstream_backend import JetStreamBackend
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    cfg = ModelConfig(vocab_size=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
+                      max_seq_len=max_len)
+    engine = GyreEngine(cfg, init_params(cfg, jax.random.key(0)), max_slots=slots, max_len=max_len, tokens_per_call=4)
+    return JetStreamBackend(engine)
+
+
+def serve(store_dir: str, trace: int, backend: str = "fake", slots: int = 32, max_len: int = 4096) -> None:
     import tracemalloc
 
     from gyre_jax.serving.proxy import Proxy, ProxyConfig
     from gyre_jax.serving.router import Router
     from gyre_jax.serving.server_thread import ServerThread
     from gyre_jax.serving.tokenizer import ByteTokenizer
-    from gyre_jax.testing.fake_backend import FakeBackend
     from gyre_jax.trajectory.records import RolloutOutcome
     from gyre_jax.trajectory.store import TrajectoryStore
 
     store = TrajectoryStore(store_dir, run_id=RUN)
+    cell = _backend(backend, slots, max_len)
 
     async def build():
-        return Proxy(Router([FakeBackend("A", max_context=16384, capacity=64)]), ByteTokenizer(), store,
+        return Proxy(Router([cell]), ByteTokenizer(), store,
                      ProxyConfig(auth_token="soak-token-" + os.urandom(8).hex(), require_binding=True))
 
     st = ServerThread(build)
@@ -144,6 +166,7 @@ async def soak(a) -> dict:
     store_dir = tempfile.mkdtemp(prefix="gyre_soak_")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--serve", store_dir, "--tracemalloc", str(a.tracemalloc),
+        "--backend", a.backend, "--clients", str(a.clients), "--max-len", str(a.max_len),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 20)
     srv = Server(proc)
     url = json.loads(await proc.stdout.readline())["url"]
@@ -222,11 +245,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--plateau-kb", type=float, default=64.0,
                     help="slope (KB per 1,000 calls) at or below which RSS counts as level")
     ap.add_argument("--tracemalloc", type=int, default=0, help="report the N allocation sites that grew most")
+    ap.add_argument("--backend", choices=("fake", "engine"), default="fake",
+                    help="fake: a scripted cell (the proxy alone); engine: a tiny real model in a GyreEngine")
+    ap.add_argument("--max-len", type=int, default=4096, help="the engine's KV capacity per slot (tokens)")
     ap.add_argument("--serve", metavar="STORE_DIR", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve:
-        serve(a.serve, a.tracemalloc)
+        serve(a.serve, a.tracemalloc, a.backend, a.clients, a.max_len)
         return {}
+    need = a.prompt_bytes + 64 + a.calls_per_rollout * (a.max_tokens + 32)
+    if a.backend == "engine" and need > a.max_len:
+        ap.error(f"--max-len {a.max_len} is below a rollout's last prompt (~{need} byte tokens): raise it or "
+                 f"lower --prompt-bytes / --calls-per-rollout")
     for f in ("calls", "clients", "calls_per_rollout", "max_tokens", "every"):
         if getattr(a, f) < 1:
             ap.error(f"--{f.replace('_', '-')} must be >= 1, got {getattr(a, f)}")
@@ -256,7 +286,10 @@ def main(argv=None) -> dict:
            "calls_per_s": round(n[-1] / r["wall"], 1), "errors": r["errors"],
            "keys": last["keys"], "registered": last["registered"], "ledger": last["ledger"],
            "affinity": last["affinity"], "store_rollouts": last["store_rollouts"],
-           "sizes": {"prompt_bytes": a.prompt_bytes, "max_tokens": a.max_tokens, "warmup": a.warmup}}
+           "backend": a.backend,
+           "sizes": {"prompt_bytes": a.prompt_bytes, "max_tokens": a.max_tokens, "warmup": a.warmup,
+                     **({"model": "272 vocab, d 64, 2 layers", "slots": a.clients, "max_len": a.max_len}
+                        if a.backend == "engine" else {})}}
     print(json.dumps(out))
     return out
 
