@@ -10,6 +10,7 @@ same workdir resumes to the end with nothing lost, trained twice or short (``gyr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -154,6 +155,61 @@ def test_a_fault_before_the_first_periodic_checkpoint_loses_nothing(tmp_path, in
     inject.undo()
     summary = drive(build(fake_config(2), wd, make_backend=fake_tiny_backend))
     assert summary["steps"] == 2
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == [] and set(outs_at_stop) <= set(consumed)
+    assert_consumed_once(outs, consumed)
+
+
+def _drive_within(c, seconds: float) -> dict:
+    """``drive(c)``, stopped with RunFailed naming the stall if it is not done within ``seconds``."""
+    import threading
+
+    from gyre_jax.rl.loop import drive
+
+    def stall():
+        c.launcher.errors.append(TimeoutError(f"stalled: not done after {seconds:.0f}s at step "
+                                              f"{c.trainer.steps_done}, in_flight={c.launcher.running_rollouts()}"))
+        c.wake.set()
+
+    timer = threading.Timer(seconds, stall)
+    timer.start()
+    try:
+        return drive(c)
+    finally:
+        timer.cancel()
+
+
+def test_a_resume_from_checkpoint_0_past_the_bound_trains_everything_without_stalling(tmp_path, inject, capsys):
+    """A stop in step 1 or 2 (a kill: no save after it) with only checkpoint 0 on disk: the rerun rewinds to version 0 with more
+    groups (finished, and cut short) than steps 0..S hold, none old enough to be a must-take at step 0.
+    The take rule refused them all and nothing was launched: the run sat at step 0 with in_flight=0
+    (bench_chaos's outcome trial, 13 min, twice). Now the oldest are taken, the excess trains late, and
+    every finished rollout is consumed once."""
+    from gyre_jax.rl.build import build
+    from gyre_jax.rl.loop import drive
+    from gyre_jax.testing.fake_engine import fake_tiny_backend
+    from test_rl_failures import assert_consumed_once, fake_config, store_view
+
+    wd = str(tmp_path / "elastic")
+    cfg = fake_config(4, checkpoint_every=100)  # checkpoint 0 and the last: a stop in between rewinds to 0
+    inject("outcome", 21)  # 20 outcomes written: past step 0's 8 rollouts, in steps 1-2
+    with pytest.raises(StorageError, match="Input/output error"):
+        drive(build(cfg, wd, make_backend=fake_tiny_backend))
+    ckpts = os.path.join(wd, "checkpoints")
+    for step in os.listdir(ckpts):  # what a kill -9 leaves: no save after the failure, only checkpoint 0
+        if step.isdigit() and int(step) > 0:
+            shutil.rmtree(os.path.join(ckpts, step))
+    outs_at_stop, _, _ = store_view(wd)
+    inject.undo()
+    capsys.readouterr()
+    c = build(cfg, wd, make_backend=fake_tiny_backend)
+    resumed = capsys.readouterr().out
+    s = cfg.scheduler
+    groups = len(c.trainer.progress().ready_groups) + sum(c.launcher.running_groups().values())
+    assert "resumed from checkpoint step 0" in resumed and groups > s.groups_per_step * (1 + s.staleness_bound), \
+        (groups, resumed)  # the rewind really is past the bound (else this tests nothing)
+    summary = _drive_within(c, 240)  # ~35 s under load; the stall waited for ever
+    assert summary["steps"] == 4
     outs, consumed, unfinished = store_view(wd)
     assert unfinished == [] and set(outs_at_stop) <= set(consumed)
     assert_consumed_once(outs, consumed)
