@@ -148,8 +148,8 @@ def _fault_n(site: str, a, rng: random.Random) -> int:
         return rng.randint(1, 10)
     if site == "cursor":  # one or two journal lines per step (trained, dropped)
         return rng.randint(1, last)
-    if site == "checkpoint":  # saves at every checkpoint_every-th step and the last
-        return rng.randint(1, max(1, a.steps // a.checkpoint_every))
+    if site == "checkpoint":  # checkpoint 0 at the start (write 1), then every checkpoint_every-th step and the last
+        return rng.randint(2, 1 + max(1, a.steps // a.checkpoint_every))
     return rng.randint(4, 3 + last)  # publisher: after the start's loads into the serving cells, one per step
 
 
