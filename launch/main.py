@@ -23,10 +23,17 @@ or the RL job with one cell per process (process 0 the core):
 ``python tools/launch_local.py -n 4 -- --config configs/demo.py``.
 A config with ``recoverable_processes=True`` keeps the run going when one process dies.
 """
-import logging as pylogging
 import os
 import signal
 import sys
+
+from launch import early_stop
+
+if __name__ == "__main__":  # first: a stop during the imports below and JAX's start is one line, never rc -15
+    early_stop.install()
+
+# After the handler: these imports take seconds.
+import logging as pylogging
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -121,7 +128,9 @@ def main(argv):
     line = (f"process {info.process_index} of {info.process_count} ({info.how}): {len(info.local_devices)} local "
             f"devices ({', '.join(kinds)}), {info.global_device_count} global")
     print(f"launch: {line}; job={config.job} workdir={workdir}", flush=True)
-    signal.signal(signal.SIGTERM, _stop_on_signal)  # like Ctrl-C: the loop saves, then one line
+    # From here the job answers: SIGTERM like Ctrl-C (the loop saves, then one line), Ctrl-C as KeyboardInterrupt.
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         job(config, workdir)
         _exit_cleanly()

@@ -4,6 +4,7 @@
 The run is ``python -m launch.main --config configs/demo.py`` with a tiny model and an SFT phase far
 longer than the test, so the stop lands in it; the gyre-warm thread compiles the cells' training steps
 meanwhile (what aborted the process when it ended through interpreter teardown). Both slow (a real launch and its compiles); the second adds the rerun to the end.
+A stop earlier still, during the imports, is answered the same way (launch/early_stop.py; seconds, default run).
 """
 from __future__ import annotations
 
@@ -67,3 +68,30 @@ def test_after_a_stop_during_the_sft_warm_start_the_rerun_completes(tmp_path):
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert os.path.exists(os.path.join(wd, "elastic", "summary.json"))
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_during_the_imports_is_one_line_and_the_documented_code(tmp_path, sig, code):
+    """A stop before the job runs (here: once absl is imported, while the rest of the imports and JAX's
+    start run) found Python's defaults: SIGTERM killed the process with no line (rc -15), SIGINT raised
+    KeyboardInterrupt out of an import (a traceback). ``-X importtime`` says when an import finished."""
+    p = subprocess.Popen([sys.executable, "-X", "importtime", *_cmd(str(tmp_path), "--config.steps=1")[1:]], cwd=ROOT,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(TIMEOUT_S, p.kill)
+    watchdog.start()
+    said = []
+    try:
+        for line in p.stderr:
+            if line.rstrip().endswith("| absl.app"):  # launch.main's imports are under way
+                p.send_signal(sig)
+                break
+            said.append(line.rstrip("\n"))
+        said += p.stderr.read().splitlines()
+        p.wait()
+    finally:
+        watchdog.cancel()
+    said = [x for x in said if not x.startswith("import time:")]
+    assert p.returncode == code, (p.returncode, said[-10:])
+    assert said and said[-1].startswith(f"stopped: {sig.name} while starting"), said[-10:]
+    assert not any("Traceback" in x for x in said), said[-10:]
+    assert os.listdir(tmp_path) == []  # nothing written

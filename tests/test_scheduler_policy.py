@@ -188,6 +188,21 @@ def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():
     assert P.takeable_groups(s, cfg(staleness_bound=2)) == 1
 
 
+def test_a_resume_past_the_bound_at_step_0_takes_the_oldest_groups_instead_of_stalling():
+    # bench_chaos: a stop in step 1 resumed from checkpoint 0 with 15 finished and 9 re-running groups, all of
+    # version 0 (the lost steps' tokens count as the restored policy's), while steps 0..S hold 16: more than
+    # fit within the bound. No group is a must-take at step 0 (version <= -1), and the rule refused every
+    # other take because step 1 was already over: nothing taken, nothing launched, for ever.
+    c = cfg(groups_per_step=8, group_size=8, staleness_bound=1, total_steps=8)
+    ready = tuple(P.ReadyGroup(version=0, work_s=1.0) for _ in range(15))
+    s = state(ready_groups=ready, running_groups=((0, 9),), running_rollouts=72, launched_groups=24)
+    assert of(P.decide(s, c), P.TakeGroups) == [P.TakeGroups(8)]
+    assert P.launch_allowance(s, c, 8) == 0  # the excess is trained first, late; no new group adds to it
+    # the next step takes the rest oldest first: version 0 is due by step 1 now
+    s1 = dataclasses.replace(s, steps_done=1, published_version=1, ready_groups=ready[8:], launched_groups=24)
+    assert P.takeable_groups(s1, c) == 7
+
+
 def test_without_streaming_a_step_takes_only_a_whole_batch():
     ready = tuple(P.ReadyGroup(version=0, work_s=1.0) for _ in range(3))
     s = state(ready_groups=ready, running_groups=((0, 1),), launched_groups=4)
@@ -302,7 +317,8 @@ def reference_takeable(s, c):
             n += 1
             continue
         unassigned = [v for v, k in s.running_groups for _ in range(k)] + [r.version for r in s.ready_groups[n + 1:]]
-        if all(sum(v <= w - S for v in unassigned) <= (slots_left - n - 1) + G * (w - u)
+        # a step w the group is due by is no worse off for taking it (it holds a position one of w's would)
+        if all(g.version <= w - S or sum(v <= w - S for v in unassigned) <= (slots_left - n - 1) + G * (w - u)
                for w in range(u, min(N - 1, u + S) + 1)):
             n += 1
         else:

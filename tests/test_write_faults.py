@@ -10,6 +10,7 @@ same workdir resumes to the end with nothing lost, trained twice or short (``gyr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,18 +26,25 @@ from test_store import call, outcome
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def inject():
-    undo = []
+class _Injector:
+    def __init__(self):
+        self._undo: list = []
 
-    def go(site: str, n: int) -> faulty_main.FaultPlan:
+    def __call__(self, site: str, n: int) -> faulty_main.FaultPlan:
         plan = faulty_main.FaultPlan(site, n)
-        undo.append(faulty_main.install(plan))
+        self._undo.append(faulty_main.install(plan))
         return plan
 
-    yield go
-    for u in undo:
-        u()
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+@pytest.fixture
+def inject():
+    i = _Injector()
+    yield i
+    i.undo()
 
 
 @pytest.mark.parametrize("site, write, errtext", [
@@ -125,3 +133,83 @@ def test_an_injected_outcome_fault_stops_the_demo_and_the_rerun_resumes(tmp_path
     au = audit_workdir(os.path.join(wd, "elastic"), group_size=4,
                        staleness_bound=demo_config.get_config().scheduler.staleness_bound)
     assert (au["rollouts_lost"], au["rollouts_trained_twice"], au["groups_short"], au["duplicate_steps"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.slow  # two short runs of the loop on fake engines: ~1-3 min under load
+def test_a_fault_before_the_first_periodic_checkpoint_loses_nothing(tmp_path, inject):
+    """The fifth outcome fails (step 0 has two groups of four: the first group is finished, the second cut
+    short) before any update: the rerun must resume from the starting policy's checkpoint 0 and train the
+    finished group, not start afresh past the store's finished rollouts (which lost them: audit lost=5 in
+    bench_chaos's outcome trial)."""
+    from gyre_jax.rl.build import build
+    from gyre_jax.rl.loop import drive
+    from gyre_jax.testing.fake_engine import fake_tiny_backend
+    from test_rl_failures import assert_consumed_once, fake_config, store_view
+
+    wd = str(tmp_path / "elastic")
+    inject("outcome", 5)
+    with pytest.raises(StorageError, match="Input/output error"):
+        drive(build(fake_config(2), wd, make_backend=fake_tiny_backend))
+    outs_at_stop, _, _ = store_view(wd)
+    assert len(outs_at_stop) == 4
+    inject.undo()
+    summary = drive(build(fake_config(2), wd, make_backend=fake_tiny_backend))
+    assert summary["steps"] == 2
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == [] and set(outs_at_stop) <= set(consumed)
+    assert_consumed_once(outs, consumed)
+
+
+def _drive_within(c, seconds: float) -> dict:
+    """``drive(c)``, stopped with RunFailed naming the stall if it is not done within ``seconds``."""
+    import threading
+
+    from gyre_jax.rl.loop import drive
+
+    def stall():
+        c.launcher.errors.append(TimeoutError(f"stalled: not done after {seconds:.0f}s at step "
+                                              f"{c.trainer.steps_done}, in_flight={c.launcher.running_rollouts()}"))
+        c.wake.set()
+
+    timer = threading.Timer(seconds, stall)
+    timer.start()
+    try:
+        return drive(c)
+    finally:
+        timer.cancel()
+
+
+def test_a_resume_from_checkpoint_0_past_the_bound_trains_everything_without_stalling(tmp_path, inject, capsys):
+    """A stop in step 1 or 2 (a kill: no save after it) with only checkpoint 0 on disk: the rerun rewinds to version 0 with more
+    groups (finished, and cut short) than steps 0..S hold, none old enough to be a must-take at step 0.
+    The take rule refused them all and nothing was launched: the run sat at step 0 with in_flight=0
+    (bench_chaos's outcome trial, 13 min, twice). Now the oldest are taken, the excess trains late, and
+    every finished rollout is consumed once."""
+    from gyre_jax.rl.build import build
+    from gyre_jax.rl.loop import drive
+    from gyre_jax.testing.fake_engine import fake_tiny_backend
+    from test_rl_failures import assert_consumed_once, fake_config, store_view
+
+    wd = str(tmp_path / "elastic")
+    cfg = fake_config(4, checkpoint_every=100)  # checkpoint 0 and the last: a stop in between rewinds to 0
+    inject("outcome", 21)  # 20 outcomes written: past step 0's 8 rollouts, in steps 1-2
+    with pytest.raises(StorageError, match="Input/output error"):
+        drive(build(cfg, wd, make_backend=fake_tiny_backend))
+    ckpts = os.path.join(wd, "checkpoints")
+    for step in os.listdir(ckpts):  # what a kill -9 leaves: no save after the failure, only checkpoint 0
+        if step.isdigit() and int(step) > 0:
+            shutil.rmtree(os.path.join(ckpts, step))
+    outs_at_stop, _, _ = store_view(wd)
+    inject.undo()
+    capsys.readouterr()
+    c = build(cfg, wd, make_backend=fake_tiny_backend)
+    resumed = capsys.readouterr().out
+    s = cfg.scheduler
+    groups = len(c.trainer.progress().ready_groups) + sum(c.launcher.running_groups().values())
+    assert "resumed from checkpoint step 0" in resumed and groups > s.groups_per_step * (1 + s.staleness_bound), \
+        (groups, resumed)  # the rewind really is past the bound (else this tests nothing)
+    summary = _drive_within(c, 240)  # ~35 s under load; the stall waited for ever
+    assert summary["steps"] == 4
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == [] and set(outs_at_stop) <= set(consumed)
+    assert_consumed_once(outs, consumed)

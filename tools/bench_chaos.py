@@ -148,8 +148,8 @@ def _fault_n(site: str, a, rng: random.Random) -> int:
         return rng.randint(1, 10)
     if site == "cursor":  # one or two journal lines per step (trained, dropped)
         return rng.randint(1, last)
-    if site == "checkpoint":  # saves at every checkpoint_every-th step and the last
-        return rng.randint(1, max(1, a.steps // a.checkpoint_every))
+    if site == "checkpoint":  # checkpoint 0 at the start (write 1), then every checkpoint_every-th step and the last
+        return rng.randint(2, 1 + max(1, a.steps // a.checkpoint_every))
     return rng.randint(4, 3 + last)  # publisher: after the start's loads into the serving cells, one per step
 
 
@@ -278,9 +278,9 @@ def run_trial(trial: int, a, rng: random.Random, rows: list, *, disk_mb: float |
             finish(att, "hang", desc + f" (no exit in {a.term_grace_s:.0f}s)", stop_s)
         else:
             t["sigterm"] += 1
-            # -15: the stop came before launch.main installed its handler (imports): the default action, with
-            # nothing written yet; a shell reports it as the same 143.
-            if rc not in (0, 143, -signal.SIGTERM):
+            # Never -15 (the default action, no line): launch.main answers a stop from its first line on
+            # (launch/early_stop.py), so a signal death means its handler came too late again.
+            if rc not in (0, 143):
                 t["failed_rc"].append(rc)
             finish(att, rc, desc, stop_s)
             if rc == 0:

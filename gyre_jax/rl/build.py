@@ -432,6 +432,11 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
         params, sft_history = fresh_params(cfg, base.tok, mesh)
         ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
         state, steps_done = spec.state_from_params(params, mesh), 0
+        # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
+        # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
+        # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
+        save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
+                        cfg.scheduler.mode, 0, force=True)
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
     trainer = cells_lib.ElasticTrainer(place.steps, place.layout.core, state)

@@ -236,8 +236,9 @@ def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
     """How many ready groups the open step may take now (oldest version first).
 
     A group of version v <= u - S must be trained in step u: always take it. Another
-    group is taken only if, afterwards, for every step w in [u, u + S] the unassigned
-    groups of version <= w - S still fit in the positions left up to w. Ready groups are
+    group is taken only if, afterwards, for every step w in [u, u + S] that it is not due by
+    (v > w - S), the unassigned groups of version <= w - S still fit in the positions left up
+    to w (a group due by w takes a position one of those would: w is no worse off). Ready groups are
     handled a version at a time (the buffer is sorted by version), so a tick costs
     O(versions x S), not O(ready groups).
     """
@@ -263,13 +264,13 @@ def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
         room = min(count, slots_left - n)
         if v > u - S:
             for w in range(u, min(N - 1, u + S) + 1):
-                must = sum(c for vv, c in rest.items() if vv <= w - S)
-                free = slots_left - n + G * (w - u)
-                if v <= w - S:  # taking one of these removes one `must` and one position
-                    if must > free:
-                        room = 0
-                else:  # taking j of these keeps `must` and removes j positions
-                    room = min(room, free - must)
+                # A group due by w (v <= w - S) takes a position one of step w's `must` groups would: w's
+                # overdue count stays as it is, so it is never refused for w. (Refusing when w was already
+                # over, which only a resume that rewound past the bound leaves, stalled the run: at step 0
+                # no group is old enough to be a must-take, so nothing was taken or launched, ever.)
+                if v > w - S:  # taking j of these keeps `must` and removes j positions
+                    must = sum(c for vv, c in rest.items() if vv <= w - S)
+                    room = min(room, slots_left - n + G * (w - u) - must)
             room = max(room, 0)
         n += room
         rest[v] -= room

@@ -147,6 +147,9 @@ def parse(argv: list[str]) -> tuple[FaultPlan, list[str]]:
 
 
 def main() -> None:
+    from launch import early_stop
+
+    early_stop.install()  # as launch.main does first: a stop during the imports is one line
     plan, argv = parse(sys.argv[1:])
     from absl import app
 
