@@ -3,8 +3,8 @@
 The real stack at its cheapest: one cell of the 8 test devices (colocate: it serves, then
 trains), the byte tokenizer's short prompts (one prefill bucket), one step. The engine decodes
 with the MoE block and records each sampled token's experts through the HTTP proxy into the
-store; the train step dispatches over the training mesh's 'expert' axis and replays that
-routing. tests/test_hf_moe.py's slow test runs the same through a Qwen3-MoE checkpoint, its
+store, its experts split over the serving mesh's 'expert' axis; the train step dispatches over
+the training mesh's 'expert' axis and replays that routing. tests/test_hf_moe.py's slow test runs the same through a Qwen3-MoE checkpoint, its
 chat template and the HF export.
 """
 from __future__ import annotations
@@ -14,9 +14,11 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from configs import demo as demo_config
 from gyre_jax import jobs
+from gyre_jax.errors import ConfigError
 from gyre_jax.model import init_params
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.trajectory.store import TrajectoryStore
@@ -28,8 +30,9 @@ def moe_demo_config():
     c = demo_config.get_config()
     c.steps, c.progress, c.checkpoint_every, c.first_last = 1, False, 1, 1
     c.model.update(dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, max_seq_len=96, **MOE))
-    # One cell of 8: training mesh fsdp=4 x expert=2 (the loss dispatches all-to-all), serving mesh data=8.
-    c.cells.update(dict(cell_size=8, train_expert=2, max_slots=4, max_len=96))
+    # One cell of 8: training mesh fsdp=4 x expert=2 and serving mesh data=4 x expert=2 (the loss, prefill and
+    # decode dispatch tokens to the experts all-to-all).
+    c.cells.update(dict(cell_size=8, train_expert=2, serve_expert=2, max_slots=4, max_len=96))
     c.scheduler.update(dict(mode="colocate", groups_per_step=1, group_size=4, min_work_per_switch_s=0.0))
     # A loaded host compiles the engine's first prefill slowly: the deadline only bounds a hang.
     c.harness.update(dict(max_tokens=12, deadline_s=300.0, request_timeout_s=300.0))
@@ -77,3 +80,16 @@ def test_rl_step_on_a_tiny_moe_model_through_the_proxy(tmp_path):
     for name in ("gate", "up", "down"):
         moved_E = np.abs(after[name] - np.asarray(before[name]))[0].reshape(4, -1).max(axis=1)
         assert (moved_E[used] > 1e-4).all(), (name, moved_E, used)
+
+
+def test_expert_degrees_must_split_the_experts():
+    for knob, degree in (("serve_expert", 8), ("train_expert", 8)):
+        c = moe_demo_config()
+        c.cells[knob] = degree
+        with pytest.raises(ConfigError, match=f"config.cells.{knob}=8: model.num_experts=4 does not split evenly"):
+            RLConfig.from_config(c)
+    c = moe_demo_config()
+    c.model.update(dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, router_aux_loss_coef=0.0))
+    c.train.routing_replay = False
+    with pytest.raises(ConfigError, match=r"config.cells.train_expert=2 splits .* dense \(model.num_experts=0\)"):
+        RLConfig.from_config(c)

@@ -67,8 +67,8 @@ from gyre_jax.model import decode as mdecode
 from gyre_jax.model.unrolled import LayerParams, layer_sharding, split_params
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
-    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, kv_bytes_per_page,
-    kv_memory_plan,
+    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, expert_parallel,
+    kv_bytes_per_page, kv_memory_plan,
 )
 from gyre_jax.serving.engine_paged import PagedSlots
 from gyre_jax.serving.pages import PagePool, PrefixPages
@@ -127,7 +127,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                  kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None):
         """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
 
-        mesh: the cell's serving mesh (axes 'data', 'tensor'); default: device 0.
+        mesh: the cell's serving mesh (axes 'data', 'tensor', and 'expert' to split an MoE
+          model's experts over: engine_state.py); default: device 0.
         special_ids: (bos, eos, pad) reported to JetStream (informational).
         tokens_per_call: decode steps per ``generate`` call (one jitted scan). >1
           amortizes the per-call host work (JetStream's threads, dispatch) and the
@@ -195,6 +196,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self._mesh = mesh
+        expert_parallel(config, mesh)  # experts that do not split over the mesh: say so before laying them out
         self._special = special_ids
         self._param_shardings = tree_shardings(param_logical_axes(config), mesh, params)
         self.params_ref = ParamsRef(self._place(params), version)

@@ -17,6 +17,12 @@ into ``RoutingLayout.words`` int32 columns right after its log-prob (4 ids per w
 to 256 experts, else 2), so a step is ``[tok, lpbits, w_1..w_P]`` and JetStream passes
 the words through as more "speculative" tokens, aligned with their token by
 construction. ``decode_result_steps`` unpacks them.
+
+Expert parallelism: on a serving mesh with an 'expert' axis (cells.serve_expert) an MoE
+model's experts are split over it (the rules table) and every function that runs the model
+is traced with that mesh as the abstract mesh and ``expert_parallel_axis`` set, so prefill
+and decode send each token to its experts' devices and back with the training step's
+all-to-all dispatch (model/moe.py): the same function, so the same tokens and logits.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.sharding import mesh_spec
+from gyre_jax.sharding import EXPERT, mesh_spec
 from gyre_jax.model import ModelConfig
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
@@ -186,6 +192,18 @@ def kv_memory_plan(cfg: ModelConfig, max_len: int, budget_bytes: int) -> dict:
             "slots_that_fit": int(budget_bytes // per_slot), "max_len_one_slot": int(budget_bytes // per_token)}
 
 
+def expert_parallel(cfg: ModelConfig, mesh: Mesh) -> bool:
+    """Whether an engine on ``mesh`` dispatches ``cfg``'s experts over the mesh's 'expert' axis
+    (ValueError when they do not split evenly over it)."""
+    p = dict(mesh.shape).get(EXPERT, 1)
+    if cfg.num_experts == 0 or p == 1:
+        return False
+    if cfg.num_experts % p:
+        raise ValueError(f"serving mesh {dict(mesh.shape)}: the model's {cfg.num_experts} experts do not split "
+                         f"evenly over its {p} '{EXPERT}' devices (cells.serve_expert)")
+    return True
+
+
 def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
                paged: tuple[int, int] | None = None) -> dict:
     """Jitted device functions of an engine, shared by engines with the same
@@ -194,6 +212,23 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     paged: (num_pages, page_size) for a paged cache (model/paged.py; the host's
     PagePool says which page holds what), None for one buffer of m tokens per slot.
     """
+    ep = expert_parallel(cfg, mesh)
+    if ep:
+        cfg = cfg.replace(expert_parallel_axis=EXPERT)
+
+    def jit_model(fn, **kw):
+        """jax.jit, traced under the serving mesh when the experts are dispatched over it (model/moe.py
+        finds its axis in the abstract mesh, as the training step's does)."""
+        if not ep:
+            return jax.jit(fn, **kw)
+
+        @functools.wraps(fn)
+        def in_mesh(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args)
+
+        return jax.jit(in_mesh, **kw)
+
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
     if paged is None:
@@ -313,15 +348,15 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         v = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.v])
         return k, v
 
-    out["prefill_new"] = jax.jit(prefill_new, out_shardings=(blk, blk))
-    out["prefill_on"] = jax.jit(prefill_on, out_shardings=(blk, blk))
-    out["prefill_into"] = jax.jit(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk))
+    out["prefill_new"] = jit_model(prefill_new, out_shardings=(blk, blk))
+    out["prefill_on"] = jit_model(prefill_on, out_shardings=(blk, blk))
+    out["prefill_into"] = jit_model(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk))
     out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
     out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
     out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
     out["hold_slot"] = jax.jit(hold_slot, donate_argnums=0, out_shardings=ds_s)
-    out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
+    out["generate"] = jit_model(generate, donate_argnums=1, out_shardings=(ds_s, rep))
     out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
     out["pause"] = jax.jit(pause, out_shardings=rep)
     out["set_table"] = jax.jit(set_table, donate_argnums=0, out_shardings=ds_s)
