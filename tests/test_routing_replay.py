@@ -209,3 +209,85 @@ def test_routing_mismatch_is_zero_at_the_sampling_params_and_positive_after_an_u
     assert 0 < routing_metrics(m1)["routing_mismatch"] <= 1
     on = jax.device_get(jax.jit(lambda p, mb: loss_on(p, mb)[1])(updated, _batch(rows)))
     assert on["routing_mismatch_tokens"] > 0  # with replay on: the tokens replay kept on their sampled experts
+
+
+# ---- a moved call recomputed from its tokens ------------------------------------------------------
+def _tied(params, eps=1e-7):
+    """Experts 0-2 of every MoE layer get one router column up to ``eps``: near-ties that the float
+    differences between prefill and decode break either way, as a bf16 engine's routing often is."""
+    def tie(path, x):
+        if "router" not in jax.tree_util.keystr(path):
+            return x
+        r = np.asarray(x).copy()  # [1, D, E]
+        r[..., :3] = 4 * r[..., :1] + eps * np.random.RandomState(0).randn(*r[..., :3].shape).astype(np.float32)
+        return jnp.asarray(r)
+
+    return jax.tree_util.tree_map_with_path(tie, params)
+
+
+def test_a_recomputed_cache_replays_its_decode_routing(params):
+    """A call decoded 24 tokens (every position but the first computed by decode, each recording its
+    experts); recomputing its cache from the tokens with those experts replayed gives decode's cache
+    (the fallback of a move without KV); routed live, the prefill picks other experts among the tied ones."""
+    from gyre_jax.serving.backend import SamplingParams
+    from gyre_jax.serving.engine_state import PrefillInput, decode_result_steps
+    from gyre_jax.serving.jetstream_backend import replay_rows
+
+    engine = GyreEngine(CFG, _tied(params), max_slots=2, max_len=64, name="tied")
+    prompt = np.array([7, 42], np.int32)
+    ds = engine.init_decode_state()
+    pre = engine.prefill(params=engine.params_ref, padded_tokens=PrefillInput(
+        "a", prompt[:-1], int(prompt[-1]), 0, SamplingParams(max_tokens=40, seed=5)), true_length=1)
+    ds = engine.insert(pre, ds, 0)
+    toks, rows = [], []
+    for _ in range(24):
+        ds, res = engine.generate(engine.params_ref, ds)
+        for t, _, r in decode_result_steps(np.asarray(res.data)[0, :res.tokens_idx[1]], engine.result_layout):
+            toks.append(t)
+            rows.append(r)
+    n = len(prompt) + len(toks) - 1  # the slot holds seq[:-1]
+    seq = np.concatenate([prompt, toks]).astype(np.int32)
+    decoded = [np.stack([np.asarray(c[0, :n]) for c in cache]) for cache in (ds.cache.k, ds.cache.v)]
+    err = {}
+    for how, routing in (("replayed", replay_rows(len(prompt), np.stack(rows))), ("live", None)):
+        inp = PrefillInput(how, seq[:-1], int(seq[-1]), len(toks), SamplingParams(max_tokens=40), routing=routing)
+        pre = engine.prefill(params=engine.params_ref, padded_tokens=inp, true_length=n)
+        assert engine.pop_error(how) is None
+        err[how] = max(float(np.abs(np.asarray(got)[:, :n] - want).max())
+                       for got, want in zip((pre.k, pre.v), decoded))
+    assert err["replayed"] <= ATOL and err["live"] > 1e-2, err
+
+
+def test_a_call_resumed_without_kv_continues_as_if_never_moved(params):
+    """Through the backend: a call resumed from its first 12 tokens, their log-probs and their recorded
+    routing (ResumeState without KV, as after a failed KV export) recomputes its cache replaying that
+    routing and samples the uninterrupted call's next 12 tokens with its log-probs."""
+    from gyre_jax.serving.backend import GenerateRequest, ResumeState, SamplingParams
+
+    backend = JetStreamBackend(GyreEngine(CFG, _tied(params), max_slots=2, max_len=64, name="tied"))
+    prompt = np.array([7, 42], np.int32)
+    sp = SamplingParams(max_tokens=24, seed=5)
+
+    async def run(request):
+        return [(ev.token_id, ev.logprob, ev.routing) async for ev in backend.submit(request)]
+
+    async def main():
+        whole = await run(GenerateRequest(request_id="whole", prompt_ids=prompt, sampling=sp))
+        toks, lps, rows = (np.array(x) for x in zip(*whole))
+        out = {}
+        for how, routing in (("replayed", rows[:12]), ("live", None)):
+            state = ResumeState(prompt_ids=prompt, output_ids=toks[:12].astype(np.int32),
+                                output_logprobs=lps[:12].astype(np.float32), output_routing=routing)
+            out[how] = await run(GenerateRequest(request_id=how, prompt_ids=prompt, sampling=sp, resume=state))
+        return whole, out
+
+    try:
+        whole, out = asyncio.run(main())
+    finally:
+        asyncio.run(backend.close())
+    assert [t for t, _, _ in out["replayed"]] == [t for t, _, _ in whole[12:]]
+    # the first one is sampled over a cache prefill wrote (decode wrote the original's): float32 kernels apart
+    np.testing.assert_allclose([lp for _, lp, _ in out["replayed"]], [lp for _, lp, _ in whole[12:]], rtol=0,
+                               atol=LOGP_ATOL)
+    live = np.array([lp for _, lp, _ in out["live"]])
+    assert len(live) != 12 or np.abs(live - [lp for _, lp, _ in whole[12:]]).max() > 1e-2, live

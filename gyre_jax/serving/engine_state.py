@@ -97,6 +97,9 @@ class PrefillInput:
     sampling: SamplingParams
     kv: KVBlock | None = None  # k/v of tokens[:kv.length], computed elsewhere
     kv_origin: str = "cached"  # "cached" (prefix cache) or "moved" (exported call)
+    # An MoE model's experts to replay per token, int32 [len(tokens), R] (-1: route live): a moved call
+    # recomputed from its tokens gets its generated tokens' decode routing, so its cache is decode's.
+    routing: np.ndarray | None = None
 
 
 class Prefix(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
@@ -242,12 +245,17 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     layout = RoutingLayout.of(cfg)
     w = layout.step_cols  # result columns per decode step
 
-    def prefill_new(params, tokens_T, n):
-        logits, kv = mdecode.prefill(params, cfg, tokens_T, true_length=n)
+    # The prefills take recorded routing (PrefillInput.routing; None traces the plain forward): the engine
+    # records and never replays sampled tokens, but a recomputed cache replays what decode chose.
+    replay_cfg = cfg.replace(routing_replay=cfg.num_experts > 0)
+
+    def prefill_new(params, tokens_T, n, routing_TxR=None):
+        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR)
         return kv.k, kv.v
 
-    def prefill_on(params, tokens_T, n, pk, pv, c):
-        _, kv = mdecode.prefill(params, cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n)
+    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None):
+        _, kv = mdecode.prefill(params, replay_cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n,
+                                routing_TxR=routing_TxR)
         t = tokens_T.shape[0]
         lb = min(pk.shape[1] + t, m)
         pad = jnp.zeros((pk.shape[0], t) + pk.shape[2:], pk.dtype)
@@ -255,8 +263,9 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
         return k[:, :lb], v[:, :lb]
 
-    def prefill_into(params, tokens_T, n, k, v, c):  # one chunk of a long prompt, into a buffer (chunked prefill)
-        _, kv = mdecode.prefill_into(params, cfg, tokens_T, mdecode.KV(k, v), c, true_length=n)
+    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None):  # one chunk of a long prompt, into a buffer
+        _, kv = mdecode.prefill_into(params, replay_cfg, tokens_T, mdecode.KV(k, v), c, true_length=n,
+                                     routing_TxR=routing_TxR)
         return kv.k, kv.v
 
     def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
