@@ -71,13 +71,15 @@ def one_device(params):
     return _serve(GyreEngine(CFG, params, max_slots=SLOTS, max_len=MAX_LEN, tokens_per_call=2))
 
 
-@pytest.mark.parametrize("cell_size, serve_expert", [(2, 2), (4, 2)], ids=["expert2", "data2xexpert2"])
-def test_expert_parallel_engine_equals_one_device(params, one_device, cell_size, serve_expert):
+@pytest.mark.parametrize("cell_size, serve_expert, kv_cache", [(2, 2, "contiguous"), (4, 2, "paged")],
+                         ids=["expert2", "data2xexpert2-paged"])
+def test_expert_parallel_engine_equals_one_device(params, one_device, cell_size, serve_expert, kv_cache):
     [cell] = split_cells(CellConfig(cell_size=cell_size, serve_tensor=1, serve_expert=serve_expert),
                          jax.devices()[:cell_size])
     mesh = cell.mesh(Role.ROLLOUT)
     assert dict(mesh.shape) == {DATA: cell_size // serve_expert, EXPERT: serve_expert, "tensor": 1}
-    engine = GyreEngine(CFG, params, mesh=mesh, max_slots=SLOTS, max_len=MAX_LEN, tokens_per_call=2)
+    engine = GyreEngine(CFG, params, mesh=mesh, max_slots=SLOTS, max_len=MAX_LEN, tokens_per_call=2,
+                        kv_cache=kv_cache)
     # Each device holds its share of the experts only (the rules table splits them over 'expert').
     gate = engine.params_ref.value.layers[0]["params"]["moe"]["gate"]  # [E, D, F]
     assert gate.sharding.spec[0] == EXPERT
