@@ -73,6 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
         train_tensor=1,  # training mesh ('fsdp', 'tensor') = (2, 1)
         train_expert=1,  # expert-parallel degree (MoE models): > 1 adds an 'expert' axis to the training mesh
         serve_tensor=1,  # serving mesh ('data', 'tensor') = (2, 1): decode slots split over the 2 devices
+        serve_expert=1,  # expert-parallel degree when serving (MoE models): > 1 adds an 'expert' axis to the serving mesh
         max_slots=16,  # concurrent decode slots per engine
         max_len=160,  # KV-cache length per slot
         tokens_per_call=8,  # decode steps per engine call: amortizes JetStream's per-call host work on CPU

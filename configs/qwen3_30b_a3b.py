@@ -31,7 +31,10 @@ Cell layout (parallelism) to pick; ``--plan=KIND:N`` prints the memory plan per 
   With expert parallelism (``--config.cells.train_expert=2``: training mesh fsdp=4 x
   expert=2 x tensor=1) the 128 experts also split over an 'expert' mesh axis and tokens go
   to them all-to-all (exact, but the dispatch buffers are sized for the worst case, so the
-  plan above does not cover them; see docs/design.md). Serving keeps every expert per cell.
+  plan above does not cover them; see docs/design.md). Serving keeps every expert per cell unless
+  ``--config.cells.serve_expert=2`` (serving mesh data=1 x expert=2 x tensor=4): each GPU then
+  holds half of the experts (the engine's weights 7.5 instead of 14.2 GiB per GPU; the plan:
+  54.1 of 80 GiB), and decode and prefill send tokens to them all-to-all.
 * **TPU v5p-16 (8 chips, 95 GB HBM each)**: the same one-cell layout,
   ``--config.cells.cell_size=8`` (a 2x2x2 slice spans two hosts: one process per host is not
   yet supported for a cell, so this layout needs the single-controller run; the plan below

@@ -90,6 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
         train_tensor=1,  # training mesh ('fsdp', 'tensor') = (4, 1)
         train_expert=1,  # expert-parallel degree: 1 (a dense model)
         serve_tensor=4,  # serving mesh ('data', 'tensor') = (1, 4)
+        serve_expert=1,  # expert-parallel degree when serving: 1 (a dense model)
         max_slots=16,  # concurrent decode slots per engine (x max_len of KV preallocated: see Memory above)
         max_len=32768,  # KV-cache length per slot
         tokens_per_call=8,

@@ -267,8 +267,10 @@ def train_terms(m, cells, train) -> tuple[dict, dict]:
 
 def serve_terms(m, cells) -> tuple[dict, dict]:
     """(mesh, bytes per device) of a rollout cell's engine: params and the preallocated KV cache."""
-    tensor = cells.serve_tensor
+    tensor, expert = cells.serve_tensor, getattr(cells, "serve_expert", 1)
     mesh = {"data": cells.cell_size // tensor, "tensor": tensor}
+    if expert > 1:  # cells/mesh.py: ('data', 'expert', 'tensor'); experts split over 'expert', slots over data x expert
+        mesh = {"data": cells.cell_size // (tensor * expert), "expert": expert, "tensor": tensor}
     params = per_device_bytes(param_table(m), mesh, _DTYPE_BYTES[m.param_dtype])
     if getattr(cells, "kv_cache", "contiguous") == "paged":  # the engine's page pool (serving/engine_state.py)
         pages = getattr(cells, "kv_pages", 0) or cells.max_slots * cells.max_len // cells.page_size + 1

@@ -41,7 +41,9 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("length", None),  # sequence axis of a packed row
     # A serving engine's KV cache [layers, slots, positions, kv_heads, head_dim] and the
     # k/v blocks it moves [layers, positions, kv_heads, head_dim] (serving/engine_state.py):
-    ("cache_batch", DATA),  # decode slots: data parallel over the serving mesh
+    # decode slots: data parallel over the serving mesh; with an expert axis (cells.serve_expert) the
+    # slots split over it too, so its devices attend to different slots and share only the experts
+    ("cache_batch", (DATA, EXPERT)),
     ("cache_len", None),  # cache positions: every device holds the whole context of its slots
 )
 

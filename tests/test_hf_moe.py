@@ -107,7 +107,7 @@ def test_moe_logits_match_transformers(tmp_path, over):
     np.testing.assert_array_equal(ht._hf_logits(out, ids, pos, str(tmp_path)), theirs)
 
 
-@pytest.mark.slow  # a whole RL job with MoE compiles: ~100 s idle, 5 min under load; the default run keeps 10 min
+@pytest.mark.slow  # ~100 s idle (the template's 768-token prompts); tests/test_moe_rl.py is the default-run step
 def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
     """configs/qwen3_30b_a3b.py on a tiny Qwen3-MoE checkpoint: one RL step of the real stack (cells,
     engines decoding with the MoE block and recording its routing, the HTTP proxy, the harness, the

@@ -209,3 +209,102 @@ def test_routing_mismatch_is_zero_at_the_sampling_params_and_positive_after_an_u
     assert 0 < routing_metrics(m1)["routing_mismatch"] <= 1
     on = jax.device_get(jax.jit(lambda p, mb: loss_on(p, mb)[1])(updated, _batch(rows)))
     assert on["routing_mismatch_tokens"] > 0  # with replay on: the tokens replay kept on their sampled experts
+
+
+# ---- a moved call recomputed from its tokens ------------------------------------------------------
+def _tied(params, eps=1e-7):
+    """Experts 0-2 of every MoE layer get one router column up to ``eps``: near-ties that the float
+    differences between prefill and decode break either way, as a bf16 engine's routing often is."""
+    def tie(path, x):
+        if "router" not in jax.tree_util.keystr(path):
+            return x
+        r = np.asarray(x).copy()  # [1, D, E]
+        r[..., :3] = 4 * r[..., :1] + eps * np.random.RandomState(0).randn(*r[..., :3].shape).astype(np.float32)
+        return jnp.asarray(r)
+
+    return jax.tree_util.tree_map_with_path(tie, params)
+
+
+def test_a_recomputed_cache_replays_its_decode_routing(params):
+    """A call decoded 24 tokens (every position but the first computed by decode, each recording its
+    experts); recomputing its cache from the tokens with those experts replayed gives decode's cache
+    (the fallback of a move without KV); routed live, the prefill picks other experts among the tied ones."""
+    from gyre_jax.serving.backend import SamplingParams
+    from gyre_jax.serving.engine_state import PrefillInput, decode_result_steps
+    from gyre_jax.serving.jetstream_backend import replay_rows
+
+    engine = GyreEngine(CFG, _tied(params), max_slots=2, max_len=64, name="tied")
+    prompt = np.array([7, 42], np.int32)
+    ds = engine.init_decode_state()
+    pre = engine.prefill(params=engine.params_ref, padded_tokens=PrefillInput(
+        "a", prompt[:-1], int(prompt[-1]), 0, SamplingParams(max_tokens=40, seed=5)), true_length=1)
+    ds = engine.insert(pre, ds, 0)
+    toks, rows = [], []
+    for _ in range(24):
+        ds, res = engine.generate(engine.params_ref, ds)
+        for t, _, r in decode_result_steps(np.asarray(res.data)[0, :res.tokens_idx[1]], engine.result_layout):
+            toks.append(t)
+            rows.append(r)
+    n = len(prompt) + len(toks) - 1  # the slot holds seq[:-1]
+    seq = np.concatenate([prompt, toks]).astype(np.int32)
+    decoded = [np.stack([np.asarray(c[0, :n]) for c in cache]) for cache in (ds.cache.k, ds.cache.v)]
+    err = {}
+    for how, routing in (("replayed", replay_rows(len(prompt), np.stack(rows))), ("live", None)):
+        inp = PrefillInput(how, seq[:-1], int(seq[-1]), len(toks), SamplingParams(max_tokens=40), routing=routing)
+        pre = engine.prefill(params=engine.params_ref, padded_tokens=inp, true_length=n)
+        assert engine.pop_error(how) is None
+        err[how] = max(float(np.abs(np.asarray(got)[:, :n] - want).max())
+                       for got, want in zip((pre.k, pre.v), decoded))
+    assert err["replayed"] <= ATOL and err["live"] > 1e-2, err
+
+
+def test_a_call_moved_without_kv_hands_its_routing_to_the_recompute(params):
+    """Through the backend: a call exported after a few tokens carries their recorded routing in its
+    ResumeState; resumed without its KV (as after a failed export or import) its prefill gets those
+    rows at the positions decode computed (the test above: then the cache is decode's) and it
+    finishes its tokens. (Comparing the continuation's samples instead would test the near-tied
+    router: decode re-routes each new token live, and any 1e-6 apart flips a tie either way.)"""
+    from gyre_jax.serving.backend import GenerateRequest, SamplingParams
+    from gyre_jax.serving.jetstream_backend import replay_rows
+    from tests.test_serving_live import HookedEngine
+
+    class Recording(HookedEngine):
+        def _prefill(self, params, inp):
+            self.inputs.append(inp)
+            return super()._prefill(params, inp)
+
+    engine = Recording(CFG, _tied(params), max_slots=2, max_len=64, name="tied")
+    engine.inputs = []
+    backend = JetStreamBackend(engine)
+    prompt = np.array([7, 42, 9], np.int32)
+    sp = SamplingParams(max_tokens=24, seed=5)
+
+    async def main():
+        stream, got = backend.submit(GenerateRequest(request_id="moved", prompt_ids=prompt, sampling=sp)), []
+        async for ev in stream:
+            got.append((ev.token_id, ev.routing))
+            if len(got) == 4:  # export; the generate thread is held until the export is queued
+                engine.open_after_detaches, engine._detaches = 1, 0
+                engine.gate.clear()
+                assert await backend.export("moved")
+        assert stream.finish == "moved" and stream.resume is not None
+        state = stream.resume.without_kv()
+        rest = [ev.token_id async for ev in backend.submit(GenerateRequest(
+            request_id="moved", prompt_ids=prompt, sampling=sp, resume=state))]
+        return got, state, rest
+
+    try:
+        got, state, rest = asyncio.run(main())
+    finally:
+        engine.gate.set()
+        asyncio.run(backend.close())
+    g = len(got)
+    assert 4 <= g < 24 and len(rest) == 24 - g
+    rows = np.stack([r for _, r in got])
+    np.testing.assert_array_equal(state.output_routing, rows)
+    first, again = engine.inputs
+    assert first.routing is None  # a fresh call: its prompt is routed live
+    want = np.full((len(prompt) + g - 1, CFG.routing_width), -1)
+    want[len(prompt) - 1:] = rows  # the last prompt token and the outputs but the last: decode's positions
+    np.testing.assert_array_equal(again.routing, want)
+    np.testing.assert_array_equal(replay_rows(len(prompt), rows), want)

@@ -232,7 +232,7 @@ def test_kv_cache_shardings_come_from_the_rules_table(params, slots):
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
     eng = GyreEngine(CFG, params, max_slots=slots, max_len=MAX_LEN, mesh=mesh)
     rules = dict(RULES)
-    assert rules["cache_batch"] == "data" and rules["cache_len"] is None and rules["kv_heads"] == "tensor"
+    assert rules["cache_batch"] == ("data", "expert") and rules["cache_len"] is None and rules["kv_heads"] == "tensor"
     cache_spec = PartitionSpec("data" if slots % 2 == 0 else None, None, "tensor")  # each layer's [S, M, K, H]
     assert mesh_spec(CACHE_LOGICAL, mesh, shape=(slots, MAX_LEN, CFG.n_kv_heads, CFG.head_dim),
                      replicate_indivisible=True) == cache_spec

@@ -1,6 +1,9 @@
 """Mixture-of-experts block speed (gyre_jax/model/moe.py): grouped matmuls vs the dense reference,
 and expert parallelism over 1, 2 and 4 devices. Forward + backward of one MoE block (router,
 experts, combine), tokens per second, best of ``--repeat`` timed runs after a compile run.
+Then serving (``--serve-slots`` > 0): the engine's decode of a one-MoE-layer model with its
+experts split over a serving 'expert' axis of 1, 2 and 4 devices (cells.serve_expert), decoded
+tokens per second over all slots (one ``generate`` call = ``--tokens-per-call`` steps).
 
     python tools/bench_moe.py            # CPU: 4 host devices, sizes below
     python tools/bench_moe.py --tokens 8192 --experts 64 --top-k 8
@@ -27,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-width", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ep", default="1,2,4", help="expert-parallel degrees to time")
+    ap.add_argument("--serve-slots", type=int, default=16, help="decode slots of the serving runs (0: skip them)")
+    ap.add_argument("--tokens-per-call", type=int, default=8)
     args = ap.parse_args(argv)
     degrees = [int(x) for x in args.ep.split(",")]
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(degrees)}")
@@ -70,15 +75,52 @@ def main(argv=None) -> int:
     for name, p, s in rows:
         print(f"{name:10} {p:7d} {s * 1e3:11.1f} {args.tokens / s:10.0f}")
     t = {f"{n}:{p}": s for n, p, s in rows}
+    serve = {p: _serve_decode(args, cfg, p, timed) for p in degrees} if args.serve_slots else {}
+    for p, s in serve.items():
+        print(f"{'serve+ep':10} {p:7d} {'decode_ms':>11} {s * 1e3:.1f} per call, "
+              f"{args.serve_slots * args.tokens_per_call / s:.0f} tokens/s")
     final = dict(
         ragged_tokens_per_s=round(args.tokens / t["ragged:1"]), dense_tokens_per_s=round(args.tokens / t["dense:1"]),
         ragged_speedup_over_dense=round(t["dense:1"] / t["ragged:1"], 2),
         **{f"ep{p}_tokens_per_s": round(args.tokens / t[f"ragged+ep:{p}"]) for p in degrees},
+        **{f"serve_ep{p}_decode_tokens_per_s": round(args.serve_slots * args.tokens_per_call / s)
+           for p, s in serve.items()},
+        serve_slots=args.serve_slots, tokens_per_call=args.tokens_per_call,
         tokens=args.tokens, d_model=args.d_model, experts=args.experts, top_k=args.top_k,
         expert_width=args.expert_width, backend=jax.default_backend(), devices=len(jax.devices()),
     )
     print(json.dumps(final))
     return 0
+
+
+def _serve_decode(args, cfg, p: int, timed) -> float:
+    """Seconds per engine ``generate`` call with every slot decoding, experts over p serving devices."""
+    import jax
+    import numpy as np
+
+    from gyre_jax.cells.mesh import CellConfig, Role, split_cells
+    from gyre_jax.model import init_params
+    from gyre_jax.serving.backend import SamplingParams
+    from gyre_jax.serving.engine import GyreEngine
+    from gyre_jax.serving.engine_state import PrefillInput
+
+    mc = cfg.replace(vocab_size=512, n_layers=1, max_seq_len=256)
+    [cell] = split_cells(CellConfig(cell_size=p, serve_tensor=1, serve_expert=p), jax.devices()[:p])
+    engine = GyreEngine(mc, init_params(mc, jax.random.key(2)), mesh=cell.mesh(Role.ROLLOUT),
+                        max_slots=args.serve_slots, max_len=256, tokens_per_call=args.tokens_per_call)
+    ds = engine.init_decode_state()
+    for s in range(args.serve_slots):
+        toks = np.random.RandomState(s).randint(0, 512, 16).astype(np.int32)
+        pre = engine.prefill(params=engine.params_ref, true_length=15, padded_tokens=PrefillInput(
+            f"s{s}", toks[:-1], int(toks[-1]), 0, SamplingParams(max_tokens=200, seed=s)))
+        ds = engine.insert(pre, ds, s)
+    state = [ds]
+
+    def call():  # the decode state is donated: each call continues the last one's
+        state[0], res = engine.generate(engine.params_ref, state[0])
+        return res.data
+
+    return timed(call)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ the same devices:
   satellites hold params (and, on the core, optimizer state) in this layout;
 * ``serve_mesh`` with axes ``('data', 'tensor')``: a rollout cell holds params
   for the engine in this layout (weights split over 'tensor' only, so decode
-  needs no all-gather of weights per token).
+  needs no all-gather of weights per token). With ``serve_expert > 1`` it is
+  ``('data', 'expert', 'tensor')``: an MoE model's experts split over 'expert',
+  slots over 'data' x 'expert', tokens sent to their experts all-to-all.
 
 Exactly one cell is the core (cell 0): it owns the authoritative params and the
 optimizer state and never changes role. The others are satellites whose role
@@ -33,6 +35,7 @@ SERVE_AXES = (DATA, TENSOR)
 # With expert parallelism (train_expert > 1) the training mesh gains an 'expert' axis between the two;
 # without it the meshes are exactly as before, so dense layouts and their compiled steps do not change.
 TRAIN_AXES_EP = (FSDP, EXPERT, TENSOR)
+SERVE_AXES_EP = (DATA, EXPERT, TENSOR)  # serve_expert > 1: the engine's MoE layers dispatch over 'expert'
 
 
 class Role(enum.Enum):
@@ -55,15 +58,19 @@ class CellConfig:
     ``(cell_size // (train_expert * train_tensor), train_expert, train_tensor)`` over
     ('fsdp', 'expert', 'tensor'): an MoE model's experts split over 'expert' (rows too),
     set ``ModelConfig.expert_parallel_axis="expert"`` for the loss (model/moe.py).
+    ``serve_expert > 1`` makes the serving mesh ``(cell_size // (serve_expert *
+    serve_tensor), serve_expert, serve_tensor)`` over ('data', 'expert', 'tensor'); the
+    engine then dispatches to the experts over 'expert' by itself (serving/engine_state.py).
     """
 
     cell_size: int
     train_tensor: int = 1  # tensor-parallel degree in the training layout
     serve_tensor: int | None = None  # tensor-parallel degree when serving; None = cell_size
     train_expert: int = 1  # expert-parallel degree in the training layout (MoE models)
+    serve_expert: int = 1  # expert-parallel degree in the serving layout (MoE models)
 
     def __post_init__(self):
-        for name in ("cell_size", "train_tensor", "train_expert"):
+        for name in ("cell_size", "train_tensor", "train_expert", "serve_expert"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"CellConfig.{name} must be a positive int, got {v!r}")
@@ -77,6 +84,9 @@ class CellConfig:
         if self.cell_size % (self.train_tensor * self.train_expert):
             raise ValueError(f"CellConfig: cell_size={self.cell_size} is not a multiple of train_tensor * "
                              f"train_expert={self.train_tensor * self.train_expert}")
+        if self.cell_size % (self.serve_tensor_or_size * self.serve_expert):
+            raise ValueError(f"CellConfig: cell_size={self.cell_size} is not a multiple of serve_tensor * "
+                             f"serve_expert={self.serve_tensor_or_size * self.serve_expert}")
 
     @property
     def serve_tensor_or_size(self) -> int:
@@ -132,7 +142,7 @@ def split_cells(config: CellConfig, devices: Sequence[jax.Device] | None = None)
                 index=i,
                 devices=tuple(devs.tolist()),
                 train_mesh=_train_mesh(devs, st, config.train_expert),
-                serve_mesh=Mesh(devs.reshape(size // vt, vt), SERVE_AXES),
+                serve_mesh=_serve_mesh(devs, vt, config.serve_expert),
             )
         )
     return tuple(cells)
@@ -142,6 +152,12 @@ def _train_mesh(devs: np.ndarray, tensor: int, expert: int) -> Mesh:
     if expert == 1:
         return Mesh(devs.reshape(devs.size // tensor, tensor), TRAIN_AXES)
     return Mesh(devs.reshape(devs.size // (tensor * expert), expert, tensor), TRAIN_AXES_EP)
+
+
+def _serve_mesh(devs: np.ndarray, tensor: int, expert: int) -> Mesh:
+    if expert == 1:
+        return Mesh(devs.reshape(devs.size // tensor, tensor), SERVE_AXES)
+    return Mesh(devs.reshape(devs.size // (tensor * expert), expert, tensor), SERVE_AXES_EP)
 
 
 @dataclasses.dataclass(frozen=True)

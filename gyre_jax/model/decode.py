@@ -83,16 +83,22 @@ def init_cache(config: ModelConfig, batch_slots: int, max_len: int | None = None
                    lengths=jnp.zeros((batch_slots,), jnp.int32))
 
 
-def _with_cache(config: ModelConfig, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B):
+def _with_cache(config: ModelConfig, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
+                routing_BxTxR=None):
     """``Transformer.with_cache`` for any params form and k/v either per-layer tuples (a cache: the
-    unrolled forward) or stacked [Y, B, P, K, H] (a prefill buffer: returned stacked)."""
+    unrolled forward) or stacked [Y, B, P, K, H] (a prefill buffer: returned stacked).
+    ``routing_BxTxR``: recorded experts to replay (``forward_layers``; the stacked form needs params
+    split per layer or splits them)."""
     if isinstance(k, tuple):
         lp = params if isinstance(params, LayerParams) else split_params(config, params)
-        return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B)
-    if isinstance(params, LayerParams):
+        return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
+                              routing_BxTxR=routing_BxTxR)
+    if isinstance(params, LayerParams) or routing_BxTxR is not None:
+        lp = params if isinstance(params, LayerParams) else split_params(config, params)
         y = config.n_layers
-        logits, (ks, vs) = forward_layers(config, params, tokens_BxT, positions_BxT, mask,
-                                          tuple(k[i] for i in range(y)), tuple(v[i] for i in range(y)), cache_index_B)
+        logits, (ks, vs) = forward_layers(config, lp, tokens_BxT, positions_BxT, mask,
+                                          tuple(k[i] for i in range(y)), tuple(v[i] for i in range(y)), cache_index_B,
+                                          routing_BxTxR=routing_BxTxR)
         return logits, (jnp.stack(ks), jnp.stack(vs))
     out = Transformer(config).apply(params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
                                     method=Transformer.with_cache)
@@ -111,7 +117,8 @@ def _decode_apply(config: ModelConfig, params, with_routing: bool, tokens_BxT, p
     return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B, with_routing=True)
 
 
-def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None):
+def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None,
+            routing_TxR=None):
     """Run T new tokens (one sequence), after an optional cached prefix.
 
     Args:
@@ -119,6 +126,8 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
       prefix: KV [Y, P, K, H] of earlier tokens; only the first ``start_pos`` count.
       start_pos: position of tokens_T[0]; defaults to P (0 without a prefix).
       true_length: how many of the T tokens are real (default T).
+      routing_TxR: an MoE model's recorded experts per token (-1: route live), replayed where
+        ``config.routing_replay`` (a moved call's cache recomputed as decode computed it).
     Returns:
       (logits_V float32 at the last real token, KV [Y, T, K, H] of the new tokens).
     """
@@ -149,6 +158,7 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
         k_buf[:, None],
         v_buf[:, None],
         start[None],
+        None if routing_TxR is None else routing_TxR[None],
     )
     kv_shape = (config.n_layers, t, config.n_kv_heads, config.head_dim)
     new_k = jax.lax.dynamic_slice(k[:, 0], (0, start, 0, 0), kv_shape)
@@ -156,13 +166,14 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     return logits[0, n - 1], KV(k=new_k, v=new_v)
 
 
-def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_length=None):
+def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_length=None, routing_TxR=None):
     """Run T new tokens into a KV buffer [Y, P, K, H] whose first ``start`` entries hold the context.
 
     Their k/v are written at buf[:, start : start+T] and each attends to buffer entries
     up to its own position (blockwise by default: no [T, P] mask). One compile per
     (T, P): a long prompt is prefilled chunk after chunk into one buffer (chunked
     prefill). The caller keeps start + T <= P (a write past the end would be clamped).
+    ``routing_TxR``: as ``prefill``'s.
 
     Returns (logits_V float32 at the last real token, the updated buffer).
     """
@@ -178,7 +189,7 @@ def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_len
     positions_T = start + jnp.arange(t, dtype=jnp.int32)
     logits, (k, v) = _with_cache(config,
         params, tokens_T[None], positions_T[None], cache_mask(config, positions_T[None], p),
-        buf.k[:, None], buf.v[:, None], start[None],
+        buf.k[:, None], buf.v[:, None], start[None], None if routing_TxR is None else routing_TxR[None],
     )
     return logits[0, n - 1], KV(k=k[:, 0], v=v[:, 0])
 

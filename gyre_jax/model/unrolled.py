@@ -73,12 +73,14 @@ def _head(module: Transformer, hidden_BxTxD):
 
 
 def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_BxT, mask, ks: tuple, vs: tuple,
-                   cache_index_B, *, with_routing: bool = False):
+                   cache_index_B, *, with_routing: bool = False, routing_BxTxR=None):
     """``Transformer.with_cache`` over per-layer params and per-layer k/v buffers.
 
     Returns (logits_BxTxV float32, (ks, vs)) with each layer's buffer updated; with
     ``with_routing`` (an MoE model) also the experts each MoE layer chose for each token,
-    int32 [B*T, MoE layers x top-k] in layer order (what the engine records for replay)."""
+    int32 [B*T, MoE layers x top-k] in layer order (what the engine records for replay).
+    ``routing_BxTxR``: recorded experts per token in that layout (-1: route live), used where
+    ``config.routing_replay`` (model/moe.py): a recomputed cache takes its tokens' decode routing."""
     if len(lp.layers) != config.n_layers or len(ks) != config.n_layers or len(vs) != config.n_layers:
         raise ValueError(f"forward_layers: need {config.n_layers} layers of params and of k/v, got "
                          f"{len(lp.layers)}, {len(ks)}, {len(vs)}")
@@ -86,17 +88,26 @@ def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_B
     x = model.apply(lp.rest, tokens_BxT, method=_embed)
     one_token = tokens_BxT.shape[1] == 1 and not isinstance(mask, (CacheMask, PagedMask))
     moe_flags = [moe for _, start, stop, moe in config.layer_runs() for _ in range(start, stop)]
+    k_top = config.num_experts_per_tok
+    if routing_BxTxR is not None and routing_BxTxR.shape[-1] != config.routing_width:
+        raise ValueError(f"forward_layers: routing has {routing_BxTxR.shape[-1]} ids per token, the model records "
+                         f"{config.routing_width} (MoE layers x top-k)")
     new_k, new_v, experts = [], [], []
+    m = 0  # MoE layers so far: this layer's slice of the recorded routing
     for layer, (p, k, v, moe) in enumerate(zip(lp.layers, ks, vs, moe_flags)):
         block = Block(config, moe=moe)
+        routing = None
+        if moe and routing_BxTxR is not None:
+            routing = routing_BxTxR[..., m * k_top:(m + 1) * k_top]
+        m += int(moe)
         out: Any  # (flax types apply() loosely): the block's (carry or x, cache and MoE stats)
         if one_token:  # the decode form: the row scattered into the buffer in place, attention without a transpose
             out = block.apply(p, (x, k[None], v[None], 0), None, positions_BxT, mask,
-                              cache_index_B, None)
+                              cache_index_B, None, routing)
             (x, k1, v1, _), stats = out
             k, v = k1[0], v1[0]
         else:
-            out = block.apply(p, x, (k, v), positions_BxT, mask, cache_index_B, None)
+            out = block.apply(p, x, (k, v), positions_BxT, mask, cache_index_B, None, routing)
             x, ((k, v), stats) = out
         new_k.append(k)
         new_v.append(v)

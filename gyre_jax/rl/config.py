@@ -96,6 +96,7 @@ class CellsConfig:
     train_tensor: int = 1
     train_expert: int = 1  # > 1: training mesh ('fsdp', 'expert', 'tensor'); an MoE model's experts split over 'expert'
     serve_tensor: int = 1  # 1: slots split over the cell's devices ('data'), weights replicated
+    serve_expert: int = 1  # > 1: serving mesh ('data', 'expert', 'tensor'); an MoE model's experts split over 'expert'
     max_slots: int = 16  # concurrent decode slots per engine (one engine per cell)
     max_len: int = 160  # KV-cache length per slot (prompt + generated)
     tokens_per_call: int = 8  # decode steps per engine generate call (GyreEngine: amortizes host work)
@@ -108,10 +109,10 @@ class CellsConfig:
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
 
     def __post_init__(self):
-        _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "max_slots", "max_len",
-                     "tokens_per_call", "switch_retries", "page_size", "kv_pages"))
-        _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "max_slots", "max_len",
-                         "tokens_per_call", "page_size"))
+        _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
+                     "max_len", "tokens_per_call", "switch_retries", "page_size", "kv_pages"))
+        _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
+                         "max_len", "tokens_per_call", "page_size"))
         _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
         if self.kv_cache not in ("contiguous", "paged"):
             raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
@@ -123,6 +124,9 @@ class CellsConfig:
                 raise ConfigError(f"config.cells.{name}={getattr(self, name)} must divide cells.cell_size={self.cell_size}")
         if self.cell_size % (self.train_tensor * self.train_expert):
             raise ConfigError(f"config.cells.train_tensor * train_expert={self.train_tensor * self.train_expert} must "
+                              f"divide cells.cell_size={self.cell_size}")
+        if self.cell_size % (self.serve_tensor * self.serve_expert):
+            raise ConfigError(f"config.cells.serve_tensor * serve_expert={self.serve_tensor * self.serve_expert} must "
                               f"divide cells.cell_size={self.cell_size}")
 
 
@@ -551,6 +555,14 @@ class RLConfig:
         if self.train.routing_replay and self.model.num_experts == 0:
             raise ConfigError("config.train.routing_replay=True needs a mixture-of-experts model (model.num_experts > 0); "
                               "this model is dense: nothing is routed")
+        for knob in ("train_expert", "serve_expert"):  # the experts split evenly over the 'expert' axis, or not at all
+            degree = getattr(self.cells, knob)
+            if degree > 1 and self.model.num_experts == 0:
+                raise ConfigError(f"config.cells.{knob}={degree} splits a mixture-of-experts model's experts; this "
+                                  "model is dense (model.num_experts=0): set it to 1")
+            if degree > 1 and self.model.num_experts % degree:
+                raise ConfigError(f"config.cells.{knob}={degree}: model.num_experts={self.model.num_experts} does not "
+                                  "split evenly over it")
         fsdp = self.cells.cell_size // self.cells.train_tensor
         if self.train.micro_batch_rows % fsdp:
             raise ConfigError(f"config.train.micro_batch_rows={self.train.micro_batch_rows} must be a multiple of the "
@@ -712,7 +724,8 @@ class RLConfig:
 
         c = self.cells
         return _built("cells", lambda: CellConfig(cell_size=c.cell_size, train_tensor=c.train_tensor,
-                                                  train_expert=c.train_expert, serve_tensor=c.serve_tensor))
+                                                  train_expert=c.train_expert, serve_tensor=c.serve_tensor,
+                                                  serve_expert=c.serve_expert))
 
     @property
     def warm_seed(self) -> int:

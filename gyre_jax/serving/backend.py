@@ -16,7 +16,9 @@ A ``Backend`` serves one cell. The router only ever does four things with it:
   far and (when the engine can) its KV prefix as device arrays.
 * import: ``submit(GenerateRequest(..., resume=state))`` on another backend
   continues the call: with ``state.kv`` the prefix is copied, not recomputed;
-  with ``kv=None`` the backend recomputes it from the tokens (the fallback).
+  with ``kv=None`` the backend recomputes it from the tokens (the fallback), an MoE
+  engine replaying the generated tokens' recorded routing (``state.output_routing``), so
+  the recomputed cache is the one decode built.
 
 Sampling is a pure function of (seed, number of tokens generated so far) and the
 logits, so a continued call produces exactly what the undisturbed call would have.
@@ -87,6 +89,8 @@ class ResumeState:
     output_logprobs: np.ndarray  # float32[G]
     kv: Any = None
     source: str = ""  # backend name it came from (for logs/metrics)
+    # An MoE engine's TokenEvent.routing of each output token, uint8/uint16 [G, R] (None: not recorded)
+    output_routing: np.ndarray | None = None
 
     @property
     def num_generated(self) -> int:
@@ -114,6 +118,10 @@ class GenerateRequest:
                 raise ValueError(f"GenerateRequest({self.request_id}).resume: prompt differs from the request's")
             if self.resume.num_generated >= self.sampling.max_tokens:
                 raise ValueError(f"GenerateRequest({self.request_id}).resume: already has max_tokens tokens")
+            r = self.resume.output_routing
+            if r is not None and (np.ndim(r) != 2 or len(r) != self.resume.num_generated):
+                raise ValueError(f"GenerateRequest({self.request_id}).resume.output_routing: needs one row per output "
+                                 f"token ({self.resume.num_generated}), got shape {np.shape(r)}")
 
 
 @dataclasses.dataclass(frozen=True)

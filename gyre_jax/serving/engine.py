@@ -67,8 +67,8 @@ from gyre_jax.model import decode as mdecode
 from gyre_jax.model.unrolled import LayerParams, layer_sharding, split_params
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
-    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, kv_bytes_per_page,
-    kv_memory_plan,
+    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, expert_parallel,
+    kv_bytes_per_page, kv_memory_plan,
 )
 from gyre_jax.serving.engine_paged import PagedSlots
 from gyre_jax.serving.pages import PagePool, PrefixPages
@@ -78,6 +78,13 @@ log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 MAX_INFLIGHT_CALLS = 2  # decode calls dispatched ahead of the device
 KV_CACHES = ("contiguous", "paged")
+
+
+def _pad_routing(routing_TxR: np.ndarray, length: int) -> np.ndarray:
+    """Recorded routing for a bucket of ``length`` tokens: padding tokens are routed live (-1)."""
+    out = np.full((length, routing_TxR.shape[1]), -1, np.int32)
+    out[: routing_TxR.shape[0]] = routing_TxR
+    return out
 
 
 class ParamsRef:
@@ -127,7 +134,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                  kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None):
         """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
 
-        mesh: the cell's serving mesh (axes 'data', 'tensor'); default: device 0.
+        mesh: the cell's serving mesh (axes 'data', 'tensor', and 'expert' to split an MoE
+          model's experts over: engine_state.py); default: device 0.
         special_ids: (bos, eos, pad) reported to JetStream (informational).
         tokens_per_call: decode steps per ``generate`` call (one jitted scan). >1
           amortizes the per-call host work (JetStream's threads, dispatch) and the
@@ -195,6 +203,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self._mesh = mesh
+        expert_parallel(config, mesh)  # experts that do not split over the mesh: say so before laying them out
         self._special = special_ids
         self._param_shardings = tree_shardings(param_logical_axes(config), mesh, params)
         self.params_ref = ParamsRef(self._place(params), version)
@@ -321,6 +330,10 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             k, v = jax.device_put((kv.k, kv.v), self._block_sharding)  # across devices for a moved call
             self.counters["moved_tokens" if inp.kv_origin == "moved" else "cached_tokens"] += c
         new = toks[c:]
+        rt = None if inp.routing is None else np.asarray(inp.routing, np.int32)
+        if rt is not None and rt.shape != (n_all, self.result_layout.width):
+            raise ValueError(f"routing to replay is {rt.shape}, the {n_all} tokens need "
+                             f"({n_all}, {self.result_layout.width})")
         if new.shape[0] == 0:
             if c == 0:
                 z = jnp.zeros((self.config.n_layers, MIN_BUCKET, self.config.n_kv_heads, self.config.head_dim),
@@ -329,25 +342,27 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             else:
                 k, v = self._fit(k, v, self.bucket(c))
         elif new.shape[0] > self.prefill_chunk:
-            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None)
+            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None, rt)
             self.counters["prefill_tokens"] += int(new.shape[0])
         else:
             tb = self.bucket(new.shape[0])
             padded = np.zeros((tb,), np.int32)
             padded[: new.shape[0]] = new
+            extra = () if rt is None else (_pad_routing(rt[c:], tb),)
             if c == 0:
-                k, v = self._prefill_new(p, padded, np.int32(new.shape[0]))
+                k, v = self._prefill_new(p, padded, np.int32(new.shape[0]), *extra)
             else:
-                k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c))
+                k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c), *extra)
             self.counters["prefill_tokens"] += int(new.shape[0])
         self.counters["prefills"] += 1
         out = self._prefix_out(k, v, inp, n_all)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return out
 
-    def _prefill_chunks(self, params, toks, c, k, v):
+    def _prefill_chunks(self, params, toks, c, k, v, routing=None):
         """Chunked prefill: tokens c.. of ``toks`` into one buffer of bucket(len) entries,
-        ``prefill_chunk`` at a time (one compile per buffer bucket)."""
+        ``prefill_chunk`` at a time (one compile per buffer bucket); ``routing``: [len(toks), R]
+        experts to replay (PrefillInput.routing)."""
         n_all = int(toks.shape[0])
         lb = self.bucket(n_all)
         if k is None:
@@ -360,7 +375,8 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         for start, real in mdecode.chunk_starts(n_all, chunk, lb, first=c):
             padded = np.zeros((chunk,), np.int32)
             padded[:real] = toks[start: start + real]
-            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start))
+            extra = () if routing is None else (_pad_routing(routing[start: start + real], chunk),)
+            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start), *extra)
         return k, v
 
     def _dead_prefix(self, request_id: str) -> Prefix:

@@ -17,6 +17,12 @@ into ``RoutingLayout.words`` int32 columns right after its log-prob (4 ids per w
 to 256 experts, else 2), so a step is ``[tok, lpbits, w_1..w_P]`` and JetStream passes
 the words through as more "speculative" tokens, aligned with their token by
 construction. ``decode_result_steps`` unpacks them.
+
+Expert parallelism: on a serving mesh with an 'expert' axis (cells.serve_expert) an MoE
+model's experts are split over it (the rules table) and every function that runs the model
+is traced with that mesh as the abstract mesh and ``expert_parallel_axis`` set, so prefill
+and decode send each token to its experts' devices and back with the training step's
+all-to-all dispatch (model/moe.py): the same function, so the same tokens and logits.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.sharding import mesh_spec
+from gyre_jax.sharding import EXPERT, mesh_spec
 from gyre_jax.model import ModelConfig
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
@@ -91,6 +97,9 @@ class PrefillInput:
     sampling: SamplingParams
     kv: KVBlock | None = None  # k/v of tokens[:kv.length], computed elsewhere
     kv_origin: str = "cached"  # "cached" (prefix cache) or "moved" (exported call)
+    # An MoE model's experts to replay per token, int32 [len(tokens), R] (-1: route live): a moved call
+    # recomputed from its tokens gets its generated tokens' decode routing, so its cache is decode's.
+    routing: np.ndarray | None = None
 
 
 class Prefix(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
@@ -186,6 +195,18 @@ def kv_memory_plan(cfg: ModelConfig, max_len: int, budget_bytes: int) -> dict:
             "slots_that_fit": int(budget_bytes // per_slot), "max_len_one_slot": int(budget_bytes // per_token)}
 
 
+def expert_parallel(cfg: ModelConfig, mesh: Mesh) -> bool:
+    """Whether an engine on ``mesh`` dispatches ``cfg``'s experts over the mesh's 'expert' axis
+    (ValueError when they do not split evenly over it)."""
+    p = dict(mesh.shape).get(EXPERT, 1)
+    if cfg.num_experts == 0 or p == 1:
+        return False
+    if cfg.num_experts % p:
+        raise ValueError(f"serving mesh {dict(mesh.shape)}: the model's {cfg.num_experts} experts do not split "
+                         f"evenly over its {p} '{EXPERT}' devices (cells.serve_expert)")
+    return True
+
+
 def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
                paged: tuple[int, int] | None = None) -> dict:
     """Jitted device functions of an engine, shared by engines with the same
@@ -194,6 +215,23 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     paged: (num_pages, page_size) for a paged cache (model/paged.py; the host's
     PagePool says which page holds what), None for one buffer of m tokens per slot.
     """
+    ep = expert_parallel(cfg, mesh)
+    if ep:
+        cfg = cfg.replace(expert_parallel_axis=EXPERT)
+
+    def jit_model(fn, **kw):
+        """jax.jit, traced under the serving mesh when the experts are dispatched over it (model/moe.py
+        finds its axis in the abstract mesh, as the training step's does)."""
+        if not ep:
+            return jax.jit(fn, **kw)
+
+        @functools.wraps(fn)
+        def in_mesh(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args)
+
+        return jax.jit(in_mesh, **kw)
+
     cache_s, blk = kv_shardings(cfg, m, slots, mesh)
     rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
     if paged is None:
@@ -207,12 +245,17 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     layout = RoutingLayout.of(cfg)
     w = layout.step_cols  # result columns per decode step
 
-    def prefill_new(params, tokens_T, n):
-        logits, kv = mdecode.prefill(params, cfg, tokens_T, true_length=n)
+    # The prefills take recorded routing (PrefillInput.routing; None traces the plain forward): the engine
+    # records and never replays sampled tokens, but a recomputed cache replays what decode chose.
+    replay_cfg = cfg.replace(routing_replay=cfg.num_experts > 0)
+
+    def prefill_new(params, tokens_T, n, routing_TxR=None):
+        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR)
         return kv.k, kv.v
 
-    def prefill_on(params, tokens_T, n, pk, pv, c):
-        _, kv = mdecode.prefill(params, cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n)
+    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None):
+        _, kv = mdecode.prefill(params, replay_cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n,
+                                routing_TxR=routing_TxR)
         t = tokens_T.shape[0]
         lb = min(pk.shape[1] + t, m)
         pad = jnp.zeros((pk.shape[0], t) + pk.shape[2:], pk.dtype)
@@ -220,8 +263,9 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
         return k[:, :lb], v[:, :lb]
 
-    def prefill_into(params, tokens_T, n, k, v, c):  # one chunk of a long prompt, into a buffer (chunked prefill)
-        _, kv = mdecode.prefill_into(params, cfg, tokens_T, mdecode.KV(k, v), c, true_length=n)
+    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None):  # one chunk of a long prompt, into a buffer
+        _, kv = mdecode.prefill_into(params, replay_cfg, tokens_T, mdecode.KV(k, v), c, true_length=n,
+                                     routing_TxR=routing_TxR)
         return kv.k, kv.v
 
     def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
@@ -313,15 +357,15 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         v = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.v])
         return k, v
 
-    out["prefill_new"] = jax.jit(prefill_new, out_shardings=(blk, blk))
-    out["prefill_on"] = jax.jit(prefill_on, out_shardings=(blk, blk))
-    out["prefill_into"] = jax.jit(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk))
+    out["prefill_new"] = jit_model(prefill_new, out_shardings=(blk, blk))
+    out["prefill_on"] = jit_model(prefill_on, out_shardings=(blk, blk))
+    out["prefill_into"] = jit_model(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk))
     out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
     out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
     out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
     out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
     out["hold_slot"] = jax.jit(hold_slot, donate_argnums=0, out_shardings=ds_s)
-    out["generate"] = jax.jit(generate, donate_argnums=1, out_shardings=(ds_s, rep))
+    out["generate"] = jit_model(generate, donate_argnums=1, out_shardings=(ds_s, rep))
     out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
     out["pause"] = jax.jit(pause, out_shardings=rep)
     out["set_table"] = jax.jit(set_table, donate_argnums=0, out_shardings=ds_s)

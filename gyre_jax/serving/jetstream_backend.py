@@ -122,6 +122,17 @@ class GyreDriver(orchestrator.Driver):
         return super()._process_prefill_content(request, tokenizer, is_bos, max_prefill_length)
 
 
+def replay_rows(prompt_len: int, output_routing: np.ndarray) -> np.ndarray:
+    """Routing to replay over a resumed call's seq[:-1] (prompt + outputs but the last), int32
+    [P + G - 1, R]: output token j was sampled by the decode step whose input sat at position
+    P - 1 + j (the last prompt token, then each output but the last), so those G positions replay
+    the G recorded rows; the prompt before them was prefilled and is routed live (-1) again."""
+    g, width = output_routing.shape
+    out = np.full((prompt_len + g - 1, width), -1, np.int32)
+    out[prompt_len - 1:] = output_routing
+    return out
+
+
 class _Stream(TokenStream):
     def __init__(self, backend: "JetStreamBackend", req: GenerateRequest, channel, engine_id: str):
         self.request_id = req.request_id
@@ -133,6 +144,9 @@ class _Stream(TokenStream):
         r = req.resume
         self.tokens: list[int] = [] if r is None else [int(t) for t in r.output_ids]
         self.logprobs: list[float] = [] if r is None else [float(x) for x in r.output_logprobs]
+        # per token: its recorded experts (an MoE engine), for a move that recomputes the cache elsewhere
+        self.routing: list = ([None] * len(self.tokens) if r is None or r.output_routing is None
+                              else list(r.output_routing))
         self._pending: collections.deque[TokenEvent] = collections.deque()
         self._stop = set(req.sampling.stop_ids)
         self._detach: str | None = None  # "export" | "recompute" | "cancel"
@@ -156,6 +170,7 @@ class _Stream(TokenStream):
             for tok, lp, routing in decode_result_steps(samples[0].token_ids, self._b.engine.result_layout):
                 self.tokens.append(tok)
                 self.logprobs.append(lp)
+                self.routing.append(routing)
                 self._pending.append(TokenEvent(tok, lp, routing))
                 if tok in self._stop or len(self.tokens) >= self._req.sampling.max_tokens:
                     self._end("stop" if tok in self._stop else "length")
@@ -189,9 +204,10 @@ class _Stream(TokenStream):
         self._ch.wake()  # a consumer waiting on the channel sees the end (no-op for one that is not)
         self._b.forget(self)
         if finish == "moved":
+            routed = bool(self.routing) and all(r is not None for r in self.routing)
             self.resume = ResumeState(prompt_ids=self._req.prompt_ids, output_ids=np.asarray(self.tokens, np.int32),
                                       output_logprobs=np.asarray(self.logprobs, np.float32), kv=kv,
-                                      source=self._b.name)
+                                      source=self._b.name, output_routing=np.stack(self.routing) if routed else None)
         elif finish in ("stop", "length"):
             self._b.release_call(self._req, self.tokens, self.engine_id)
 
@@ -277,6 +293,8 @@ class JetStreamBackend(Backend):
             inp.kv, inp.kv_origin = r.kv, "moved"
         elif request.cache_key and not self._paged:  # a paged engine finds cached pages by content itself
             inp.kv = self._lookup(request.cache_key, seq[:-1])
+        if r is not None and r.kv is None and r.output_routing is not None and r.num_generated:
+            inp.routing = replay_rows(prompt.shape[0], r.output_routing)
         channel = _Channel()
         stream = _Stream(self, request, channel, engine_id)
         self._live[request.request_id] = stream

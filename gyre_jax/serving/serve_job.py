@@ -97,7 +97,8 @@ def build_server(c, workdir: str):
     identity.check_id(c.run_id, "config.run_id")
     pc = _proxy_config(c)
     try:
-        cells = split_cells(CellConfig(cell_size=c.cells.cell_size, serve_tensor=c.cells.serve_tensor))
+        cells = split_cells(CellConfig(cell_size=c.cells.cell_size, serve_tensor=c.cells.serve_tensor,
+                                       serve_expert=c.cells.get("serve_expert", 1)))
     except ValueError as e:
         raise ConfigError(f"config.cells: {e}") from None
     mc, params, tok = _model(c, cells)
