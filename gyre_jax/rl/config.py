@@ -70,12 +70,11 @@ def _ints(obj, names):
             raise ConfigError(f"config.{obj.SECTION}.{n} must be an int, got {v!r}")
 
 
-def _built(section: str, build, renames: Mapping[str, str] | None = None):
+def _built(section: str, build):
     """``build()``, with any error re-raised as a ConfigError naming the config field.
 
-    Sub-configs name their own fields (``PolicyConfig.serve_reserve=2 ...``); the
-    field is translated to its dotted config name (``config.scheduler.serve_reserve``),
-    through ``renames`` where the names differ (``mode`` -> ``train.advantage``).
+    Sub-configs name their own fields (``PolicyConfig.serve_reserve=2 ...``), and a knob has one
+    name from flag to field, so the class is all that changes: ``config.scheduler.serve_reserve``.
     """
     try:
         return build()
@@ -83,9 +82,7 @@ def _built(section: str, build, renames: Mapping[str, str] | None = None):
         raise
     except (ValueError, LookupError, TypeError) as e:
         msg = str(e).strip("'\"")
-        renames = renames or {}
-        named = re.sub(r"\b[A-Z]\w*Config\.(\w+)", lambda m: "config." + renames.get(m.group(1), f"{section}.{m.group(1)}"),
-                       msg)
+        named = re.sub(r"\b[A-Z]\w*Config\.(?=\w)", f"config.{section}.", msg)
         raise ConfigError(named if named != msg else f"config.{section}: {msg}") from None
 
 
@@ -262,6 +259,10 @@ class HarnessKnobs:
                          "output_bytes", "cpu_s", "memory_bytes"))
         _positive(self, ("temperature", "max_retries", "backoff_base_s", "context_budget_tokens", "max_subagents"),
                   allow_zero=True)
+        from gyre_jax.agents.sandbox import KINDS  # light: the sandbox module imports no JAX
+
+        if self.sandbox not in KINDS:  # SandboxConfig would name its `kind`, another harness knob
+            raise ConfigError(f"config.harness.sandbox must be one of {KINDS}, got {self.sandbox!r}")
         object.__setattr__(self, "env", dict(self.env))
 
     def make(self, unix_socket: str | None = None):
@@ -318,7 +319,7 @@ class TrainConfig:
     # exp, so loss and gradient stay finite whatever engine and trainer disagree by.
     log_ratio_clamp: float = 20.0
     advantage_eps: float | None = None  # grpo / reinforce_pp*: added to the std
-    # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_scale):
+    # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_advantage_scale):
     # 1.0 = as the estimator gives them, 0.0 = reinforce only better-than-baseline rollouts.
     negative_advantage_scale: float = 1.0
     weights_normalizer: int | None = None  # weights=constant: C tokens (None: row_len)
@@ -657,19 +658,17 @@ class RLConfig:
 
         t = self.train
         est = ADVANTAGE_ESTIMATORS.get(t.advantage)
-        if t.advantage_eps is not None and "eps" not in {f.name for f in dataclasses.fields(est.config)}:
+        if t.advantage_eps is not None and "advantage_eps" not in {f.name for f in dataclasses.fields(est.config)}:
             raise ConfigError(f"config.train.advantage_eps does not apply to advantage={t.advantage!r}")
         adv = _built("train", lambda: AdvantageConfig(
             estimator=t.advantage,
-            estimator_config=est.make_config({} if t.advantage_eps is None else {"eps": t.advantage_eps}),
-            negative_scale=t.negative_advantage_scale, overlong_max_tokens=t.overlong_max_tokens,
-            overlong_buffer_tokens=t.overlong_buffer_tokens, overlong_penalty=t.overlong_penalty),
-            {"negative_scale": "train.negative_advantage_scale", "eps": "train.advantage_eps"})
+            estimator_config=est.make_config({} if t.advantage_eps is None else {"advantage_eps": t.advantage_eps}),
+            negative_advantage_scale=t.negative_advantage_scale, overlong_max_tokens=t.overlong_max_tokens,
+            overlong_buffer_tokens=t.overlong_buffer_tokens, overlong_penalty=t.overlong_penalty))
         wb = WEIGHT_BUILDERS.get(t.weights)
-        fields = {f.name for f in dataclasses.fields(wb.config)}
-        if "normalizer" in fields:
-            wcfg = _built("train", lambda: wb.make_config({"normalizer": t.row_len if t.weights_normalizer is None else t.weights_normalizer}),
-                          {"normalizer": "train.weights_normalizer"})
+        if "weights_normalizer" in {f.name for f in dataclasses.fields(wb.config)}:
+            c = t.row_len if t.weights_normalizer is None else t.weights_normalizer
+            wcfg = _built("train", lambda: wb.make_config({"weights_normalizer": c}))
         elif t.weights_normalizer is not None:
             raise ConfigError(f"config.train.weights_normalizer does not apply to weights={t.weights!r}")
         else:
@@ -684,8 +683,7 @@ class RLConfig:
         options = {k: getattr(t, k) for k in LOSS_OPTIONS + MISMATCH_OPTIONS}
         return _built("train", lambda: PolicyLossConfig.create(
             loss=t.loss, mismatch=t.mismatch, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
-            entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp, **options),
-            {"cap": "train.mismatch_cap", "low": "train.mismatch_low", "high": "train.mismatch_high"})
+            entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp, **options))
 
     @property
     def stream_groups(self) -> bool:
@@ -705,7 +703,7 @@ class RLConfig:
         t = self.train
         return _built("train", lambda: OptimizerConfig(
             learning_rate=t.learning_rate, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm, b2=t.adam_b2, eps=t.adam_eps), {"b2": "train.adam_b2", "eps": "train.adam_eps"})
+            max_grad_norm=t.max_grad_norm, adam_b2=t.adam_b2, adam_eps=t.adam_eps))
 
     def cell_config(self):
         from gyre_jax.cells.mesh import CellConfig
@@ -733,7 +731,7 @@ class RLConfig:
             max_subagents=h.max_subagents,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None,
-            sandbox=SandboxConfig(kind=h.sandbox)), renames={"kind": "harness.sandbox"})
+            sandbox=SandboxConfig(kind=h.sandbox)))
 
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":
