@@ -47,12 +47,12 @@ def test_make_task_is_deterministic_and_scales_its_suite():
     a, b = make_task("tiny_tests", 7), make_task("tiny_tests", 7)
     assert a == b and a.params["test_s"] == round(ts.heavy_tailed_seconds(7), 3)
     assert a.tools == ("write_file", "run_tests", "finish")
-    fast = tiny_tests.make_task(7, test_time_scale=SCALE)
+    fast = tiny_tests.make_task(7, run_tests_scale=SCALE)
     assert fast.params["test_s"] == pytest.approx(SCALE * a.params["test_s"], abs=1e-3)
     assert fast.params["expected"] == a.params["expected"] == tiny.make_task(7).params["expected"]
     assert test_suite(a).duration_s == a.params["test_s"] and test_suite(tiny.make_task(7)) is None
-    with pytest.raises(ValueError, match="test_time_scale"):
-        tiny_tests.make_task(0, test_time_scale=-1.0)
+    with pytest.raises(ValueError, match="run_tests_scale"):
+        tiny_tests.make_task(0, run_tests_scale=-1.0)
     # Other families do not offer it (their prompts and schemas are unchanged).
     assert "run_tests" not in tiny.make_task(0).tools and "run_tests" not in make_task("repo_spec", 0).tools
 
@@ -80,7 +80,7 @@ def test_rollouts_wait_on_real_suites_concurrently_and_only_tested_answers_earn_
     takes its task's time; they overlap (the event loop is free while they run); the grade
     needs a receipt of the final answer."""
     # Seeds with long suites (8.9, 8.2, 4.7 s at scale 1; r2 and r4 never run theirs), at 0.2x.
-    tasks = {f"r{k}": tiny_tests.make_task(seed, test_time_scale=0.2) for k, seed in enumerate((6, 7, 0, 4, 10))}
+    tasks = {f"r{k}": tiny_tests.make_task(seed, run_tests_scale=0.2) for k, seed in enumerate((6, 7, 0, 4, 10))}
     # r0, r1: the ideal transcript. r2: never tests. r3: tests, then changes its answer.
     # r4: writes its own receipt (a forgery) instead of testing.
     def turns(rid, task):
@@ -125,7 +125,7 @@ def test_rollouts_wait_on_real_suites_concurrently_and_only_tested_answers_earn_
 
 
 def test_suite_output_reports_each_case(tmp_path):
-    task = tiny_tests.make_task(1, test_time_scale=0.0)  # an instant suite: the cases, not the wait
+    task = tiny_tests.make_task(1, run_tests_scale=0.0)  # an instant suite: the cases, not the wait
     ws = Workspace(tmp_path, sandbox=None, test_suite=test_suite(task))
     wrong = asyncio.run(ws.call("run_tests", {}))
     assert wrong.startswith("exit code 1") and "test_file_exists FAILED" in wrong and "0 passed, 3 failed" in wrong
@@ -138,7 +138,7 @@ def test_suite_output_reports_each_case(tmp_path):
 
 
 def test_a_fifo_planted_as_the_receipt_does_not_freeze_run_tests(tmp_path):
-    task = tiny_tests.make_task(1, test_time_scale=0.0)
+    task = tiny_tests.make_task(1, run_tests_scale=0.0)
     ws = Workspace(tmp_path, sandbox=None, test_suite=test_suite(task))
     ws.write_file("answer.txt", task.params["expected"])
     os.mkfifo(tmp_path / ts.RECEIPT_FILE)

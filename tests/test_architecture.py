@@ -7,6 +7,9 @@
   them without breaking a reader elsewhere. The whole package is clean (the last readers, the
   simulator and the remote engine's stream, got public methods); only other libraries' names are allowed.
 * Construction never starts threads: ``TrainerAdapter``'s and ``LoopThread``'s constructors do not; ``start()`` does.
+* No package cycle: the graph of which ``gyre_jax`` package imports which (every import statement,
+  also those inside functions) has no cycle, so each package can be read and tested with only those
+  below it (tests/test_package_layers.py pins the named layers; this catches any new loop).
 """
 from __future__ import annotations
 
@@ -69,11 +72,61 @@ def test_nothing_reads_another_objects_privates():
     assert not reads, f"reads of another object's private attributes (add a public method): {reads}"
 
 
+def package_imports() -> dict[str, dict[str, str]]:
+    """package -> {imported gyre_jax package: the first module of it that imports it} (a top-level
+    module such as ``sharding.py`` is its own package)."""
+    out: dict[str, dict[str, str]] = {}
+    for path, tree in _modules():
+        pkg = path.split(os.sep)[0].removesuffix(".py")
+        for n in ast.walk(tree):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                [f"{n.module}.{a.name}" for a in n.names] if isinstance(n, ast.ImportFrom) and n.module and n.level == 0 \
+                else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "gyre_jax" and len(parts) > 1 and parts[1] != pkg:
+                    out.setdefault(pkg, {}).setdefault(parts[1], f"gyre_jax/{path}")
+    return out
+
+
+def find_cycle(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One cycle of the graph as [a, b, ..., a], or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str]:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph.get(v, {})):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (c := visit(w)):
+                return c
+        state[v] = 2
+        path.pop()
+        return []
+
+    for v in sorted(graph):
+        if v not in state and (c := visit(v)):
+            return c
+    return []
+
+
+def test_no_package_cycle():
+    graph = package_imports()
+    assert {"model", "cells", "rl"} <= set(graph), sorted(graph)  # the reader sees the packages
+    cycle = find_cycle(graph)
+    assert not cycle, "package cycle " + " -> ".join(cycle) + ": " + "; ".join(
+        f"{a} -> {b} in {graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
+
+
 def test_the_checks_see_what_they_look_for():
     """The two readers find a long function and a private read in a snippet (the checks can fail)."""
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
     assert long_functions(ast.parse(f"def f():\n{body}\n")) == [("f", MAX_LINES + 1)]
     assert private_reads(ast.parse("a = b._c + self._d + super()._e + cls._f + o.__len__")) == {"b._c"}
+    assert find_cycle({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": ""}, "b": {"c": ""}, "d": {"a": "", "c": ""}}) == []
 
 
 def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread():

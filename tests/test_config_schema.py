@@ -73,3 +73,39 @@ def test_routing_replay_needs_an_moe_model():
     d["model"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     cfg = RLConfig.from_config(d)
     assert cfg.processor_config().routing_width == cfg.model.n_layers * 2  # rows carry every MoE layer's top-2
+
+
+def test_every_option_of_every_registered_objective_entry_is_a_train_field():
+    """A loss's (correction's, estimator's, weight builder's) option reaches its config only through the
+    train field of the same name (one name from flag to field): an entry whose option has no field here
+    could never be set, and the field must default to None (the chosen entry's own default)."""
+    fields = {f.name: f for f in dataclasses.fields(C.TrainConfig)}
+    assert C.entry_options(), "no options found: the check would pass vacuously"
+    missing = [o for o in C.entry_options() if o not in fields]
+    assert not missing, f"options of registered entries with no config.train field: {missing}"
+    assert [o for o in C.entry_options() if fields[o].default is not None] == []
+
+
+def test_each_objective_option_reaches_the_chosen_entry():
+    d = _load("demo.py").to_dict()
+    d["train"].update(loss="gspo", eps_low=1e-3, mismatch="icepop", mismatch_high=4.0, advantage="reinforce_pp",
+                      advantage_eps=0.01, weights="constant", weights_normalizer=64)
+    cfg = RLConfig.from_config(d)
+    lc, pc = cfg.loss_config(), cfg.processor_config()
+    assert (lc.objective.eps_low, lc.mismatch_config.mismatch_high) == (1e-3, 4.0)
+    assert pc.advantage.estimator_config.advantage_eps == 0.01 and pc.weights_config.weights_normalizer == 64
+
+
+def test_a_task_family_gets_the_task_fields_its_make_task_takes(monkeypatch):
+    """Routed by make_task's keyword names: a family with options needs no branch in the config."""
+    import types
+
+    import gyre_jax.agents.tasks as tasks
+
+    def make_task(seed, *, min_len=1, max_len=2, run_tests_scale=1.0):
+        raise AssertionError("not called")
+
+    toy = types.SimpleNamespace(FAMILY="toy", make_task=make_task)
+    monkeypatch.setattr(tasks, "family", lambda name: toy if name == "toy" else pytest.fail(name))
+    assert C.TaskConfig(family="toy", min_len=4, max_len=6, run_tests_scale=0.5).kwargs() == dict(
+        min_len=4, max_len=6, run_tests_scale=0.5)

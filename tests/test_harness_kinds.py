@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -275,3 +276,17 @@ def test_grader_command_scoring(tmp_path, command, score, error):
         with pytest.raises(dataset.VerifierError, match=error):
             dataset.grade(task, ws)
     assert not (ws / "hidden.txt").exists()  # hidden files go into a copy, never the snapshot
+
+
+def test_a_kind_registered_first_keeps_the_built_in_kinds():
+    """A user's register_harness before any make_harness (its module imported at start-up) used to
+    leave the registry non-empty, so the built-in kinds were never added: 'builtin' was unknown."""
+    code = textwrap.dedent("""
+        from gyre_jax.agents.harnesses import HARNESSES, make_harness, register_harness
+        register_harness("toy", lambda **_: object())
+        make_harness("builtin")
+        print(sorted(HARNESSES))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split("\n")[-2] == "['builtin', 'command', 'python', 'toy']"

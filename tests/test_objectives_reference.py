@@ -90,10 +90,10 @@ def reference(cfg, d, seq, num_seq):
         seq_rho = {s: math.prod(rho[k] for k in toks if seq[k] == s) for s in range(num_seq)}
         x = {k: (seq_rho[seq[k]] if cfg.mismatch.endswith("_seq") else rho[k]) for k in toks}
         if cfg.mismatch.startswith("tis"):
-            corr = {k: min(x[k], mc.cap) for k in toks}
-            m["mismatch_frac_truncated"] = sum(w[k] for k in toks if x[k] > mc.cap)
+            corr = {k: min(x[k], mc.mismatch_cap) for k in toks}
+            m["mismatch_frac_truncated"] = sum(w[k] for k in toks if x[k] > mc.mismatch_cap)
         elif cfg.mismatch in ("mis", "mis_seq", "icepop"):
-            keep = {k: mc.low <= x[k] <= mc.high for k in toks}
+            keep = {k: mc.mismatch_low <= x[k] <= mc.mismatch_high for k in toks}
             corr = {k: x[k] if keep[k] else 0.0 for k in toks}
             m["mismatch_frac_masked"] = sum(w[k] for k in toks if not keep[k])
         m["mismatch_kl"] = sum(w[k] * (rho[k] - 1 - math.log(rho[k])) for k in toks)
@@ -331,7 +331,7 @@ def test_config_errors_name_the_field():
         C(loss="ppo2")
     with pytest.raises(LookupError, match=r"unknown mismatch correction 'tls'; known: \['icepop', 'measure', 'mis'"):
         C(mismatch="tls")
-    with pytest.raises(ValueError, match=r"MaskConfig.low=2.0 must be < high=2.0"):
+    with pytest.raises(ValueError, match=r"MaskConfig.mismatch_low=2.0 must be < mismatch_high=2.0"):
         C(mismatch="mis", mismatch_low=2.0)
     with pytest.raises(ValueError, match="behavior_cap must be a finite number in \\(1"):
         C(loss="decoupled_ppo", behavior_cap=0.5)
@@ -429,7 +429,7 @@ def test_weight_builders_match_their_formulas():
         "constant": mask / (64.0 * num_seq),  # Dr. GRPO: 1 / (C R)
     }
     for name, want in expect.items():
-        cfg = L.ConstantConfig(normalizer=64) if name == "constant" else None
+        cfg = L.ConstantConfig(weights_normalizer=64) if name == "constant" else None
         w, units = L.build_loss_weights(name, mask, ids, num_seq, config=cfg)
         np.testing.assert_allclose(w, want, rtol=1e-6, atol=0)
         # a row at a time, with the step's counts and normaliser: the step's weights

@@ -11,7 +11,7 @@ from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages, has
 
 def acfg(mode, eps=1e-6, **kw):
     """grpo (mean/std) with its eps, or dr_grpo (mean only)."""
-    return AdvantageConfig(estimator=mode, estimator_config=NormConfig(eps=eps) if mode == "grpo" else None, **kw)
+    return AdvantageConfig(estimator=mode, estimator_config=NormConfig(advantage_eps=eps) if mode == "grpo" else None, **kw)
 
 
 @dataclasses.dataclass
@@ -77,14 +77,14 @@ def test_no_variance_gives_zero_not_nan(mode):
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.25])
-def test_negative_scale_multiplies_only_negative_advantages(scale):
+def test_negative_advantage_scale_multiplies_only_negative_advantages(scale):
     scores = [1.0, 0.5, 0.0, 0.0]
     outs = [O(str(i), "t", "completed", s) for i, s in enumerate(scores)]
     ref = ref_adv(scores, "grpo", 1e-6)
-    got = compute_advantages(outs, AdvantageConfig(negative_scale=scale)).advantages
+    got = compute_advantages(outs, AdvantageConfig(negative_advantage_scale=scale)).advantages
     np.testing.assert_allclose(got, np.where(ref < 0, ref * scale, ref), rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="negative_scale"):
-        AdvantageConfig(negative_scale=-1.0)
+    with pytest.raises(ValueError, match="negative_advantage_scale"):
+        AdvantageConfig(negative_advantage_scale=-1.0)
 
 
 def test_all_failures():

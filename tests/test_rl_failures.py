@@ -84,6 +84,9 @@ def test_multi_step_mode_streams_rows_and_publishes_every_k(tmp_path):
     # Grader crashes: fewer trained rollouts than nominal, the update rescaled by exactly that ratio.
     for r in lines:
         assert r["grad_scale"] == pytest.approx(8 / r["trained_rollouts"]), r
+        # The step's weights, rescaled, sum to 1 (rollout-first mean over the global step): the reported
+        # scale alone passes a step whose rows were normalised wrongly, which AdamW then hides.
+        assert r["loss/weight_sum"] == pytest.approx(1.0, rel=1e-5), r
     assert any(r["grad_scale"] > 1 for r in lines)
     for e in engines.values():  # publications every 2 updates: engines never see an odd version
         assert all(v % 2 == 0 for v in e.engine.loads), e.engine.loads
@@ -107,6 +110,7 @@ def test_streaming_modes_train_each_group_as_taken_batch_modes_the_whole_step(tm
     assert len(lines) == 2
     for r in lines:
         assert r["after_last_group_s"] >= 0, r
+        assert r["loss/weight_sum"] == pytest.approx(1.0, rel=1e-5), r  # normalised over the global step
         if mode == "elastic":
             assert r["row_chunks"] == 2, r  # groups_per_step
             assert r["grad_scale"] == pytest.approx(8 / r["trained_rollouts"]), r

@@ -39,7 +39,7 @@ def test_every_registered_name_configures():
         assert _cfg(mismatch=name).loss_config().mismatch == name
     cfg = _cfg(loss="gspo", eps_low=1e-3, mismatch="tis_seq", mismatch_cap=3.0, kl_coef=0.01)
     lc = cfg.loss_config()
-    assert (lc.objective.eps_low, lc.objective.eps_high, lc.mismatch_config.cap, lc.kl_coef) == (1e-3, 4e-4, 3.0, 0.01)
+    assert (lc.objective.eps_low, lc.objective.eps_high, lc.mismatch_config.mismatch_cap, lc.kl_coef) == (1e-3, 4e-4, 3.0, 0.01)
     assert lc.step_passes() == {"prox", "seq_log_ratio", "trainer", "seq_log_mismatch", "ref"}
     assert _cfg(dynamic_sampling=True).dynamic_sampling_budget() == 8 * 60  # budget 1.0 x G x steps
 
@@ -52,7 +52,7 @@ def test_every_registered_name_configures():
     (dict(loss="gspo", clip_c=3.0), r"config.train.clip_c does not apply to loss 'gspo'"),
     (dict(mismatch="tis", mismatch_high=3.0), r"config.train.mismatch_high does not apply to mismatch 'tis'"),
     (dict(mismatch_cap=2.0), r"config.train.mismatch_cap is set but mismatch is off"),
-    (dict(mismatch="icepop", mismatch_low=6.0), r"config.train.mismatch_low=6.0 must be < high=5.0"),
+    (dict(mismatch="icepop", mismatch_low=6.0), r"config.train.mismatch_low=6.0 must be < mismatch_high=5.0"),
     (dict(eps_high=-0.1), r"config.train.eps_high must be a finite number in \[0, inf\)"),
     (dict(loss="decoupled_ppo", behavior_cap=1.0), r"config.train.behavior_cap must be a finite number in \(1"),
     (dict(kl_coef=-1.0), r"config.train.kl_coef must be a finite number in \[0"),

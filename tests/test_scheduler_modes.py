@@ -1,5 +1,7 @@
 """Scheduling modes are strategy objects registered by name (gyre_jax/scheduler/modes.py):
 a mode registered here, and nowhere else, runs in the simulator and configures the RL loop."""
+import re
+
 import pytest
 
 from gyre_jax.errors import ConfigError
@@ -44,7 +46,8 @@ def test_the_rl_loop_asks_the_mode(toy_mode):
 
 
 def test_an_unknown_mode_names_the_known_ones():
-    known = r"\['async', 'async_stream', 'colocate', 'elastic', 'elastic_no_stream'\]"
+    known = re.escape(str(modes.mode_names()))  # a new built-in mode is a known one too
+    assert "'elastic'" in known and "'colocate'" in known
     with pytest.raises(LookupError, match=f"unknown scheduling mode 'sideways'; known: {known}"):
         modes.get_mode("sideways")
     with pytest.raises(ValueError, match=f"PolicyConfig.mode='sideways'; known modes: {known}"):

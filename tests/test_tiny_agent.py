@@ -29,7 +29,7 @@ def learn_cfg():
 
 
 def _task(cfg, seed):
-    return make_task("tiny_agent", seed, **{**cfg.task.kwargs(), "test_time_scale": 0.0})
+    return make_task("tiny_agent", seed, **{**cfg.task.kwargs(), "run_tests_scale": 0.0})
 
 
 def _task_with(cfg, strategy):

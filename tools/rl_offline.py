@@ -140,8 +140,8 @@ def main(argv=None) -> dict:
     if a.line_search:
         return line_search(params, batch_of(params, task_batch(0), jax.random.key(3))[0], loss_fn, held_out)
 
-    tx = make_optimizer(OptimizerConfig(learning_rate=a.lr, max_grad_norm=t.max_grad_norm, b2=t.adam_b2,
-                                        eps=t.adam_eps), param_logical_axes(mc))
+    tx = make_optimizer(OptimizerConfig(learning_rate=a.lr, max_grad_norm=t.max_grad_norm, adam_b2=t.adam_b2,
+                                        adam_eps=t.adam_eps), param_logical_axes(mc))
     opt_state = tx.init(params)
 
     @jax.jit

@@ -30,9 +30,9 @@ class OptimizerConfig:
     warmup_steps: int = 0  # linear warmup from 0 to learning_rate
     decay_steps: int = 0  # cosine decay after warmup to final_lr_fraction * lr; 0 = constant
     final_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
     weight_decay: float = 0.0  # applied to matrices only (not norm scales)
     max_grad_norm: float | None = 1.0  # None = no clipping
 
@@ -46,11 +46,11 @@ class OptimizerConfig:
                 raise ValueError(f"{w}.{name} must be an int >= 0, got {v!r}")
         if not 0 <= self.final_lr_fraction <= 1:
             raise ValueError(f"{w}.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
-        for name in ("b1", "b2"):
+        for name in ("adam_b1", "adam_b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{w}.{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.eps > 0:
-            raise ValueError(f"{w}.eps must be > 0, got {self.eps}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"{w}.adam_eps must be > 0, got {self.adam_eps}")
         if self.weight_decay < 0:
             raise ValueError(f"{w}.weight_decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -90,7 +90,7 @@ def make_optimizer(cfg: OptimizerConfig, logical_params) -> optax.GradientTransf
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
     parts.append(
         optax.adamw(
-            make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
+            make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mask=decay_mask
         )
     )
     return optax.chain(*parts)

@@ -36,10 +36,10 @@ _METRICS = {"no_variance_groups": "count", "empty_groups": "count"}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NormConfig:
-    eps: float = 1e-6  # added to the std
+    advantage_eps: float = 1e-6  # added to the std
 
     def __post_init__(self):
-        check_number(f"{type(self).__name__}.", "eps", self.eps, lo=0.0)
+        check_number(f"{type(self).__name__}.", "advantage_eps", self.advantage_eps, lo=0.0)
 
 
 def _xp(*xs):
@@ -83,7 +83,7 @@ def _batch_norm(xp, x, v, eps):
     paper="Shao et al. 2024, DeepSeekMath (GRPO)")
 def grpo(scores_GxN, valid_GxN, cfg: NormConfig):
     xp, v, n, c, std, spread = _groups(scores_GxN, valid_GxN)
-    return xp.where(v & spread, c / xp.where(spread, std + cfg.eps, 1.0), 0.0), _metrics(xp, n, spread)
+    return xp.where(v & spread, c / xp.where(spread, std + cfg.advantage_eps, 1.0), 0.0), _metrics(xp, n, spread)
 
 
 @ADVANTAGE_ESTIMATORS.register(
@@ -111,7 +111,7 @@ def rloo(scores_GxN, valid_GxN, cfg: NoConfig):
     paper="Hu 2025, REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models")
 def reinforce_pp(scores_GxN, valid_GxN, cfg: NormConfig):
     xp, v, n, c, std, spread = _groups(scores_GxN, valid_GxN)
-    return _batch_norm(xp, xp.asarray(scores_GxN), v, cfg.eps), _metrics(xp, n, spread)
+    return _batch_norm(xp, xp.asarray(scores_GxN), v, cfg.advantage_eps), _metrics(xp, n, spread)
 
 
 @ADVANTAGE_ESTIMATORS.register(
@@ -120,4 +120,4 @@ def reinforce_pp(scores_GxN, valid_GxN, cfg: NormConfig):
     paper="Hu 2025, REINFORCE++ (the -baseline variant)")
 def reinforce_pp_baseline(scores_GxN, valid_GxN, cfg: NormConfig):
     xp, v, n, c, std, spread = _groups(scores_GxN, valid_GxN)
-    return _batch_norm(xp, xp.where(spread, c, 0.0), v, cfg.eps), _metrics(xp, n, spread)
+    return _batch_norm(xp, xp.where(spread, c, 0.0), v, cfg.advantage_eps), _metrics(xp, n, spread)

@@ -83,15 +83,15 @@ def measure(x: MismatchInputs, cfg: MeasureConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TISConfig:
-    cap: float = 2.0  # C: the weight is min(rho, C)
+    mismatch_cap: float = 2.0  # C: the weight is min(rho, C)
 
     def __post_init__(self):
-        check_number(f"{type(self).__name__}.", "cap", self.cap, lo=0.0, lo_open=True)
+        check_number(f"{type(self).__name__}.", "mismatch_cap", self.mismatch_cap, lo=0.0, lo_open=True)
 
 
 def _truncated(log_rho, x, cfg):
-    cut = log_rho > math.log(cfg.cap)
-    return jnp.exp(jnp.minimum(log_rho, math.log(cfg.cap))), {"mismatch_frac_truncated": _share(cut, x)}
+    cut = log_rho > math.log(cfg.mismatch_cap)
+    return jnp.exp(jnp.minimum(log_rho, math.log(cfg.mismatch_cap))), {"mismatch_frac_truncated": _share(cut, x)}
 
 
 @MISMATCH_CORRECTIONS.register(
@@ -112,19 +112,19 @@ def tis_seq(x: MismatchInputs, cfg: TISConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskConfig:
-    low: float = 0.0  # keep tokens (sequences) with low <= rho <= high; 0 = no lower bound
-    high: float = 2.0
+    mismatch_low: float = 0.0  # keep tokens (sequences) with low <= rho <= high; 0 = no lower bound
+    mismatch_high: float = 2.0
 
     def __post_init__(self):
         where = f"{type(self).__name__}."
-        check_number(where, "low", self.low, lo=0.0)
-        check_number(where, "high", self.high, lo=0.0, lo_open=True)
-        if not self.low < self.high:
-            raise ValueError(f"{where}low={self.low} must be < high={self.high}")
+        check_number(where, "mismatch_low", self.mismatch_low, lo=0.0)
+        check_number(where, "mismatch_high", self.mismatch_high, lo=0.0, lo_open=True)
+        if not self.mismatch_low < self.mismatch_high:
+            raise ValueError(f"{where}mismatch_low={self.mismatch_low} must be < mismatch_high={self.mismatch_high}")
 
 
 def _masked(log_rho, x, cfg):
-    keep = (log_rho >= _log(cfg.low)) & (log_rho <= math.log(cfg.high))
+    keep = (log_rho >= _log(cfg.mismatch_low)) & (log_rho <= math.log(cfg.mismatch_high))
     w = jnp.exp(jnp.where(keep, log_rho, -jnp.inf))  # a dropped token never reaches exp's overflow
     return w, {"mismatch_frac_masked": _share(~keep, x)}
 
@@ -148,8 +148,8 @@ def mis_seq(x: MismatchInputs, cfg: MaskConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IcePopConfig(MaskConfig):
-    low: float = 0.5  # the paper's alpha, beta
-    high: float = 5.0
+    mismatch_low: float = 0.5  # the paper's alpha, beta
+    mismatch_high: float = 5.0
 
 
 @MISMATCH_CORRECTIONS.register(

@@ -103,7 +103,7 @@ def get_kl_estimator(name: str) -> Callable:
 declare_metrics(dict(loss="mean", pg_loss="mean", kl_ref="mean", entropy="mean", weight_sum="count",
                      num_tokens="count", weight_outside_mask="count"), "policy_loss")
 
-MISMATCH_PREFIX = "mismatch_"
+MISMATCH_PREFIX = "mismatch_"  # every correction config field starts with it (options route by it)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,14 +152,14 @@ class PolicyLossConfig:
     def create(cls, *, loss: str = "ppo_clip", mismatch: str = MISMATCH_OFF, kl_coef: float = 0.0,
                kl_estimator: str = "k3", entropy_coef: float = 0.0, entropy_metric: bool = True,
                log_ratio_clamp: float = 20.0, **options) -> "PolicyLossConfig":
-        """Flat options to the entries' configs: ``mismatch_X`` to the correction's field ``X``, the
-        rest to the objective's. An option the chosen entry does not have is a ValueError naming it
-        (None values mean "the default" and are skipped)."""
+        """Flat options to the entries' configs, by field name (the corrections' fields are the
+        ``mismatch_*`` ones, so each option names one field, as the RL config's flag does). An option
+        the chosen entry does not have is a ValueError naming it (None values mean "the default" and
+        are skipped)."""
         where = "PolicyLossConfig."
         entry = POLICY_LOSSES.get(loss)
         obj_opts = {k: v for k, v in options.items() if not k.startswith(MISMATCH_PREFIX) and v is not None}
-        mis_opts = {k[len(MISMATCH_PREFIX):]: v for k, v in options.items()
-                    if k.startswith(MISMATCH_PREFIX) and v is not None}
+        mis_opts = {k: v for k, v in options.items() if k.startswith(MISMATCH_PREFIX) and v is not None}
         obj_fields = {f.name for f in dataclasses.fields(entry.config)}
         for k in sorted(set(obj_opts) - obj_fields):
             raise ValueError(f"{where}{k} does not apply to loss {loss!r} (its options: {sorted(obj_fields)})")
@@ -168,12 +168,10 @@ class PolicyLossConfig:
             ce = MISMATCH_CORRECTIONS.get(mismatch)
             fields = {f.name for f in dataclasses.fields(ce.config)}
             for k in sorted(set(mis_opts) - fields):
-                raise ValueError(f"{where}{MISMATCH_PREFIX}{k} does not apply to mismatch {mismatch!r} "
-                                 f"(its options: {sorted(MISMATCH_PREFIX + f for f in fields)})")
+                raise ValueError(f"{where}{k} does not apply to mismatch {mismatch!r} (its options: {sorted(fields)})")
             mc = ce.config(**mis_opts)
         elif mis_opts:
-            k = sorted(mis_opts)[0]
-            raise ValueError(f"{where}{MISMATCH_PREFIX}{k} is set but mismatch is off")
+            raise ValueError(f"{where}{sorted(mis_opts)[0]} is set but mismatch is off")
         return cls(loss=loss, objective=entry.config(**obj_opts), mismatch=mismatch, mismatch_config=mc,
                    kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
                    entropy_metric=entropy_metric, log_ratio_clamp=log_ratio_clamp)

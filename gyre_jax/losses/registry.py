@@ -115,6 +115,10 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def options(self) -> tuple[str, ...]:
+        """Every field of every entry's config, sorted: the RL config has a ``train`` field of each name."""
+        return tuple(sorted({f.name for e in self._entries.values() for f in dataclasses.fields(e.config)}))
+
     def __contains__(self, name) -> bool:
         return name in self._entries
 

@@ -144,11 +144,12 @@ def token_mean_weights(loss_mask, total_tokens: int | None = None):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConstantConfig:
-    normalizer: int = 4096  # C: tokens per rollout the sum is divided by (e.g. the generation budget)
+    weights_normalizer: int = 4096  # C: tokens per rollout the sum is divided by (e.g. the generation budget)
 
     def __post_init__(self):
-        if isinstance(self.normalizer, bool) or not isinstance(self.normalizer, (int, np.integer)) or self.normalizer < 1:
-            raise ValueError(f"ConstantConfig.normalizer must be a positive int, got {self.normalizer!r}")
+        c = self.weights_normalizer
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+            raise ValueError(f"ConstantConfig.weights_normalizer must be a positive int, got {c!r}")
 
 
 @WEIGHT_BUILDERS.register(
@@ -195,7 +196,7 @@ def token_mean(loss_mask, rollout_ids, num_rollouts, rollout_token_counts, cfg):
     paper="Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO)")
 def constant(loss_mask, rollout_ids, num_rollouts, rollout_token_counts, cfg: ConstantConfig):
     xp = jnp if _is_jax(loss_mask) else np
-    return xp.asarray(loss_mask).astype(bool) / float(cfg.normalizer), float(num_rollouts)
+    return xp.asarray(loss_mask).astype(bool) / float(cfg.weights_normalizer), float(num_rollouts)
 
 
 def get_weight_builder(name: str):

@@ -70,12 +70,11 @@ def _ints(obj, names):
             raise ConfigError(f"config.{obj.SECTION}.{n} must be an int, got {v!r}")
 
 
-def _built(section: str, build, renames: Mapping[str, str] | None = None):
+def _built(section: str, build):
     """``build()``, with any error re-raised as a ConfigError naming the config field.
 
-    Sub-configs name their own fields (``PolicyConfig.serve_reserve=2 ...``); the
-    field is translated to its dotted config name (``config.scheduler.serve_reserve``),
-    through ``renames`` where the names differ (``mode`` -> ``train.advantage``).
+    Sub-configs name their own fields (``PolicyConfig.serve_reserve=2 ...``), and a knob has one
+    name from flag to field, so the class is all that changes: ``config.scheduler.serve_reserve``.
     """
     try:
         return build()
@@ -83,9 +82,7 @@ def _built(section: str, build, renames: Mapping[str, str] | None = None):
         raise
     except (ValueError, LookupError, TypeError) as e:
         msg = str(e).strip("'\"")
-        renames = renames or {}
-        named = re.sub(r"\b[A-Z]\w*Config\.(\w+)", lambda m: "config." + renames.get(m.group(1), f"{section}.{m.group(1)}"),
-                       msg)
+        named = re.sub(r"\b[A-Z]\w*Config\.(?=\w)", f"config.{section}.", msg)
         raise ConfigError(named if named != msg else f"config.{section}: {msg}") from None
 
 
@@ -202,15 +199,16 @@ class TaskConfig:
         return tuple(o.strip() for o in self.ops.split(",") if o.strip())
 
     def kwargs(self) -> dict:
-        if self.family == "tiny":
-            return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len)
-        if self.family == "tiny_tests":
-            return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len,
-                        test_time_scale=self.run_tests_scale)
-        if self.family == "tiny_agent":
-            return dict(ops=self.ops_tuple, min_len=self.min_len, max_len=self.max_len,
-                        test_time_scale=self.run_tests_scale, demo_test_fraction=self.demo_test_fraction)
-        return {}
+        """The family's ``make_task`` options: this section's fields named as its keyword parameters
+        (``ops`` as a tuple), so a family with a new option needs only a field here of that name."""
+        import inspect
+
+        from gyre_jax.agents.tasks import family  # light: the family module alone
+
+        make = getattr(family(self.family), "make_task", None)  # "dataset": its tasks come from a file
+        params = inspect.signature(make).parameters if make is not None else {}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"ops": self.ops_tuple}
+        return {k: v for k, v in values.items() if k in params and k != "seed"}
 
     def source(self, seed: int):
         """The run's TaskSource (gyre_jax.agents.task_sources): the task file's, else the family's."""
@@ -266,6 +264,10 @@ class HarnessKnobs:
                          "output_bytes", "cpu_s", "memory_bytes"))
         _positive(self, ("temperature", "max_retries", "backoff_base_s", "context_budget_tokens", "max_subagents"),
                   allow_zero=True)
+        from gyre_jax.agents.sandbox import KINDS  # light: the sandbox module imports no JAX
+
+        if self.sandbox not in KINDS:  # SandboxConfig would name its `kind`, another harness knob
+            raise ConfigError(f"config.harness.sandbox must be one of {KINDS}, got {self.sandbox!r}")
         object.__setattr__(self, "env", dict(self.env))
 
     def make(self, unix_socket: str | None = None):
@@ -278,11 +280,6 @@ class HarnessKnobs:
                             memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
-# TrainConfig fields routed to the chosen entries' configs (None: the entry's default).
-LOSS_OPTIONS = ("eps_low", "eps_high", "clip_c", "behavior_cap", "is_cap")  # -> the objective's config
-MISMATCH_OPTIONS = ("mismatch_cap", "mismatch_low", "mismatch_high")  # -> the correction's (cap, low, high)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The optimizer, the objective and the rows it trains on.
@@ -290,8 +287,9 @@ class TrainConfig:
     The objective is four names, one per registry of ``gyre_jax.losses`` (the README lists
     every entry with its paper): ``loss`` (policy loss), ``advantage`` (estimator),
     ``weights`` (aggregation) and ``mismatch`` (train-inference correction, or "off").
-    Their options are flat fields; None means the chosen entry's own default, and an
-    option the chosen entry does not take is a config error naming it.
+    Their options are flat fields named as the entries' config fields (``Registry.options``;
+    tests/test_config_schema.py checks each has its field here); None means the chosen entry's
+    own default, and an option the chosen entry does not take is a config error naming it.
     """
 
     SECTION: ClassVar[str] = "train"
@@ -322,7 +320,7 @@ class TrainConfig:
     # exp, so loss and gradient stay finite whatever engine and trainer disagree by.
     log_ratio_clamp: float = 20.0
     advantage_eps: float | None = None  # grpo / reinforce_pp*: added to the std
-    # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_scale):
+    # Multiplies negative advantages (trajectory.rewards.AdvantageConfig.negative_advantage_scale):
     # 1.0 = as the estimator gives them, 0.0 = reinforce only better-than-baseline rollouts.
     negative_advantage_scale: float = 1.0
     weights_normalizer: int | None = None  # weights=constant: C tokens (None: row_len)
@@ -373,17 +371,38 @@ def train_objective_fields() -> dict:
     """
     from ml_collections import config_dict
 
+    names = ("loss", "advantage", "weights", "mismatch", "kl_coef", "kl_estimator", "entropy_coef", "log_ratio_clamp",
+             "negative_advantage_scale", "dynamic_sampling", "dynamic_sampling_budget", "overlong_max_tokens",
+             "overlong_buffer_tokens", "overlong_penalty") + entry_options()
     out = {}
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("loss", "advantage", "weights", "mismatch", "kl_coef", "kl_estimator", "entropy_coef",
-                      "log_ratio_clamp", "negative_advantage_scale", "dynamic_sampling", "dynamic_sampling_budget",
-                      "overlong_max_tokens", "overlong_buffer_tokens", "overlong_penalty") + LOSS_OPTIONS + \
-                MISMATCH_OPTIONS + ("advantage_eps", "weights_normalizer"):
+        if f.name in names:
             if f.default is None:
-                out[f.name] = config_dict.placeholder(int if f.name == "weights_normalizer" else float)
+                out[f.name] = config_dict.placeholder(int if str(f.type).startswith("int") else float)
             else:
                 out[f.name] = f.default
     return out
+
+
+def entry_options() -> tuple[str, ...]:
+    """The TrainConfig fields that are options of a registered loss, correction, estimator or weight builder."""
+    from gyre_jax.losses import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, POLICY_LOSSES, WEIGHT_BUILDERS
+
+    return tuple(o for r in (POLICY_LOSSES, MISMATCH_CORRECTIONS, ADVANTAGE_ESTIMATORS, WEIGHT_BUILDERS)
+                 for o in r.options())
+
+
+def _entry_config(registry, name: str, t: TrainConfig, defaults: Mapping[str, Any] | None = None):
+    """The chosen entry's config from the TrainConfig fields of its fields' names (None: ``defaults``'s
+    value, else the entry's own); another entry's option set here is a ConfigError naming it."""
+    entry = registry.get(name)
+    own = {f.name for f in dataclasses.fields(entry.config)}
+    for k in registry.options():
+        if k not in own and getattr(t, k) is not None:
+            raise ConfigError(f"config.train.{k} does not apply to {registry.flag.split('.')[-1]}={name!r}")
+    values = {k: v for k, v in (defaults or {}).items() if k in own}
+    values.update({k: getattr(t, k) for k in own if getattr(t, k) is not None})
+    return _built("train", lambda: entry.make_config(values))
 
 
 NOISE_KINDS = ("reverse", "one_char", "random", "give_up")  # gyre_jax.rl.sft.noisy_tasks
@@ -668,24 +687,13 @@ class RLConfig:
         from gyre_jax.trajectory.rewards import AdvantageConfig
 
         t = self.train
-        est = ADVANTAGE_ESTIMATORS.get(t.advantage)
-        if t.advantage_eps is not None and "eps" not in {f.name for f in dataclasses.fields(est.config)}:
-            raise ConfigError(f"config.train.advantage_eps does not apply to advantage={t.advantage!r}")
+        est = _entry_config(ADVANTAGE_ESTIMATORS, t.advantage, t)
         adv = _built("train", lambda: AdvantageConfig(
-            estimator=t.advantage,
-            estimator_config=est.make_config({} if t.advantage_eps is None else {"eps": t.advantage_eps}),
-            negative_scale=t.negative_advantage_scale, overlong_max_tokens=t.overlong_max_tokens,
-            overlong_buffer_tokens=t.overlong_buffer_tokens, overlong_penalty=t.overlong_penalty),
-            {"negative_scale": "train.negative_advantage_scale", "eps": "train.advantage_eps"})
-        wb = WEIGHT_BUILDERS.get(t.weights)
-        fields = {f.name for f in dataclasses.fields(wb.config)}
-        if "normalizer" in fields:
-            wcfg = _built("train", lambda: wb.make_config({"normalizer": t.row_len if t.weights_normalizer is None else t.weights_normalizer}),
-                          {"normalizer": "train.weights_normalizer"})
-        elif t.weights_normalizer is not None:
-            raise ConfigError(f"config.train.weights_normalizer does not apply to weights={t.weights!r}")
-        else:
-            wcfg = wb.config()
+            estimator=t.advantage, estimator_config=est,
+            negative_advantage_scale=t.negative_advantage_scale, overlong_max_tokens=t.overlong_max_tokens,
+            overlong_buffer_tokens=t.overlong_buffer_tokens, overlong_penalty=t.overlong_penalty))
+        # weights=constant's C defaults to the row length here (the entry's own 4096 suits long rollouts)
+        wcfg = _entry_config(WEIGHT_BUILDERS, t.weights, t, {"weights_normalizer": t.row_len})
         return _built("train", lambda: ProcessorConfig(row_len=t.row_len, advantage=adv, weights=t.weights,
                                                        weights_config=wcfg, routing_width=self.model.routing_width))
 
@@ -693,11 +701,12 @@ class RLConfig:
         from gyre_jax.losses import PolicyLossConfig
 
         t = self.train
-        options = {k: getattr(t, k) for k in LOSS_OPTIONS + MISMATCH_OPTIONS}
+        from gyre_jax.losses import MISMATCH_CORRECTIONS, POLICY_LOSSES
+
+        options = {k: getattr(t, k) for k in POLICY_LOSSES.options() + MISMATCH_CORRECTIONS.options()}
         return _built("train", lambda: PolicyLossConfig.create(
             loss=t.loss, mismatch=t.mismatch, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
-            entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp, **options),
-            {"cap": "train.mismatch_cap", "low": "train.mismatch_low", "high": "train.mismatch_high"})
+            entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp, **options))
 
     @property
     def stream_groups(self) -> bool:
@@ -717,7 +726,7 @@ class RLConfig:
         t = self.train
         return _built("train", lambda: OptimizerConfig(
             learning_rate=t.learning_rate, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm, b2=t.adam_b2, eps=t.adam_eps), {"b2": "train.adam_b2", "eps": "train.adam_eps"})
+            max_grad_norm=t.max_grad_norm, adam_b2=t.adam_b2, adam_eps=t.adam_eps))
 
     def cell_config(self):
         from gyre_jax.cells.mesh import CellConfig
@@ -746,7 +755,7 @@ class RLConfig:
             max_subagents=h.max_subagents,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None,
-            sandbox=SandboxConfig(kind=h.sandbox)), renames={"kind": "harness.sandbox"})
+            sandbox=SandboxConfig(kind=h.sandbox)))
 
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":

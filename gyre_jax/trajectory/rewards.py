@@ -42,7 +42,7 @@ class AdvantageConfig:
     estimator_config: Any = None  # its config (None: the paper's defaults)
     # Multiplies negative advantages (1: as the estimator gives them; 0: only better-than-baseline
     # rollouts are reinforced).
-    negative_scale: float = 1.0
+    negative_advantage_scale: float = 1.0
     overlong_max_tokens: int = 0  # DAPO's Lmax: a rollout's generated tokens; 0 = no overlong shaping
     overlong_buffer_tokens: int = 0  # DAPO's Lc: the soft-penalty band below Lmax
     overlong_penalty: float = 1.0  # the penalty at Lmax (and beyond)
@@ -52,8 +52,9 @@ class AdvantageConfig:
         cfg = entry.config() if self.estimator_config is None else entry.check_config(
             self.estimator_config, "AdvantageConfig.estimator_config: ")
         object.__setattr__(self, "estimator_config", cfg)
-        if not (self.negative_scale >= 0 and math.isfinite(self.negative_scale)):
-            raise ValueError(f"AdvantageConfig.negative_scale={self.negative_scale!r} must be finite and >= 0")
+        if not (self.negative_advantage_scale >= 0 and math.isfinite(self.negative_advantage_scale)):
+            raise ValueError(f"AdvantageConfig.negative_advantage_scale={self.negative_advantage_scale!r} must be "
+                             "finite and >= 0")
         for name in ("overlong_max_tokens", "overlong_buffer_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -187,8 +188,8 @@ def compute_advantages(
     entry = config.entry
     adv_GxN, m = entry.fn(r_GxN, v_GxN, config.estimator_config) if num_groups else (r_GxN, {})
     adv = np.where(valid, np.asarray(adv_GxN, np.float64)[gidx, slot], 0.0) if n else np.zeros(0)
-    if config.negative_scale != 1.0:
-        adv = np.where(adv < 0, adv * config.negative_scale, adv)
+    if config.negative_advantage_scale != 1.0:
+        adv = np.where(adv < 0, adv * config.negative_advantage_scale, adv)
     metrics = {k: float(v) for k, v in m.items()}
 
     counts = {s: 0 for s in STATUSES}

@@ -106,6 +106,10 @@ HARNESSES: dict[str, Callable[..., Harness]] = {}
 
 
 def register_harness(kind: str, factory: Callable[..., Harness]) -> None:
+    """Make ``kind`` available to ``make_harness`` (``--config.harness.kind``). The factory is called with
+    every kind's options (entry=, command=, env=, ro_paths=, nonzero_exit=, output_bytes=, cpu_s=,
+    memory_bytes=, unix_socket=; rl.config.HarnessKnobs.make): take the ones it uses and ``**_``."""
+    _register_builtins()  # first: a kind registered before any make_harness must not hide the built-in ones
     if kind in HARNESSES:
         raise ValueError(f"harness kind {kind!r} is already registered")
     HARNESSES[kind] = factory
@@ -132,9 +136,14 @@ def _builtin(*, entry: str = "", **kw) -> Harness:
     return PythonHarness(entry=BUILTIN_ENTRY, **kw)
 
 
+_builtins_registered = False
+
+
 def _register_builtins() -> None:
-    if HARNESSES:
+    global _builtins_registered
+    if _builtins_registered:
         return
+    _builtins_registered = True
     from gyre_jax.agents.harnesses.command import CommandHarness
     from gyre_jax.agents.harnesses.python_entry import PythonHarness
 

@@ -51,14 +51,14 @@ _SUITE_SUMMARY = re.compile(r"\d+ passed, \d+ failed")  # the suite runner's las
 SUBAGENT_TASK = "run_tests"  # what a delegating demonstration asks its sub-agent to do
 
 
-def make_task(seed: int, *, ops=tiny.DEFAULT_OPS, min_len: int = 3, max_len: int = 5, test_time_scale: float = 1.0,
+def make_task(seed: int, *, ops=tiny.DEFAULT_OPS, min_len: int = 3, max_len: int = 5, run_tests_scale: float = 1.0,
               test_min_s: float = 1.0, test_max_s: float = 30.0, test_median_s: float = 3.0,
               demo_test_fraction: float = 0.3) -> Task:
     """The tiny task of ``seed`` with its argument moved into ``in.txt`` and a test suite whose
     time is drawn per task (``tiny_tests.make_task``'s arguments)."""
     if not 0.0 <= demo_test_fraction <= 1.0:
         raise ValueError(f"tiny_agent.make_task: demo_test_fraction must be in [0, 1], got {demo_test_fraction!r}")
-    base = tiny_tests.make_task(seed, ops=ops, min_len=min_len, max_len=max_len, test_time_scale=test_time_scale,
+    base = tiny_tests.make_task(seed, ops=ops, min_len=min_len, max_len=max_len, run_tests_scale=run_tests_scale,
                                 test_min_s=test_min_s, test_max_s=test_max_s, test_median_s=test_median_s)
     p = base.params
     return Task(task_id=base.task_id.replace("tiny-", "agent-", 1), family=FAMILY, prompt=f"{p['op']} {INPUT_FILE}",

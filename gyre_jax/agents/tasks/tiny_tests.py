@@ -17,7 +17,7 @@ The ideal transcript is still ONE model call (the harness runs the calls in orde
 Grading: the tiny family's partial credit (characters equal at the same position) if a
 valid test receipt covers the final answer (the agent ran the suite on what it
 submitted; ``test_suite`` says why it cannot be forged), else half of it: an untested
-answer never earns more than 0.5. ``test_time_scale`` multiplies every task's suite time
+answer never earns more than 0.5. ``run_tests_scale`` multiplies every task's suite time
 (tests use ~0.01; 0 makes suites instant).
 """
 from __future__ import annotations
@@ -39,14 +39,14 @@ TOOLS = ("write_file", RUN_TESTS, FINISH)
 UNTESTED_FACTOR = 0.5  # an answer no suite ran on earns at most this
 
 
-def make_task(seed: int, *, ops=tiny.DEFAULT_OPS, min_len: int = 3, max_len: int = 5, test_time_scale: float = 1.0,
+def make_task(seed: int, *, ops=tiny.DEFAULT_OPS, min_len: int = 3, max_len: int = 5, run_tests_scale: float = 1.0,
               test_min_s: float = 1.0, test_max_s: float = 30.0, test_median_s: float = 3.0) -> Task:
     """The tiny task of ``seed`` plus its suite time (deterministic per task: the id names
     the op, the argument and the suite time, so tasks sharing an id share a time)."""
-    if not test_time_scale >= 0:
-        raise ValueError(f"tiny_tests.make_task: test_time_scale must be >= 0, got {test_time_scale!r}")
+    if not run_tests_scale >= 0:
+        raise ValueError(f"tiny_tests.make_task: run_tests_scale must be >= 0, got {run_tests_scale!r}")
     base = tiny.make_task(seed, ops=ops, min_len=min_len, max_len=max_len)
-    seconds = round(test_time_scale * ts.heavy_tailed_seconds(seed, low_s=test_min_s, high_s=test_max_s,
+    seconds = round(run_tests_scale * ts.heavy_tailed_seconds(seed, low_s=test_min_s, high_s=test_max_s,
                                                               median_s=test_median_s), 3)
     key = hashlib.sha256(f"gyre-receipt:{seed}:{base.task_id}".encode()).hexdigest()[:32]
     params = {**base.params, "test_s": seconds, "receipt_key": key}
