@@ -122,6 +122,7 @@ def test_rl_step_on_a_tiny_moe_checkpoint_through_the_proxy(tmp_path):
     # took longer than the dense tests' 30 s deadline (every rollout timed out before one token).
     c.harness.update(dict(deadline_s=600.0, request_timeout_s=600.0))
     c.cells.train_expert = 2  # training mesh fsdp=1 x expert=2 x tensor=2: the loss dispatches all-to-all
+    c.cells.serve_expert = 2  # serving mesh data=1 x expert=2 x tensor=2: so do the engines' prefill and decode
     summary = jobs.get(c.job)(c, str(tmp_path / "run"))
     wd = os.path.join(tmp_path, "run", c.scheduler.mode)
     lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
