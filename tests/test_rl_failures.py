@@ -166,6 +166,47 @@ def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
         assert json.load(f) == summary
 
 
+@pytest.mark.slow  # two runs of the loop on fake engines: ~30 CPU-s with a cold compile cache
+def test_a_failure_while_a_step_runs_saves_the_last_update_and_the_rerun_resumes_there(tmp_path, capsys):
+    """A streaming run has a step open most of the time; a failure then (a write fault, SIGTERM) saved
+    nothing, and the rerun rewound to the last periodic checkpoint (here 0), past the staleness bound. Now
+    the open step is abandoned (its update not applied, its rollouts buffered) and the last update saved."""
+    wd = str(tmp_path / "elastic")
+    cfg = fake_config(4, checkpoint_every=100)  # periodic saves: only checkpoint 0 (and the last)
+    c = build(cfg, wd, make_backend=fake_tiny_backend)
+    released = threading.Event()
+
+    def mid_step(step: int) -> None:  # the trainer thread, step 2 closed and running, its update not applied
+        if step == 2:
+            c.launcher.errors.append(RuntimeError("injected failure while step 2 runs"))
+            c.wake.set()
+            released.wait(120)  # held open until the run stops the trainer (so the old code saw it open)
+
+    stop = c.trainer.stop
+
+    def stop_and_release() -> None:
+        released.set()
+        stop()
+
+    c.trainer.on_step_started = mid_step
+    c.trainer.stop = stop_and_release  # type: ignore[method-assign]
+    with pytest.raises(RunFailed, match="injected failure while step 2 runs"):
+        drive(c)
+    saved = sorted(int(x) for x in os.listdir(os.path.join(wd, "checkpoints")) if x.isdigit())
+    assert saved[-1] >= 2, saved
+    _, consumed_at_stop, _ = store_view(wd)
+    capsys.readouterr()
+    summary = drive(build(cfg, wd, make_backend=fake_tiny_backend))
+    assert f"resumed from checkpoint step {saved[-1]}" in capsys.readouterr().out
+    assert summary["steps"] == 4 - saved[-1]
+    outs, consumed, unfinished = store_view(wd)
+    assert unfinished == []
+    for rid, entry in consumed_at_stop.items():
+        if entry["step"] < saved[-1]:
+            assert consumed[rid] == entry  # trained before the save: not again
+    assert_consumed_once(outs, consumed)
+
+
 def _launch(*args, timeout=60):
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "launch.main", "--config", "configs/demo.py", *args], cwd=ROOT,

@@ -203,6 +203,11 @@ def _save_after_failure(c: Components) -> None:
     """A checkpoint of the trained state if the last one is older (the store is durable:
     every finished rollout is pending again at resume, so only the order is saved here)."""
     try:
+        # The open step is abandoned first (its rollouts stay buffered): the state is then the last update's.
+        if not c.trainer.abandon_step():
+            log.warning("rl: not saving after the failure: the trainer did not stop; the rerun resumes from the "
+                        "last checkpoint")
+            return
         # The state's own version, and only where the store's cursor already marks that update's rollouts
         # trained (a failure between the update and mark_trained leaves the cursor behind: no save then).
         version = c.trainer.cursor_version()
@@ -211,8 +216,8 @@ def _save_after_failure(c: Components) -> None:
                         "the rerun resumes from the last checkpoint", c.trainer.trainer.version, version)
             return
         last = c.ckpt.latest_step()
-        if version > 0 and (last is None or last < version) and not c.trainer.trainer.step_open:
-            # A failed step may have read some of its rows: the saved position is the step's
+        if version > 0 and (last is None or last < version):
+            # The abandoned step may have read some of its rows: the saved position is the step's
             # start, whose rows the resumed run rebuilds from the buffered rollouts.
             c.trainer.it.set_state({"step": version, "row": 0})
             save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True)

@@ -315,6 +315,23 @@ class TrainerAdapter:
             if t.is_alive():
                 log.error("trainer: thread %s did not stop within 60 s", t.name)
 
+    def abandon_step(self) -> bool:
+        """The run is failing: stop both threads and end the open step without its update, so the state is
+        the last update's and may be saved. A streaming run has a step open most of the time, and a failure
+        then saved nothing: the rerun rewound to the last periodic checkpoint, past the staleness bound
+        (bench_chaos's outcome fault: 32 groups dated 0). False if a thread did not stop (save nothing)."""
+        self.stop()
+        if any(t.is_alive() for t in self._threads):
+            return False
+        with self._lock:
+            step = self._step
+        if step is not None and self.trainer.step_open:  # the thread was waiting for rows, so nobody ended it
+            try:
+                step.wait()
+            except Exception:  # noqa: BLE001 - aborted, as asked: its update is not applied
+                pass
+        return not self.trainer.step_open
+
     # -- threads --
     def _guard(self, main, what: str) -> None:
         try:
