@@ -13,14 +13,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # inherit the environment): dozens of tests build the same tiny model's steps, and compiling them
 # again was most of the default run's time. Fresh per run (a run measures a cold start, as CI
 # does) and removed after it; a caller's own JAX_COMPILATION_CACHE_DIR is used as is. Every
-# compile is cached (no 1 s floor: the tiny shapes compile in less), and a size bound turns on
-# JAX's file lock, so a process never reads an entry another process is still writing.
+# compile is cached (no 1 s floor: the tiny shapes compile in less). No size bound: a bound turns
+# on JAX's LRU eviction, which lists and stats every entry at every write (jax/_src/lru_cache.py),
+# so a run's N entries cost O(N^2): 2,000 writes took 64 CPU-s here, and the late tests of a full
+# run (thousands of entries) paid most of it. Without the bound there is no file lock either; a
+# process that reads an entry another is still writing gets a truncated zlib stream, which JAX
+# reports as a warning and compiles anew (compiler._cache_read), never a wrong executable.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="gyre-tests-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # Set before jax is imported anywhere in the run; jax_num_cpu_devices below is the
 # supported way, the flag covers libraries that initialise XLA on their own.
 _flags = os.environ.get("XLA_FLAGS", "")

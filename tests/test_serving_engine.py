@@ -255,7 +255,8 @@ def test_long_prompts_are_prefilled_in_chunks(params, ref_logits):
     """prefill_chunk=16: a 150-token prompt runs as chunks into one buffer (the last one
     overlapping), and a prefix-cache hit prefills only its new tokens, chunked too;
     greedy outputs equal the full-forward reference."""
-    eng = GyreEngine(CFG, params, max_slots=2, max_len=MAX_LEN, prefill_chunk=16)
+    # The fixture's slot count: its decode and insert are compiled already (chunking does not depend on it).
+    eng = GyreEngine(CFG, params, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunk=16)
     rs = np.random.RandomState(3)
     p1 = rs.randint(0, 256, size=150).astype(np.int32)
     r = Runner(eng)

@@ -20,6 +20,10 @@ from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from tests.test_serving_engine import params, ref_greedy, ref_logits  # noqa: F401
 
 BOUND_S = 120.0
+# Every engine here has one shape (slots, length, steps per call, pages of 8), so the last test's
+# engine compiles nothing the first one's did not (the run's compilation cache answers it).
+KW = dict(max_slots=8, max_len=256, tokens_per_call=4)
+PAGED = dict(KW, kv_cache="paged", page_size=8)
 
 
 def _requests():
@@ -40,10 +44,8 @@ async def _run(paged_pages: int | None, drain: bool):
     def mesh(i):
         return Mesh(np.array(devs[i:i + 1]).reshape(1, 1), ("data", "tensor"))
 
-    kw = dict(max_slots=8, max_len=256, tokens_per_call=4)
-    paged = GyreEngine(CFG, weights, mesh=mesh(0), name="p", kv_cache="paged", page_size=8, kv_pages=paged_pages,
-                       **kw)  # the cell that serves every call first
-    other = GyreEngine(CFG, weights, mesh=mesh(1), name="c", **kw)
+    paged = GyreEngine(CFG, weights, mesh=mesh(0), name="p", **PAGED, kv_pages=paged_pages)  # serves every call first
+    other = GyreEngine(CFG, weights, mesh=mesh(1), name="c", **KW)
     router = Router([JetStreamBackend(paged), JetStreamBackend(other)], wait_for_cell_s=BOUND_S)
     await router.drain("c")  # everything starts on the paged cell
     outs: dict[str, list[int]] = {}
@@ -103,7 +105,7 @@ def test_next_call_maps_the_previous_answer_pages_stored_once(ref_logits):  # no
     JetStream's threads: turn 1's pages, answer included, are in the engine's page cache and the
     backend keeps no copied block beside them (each byte once); turn 2 maps those pages and
     computes only its new tokens; both turns' greedy tokens equal the reference."""
-    eng = GyreEngine(CFG, sharp_params(), max_slots=2, max_len=128, tokens_per_call=4, kv_cache="paged", page_size=8)
+    eng = GyreEngine(CFG, sharp_params(), **PAGED, kv_pages=15)
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     p1 = np.arange(1, 30, dtype=np.int32) * 7 % 256
 
