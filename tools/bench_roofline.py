@@ -434,7 +434,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--peer", default="none", choices=("none", "tunix"))
     ap.add_argument("--peer-python", default="/work/venvs/peer/bin/python")
-    ap.add_argument("--peer-timeout-s", type=float, default=1800)
+    ap.add_argument("--peer-timeout-s", type=float, default=3600,
+                    help="the whole peer side (it runs beside ours: ~23 min at load 4-10 on 2 cores)")
     args = ap.parse_args(argv)
     args.slots = [int(s) for s in args.slots.split(",")]
 
