@@ -130,3 +130,20 @@ def test_decode_step_updates_the_cache_in_place():
     layer_kv_bytes = cache.k[0].nbytes + cache.v[0].nbytes
     assert mem.temp_size_in_bytes < layer_kv_bytes / 2, (mem.temp_size_in_bytes, layer_kv_bytes)
     assert mem.alias_size_in_bytes >= sum(c.nbytes for c in cache.k + cache.v)  # the cache is updated in place
+
+
+def test_decode_step_copies_no_weight():
+    """A decode step reads every weight where it lies. Through ``embedding.T`` (the tied
+    unembedding) and a two-axis (heads, head_dim) contraction of the o projection, XLA:CPU
+    copied the whole embedding table transposed and every layer's o weight, every token: at one
+    slot of the ~100M model that made our decode 0.76x Tunix's tokens/s (tools/bench_roofline.py)."""
+    cfg = model_config_tiny(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=96)
+    params = split_params(cfg, init_params(cfg, jax.random.key(0)))
+    cache = dec.init_cache(cfg, 1, 96)
+    step = jax.jit(lambda p, t, c: dec.decode_step(p, cfg, t, c), donate_argnums=2)
+    hlo = step.lower(params, jnp.ones((1,), jnp.int32), cache).compile().as_text()
+    weight_sizes = {x.size for x in jax.tree.leaves(params) if x.ndim >= 2}
+    copies = [ln.strip() for ln in hlo.splitlines() if " copy(" in ln and " = " in ln]
+    sizes = [int(np.prod([int(d) for d in ln.split("[", 1)[1].split("]", 1)[0].split(",") if d])) for ln in copies]
+    copied = [ln[:120] for ln, n in zip(copies, sizes) if n in weight_sizes]
+    assert not copied, copied

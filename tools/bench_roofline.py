@@ -31,10 +31,16 @@ printed beside the figures.
   / (FLOPs / matmul peak), capped at 1, is the most the fraction can reach on this machine
   (at 32 calls in float32 on 2 CPU cores the step is compute-bound). CPU-ms per step (the
   process's CPU seconds, all threads) move little with the load: compare runs with those.
-* Peer (``--peer=tunix``): Tunix's Qwen3 (``tunix.models.qwen3``) of the same shape, random
-  weights, in its own venv (never a project dependency): its train step (value_and_grad of
-  cross-entropy + optax AdamW, jitted) and its ``Sampler`` tokens/s at the same batch sizes.
-  ``train_vs_peer`` = our train tokens/s / Tunix's; ``decode_vs_peer_S`` likewise for decode.
+* Peer (``--peer=tunix``): Tunix's Qwen3 (``tunix.models.qwen3``) of the same shape and dtype,
+  random weights, in its own venv (never a project dependency; tools/peer_tunix.py says how to
+  make it and exactly what it times): its train step (value_and_grad of cross-entropy over a
+  dense causal mask + optax AdamW, jitted) and its ``Sampler``'s jitted decode loop at the same
+  batch sizes, KV cache sized for the run. The peer is a child process kept alive for the
+  whole run: each of our timed runs is followed at once by the peer's same run, so both see
+  the same load, and ``train_vs_peer`` (our train tokens/s over Tunix's) and
+  ``decode_vs_peer_S`` are medians over those pairs; ``*_vs_peer_cpu*`` compare each process's
+  CPU seconds instead (steadier on a loaded machine). Prefill and compile are timed on neither
+  side. ``peer_error`` says what failed; the figures measured before it stay.
 
 Prints a table, then ONE final JSON line. Goals (issue 30): train >= 0.5, decode_32 >= 0.5,
 vs peer >= 1.0.
@@ -42,12 +48,15 @@ vs peer >= 1.0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import statistics
+import select
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,23 +123,52 @@ def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
     return {"read_bytes_per_s": read, "copy_bytes_per_s": cp, "bytes_per_s": max(read, cp)}
 
 
-def paired(peak_sample, work, repeats: int):
-    """(median work seconds, median peak, median of per-pair peak-normalized work rate 1/(t * peak),
-    median CPU seconds of the work).
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """Per-repeat timings of one work item: its seconds and CPU seconds, the peak measured just
+    before it, and what ``beside`` (the peer's same run, if any) returned right after it."""
+
+    ts: list[float]
+    peaks: list[float]
+    cpus: list[float]
+    beside: list
+
+    @property
+    def t(self) -> float:
+        return statistics.median(self.ts)
+
+    @property
+    def peak(self) -> float:
+        return statistics.median(self.peaks)
+
+    @property
+    def inv(self) -> float:
+        """Median of the per-pair peak-normalized work rate 1 / (t * peak)."""
+        return statistics.median(1 / (t * p) for t, p in zip(self.ts, self.peaks))
+
+    @property
+    def cpu(self) -> float:
+        return statistics.median(self.cpus)
+
+
+def paired(peak_sample, work, repeats: int, beside=None) -> Paired:
+    """Time ``work`` ``repeats`` times, each paired with a peak measured just before it.
 
     On a shared machine the load changes by the minute: each timing of the work is paired
     with a peak measured just before it, and the fraction is the median of the pairs. The
     process's CPU seconds (all its threads) barely move with the load: an A/B across runs
-    at different loads compares those."""
-    ts, peaks, cpus = [], [], []
+    at different loads compares those. ``beside`` (the peer's run of the same work) runs
+    right after each timing, so a ratio to it is a median of pairs that saw the same load."""
+    ts, peaks, cpus, other = [], [], [], []
     for _ in range(repeats):
         p = peak_sample()
         peaks.append(p)
         c0 = time.process_time()
         ts.append(_timed(work))
         cpus.append(time.process_time() - c0)
-    return (statistics.median(ts), statistics.median(peaks), statistics.median(1 / (t * p) for t, p in zip(ts, peaks)),
-            statistics.median(cpus))
+        if beside is not None:
+            other.append(beside())
+    return Paired(ts, peaks, cpus, other)
 
 
 def train_flops_per_token(mc, row_len: int) -> dict:
@@ -165,8 +203,9 @@ def policy_row(mc, row_len: int, rows: int = 1, seed: int = 0) -> dict[str, np.n
     }
 
 
-def bench_train(mc, args, peak) -> dict:
-    """Median seconds of the real jitted train step (one micro-batch of one row)."""
+def bench_train(mc, args, peak, peer=None) -> dict:
+    """Median seconds of the real jitted train step (one micro-batch of one row); the peer's
+    train step of the same row right after each of ours."""
     import jax
 
     from gyre_jax import cells
@@ -195,9 +234,11 @@ def bench_train(mc, args, peak) -> dict:
         box[0], m = step(box[0], batch)
         jax.block_until_ready(m)
 
-    t, p, inv, _ = paired(peak, run, args.repeats)
-    return {"step_s": t, "peak": p, "inv_t_peak": inv, "compile_and_first_s": compile_s,
-            "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
+    peer_setup = peer.ask(op="train_setup") if peer else None
+    pr = paired(peak, run, args.repeats, beside=(lambda: peer.ask(op="train")) if peer_setup else None)
+    return {"step_s": pr.t, "peak": pr.peak, "inv_t_peak": pr.inv, "compile_and_first_s": compile_s,
+            "loss_finite": bool(np.isfinite(float(metrics["loss"]))), "cpu_s": pr.cpu,
+            "peer": peer_vs(pr, args.row_len, peer_setup)}
 
 
 def _param_bytes(params) -> int:
@@ -219,8 +260,9 @@ def kv_bytes_per_token(mc) -> int:
     return 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * jnp.dtype(mc.jnp_dtype).itemsize
 
 
-def bench_engine_decode(mc, params, slots: int, args, peak) -> dict:
-    """GyreEngine at ``slots`` live calls of ``--context`` tokens: median seconds per decode step."""
+def bench_engine_decode(mc, params, slots: int, args, peak, peer=None) -> dict:
+    """GyreEngine at ``slots`` live calls of ``--context`` tokens: median seconds per decode step;
+    the peer's Sampler decode at the same batch right after each of our timed runs."""
     import jax
 
     from gyre_jax.serving.backend import SamplingParams
@@ -252,12 +294,14 @@ def bench_engine_decode(mc, params, slots: int, args, peak) -> dict:
     run()
     warm_s = time.perf_counter() - t0
     n = args.decode_steps * tpc
-    t, p, inv, cpu = paired(peak, run, args.repeats)
+    peer_setup = peer.ask(op="decode_setup", slots=slots) if peer else None
+    pr = paired(peak, run, args.repeats, beside=(lambda: peer.ask(op="decode", slots=slots)) if peer_setup else None)
+    t, p, inv, cpu = pr.t, pr.peak, pr.inv, pr.cpu
     live = np.asarray(jax.device_get(box[0].active_S)).sum()
     # Mean live length over the timed calls: the context plus the tokens decoded so far.
     mean_len = args.context + (1 + (1 + args.repeats) / 2) * args.decode_steps * tpc
     return {"step_s": t / n, "peak": p, "inv_t_peak": inv * n, "cpu_s": cpu / n, "warm_s": warm_s, "live_at_end": int(live),
-            "mean_len": mean_len, "cache_len": max_len}
+            "mean_len": mean_len, "cache_len": max_len, "peer": peer_vs(pr, slots * n, peer_setup)}
 
 
 def bench_model_decode(mc, params, slots: int, args, peak) -> dict:
@@ -293,34 +337,86 @@ def bench_model_decode(mc, params, slots: int, args, peak) -> dict:
         jax.block_until_ready(box[0])
 
     run()
-    t, p, inv, cpu = paired(peak, run, args.repeats)
+    pr = paired(peak, run, args.repeats)
+    t, p, inv, cpu = pr.t, pr.peak, pr.inv, pr.cpu
     return {"step_s": t / steps, "peak": p, "inv_t_peak": inv * steps, "cpu_s": cpu / steps}
 
 
-def run_peer(args, mc) -> dict:
-    """Tunix's Qwen3 of the same shape in the peer venv (a child process); its JSON or why it failed."""
-    py = args.peer_python
-    if not os.path.exists(py):
-        return {"peer_error": f"no python at --peer-python={py} (make the venv: see tools/peer_tunix.py)"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    shape = {k: getattr(mc, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                         "d_ff", "rope_theta", "norm_eps")}
-    cmd = [py, os.path.join(here, "peer_tunix.py"), json.dumps({
-        "shape": shape, "dtype": args.dtype, "row_len": args.row_len, "context": args.context,
-        "decode_steps": args.decode_steps * args.tokens_per_call, "slots": args.slots, "repeats": args.repeats})]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout_s, env=env)
-        stdout, err, rc = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:  # keep what it measured before the limit (it prints as it goes)
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err, rc = f"timed out after --peer-timeout-s={args.peer_timeout_s:.0f}", None
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-    got = json.loads(lines[-1]) if lines else {}
-    if rc != 0 or not lines:
-        tail = (err.strip().splitlines() or [f"exit {rc}"])[-1]
-        got["peer_error"] = f"peer child failed: {tail}"
-    return got
+class PeerProcess:
+    """The peer's side in its own venv (tools/peer_tunix.py, a child): one JSON request a line on
+    its stdin, one JSON reply a line on its stdout, all within one deadline. A failed request is
+    recorded in ``errors`` and answers None; a dead or late child answers None from then on."""
+
+    def __init__(self, python: str, init: dict, deadline_s: float):
+        self.errors: list[str] = []
+        self.info: dict = {}
+        self._deadline = time.monotonic() + deadline_s
+        self._deadline_s = deadline_s
+        self._buf = b""
+        self._err = tempfile.TemporaryFile()
+        self.proc: subprocess.Popen | None = None
+        if not os.path.exists(python):
+            self.errors.append(f"no python at --peer-python={python} (make the venv: see tools/peer_tunix.py)")
+            return
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen([python, os.path.join(here, "peer_tunix.py"), json.dumps(init)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
+        self.info = self._reply("start") or {}
+
+    def ask(self, **req) -> dict | None:
+        if self.proc is None:
+            return None
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return self._fail(f"{req['op']}: peer child gone")
+        got = self._reply(req["op"])
+        if got is not None and "error" in got:
+            self.errors.append(f"{req['op']}: {got['error']}")
+            return None
+        return got
+
+    def _reply(self, op: str) -> dict | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = self._deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return self._fail(f"{op}: timed out after --peer-timeout-s={self._deadline_s:.0f}")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                self._err.seek(0)
+                tail = (self._err.read().decode(errors="replace").strip().splitlines() or ["no stderr"])[-1]
+                return self._fail(f"{op}: peer child exited ({tail})")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line) if line.startswith(b"{") else self._reply(op)  # a library's stray print
+
+    def _fail(self, why: str) -> None:
+        self.errors.append(why)
+        self.close()
+        return None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def peer_vs(pr: Paired, our_tokens: int, setup: dict | None) -> dict:
+    """Our tokens/s over the peer's, as the median over pairs (ours, then the peer's same run,
+    under the same load): by wall time (``vs``) and by each process's CPU seconds (``vs_cpu``)."""
+    pairs = [(t, c, b) for t, c, b in zip(pr.ts, pr.cpus, pr.beside) if b]
+    if not pairs:
+        return {}
+    return {"setup": setup, "tokens_per_s": statistics.median(b["tokens"] / b["s"] for _, _, b in pairs),
+            "vs": statistics.median((our_tokens / t) / (b["tokens"] / b["s"]) for t, _, b in pairs),
+            "vs_cpu": statistics.median((our_tokens / c) / (b["tokens"] / b["cpu_s"]) for _, c, b in pairs),
+            "pairs": len(pairs)}
 
 
 def main(argv=None) -> dict:
@@ -338,7 +434,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--peer", default="none", choices=("none", "tunix"))
     ap.add_argument("--peer-python", default="/work/venvs/peer/bin/python")
-    ap.add_argument("--peer-timeout-s", type=float, default=1800)
+    ap.add_argument("--peer-timeout-s", type=float, default=3600,
+                    help="the whole peer side (it runs beside ours: ~23 min at load 4-10 on 2 cores)")
     args = ap.parse_args(argv)
     args.slots = [int(s) for s in args.slots.split(",")]
 
@@ -356,9 +453,19 @@ def main(argv=None) -> dict:
     out: dict = {"params": n_params, "dtype": args.dtype, "row_len": args.row_len, "context": args.context,
                  "tokens_per_call": args.tokens_per_call, "matmul_n": args.matmul_n}
     rows = []
+    peer = None
+    if args.peer != "none":
+        shape = {k: getattr(mc, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                             "d_ff", "rope_theta", "norm_eps")}
+        peer = PeerProcess(args.peer_python, {"shape": shape, "dtype": args.dtype, "row_len": args.row_len,
+                                              "context": args.context, "slots": args.slots,
+                                              "decode_steps": args.decode_steps * args.tokens_per_call},
+                           args.peer_timeout_s)
+        if peer.info:
+            out.update(peer=f"tunix {peer.info['version']}", peer_jax=peer.info["jax"], peer_params=peer.info["params"])
     if not args.skip_train:
         fl = train_flops_per_token(mc, args.row_len)
-        tr = bench_train(mc, args, mm)
+        tr = bench_train(mc, args, mm, peer)
         step_flops = fl["train"] * args.row_len
         flops = step_flops / tr["step_s"]
         frac = step_flops * tr["inv_t_peak"]
@@ -368,12 +475,19 @@ def main(argv=None) -> dict:
         rows.append(("matmul peak", f"{tr['peak'] / 1e9:.1f} GFLOP/s", f"jnp.dot {args.matmul_n}^2 {args.dtype}, "
                      "median of the samples paired with the train steps"))
         rows.append(("train step", f"{flops / 1e9:.1f} GFLOP/s",
-                     f"{tr['step_s']:.2f} s/step, {frac:.2f} of peak, compile+1st {tr['compile_and_first_s']:.0f} s"))
+                     f"{tr['step_s']:.2f} s/step, {frac:.2f} of peak, compile+1st {tr['compile_and_first_s']:.0f} s, "
+                     f"{tr['cpu_s']:.1f} CPU-s/step"))
+        if tr["peer"]:
+            pv = tr["peer"]
+            out.update(train_vs_peer=pv["vs"], train_vs_peer_cpu=pv["vs_cpu"], peer_train_tokens_per_s=pv["tokens_per_s"],
+                       peer_train_compile_s=pv["setup"]["compile_and_first_s"])
+            rows.append(("peer train step", f"{pv['tokens_per_s'] * fl['train'] / 1e9:.1f} GFLOP/s",
+                         f"ours/peer tokens/s {pv['vs']:.2f} (by CPU-s {pv['vs_cpu']:.2f}), {pv['pairs']} pairs"))
     w_bytes = _param_bytes(params)
     kvt = kv_bytes_per_token(mc)
     mm_peak = statistics.median(mm() for _ in range(3)) if args.slots else 0.0
     for s in args.slots:
-        e = bench_engine_decode(mc, params, s, args, bw_peak)
+        e = bench_engine_decode(mc, params, s, args, bw_peak, peer)
         m = bench_model_decode(mc, params, s, args, bw_peak)
         step_bytes = w_bytes + s * e["mean_len"] * kvt
         frac, mfrac = step_bytes * e["inv_t_peak"], step_bytes * m["inv_t_peak"]
@@ -395,19 +509,20 @@ def main(argv=None) -> dict:
         rows.append((f"model decode x{s}", f"{step_bytes / m['step_s'] / 1e9:.2f} GB/s",
                      f"{m['step_s'] * 1e3:.1f} ms/step, {mfrac:.2f} of bw (decode_step loop, no engine), "
                      f"{m['cpu_s'] * 1e3:.0f} CPU-ms/step"))
-    if args.peer != "none":
-        peer = run_peer(args, mc)
-        out.update({f"peer_{k}" if not k.startswith("peer") else k: v for k, v in peer.items()})
-        if "version" in peer:
-            out["peer"] = f"tunix {peer.get('version')}"
-            if "train_tokens_per_s" in out:
-                out["train_vs_peer"] = out["train_tokens_per_s"] / peer["train_tokens_per_s"]
-            for s in args.slots:
-                if f"decode_tokens_per_s_{s}" in peer:
-                    out[f"decode_vs_peer_{s}"] = out[f"decode_tokens_per_s_{s}"] / peer[f"decode_tokens_per_s_{s}"]
-            rows.append(("peer", out["peer"], ", ".join(f"{k}={v:.2f}" for k, v in out.items() if "_vs_peer" in k)))
-        if "peer_error" in peer:
-            rows.append(("peer", "failed", peer["peer_error"]))
+        if e["peer"]:
+            pv = e["peer"]
+            out.update({f"decode_vs_peer_{s}": pv["vs"], f"decode_vs_peer_cpu_{s}": pv["vs_cpu"],
+                        f"peer_decode_tokens_per_s_{s}": pv["tokens_per_s"],
+                        f"peer_decode_cache_size_{s}": pv["setup"]["cache_size"]})
+            rows.append((f"peer decode x{s}", f"{pv['tokens_per_s']:.1f} tok/s",
+                         f"ours/peer {pv['vs']:.2f} (by CPU-s {pv['vs_cpu']:.2f}), Sampler decode loop, "
+                         f"cache {pv['setup']['cache_size']}, {pv['pairs']} pairs"))
+        out.setdefault("load_avg_1m_during", []).append(round(os.getloadavg()[0], 2))
+    if peer is not None:
+        peer.close()
+        if peer.errors:
+            out["peer_error"] = "; ".join(peer.errors)
+            rows.append(("peer", "failed", out["peer_error"]))
     load1 = os.getloadavg()
     out["load_avg_1m_before_after"] = [round(load0[0], 2), round(load1[0], 2)]
     out["sizes"] = (f"{n_params / 1e6:.1f}M params ({mc.n_layers}L d{mc.d_model} V{mc.vocab_size}), row {args.row_len}, "

@@ -169,5 +169,8 @@ class Attention(nn.Module):
             v_all = _write_rows(v_cache, v, cache_index_B)
             out = attend(q, k_all.astype(dt), v_all.astype(dt), mask)
             new_cache = (k_all, v_all)
-        y = jnp.einsum("btnh,nhd->btd", out, wo_NxHxD)
+        # One [N*H] contraction: as "btnh,nhd" XLA may contract h-major and copy the weight
+        # transposed every call (each layer's o at every decode step).
+        b, t = out.shape[:2]
+        y = jnp.einsum("btx,xd->btd", out.reshape(b, t, n * h), wo_NxHxD.reshape(n * h, d))
         return y, new_cache

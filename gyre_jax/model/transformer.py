@@ -136,9 +136,14 @@ class Transformer(nn.Module):
     def head_logits(self, hidden_BxTxD):
         """[B, T, padded_vocab] float32 logits; padding ids get PAD_LOGIT so nothing samples them."""
         cfg = self.config
-        logits = jnp.einsum(
-            "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(padded=True), preferred_element_type=jnp.float32
-        )
+        if cfg.tie_embeddings:  # against the [V, D] table as stored: through .T, XLA:CPU copied all of it
+            # transposed at every call (a decode step of the ~100M model read and wrote 100 MB more)
+            logits = jnp.einsum("btd,vd->btv", hidden_BxTxD, self.embedding.astype(cfg.jnp_dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum(
+                "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(padded=True), preferred_element_type=jnp.float32
+            )
         if cfg.padded_vocab != cfg.vocab_size:
             real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
             logits = jnp.where(real_V, logits, PAD_LOGIT)
