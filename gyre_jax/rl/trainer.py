@@ -7,7 +7,7 @@ Three stages, each on its own thread, connected by the dataset of packed rows:
 
 * Whole steps (``stream_groups=False``: the batch modes colocate, async and
   elastic_no_stream, one update per publication): once the open step holds
-  ``groups_per_step`` groups, the processor packs the step's rollouts together
+  its size (``groups_per_step`` groups; more after a resume past the bound), the processor packs the step's rollouts together
   (weights normalized over the step's trained rollouts) and adds them as one
   chunk: the step is globally shuffled and its rows are a function of its
   rollouts alone. The trainer reads batches until ``last_in_step`` and runs the

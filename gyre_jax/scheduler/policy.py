@@ -7,7 +7,8 @@ input is in ``ClusterState``.
 
 Vocabulary. A *group* is the ``group_size`` rollouts of one task (the unit of
 advantage baselines, so the unit that can be trained). Step ``u`` trains exactly
-``groups_per_step`` groups and turns policy version ``u`` into ``u + 1``. A group
+``groups_per_step`` groups (more only after a resume past the bound: ``StepSizes``) and turns
+policy version ``u`` into ``u + 1``. A group
 launched while version ``v`` is published has version ``v``; trained in step
 ``u`` its staleness is ``u - v``.
 
