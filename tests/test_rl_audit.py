@@ -40,12 +40,13 @@ def test_audit_counts_lost_twice_short_stale_and_infra_errors(tmp_path):
         st.mark_trained(["g00002-0"], step=3)
         st.mark_dropped(["g00002-1"], step=3, reason="infra_error")
     with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
-        for step, groups in ((0, "g00000"), (1, "g00001,g00000"), (3, "g00002")):  # g00000 listed twice
-            f.write(json.dumps({"step": step, "groups": groups}) + "\n")
+        for step, groups, extra in ((0, "g00000", 0), (1, "g00001,g00000", 1), (3, "g00002", 0)):  # g00000 twice
+            f.write(json.dumps({"step": step, "groups": groups, "resume/extra_groups": extra}) + "\n")
     a = audit_workdir(wd, group_size=2, staleness_bound=1)
     assert (a["rollouts_lost"], a["groups_short"], a["staleness_max"], a["max_staleness_over_bound"]) == (1, 1, 3, 2)  # short: g00001
     assert a["over_bound_examples"] == [["g00002-0", 3, [0]]]  # which rollout, its step and sampling versions
     assert a["rollouts_trained_twice"] == 1 + 2  # g00001's slot 0, and g00000's two rollouts in a second step
     assert (a["infra_errors"], a["wrong_state"], a["duplicate_steps"], a["finished"]) == (1, 0, 0, 8)
+    assert (a["oversized_steps"], a["extra_groups"]) == (1, 1)  # reported, not a fault (a resume past the bound)
     outs, consumed, unfinished = store_view(wd)
     assert consumed_once_problems(outs, consumed) == ["lost (finished, never consumed): g00002-2"]

@@ -1,4 +1,5 @@
 """The role policy on hand-made cluster states."""
+import collections
 import dataclasses
 import subprocess
 import sys
@@ -398,3 +399,75 @@ def test_out_of_service_cells_get_no_work():
     assert P.max_running_rollouts(s, cfg()) == 8  # one live serving cell of 8 slots
     s = state(cells=cells(roles), running_rollouts=30, pending_work_s=0.0)
     assert all(a.cell not in (1, 3) for a in of(P.decide(s, cfg()), P.ToRollout))
+
+
+def _run_after_rewind(c, u0, ready, running, sizes):
+    """Drive ``P.decide`` from a resumed state to the run's end: groups finish at once, each step closes when it
+    holds its size. Returns the staleness of every trained group, and how many were launched."""
+    ready, running = sorted(ready), list(running)
+    launched = u0 * c.groups_per_step + len(ready) + len(running)
+    u, pub, open_, stale = u0, u0, [], []
+    for _ in range(10 * c.total_steps * c.groups_per_step):
+        if u >= c.total_steps:
+            break
+        s = state(steps_done=u, open_step_taken=len(open_), published_version=pub, launched_groups=launched,
+                  ready_groups=tuple(P.ReadyGroup(version=v, work_s=1.0) for v in ready),
+                  running_groups=tuple(sorted(collections.Counter(running).items())), step_sizes=sizes)
+        for a in P.decide(s, c):
+            if isinstance(a, P.Publish):
+                pub = a.version
+            elif isinstance(a, P.TakeGroups):
+                open_, ready = open_ + ready[:a.n], ready[a.n:]
+                if len(open_) == P.step_groups(s, c, u):
+                    stale += [u - v for v in open_]
+                    u, open_ = u + 1, []
+            elif isinstance(a, P.Launch):
+                running += [a.version] * a.n_groups
+                launched += a.n_groups
+        ready, running = sorted(ready + running), []
+    assert u == c.total_steps, f"stalled at step {u} with {len(ready)} ready"
+    assert ready == [] and open_ == []  # every admitted group trained
+    return stale, launched
+
+
+def test_a_rewind_past_the_bound_trains_every_group_within_it_in_oversized_steps():
+    # A kill two steps after checkpoint 1 (S=1, G=4): the lost steps' 8 groups and the 4 in flight all count as
+    # sampled by the restored version 1, so all 12 are due by step 2 while steps 1-2 hold 8 at G each.
+    c = cfg(groups_per_step=4, staleness_bound=1, total_steps=6)
+    ready, running = [1] * 10, [1] * 2
+    stale, _ = _run_after_rewind(c, 1, ready, running, P.NOMINAL)
+    assert max(stale) == 2  # G per step: the excess trains one step late (what bench_chaos measured)
+    sizes = P.resume_step_sizes(ready + running, 1, c)
+    assert sizes == P.StepSizes(1, (6, 6))  # 12 due by step 2: two steps of 4 + ceil(4 / 2)
+    stale, launched = _run_after_rewind(c, 1, ready, running, sizes)
+    # steps 1-5 trained 6 + 6 + 4 x 3 groups: the 4 extra positions are filled by groups launched for them
+    assert max(stale) <= 1 and len(stale) == launched - 4 == 24
+    # older groups bind an earlier step: 6 of version 0 are due by step 1 itself
+    assert P.resume_step_sizes([0] * 6 + [1] * 4, 1, c) == P.StepSizes(1, (6, 6))
+    assert P.resume_step_sizes([0] * 3 + [1] * 5, 1, c) is P.NOMINAL  # fits at G: nothing changes
+    # the run's last step takes every group left, whatever its version
+    assert P.resume_step_sizes([5] * 6, 5, c) == P.StepSizes(5, (6,))
+    # a rerun stopped again inside oversized steps (its lost lineage launched for the extra positions): the groups
+    # left are all due by u + S, so the sizes that hold them within the bound hold them all
+    sizes = P.resume_step_sizes([1] * 3 + [2] * 15, 2, c)
+    assert sizes == P.StepSizes(2, (9, 9))
+    stale, _ = _run_after_rewind(c, 2, [1] * 3 + [2] * 13, [2] * 2, sizes)
+    assert max(stale) <= 1 and len(stale) == 9 + 9 + 4 + 4
+    with pytest.raises(ValueError, match="a group of version 3 after a resume at step 2"):
+        P.resume_step_sizes([3], 2, c)
+
+
+def test_an_oversized_step_closes_at_its_own_size():
+    c = cfg(groups_per_step=4, staleness_bound=1, total_steps=6)
+    sizes = P.StepSizes(1, (6, 6))
+    ready = tuple(P.ReadyGroup(version=1, work_s=1.0) for _ in range(8))
+    s = state(steps_done=1, published_version=1, open_step_taken=4, ready_groups=ready, launched_groups=12,
+              step_sizes=sizes)
+    assert P.takeable_groups(s, c) == 2  # step 1 holds 6
+    assert P.launch_allowance(s, c, 2) == 0  # the next step's 6 positions hold the 6 left
+    s3 = dataclasses.replace(s, steps_done=3, published_version=3, open_step_taken=0, ready_groups=ready[:5],
+                             launched_groups=26)
+    assert P.takeable_groups(s3, c) == 4  # past the oversized steps: G again
+    # step 4's 4 positions less the 1 group left would admit 3; the cap is 6 x 4 + the 4 extra - 26 launched
+    assert P.launch_allowance(s3, c, 4) == 2
+    assert P.launch_allowance(dataclasses.replace(s3, step_sizes=P.NOMINAL), c, 4) == 0

@@ -9,6 +9,7 @@ same workdir resumes to the end with nothing lost, trained twice or short (``gyr
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -179,12 +180,14 @@ def _drive_within(c, seconds: float) -> dict:
         timer.cancel()
 
 
-def test_a_resume_from_checkpoint_0_past_the_bound_trains_everything_without_stalling(tmp_path, inject, capsys):
+def test_a_resume_from_checkpoint_0_past_the_bound_trains_everything_within_the_bound(tmp_path, inject, capsys):
     """A stop in step 1 or 2 (a kill: no save after it) with only checkpoint 0 on disk: the rerun rewinds to version 0 with more
     groups (finished, and cut short) than steps 0..S hold, none old enough to be a must-take at step 0.
     The take rule refused them all and nothing was launched: the run sat at step 0 with in_flight=0
-    (bench_chaos's outcome trial, 13 min, twice). Now the oldest are taken, the excess trains late, and
-    every finished rollout is consumed once."""
+    (bench_chaos's outcome trial, 13 min, twice). Then the oldest were taken and the excess trained a step
+    late (bench_chaos: staleness 2, bound 1). Now steps 0..S take more groups each (policy.resume_step_sizes):
+    every finished rollout is consumed once and every trained one within the bound."""
+    from gyre_jax.rl.audit import audit_workdir
     from gyre_jax.rl.build import build
     from gyre_jax.rl.loop import drive
     from gyre_jax.testing.fake_engine import fake_tiny_backend
@@ -213,3 +216,10 @@ def test_a_resume_from_checkpoint_0_past_the_bound_trains_everything_without_sta
     outs, consumed, unfinished = store_view(wd)
     assert unfinished == [] and set(outs_at_stop) <= set(consumed)
     assert_consumed_once(outs, consumed)
+    au = audit_workdir(wd, group_size=s.group_size, staleness_bound=s.staleness_bound)
+    assert au["max_staleness_over_bound"] == 0 and au["groups_short"] == 0, au
+    assert au["rollouts_trained_twice"] == 0 and au["duplicate_steps"] == 0, au
+    # the trainer's own staleness (the lost lineage's tokens dated by the restored version) holds the bound too
+    recs = [json.loads(line) for line in open(os.path.join(wd, "metrics.jsonl")) if line.strip()]
+    assert max(r["staleness_max"] for r in recs) <= s.staleness_bound, [r["staleness_max"] for r in recs]
+    assert au["oversized_steps"] >= 1 and au["extra_groups"] > 0, au  # steps 0..S really were oversized

@@ -38,7 +38,9 @@ and metrics.jsonl. Prints a table (one row per attempt, then one per trial's aud
 JSON line: trials, kills (stops delivered to a live run: kill9 + sigterm), kill9, sigterm,
 resumes (attempts that said "resumed from checkpoint"), restarts (attempts after a trial's
 first), rollouts_lost, rollouts_trained_twice, groups_short, wrong_state,
-max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, infra_errors
+max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, oversized_steps and
+extra_groups (steps that took more than groups_per_step groups after a rewind past the bound, and how
+many more), infra_errors
 (infra_error outcomes that are not abandoned attempts), write_faults (attempts stopped by a full
 disk or an injected write fault with the expected code), write_fault_sites, write_fault_results (per
 site: n, rc, expected_rc, exit_s, one_error_line, completed, lost, twice, short), hangs, leftover_processes (processes of a stopped attempt
@@ -405,6 +407,7 @@ def main(argv=None) -> dict:
         max_staleness_over_bound=max(((t["audit"] or {}).get("max_staleness_over_bound", 0) for t in trials), default=0),
         staleness_bound=cfg.scheduler.staleness_bound, duplicate_steps=total("duplicate_steps"),
         steps_short=sum(a.steps - (t["audit"] or {}).get("metrics_steps", 0) for t in trials if t["completed"]),
+        oversized_steps=total("oversized_steps"), extra_groups=total("extra_groups"),
         infra_errors=total("infra_errors"), write_faults=sum(t["write_faults"] for t in trials), hangs=sum(t["hangs"] for t in trials),
         leftover_processes=sum(t["leftover_processes"] for t in trials),
         write_fault_sites=sites,

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Two kill -9s of the demo inside one checkpoint interval (at step 3, and again 12 s into the resume),
 # then the same command to the end, and an audit of the workdir from the store's own records:
-# every finished rollout trained exactly once, none unfinished (issue 33). Takes ~4 minutes on 2 cores.
-#   bash tools/double_kill.sh [WORKDIR]
+# every finished rollout trained exactly once, none unfinished, staleness within the bound (issue 33).
+# Takes ~4 minutes on 2 cores. AT=step: the second kill comes once the resumed run reports step 1 instead,
+# inside the oversized steps a rewind past the bound makes (policy.resume_step_sizes).
+#   [AT=step] bash tools/double_kill.sh [WORKDIR]
 set -u
 cd "$(dirname "$0")/.."
 W=${1:-/tmp/gyre_double_kill}; rm -rf "$W" "$W".*.log; mkdir -p "$W"
@@ -12,10 +14,13 @@ for _ in $(seq 1 600); do grep -q "step 3/10" "$W.1.log" 2>/dev/null && break; s
 kill -9 $pid; wait $pid 2>/dev/null
 echo "attempt 1: kill -9 at $(grep -o 'step [0-9]*/10' "$W.1.log" | tail -1); checkpoints: $(ls "$W/elastic/checkpoints" | tr '\n' ' ')"
 .venv/bin/python -m launch.main $ARGS > "$W.2.log" 2>&1 & pid=$!
-for _ in $(seq 1 600); do grep -q "resumed from" "$W.2.log" 2>/dev/null && break; sleep 1; done
-sleep 12
+if [ "${AT:-}" = step ]; then
+  for _ in $(seq 1 600); do grep -q "step 1/10" "$W.2.log" 2>/dev/null && break; sleep 1; done; when="at step 1/10"
+else
+  for _ in $(seq 1 600); do grep -q "resumed from" "$W.2.log" 2>/dev/null && break; sleep 1; done; sleep 12; when="12 s later"
+fi
 kill -9 $pid; wait $pid 2>/dev/null
-echo "attempt 2: $(grep -h 'resumed from' "$W.2.log" | cut -c1-160); kill -9 12 s later"
+echo "attempt 2: $(grep -h 'resumed from' "$W.2.log" | cut -c1-160); kill -9 $when"
 .venv/bin/python -m launch.main $ARGS > "$W.3.log" 2>&1; rc=$?
 echo "attempt 3: rc=$rc; $(grep -h 'resumed from' "$W.3.log" | cut -c1-160)"
 .venv/bin/python - "$W" "$rc" <<'PY'
@@ -30,5 +35,9 @@ with TrajectoryStore(f"{w}/elastic/store", run_id="rl", writable=False) as st:
                rollouts_lost=len(set(outs) - set(cons)), unfinished=len(st.unfinished_rollouts()),
                trained=sum(e["state"] == "trained" for e in cons.values()),
                abandoned=sum("abandoned" in (o.details.get("error") or "") for o in outs.values()))
+from gyre_jax.rl.audit import audit_workdir
+au = audit_workdir(f"{w}/elastic", group_size=8, staleness_bound=1)  # configs/demo.py's
+out.update({k: au[k] for k in ("rollouts_trained_twice", "groups_short", "max_staleness_over_bound",
+                               "duplicate_steps", "oversized_steps", "extra_groups")})
 print(json.dumps(out))
 PY

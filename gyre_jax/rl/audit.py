@@ -21,6 +21,10 @@ What it counts (all 0 in a healthy run that reached its end):
 * ``unfinished``: rollouts with calls and no outcome (in flight when the run stopped);
 * ``infra_errors``: ``infra_error`` outcomes other than ``abandoned`` (a harness or
   infrastructure failure that became data: what a full disk must never cause).
+
+Also reported, not a fault: ``oversized_steps`` and ``extra_groups``, the steps of the surviving
+lineage that took more than ``groups_per_step`` groups and how many more (metrics.jsonl's
+``resume/extra_groups``): how a resume past the staleness bound keeps it (``policy.resume_step_sizes``).
 """
 from __future__ import annotations
 
@@ -82,12 +86,15 @@ def audit_workdir(mode_dir: str, *, group_size: int, staleness_bound: int) -> di
     steps_of_group = collections.defaultdict(set)
     metrics = os.path.join(mode_dir, "metrics.jsonl")
     steps = []
+    extra = []  # resume/extra_groups of each step that took more than G groups
     if os.path.exists(metrics):
         with open(metrics) as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
                     steps.append(r["step"])
+                    if r.get("resume/extra_groups"):
+                        extra.append(int(r["resume/extra_groups"]))
                     for g in filter(None, str(r.get("groups", "")).split(",")):
                         steps_of_group[g].add(r["step"])
     for gid, ss in steps_of_group.items():
@@ -110,4 +117,5 @@ def audit_workdir(mode_dir: str, *, group_size: int, staleness_bound: int) -> di
         infra_errors=sum(o.status == "infra_error" and not str(o.details.get("error", "")).startswith("abandoned")
                          for o in outs.values()),
         metrics_steps=len(steps), duplicate_steps=len(steps) - len(set(steps)),
+        oversized_steps=len(extra), extra_groups=sum(extra),
     )

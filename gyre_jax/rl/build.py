@@ -567,6 +567,14 @@ def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Rest
         if cfg.hf_export and version >= cfg.steps:
             export_hf(cfg, snap.state.params, workdir, version)
 
+    # A rewind past the staleness bound leaves more groups due by the next S steps than they hold at G each:
+    # those steps take more (policy.resume_step_sizes), so every group trains within the bound.
+    sizes = policy_lib.resume_step_sizes([g.version for g in restored.ready] + [g.version for g in restored.short],
+                              restored.steps_done, place.policy)
+    if sizes.groups:
+        print(f"resume: steps {sizes.first}..{sizes.first + len(sizes.groups) - 1} take {sizes.groups[0]} groups "
+              f"each (not {s.groups_per_step}): {len(restored.ready) + len(restored.short)} groups are due by them "
+              "(the rewind went past the staleness bound)", flush=True)
     scorer = reference_lib.make_scorer(cfg, place.steps, place.core_mesh, restored.ref_params)  # the per-step pass
     print(reference_lib.describe(cfg, scorer, restored.trainer.state.params), flush=True)
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
@@ -582,7 +590,7 @@ def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Rest
         restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
         | {r for g in restored.short for r in g.finished},
         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget())
+        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes)
 
 
 def _describe(cfg: RLConfig, base: Base, place: Placement, serving: Serving, restored: Restored,

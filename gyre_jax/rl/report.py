@@ -74,7 +74,8 @@ def reward_metrics(done: StepDone) -> dict:
             "rollouts": done.rollouts, "trained_rollouts": t.trained_rollouts,
             **{f"failures/{k}": v for k, v in t.failures.items()},
             "staleness_mean": done.report.staleness_mean, "staleness_max": done.report.staleness_max,
-            "groups": list(done.groups), "group_versions": list(done.group_versions)}  # in the order taken
+            "groups": list(done.groups), "group_versions": list(done.group_versions),  # in the order taken
+            "resume/extra_groups": done.extra_groups}
 
 
 def tree_metrics(t: StepTotals) -> dict:

@@ -105,6 +105,7 @@ class StepDone:
     after_last_group_s: float  # from the step's last group to its update
     score: Mapping[str, float]
     dropped_groups: int  # dynamic sampling's drops since the previous step
+    extra_groups: int = 0  # groups over groups_per_step (an oversized step after a rewind past the bound)
 
 
 @dataclasses.dataclass(frozen=True)

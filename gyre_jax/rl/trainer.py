@@ -7,7 +7,7 @@ Three stages, each on its own thread, connected by the dataset of packed rows:
 
 * Whole steps (``stream_groups=False``: the batch modes colocate, async and
   elastic_no_stream, one update per publication): once the open step holds
-  ``groups_per_step`` groups, the processor packs the step's rollouts together
+  its size (``groups_per_step`` groups; more after a resume past the bound), the processor packs the step's rollouts together
   (weights normalized over the step's trained rollouts) and adds them as one
   chunk: the step is globally shuffled and its rows are a function of its
   rollouts alone. The trainer reads batches until ``last_in_step`` and runs the
@@ -69,7 +69,7 @@ from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, ROUTING_KEY
 from gyre_jax.rl.launcher import Group, lineage_calls
 from gyre_jax.rl.step_events import StepDone, StepInput, StepTotals, TrainerSnapshot
 from gyre_jax.scheduler.interfaces import TrainProgress
-from gyre_jax.scheduler.policy import ReadyGroup
+from gyre_jax.scheduler.policy import NOMINAL, ReadyGroup, StepSizes
 from gyre_jax.scheduler.vocab import TRAIN
 from gyre_jax.trajectory.processor import ProcessorConfig, StepStats, process_step
 from gyre_jax.trajectory.rewards import has_signal
@@ -122,9 +122,10 @@ class TrainerAdapter:
                  on_step_started: Callable[[int], None] | None = None,
                  on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None,
                  scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0,
-                 restored_rollouts: frozenset[str] = frozenset()):
+                 restored_rollouts: frozenset[str] = frozenset(), step_sizes: StepSizes = NOMINAL):
         """``restored_rollouts``: the finished rollouts a resume at ``steps_done`` found untrained; their tokens
-        sampled after that checkpoint count as sampled by it (``launcher.lineage_version``)."""
+        sampled after that checkpoint count as sampled by it (``launcher.lineage_version``). ``step_sizes``: the
+        steps that hold more than ``groups_per_step`` groups (``policy.resume_step_sizes``)."""
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
         self.cells, self.cell_roles, self.stream_groups = cells, cell_roles, stream_groups
@@ -142,6 +143,7 @@ class TrainerAdapter:
         self._steps_done = steps_done
         self._cursor_version = steps_done
         self._restored, self._restored_step = restored_rollouts, steps_done
+        self.step_sizes = step_sizes
         self._updating = False
         self._last_group_t = 0.0  # when the open step took its last group (its training's remaining part starts)
         self._step: ElasticStep | None = None
@@ -184,17 +186,23 @@ class TrainerAdapter:
             running = step.remaining() * self.b * self._work_s_per_row if step is not None else 0.0
             return TrainProgress(
                 steps_done=self._steps_done,
-                open_step_taken=self.G if self._updating else len(self._taken) + len(self._in_step),
+                open_step_taken=self._size(self._steps_done) if self._updating else len(self._taken) + len(self._in_step),
                 pending_work_s=self._queued_work_s + running,
                 update_in_progress=self._updating,
                 ready_groups=tuple(ReadyGroup(version=g.version, work_s=g.work_s) for g in self._ready),
                 dropped_groups=self._dropped_groups,
+                step_sizes=self.step_sizes,
             )
+
+    def _size(self, step: int) -> int:
+        """Groups step ``step`` holds: G, or more after a resume past the bound (``StepSizes``)."""
+        return self.step_sizes.of(step, self.G)
 
     def take_groups(self, n: int) -> None:
         with self._lock:
             open_taken = len(self._taken) + len(self._in_step)
-            if self._updating or n > len(self._ready) or open_taken + n > self.G:
+            size = self._size(self._steps_done)
+            if self._updating or n > len(self._ready) or open_taken + n > size:
                 raise RuntimeError(f"take_groups({n}): {len(self._ready)} ready, {open_taken} taken, "
                                    f"updating={self._updating}")
             groups, self._ready = self._ready[:n], self._ready[n:]
@@ -206,7 +214,7 @@ class TrainerAdapter:
                     self._proc_q.put(Taken("group", step, (g,)))
             else:
                 self._taken += groups
-            if open_taken + n == self.G:
+            if open_taken + n == size:
                 self._updating = True
                 self._last_group_t = time.perf_counter()
                 if self.stream_groups:
@@ -376,7 +384,7 @@ class TrainerAdapter:
         if kind == "step":
             batch = process_step(calls, outcomes, self.pc)
         else:
-            batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self.G * self.group_size,
+            batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self._size(data.step) * self.group_size,
                                  rollout_index_offset=data.offset)
             data.offset += len(batch.rollout_ids)
         if self.scorer is not None and batch.rows.tokens.shape[0]:
@@ -476,7 +484,8 @@ class TrainerAdapter:
             totals=merge_stats(data.stats), scores=tuple(o.score for o in data.outcomes if not o.is_failure),
             rows=n_mb * self.b, micro_batches=n_mb, process_s=data.process_s, step_s=time.perf_counter() - t0,
             cells_used=tuple(sorted(set(report.cell_of))), row_chunks=len(data.stats),
-            after_last_group_s=after_last_group_s, score=data.score, dropped_groups=dropped)
+            after_last_group_s=after_last_group_s, score=data.score, dropped_groups=dropped,
+            extra_groups=max(0, len(data.groups) - self.G))
         if self.after_update is not None:
             self.after_update(version, self.snapshot())  # checkpoint: before the policy may take the next step
         self.done.put(done)  # before steps_done moves: a loop that sees the last step done has its record

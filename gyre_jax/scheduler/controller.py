@@ -139,6 +139,7 @@ class Controller:
             publish_in_progress=self.cells.publish_in_progress(),
             measured=measured,
             ready_work_s=prog.ready_work_s,
+            step_sizes=prog.step_sizes,
         )
 
     def _sample_load(self, estimates: OnlineEstimates) -> None:

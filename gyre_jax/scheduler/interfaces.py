@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from gyre_jax.scheduler.policy import ReadyGroup
+from gyre_jax.scheduler.policy import NOMINAL, ReadyGroup, StepSizes
 
 
 @runtime_checkable
@@ -99,6 +99,7 @@ class TrainProgress:
     # signal), since the start. The controller nets them out of the launch count, so admission
     # launches a replacement for each.
     dropped_groups: int = 0
+    step_sizes: StepSizes = NOMINAL  # steps holding more than G groups (a resume past the bound)
 
 
 @runtime_checkable

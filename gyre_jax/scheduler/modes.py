@@ -89,7 +89,7 @@ class Colocate(Mode):
         return _capacity([c for c in state.cells if c.role != OUT], state, config)
 
     def roles(self, state, config, *, taken, work_s, available_s, running):
-        if taken == config.groups_per_step or state.update_in_progress:
+        if taken == P.step_groups(state, config, state.steps_done) or state.update_in_progress:
             return [P.ToTrain(c.id) for c in state.cells if c.role == ROLLOUT]
         return [P.ToRollout(c.id) for c in state.cells if c.role == TRAIN]
 

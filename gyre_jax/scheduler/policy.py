@@ -7,7 +7,8 @@ input is in ``ClusterState``.
 
 Vocabulary. A *group* is the ``group_size`` rollouts of one task (the unit of
 advantage baselines, so the unit that can be trained). Step ``u`` trains exactly
-``groups_per_step`` groups and turns policy version ``u`` into ``u + 1``. A group
+``groups_per_step`` groups (more only after a resume past the bound: ``StepSizes``) and turns
+policy version ``u`` into ``u + 1``. A group
 launched while version ``v`` is published has version ``v``; trained in step
 ``u`` its staleness is ``u - v``.
 
@@ -168,6 +169,65 @@ class CellView:
     active_calls: int  # calls running on it now
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSizes:
+    """Groups per step where a step holds more than ``groups_per_step``: steps ``first``,
+    ``first + 1``, ... hold ``groups[0]``, ``groups[1]``, ... (every other step holds G).
+
+    Only a resume that rewound past the staleness bound sets it (``resume_step_sizes``): the
+    rewound groups are all dated by the restored version, so more of them are due by steps
+    u0..u0+S than those steps hold at G each, and extra steps would not help (staleness counts
+    updates). Oversized steps train them in time; the rollout-first mean keeps an update's scale."""
+
+    first: int = 0
+    groups: tuple[int, ...] = ()
+
+    def of(self, step: int, G: int) -> int:
+        i = step - self.first
+        return self.groups[i] if 0 <= i < len(self.groups) else G
+
+    def extra(self, G: int) -> int:
+        """Groups over G x steps: what the launch cap adds so the steps after them still fill."""
+        return sum(n - G for n in self.groups)
+
+
+NOMINAL = StepSizes()
+
+
+def resume_step_sizes(versions, steps_done: int, config: PolicyConfig) -> StepSizes:
+    """Step sizes after a resume at ``steps_done`` with unassigned groups of ``versions``
+    (finished and re-running), so that each trains within the bound: the smallest ``e`` such
+    that steps u..u+S at ``G + e`` groups each hold, for every w in that range, the groups due by w
+    (version <= w - S; every group for the run's last step). NOMINAL when G per step does.
+
+    A resumed group is dated at most u, so due by u + S at the latest: the steps left hold every
+    group, also after a stop inside oversized steps (whose lost lineage launched for the extra
+    positions)."""
+    G, S, N, u = config.groups_per_step, config.effective_staleness, config.total_steps, steps_done
+    last = min(N - 1, u + S)
+    if u > last:
+        return NOMINAL
+    vs = sorted(versions)
+    e = 0
+    for w in range(u, last + 1):
+        must = len(vs) if w == N - 1 else bisect.bisect_right(vs, w - S)
+        e = max(e, -(-must // (w - u + 1)) - G)
+    if vs and vs[-1] > u:
+        raise ValueError(f"resume_step_sizes: a group of version {vs[-1]} after a resume at step {u} "
+                         "(resumed groups are dated by the restored version at the latest)")
+    return NOMINAL if e <= 0 else StepSizes(u, (G + e,) * (last - u + 1))
+
+
+def step_groups(state: ClusterState, config: PolicyConfig, step: int) -> int:
+    """Groups step ``step`` holds (``StepSizes``; G but after a rewind past the bound)."""
+    return state.step_sizes.of(step, config.groups_per_step)
+
+
+def _positions(state: ClusterState, config: PolicyConfig, u: int, w: int) -> int:
+    """Positions of steps u..w (the open step's untaken ones when u is the open step)."""
+    return sum(step_groups(state, config, x) for x in range(u, w + 1))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadyGroup:
     version: int  # policy version the group was launched under
@@ -192,6 +252,7 @@ class ClusterState:
     publish_in_progress: bool
     measured: Measured = NOT_MEASURED
     ready_work_s: float | None = None  # sum of ready_groups' work_s when the trainer keeps it (else summed here)
+    step_sizes: StepSizes = NOMINAL  # steps that hold more than G groups (a resume past the bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +305,9 @@ def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
     """
     if state.update_in_progress or state.steps_done >= config.total_steps:
         return 0
-    u, G, S, N = state.steps_done, config.groups_per_step, config.effective_staleness, config.total_steps
+    u, S, N = state.steps_done, config.effective_staleness, config.total_steps
     ready = state.ready_groups
-    slots_left = G - state.open_step_taken
+    slots_left = step_groups(state, config, u) - state.open_step_taken
     if not config.streaming and len(ready) < slots_left:
         return 0  # without streaming a step starts only with its whole batch
     runs: list[tuple[int, int]] = []  # (version, count) of the ready buffer, oldest first
@@ -270,7 +331,7 @@ def takeable_groups(state: ClusterState, config: PolicyConfig) -> int:
                 # no group is old enough to be a must-take, so nothing was taken or launched, ever.)
                 if v > w - S:  # taking j of these keeps `must` and removes j positions
                     must = sum(c for vv, c in rest.items() if vv <= w - S)
-                    room = min(room, slots_left - n + G * (w - u) - must)
+                    room = min(room, slots_left - n + _positions(state, config, u + 1, w) - must)
             room = max(room, 0)
         n += room
         rest[v] -= room
@@ -285,11 +346,11 @@ def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) 
     """Groups that may be admitted now at the published version (after taking `taken_now`)."""
     G, S, N = config.groups_per_step, config.effective_staleness, config.total_steps
     u, taken = state.steps_done, state.open_step_taken + taken_now
-    if taken == G or state.update_in_progress:
+    if taken == step_groups(state, config, u) or state.update_in_progress:
         u, taken = u + 1, 0  # the open step is closed; the next one has all its positions
     unassigned = sum(n for _, n in state.running_groups) + len(state.ready_groups) - taken_now
     w = min(state.published_version + S, N - 1)
-    by_bound = (G - taken) + G * (w - u) - unassigned
+    by_bound = _positions(state, config, u, w) - taken - unassigned
     # Pace to serving capacity too: agents beyond what the serving cells can hold only
     # queue, slowing every running agent toward its deadline. Colocate generates its
     # batch at once by definition (a late-launched group would hold the whole step).
@@ -298,7 +359,7 @@ def launch_allowance(state: ClusterState, config: PolicyConfig, taken_now: int) 
         by_capacity = (max_running_rollouts(state, config) - state.running_rollouts) // config.group_size
         if state.running_rollouts == 0:
             by_capacity = max(by_capacity, 1)
-    return max(0, min(by_bound, by_capacity, G * N - state.launched_groups))
+    return max(0, min(by_bound, by_capacity, G * N + state.step_sizes.extra(G) - state.launched_groups))
 
 
 class Census(NamedTuple):
