@@ -141,23 +141,19 @@ def split_cells(config: CellConfig, devices: Sequence[jax.Device] | None = None)
             Cell(
                 index=i,
                 devices=tuple(devs.tolist()),
-                train_mesh=_train_mesh(devs, st, config.train_expert),
-                serve_mesh=_serve_mesh(devs, vt, config.serve_expert),
+                train_mesh=_mesh(devs, st, config.train_expert, TRAIN_AXES, TRAIN_AXES_EP),
+                serve_mesh=_mesh(devs, vt, config.serve_expert, SERVE_AXES, SERVE_AXES_EP),
             )
         )
     return tuple(cells)
 
 
-def _train_mesh(devs: np.ndarray, tensor: int, expert: int) -> Mesh:
+def _mesh(devs: np.ndarray, tensor: int, expert: int, axes: tuple[str, str], axes_ep: tuple[str, str, str]) -> Mesh:
+    """The cell's devices as (outer, tensor), or (outer, expert, tensor) with expert parallelism: dense
+    layouts keep their two-axis meshes, so their compiled programs do not change."""
     if expert == 1:
-        return Mesh(devs.reshape(devs.size // tensor, tensor), TRAIN_AXES)
-    return Mesh(devs.reshape(devs.size // (tensor * expert), expert, tensor), TRAIN_AXES_EP)
-
-
-def _serve_mesh(devs: np.ndarray, tensor: int, expert: int) -> Mesh:
-    if expert == 1:
-        return Mesh(devs.reshape(devs.size // tensor, tensor), SERVE_AXES)
-    return Mesh(devs.reshape(devs.size // (tensor * expert), expert, tensor), SERVE_AXES_EP)
+        return Mesh(devs.reshape(devs.size // tensor, tensor), axes)
+    return Mesh(devs.reshape(devs.size // (tensor * expert), expert, tensor), axes_ep)
 
 
 @dataclasses.dataclass(frozen=True)
