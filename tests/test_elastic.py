@@ -10,6 +10,7 @@ update). New params and loss must agree.
 import concurrent.futures
 import functools
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -358,6 +359,36 @@ def test_a_streamed_step_equals_the_whole_step(setup, core_alone):
     rep = step.wait()
     assert rep.num_micro_batches == M and rep.loss == core_alone[0].loss
     assert max_diff(jax.device_get(tr.state.params), core_alone[1]) == 0.0
+
+
+def test_busy_cell_seconds_is_the_union_of_each_cells_intervals():
+    from gyre_jax.cells.elastic import busy_cell_seconds
+
+    rng = np.random.default_rng(0)
+    timeline = [(int(c), float(a), float(a + d)) for c, a, d in
+                zip(rng.integers(0, 3, 40), rng.uniform(0, 10, 40), rng.uniform(0, 2, 40))]
+    timeline += [(-1, 0.0, 0.0), (1, 20.0, 20.0)]  # not computed; an empty interval
+    grid = np.arange(0, 13, 1e-4) + 5e-5  # midpoints of a fine grid: the reference counts covered cells
+    ref = sum(1e-4 * np.any([(grid >= a) & (grid < b) for c, a, b in timeline if c == cell], axis=0).sum()
+              for cell in range(3))
+    assert busy_cell_seconds(timeline) == pytest.approx(ref, abs=1e-3)
+    assert busy_cell_seconds([(0, 0.0, 2.0), (0, 1.0, 3.0), (1, 0.0, 1.0)]) == pytest.approx(4.0)
+
+
+def test_a_streamed_steps_wait_for_data_is_not_busy_time(setup):
+    """What the trainer measures as training work per row (the scheduler's work_s_per_rollout)."""
+    mbs = setup["mbs"]
+    tr = fresh_trainer(setup)
+    three_done = threading.Event()
+    done: list[int] = []
+    step = tr.start_step(mbs[:3], more=True, on_done=lambda c, i: (done.append(i), len(done) == 3 and three_done.set()))
+    assert three_done.wait(WAIT_S)
+    idle_s = 0.5
+    time.sleep(idle_s)  # the step is open and has nothing to compute: a streamed step waiting for groups
+    step.add(mbs[3:])
+    step.close()
+    rep = step.wait()
+    assert 0 < rep.busy_cell_s <= rep.seconds - idle_s, (rep.busy_cell_s, rep.seconds)
 
 
 def test_a_late_normalizer_scales_the_step(setup, reference):

@@ -53,6 +53,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -91,6 +92,33 @@ class StepReport:
     @property
     def num_micro_batches(self) -> int:
         return len(self.cell_of)
+
+    @property
+    def busy_cell_s(self) -> float:
+        """Cell-seconds spent computing the micro-batches: per cell, the length of the union of its
+        micro-batches' [pulled, done] intervals (up to ``in_flight`` of them overlap), summed over cells.
+        Not ``seconds`` x cells: a streamed step stays open while its groups still arrive, and that
+        wait is no training work (counted as work, it made training look several times dearer)."""
+        return busy_cell_seconds(self.timeline)
+
+
+_NOTHING_YET = -1  # ElasticStep._pull(wait=False): nothing to hand out at the moment
+
+
+def busy_cell_seconds(timeline) -> float:
+    """``StepReport.busy_cell_s`` of a timeline of (cell, pulled_s, done_s); cell -1: not computed."""
+    by_cell: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    for cell, pulled, done in timeline:
+        if cell >= 0:
+            by_cell[cell].append((pulled, done))
+    total = 0.0
+    for spans in by_cell.values():
+        end = -math.inf
+        for a, b in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+    return total
 
 
 class ElasticTrainer:
@@ -259,7 +287,9 @@ class ElasticStep:
         core = self._t.core.index
         return cell.index != core or not any(v for c, v in self._pulled_by.items() if c != core)
 
-    def _pull(self, cell: Cell) -> int | None:
+    def _pull(self, cell: Cell, wait: bool = True) -> int | None:
+        """The next micro-batch for ``cell``; None: the cell stops pulling (step over, leaving, error);
+        ``_NOTHING_YET`` (only with ``wait=False``): an open step has nothing to hand out now."""
         with self._cv:
             while True:
                 if self._error is not None or cell.index in self._leaving or self._exhausted(cell):
@@ -269,6 +299,8 @@ class ElasticStep:
                 elif self._next < len(self._mbs):
                     i = self._next
                     self._next += 1
+                elif not wait:
+                    return _NOTHING_YET
                 else:
                     self._cv.wait()
                     continue
@@ -405,7 +437,13 @@ class ElasticStep:
         """Pull, ``dispatch(i)``, keep up to ``in_flight`` dispatched; ``finish`` the oldest before pulling more."""
         pending: collections.deque = collections.deque()
         while True:
-            i = self._pull(cell)
+            i = self._pull(cell, wait=not pending)
+            if i == _NOTHING_YET:
+                # An open step waits for its next groups: finish what is dispatched first, so its results
+                # are reduced now and its end time is when it was computed, not when more data came.
+                while pending:
+                    finish(*pending.popleft())
+                continue
             if i is None:
                 while pending:
                     finish(*pending.popleft())

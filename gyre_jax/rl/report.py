@@ -120,7 +120,7 @@ def train_metrics(done: StepDone) -> dict:
         **{f"score/{k}": v for k, v in done.score.items()},
         "dynamic_sampling/dropped_groups": done.dropped_groups,
         "train_tokens_per_s": done.totals.packed_tokens / max(rep.seconds, 1e-9), "train_step_s": rep.seconds,
-        "train_busy_cell_s": float(sum(end - pulled for _, pulled, end in rep.timeline)),
+        "train_busy_cell_s": rep.busy_cell_s,
         "process_s": done.process_s, "cells_trained": list(done.cells_used),
         # Streaming: rows came in one chunk per group, and only the last group's rows and the
         # update were left once it was in; a whole step: one chunk, all its training after.

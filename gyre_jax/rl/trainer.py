@@ -464,8 +464,10 @@ class TrainerAdapter:
         version = self.trainer.version
         self._mark_consumed(data.outcomes, version - 1)
         params = jax.tree.map(lambda x: x.copy(), self.trainer.state.params)
-        cells_used = max(1, len(set(report.cell_of)))
-        measured = report.seconds * cells_used / max(n_mb * self.b, 1)
+        # Busy cell-seconds, not the step's wall time x cells: a streamed step is open while its groups
+        # arrive, and counting that wait as work fed back (training looked dearer, the policy moved more
+        # cells to it, rollouts slowed, the open step waited longer: 0.4 -> 1.9 cell-s per rollout).
+        measured = report.busy_cell_s / max(n_mb * self.b, 1)
         with self._lock:
             self._cursor_version = version  # the store's cursor now covers every update up to this version
             self._work_s_per_row = 0.7 * self._work_s_per_row + 0.3 * measured
