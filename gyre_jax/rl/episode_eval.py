@@ -122,6 +122,57 @@ def episode_metrics(results: Sequence, tasks: Sequence, k: int, pass_score: floa
     }
 
 
+class EvalCancelled(Exception):
+    """The run is closing: the eval of this version was cut short (its episodes cancelled, their
+    commands stopped); a resumed run evaluates the version again from the start."""
+
+
+class CancellableRun:
+    """``run(coro)`` runs a coroutine on a fresh event loop in the calling thread; ``cancel()``, from
+    any thread, cancels it there (and every later ``run``) and ``run`` raises :class:`EvalCancelled`.
+
+    Why: a stop (SIGTERM, Ctrl-C, a failure) closes the eval, and an eval of 64 whole episodes runs
+    for one to several minutes; waiting for it held the process that long after the run had saved
+    (40 s measured on the learning bench, up to the 120 s close timeout under load), past e.g. a
+    Kubernetes grace period. Cancelling reaches each episode's own cleanup (a running command is
+    stopped, the rollout's tasks are gathered)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._running: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
+
+    def run(self, coro):
+        async def main():
+            with self._lock:
+                if self._cancelled:
+                    raise EvalCancelled("the eval was cancelled before it started")
+                self._running = (asyncio.get_running_loop(), asyncio.current_task())
+            try:
+                return await coro
+            finally:
+                with self._lock:
+                    self._running = None
+
+        try:
+            return asyncio.run(main())
+        except asyncio.CancelledError:
+            raise EvalCancelled("the eval was cancelled: the run is closing") from None
+        finally:
+            coro.close()  # never started (cancelled before): no "never awaited" warning
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            running = self._running
+        if running is not None:
+            loop, task = running
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to cancel
+                pass
+
+
 class EpisodeEval:
     """Whole episodes of ``tasks`` x ``samples_per_task`` at one version (module docstring)."""
 
@@ -136,6 +187,11 @@ class EpisodeEval:
         self._server: ServerThread | None = None
         self._backend: Any = None
         self._sock_dir: str | None = None
+        self._runner = CancellableRun()
+
+    def cancel(self) -> None:
+        """Cut the eval running now short (and refuse later ones): the run is closing."""
+        self._runner.cancel()
 
     def _start(self, params, version: int) -> ServerThread:
         from gyre_jax.serving.proxy import Proxy, ProxyConfig
@@ -179,8 +235,8 @@ class EpisodeEval:
         if os.path.exists(root):  # an eval of this version cut short by a stop: start it over
             import shutil
             shutil.rmtree(root, ignore_errors=True)
-        results = asyncio.run(run_rollouts(reqs, hc, workspace_root=root, harness=self._make_harness(self._sock),
-                                           keys=server.proxy))
+        results = self._runner.run(run_rollouts(reqs, hc, workspace_root=root, harness=self._make_harness(self._sock),
+                                                keys=server.proxy))
         calls = sink.calls_by_rollout()
         out = episode_metrics(results, self.tasks, self.k, self.pass_score, calls)
         out["eval_s"] = time.perf_counter() - t0
@@ -240,6 +296,9 @@ class BackgroundEval:
             version, params = item
             try:
                 r = self.fn(params, version)
+            except EvalCancelled:
+                log.info("rl: the eval of version %d was cut short: the run is closing", version)
+                continue
             except Exception as e:  # noqa: BLE001 - a measurement; the run goes on without it
                 log.exception("held-out eval at version %d failed", version)
                 with self._lock:
@@ -263,12 +322,16 @@ class BackgroundEval:
             return sorted(self.results, key=lambda r: r["version"])
 
     def close(self) -> None:
-        """Drop queued evals (a failing run does not wait for them), stop the engine and the writer."""
+        """Drop queued evals (a failing run does not wait for them), cut the running one short (an
+        evaluator with ``cancel()``: CancellableRun), stop the engine and the writer."""
         while True:
             try:
                 self._q.get_nowait()
             except queue.Empty:
                 break
+        cancel = getattr(self.fn, "cancel", None)
+        if cancel is not None:
+            cancel()
         self.finish(timeout=120)
         for fn in (*self.on_close, *((self.writer.close,) if self.writer is not None else ())):
             try:
