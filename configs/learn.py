@@ -20,8 +20,8 @@ score. RL has to find out that testing pays. The held-out eval runs whole episod
 fixed tasks x 4 samples through the same harness on a dedicated engine (eval/eval.jsonl).
 
 Expected result: ~15 min of warm start (800 SFT steps, cached with --config.sft.cache_dir), then 20 steps
-of 32 rollouts (~15-20 min on 2 cores); the held-out eval rises from ~0.4-0.5 at the warm start by ~+0.2
-(Dec 4, 16 steps: 0.477 -> 0.674 elastic; docs/results.md has every run). `python tools/bench_learning.py`
+of 32 rollouts (~8-20 min on 2 cores, by load); the held-out eval rises from ~0.4-0.55 at the warm start
+by ~+0.1-0.2 (30 steps on an idle machine: +0.09 to +0.26 over modes and seeds; docs/results.md has every run). `python tools/bench_learning.py`
 runs elastic, async and colocate and writes learning.png and one JSON line.
 """
 import importlib.util
