@@ -235,6 +235,9 @@ async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: f
 
     io = asyncio.ensure_future(asyncio.gather(feed_stdin(), drain_async(proc.stdout, out),
                                               drain_async(proc.stderr, err)))
+    # Retrieved whatever ends it: a run closing mid-grading cancels the readers themselves, and the
+    # gather's CancelledError then printed "exception was never retrieved" at exit.
+    io.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
         await asyncio.wait_for(asyncio.shield(io), timeout_s)
         await asyncio.wait_for(proc.wait(), max(1.0, timeout_s - (time.monotonic() - t0)))
