@@ -62,7 +62,8 @@ def test_demonstration_runs_the_suite_without_its_wait_and_scores_one():
     assert task.params["test_s"] > 8.0
     t0 = time.monotonic()
     demo = demonstration(task, verify=True)
-    assert time.monotonic() - t0 < 4.0
+    # Waiting for the suite would take its whole test_s; the bound is that, not a speed target.
+    assert time.monotonic() - t0 < task.params["test_s"]
     assert demo.score == 1.0
     assert "<tool>run_tests</tool>" in demo.messages[-1]["content"]
 
