@@ -340,6 +340,35 @@ def test_a_failing_satellite_hands_its_work_back(setup, core_alone):
     assert max_diff(jax.device_get(tr.state.params), core_alone[1]) == 0.0
 
 
+def test_a_failing_satellites_delivered_work_stays_in_its_busy_time(setup, core_alone):
+    """A satellite fails at its second pull with its first micro-batch dispatched: that result was
+    stored at dispatch and is reduced (cell_of names the satellite), so its interval is busy time
+    too (the scheduler's measured work), not an empty (-1) entry."""
+    cs, mbs = setup["cells"], setup["mbs"]
+    tr = fresh_trainer(setup)
+    failed = threading.Event()
+    pulls: list[int] = []
+
+    def on_pull(cell, i):
+        if cell == 2:
+            pulls.append(i)
+            if len(pulls) == 2:
+                failed.set()
+                raise RuntimeError(f"cell 2 lost at micro-batch {i}")
+        elif not failed.wait(WAIT_S):
+            raise AssertionError("pacing: satellite never failed")
+
+    step = tr.start_step(mbs, on_pull=on_pull)
+    assert step.join(cs[2])
+    rep = step.wait()
+    first = pulls[0]
+    assert [c for c, _ in rep.failed_cells] == [2] and rep.cell_of[first] == 2
+    cell, t0, t1 = rep.timeline[first]
+    assert cell == 2 and t1 > t0 and all(c != -1 for c, _, _ in rep.timeline), rep.timeline
+    assert rep.loss == core_alone[0].loss
+    assert max_diff(jax.device_get(tr.state.params), core_alone[1]) == 0.0
+
+
 def test_a_streamed_step_equals_the_whole_step(setup, core_alone):
     """Micro-batches added while the step runs (and a satellite that joins, leaves and
     rejoins meanwhile) give the same bits as the whole step at once."""

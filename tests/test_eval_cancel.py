@@ -76,3 +76,44 @@ def test_closing_a_background_eval_cuts_the_running_eval_short(tmp_path):
     assert not (tmp_path / "eval.jsonl").exists() or (tmp_path / "eval.jsonl").read_text() == ""
     assert subprocess.run(["pgrep", "-f", "^sleep 60$", "-P", str(os.getpid())],
                           capture_output=True).returncode == 1  # no child left
+
+
+def test_a_cancel_that_is_not_the_runs_close_is_a_failure_not_a_stop():
+    """A CancelledError from inside the eval (not from cancel()) must not be read as the run closing:
+    that would log a real failure as a stop and drop the version's eval without an error."""
+    async def cancels_itself():
+        asyncio.current_task().cancel()
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="not by the run's close") as e:
+        CancellableRun().run(cancels_itself())
+    assert not isinstance(e.value, EvalCancelled)
+
+
+def test_a_cancel_while_the_eval_engine_starts_stops_the_server_it_built():
+    """The close comes after the cancel; if both land while the first eval builds its engine and
+    server, the close finds no server yet: the eval stops the one it built instead of leaking it."""
+    from gyre_jax.rl.episode_eval import EpisodeEval
+
+    class _Server:
+        stopped = 0
+
+        def stop(self):
+            self.stopped += 1
+
+    server = _Server()
+
+    class _Eval(EpisodeEval):
+        def _start(self, params, version):
+            self.cancel()  # the run closes meanwhile
+            self.close()  # ... and its close finds nothing to stop yet
+            self._server = server
+            return server
+
+    ev = _Eval(tasks=[object()], samples_per_task=1, pass_score=1.0, harness_config=None, make_harness=None,
+               make_backend=None, tokenizer=None, workdir="/nonexistent", seed=0, max_tokens_cap=8)
+    with pytest.raises(EvalCancelled, match="while its engine started"):
+        ev(None, 0)
+    assert server.stopped == 1 and ev._server is None
+    with pytest.raises(EvalCancelled, match="before it started"):
+        ev(None, 1)

@@ -3,6 +3,8 @@ import glob
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -173,10 +175,18 @@ def test_wandb_offline_gets_what_the_jsonl_gets(tmp_path, monkeypatch):
     from gyre_jax.rl.metrics import WandbOptions
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    w = MetricsWriter(str(tmp_path / "run"), process_index=0, wandb=WandbOptions(mode="offline", config={"seed": 3}))
-    for step in range(3):
-        w.write(step, {"reward": 0.5 + step, "groups": "g1,g2", "failures": {"timeout": step}})
-    w.close()
+    # In a process of its own that then exits, as a run does before `wandb sync`: W&B's service may still
+    # hold the file's last records in its buffer when finish() returns (seen once on a loaded machine: the
+    # file had no history yet), and writes them out when the process ends.
+    code = (
+        "from gyre_jax.rl.metrics import MetricsWriter, WandbOptions\n"
+        f"w = MetricsWriter({str(tmp_path / 'run')!r}, process_index=0,"
+        " wandb=WandbOptions(mode='offline', config={'seed': 3}))\n"
+        "for step in range(3):\n"
+        "    w.write(step, {'reward': 0.5 + step, 'groups': 'g1,g2', 'failures': {'timeout': step}})\n"
+        "w.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     [run_file] = glob.glob(str(tmp_path / "run" / "wandb" / "wandb" / "offline-run-*" / "*.wandb"))
     rows = _wandb_history(run_file)
     assert [(r["_step"], r["reward"], r["failures/timeout"]) for r in rows] == [(0, 0.5, 0), (1, 1.5, 1), (2, 2.5, 2)]

@@ -436,6 +436,22 @@ class ElasticStep:
     def _pull_loop(self, cell, dispatch, finish) -> None:
         """Pull, ``dispatch(i)``, keep up to ``in_flight`` dispatched; ``finish`` the oldest before pulling more."""
         pending: collections.deque = collections.deque()
+        try:
+            self._pull_until_stopped(cell, dispatch, finish, pending)
+        except BaseException:
+            self._close_delivered(cell, pending)
+            raise
+
+    def _close_delivered(self, cell, pending) -> None:
+        """A worker failing with micro-batches dispatched: those whose results are already stored (local
+        cells store at dispatch) are reduced into the step, so their busy time counts; until their end (now)."""
+        now = time.perf_counter() - self._t0
+        with self._cv:
+            for i, _, t_pull in pending:
+                if self._cell_of[i] == cell.index and self._timeline[i][0] == -1:
+                    self._timeline[i] = (cell.index, t_pull, now)
+
+    def _pull_until_stopped(self, cell, dispatch, finish, pending: collections.deque) -> None:
         while True:
             i = self._pull(cell, wait=not pending)
             if i == _NOTHING_YET:

@@ -156,10 +156,21 @@ class CancellableRun:
 
         try:
             return asyncio.run(main())
-        except asyncio.CancelledError:
-            raise EvalCancelled("the eval was cancelled: the run is closing") from None
+        except asyncio.CancelledError as e:
+            with self._lock:
+                ours = self._cancelled
+            if ours:
+                raise EvalCancelled("the eval was cancelled: the run is closing") from None
+            # Not our cancel (e.g. a rollout's task cancelled by a library): a failure of this eval, reported
+            # as one, never read as the run closing.
+            raise RuntimeError("the eval was cancelled, but not by the run's close") from e
         finally:
             coro.close()  # never started (cancelled before): no "never awaited" warning
+
+    @property
+    def cancelled(self) -> bool:
+        with self._lock:
+            return self._cancelled
 
     def cancel(self) -> None:
         with self._lock:
@@ -221,8 +232,15 @@ class EpisodeEval:
         from gyre_jax.agents.harness import RolloutRequest, run_rollouts
 
         t0 = time.perf_counter()
+        if self._runner.cancelled:
+            raise EvalCancelled("the eval was cancelled before it started")
         if self._server is None:
             server = self._start(params, version)
+            if self._runner.cancelled:
+                # The run closed while the engine and server were built: its close() found no server to
+                # stop (the cancel comes before the close), so this one is stopped here, not leaked.
+                self.close()
+                raise EvalCancelled("the eval was cancelled while its engine started")
         else:
             server = self._server
             self._backend.engine.publish(params, version)
