@@ -157,9 +157,7 @@ class CancellableRun:
         try:
             return asyncio.run(main())
         except asyncio.CancelledError as e:
-            with self._lock:
-                ours = self._cancelled
-            if ours:
+            if self.cancelled:
                 raise EvalCancelled("the eval was cancelled: the run is closing") from None
             # Not our cancel (e.g. a rollout's task cancelled by a library): a failure of this eval, reported
             # as one, never read as the run closing.
