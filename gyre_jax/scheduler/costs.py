@@ -189,7 +189,23 @@ def lending_pays(state: ClusterState, config: PolicyConfig, available_s: float, 
     return saved > max(0.0, back)
 
 
+# (state, config, target) of the last call: a tick asks for the target two or three times (admission,
+# the switches), on the same immutable state. One tuple swapped whole (another thread may ask too).
+_target_memo: tuple = (None, None, 0)
+
+
 def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
+    """``steady_split`` on this state, remembered for the next call on the same one."""
+    global _target_memo
+    s, c, k = _target_memo
+    if s is state and c is config:
+        return k
+    k = steady_split(state, config)
+    _target_memo = (state, config, k)
+    return k
+
+
+def steady_split(state: ClusterState, config: PolicyConfig) -> int:
     """Cells (core included) that training needs in steady state, from measured costs.
 
     A step of R rollouts costs ``a_s * R`` serving cell-seconds and ``a_t * R`` training
