@@ -21,9 +21,12 @@ Adding a source: a class with ``kind``, the three methods and ``describe``, then
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, ClassVar, Protocol
 
 from gyre_jax.agents.tasks.base import Task
+
+log = logging.getLogger(__name__)
 
 
 class TaskSource(Protocol):
@@ -113,6 +116,13 @@ class DatasetSource:
         return self._ds[index]
 
     def eval_tasks(self, limit: int) -> list[Task]:
+        """The first ``limit`` held-out tasks. Asked for more than the file holds, every one of them, and a
+        warning naming both numbers: ``eval.tasks`` is a cap (a run's evals compare versions on one fixed set,
+        whatever its size), and a run must not fail at its first eval for a file that shrank; but it must
+        not read as ``limit`` tasks either (eval.jsonl's ``eval/tasks`` says how many were run)."""
+        if 0 < len(self.eval) < limit:  # none at all: the config check refuses the eval
+            log.warning("config.eval.tasks=%d but %s holds %d held-out task(s): evaluating all %d", limit,
+                        self.eval_path or self.path, len(self.eval), len(self.eval))
         return self.eval[:limit]
 
     def demo_tasks(self, n: int) -> list[Task]:
