@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gyre_jax.trajectory import store as store_mod  # noqa: E402
+from gyre_jax.trajectory import cursor as store_mod  # noqa: E402
 from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome  # noqa: E402
 from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore  # noqa: E402
 
@@ -47,7 +47,7 @@ def run(kind: str, steps: int, per: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         st = _fill(d, steps, per)
         written, snaps, times = [0], [0], []
-        real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore._journal_write
+        real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore.journal_write
 
         def atomic(path, obj):
             real_atomic(path, obj)
@@ -59,7 +59,7 @@ def run(kind: str, steps: int, per: int) -> dict:
             return real_write(fd, line, offset)
 
         store_mod._atomic_write_json = atomic
-        TrajectoryStore._journal_write = staticmethod(jwrite)
+        TrajectoryStore.journal_write = staticmethod(jwrite)
         try:
             for s in range(steps):
                 ids = [f"g{s:05d}-{k}" for k in range(per)]
@@ -68,12 +68,12 @@ def run(kind: str, steps: int, per: int) -> dict:
                     st.mark_trained(ids, step=s)
                 else:  # before: memory, then the whole cursor rewritten
                     for rid in ids:
-                        st._consumed[rid] = {"state": "trained", "step": s, "reason": None,
+                        st._cursor.consumed[rid] = {"state": "trained", "step": s, "reason": None,
                                              "outcome_offset": st._rollouts[rid].outcome[0]}
                     atomic(os.path.join(d, "cursor.json"), st.cursor_state())
                 times.append(time.perf_counter() - t0)
         finally:
-            store_mod._atomic_write_json, TrajectoryStore._journal_write = real_atomic, real_write
+            store_mod._atomic_write_json, TrajectoryStore.journal_write = real_atomic, real_write
         st.close()
         return dict(bytes=written[0], snapshots=snaps[0], ms_per_step=1e3 * float(np.mean(times)),
                     ms_last_100=1e3 * float(np.mean(times[-100:])))
