@@ -51,11 +51,18 @@ class Trained:
 
 
 def reason_of(outcome) -> str | None:
-    """A failure's reason, shortened so that equal causes group together: the first line of the error
-    (infra and verifier errors), numbers and hex ids replaced; None for a scored rollout."""
-    if outcome is None or outcome.status in SCORED_STATUSES:
+    """Why a rollout failed (or scored 0 without a plain verdict), shortened so that equal causes group
+    together: the outcome's own ``reason`` where the runner gave one (a few words, the same for the same
+    cause), else the first line of its error, numbers and hex ids replaced; None for an ordinary grade."""
+    if outcome is None:
         return None
-    text = str((outcome.details or {}).get("error") or outcome.status)
+    details = outcome.details or {}
+    if details.get("reason"):
+        text = str(details["reason"])
+    elif outcome.status in SCORED_STATUSES:
+        return "tampering with the test run" if (details.get("grader") or {}).get("tampered") else None
+    else:
+        text = str(details.get("error") or outcome.status)
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), outcome.status)
     line = re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-f]{8,}\b", "<id>", line)
     line = re.sub(r"\d+(\.\d+)?", "N", line)

@@ -232,6 +232,8 @@ def run_summary(*, cfg, workdir: str, history: list, evals: list[dict], segments
         json.dump(out, f, indent=1, allow_nan=False)
     _print_summary(out, h)
     print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(workdir))), flush=True)
+    print(f"rl[{out['mode']}]: every rollout, its tree and calls, per task and per step: python -m gyre_jax.report "
+          f"{workdir}", flush=True)
     return out
 
 

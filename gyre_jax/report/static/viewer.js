@@ -37,10 +37,16 @@
   }
   const LAYOUT = { margin: { l: 50, r: 20, t: 10, b: 40 }, legend: { orientation: "h", y: -0.22 },
     font: { size: 11 }, hovermode: "closest" };
-  const CONFIG = { displaylogo: false, responsive: true };
-  function plot(el, traces, layout) {
+  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
+  function plot(el, traces, layout, config) {
     if (!window.Plotly) { el.innerHTML = '<p class="hint">plotly.js did not load (assets/plotly-basic.min.js)</p>'; return; }
-    window.Plotly.newPlot(el, traces, Object.assign({}, LAYOUT, layout || {}), CONFIG);
+    const lay = Object.assign({}, LAYOUT, layout || {});
+    const xs = traces.flatMap((t) => (t.x || []).filter((x) => typeof x === "number"));
+    if (xs.length && !(lay.xaxis && lay.xaxis.type)) { // integer ticks for steps and versions
+      const span = Math.max(...xs) - Math.min(...xs);
+      lay.xaxis = Object.assign({ dtick: Math.max(1, Math.ceil(span / 12)) }, lay.xaxis || {});
+    }
+    window.Plotly.newPlot(el, traces, lay, Object.assign({}, CONFIG, config || {}));
   }
 
   // ------------------------------------------------------------------ header
@@ -213,7 +219,8 @@
         line: { color: "#d62728", width: 2, dash: "dash" }, hoverinfo: "name" }));
       plot($("#chart-timeline"), traces, { yaxis: { autorange: "reversed", tickvals: [...Array(n).keys()],
         ticktext: [...Array(n).keys()].map((c) => `cell ${c}${c === 0 ? " (core)" : ""}`), zeroline: false },
-        xaxis: { title: { text: "seconds of RL (attempts laid end to end)" } }, dragmode: "zoom" });
+        xaxis: { title: { text: "seconds of RL (attempts laid end to end)" }, dtick: null }, dragmode: "zoom" },
+        { displayModeBar: true });
     }
     $("#attempts").innerHTML = (tl.attempts || []).length ? `<table class="grid"><thead><tr><th>attempt</th><th>status</th><th class=num>first step</th><th class=num>set-up s</th><th class=num>RL s</th><th>error</th></tr></thead><tbody>` +
       tl.attempts.map((a) => `<tr><td>${a.attempt}</td><td>${esc(a.status)}</td><td class=num>${fmt(a.first_step)}</td><td class=num>${fmt(a.setup_s, 1)}</td><td class=num>${fmt(a.duration_s, 1)}</td><td><code>${esc(a.error || "")}</code></td></tr>`).join("") + "</tbody></table>" : "";
