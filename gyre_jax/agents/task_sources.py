@@ -8,7 +8,8 @@ supervised warm start (``demo_tasks``; a source without scripted solutions raise
   family   a generated family (``gyre_jax.agents.tasks``): group g gets seed
            ``seed * 1_000_003 + g``, eval seeds ``2**29 + s``, demonstrations ``2**30 + s``
            (three disjoint streams).
-  dataset  a JSONL task file (``gyre_jax.agents.tasks.dataset``): its ``split=train`` tasks
+  dataset  a task set (``gyre_jax.agents.tasks.formats``: a gyre JSONL file, SWE-bench-style JSONL or
+           Harbor task directories, each read as ``gyre_jax.agents.tasks.dataset`` tasks): its ``split=train`` tasks
            read through grain (``MapDataset.source(...).shuffle(seed).repeat()``: a fresh
            order every epoch) by random access at the group's number, so the data position
            IS the group counter the trajectory store already keeps durably: a resumed run
@@ -92,17 +93,20 @@ class FamilySource:
 class DatasetSource:
     kind: ClassVar[str] = "dataset"
 
-    def __init__(self, path: str, eval_path: str = "", seed: int = 0):
+    def __init__(self, path: str, eval_path: str = "", seed: int = 0, options: str = ""):
+        """``options``: the task set's format and its options (``tasks/formats``: gyre JSONL, SWE-bench
+        JSONL, Harbor directories; JSON text, e.g. '{"environment": "host"}')."""
         import grain
 
-        from gyre_jax.agents.tasks.dataset import TaskFileError, load_task_file
+        from gyre_jax.agents.tasks.dataset import TaskFileError
+        from gyre_jax.agents.tasks.formats import load_task_set
 
         self.path, self.eval_path, self.seed = path, eval_path, seed
-        rows = load_task_file(path)
+        rows = load_task_set(path, options)
         self.train = [t for t, split in rows if split == "train"]
         self.eval = [t for t, split in rows if split == "eval"]
         if eval_path:
-            extra = [t for t, _ in load_task_file(eval_path)]
+            extra = [t for t, _ in load_task_set(eval_path, options)]
             ids = {t.task_id for t, _ in rows}
             clash = [t.task_id for t in extra if t.task_id in ids]
             if clash:
