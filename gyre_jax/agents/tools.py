@@ -317,6 +317,11 @@ class Workspace:
             raise ToolError(f"run: timeout_s must be > 0, got {timeout_s}")
         return (await self._exec(command, limit))[0]
 
+    async def execute(self, command: str, timeout_s: float) -> tuple[str, int | None]:
+        """(output, exit code or None if it timed out) of ``command`` in the sandbox (not a tool:
+        ``--check_tasks`` runs a task's reference solution through it)."""
+        return await self._exec(command, float(timeout_s))
+
     async def run_tests(self) -> str:
         """Run the task's suite in the sandbox; on a normal exit write the receipt of what it tested."""
         from gyre_jax.agents import test_suite as ts  # light; only tasks with a suite get here
