@@ -9,6 +9,12 @@ and commit in the rollout sandbox, ``snapshot_workspace``, ``run_grader`` and it
              file, a ``{"score"}`` line on stdout, an error verdict, tampering flags); per-test
              tasks: every named test is collected, every ``fail_to_pass`` fails and every
              ``pass_to_pass`` passes;
+  forgery    the untouched workspace with every Python file the policy may change wrapped in
+             generic forgeries (pytest and unittest patched at import, a ``$GYRE_VERDICT``
+             write, an atexit hook printing ``{"score": 1.0}`` and exiting 0, public functions
+             returning an object that equals everything): must not score above the untouched
+             workspace, or the grader is one graded code can forge (it imports the agent's
+             code, or lets it reach its verdict);
   solution   ``metadata.solution`` (a command run in the workspace's sandbox, ``{"command"}``,
              ``{"files"}`` or ``{"patch"}``; a generated family's ``solution_files(task)``)
              applied, graded: must score 1.
@@ -62,6 +68,79 @@ class TaskCheck:
         return dataclasses.asdict(self)
 
 
+# Prepended to every Python file the policy may change, in the forgery probe: what generic graded
+# code could do to its grader if it runs inside the grader's process or reaches its channel.
+FORGERY_PREAMBLE = """# gyre --check_tasks forgery probe (not a solution): what graded code could try on its grader
+def _gyre_forge():
+    import atexit, os
+    try:
+        v = os.environ.get("GYRE_VERDICT")
+        if v:
+            with open(v, "w") as f:
+                f.write('{"score": 1.0}')
+    except Exception:
+        pass
+    try:
+        import _pytest.reports as r
+        init = r.TestReport.__init__
+        def forged(self, *a, **k):
+            init(self, *a, **k)
+            self.outcome, self.longrepr = "passed", None
+        r.TestReport.__init__ = forged
+    except Exception:
+        pass
+    try:
+        import unittest
+        unittest.TestResult.wasSuccessful = lambda self: True
+        for n in ("assertEqual", "assertTrue", "assertFalse", "assertIn", "assertIs", "assertRaises"):
+            setattr(unittest.TestCase, n, lambda *a, **k: None)
+    except Exception:
+        pass
+    atexit.register(lambda: (print('{"score": 1.0}', flush=True), os._exit(0)))
+_gyre_forge()
+"""
+# Appended: every public function of the module returns an object that equals everything.
+FORGERY_POSTAMBLE = """
+class _GyreAlwaysEqual:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    __hash__ = object.__hash__
+for _gyre_n, _gyre_f in list(globals().items()):
+    if callable(_gyre_f) and not _gyre_n.startswith("_") and not isinstance(_gyre_f, type) \\
+            and getattr(_gyre_f, "__module__", None) == __name__:
+        globals()[_gyre_n] = lambda *a, **k: _GyreAlwaysEqual()
+"""
+
+
+def forgery_files(task: Task, workspace: Path) -> dict[str, str]:
+    """The forgery probe's files: every Python file of the workspace the policy may change, and
+    every one the solution creates (as stubs of its functions), wrapped in the forgeries above."""
+    import ast
+
+    from gyre_jax.agents.graded_tree import protected_paths
+    from gyre_jax.agents.tree_rules import Rules
+
+    rules = Rules(solution_paths=task.solution_paths, protected=protected_paths(task))
+    out = {}
+    for f in sorted(workspace.rglob("*.py")):
+        rel = f.relative_to(workspace).as_posix()
+        if f.is_file() and not f.is_symlink() and rules.refusal(rel, new=False) is None:
+            out[rel] = FORGERY_PREAMBLE + f.read_text(errors="replace") + FORGERY_POSTAMBLE
+    sol = solution_of(task)
+    for rel, content in (sol.get("files", {}) if isinstance(sol, dict) else {}).items():
+        if rel.endswith(".py") and rel not in out and rules.refusal(rel, new=True) is None:
+            try:
+                names = [n.name for n in ast.parse(content).body if isinstance(n, (ast.FunctionDef,
+                                                                                  ast.AsyncFunctionDef))]
+            except SyntaxError:
+                names = []
+            stubs = "".join(f"def {n}(*a, **k):\n    return None\n" for n in names)
+            out[rel] = FORGERY_PREAMBLE + stubs + FORGERY_POSTAMBLE
+    return out
+
+
 def solution_of(task: Task) -> Any:
     """The task's reference solution: metadata.solution, or its family's ``solution_files(task)``."""
     if task.metadata.get("solution") is not None:
@@ -92,13 +171,16 @@ async def apply_solution(solution: Any, ws: tools.Workspace) -> str | None:
 
 
 async def _grade_workspace(task: Task, config: HarnessConfig, root: Path, name: str,
-                           solution: Any = None) -> tuple[Any, str | None]:
-    """(GraderOutcome, why the solution could not be applied) of a fresh workspace of ``task``."""
+                           solution: Any = None, forge: bool = False) -> tuple[Any, str | None]:
+    """(GraderOutcome, why the solution could not be applied) of a fresh workspace of ``task``;
+    ``forge``: with the forgery probe's files (``forgery_files``) instead."""
     path = root / name
     sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=name, commands=True)
     try:
         await asyncio.to_thread(prepare_workspace, root, name, task, sandbox)
         failed = None
+        if forge:
+            solution = {"files": forgery_files(task, path)}
         if solution is not None:
             ws = tools.Workspace(path, sandbox=sandbox, command_timeout_s=SOLUTION_TIMEOUT_S, max_file_bytes=1 << 30)
             failed = await apply_solution(solution, ws)
@@ -158,6 +240,17 @@ def _untouched_problems(task: Task, g) -> list[str]:
     return out
 
 
+def _forgery_problems(untouched, forged) -> list[str]:
+    """The forgery probe must not score above the untouched workspace."""
+    if not forged.ok or not untouched.ok or forged.score <= untouched.score:
+        return []
+    return [f"graded code can forge this grader's verdict: a generic forgery (pytest/unittest patched at import, "
+            f"an atexit hook that prints a score and exits 0, a $GYRE_VERDICT write, functions returning an object "
+            f"that equals everything) scores {forged.score:.2f} on the untouched work, which scores "
+            f"{untouched.score:.2f}: use fail_to_pass/pass_to_pass or grader.calls, or a checker that runs agent "
+            "code in a subprocess it never imports (README: Train your own agent)"]
+
+
 def _solution_problems(g, failed: str | None) -> list[str]:
     if failed:
         return [failed]
@@ -183,6 +276,8 @@ async def check_task(task: Task, config: HarnessConfig, root: Path) -> TaskCheck
         g, _ = await _grade_workspace(task, config, root, f"{task.task_id}.untouched")
         untouched = g.score
         problems += _untouched_problems(task, g)
+        g3, _ = await _grade_workspace(task, config, root, f"{task.task_id}.forged", forge=True)
+        problems += _forgery_problems(g, g3)
         sol = solution_of(task)
         if sol is None:
             notes.append("no metadata.solution: the grader's passing path was not checked")
@@ -193,7 +288,7 @@ async def check_task(task: Task, config: HarnessConfig, root: Path) -> TaskCheck
     except Exception as e:  # noqa: BLE001 - a task that cannot even be laid out is broken, with why
         problems.append(f"{type(e).__name__}: {e}"[:600])
     finally:
-        for name in (f"{task.task_id}.untouched", f"{task.task_id}.solution"):
+        for name in (f"{task.task_id}.untouched", f"{task.task_id}.solution", f"{task.task_id}.forged"):
             for p in (root / name, root / SNAPSHOTS / name):
                 shutil.rmtree(p, ignore_errors=True)
     return TaskCheck(task.task_id, not problems, time.monotonic() - t0, untouched, solution, problems, notes)

@@ -14,8 +14,11 @@ every sandbox, see ``verdict_command``), each carrying the run's nonce:
              into passes is ignored, and flagged)
   finish     at session end: pytest's exit status and every tampering found
 
-Tampering (the host scores the run 0): a pytest, pluggy or unittest function or method
-replaced or its code swapped since this plugin loaded; a hook implementation registered after
+Tampering (the host scores the run 0): an object of the graded code that equals everything
+(its type's ``__eq__`` from the tree says yes to a fresh sentinel) among the operands of a
+passing ``assert`` (read from the rewritten test frame) or of unittest's ``assertEqual`` family;
+a pytest, pluggy or unittest function or method replaced or its code swapped since this plugin
+loaded; a hook implementation registered after
 the session started; a report hook saying "passed" for a phase that raised; a test function
 that raised while the report says it did not; a trace or profile function from the graded tree
 (it can rewrite a running test's frame); the canary tests (a must-fail and a must-pass test the
@@ -142,6 +145,47 @@ def _check_trace() -> None:
             _tamper(f"a trace/profile function from {code.co_filename} is set")
 
 
+class _Sentinel:
+    """A fresh object nothing sane equals."""
+
+
+def _equals_everything(v) -> bool:
+    """An object whose type's ``__eq__``/``__ne__`` comes from the graded tree and that says it
+    equals a fresh sentinel: it would pass any ``==`` assertion."""
+    t = type(v)
+    codes = [getattr(getattr(t, name, None), "__code__", None) for name in ("__eq__", "__ne__")]
+    if not any(c is not None and _from_tree(c.co_filename) for c in codes):
+        return False
+    try:
+        return bool(v == _Sentinel()) or not bool(v != _Sentinel()) or bool(_Sentinel() == v)
+    except BaseException:  # noqa: BLE001 - an object that cannot be compared is not an always-equal one
+        return False
+
+
+def _check_operands(where: str, values) -> None:
+    for v in values:
+        if _equals_everything(v):
+            _tamper(f"{where}: an object of graded code ({type(v).__qualname__}) equals everything")
+
+
+def _guard_unittest() -> None:
+    """unittest's equality assertions check their operands as pytest's ``==`` asserts are checked."""
+    import unittest.case as uc
+
+    for name in ("assertEqual", "assertNotEqual", "assertListEqual", "assertTupleEqual", "assertDictEqual",
+                 "assertSetEqual", "assertSequenceEqual", "assertMultiLineEqual", "assertCountEqual"):
+        orig = getattr(uc.TestCase, name, None)
+        if orig is None:
+            continue
+
+        def guarded(self, first, second, *args, __orig=orig, __name=name, **kwargs):
+            _check_operands(f"{self.id()}: {__name}", (first, second))
+            return __orig(self, first, second, *args, **kwargs)
+
+        guarded.__name__ = name
+        setattr(uc.TestCase, name, guarded)
+
+
 def _is_canary(item) -> bool:
     return bool(_CANARY) and str(getattr(item, "path", "")) == _CANARY
 
@@ -154,6 +198,7 @@ import unittest.main  # noqa: E402,F401
 
 import pytest  # noqa: E402
 
+_guard_unittest()
 _state["code"] = _code_map()
 _emit(e="start", pytest=pytest.__version__, python=sys.version.split()[0])
 
@@ -187,6 +232,16 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     _emit(e="collected", items=[i.nodeid for i in session.items],
           canaries={i.nodeid: i.name for i in session.items if _is_canary(i)})
+
+
+def pytest_assertion_pass(item, lineno, orig, expl):
+    """Every passing assert (``-o enable_assertion_pass_hook=true``): its operands, held in the
+    rewritten test frame's ``@py_assert`` locals, must not be objects that equal everything."""
+    f = sys._getframe(1)
+    while f is not None and not any(k.startswith("@py_assert") for k in f.f_locals):
+        f = f.f_back
+    if f is not None:
+        _check_operands(f"{item.nodeid} line {lineno}", [v for k, v in f.f_locals.items() if k.startswith("@py_assert")])
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

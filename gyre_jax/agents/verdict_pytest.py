@@ -46,7 +46,8 @@ PYTEST_FAILED = 1  # pytest's exit status when a test failed: always, since the 
 def run_argv(paths: Sequence[str], canary: str, plugins: Sequence[str] = ()) -> list[str]:
     """pytest on the named tests' files (the plugin keeps only the named tests and the canaries)."""
     return ["python3", "-P", "-m", "pytest", "-p", PLUGIN, *(a for p in plugins for a in ("-p", p)),
-            "-p", "no:cacheprovider", "-q", "-rN", "--continue-on-collection-errors", "--maxfail=0",
+            "-p", "no:cacheprovider", "-o", "enable_assertion_pass_hook=true", "-q", "-rN",
+            "--continue-on-collection-errors", "--maxfail=0",
             "--rootdir", "/workspace", *paths, canary]
 
 
