@@ -15,6 +15,7 @@ graded command sees:
   PATH            the ``bin`` of each read-only Python/tool path first, then
                   /usr/local/bin:/usr/bin:/bin
   environment     only PATH, HOME, LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1, PYTHONNOUSERSITE=1,
+                  PYTHONPYCACHEPREFIX (a path that cannot exist: no bytecode is read or written),
                   GYRE_WORKSPACE=/workspace, and the verdict mode's own (GYRE_VERDICT)
   no network, rlimits and a memory cgroup as the rollout's commands had; as root, a fresh uid.
 """
@@ -32,6 +33,9 @@ from typing import Iterator, Mapping, Sequence
 from gyre_jax.agents import sandbox as sb
 
 GRADER_PATH_TAIL = ("/usr/local/bin", "/usr/bin", "/bin")
+# Python reads and writes bytecode only under this prefix, which cannot exist (procfs): a .pyc graded
+# code writes into a __pycache__ at grade time is never loaded for a module imported after it.
+NO_PYCACHE = "/proc/gyre-no-pycache"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +70,8 @@ def ro_paths(extra: Sequence[str] = ()) -> tuple[str, ...]:
 def environment(paths: Sequence[str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
     bins = [os.path.join(p, "bin") for p in paths if os.path.isdir(os.path.join(p, "bin"))]
     return {"PATH": os.pathsep.join([*bins, *GRADER_PATH_TAIL]), "HOME": "/tmp", "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "GYRE_WORKSPACE": sb.WORKSPACE_MOUNT,
-            **(extra or {})}
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONPYCACHEPREFIX": NO_PYCACHE,
+            "GYRE_WORKSPACE": sb.WORKSPACE_MOUNT, **(extra or {})}
 
 
 @contextlib.contextmanager

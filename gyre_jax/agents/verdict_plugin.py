@@ -24,6 +24,10 @@ that raised while the report says it did not; a trace or profile function from t
 (it can rewrite a running test's frame); the canary tests (a must-fail and a must-pass test the
 host adds, outside the tree) not behaving.
 
+The task's test and conftest files (``GYRE_VERDICT_HIDDEN``) are read at import and served to
+pytest's assertion rewriter from memory; on disk they become decoys, so graded code reading
+them (to copy the expected answers) or rewriting one not yet imported changes nothing.
+
 The plugin shares a process with the graded code, so code written to defeat THIS plugin (read
 its nonce, forge its lines) can: the checks raise the bar for generic tampering from a policy;
 they are not isolation (README: "What a grader can and cannot guarantee").
@@ -38,6 +42,11 @@ _NONCE = ""
 _ROOT = os.environ.pop("GYRE_VERDICT_ROOT", "/workspace")
 _CANARY = os.environ.pop("GYRE_VERDICT_CANARY", "")
 _IDS = json.loads(os.environ.pop("GYRE_VERDICT_IDS", "[]"))  # the requested test ids: only those run
+# The task's own test and conftest files: read here, before any task code runs, served to pytest from
+# memory and replaced on disk by a decoy, so graded code can neither read them nor change what runs.
+_HIDDEN = json.loads(os.environ.pop("GYRE_VERDICT_HIDDEN", "[]"))
+_SOURCES: dict = {}
+DECOY = b"# hidden by gyre's verdict plugin: the test that runs was read before any graded code\n"
 _WATCHED = ("_pytest.runner", "_pytest.reports", "_pytest.python", "_pytest.main", "_pytest.skipping",
             "_pytest.outcomes", "_pytest.unittest", "_pytest.fixtures", "_pytest.nodes", "_pytest.config",
             "pluggy._callers", "pluggy._hooks", "pluggy._manager", "pluggy._result", "unittest.case",
@@ -186,6 +195,37 @@ def _guard_unittest() -> None:
         setattr(uc.TestCase, name, guarded)
 
 
+def _hide_tests() -> None:
+    """Read the task's test files, put decoys in their place, and make pytest's assertion rewriter
+    compile them from the copies (and never from a cached .pyc: graded code could plant one)."""
+    from _pytest.assertion import rewrite
+
+    for rel in _HIDDEN:
+        path = os.path.join(_ROOT, rel)
+        try:
+            with open(path, "rb") as f:
+                _SOURCES[os.path.realpath(path)] = f.read()
+            with open(path, "wb") as f:
+                f.write(DECOY)
+        except OSError:
+            continue
+    real_rewrite = rewrite._rewrite_test
+
+    def rewrite_test(fn, config):
+        source = _SOURCES.get(os.path.realpath(str(fn)))
+        if source is None:
+            return real_rewrite(fn, config)
+        import ast
+        import importlib.util
+
+        tree = ast.parse(source, filename=str(fn))
+        rewrite.rewrite_asserts(tree, source, str(fn), config)
+        return importlib.util.source_hash(source), compile(tree, str(fn), "exec", dont_inherit=True)
+
+    rewrite._rewrite_test = rewrite_test
+    rewrite._read_pyc = lambda *a, **k: None
+
+
 def _is_canary(item) -> bool:
     return bool(_CANARY) and str(getattr(item, "path", "")) == _CANARY
 
@@ -199,6 +239,7 @@ import unittest.main  # noqa: E402,F401
 import pytest  # noqa: E402
 
 _guard_unittest()
+_hide_tests()
 _state["code"] = _code_map()
 _emit(e="start", pytest=pytest.__version__, python=sys.version.split()[0])
 

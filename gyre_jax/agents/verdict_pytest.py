@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from gyre_jax.agents import grader_sandbox, verdict_plugin
 from gyre_jax.agents.scoring import Grade
-from gyre_jax.agents.tree_rules import test_file_of
+from gyre_jax.agents.tree_rules import is_test_file, test_file_of
 from gyre_jax.agents.verdict_command import MAX_VERDICT_BYTES, OUTPUT_TAIL_BYTES, VERDICT_ENV, _wait, open_verdict
 
 PLUGIN = "gyre_verdict"
@@ -57,6 +57,11 @@ def grade(tree: Path, *, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str
     from gyre_jax.agents.capture import BoundedCapture, drain_thread
 
     nonce = secrets.token_hex(16)
+    # the task's test and conftest files: the plugin serves them from memory (writable: it puts decoys
+    # in their place); the other protected files are bound read-only
+    memory = [r for r in read_only if (is_test_file(r) or r.rsplit("/", 1)[-1] == "conftest.py")
+              and (tree / r).is_file()]
+    read_only = [r for r in read_only if r not in memory]
     mount = f"/run/gyre-{secrets.token_hex(8)}"
     with tempfile.TemporaryDirectory(prefix="gyre-pytest-") as tmp, open_verdict(tmp) as fd:
         lib = Path(tmp) / "lib"
@@ -71,7 +76,7 @@ def grade(tree: Path, *, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str
         env = {VERDICT_ENV: f"/dev/fd/{fd}", "GYRE_VERDICT_NONCE": nonce, "GYRE_VERDICT_CANARY": canary,
                "GYRE_VERDICT_ROOT": "/workspace" if in_sandbox else str(tree.resolve()),
                "PYTHONPATH": lib_path, "PYTHONSAFEPATH": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-               "GYRE_VERDICT_IDS": json.dumps([*fail_to_pass, *pass_to_pass])}
+               "GYRE_VERDICT_IDS": json.dumps([*fail_to_pass, *pass_to_pass]), "GYRE_VERDICT_HIDDEN": json.dumps(memory)}
         files = list(dict.fromkeys(test_file_of(t) for t in [*fail_to_pass, *pass_to_pass]))
         argv = run_argv([f for f in files if (tree / f).exists()], canary, plugins)
         if not in_sandbox:
