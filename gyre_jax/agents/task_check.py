@@ -114,9 +114,11 @@ for _gyre_n, _gyre_f in list(globals().items()):
 """
 
 
-def forgery_files(task: Task, workspace: Path) -> dict[str, str]:
+def forgery_files(task: Task, workspace: Path, forged: bool = True) -> dict[str, str]:
     """The forgery probe's files: every Python file of the workspace the policy may change, and
-    every one the solution creates (as stubs of its functions), wrapped in the forgeries above."""
+    every one the solution creates (as stubs of its functions), wrapped in the forgeries above
+    (``forged=False``: the same files without them, the probe's control: files that merely
+    exist can earn credit of their own)."""
     import ast
 
     from gyre_jax.agents.graded_tree import protected_paths
@@ -126,7 +128,7 @@ def forgery_files(task: Task, workspace: Path) -> dict[str, str]:
     out = {}
     for f in sorted(workspace.rglob("*.py")):
         rel = f.relative_to(workspace).as_posix()
-        if f.is_file() and not f.is_symlink() and rules.refusal(rel, new=False) is None:
+        if forged and f.is_file() and not f.is_symlink() and rules.refusal(rel, new=False) is None:
             out[rel] = FORGERY_PREAMBLE + f.read_text(errors="replace") + FORGERY_POSTAMBLE
     sol = solution_of(task)
     for rel, content in (sol.get("files", {}) if isinstance(sol, dict) else {}).items():
@@ -137,7 +139,7 @@ def forgery_files(task: Task, workspace: Path) -> dict[str, str]:
             except SyntaxError:
                 names = []
             stubs = "".join(f"def {n}(*a, **k):\n    return None\n" for n in names)
-            out[rel] = FORGERY_PREAMBLE + stubs + FORGERY_POSTAMBLE
+            out[rel] = FORGERY_PREAMBLE + stubs + FORGERY_POSTAMBLE if forged else stubs
     return out
 
 
@@ -171,16 +173,16 @@ async def apply_solution(solution: Any, ws: tools.Workspace) -> str | None:
 
 
 async def _grade_workspace(task: Task, config: HarnessConfig, root: Path, name: str,
-                           solution: Any = None, forge: bool = False) -> tuple[Any, str | None]:
+                           solution: Any = None, forge: bool | None = None) -> tuple[Any, str | None]:
     """(GraderOutcome, why the solution could not be applied) of a fresh workspace of ``task``;
-    ``forge``: with the forgery probe's files (``forgery_files``) instead."""
+    ``forge``: with the forgery probe's files (``forgery_files``; False: its control) instead."""
     path = root / name
     sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=name, commands=True)
     try:
         await asyncio.to_thread(prepare_workspace, root, name, task, sandbox)
         failed = None
-        if forge:
-            solution = {"files": forgery_files(task, path)}
+        if forge is not None:
+            solution = {"files": forgery_files(task, path, forged=forge)}
         if solution is not None:
             ws = tools.Workspace(path, sandbox=sandbox, command_timeout_s=SOLUTION_TIMEOUT_S, max_file_bytes=1 << 30)
             failed = await apply_solution(solution, ws)
@@ -241,7 +243,8 @@ def _untouched_problems(task: Task, g) -> list[str]:
 
 
 def _forgery_problems(untouched, forged) -> list[str]:
-    """The forgery probe must not score above the untouched workspace."""
+    """The forgery probe must not score above the untouched workspace (or, where it created files,
+    the same files without the forgeries)."""
     if not forged.ok or not untouched.ok or forged.score <= untouched.score:
         return []
     return [f"graded code can forge this grader's verdict: a generic forgery (pytest/unittest patched at import, "
@@ -277,6 +280,8 @@ async def check_task(task: Task, config: HarnessConfig, root: Path) -> TaskCheck
         untouched = g.score
         problems += _untouched_problems(task, g)
         g3, _ = await _grade_workspace(task, config, root, f"{task.task_id}.forged", forge=True)
+        if g3.ok and g.ok and g3.score > g.score:  # above the untouched: above the same files, unforged?
+            g, _ = await _grade_workspace(task, config, root, f"{task.task_id}.stubs", forge=False)
         problems += _forgery_problems(g, g3)
         sol = solution_of(task)
         if sol is None:
@@ -288,7 +293,7 @@ async def check_task(task: Task, config: HarnessConfig, root: Path) -> TaskCheck
     except Exception as e:  # noqa: BLE001 - a task that cannot even be laid out is broken, with why
         problems.append(f"{type(e).__name__}: {e}"[:600])
     finally:
-        for name in (f"{task.task_id}.untouched", f"{task.task_id}.solution", f"{task.task_id}.forged"):
+        for name in (f"{task.task_id}.{k}" for k in ("untouched", "solution", "forged", "stubs")):
             for p in (root / name, root / SNAPSHOTS / name):
                 shutil.rmtree(p, ignore_errors=True)
     return TaskCheck(task.task_id, not problems, time.monotonic() - t0, untouched, solution, problems, notes)
