@@ -113,7 +113,7 @@ def _bubblewrap(workspace: str, argv: list[str], *, writable: bool, limits: sb.S
                 binds, env: Mapping[str, str], seccomp: bool) -> Iterator[list[str]]:
     if not seccomp:
         sb.note_seccomp_refused("refused (found by the trainer)")
-    uid = sb._UIDS.take(sb.SandboxConfig().uid_base) if os.geteuid() == 0 else None
+    uid = sb.take_uid() if os.geteuid() == 0 else None
     cap = None
     try:
         if uid is not None and writable:  # the fresh uid owns the tree it may write
@@ -123,19 +123,19 @@ def _bubblewrap(workspace: str, argv: list[str], *, writable: bool, limits: sb.S
         bind = "--bind" if writable else "--ro-bind"
         overlays = tuple(("--ro-bind", os.path.join(workspace, rel), f"{sb.WORKSPACE_MOUNT}/{rel}")
                          for rel in read_only if os.path.lexists(os.path.join(workspace, rel)))
-        nproc = limits.processes if uid is not None else sb._tasks_of_uid(os.getuid()) + limits.processes
+        nproc = limits.processes if uid is not None else sb.processes_of(os.getuid()) + limits.processes
         inner = sb.bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes, extra_ro_paths=paths, env=env,
                               binds=((bind, workspace, sb.WORKSPACE_MOUNT), *binds), overlays=overlays)
         inner += sb.limited_shell(limits, nproc, list(argv))
         cap, why = sb.make_cap(limits.sandbox_memory_bytes, limits.processes)  # the grader's own, per command
         if cap is None:
-            sb._warn_no_cgroup(why)
+            sb.warn_no_cgroup(why)
         yield cap.wrap(inner) if cap is not None else inner
     finally:
         if cap is not None:
             cap.release()
         if uid is not None:
-            sb._UIDS.give(uid)
+            sb.give_uid(uid)
 
 
 def _container(kind: str, workspace: str, argv: list[str], *, writable: bool, limits: sb.SandboxLimits,

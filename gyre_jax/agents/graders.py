@@ -30,12 +30,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gyre_jax.agents.scoring import RESULT_PREFIX
-
-if TYPE_CHECKING:  # runtime import would cycle through gyre_jax.agents.tasks
-    from gyre_jax.agents.tasks.base import Task
+from gyre_jax.agents.tasks.base import Task
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -214,7 +212,7 @@ GRADER_STDOUT_TAIL = 1 << 20  # of the grader's stdout kept: its result line is 
 GRADER_STDERR_BYTES = 8192  # head + tail of the grader's stderr kept, for the error
 
 
-async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float,
+async def run_grader(task: Task, workspace: str | os.PathLike, *, timeout_s: float,
                      env: dict[str, str] | None = None, bases: str | os.PathLike | None = None,
                      carry_deletions: bool = True) -> GraderOutcome:
     """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox);
@@ -278,7 +276,7 @@ def _kill_group(proc) -> None:
         pass
 
 
-def grade_in_process(task: "Task", workspace: str | os.PathLike):
+def grade_in_process(task: Task, workspace: str | os.PathLike):
     """Grade ``workspace`` in this process (tests and demos): the graded tree is built as the
     grader subprocess builds it; returns the task grader's scoring.Grade."""
     from gyre_jax.agents.grader_main import grade_snapshot

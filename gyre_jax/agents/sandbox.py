@@ -208,6 +208,15 @@ class _UidPool:
 
 
 _UIDS = _UidPool()
+
+
+def take_uid() -> int:
+    """A fresh per-sandbox uid for a root trainer (a grader's sandbox takes one too)."""
+    return _UIDS.take(SandboxConfig().uid_base)
+
+
+def give_uid(uid: int) -> None:
+    _UIDS.give(uid)
 _warned_none = False
 _warned_cgroup = False
 
@@ -280,6 +289,15 @@ def _merged_usr_links() -> list[str]:
         elif os.path.isdir(d):
             out += ["--ro-bind", d, d]
     return out
+
+
+def processes_of(uid: int) -> int:
+    """Processes + threads ``uid`` owns now (what RLIMIT_NPROC counts)."""
+    return _tasks_of_uid(uid)
+
+
+def warn_no_cgroup(why: str) -> None:
+    _warn_no_cgroup(why)
 
 
 def _tasks_of_uid(uid: int) -> int:

@@ -38,11 +38,10 @@ import re
 import signal
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gyre_jax.agents.sandbox import Sandbox
-    from gyre_jax.agents.test_suite import TestSuite
+from gyre_jax.agents.sandbox import Sandbox
+from gyre_jax.agents.test_suite import TestSuite
 
 # Handled by the agent loop itself, not by Workspace.
 FINISH = "finish"
