@@ -34,7 +34,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from gyre_jax.agents import grader_sandbox
 from gyre_jax.agents.scoring import Grade
@@ -50,8 +50,8 @@ _RUNNER_BROKEN = re.compile(r"INTERNALERROR|ERROR: usage|ERROR: file or director
 _SYNTAX = re.compile(r'File "([^"]+)", line \d+.*\n(?:.*\n){0,6}?.*\b(SyntaxError|IndentationError)\b')
 
 
-def grade(command: str, tree: Path, *, timeout_s: float, mode: str, read_only: list[str],
-          extra_ro_paths: list[str] = ()) -> Grade:
+def grade(command: str, tree: Path, *, timeout_s: float, mode: str, read_only: Sequence[str],
+          extra_ro_paths: Sequence[str] = ()) -> Grade:
     """Run ``command`` on ``tree`` and score it (module docstring)."""
     from gyre_jax.agents.capture import BoundedCapture, drain_thread
 
@@ -98,7 +98,7 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
 
 
 def decide(returncode: int | None, verdict: bytes, output: str, *, mode: str, output_bytes: int = 0,
-           hidden: list[str] = ()) -> Grade:
+           hidden: Sequence[str] = ()) -> Grade:
     """The score of one run (module docstring); ``details['grader_fault']``: why the grader
     itself looks broken (None: nothing says so)."""
     tail = output[-OUTPUT_TAIL_BYTES:]
@@ -141,7 +141,7 @@ def parse_verdict(raw: bytes) -> tuple[float | None, str]:
     return float(s), ""
 
 
-def _fault(returncode: int, output: str, hidden: list[str] = ()) -> str | None:
+def _fault(returncode: int, output: str, hidden: Sequence[str] = ()) -> str | None:
     """Why a non-zero exit says the grader itself cannot run, not that the graded code failed
     (only signals no tree could cause: graded code's own crashes on an untouched tree are
     ordinary zeros; ``--check_tasks`` tells the rest apart with the task's solution)."""
@@ -157,7 +157,7 @@ def _fault(returncode: int, output: str, hidden: list[str] = ()) -> str | None:
         where = m.group(1).removeprefix("/workspace/")
         if where in hidden:
             return f"{m.group(2)} in the grader's own file {where} (exit {returncode})"
-    m = _RUNNER_BROKEN.search(output)
-    if m:
-        return f"the test runner could not run the tests ({m.group(0)!r}, exit {returncode})"
+    broken = _RUNNER_BROKEN.search(output)
+    if broken:
+        return f"the test runner could not run the tests ({broken.group(0)!r}, exit {returncode})"
     return None

@@ -55,7 +55,7 @@ _HOOKS = ("pytest_runtest_protocol", "pytest_runtest_makereport", "pytest_runtes
           "pytest_report_teststatus", "pytest_runtest_call", "pytest_runtest_setup", "pytest_runtest_teardown",
           "pytest_pyfunc_call", "pytest_collection_modifyitems", "pytest_deselected", "pytest_sessionfinish",
           "pytest_collectreport", "pytest_itemcollected", "pytest_terminal_summary")
-_state = {"tampered": [], "raised": {}, "hooks": None, "code": None}
+_state: dict = {"tampered": [], "raised": {}, "hooks": None, "code": None}
 
 
 def _open_channel() -> None:
@@ -203,10 +203,10 @@ def _hide_tests() -> None:
     for rel in _HIDDEN:
         path = os.path.join(_ROOT, rel)
         try:
-            with open(path, "rb") as f:
-                _SOURCES[os.path.realpath(path)] = f.read()
-            with open(path, "wb") as f:
-                f.write(DECOY)
+            with open(path, "rb") as src:
+                _SOURCES[os.path.realpath(path)] = src.read()
+            with open(path, "wb") as decoy:
+                decoy.write(DECOY)
         except OSError:
             continue
     real_rewrite = rewrite._rewrite_test
