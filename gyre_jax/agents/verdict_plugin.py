@@ -33,6 +33,7 @@ its nonce, forge its lines) can: the checks raise the bar for generic tampering 
 they are not isolation (README: "What a grader can and cannot guarantee").
 """
 import json
+import linecache
 import os
 import sys
 import types
@@ -204,7 +205,9 @@ def _hide_tests() -> None:
         path = os.path.join(_ROOT, rel)
         try:
             with open(path, "rb") as src:
-                _SOURCES[os.path.realpath(path)] = src.read()
+                _SOURCES[os.path.realpath(path)] = source = src.read()
+            # tracebacks show the test as it runs, not the decoy (mtime None: never reloaded from disk)
+            linecache.cache[path] = (len(source), None, source.decode("utf-8", "replace").splitlines(True), path)
             with open(path, "wb") as decoy:
                 decoy.write(DECOY)
         except OSError:
@@ -218,7 +221,12 @@ def _hide_tests() -> None:
         import ast
         import importlib.util
 
-        tree = ast.parse(source, filename=str(fn))
+        try:
+            tree = ast.parse(source, filename=str(fn))
+        except SyntaxError as e:  # its text as the test has it (CPython rereads the file: the decoy)
+            lines = source.decode("utf-8", "replace").splitlines()
+            e.text = lines[e.lineno - 1] + "\n" if e.lineno and 0 < e.lineno <= len(lines) else e.text
+            raise
         rewrite.rewrite_asserts(tree, source, str(fn), config)
         return importlib.util.source_hash(source), compile(tree, str(fn), "exec", dont_inherit=True)
 

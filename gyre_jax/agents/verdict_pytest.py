@@ -59,9 +59,10 @@ def grade(tree: Path, *, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str
     nonce = secrets.token_hex(16)
     # the task's test and conftest files: the plugin serves them from memory (writable: it puts decoys
     # in their place); the other protected files are bound read-only
-    memory = [r for r in read_only if (is_test_file(r) or r.rsplit("/", 1)[-1] == "conftest.py")
+    protected = list(read_only)
+    memory = [r for r in protected if (is_test_file(r) or r.rsplit("/", 1)[-1] == "conftest.py")
               and (tree / r).is_file()]
-    read_only = [r for r in read_only if r not in memory]
+    read_only = [r for r in protected if r not in memory]
     mount = f"/run/gyre-{secrets.token_hex(8)}"
     with tempfile.TemporaryDirectory(prefix="gyre-pytest-") as tmp, open_verdict(tmp) as fd:
         lib = Path(tmp) / "lib"
@@ -91,7 +92,7 @@ def grade(tree: Path, *, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str
             reader.join(5.0)
         raw = _read_all(fd)
     records = parse_records(raw, nonce)
-    return decide(records, returncode, fail_to_pass, pass_to_pass, capture.tail_text(), read_only)
+    return decide(records, returncode, fail_to_pass, pass_to_pass, capture.tail_text(), protected)
 
 
 def _read_all(fd: int) -> bytes:
