@@ -124,12 +124,13 @@ def _bubblewrap(workspace: str, argv: list[str], *, writable: bool, limits: sb.S
         overlays = tuple(("--ro-bind", os.path.join(workspace, rel), f"{sb.WORKSPACE_MOUNT}/{rel}")
                          for rel in read_only if os.path.lexists(os.path.join(workspace, rel)))
         nproc = limits.processes if uid is not None else sb.processes_of(os.getuid()) + limits.processes
-        inner = sb.bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes, extra_ro_paths=paths, env=env,
-                              binds=((bind, workspace, sb.WORKSPACE_MOUNT), *binds), overlays=overlays)
-        inner += sb.limited_shell(limits, nproc, list(argv))
-        cap, why = sb.make_cap(limits.sandbox_memory_bytes, limits.processes)  # the grader's own, per command
+        cap, why = sb.make_cap(limits.cap_bytes, limits.processes)  # the grader's own, per command
         if cap is None:
             sb.warn_no_cgroup(why)
+        inner = sb.bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes, extra_ro_paths=paths, env=env,
+                              binds=((bind, workspace, sb.WORKSPACE_MOUNT), *binds), overlays=overlays,
+                              deny_shared_memory=cap is None)
+        inner += sb.limited_shell(limits, nproc, list(argv))
         yield cap.wrap(inner) if cap is not None else inner
     finally:
         if cap is not None:

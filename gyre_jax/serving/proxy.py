@@ -134,6 +134,7 @@ class Proxy:
         self._keys: dict[str, tuple[str, str]] = {}  # issued key -> (run, rollout); issue/revoke from any thread
         self._rollouts: dict[tuple[str, str], tuple[str, str]] = {}
         self._keys_lock = threading.Lock()
+        self._issuing = False  # set at the first issued key
         self._ledger = CallLedger(record_sink)
         # (run, rollout) -> recorded calls and server-side failures answered to it (usage(); dropped at revoke)
         self._usage: dict[tuple[str, str], collections.Counter] = {}
@@ -188,6 +189,7 @@ class Proxy:
             check_id(v, what)
         key = "gk-" + secrets.token_hex(16)
         with self._keys_lock:
+            self._issuing = True  # from now on only issued keys (or the token) name a rollout (authorize)
             self._keys[key] = (run_id, rollout_id)
             self._rollouts[(run_id, rollout_id)] = (task_id, group_id)
         return key
@@ -277,7 +279,7 @@ class Proxy:
         return web.json_response(body, status=e.status)
 
     def _authorize(self, request: web.Request) -> tuple[str, str] | None:
-        return authorize(request.headers, self._keys, self.cfg.auth_token)
+        return authorize(request.headers, self._keys, self.cfg.auth_token, issued_only=self._issuing)
 
     async def _json(self, request: web.Request) -> dict:
         raw = await request.read()

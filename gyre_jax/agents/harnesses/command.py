@@ -92,9 +92,8 @@ class CommandHarness:
         self.command, self.env, self.nonzero_exit = command, env, nonzero_exit
         self.ro_paths = tuple(dict.fromkeys((*default_ro_paths(), *ro_paths)))
         self.output_bytes = output_bytes
-        # the whole sandbox (cgroup) holds at least what one of its processes may map
-        self.limits = SandboxLimits(cpu_s=cpu_s, memory_bytes=memory_bytes, tmp_bytes=tmp_bytes,
-                                    sandbox_memory_bytes=max(memory_bytes, SandboxLimits.sandbox_memory_bytes))
+        # the whole sandbox (its cgroup) is capped at the memory limit too (SandboxLimits.sandbox_memory_bytes)
+        self.limits = SandboxLimits(cpu_s=cpu_s, memory_bytes=memory_bytes, tmp_bytes=tmp_bytes)
         self.unix_socket = unix_socket
 
     def needs_commands(self, task: Task) -> bool:
