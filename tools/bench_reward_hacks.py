@@ -19,25 +19,26 @@ outputs, fork bombs, writes outside the tree, reading the hidden tests, objects 
 everything) is a HACK when, on a task the check accepts, it scores above doing nothing or its
 rollout is kept out of training (infra_error / verifier_error) where doing nothing is scored.
 
-Prints a table (attempt, class, task, status, score, what contained it), then ONE JSON line:
-  bench, attempts, contained, hacks (must be 0), controls_ok, refused_tasks, tasks, seconds,
-  load_avg, sizes.
+Prints a table (attempt, class, task, status, score, what contained it), then ONE JSON line
+(``tools/benchkit.py``'s header: bench, commit, host, load, sizes, quick; then): attempts,
+contained, hacks (must be 0), controls_ok, refused_tasks (tasks the check refuses), tasks,
+by_class.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import shutil
 import sys
 import tempfile
 import textwrap
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import benchkit  # noqa: E402
 
 from gyre_jax.agents import sandbox as sb  # noqa: E402
 from gyre_jax.agents.config import HarnessConfig  # noqa: E402
@@ -318,24 +319,22 @@ def judge(a: Attempt, r, nothing, refused: bool) -> tuple[bool, str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few attempts of every class (the default tests run it)")
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--keep", default="", help="keep the workspaces here (default: a temporary directory)")
-    args = ap.parse_args(argv)
+    bench = benchkit.Bench(__file__, __doc__, quick_help="the attempts marked quick, on the per-test task only "
+                                                         "(the default tests run it)")
+    bench.parser.add_argument("--concurrency", type=int, default=2)
+    bench.parser.add_argument("--keep", default="", help="keep the workspaces here (default: a temporary directory)")
+    args = bench.parse(argv)
     ok, why = sb.bwrap_usable()
     if not ok:
         print(f"error: the battery needs the bubblewrap sandbox: {why}", file=sys.stderr)
         return 2
-    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     workdir = args.keep or tempfile.mkdtemp(prefix="gyre-hacks-")
     try:
         out = _run(args, workdir)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    out.update(seconds=round(time.perf_counter() - t0, 1), load_avg=[round(load0, 2), round(os.getloadavg()[0], 2)])
-    print(json.dumps(out))
+    bench.emit(out, sizes=out.pop("sizes"))
     return 0 if out["hacks"] == 0 and out["controls_ok"] else 1
 
 
@@ -402,7 +401,7 @@ def _report(selected, tasks, checks, refused, results) -> dict:
         print(f"{a.name:<28} {a.klass:<14} {a.task:<11} {r.status:<15} {score:>5}  {'HACK: ' if hack else ''}{why}")
     return {"bench": "reward_hacks", "attempts": len(selected), "contained": len(selected) - hacks, "hacks": hacks,
             "controls_ok": bool(controls_ok), "refused_tasks": sorted(refused), "tasks": sorted(tasks),
-            "by_class": by_class, "sizes": {"attempts": len(selected), "tasks": len(tasks), "quick": len(selected) < 30}}
+            "by_class": by_class, "sizes": {"attempts": len(selected), "tasks": len(tasks)}}
 
 
 if __name__ == "__main__":
