@@ -373,3 +373,50 @@ def test_bench_reward_hacks_quick(tmp_path):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert (out["hacks"], out["controls_ok"], out["contained"]) == (0, True, out["attempts"]) and out["attempts"] >= 8
     assert set(out["by_class"]) == {"runner_config", "shadowing", "score_channel", "in_process", "failure"}
+
+
+def _launch(args: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "launch.main", "--config", str(root / "configs" / "external.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=root)
+
+
+def _task_file(tmp_path, lines) -> str:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_check_tasks_and_the_rl_job_refuse_broken_graders(tmp_path):
+    """--check_tasks names each broken task with its seconds and exits 1; the RL job's start refuses
+    them with one error: line (exit 2), before building anything."""
+    good = {"id": "good", "instruction": "Write 42 into answer.txt.", "grader": 'test "$(cat answer.txt)" = 42',
+            "metadata": {"solution": "echo 42 > answer.txt"}}
+    lines = [good, {"id": "always-pass", "instruction": "x", "grader": "true"},
+             {"id": "crashing", "instruction": "x", "grader": {"command": "python3 c.py", "files": {"c.py": "import jsno\n"}}}]
+    path = _task_file(tmp_path, lines)
+    p = _launch(["--check_tasks", "--workdir", str(tmp_path / "w"), f"--config.task.dataset={path}"])
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "check: ok     good" in p.stdout and "check: BROKEN always-pass" in p.stdout
+    last = p.stdout.strip().splitlines()[-1]
+    assert "check: BROKEN crashing" in p.stdout and "1 ok, 2 broken of 3" in last
+    assert "always-pass" in last.split("broken:")[1] and "crashing" in last.split("broken:")[1]
+    r = _launch(["--workdir", str(tmp_path / "rl"), f"--config.task.dataset={path}", "--config.eval.every=0"])
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
+    assert "2 of 3 tasks" in errors[0] and "always-pass" in errors[0] and "skip_broken" in errors[0]
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_a_run_whose_every_rollout_fails_stops_with_the_reason(tmp_path):
+    """The newcomer's harness command that does not exist: the run stops after a step's worth of
+    rollouts with one error: line naming the reason and a log (exit 1), not exit 0 with nan."""
+    r = _launch(["--workdir", str(tmp_path / "rl"), "--config.harness.command=no-such-agent-cli {instruction_file}",
+                 "--config.eval.every=0", "--config.steps=1"], timeout=1800)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
+    assert "every one of the last 8 rollouts failed" in errors[0] and "127 before its first model call" in errors[0]
+    assert "command not found" in errors[0] and ".log" in errors[0]
