@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import re
 import shutil
 import time
@@ -151,6 +152,20 @@ def solution_of(task: Task) -> Any:
 
     fn = getattr(family(task.family), "solution_files", None) if task.family in FAMILIES else None
     return {"files": fn(task)} if fn is not None else None
+
+
+def solution_command(solution: Any) -> str:
+    """``solution`` as one shell command run in the workspace (what a scripted agent types)."""
+    import shlex
+
+    if isinstance(solution, str):
+        return solution
+    if "command" in solution:
+        return solution["command"]
+    if "patch" in solution:
+        return f"printf %s {shlex.quote(solution['patch'])} | git apply --whitespace=nowarn -"
+    return " && ".join(f"mkdir -p {shlex.quote(os.path.dirname(rel) or '.')} && printf %s {shlex.quote(content)} > "
+                       f"{shlex.quote(rel)}" for rel, content in solution["files"].items())
 
 
 async def apply_solution(solution: Any, ws: tools.Workspace) -> str | None:
