@@ -110,6 +110,9 @@ def get_config() -> ml_collections.ConfigDict:
         dataset="",  # a task set instead of a family: gyre or SWE-bench JSONL, Harbor task directories
         eval_dataset="",
         dataset_options="",  # JSON: the set's format and its options, e.g. '{"environment": "host"}' (tasks/formats)
+        check="start",  # check every task file's grader at start (untouched + solution): start | off
+        skip_broken=False,  # a broken task stops the run (one error: line); True: train without it, counted
+        grader_ro_paths="",  # comma-separated host paths graded commands see read-only (the run's Python always)
     ))
     c.harness = ml_collections.ConfigDict(section(
         HarnessKnobs,  # kind, entry, command, env, ...: the built-in agent here (configs/external.py: others)

@@ -32,8 +32,10 @@ def test_the_harbor_examples_load_with_every_field_mapped():
     assert harbor["skipped_instructions"] == ["FROM python:3.11-slim", "RUN pip install --no-cache-dir pytest==8.3.3"]
     assert harbor["resources"] == {"cpus": 1, "memory_mb": 2048} and harbor["workdir"] == "/app"
     assert "bash /workspace/tests/test.sh" in json.dumps(dict(fix.params)) and "GYRE_VERDICT" in json.dumps(dict(fix.params))
-    hidden = json.dumps(dict(fix.params))
-    assert "/workspace/tests/test_calc.py" in hidden and "/tmp/gyre-harbor/logs/verifier" in hidden
+    assert sorted(fix.hidden_files) == ["tests/test.sh", "tests/test_calc.py"]  # hidden from the agent
+    assert "/workspace/tests/test_calc.py" in fix.hidden_files["tests/test.sh"]
+    assert "/tmp/gyre-harbor/logs/verifier/reward.txt" in fix.hidden_files["tests/test.sh"]
+    assert fix.params["grader_verdict"] == "file"  # the reward file becomes $GYRE_VERDICT, never stdout
     assert "solve.sh" in fix.metadata["solution"]
     words, _ = rows["count-words"]
     assert words.setup_files == {"words.txt": "the quick brown fox\njumps\nover the lazy dog\n"}  # COPY x /app/

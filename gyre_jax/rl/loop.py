@@ -33,6 +33,7 @@ measured costs, rewritten each step: a resumed run starts from them, and
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,10 +46,11 @@ from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint, save_costs
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.episode_eval import BackgroundEval
+from gyre_jax.rl.launcher import RolloutsFailed
 from gyre_jax.rl.progress import Progress
 from gyre_jax.rl import attempts as attempts_lib
-from gyre_jax.rl import heap
-from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars, store_statuses
+from gyre_jax.rl import heap, task_gate
+from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars, status_line, store_statuses
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,9 @@ def run(config, workdir: str) -> dict:
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
     if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
         return run_satellite(cfg)
+    checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
     c = build(cfg, os.path.join(workdir, cfg.scheduler.mode))
-    return drive(c)
+    return drive(dataclasses.replace(c, task_check=checked) if checked else c)
 
 
 def _run_eval(c: Components, version: int, params) -> dict:
@@ -139,7 +142,8 @@ class _Records:
         """The progress line's status: the last trained step's reward, rollouts in flight, each cell's role."""
         c = self.c
         roles = "".join(">" if r.startswith("to") else r[0] for r in c.pool.roles())
-        reward = f"reward={self.history[-1]['reward']:.3f} " if self.history else ""
+        last = self.history[-1] if self.history else None
+        reward = f"reward={last['reward']:.3f} {status_line(last)}" if last is not None else ""
         return f"{reward}in_flight={c.launcher.running_rollouts()} roles={roles}"
 
 
@@ -192,7 +196,8 @@ def drive(c: Components) -> dict:
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
                        pool=c.pool, server=c.server, injected=injected, sft_history=sft,
                        earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done),
-                       attempts=attempts_lib.read_all(c.workdir), statuses=statuses)
+                       attempts=attempts_lib.read_all(c.workdir), statuses=statuses,
+                       task_check=c.task_check)
 
 
 def attempt_counters(c: Components) -> dict:
@@ -210,7 +215,7 @@ def _raise_errors(c: Components) -> None:
     errors = _errors(c)
     if errors:
         what, e = errors[0]
-        if isinstance(e, StorageError):
+        if isinstance(e, (StorageError, RunFailed)):  # they name what failed themselves
             raise e
         raise RunFailed(f"{what}: {e!r}") from e
 
@@ -221,6 +226,8 @@ def _reraise(c: Components, failure: BaseException) -> None:
         raise failure
     if isinstance(failure, StorageError):  # its own exit code; the message names the path
         raise StorageError(failure.path, failure.what, failure.__cause__ or failure) from failure
+    if isinstance(failure, RolloutsFailed):  # nothing to resume into: the cause must be fixed first
+        raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {failure}") from failure
     what = failure if isinstance(failure, RunFailed) else RunFailed(f"{type(failure).__name__}: {failure}")
     raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {what}; the last checkpoint and the "
                     f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
