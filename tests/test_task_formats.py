@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -32,8 +33,8 @@ def test_the_harbor_examples_load_with_every_field_mapped():
     assert harbor["skipped_instructions"] == ["FROM python:3.11-slim", "RUN pip install --no-cache-dir pytest==8.3.3"]
     assert harbor["resources"] == {"cpus": 1, "memory_mb": 2048} and harbor["workdir"] == "/app"
     assert "bash /workspace/tests/test.sh" in json.dumps(dict(fix.params)) and "GYRE_VERDICT" in json.dumps(dict(fix.params))
-    assert sorted(fix.hidden_files) == ["tests/test.sh", "tests/test_calc.py"]  # hidden from the agent
-    assert "/workspace/tests/test_calc.py" in fix.hidden_files["tests/test.sh"]
+    assert sorted(fix.hidden_files) == ["tests/test.sh"]  # hidden from the agent
+    assert "cd /workspace &&" in fix.hidden_files["tests/test.sh"]  # /app, its WORKDIR, is the workspace
     assert "/tmp/gyre-harbor/logs/verifier/reward.txt" in fix.hidden_files["tests/test.sh"]
     assert fix.params["grader_verdict"] == "file"  # the reward file becomes $GYRE_VERDICT, never stdout
     assert "solve.sh" in fix.metadata["solution"]
@@ -122,3 +123,82 @@ def test_a_harbor_tasks_own_tests_grade_it_through_the_grader(tmp_path):
         assert g.ok, g.error
         scores[label] = g.score
     assert scores == {"untouched": 0.0, "solved": 1.0}
+
+
+# ------------------------------------------------------------------------------------------ SWE-bench
+SWEBENCH = os.path.join(ROOT, "examples", "swebench", "instances.jsonl")
+
+
+def test_the_swebench_examples_load_with_every_field_mapped(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the bundle's clone goes here
+    assert detect(SWEBENCH) == "swebench"
+    rows = {t.task_id: (t, split) for t, split in load_task_set(SWEBENCH, HOST)}
+    assert sorted(rows) == ["gyre__calc-1", "gyre__calc-2", "gyre__calc-3"]
+    one, split = rows["gyre__calc-1"]
+    line = json.loads(open(SWEBENCH).readline())
+    assert split == "train" and rows["gyre__calc-3"][1] == "eval"
+    assert one.prompt == line["problem_statement"] and one.repo_commit == line["base_commit"]
+    assert one.repo.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(one.repo, "HEAD"))
+    assert one.params["grader_mode"] == "tests"  # issue 42's per-test verdict: the named tests decide
+    assert one.params["fail_to_pass"] == ["tests/test_calc.py::test_add"]  # FAIL_TO_PASS given as JSON text
+    assert one.params["pass_to_pass"] == ["tests/test_calc.py::test_sub"]
+    # The test file as the test patch leaves it, hidden from the agent and laid over its work when graded.
+    assert list(one.hidden_files) == ["tests/test_calc.py"] and "def test_add" in one.hidden_files["tests/test_calc.py"]
+    assert one.metadata["solution"] == {"patch": line["patch"]}
+    assert one.metadata["swebench"]["environment_setup_commit"] == line["environment_setup_commit"]
+    assert list(rows["gyre__calc-2"][0].hidden_files) == ["tests/test_mul.py"]  # a file the patch adds
+
+
+def test_swebench_refusals_name_the_field(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    base = json.loads(open(SWEBENCH).readline())
+    repos = os.path.join(ROOT, "examples", "swebench", "repos")
+
+    def load(line, options=HOST):
+        p = tmp_path / "set.jsonl"
+        p.write_text(json.dumps(line) + "\n")
+        opts = json.loads(options)
+        opts.setdefault("repos", repos)
+        return load_task_set(str(p), json.dumps(opts))
+
+    for line, field in [({**base, "image_name": "x"}, "image_name"), ({**base, "repo": "nobody/nothing"}, "repo"),
+                        ({k: v for k, v in base.items() if k != "test_patch"}, "test_patch"),
+                        ({**base, "FAIL_TO_PASS": "not json"}, "FAIL_TO_PASS"),
+                        ({**base, "test_patch": "diff --git a/calc.py b/calc.py\ndeleted file mode 100644\n"
+                                                "--- a/calc.py\n+++ /dev/null\n"}, "test_patch")]:
+        with pytest.raises(TaskFileError) as e:
+            load(line)
+        assert e.value.field == field, str(e.value)
+    with pytest.raises(TaskFileError) as e:  # the default: an instance's own environment image, not built here
+        load(base, "{}")
+    assert e.value.field == "environment_setup_commit" and '"environment": "host"' in str(e.value)
+
+
+def test_reading_a_test_patch_leaves_the_clone_as_it_was(tmp_path):
+    from gyre_jax.agents.tasks.formats.swebench import test_files
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", os.path.join(ROOT, "examples", "swebench", "repos", "gyre__calc.bundle"),
+                    str(repo)], check=True)
+    before = sorted(os.path.relpath(os.path.join(d, f), repo) for d, _, fs in os.walk(repo) for f in fs)
+    line = json.loads(open(SWEBENCH).readline())
+
+    def err(problem):
+        raise AssertionError(problem)
+
+    files = test_files(str(repo), line["base_commit"], line["test_patch"], err)
+    assert "def test_add" in files["tests/test_calc.py"]
+    after = sorted(os.path.relpath(os.path.join(d, f), repo) for d, _, fs in os.walk(repo) for f in fs)
+    assert after == before  # no object, index or work-tree file written
+
+
+@pytest.mark.slow  # ~2-4 min: every example task graded untouched, forged and solved, through the real sandbox
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+@pytest.mark.parametrize("dataset", ["examples/harbor", "examples/swebench/instances.jsonl"])
+def test_the_example_sets_pass_check_tasks(dataset, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "launch.main", "--config", "configs/external.py", "--check_tasks",
+                        f"--config.task.dataset={dataset}", f"--config.task.dataset_options={HOST}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "3 ok, 0 broken of 3 tasks" in r.stdout + r.stderr

@@ -1,14 +1,15 @@
 #!/bin/bash
-# The reward: the fraction of /tests/test_calc.py's tests that pass (partial credit).
+# The reward: the fraction of checks of /app/calc.py that pass. Each check runs the agent's code in its
+# own Python process and compares what it printed: nothing that code does reaches this script or its reward.
 mkdir -p /logs/verifier
-cd /app
-PYTHONPATH=/app python3 -m pytest -q -p no:cacheprovider /tests/test_calc.py --junitxml=/logs/verifier/junit.xml
-python3 - <<'PY'
-import xml.etree.ElementTree as ET
-
-root = ET.parse("/logs/verifier/junit.xml").getroot()
-suite = root if root.tag == "testsuite" else root[0]
-n = int(suite.get("tests"))
-bad = sum(int(suite.get(k, 0)) for k in ("failures", "errors", "skipped"))
-open("/logs/verifier/reward.txt", "w").write(str((n - bad) / n if n else 0.0))
-PY
+pass=0
+total=0
+check() {  # check EXPRESSION EXPECTED
+  total=$((total + 1))
+  got=$(cd /app && timeout 10 python3 -I -c "import sys; sys.path.insert(0, '.'); from calc import add, sub; print(repr($1))" </dev/null 2>/dev/null)
+  if [ "$got" = "$2" ]; then pass=$((pass + 1)); fi
+}
+check "add(2, 3)" 5
+check "add(-1, 1)" 0
+check "sub(5, 3)" 2
+python3 -c "print($pass / $total)" > /logs/verifier/reward.txt

@@ -1,6 +1,7 @@
 """Task sets in the formats teams already have, read as gyre tasks (``--config.task.dataset=PATH``).
 
   jsonl     gyre's own JSONL (``tasks/dataset.py``): a ``.jsonl`` file whose lines have ``id``
+  swebench  SWE-bench-style JSONL: lines with ``instance_id`` and ``problem_statement`` (``swebench.py``)
   harbor    Harbor task directories: a directory holding ``task.toml``, or one whose subdirectories do
             (``harbor.py``; the format Harbor, NeMo-Gym, verifiers, SkyRL, TRL and rLLM read)
 
@@ -95,6 +96,7 @@ def _load_jsonl(path: str, _: NoOptions) -> list[tuple[Task, str]]:
 
 register_format(TaskFormat("jsonl", NoOptions, os.path.isfile, _load_jsonl, "gyre's JSONL task file"))
 
-from gyre_jax.agents.tasks.formats import harbor  # noqa: E402  (it registers itself)
+from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: E402  (they register themselves)
 
-__all__ = ["FORMATS", "TaskFormat", "detect", "harbor", "load_task_set", "parse_options", "register_format"]
+__all__ = ["FORMATS", "TaskFormat", "detect", "harbor", "load_task_set", "parse_options", "register_format",
+           "swebench"]

@@ -48,8 +48,13 @@ How a Harbor task runs here: the workspace is /workspace (Harbor's WORKDIR, e.g.
 it in the instruction and the test and solution files), the verifier's files are hidden grader files
 under ``tests/`` of the graded tree (read-only to graded code), ``/tests`` is rewritten to
 ``/workspace/tests`` and ``/logs`` to a directory private to the grader (/tmp/gyre-harbor/logs). The grader
-command runs test.sh, then reads its reward file: a non-zero exit of test.sh scores 0 whatever it wrote,
-no reward file is a grader fault (``--check_tasks`` names it), a reward outside [0, 1] too. Grading goes
+command runs test.sh (without the verdict's descriptor: neither it nor the code it runs can write the
+verdict), then reads its reward file: a non-zero exit of test.sh scores 0 whatever it wrote, no reward
+file is a grader fault (``--check_tasks`` names it), a reward outside [0, 1] too. Harbor's reward file is
+written by a script that runs the graded code, in the same sandbox: a test.sh that imports the agent's
+code (pytest on it) can be forged by that code, and ``--check_tasks``' forgery probe refuses such a task;
+write the checks to run agent code in processes of their own and compare what they print (as
+examples/harbor/fix-add does), or use the SWE-bench format's per-test verdict for pytest suites. Grading goes
 through gyre's clean graded tree like every task (``tasks/dataset.py``): what the policy changed is laid
 on the task's own files, never the other way round.
 """
@@ -308,7 +313,10 @@ def _grader_command(env: dict[str, str]) -> str:
     return (f"rm -rf /tmp/gyre-harbor; mkdir -p {LOGS}/verifier {LOGS}/agent; "
             "if [ ! -d /workspace/tests ]; then echo 'gyre: a Harbor verifier needs the graded tree at /workspace "
             "(a bubblewrap or docker sandbox)'; exit 3; fi; "
-            f"cd /workspace && ( {exports}bash /workspace/tests/test.sh ); rc=$?; "
+            # test.sh and the graded code it runs never hold the verdict's descriptor: only the reward converter
+            'vfd=${GYRE_VERDICT#/dev/fd/}; '
+            "cd /workspace && ( if [ -n \"$vfd\" ]; then eval \"exec $vfd>&-\"; fi; "
+            f"{exports}bash /workspace/tests/test.sh ); rc=$?; "
             "if [ $rc -ne 0 ]; then echo \"gyre: tests/test.sh exited $rc (scored 0: GYRE_VERDICT unwritten)\"; "
             "exit $rc; fi; "
             f"exec python3 -c {_sh(_CONVERT)} {LOGS}/verifier")
