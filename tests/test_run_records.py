@@ -156,9 +156,13 @@ def test_an_attempt_that_fails_or_stops_says_so(tmp_path):
     log.end([(0, 0.0, 1.0, "train")], 1.0, RuntimeError("the core's step failed"))
     stopped = attempts_lib.AttemptLog(str(tmp_path), first_step=0, n_cells=1)
     stopped.end([], 0.5, KeyboardInterrupt("SIGTERM"))
-    a, b = attempts_lib.read_all(str(tmp_path))
+    attempts_lib.record_start_failure(str(tmp_path), TimeoutError("the engines did not start in 300 s"))
+    a, b, c = attempts_lib.read_all(str(tmp_path))
     assert (a["attempt"], a["status"], a["error"]) == (0, "failed", "RuntimeError: the core's step failed")
     assert (b["attempt"], b["status"], b["error"]) == (1, "stopped", "SIGTERM")
+    assert (c["attempt"], c["status"], c["phase"]) == (2, "failed", "start") and "did not start" in c["error"]
+    segments, _, restarts, total = attempts_lib.whole_timeline([a, b, c])
+    assert total == 1.5 and len(restarts) == 1  # a failed start has no cells to draw
 
 
 # ------------------------------------------------------------------------------------------ harness calls

@@ -97,7 +97,7 @@ def attempts(mode_dir: str) -> dict:
     docs = attempts_lib.read_all(mode_dir)
     segments, ends, restarts, total = attempts_lib.whole_timeline(docs)
     heads = [{k: d.get(k) for k in ("attempt", "status", "error", "first_step", "started_unix", "updated_unix",
-                                    "duration_s", "setup_s", "n_cells", "pid")} for d in docs]
+                                    "duration_s", "setup_s", "n_cells", "pid", "phase")} for d in docs]
     n_cells = max((int(d.get("n_cells") or 0) for d in docs), default=0)
     return {"attempts": heads, "n_cells": n_cells, "total_s": total,
             "segments": [[c, round(t0, 3), round(t1, 3), r] for c, t0, t1, r in segments],

@@ -5,6 +5,7 @@ Each attempt keeps one file, ``<mode>/attempts/NNNNNN.json``, rewritten (atomica
 and when the attempt ends::
 
     {"attempt": 1, "pid": 4242, "started_unix": 1765000000.0, "first_step": 3, "n_cells": 4, "setup_s": 21.5,
+     "phase": "start",                                           # only when it ended before its loop began
      "sft_steps": 0, "sft_loss_last": null,                      # the warm start, when this attempt ran it
      "status": "running" | "finished" | "failed" | "stopped", "error": null | "one line",
      "updated_unix": ..., "duration_s": 812.4,                   # seconds on this attempt's clock
@@ -41,7 +42,10 @@ class AttemptLog:
     def __init__(self, mode_dir: str, *, first_step: int, n_cells: int, extra: dict | None = None, now=time.time):
         """``extra``: more fields of the head (the loop's: ``setup_s``, ``sft_steps``, ``sft_loss_last``)."""
         self.dir = os.path.join(mode_dir, DIR)
-        os.makedirs(self.dir, exist_ok=True)
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError:  # update() says so; the run goes on
+            log.warning("rl: could not make %s", self.dir, exc_info=True)
         self.attempt = len(attempt_files(mode_dir))
         self.path = os.path.join(self.dir, f"{self.attempt:06d}.json")
         self._now = now
@@ -82,6 +86,17 @@ class AttemptLog:
         else:
             status, error = "failed", f"{type(failure).__name__}: {failure}"
         self.update(segments, duration_s, status=status, error=error, counters=counters)
+
+
+def record_start_failure(mode_dir: str, failure: BaseException) -> None:
+    """An attempt that ended before its loop started (the task check refused a task, an engine did not
+    start, a stop during set-up): its record, with phase 'start', so a report of the run says why."""
+    try:
+        log_ = AttemptLog(mode_dir, first_step=-1, n_cells=0, extra={"phase": "start"})
+    except OSError:
+        log.warning("rl: could not record the failed start in %s", mode_dir, exc_info=True)
+        return
+    log_.end((), 0.0, failure)
 
 
 def attempt_files(mode_dir: str) -> list[str]:
@@ -126,6 +141,7 @@ def whole_timeline(attempts: Sequence[dict], gap_s: float = 0.0) -> tuple[list, 
     process, a queue) is nobody's cell time. ``step_ends``: [(step, t)], ``restarts``: [(t, attempt,
     first_step)] for every attempt after the first."""
     segments, ends, restarts, offset = [], [], [], 0.0
+    attempts = [a for a in attempts if a.get("phase") != "start"]  # ended before any cell had a role
     for i, a in enumerate(attempts):
         if i:
             offset += gap_s

@@ -60,8 +60,13 @@ def run(config, workdir: str) -> dict:
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
     if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
         return run_satellite(cfg)
-    checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
-    c = build(cfg, os.path.join(workdir, cfg.scheduler.mode))
+    mode_dir = os.path.join(workdir, cfg.scheduler.mode)
+    try:
+        checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
+        c = build(cfg, mode_dir)
+    except BaseException as e:  # the attempt's record says how it ended, for the report; then the one line
+        attempts_lib.record_start_failure(mode_dir, e)
+        raise
     return drive(dataclasses.replace(c, task_check=checked) if checked else c)
 
 

@@ -223,7 +223,7 @@
         { displayModeBar: true });
     }
     $("#attempts").innerHTML = (tl.attempts || []).length ? `<table class="grid"><thead><tr><th>attempt</th><th>status</th><th class=num>first step</th><th class=num>set-up s</th><th class=num>RL s</th><th>error</th></tr></thead><tbody>` +
-      tl.attempts.map((a) => `<tr><td>${a.attempt}</td><td>${esc(a.status)}</td><td class=num>${fmt(a.first_step)}</td><td class=num>${fmt(a.setup_s, 1)}</td><td class=num>${fmt(a.duration_s, 1)}</td><td><code>${esc(a.error || "")}</code></td></tr>`).join("") + "</tbody></table>" : "";
+      tl.attempts.map((a) => `<tr><td>${a.attempt}</td><td>${esc(a.status)}</td><td class=num>${a.phase === "start" ? "(set-up)" : fmt(a.first_step)}</td><td class=num>${fmt(a.setup_s, 1)}</td><td class=num>${fmt(a.duration_s, 1)}</td><td><code>${esc(a.error || "")}</code></td></tr>`).join("") + "</tbody></table>" : "";
   }
 
   // ------------------------------------------------------------------ rollouts: table, filters
