@@ -20,6 +20,7 @@ parser, and each call's relation to its agent's previous call (why the tree bran
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any, Mapping, Sequence
 
@@ -74,7 +75,13 @@ def step_advantages(outcomes: Sequence[Any], config: AdvantageConfig, group_fiel
     normalises over: a group estimator its groups, a step estimator the step)."""
     if not outcomes:
         return {}
-    res = compute_advantages(list(outcomes), config, group_field=group_field)
+    quiet = logging.getLogger("gyre_jax.trajectory.rewards")  # its per-step INFO line, once per step of the run
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        res = compute_advantages(list(outcomes), config, group_field=group_field)
+    finally:
+        quiet.setLevel(level)
     return {o.rollout_id: float(a) for o, a, ok in zip(outcomes, res.advantages, res.valid) if ok}
 
 

@@ -357,8 +357,10 @@
       const ks = kids[i], line = Math.min(...ks.map((c) => nodes[c].first));
       for (let k = ks.length - 1; k >= 0; k--) {
         const c = ks[k];
-        stack.push([c, ks.length > 1 ? depth + 1 : depth,
-          ks.length > 1 && nodes[c].first !== line ? (kind[nodes[c].first] || "branch") : null]);
+        const k2 = kind[nodes[c].first];
+        const label = ks.length > 1 && nodes[c].first !== line ? (k2 || "branch")
+          : nodes[c].first !== n.first && k2 && k2 !== "continue" ? k2 : null; // a summary continues a context
+        stack.push([c, ks.length > 1 ? depth + 1 : depth, label]);
       }
     }
     $("#tree").innerHTML = out.join("");
