@@ -151,18 +151,17 @@ def build_report(mode_dir: str, out_dir: str | None = None, settings: ReportSett
     sdir = _store_dir(mode_dir)
     if sdir is not None:
         with TrajectoryStore(sdir, writable=False) as store:
-            plan = _plan(store, settings)
+            plan = _plan(store, settings, old, data)
             store_info = {"quarantined": len(store.quarantined()), "torn_tails": len(store.torn_tails()),
-                          "unfinished": len(plan["unfinished"]), "complete": len(plan["outcomes"])}
-        todo = [g for g, key in plan["keys"].items() if old.get(g, {}).get("key") != key
-                or not os.path.exists(os.path.join(data, "rollouts", _shard(g) + ".js"))]
+                          "unfinished": len(plan["unfinished"]), "complete": len(plan["complete"])}
         jobs = [(g, plan["groups"][g], {r: plan["trained"][r] for r in plan["groups"][g]},
-                 {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]}) for g in todo]
+                 {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]})
+                for g in plan["todo"]]
         n_todo = sum(len(j[1]) for j in jobs)
         bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
                        line_per_step=False)
         for g, rows, nbytes in _run_jobs(jobs, sdir, mode_dir, data, settings, workers, start_method, n_todo):
-            groups_meta[g] = {"key": plan["keys"][g], "rows": rows}
+            groups_meta[g] = {"key": plan["keys"][g], "rows": rows, "members": plan["groups"][g]}
             written += nbytes
             built += 1
             bar.step(len(rows))
@@ -232,43 +231,67 @@ def _build_groups(sdir, mode_dir, data, settings: ReportSettings, jobs):
             yield g, _clean(rows), nbytes
 
 
-def _plan(store, settings: ReportSettings) -> dict:
-    """Outcomes, what the trainer did with each rollout, advantages, groups and their cache keys."""
-    complete = store.complete_rollouts()
-    outcomes = {rid: store.outcome(rid) for rid in complete}
-    unfinished = store.unfinished_rollouts()
+def _plan(store, settings: ReportSettings, old: Mapping[str, dict], data: str) -> dict:
+    """What the trainer did with each rollout, the groups, their cache keys, the groups to build and the
+    advantages they need. Cheap when little changed: a group's key is its rollouts' ids, whether each is
+    finished, and its trainer state and step (with the size of that step, so a step that changes
+    rebuilds every group in it); outcomes are read only for new rollouts and the steps to rebuild."""
+    import collections
+
+    complete = set(store.complete_rollouts())
+    unfinished = set(store.unfinished_rollouts())
     consumed = store.consumed()
+    step_size = collections.Counter(c.get("step") for c in consumed.values())
+    outcomes: dict[str, Any] = {}
+
+    def outcome(rid):
+        if rid not in outcomes:
+            outcomes[rid] = store.outcome(rid)
+        return outcomes[rid]
+
     trained: dict[str, rl_lib.Trained] = {}
-    for rid in store.rollout_ids():
-        c = consumed.get(rid)
-        if c is not None:
-            trained[rid] = rl_lib.Trained(c.get("state", "trained"), c.get("step"), c.get("reason"))
-        else:
-            trained[rid] = rl_lib.Trained("pending" if rid in outcomes else "running")
-    by_step: dict[Any, list] = {}
-    for rid, o in outcomes.items():
-        t = trained[rid]
-        key = ("step", t.step) if t.step is not None else ("group", getattr(o, settings.group_field))
-        by_step.setdefault(key, []).append(o)
-    advantages: dict[str, float] = {}
-    for os_ in by_step.values():
-        try:
-            advantages.update(rl_lib.step_advantages(os_, settings.advantage, settings.group_field))
-        except ValueError:  # a group that breaks the estimator's rules (e.g. mixed tasks): shown without
-            pass
+    known = {rid: g for g, meta in old.items() for rid in meta.get("members", ())}
     groups: dict[str, list[str]] = {}
     for rid in store.rollout_ids():
-        o = outcomes.get(rid)
-        g = o.group_id if o is not None else store.calls(rid)[0].group_id if rid in unfinished else None
-        if g is not None:
-            groups.setdefault(g, []).append(rid)
+        c = consumed.get(rid)
+        trained[rid] = (rl_lib.Trained(c.get("state", "trained"), c.get("step"), c.get("reason")) if c is not None
+                        else rl_lib.Trained("pending" if rid in complete else "running"))
+        g = known.get(rid)
+        if g is None:
+            if rid in complete:
+                g = outcome(rid).group_id
+            elif rid in unfinished:
+                g = store.calls(rid)[0].group_id
+            else:
+                continue
+        groups.setdefault(g, []).append(rid)
     keys = {}
     for g, rids in groups.items():
-        sig = [(r, trained[r].state, trained[r].step, outcomes[r].status if r in outcomes else None,
-                advantages.get(r)) for r in sorted(rids)]
+        sig = [(r, r in complete, trained[r].state, trained[r].step, step_size.get(trained[r].step))
+               for r in sorted(rids)]
         keys[g] = hashlib.sha1(json.dumps([settings.key(), sig], default=str).encode()).hexdigest()[:20]
-    return {"outcomes": outcomes, "unfinished": unfinished, "trained": trained, "advantages": advantages,
-            "groups": groups, "keys": keys}
+    todo = [g for g in groups if old.get(g, {}).get("key") != keys[g]
+            or not os.path.exists(os.path.join(data, "rollouts", _shard(g) + ".js"))]
+    # Advantages of the rollouts to build: over each step they were trained in (every rollout of it), or,
+    # not taken yet, over their group.
+    steps = {trained[r].step for g in todo for r in groups[g] if trained[r].step is not None}
+    peers: dict[Any, list] = {}
+    for rid, c in consumed.items():
+        if c.get("step") in steps and rid in complete:
+            peers.setdefault(("step", c["step"]), []).append(outcome(rid))
+    for g in todo:
+        for rid in groups[g]:
+            if trained[rid].step is None and rid in complete:
+                o = outcome(rid)
+                peers.setdefault(("group", getattr(o, settings.group_field)), []).append(o)
+    advantages: dict[str, float] = {}
+    for members in peers.values():
+        try:
+            advantages.update(rl_lib.step_advantages(members, settings.advantage, settings.group_field))
+        except ValueError:  # rollouts that break the estimator's rules (e.g. a group of mixed tasks): shown without
+            pass
+    return {"unfinished": unfinished, "complete": complete, "trained": trained, "advantages": advantages,
+            "groups": groups, "keys": keys, "todo": todo}
 
 
 def _run_doc(mode_dir: str, rows: Sequence[Mapping[str, Any]], settings: ReportSettings, store_info: dict) -> dict:

@@ -219,7 +219,8 @@
         line: { color: "#d62728", width: 2, dash: "dash" }, hoverinfo: "name" }));
       plot($("#chart-timeline"), traces, { yaxis: { autorange: "reversed", tickvals: [...Array(n).keys()],
         ticktext: [...Array(n).keys()].map((c) => `cell ${c}${c === 0 ? " (core)" : ""}`), zeroline: false },
-        xaxis: { title: { text: "seconds of RL (attempts laid end to end)" }, dtick: null }, dragmode: "zoom" },
+        xaxis: { title: { text: "seconds of RL (attempts laid end to end)" }, dtick: null }, dragmode: "zoom",
+        margin: { l: 95, r: 20, t: 10, b: 40 } },
         { displayModeBar: true });
     }
     $("#attempts").innerHTML = (tl.attempts || []).length ? `<table class="grid"><thead><tr><th>attempt</th><th>status</th><th class=num>first step</th><th class=num>set-up s</th><th class=num>RL s</th><th>error</th></tr></thead><tbody>` +
