@@ -10,7 +10,8 @@ Synthetic runs: ``gyre_jax.trajectory.synth`` rollouts (sub-agents, retries, dri
 failures; ids drawn from the byte range, so they decode) written into a store, trained in steps of 32 (the
 store's cursor: so advantages and path selection run as for a real run), with a metrics.jsonl line per
 step. Each run is built twice: cold (every group) and again with nothing changed (what a rerun on a
-running run costs). Prints a table, then ONE JSON line: build_s (cold, wall), build_cpu_s (its CPU time with
+running run costs). Prints a table, then ONE JSON line: page_s (until the page and its tables are written,
+every rollout listed: it is usable from then on), build_s (cold, wall, every rollout's file), build_cpu_s (its CPU time with
 --workers 1: what it costs on a quiet core when the machine is shared), rebuild_s, rollouts, calls,
 recorded_tokens, bytes_total (the page, its data and the 1.2 MB plotly.js), bytes_index (what the page
 loads first: the rollout table), bytes_run (curves and tables), bytes_largest_group (the most a click
@@ -83,7 +84,7 @@ def measure(mode_dir: str, title: str, workers: int = 0) -> dict:
     shards = os.path.join(out, "data", "rollouts")
     largest = max((os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards)), default=0)
     return {"run": title, "rollouts": cold["rollouts"], "build_s": cold["seconds"], "build_cpu_s": round(cpu, 2),
-            "rollouts_s": cold["rollouts_s"],
+            "page_s": cold["page_s"],
             "rebuild_s": warm["seconds"], "bytes_total": cold["bytes_total"], "bytes_data": cold["bytes_data"],
             "bytes_index": cold["bytes_index"], "bytes_run": cold["bytes_run"], "bytes_largest_group": largest,
             "report": cold["report"]}
@@ -121,10 +122,11 @@ def main(argv=None) -> dict:
         rows.append(measure(mode_dir, f"synthetic, {n} rollouts x {args.calls} calls", args.workers))
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"{'run':44s} {'rollouts':>8s} {'build s':>8s} {'CPU s':>6s} {'rebuild s':>9s} {'page MB':>8s} "
-          f"{'index KB':>9s} {'run KB':>7s} {'max group KB':>12s}")
+    print(f"{'run':44s} {'rollouts':>8s} {'page s':>7s} {'build s':>8s} {'CPU s':>6s} {'rebuild s':>9s} "
+          f"{'page MB':>8s} {'index KB':>9s} {'run KB':>7s} {'max group KB':>12s}")
     for r in rows:
-        print(f"{r['run'][-44:]:44s} {r['rollouts']:8d} {r['build_s']:8.1f} {r['build_cpu_s']:6.1f} {r['rebuild_s']:9.2f} "
+        print(f"{r['run'][-44:]:44s} {r['rollouts']:8d} {r['page_s']:7.1f} {r['build_s']:8.1f} {r['build_cpu_s']:6.1f} "
+              f"{r['rebuild_s']:9.2f} "
               f"{r['bytes_total'] / 1e6:8.1f} {r['bytes_index'] / 1e3:9.0f} {r['bytes_run'] / 1e3:7.0f} "
               f"{r['bytes_largest_group'] / 1e3:12.0f}")
     result = {"bench": "report", "commit": _commit(), "host": os.uname().nodename, "load": round(load, 1),

@@ -131,6 +131,11 @@ def build_report(mode_dir: str, out_dir: str | None = None, settings: ReportSett
                  progress: bool = True, workers: int = 0, start_method: str = "fork") -> dict:
     """Write (or bring up to date) the report of the run in ``mode_dir``; its stats (timings, sizes).
 
+    In two phases: first the page and its tables, every rollout listed from its outcome and the store's
+    cursor (seconds, whatever the run's size: the page works from here on), then each changed group's
+    file (its rollouts' trees, decoded calls and tree columns of the table), rewriting the table every
+    ``PUBLISH_EVERY_S`` while it builds, so a page reloaded meanwhile shows what is done.
+
     ``workers``: processes that build rollout files (0: one per CPU, up to 8, when there are more than
     ``PARALLEL_MIN`` rollouts to build); each opens the store with its own read-only reader.
     ``start_method``: "fork" from a plain process, "spawn" from one whose JAX backend is running
@@ -143,47 +148,74 @@ def build_report(mode_dir: str, out_dir: str | None = None, settings: ReportSett
     data = os.path.join(out_dir, "data")
     os.makedirs(os.path.join(data, "rollouts"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "assets"), exist_ok=True)
-    manifest_path = os.path.join(data, "manifest.json")
-    old = _load_manifest(manifest_path, settings.key())
-    groups_meta: dict[str, dict] = {}
+    old = _load_manifest(os.path.join(data, "manifest.json"), settings.key())
+    meta: dict[str, dict] = {}
     built = written = 0
     store_info: dict = {}
+    jobs: list = []
+    plan: dict = {}
     sdir = _store_dir(mode_dir)
     if sdir is not None:
         with TrajectoryStore(sdir, writable=False) as store:
             plan = _plan(store, settings, old, data)
             store_info = {"quarantined": len(store.quarantined()), "torn_tails": len(store.torn_tails()),
                           "unfinished": len(plan["unfinished"]), "complete": len(plan["complete"])}
+            todo = set(plan["todo"])
+            for g, rids in plan["groups"].items():  # the store's order; a group to build: its outcomes' rows
+                meta[g] = old[g] if g not in todo else {"key": None, "members": rids, "rows": [rl_lib.outcome_row(
+                    r, store.outcome(r) if r in plan["complete"] else None, plan["trained"][r],
+                    plan["advantages"].get(r), _shard(g)) for r in rids]}
         jobs = [(g, plan["groups"][g], {r: plan["trained"][r] for r in plan["groups"][g]},
                  {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]})
                 for g in plan["todo"]]
-        n_todo = sum(len(j[1]) for j in jobs)
-        bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
-                       line_per_step=False)
+    written += _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
+    t_page = time.perf_counter() - t0
+    n_todo = sum(len(j[1]) for j in jobs)
+    bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
+                   line_per_step=False)
+    last = time.monotonic()
+    try:
         for g, rows, nbytes in _run_jobs(jobs, sdir, mode_dir, data, settings, workers, start_method, n_todo):
-            groups_meta[g] = {"key": plan["keys"][g], "rows": rows, "members": plan["groups"][g]}
+            meta[g] = {"key": plan["keys"][g], "rows": rows, "members": plan["groups"][g]}
             written += nbytes
             built += 1
             bar.step(len(rows))
+            if time.monotonic() - last >= PUBLISH_EVERY_S:
+                written += _publish(mode_dir, out_dir, settings, store_info, meta, run=False)
+                last = time.monotonic()
+    except BaseException:  # stopped or failed: what was built stays built (the next build does the rest)
+        if built:
+            _publish(mode_dir, out_dir, settings, store_info, meta, run=False)
+        raise
+    finally:
         bar.close()
-        for g in plan["groups"]:  # unchanged groups: their rows from the manifest, in the store's order
-            if g not in groups_meta:
-                groups_meta[g] = old[g]
-        groups_meta = {g: groups_meta[g] for g in plan["groups"]}
-    rows = [r for m in groups_meta.values() for r in m["rows"]]
-    t_rollouts = time.perf_counter() - t0
-    run = _run_doc(mode_dir, [rl_lib.index_dict(r) for r in rows], settings, store_info)
-    written += _write_js(os.path.join(data, "run.js"), "window.GYRE_RUN", run)
-    written += _write_js(os.path.join(data, "index.js"), "window.GYRE_INDEX",
-                         {"columns": list(rl_lib.INDEX_COLUMNS), "rows": rows})
-    _write_manifest(manifest_path, settings.key(), groups_meta)
-    _copy_static(out_dir)
+    if jobs:
+        written += _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
     seconds = time.perf_counter() - t0
-    return {"report": os.path.join(out_dir, "index.html"), "rollouts": len(rows), "groups": len(groups_meta),
-            "groups_built": built, "seconds": round(seconds, 3), "rollouts_s": round(t_rollouts, 3),
+    return {"report": os.path.join(out_dir, "index.html"), "rollouts": sum(len(m["rows"]) for m in meta.values()),
+            "groups": len(meta), "groups_built": built, "seconds": round(seconds, 3), "page_s": round(t_page, 3),
             "bytes_written": written, "bytes_total": _dir_bytes(out_dir), "bytes_data": _dir_bytes(data),
             "bytes_index": os.path.getsize(os.path.join(data, "index.js")),
             "bytes_run": os.path.getsize(os.path.join(data, "run.js"))}
+
+
+PUBLISH_EVERY_S = 15.0  # while groups build: the table (index.js) and the manifest rewritten this often
+
+
+def _publish(mode_dir: str, out_dir: str, settings: ReportSettings, store_info: dict, meta: Mapping[str, dict], *,
+             run: bool) -> int:
+    """index.js and the manifest (a group not built yet has no key: the next build builds it); with ``run``,
+    run.js (the run's tables read every row) and the page."""
+    data = os.path.join(out_dir, "data")
+    rows = [r for m in meta.values() for r in m["rows"]]
+    n = _write_js(os.path.join(data, "index.js"), "window.GYRE_INDEX",
+                  {"columns": list(rl_lib.INDEX_COLUMNS), "rows": rows})
+    if run:
+        n += _write_js(os.path.join(data, "run.js"), "window.GYRE_RUN",
+                       _run_doc(mode_dir, [rl_lib.index_dict(r) for r in rows], settings, store_info))
+        _copy_static(out_dir)
+    _write_manifest(os.path.join(data, "manifest.json"), settings.key(), meta)
+    return n
 
 
 PARALLEL_MIN = 400  # rollouts to build below which one process does it (a worker's start costs seconds)
@@ -322,10 +354,10 @@ def _load_manifest(path: str, key: str) -> dict:
     return doc.get("groups", {}) if doc.get("settings") == key else {}
 
 
-def _write_manifest(path: str, key: str, groups: dict) -> None:
+def _write_manifest(path: str, key: str, groups: Mapping[str, dict]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"settings": key, "groups": groups}, f, separators=(",", ":"))
+        json.dump({"settings": key, "groups": dict(groups)}, f, separators=(",", ":"))
     os.replace(tmp, path)
 
 

@@ -299,7 +299,7 @@
     const s = document.createElement("script");
     s.src = `data/rollouts/${encodeURIComponent(shard)}.js`;
     s.onload = () => { const cbs = loading[shard]; delete loading[shard]; cbs.forEach((f) => f()); };
-    s.onerror = () => { delete loading[shard]; cb(null, `could not load data/rollouts/${shard}.js (rebuild the report)`); };
+    s.onerror = () => { delete loading[shard]; cb(null, `data/rollouts/${shard}.js is not built yet: the report is still building its rollouts (reload in a moment), or was stopped (run the report command again)`); };
     document.head.appendChild(s);
   }
   function openRollout(id) {
