@@ -42,7 +42,7 @@ def main(argv=None) -> int:
             else:
                 sel = f'#rollout-table tbody tr[data-id="{args.rollout}"]'
             b.click(sel)
-            b.wait_for("document.querySelectorAll('#tree .node').length > 0")
+            b.wait_for("document.querySelector('#detail h3') !== null")  # a rollout with no call has no tree
             if args.call >= 0:
                 b.click(f'#calls tbody tr[data-i="{args.call}"]')
         time.sleep(1.0)  # plotly's transitions

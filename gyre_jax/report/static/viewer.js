@@ -321,6 +321,13 @@
     if (d.reason) html += `<div class="error-line">${esc(((d.details || {}).error) || d.reason)}</div>`;
     if (d.log) html += `<details ${d.status && d.status !== "completed" ? "open" : ""}><summary>harness log (${esc(d.log.source)})</summary><pre class="log">${esc(d.log.text)}</pre></details>`;
     const grader = (d.details || {}).grader;
+    if (grader && grader.tests && Object.keys(grader.tests).length) { // the per-test verdict: each named test's outcome
+      html += `<table class="grid" style="width:auto;margin:4px 0"><thead><tr><th>test</th><th>outcome</th></tr></thead><tbody>` +
+        Object.entries(grader.tests).map(([t, v]) => `<tr><td><code>${esc(t)}</code></td><td><span class="st ${v === "passed" ? "completed" : "infra_error"}">${esc(v)}</span></td></tr>`).join("") +
+        "</tbody></table>";
+    }
+    const refused = grader && grader.tree && grader.tree.refused ? Object.entries(grader.tree.refused).filter(([, n]) => n) : [];
+    if (refused.length) html += `<div class="error-line">the graded tree refused what the workspace wrote: ${esc(refused.map(([k, n]) => `${k} ${n}`).join(", "))}</div>`;
     if (grader && Object.keys(grader).length) html += `<details><summary>grader output</summary><pre class="log">${esc(JSON.stringify(grader, null, 1))}</pre></details>`;
     const harness = (d.details || {}).harness;
     if (harness && Object.keys(harness).length) html += `<details><summary>harness counters</summary><pre class="log">${esc(JSON.stringify(harness, null, 1))}</pre></details>`;
