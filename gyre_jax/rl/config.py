@@ -772,6 +772,7 @@ class RLConfig:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
         hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
+        model = drop_random_init_shape(model, hf_path)
         from gyre_jax.serving.tokenizer import chat_template_kwargs
 
         try:
@@ -794,6 +795,16 @@ class RLConfig:
 
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
 HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+# config.model.random_init_shape=True: the section's shape fields describe the random model used when no
+# checkpoint is given (configs/external.py), so --config.model.hf_path=... replaces them instead of clashing.
+RANDOM_INIT_SHAPE = "random_init_shape"
+
+
+def drop_random_init_shape(model: dict, hf_path: str) -> dict:
+    """``model`` without its marker, and without its shape fields when a checkpoint gives the shape."""
+    if not model.pop(RANDOM_INIT_SHAPE, False) or not hf_path:
+        return model
+    return {k: v for k, v in model.items() if k in HF_MODEL_OVERRIDES or k == "chat_template_kwargs"}
 
 
 def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) -> ModelConfig:
