@@ -70,6 +70,7 @@ def get_config(harness: str = "shell") -> ml_collections.ConfigDict:
     c.cells.max_len = 1024
     c.cells.max_slots = 8  # a group's rollouts decode together
     c.cells.tokens_per_call = 8
+    c.cells.start_timeout_s = 900.0  # a cold start compiles a 30-layer decode step: minutes on a loaded 2-core host
     c.scheduler.groups_per_step = 2
     c.scheduler.group_size = 8  # GRPO group: 8 samples of one task
     c.task.dataset = os.path.join(_EXAMPLES, "tasks", "smol_tasks.jsonl")

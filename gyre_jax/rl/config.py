@@ -104,6 +104,9 @@ class CellsConfig:
     page_size: int = 16  # tokens per KV page (paged); max_len must be a multiple
     kv_pages: int = 0  # pages per engine (paged); 0 = the contiguous cache's memory (max_slots x max_len)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
+    # Engines (weights placed, decode steps compiled) must be serving within this many seconds of the start, or
+    # the run ends with an error: line (exit 1) instead of hanging; a loaded 2-core host compiles slowly.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self):
         _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
@@ -111,6 +114,7 @@ class CellsConfig:
         _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
                          "max_len", "tokens_per_call", "page_size"))
         _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
+        _positive(self, ("start_timeout_s",))
         if self.kv_cache not in ("contiguous", "paged"):
             raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.max_len % self.page_size:
