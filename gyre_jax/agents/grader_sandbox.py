@@ -12,8 +12,9 @@ graded command sees:
                   (the venv and the interpreter it was made from: ``python3`` is the run's
                   interpreter, with whatever it has installed, pytest included), and the paths
                   of the task's ``grader.ro_paths`` and the run's ``config.task.grader_ro_paths``
-  PATH            the ``bin`` of each read-only Python/tool path first, then
-                  /usr/local/bin:/usr/bin:/bin
+  PATH            the ``bin`` of each of those paths (the task's, the run's, then the run's
+                  Python: an environment a task brings is the ``python3`` it grades with),
+                  then /usr/local/bin:/usr/bin:/bin
   environment     only PATH, HOME, LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1, PYTHONNOUSERSITE=1,
                   GYRE_WORKSPACE=/workspace, and the verdict mode's own (GYRE_VERDICT); the
                   ``__pycache__`` of every directory holding a protected Python file is an empty
@@ -62,8 +63,10 @@ def python_paths() -> tuple[str, ...]:
 
 
 def ro_paths(extra: Sequence[str] = ()) -> tuple[str, ...]:
-    """Read-only host paths of a graded command: the run's Python, the run's and the task's."""
-    return tuple(dict.fromkeys((*python_paths(), *spec().get("ro_paths", ()), *extra)))
+    """Read-only host paths of a graded command, in PATH order: the task's ``grader.ro_paths``, the
+    run's ``config.task.grader_ro_paths``, then the run's Python (a task that brings an environment
+    with its own ``python3`` grades with it)."""
+    return tuple(dict.fromkeys((*extra, *spec().get("ro_paths", ()), *python_paths())))
 
 
 def environment(paths: Sequence[str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
