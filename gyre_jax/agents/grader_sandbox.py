@@ -20,6 +20,10 @@ graded command sees:
                   ``__pycache__`` of every directory holding a protected Python file is an empty
                   read-only directory (graded code cannot plant bytecode for a hidden module)
   no network, rlimits and a memory cgroup as the rollout's commands had; as root, a fresh uid.
+
+Container kinds (docker, podman) get the tree, the environment and the limits, but no inherited
+descriptor: the per-test verdict and ``$GYRE_VERDICT`` need the bubblewrap (or none) grader
+sandbox for now (exit-code and ``calls`` verdicts work in both).
 """
 from __future__ import annotations
 
