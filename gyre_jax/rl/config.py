@@ -187,6 +187,10 @@ class TaskConfig:
     # second file of held-out tasks (besides the first file's split=eval lines).
     dataset: str = ""
     eval_dataset: str = ""
+    # The task set's format and options, JSON text (gyre_jax.agents.tasks.formats): the format is read from the
+    # path (gyre JSONL, SWE-bench-style JSONL, a directory of Harbor tasks) or named ("format"); e.g.
+    # '{"environment": "host"}' runs Harbor or SWE-bench tasks on this host's toolchain (no per-task image).
+    dataset_options: str = ""
     # Check every task's grader at start (gyre_jax.rl.task_gate; --check_tasks prints the same): "start"
     # (task files; a generated family's graders are gyre's own) or "off". A broken task stops the run
     # with one error: line, unless skip_broken drops it (counted in the log and summary).
@@ -210,6 +214,13 @@ class TaskConfig:
             raise ConfigError("config.task.ops must name at least one op")
         if self.eval_dataset and not self.dataset:
             raise ConfigError("config.task.eval_dataset needs config.task.dataset (the training tasks' file)")
+        if self.dataset_options:
+            from gyre_jax.agents.tasks.formats import parse_options  # light: no format is read here
+
+            try:
+                parse_options(self.dataset_options)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     @property
     def grader_ro_path_list(self) -> tuple[str, ...]:
@@ -236,7 +247,8 @@ class TaskConfig:
         from gyre_jax.agents.task_sources import make_source  # light: families load on first use
 
         if self.dataset:
-            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed)
+            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed,
+                               options=self.dataset_options)
         return make_source("family", family=self.family, seed=seed, kwargs=self.kwargs())
 
 
