@@ -11,8 +11,10 @@ a run: a resumed run must find the same base (``fingerprint``).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,15 @@ class FrozenBase:
         """A hash of every array's path, shape, dtype and an evenly spaced sample of its values: what a
         checkpoint records, so a resume onto another base fails instead of training nonsense."""
         return fingerprint(self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    """A LoRA run's weights where one value stands for them (a new engine's ``params``): the frozen base
+    and the adapters (a tuple of ``{"lora": ...}``). Later publications move the adapters alone."""
+
+    base: FrozenBase
+    adapters: Any
 
 
 def fingerprint(params) -> str:

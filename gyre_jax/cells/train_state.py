@@ -96,7 +96,15 @@ def make_optimizer(cfg: OptimizerConfig, logical_params) -> optax.GradientTransf
     return optax.chain(*parts)
 
 
-def per_adapter(tx: optax.GradientTransformation, n: int) -> optax.GradientTransformation:
+class PerAdapter(optax.GradientTransformation):
+    """``per_adapter``'s transformation; ``inner`` and ``n`` say how its state is laid out (a tuple of ``n``
+    states of ``inner``, adapter by adapter), which ``StateSpec.state_shardings`` reads."""
+
+    inner: optax.GradientTransformation
+    n: int
+
+
+def per_adapter(tx: optax.GradientTransformation, n: int) -> PerAdapter:
     """``tx`` over a tuple of ``n`` LoRA adapters (gyre_jax/model/lora.py), each with its own state.
 
     Each adapter is clipped, stepped and scheduled on its own. With several adapters (multi-LoRA:
@@ -130,7 +138,9 @@ def per_adapter(tx: optax.GradientTransformation, n: int) -> optax.GradientTrans
             states.append(s)
         return tuple(updates), tuple(states)
 
-    return optax.GradientTransformation(init, update)
+    out = PerAdapter(init, update)
+    out.inner, out.n = tx, n
+    return out
 
 
 @flax.struct.dataclass
@@ -178,14 +188,17 @@ class StateSpec:
         """Shardings of every leaf: optimizer moments follow their parameter, counters replicate."""
         replicated = NamedSharding(mesh, PartitionSpec())
         params = self.param_shardings(mesh, rules=rules)
-        opt = optax.tree_map_params(
-            self.tx,
-            lambda _, s: s,
-            self.abstract_state().opt_state,
-            params,
-            transform_non_params=lambda _: replicated,
-            is_leaf=lambda x: isinstance(x, NamedSharding),
-        )
+
+        def moments_like_params(tx, state, shardings):
+            return optax.tree_map_params(tx, lambda _, s: s, state, shardings,
+                                         transform_non_params=lambda _: replicated,
+                                         is_leaf=lambda x: isinstance(x, NamedSharding))
+
+        state = self.abstract_state().opt_state
+        if isinstance(self.tx, PerAdapter):  # a tuple of states, adapter i's moments shaped like params[i]
+            opt = tuple(moments_like_params(self.tx.inner, s, p) for s, p in zip(state, params))
+        else:
+            opt = moments_like_params(self.tx, state, params)
         return TrainState(step=replicated, policy_version=replicated, params=params, opt_state=opt)
 
     def init_state(self, rng: jax.Array, mesh: Mesh, *, initial_version: int = 0, rules=RULES) -> TrainState:

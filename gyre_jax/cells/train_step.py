@@ -218,8 +218,10 @@ class CellSteps:
             self.grad_fn = make_grad_fn(loss_fn)
             self._grad = lambda _b, params, mb: self.grad_fn(params, mb)
         else:
-            adapted = make_grad_fn(lambda adapters, mb, b: loss_fn(base.variables(b, adapters), mb))
-            self._grad = lambda b, adapters, mb: adapted(adapters, mb, b)
+            def lora_grad(b, adapters, mb):  # gradients of the adapters only: the base is an input, not a param
+                return make_grad_fn(lambda a, m: loss_fn(base.variables(b, a), m))(adapters, mb)
+
+            self._grad = lora_grad
             # (adapters, mb) -> (grads, stats) over the host's base: for jax.eval_shape; jit grad_step instead
             self.grad_fn = lambda adapters, mb: self._grad(base.params, adapters, mb)
         self.schedule = schedule
