@@ -138,7 +138,7 @@ class HFChatTokenizer(Tokenizer):
                   template_kwargs: dict | None = None) -> "HFChatTokenizer":
         """From a ``.gguf`` file's metadata (vocabulary, merges, special ids, ``tokenizer.chat_template``), built
         as transformers builds it for ``from_pretrained(..., gguf_file=...)`` (serving/gguf_tokenizer.py)."""
-        from gyre_jax.serving.gguf_tokenizer import gguf_tokenizer
+        from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
 
         tk, tc = gguf_tokenizer(path)
         if chat_template:

@@ -334,7 +334,7 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
 
 
 def _write_gguf_tokenizer(src: str, path: str) -> list[str]:
-    from gyre_jax.serving.gguf_tokenizer import gguf_tokenizer
+    from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
 
     tk, tc = gguf_tokenizer(src)
     tk.save(os.path.join(path, "tokenizer.json"))
