@@ -183,6 +183,8 @@ def live(args) -> dict:
         calls = store.calls(r.rollout_id) if r.rollout_id in store.rollout_ids() else []
         if not calls:
             print(f"{r.rollout_id}: no recorded call ({r.status}: {r.error}); harness output:\n{r.output_tail[-1500:]}")
+        elif r.status not in ("completed", "timeout"):
+            print(f"{r.rollout_id}: {r.status}: {r.reason}: {(r.error or '')[-600:]}")
         mt = _model_time(calls)
         overheads.append(r.wall_time_s - mt)
         net = os.path.join(r.workspace, ".probe_net")

@@ -29,12 +29,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from gyre_jax.agents import grader_sandbox, verdict_plugin
+from gyre_jax.agents import grader_sandbox
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tree_rules import is_test_file, test_file_of
 from gyre_jax.agents.verdict_command import MAX_VERDICT_BYTES, OUTPUT_TAIL_BYTES, VERDICT_ENV, _wait, open_verdict
 
 PLUGIN = "gyre_verdict"
+# The plugin's source, read as a file: importing it would run it here (it patches unittest and pytest).
+PLUGIN_SOURCE = Path(__file__).with_name("verdict_plugin.py")
 CANARY_MODULE = "test_gyre_canary"
 CANARY_SOURCE = ("def test_gyre_canary_must_fail():\n    assert False, 'gyre canary'\n\n\n"
                  "def test_gyre_canary_must_pass():\n    pass\n")
@@ -67,7 +69,7 @@ def grade(tree: Path, *, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str
     with tempfile.TemporaryDirectory(prefix="gyre-pytest-") as tmp, open_verdict(tmp) as fd:
         lib = Path(tmp) / "lib"
         lib.mkdir()
-        (lib / f"{PLUGIN}.py").write_text(Path(verdict_plugin.__file__).read_text())
+        (lib / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE.read_text())
         (lib / f"{CANARY_MODULE}.py").write_text(CANARY_SOURCE)
         for p in (lib, *lib.iterdir()):
             os.chmod(p, 0o755 if p.is_dir() else 0o644)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import heapq
 import itertools
 import math
@@ -35,11 +36,13 @@ import time
 
 from gyre_jax.scheduler import policy as policy_lib
 from gyre_jax.scheduler.controller import Controller
+from gyre_jax.scheduler.costs import model_split
 from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
-from gyre_jax.scheduler.vocab import ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
-from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, pilot_priors, rollouts_for
+from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
+from gyre_jax.scheduler.workloads import (Rollouts, SimConfig, balanced_async_split, first_steps, pilot_priors,
+                                          rollouts_for)
 
 # A model call's two events first: the loop checks their token with one comparison (kind <= _CALL_END).
 _CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE, _POLL = range(8)
@@ -558,13 +561,57 @@ class SimCluster:
 
 def resolve(config: SimConfig, rollouts: Rollouts) -> SimConfig:
     """What the config leaves to the workload: async's balanced split (async_train_cells=0)
-    and elastic's priors (model_priors). Anything that drives the controller on these
-    rollouts (the simulator, the fakes) runs the resolved config."""
+    and elastic's priors (model_priors; with the pilot's split where a switch outlasts a step).
+    Anything that drives the controller on these rollouts (the simulator, the fakes) runs the
+    resolved config."""
     if config.policy.strategy.fixed_split and config.policy.async_train_cells == 0:
         config = config.replace(**{"policy.async_train_cells": balanced_async_split(config, rollouts)})
     if config.model_priors and config.policy.priors is policy_lib.NOT_MEASURED:
         config = config.replace(**{"policy.priors": pilot_priors(config, rollouts)})
+        n = config.cluster.n_cells
+        if config.policy.strategy.switches_satellites and policy_lib.priors_apply(config.policy, n):
+            split = pilot_split(config, rollouts)
+            config = config.replace(**{"policy.priors": dataclasses.replace(config.policy.priors, pilot_split=split)})
     return config
+
+
+PILOT_STEPS = 4  # steps a pilot runs each candidate split for: the first, then enough to see the pace
+PILOT_REACH = 3  # candidate splits: the step model's, and this many on either side
+
+
+def pilot_split(config: SimConfig, rollouts: Rollouts) -> int:
+    """The fixed split (training cells, core included) that runs the pilot's rollouts fastest: the
+    first step's rollouts, repeated for up to PILOT_STEPS steps, in the fixed-split mode that streams
+    as ``config``'s mode does, at the step model's split and its neighbours; each candidate's run
+    length extrapolated from its first step and its pace after. What elastic starts at when a
+    switch outlasts a step (``costs.priors_split``): the step model alone missed the best split by
+    a cell on workloads it does not see (admission by whole groups on a few slots, the staleness
+    bound's pipeline, publication stalls), a fixed commitment 10-25% slower (issue 46)."""
+    p, n = config.policy, config.cluster.n_cells
+    steps = min(p.total_steps, PILOT_STEPS)
+    pilot = first_steps(rollouts, p.groups_per_step * p.group_size, steps)
+    base = config.replace(**{"policy.mode": ASYNC_STREAM if p.strategy.streams else ASYNC, "policy.total_steps": steps,
+                             "model_priors": False, "policy.async_split_by_step": ()})
+    model = model_split(p.priors, p, n)
+    assert model is not None, "pilot_split needs the pilot's per-rollout costs"
+
+    def run_s(k: int) -> float:
+        ends = simulate(base.replace(**{"policy.async_train_cells": k}), rollouts=pilot,
+                        record_decisions=False).step_end_s
+        pace = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else 0.0
+        return ends[0] + (p.total_steps - 1) * pace
+
+    times = {k: run_s(k) for k in range(max(1, model - PILOT_REACH), min(n - 1, model + PILOT_REACH) + 1)}
+    best = min(times, key=lambda k: (times[k], abs(k - model)))
+    # The pilot saw one step's rollouts: it overrules the model only by more than that sample's noise,
+    # the standard error of its mean rollout length (at least 1%). On 8 heavy-tailed rollouts a 2% lead
+    # was the sample's, not the split's.
+    lengths = [sum(pilot.call_s[pilot.offsets[r]:pilot.offsets[r + 1]]) + sum(pilot.tool_s[pilot.offsets[r]:
+               pilot.offsets[r + 1] - 1]) for r in range(p.groups_per_step * p.group_size)]
+    mean = sum(lengths) / len(lengths)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in lengths) / len(lengths))
+    noise = max(0.01, sd / mean / math.sqrt(len(lengths)) if mean > 0 else 0.0)
+    return best if times[best] * (1 + noise) < times[model] else model
 
 
 def simulate(config: SimConfig, *, rollouts: Rollouts | None = None, progress: bool = False,

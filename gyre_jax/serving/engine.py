@@ -70,7 +70,9 @@ from gyre_jax.serving.engine_state import (
     DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, expert_parallel,
     kv_bytes_per_page, kv_memory_plan,
 )
+from gyre_jax.cells.frozen_base import Adapted
 from gyre_jax.serving.engine_paged import PagedSlots
+from gyre_jax.serving.lora_weights import LoraWeights
 from gyre_jax.serving.pages import PagePool, PrefixPages
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
@@ -131,8 +133,11 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
                  max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None,
-                 kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None):
-        """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
+                 kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None,
+                 lora_serving: str = "merged"):
+        """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings. A LoRA
+          run's engine gets ``Adapted(base, adapters)`` and later publications adapters alone;
+          ``lora_serving`` says how it serves them ("merged" or "unmerged": serving/lora_weights.py).
 
         mesh: the cell's serving mesh (axes 'data', 'tensor', and 'expert' to split an MoE
           model's experts over: engine_state.py); default: device 0.
@@ -164,6 +169,11 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         if tokens_per_call < 1:
             raise ValueError(f"GyreEngine.tokens_per_call must be >= 1, got {tokens_per_call}")
         self.tokens_per_call = int(tokens_per_call)
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        self._lora = LoraWeights(params.base, mesh, lora_serving) if isinstance(params, Adapted) else None
+        if self._lora is not None:
+            config = self._lora.config
         self.config, self.name = config, name
         # An MoE model's routing rides beside each token in the result rows (engine_state.py).
         self.result_layout = RoutingLayout.of(config)
@@ -200,13 +210,12 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._host_len = np.zeros((max_slots,), np.int64)
         self._host_live = np.zeros((max_slots,), bool)
         self._slots = max_slots
-        if mesh is None:
-            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self._mesh = mesh
         expert_parallel(config, mesh)  # experts that do not split over the mesh: say so before laying them out
         self._special = special_ids
-        self._param_shardings = tree_shardings(param_logical_axes(config), mesh, params)
-        self.params_ref = ParamsRef(self._place(params), version)
+        self._param_shardings = (self._lora.param_shardings() if self._lora is not None
+                                 else tree_shardings(param_logical_axes(config), mesh, params))
+        self.params_ref = ParamsRef(self._weights(params, None), version)
         self._lock = threading.Lock()
         self._owner_slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}
@@ -250,6 +259,12 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                           take=lambda j, i: jax.device_put(leaves[j][i], layer_sharding(shardings[j])))
         return lp.replace(rest=jax.tree.map(lambda j: jax.device_put(leaves[j], shardings[j]), lp.rest))
 
+    def _weights(self, params, previous: LayerParams | None) -> LayerParams:
+        """What the engine serves for ``params``: placed as they are, or a LoRA run's adapters with the base."""
+        if self._lora is None:
+            return self._place(params)
+        return self._lora.weights(params, self._place, previous)
+
     def bucket(self, n: int) -> int:
         b = MIN_BUCKET
         while b < n:
@@ -262,8 +277,9 @@ class GyreEngine(PagedSlots, engine_api.Engine):
 
     def publish(self, params, version: int) -> None:
         """New weights (already trained elsewhere) in this cell's serving layout.
-        Call between drain and admit: calls already in a slot would mix versions."""
-        self.params_ref.value = self._place(params)
+        Call between drain and admit: calls already in a slot would mix versions. A LoRA run's
+        engine takes the adapters alone (serving/lora_weights.py)."""
+        self.params_ref.value = self._weights(params, self.params_ref.value)
         self.params_ref.version = int(version)
         if self._prefix_pages is not None:  # k/v of the old weights: never reused
             self._prefix_pages.clear()
