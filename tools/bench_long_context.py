@@ -199,7 +199,7 @@ def prefill_long(length: int, chunk: int, decode_steps: int, block: int) -> dict
 
 def main(argv=None) -> dict | None:
     bench = benchkit.Bench(__file__, __doc__, quick=dict(
-        preset="tiny", tree_row_len=2048, block=128, cp_row_len=4096, repeats=1, ladder_start=1024, max_len=2048,
+        preset="tiny", tree_row_len=2048, block=128, cp_row_len=4096, repeats=1, ladder_start=1024, max_len=1024,
         speed_len=512, logits_chunk=256, prefill_len=600, prefill_chunk=256))
     ap = bench.parser
     ap.add_argument("--preset", default="paper", help="the synthetic rollout preset the rows come from")

@@ -15,10 +15,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from gyre_jax.model.attend import attend
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import RMSNorm, dense_param, rope, rope_inv_freq
 from gyre_jax.model.paged import PagedMask, page_slots, paged_attention, write_pages
-from gyre_jax.model.tree_attention import CacheMask, TreeMask, attend_structured
 
 
 def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
@@ -28,27 +28,6 @@ def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
     j = jnp.arange(L, dtype=jnp.int32)[None, :]
     same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
     return same & (j <= i) & (i < subtree_end_BxL[:, None, :])
-
-
-def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
-    """Softmax attention with GQA (N query heads share K k/v heads); float32 softmax.
-
-    ``mask_BxTxS``: dense booleans, or a TreeMask/CacheMask (blockwise path, same result).
-    Every query row must have at least one visible key (the tree rule always
-    includes the token itself), so no row is all -inf.
-    """
-    if isinstance(mask_BxTxS, (TreeMask, CacheMask)):
-        return attend_structured(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS)
-    b, t, n, h = q_BxTxNxH.shape
-    kv = k_BxSxKxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32
-    ) * (h**-0.5)
-    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-    return out.reshape(b, t, n, h)
 
 
 def attend_one_query(q_Bx1xNxH, k_YxBxSxKxH, v_YxBxSxKxH, layer, mask_Bx1xS):
