@@ -35,7 +35,9 @@ LONG_FUNCTIONS_OWNED_ELSEWHERE = {
 MODULE_CYCLES_OWNED_ELSEWHERE = {
     ("agents.sandbox", "agents.tasks", "agents.tasks.base", "agents.tools"): "branch reward (gyre_jax/agents/)",
     ("agents.harnesses", "agents.harnesses.command", "agents.harnesses.python_entry"): "branch reward",
-    ("scheduler.modes", "scheduler.policy"): "branch sched (policy.py -> state, admission, costs)",
+    ("agents.tasks.formats", "agents.tasks.formats.harbor", "agents.tasks.formats.swebench"): "branch reward",
+    ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
+        "branch lora (lora.init_adapter_boxed imports the Transformer whose layers import lora)",
 }
 # Other libraries' private names we use: allowed anywhere (not ours to change).
 THIRD_PARTY = {
@@ -43,6 +45,9 @@ THIRD_PARTY = {
     "site._server",  # aiohttp: a started site's server, for the port it bound
     "fn._cache_size",  # jax: a jitted function's compile count
     "self._driver._generate_slots",  # JetStream: the driver's free-slot queue per engine
+    # pytest's assertion rewriter: gyre's verdict plugin compiles the task's tests from memory
+    "rewrite._rewrite_test", "rewrite._read_pyc",
+    "sys._getframe",  # the verdict plugin reads a passing assert's operands from the rewritten test frame
 }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gyre_jax.trajectory import store as store_mod  # noqa: E402
+from gyre_jax.trajectory import cursor as store_mod  # noqa: E402
 from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome  # noqa: E402
 from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore  # noqa: E402
 
@@ -67,8 +67,8 @@ def run(kind: str, steps: int, per: int) -> dict:
                         st.mark_trained(ids, step=s)
                     else:  # before: memory, then the whole cursor rewritten
                         for rid in ids:
-                            st._consumed[rid] = {"state": "trained", "step": s, "reason": None,
-                                                 "outcome_offset": st._rollouts[rid].outcome[0]}
+                            st._cursor.consumed[rid] = {"state": "trained", "step": s, "reason": None,
+                                                        "outcome_offset": st._rollouts[rid].outcome[0]}
                         atomic(os.path.join(d, "cursor.json"), st.cursor_state())
                 times.append(sw.s)
         finally:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from gyre_jax.model.attend import attend
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.layers import RMSNorm, dense_param, rope, rope_inv_freq
+from gyre_jax.model.lora import adapter_weights as lora_adapter, delta as lora_delta
+from gyre_jax.model.layers import RMSNorm, dense_param, project, rope, rope_inv_freq
 from gyre_jax.model.paged import PagedMask, page_slots, paged_attention, write_pages
 
 
@@ -94,7 +95,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, mask, cache=None, cache_index_B=None):
+    def __call__(self, x_BxTxD, positions_BxT, mask, cache=None, cache_index_B=None, lora_in=None):
         cfg = self.config
         dt = cfg.jnp_dtype
         d, n, kv, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -105,9 +106,11 @@ class Attention(nn.Module):
         wo_NxHxD = dense_param(self, "o", (n, h, d), ("heads", "head_dim", "embed"), n * h)
 
         x = x_BxTxD.astype(dt)
-        q = jnp.einsum("btd,dnh->btnh", x, wq_DxNxH)
-        k = jnp.einsum("btd,dkh->btkh", x, wk_DxKxH)
-        v = jnp.einsum("btd,dkh->btkh", x, wv_DxKxH)
+        q = project(self, "q", x, wq_DxNxH, "btd,dnh->btnh", 1, (d,), ("embed",), (n, h), ("heads", "head_dim"), lora_in)
+        k = project(self, "k", x, wk_DxKxH, "btd,dkh->btkh", 1, (d,), ("embed",), (kv, h), ("kv_heads", "head_dim"),
+                    lora_in)
+        v = project(self, "v", x, wv_DxKxH, "btd,dkh->btkh", 1, (d,), ("embed",), (kv, h), ("kv_heads", "head_dim"),
+                    lora_in)
         if cfg.qkv_bias:  # Qwen2: biased q/k/v projections (zero-init; checkpoints overwrite)
             def b(name, shape, axes):
                 return self.param(
@@ -152,4 +155,7 @@ class Attention(nn.Module):
         # transposed every call (each layer's o at every decode step).
         b, t = out.shape[:2]
         y = jnp.einsum("btx,xd->btd", out.reshape(b, t, n * h), wo_NxHxD.reshape(n * h, d))
+        ab = lora_adapter(self, "o", (n, h), ("heads", "head_dim"), (d,), ("embed",))
+        if ab is not None:
+            y = y + lora_delta(self, out, ab, lora_in, 2).astype(y.dtype)
         return y, new_cache

@@ -70,9 +70,11 @@ from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
     DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, expert_parallel,
 )
+from gyre_jax.cells.frozen_base import Adapted
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 from gyre_jax.serving.kv_layout import ContiguousKV, EngineHooks, KVLayout, plan_kv
 from gyre_jax.serving.kv_paged import PagedKV
+from gyre_jax.serving.lora_weights import LoraWeights
 from gyre_jax.serving.pages import PrefixPages
 
 log = logging.getLogger(__name__)
@@ -151,8 +153,11 @@ class GyreEngine(engine_api.Engine):
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
                  max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None,
-                 kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None):
-        """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings.
+                 kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None,
+                 lora_serving: str = "merged"):
+        """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings. A LoRA
+          run's engine gets ``Adapted(base, adapters)`` and later publications adapters alone;
+          ``lora_serving`` says how it serves them ("merged" or "unmerged": serving/lora_weights.py).
 
         mesh: the cell's serving mesh (axes 'data', 'tensor', and 'expert' to split an MoE
           model's experts over: engine_state.py); default: device 0.
@@ -179,6 +184,11 @@ class GyreEngine(engine_api.Engine):
         kv_pages: pages in the pool (page 0 is never used); default: the budget's
           worth, or the contiguous cache's memory (max_slots x max_len) + 1.
         """
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        self._lora = LoraWeights(params.base, mesh, lora_serving) if isinstance(params, Adapted) else None
+        if self._lora is not None:
+            config = self._lora.config
         self.max_len = config.max_seq_len if max_len is None else int(max_len)
         _check_sizes(config, max_slots, self.max_len, tokens_per_call, prefill_chunk)
         self.tokens_per_call = int(tokens_per_call)
@@ -190,13 +200,12 @@ class GyreEngine(engine_api.Engine):
         pages = plan_kv(kv_cache, config, self.max_len, max_slots, page_size=page_size, kv_pages=kv_pages,
                         kv_budget_bytes=kv_budget_bytes)
         self._slots = max_slots
-        if mesh is None:
-            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
         self._mesh = mesh
         expert_parallel(config, mesh)  # experts that do not split over the mesh: say so before laying them out
         self._special = special_ids
-        self._param_shardings = tree_shardings(param_logical_axes(config), mesh, params)
-        self.params_ref = ParamsRef(self._place(params), version)
+        self._param_shardings = (self._lora.param_shardings() if self._lora is not None
+                                 else tree_shardings(param_logical_axes(config), mesh, params))
+        self.params_ref = ParamsRef(self._weights(params, None), version)
         self.max_decode_pause_s = float(max_decode_pause_s)
         self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
         self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
@@ -261,6 +270,12 @@ class GyreEngine(engine_api.Engine):
                           take=lambda j, i: jax.device_put(leaves[j][i], layer_sharding(shardings[j])))
         return lp.replace(rest=jax.tree.map(lambda j: jax.device_put(leaves[j], shardings[j]), lp.rest))
 
+    def _weights(self, params, previous: LayerParams | None) -> LayerParams:
+        """What the engine serves for ``params``: placed as they are, or a LoRA run's adapters with the base."""
+        if self._lora is None:
+            return self._place(params)
+        return self._lora.weights(params, self._place, previous)
+
     def bucket(self, n: int) -> int:
         b = MIN_BUCKET
         while b < n:
@@ -273,8 +288,9 @@ class GyreEngine(engine_api.Engine):
 
     def publish(self, params, version: int) -> None:
         """New weights (already trained elsewhere) in this cell's serving layout.
-        Call between drain and admit: calls already in a slot would mix versions."""
-        self.params_ref.value = self._place(params)
+        Call between drain and admit: calls already in a slot would mix versions. A LoRA run's
+        engine takes the adapters alone (serving/lora_weights.py)."""
+        self.params_ref.value = self._weights(params, self.params_ref.value)
         self.params_ref.version = int(version)
         self.kv.forget_cached()  # k/v of the old weights: never reused
 
