@@ -26,14 +26,12 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "gyre_jax")
 MAX_LINES = 60
-# Files whose long functions other branches are splitting now (issue 43): the integrator empties this.
+# Folders (or files) whose long functions other branches are splitting now (issue 43): the integrator empties this.
 LONG_FUNCTIONS_OWNED_ELSEWHERE = {
-    "agents/harness.py": "branch reward (gyre_jax/agents/)",
-    "scheduler/simulator.py": "branch sched (the scheduler split)",
+    "agents/": "branch reward (gyre_jax/agents/: harness.run_rollout, sandbox.bwrap_argv)",
 }
 # Module cycles other branches are removing (issue 43), each as its sorted modules.
 MODULE_CYCLES_OWNED_ELSEWHERE = {
-    ("agents.sandbox", "agents.tasks", "agents.tasks.base", "agents.tools"): "branch reward (gyre_jax/agents/)",
     ("agents.harnesses", "agents.harnesses.command", "agents.harnesses.python_entry"): "branch reward",
     ("agents.tasks.formats", "agents.tasks.formats.harbor", "agents.tasks.formats.swebench"): "branch reward",
     ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
@@ -44,6 +42,7 @@ THIRD_PARTY = {
     "os._exit",  # exit without running cleanup (after a fork; the fault injector's kill)
     "site._server",  # aiohttp: a started site's server, for the port it bound
     "fn._cache_size",  # jax: a jitted function's compile count
+    "bound._cache_size", "jitted._cache_size",  # the same, on cells/train_step.py's bound steps
     "self._driver._generate_slots",  # JetStream: the driver's free-slot queue per engine
     # pytest's assertion rewriter: gyre's verdict plugin compiles the task's tests from memory
     "rewrite._rewrite_test", "rewrite._read_pyc",
@@ -91,10 +90,11 @@ def test_no_function_in_rl_is_longer_than_60_lines():
 
 def test_no_function_in_gyre_jax_is_longer_than_60_lines():
     long = {path: found for path, tree in _modules() if (found := long_functions(tree))}
+    owned = tuple(LONG_FUNCTIONS_OWNED_ELSEWHERE)
     offenders = [f"gyre_jax/{path}:{name} ({n} lines)" for path, found in sorted(long.items())
-                 if path not in LONG_FUNCTIONS_OWNED_ELSEWHERE for name, n in found]
+                 if not path.startswith(owned) for name, n in found]
     assert not offenders, f"functions over {MAX_LINES} lines (split them into named steps): {offenders}"
-    stale = sorted(set(LONG_FUNCTIONS_OWNED_ELSEWHERE) - set(long))
+    stale = sorted(p for p in owned if not any(path.startswith(p) for path in long))
     assert not stale, f"no long function left in {stale}: remove them from LONG_FUNCTIONS_OWNED_ELSEWHERE"
 
 

@@ -184,11 +184,9 @@ class GyreEngine(engine_api.Engine):
         kv_pages: pages in the pool (page 0 is never used); default: the budget's
           worth, or the contiguous cache's memory (max_slots x max_len) + 1.
         """
-        if mesh is None:
-            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor")) if mesh is None else mesh
         self._lora = LoraWeights(params.base, mesh, lora_serving) if isinstance(params, Adapted) else None
-        if self._lora is not None:
-            config = self._lora.config
+        config = self._lora.config if self._lora is not None else config
         self.max_len = config.max_seq_len if max_len is None else int(max_len)
         _check_sizes(config, max_slots, self.max_len, tokens_per_call, prefill_chunk)
         self.tokens_per_call = int(tokens_per_call)
@@ -206,19 +204,19 @@ class GyreEngine(engine_api.Engine):
         self._param_shardings = (self._lora.param_shardings() if self._lora is not None
                                  else tree_shardings(param_logical_axes(config), mesh, params))
         self.params_ref = ParamsRef(self._weights(params, None), version)
+        self._init_host_state(max_decode_pause_s)
+        self._build_jits(pages)
+        self.kv: KVLayout = kv_layout_for(pages, self._kv_hooks(), max_slots=max_slots, max_len=self.max_len,
+                                          tokens_per_call=self.tokens_per_call)
+
+    def _init_host_state(self, max_decode_pause_s: float) -> None:
+        """What JetStream's threads and the backend's share: slot owners, commands, errors, counters,
+        and the prefill/decode coordination (see generate)."""
         self.max_decode_pause_s = float(max_decode_pause_s)
         self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
         self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
                              generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0,
                              page_waits=0, shared_page_tokens=0)
-        self._init_thread_state()
-        self._build_jits(pages)
-        self.kv: KVLayout = kv_layout_for(pages, self._kv_hooks(), max_slots=max_slots, max_len=self.max_len,
-                                          tokens_per_call=self.tokens_per_call)
-
-    def _init_thread_state(self) -> None:
-        """What JetStream's threads and the backend's share: slot owners, commands, errors, and the
-        prefill/decode coordination (see generate)."""
         self._lock = threading.Lock()
         self._owner_slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}

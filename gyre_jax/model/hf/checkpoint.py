@@ -347,7 +347,7 @@ def _shards(specs: list, max_shard_bytes: int) -> list[list[int]]:
 
 
 def _write_gguf_tokenizer(src: str, path: str) -> list[str]:
-    from gyre_jax.serving.gguf_tokenizer import gguf_tokenizer
+    from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
 
     tk, tc = gguf_tokenizer(src)
     tk.save(os.path.join(path, "tokenizer.json"))
