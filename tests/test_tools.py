@@ -35,6 +35,7 @@ FIELDS = {
     "bench_long_context": ["skipped_tile_fraction", "speedup_vs_dense_4k", "max_row_len_fwd_bwd", "prefill_75k_ok"],
     "bench_moe": ["ragged_tokens_per_s", "dense_tokens_per_s", "ep1_tokens_per_s"],
     "bench_proxy_soak": ["rss_slope_kb_per_1k_calls", "calls", "errors"],
+    "bench_report": ["build_s", "rebuild_s", "bytes_total"],
     "bench_retokenize_drift": ["drift_fraction", "off_path_token_fraction", "turns"],
     "bench_role_switch": ["copy_gbps", "plain_copy_gbps", "cross_process_gbps"],
     "bench_roofline": ["train_fraction_of_matmul_peak", "decode_tokens_per_s_1", "params"],
@@ -45,6 +46,7 @@ FIELDS = {
     "bench_trajectory": ["packed_over_unique", "expanded_over_packed", "seconds"],
     "bench_tree_attention": ["speedup", "dedup_factor", "packed_tokens_per_s"],
     "rl_offline": ["eval_first", "eval_last", "rollouts_per_step"],
+    "search_scheduler": ["worst_elastic_over_best_fixed", "losses", "cpu_s"],
     "synth_rollouts": ["rollouts", "calls", "recorded_tokens"],
 }
 # CPU-seconds of --quick measured on 2 cores at load 15-40 (Dec 6): compiles or child processes.
@@ -67,8 +69,11 @@ SLOW = {
 ELSEWHERE = {
     "bench_chaos": "tests/test_bench_chaos.py runs --quick (slow: three demo attempts)",
     "bench_learning": "tests/test_bench_learning.py runs --quick (slow: a whole launch)",
+    "bench_reward_hacks": "tests/test_reward_integrity.py runs --quick by default",
     "device_check": "tests/test_device_check.py runs --dry (= --quick) in process, by default",
+    "gen_smol_tasks": "a task-file generator, not a bench: tests/test_smol_tasks.py checks the file it writes",
     "launch_local": "a launcher, not a bench: tests/test_pods_dp.py and test_pods_rl.py run it",
+    "peer_transformers": "the transformers peer (torch, its own venv): tests/test_gguf.py runs it where that venv is",
     "peer_tunix": "the Tunix peer of bench_roofline --peer=tunix, in its own venv (no Tunix here)",
 }
 SCRIPTS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(TOOLS, "*.py"))
