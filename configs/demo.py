@@ -78,6 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
         max_len=160,  # KV-cache length per slot
         tokens_per_call=8,  # decode steps per engine call: amortizes JetStream's per-call host work on CPU
         switch_retries=2,  # a failing role switch / weight load is retried, then its cell is taken out of service
+        start_timeout_s=300.0,  # engines serving within this many seconds of the start, else an error: line (exit 1)
         kv_cache="contiguous",  # or "paged": pages for live tokens only, calls admitted by free pages
         page_size=16,  # tokens per KV page (paged)
         kv_pages=0,  # pages per engine (paged); 0 = the memory of max_slots x max_len

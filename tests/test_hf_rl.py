@@ -97,6 +97,22 @@ def test_config_takes_the_shape_from_a_gguf_file(tmp_path):
     assert _tokenizer(from_file).render_chat(msgs) == _tokenizer(from_dir).render_chat(msgs)
 
 
+def test_external_config_composes_with_a_checkpoint(tmp_path):
+    """configs/external.py's model section takes hf_path: the checkpoint's shape replaces the random model's
+    (random_init_shape), the section's max_seq_len/dtype stay; configs/smol_agent.py is that with SmolLM2."""
+    d = tiny_checkpoint(tmp_path / "ck", "qwen3")
+    c = _config("external")
+    c.model.hf_path = d
+    cfg = RLConfig.from_config(c)
+    assert cfg.hf_path == d and cfg.model.qk_norm and cfg.model.vocab_size == 407
+    assert cfg.model.max_seq_len == c.model.max_seq_len and cfg.harness.kind == "command"
+    c = _config("external")
+    c.model.random_init_shape = False  # a config whose shape is not a placeholder: a clash is still an error
+    c.model.hf_path = d
+    with pytest.raises(ConfigError, match="come from"):
+        RLConfig.from_config(c)
+
+
 def test_chat_template_kwargs_from_the_config_reach_the_runs_tokenizer(tmp_path):
     """config.model.chat_template_kwargs (JSON) is passed to the checkpoint's template in every render: Qwen3's
     non-thinking mode from the command line. A bad value or one without a checkpoint fails naming the field."""

@@ -6,7 +6,9 @@
 
 Each task: one instruction line, a few files, a grader command that checks the workspace's files by exit
 code (``test``, ``cmp``, ``grep``; agent code only ever runs in a child process of the grader command, never
-imported into a checker), and ``metadata.solution`` (a shell command that scores 1; the untouched workspace
+imported into a checker; a grader never names a shipped file the solution deletes or renames: clean-tree
+grading keeps such files out of the policy's reach; nor does a task ask for an empty directory: only files
+reach the graded tree), and ``metadata.solution`` (a shell command that scores 1; the untouched workspace
 scores 0: ``--check_tasks`` and tests/test_smol_tasks.py check both). Held-out tasks (``split: eval``) draw
 their words, names and numbers from pools disjoint from the train tasks', so a policy cannot pass them by
 remembering train answers. ``metadata.family`` names the family (the bench reports pass rates per family).
@@ -73,15 +75,19 @@ def create_file(g):
     return f"Create an empty file named {n}.", {}, f"test -f {n}", f"touch {n}"
 
 
-def make_dir(g):
-    n = g.name("")
-    return f"Create a directory named {n}.", {}, f"test -d {n}", f"mkdir {n}"
+def count_words(g):
+    n = 2 * g.rng.randint(1, 4) + (1 if g.held_out else 0)  # held out: odd counts
+    return ("Write the number of words in text.txt into the file count.txt.", {"text.txt": " ".join(
+        g.rng.choice(g.words) for _ in range(n)) + "\n"}, f"test \"$(tr -d ' \\n' < count.txt)\" = {n}",
+        "wc -w < text.txt > count.txt")
 
 
 def delete_file(g):
     a, b = g.rng.sample(g.names, 2)
     files = {f"{a}.txt": g.word() + "\n", f"{b}.txt": g.word() + "\n"}
-    return (f"Delete the file {a}.txt.", files, f"! test -e {a}.txt && test -f {b}.txt", f"rm {a}.txt")
+    # The graders name only what must remain: issue 42's clean-tree grading protects a shipped file its grader
+    # command names, so a deletion of it would never reach the graded tree.
+    return (f"Delete the file {a}.txt.", files, f"test \"$(ls)\" = {b}.txt", f"rm {a}.txt")
 
 
 def copy_file(g):
@@ -95,7 +101,7 @@ def rename_file(g):
     a, b = g.rng.sample(g.names, 2)
     w = g.word()
     return (f"Rename the file {a}.txt to {b}.txt.", {f"{a}.txt": w + "\n"},
-            f"! test -e {a}.txt && test \"$(cat {b}.txt)\" = {w}", f"mv {a}.txt {b}.txt")
+            f"test \"$(ls)\" = {b}.txt && test \"$(cat {b}.txt)\" = {w}", f"mv {a}.txt {b}.txt")
 
 
 def sum_numbers(g):
@@ -152,7 +158,7 @@ def py_add(g):
             f"printf 'def add(a, b):\\n    return a + b\\n' > {n}.py")
 
 
-FAMILIES = {f.__name__: f for f in (write_word, create_file, make_dir, delete_file, copy_file, rename_file,
+FAMILIES = {f.__name__: f for f in (write_word, create_file, count_words, delete_file, copy_file, rename_file,
                                     sum_numbers, count_lines, upper_case, sort_lines, append_line, first_line,
                                     py_print, py_add)}
 # Relative weights of the families in the generated set (tuned: see the module docstring).

@@ -289,7 +289,7 @@ def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdi
                      make_backend=lambda params, version: make_backend(cfg, cell, _engine_params(frozen, params),
                                                                        version, "eval", tok),
                      tokenizer=tok, workdir=os.path.join(workdir, "eval"), seed=cfg.seed,
-                     max_tokens_cap=cfg.harness.max_tokens)
+                     max_tokens_cap=cfg.harness.max_tokens, start_timeout_s=cfg.cells.start_timeout_s)
     return BackgroundEval(ev, log_dir=os.path.join(workdir, "eval"), on_close=(ev.close,))
 
 
@@ -521,7 +521,7 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
                                  auth_token=secrets.token_hex(16), unix_path=sock))
 
     server = ServerThread(build_proxy)
-    url = server.start()
+    url = server.start(cfg.cells.start_timeout_s, "the rollout engines")
     backends = {c: server.proxy.router.cells[names[c]] for c in serving}
     _warm_engines(cfg, server, backends, base.tok)
     spec = place.steps.spec

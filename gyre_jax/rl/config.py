@@ -105,6 +105,9 @@ class CellsConfig:
     page_size: int = 16  # tokens per KV page (paged); max_len must be a multiple
     kv_pages: int = 0  # pages per engine (paged); 0 = the contiguous cache's memory (max_slots x max_len)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
+    # Engines (weights placed, decode steps compiled) must be serving within this many seconds of the start, or
+    # the run ends with an error: line (exit 1) instead of hanging; a loaded 2-core host compiles slowly.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self):
         _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
@@ -112,6 +115,7 @@ class CellsConfig:
         _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
                          "max_len", "tokens_per_call", "page_size"))
         _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
+        _positive(self, ("start_timeout_s",))
         if self.kv_cache not in ("contiguous", "paged"):
             raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.max_len % self.page_size:
@@ -889,6 +893,7 @@ class RLConfig:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
         hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
+        model = drop_random_init_shape(model, hf_path)
         from gyre_jax.serving.tokenizer import chat_template_kwargs
 
         try:
@@ -911,6 +916,16 @@ class RLConfig:
 
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
 HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+# config.model.random_init_shape=True: the section's shape fields describe the random model used when no
+# checkpoint is given (configs/external.py), so --config.model.hf_path=... replaces them instead of clashing.
+RANDOM_INIT_SHAPE = "random_init_shape"
+
+
+def drop_random_init_shape(model: dict, hf_path: str) -> dict:
+    """``model`` without its marker, and without its shape fields when a checkpoint gives the shape."""
+    if not model.pop(RANDOM_INIT_SHAPE, False) or not hf_path:
+        return model
+    return {k: v for k, v in model.items() if k in HF_MODEL_OVERRIDES or k == "chat_template_kwargs"}
 
 
 def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) -> ModelConfig:

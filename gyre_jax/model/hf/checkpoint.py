@@ -231,8 +231,8 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
                 del w
                 if time.perf_counter() - last > 10:
                     last, el = time.perf_counter(), time.perf_counter() - t0
-                    log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.2f GB/s), ETA %.0fs", done, total, nbytes / 1e9,
-                             el, nbytes / 1e9 / el, el * (total - done) / done)
+                    log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.0f MB/s), ETA %.0fs", done, total, nbytes / 1e9,
+                             el, nbytes / 1e6 / el, el * (total - done) / done)
             _set(params, e.path, stacked)
         log.info("hf: loaded %s (%d tensors, %.2f GB) in %.1fs", path, total, nbytes / 1e9, time.perf_counter() - t0)
     finally:
