@@ -19,11 +19,8 @@ loads), load (the 1-minute load average at the start: the machine is shared).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gyre_jax.report import build_report, mode_dirs  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 STEP_ROLLOUTS = 32
 
@@ -47,7 +46,7 @@ def synth_run(mode_dir: str, rollouts: int, group_size: int, calls: int, seed: i
                  drift_rate=0.05, timeout_rate=0.1, infra_error_rate=0.02, verifier_error_rate=0.02,
                  version_every_calls=0)
     n_calls = n_tokens = 0
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     with TrajectoryStore(os.path.join(mode_dir, "store"), run_id=cfg.run_id,
                          config=StoreConfig(fsync="never", vocab_size=cfg.vocab_size)) as st, \
             MetricsWriter(mode_dir, process_index=0) as m:
@@ -71,7 +70,7 @@ def synth_run(mode_dir: str, rollouts: int, group_size: int, calls: int, seed: i
                 scores += scored
                 step, batch = step + 1, []
     return {"rollouts": cfg.num_groups * cfg.group_size, "calls": n_calls, "recorded_tokens": n_tokens,
-            "steps": step, "synth_s": round(time.perf_counter() - t0, 2)}
+            "steps": step, "synth_s": round(sw.s, 2)}
 
 
 def measure(mode_dir: str, title: str, workers: int = 0) -> dict:
@@ -90,25 +89,16 @@ def measure(mode_dir: str, title: str, workers: int = 0) -> dict:
             "report": cold["report"]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return ""
-
-
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = benchkit.Bench(__file__, __doc__, quick_help="200 synthetic rollouts")
+    ap = bench.parser
     ap.add_argument("--rollouts", type=int, default=10_000)
     ap.add_argument("--group_size", type=int, default=8)
     ap.add_argument("--calls", type=int, default=12, help="model calls per (full) synthetic rollout")
     ap.add_argument("--workdir", default="", help="measure this run's report instead of a synthetic one")
-    ap.add_argument("--quick", action="store_true", help="200 synthetic rollouts")
     ap.add_argument("--keep", default="", help="keep the synthetic run in this directory")
     ap.add_argument("--workers", type=int, default=0, help="build processes (0: one per CPU up to 8; 1: one)")
-    args = ap.parse_args(argv)
-    load = os.getloadavg()[0]
+    args = bench.parse(argv)
     rows, extra = [], {}
     if args.workdir:
         for d in mode_dirs(args.workdir):
@@ -129,10 +119,9 @@ def main(argv=None) -> dict:
               f"{r['rebuild_s']:9.2f} "
               f"{r['bytes_total'] / 1e6:8.1f} {r['bytes_index'] / 1e3:9.0f} {r['bytes_run'] / 1e3:7.0f} "
               f"{r['bytes_largest_group'] / 1e3:12.0f}")
-    result = {"bench": "report", "commit": _commit(), "host": os.uname().nodename, "load": round(load, 1),
-              **extra, **{k: v for k, v in rows[0].items() if k not in ("run", "report")}} if rows else {}
-    print(json.dumps(result))
-    return result
+    result = {**extra, **{k: v for k, v in rows[0].items() if k not in ("run", "report")}} if rows else {}
+    return bench.emit(result, sizes=dict(rollouts=result.get("rollouts"), group_size=args.group_size, calls=args.calls,
+                                         workdir=args.workdir or None, workers=args.workers))
 
 
 if __name__ == "__main__":

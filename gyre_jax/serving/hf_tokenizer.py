@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from gyre_jax.serving.tokenizer import Tokenizer, cut_at_stop, parse_call_json
+from gyre_jax.serving.tokenizer_base import Tokenizer, cut_at_stop, parse_call_json
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 TOOL_FORMATS = ("qwen", "llama3_json", "none")
