@@ -115,7 +115,7 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     try:
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            copied = _copy_extents(fd, out, st.st_size, budget)
+            copied = copy_extents(fd, out, st.st_size, budget)
             os.ftruncate(out, st.st_size)  # trailing holes; never more than was counted
         finally:
             os.close(out)
@@ -130,7 +130,7 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     return None
 
 
-def _copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
+def copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
     """Copy ``fd``'s data extents below ``size`` into ``out`` at the same offsets; the data
     bytes copied, or None once they pass ``budget``."""
     pos, copied = 0, 0

@@ -122,10 +122,9 @@ def forgery_files(task: Task, workspace: Path, forged: bool = True) -> dict[str,
     exist can earn credit of their own)."""
     import ast
 
-    from gyre_jax.agents.graded_tree import protected_paths
-    from gyre_jax.agents.tree_rules import Rules
+    from gyre_jax.agents.graded_tree import listing, task_rules
 
-    rules = Rules(solution_paths=task.solution_paths, protected=protected_paths(task))
+    rules = task_rules(task, listing(workspace))
     out = {}
     for f in sorted(workspace.rglob("*.py")):
         rel = f.relative_to(workspace).as_posix()
