@@ -42,6 +42,7 @@ Target: copy_gbps >= 0.5 * plain_copy_gbps.
     python tools/bench_role_switch.py     # 623 MB model, ~5 min on 2 loaded cores; ~4 GB of host memory in all
     python tools/bench_role_switch.py --sweep --in_process 0   # the transfer settings only, ~6 min
     python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
+    python tools/bench_role_switch.py --quick     # a smoke run: a 1-layer model of d 64, one round of one move
 """
 from __future__ import annotations
 
@@ -61,10 +62,8 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -79,9 +78,14 @@ from gyre_jax import cells  # noqa: E402
 from gyre_jax.cells import Role  # noqa: E402
 from gyre_jax.model import ModelConfig, init_boxed, param_logical_axes  # noqa: E402
 
+import benchkit  # noqa: E402 (tools/, beside this script)
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+QUICK = dict(vocab=256, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=128, repeats=1, rounds=1)
+
+
+def parse_args(argv=None, bench=None):
+    bench = bench or benchkit.Bench(__file__, __doc__, quick=QUICK)
+    p = bench.parser
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--d_model", type=int, default=1024)
     p.add_argument("--n_layers", type=int, default=8)
@@ -97,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--in_process", type=int, default=1, help="0: skip the in-process moves (plain copy and role "
                    "switches); the cross-process ratio is then to the link limit only")
     p.add_argument("--_peer", nargs=2, type=int, metavar=("PROCESS_ID", "PORT"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return bench.parse(argv)
 
 
 def model_config(args) -> ModelConfig:
@@ -166,15 +170,15 @@ def _tcp_pull(conns, bufs) -> float:
         while len(view):
             view = view[c.recv_into(view):]
 
-    t0 = time.perf_counter()
-    for c in conns:
-        c.sendall(b"g")
-    threads = [threading.Thread(target=rx, args=(c, memoryview(b))) for c, b in zip(conns, bufs)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return time.perf_counter() - t0
+    with benchkit.Stopwatch() as sw:
+        for c in conns:
+            c.sendall(b"g")
+        threads = [threading.Thread(target=rx, args=(c, memoryview(b))) for c, b in zip(conns, bufs)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    return sw.s
 
 
 def _split(n: int, k: int) -> list[int]:
@@ -260,17 +264,13 @@ def peer(args) -> None:
         times: dict[str, list[float]] = {k: [] for k in kinds}
         first: dict[str, float] = {}
         for (kind, _), u in zip(plan, uuids):
-            t0 = time.perf_counter()
             if kind.startswith("tcp"):
                 dt = _tcp_pull(*conns[kind])
+            elif kind == LEAF:
+                dt = timed(lambda: jax.block_until_ready([links["transport"].pull(i, [x])[0]
+                                                          for i, x in zip(u, like_leaves)]))
             else:
-                if kind == LEAF:
-                    out = [links["transport"].pull(i, [x])[0] for i, x in zip(u, like_leaves)]
-                else:
-                    out = links[kind].pull(u, like)
-                jax.block_until_ready(out)
-                dt = time.perf_counter() - t0
-                del out
+                dt = timed(lambda: jax.block_until_ready(links[kind].pull(u, like)))
             if kind in first:
                 times[kind].append(dt)
             else:
@@ -284,11 +284,7 @@ def peer(args) -> None:
 
 def timed(fn):
     """Seconds of ``fn()``, which blocks until its copy is complete; the copy is dropped after."""
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    del out
-    return dt
+    return benchkit.timed(fn)[1]
 
 
 def in_process(args) -> dict:
@@ -300,15 +296,12 @@ def in_process(args) -> dict:
         cells.OptimizerConfig(learning_rate=1e-4), logical))
     publisher = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
 
-    t0 = time.perf_counter()
-    params = jax.jit(lambda r: nn.unbox(init_boxed(model, r)), out_shardings=spec.param_shardings(core.train_mesh))(
-        jax.random.key(0)
-    )
-    params = jax.block_until_ready(params)
+    params, born_s = benchkit.timed(lambda: jax.block_until_ready(jax.jit(
+        lambda r: nn.unbox(init_boxed(model, r)), out_shardings=spec.param_shardings(core.train_mesh))(jax.random.key(0))))
     param_bytes = cells.tree_bytes(params)
     n_leaves = len(jax.tree.leaves(params))
     print(f"model: {param_bytes / 1e6:.0f} MB in {n_leaves} arrays, born sharded on the core "
-          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"in {born_s:.1f} s", flush=True)
 
     # The limit: the same bytes as plain float32 arrays of 64 MB (16 MB per shard, about
     # the params' shard sizes, so both sides see the same allocator behaviour), same
@@ -353,7 +346,7 @@ def in_process(args) -> dict:
                 publisher.forget(sat)
                 times[name].append(timed(fn))
     publisher.forget(sat)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: benchkit.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
     to_train_s, to_rollout_s, plain_s = med["to_train"], med["to_rollout"], med["plain"]
 
@@ -388,7 +381,7 @@ def in_process(args) -> dict:
 def report_cross_process(res: dict, plain_gbps: float | None) -> dict:
     """Print the cross-process table (every kind the peers timed) and return the JSON fields."""
     gb, b = 1e9, res["param_bytes"]
-    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    med = {k: benchkit.median(v) for k, v in res["times"].items()}
     cfg = res["transfer"]
     print(f"\ncross-process moves of {b / 1e6:.1f} MB (train fsdp=4 in process 0 -> train fsdp=4 in process 1); "
           f"Transport default: {cfg}{' from ' + res['env'] if res['env'] else ''}")
@@ -418,19 +411,24 @@ def report_cross_process(res: dict, plain_gbps: float | None) -> dict:
     return out
 
 
-def main(argv=None):
+def main(argv=None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    bench = benchkit.Bench(__file__, __doc__, quick=QUICK)
+    args = parse_args(argv, bench)
     if args._peer is not None:
         peer(args)
-        return
+        return None
     fields = in_process(args) if args.in_process else {"param_bytes": None}
     if args.cross_process:
         res = cross_process(args, argv)
         fields |= {"param_bytes": res["param_bytes"]} | report_cross_process(res, fields.get("plain_copy_gbps"))
     fields |= {"rounds": args.rounds, "repeats": args.repeats, "n_layers": args.n_layers, "d_model": args.d_model,
                "vocab": args.vocab, "load_avg_1m": round(os.getloadavg()[0], 2)}
-    print(json.dumps(fields))
+    return bench.emit(fields, sizes=dict(vocab=args.vocab, d_model=args.d_model, n_layers=args.n_layers,
+                                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+                                         d_ff=args.d_ff, repeats=args.repeats, rounds=args.rounds,
+                                         cross_process=args.cross_process, sweep=args.sweep, in_process=args.in_process,
+                                         param_bytes=fields.get("param_bytes")))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import functools
+import os
 import re
 from typing import Any, ClassVar, Mapping
 
@@ -104,6 +105,9 @@ class CellsConfig:
     page_size: int = 16  # tokens per KV page (paged); max_len must be a multiple
     kv_pages: int = 0  # pages per engine (paged); 0 = the contiguous cache's memory (max_slots x max_len)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
+    # Engines (weights placed, decode steps compiled) must be serving within this many seconds of the start, or
+    # the run ends with an error: line (exit 1) instead of hanging; a loaded 2-core host compiles slowly.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self):
         _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
@@ -111,6 +115,7 @@ class CellsConfig:
         _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
                          "max_len", "tokens_per_call", "page_size"))
         _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
+        _positive(self, ("start_timeout_s",))
         if self.kv_cache not in ("contiguous", "paged"):
             raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.max_len % self.page_size:
@@ -169,6 +174,9 @@ class SchedulerConfig:
         return self.multi_step or get_mode(self.mode).streams
 
 
+TASK_CHECKS = ("start", "off")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     SECTION: ClassVar[str] = "task"
@@ -183,9 +191,26 @@ class TaskConfig:
     # second file of held-out tasks (besides the first file's split=eval lines).
     dataset: str = ""
     eval_dataset: str = ""
+    # The task set's format and options, JSON text (gyre_jax.agents.tasks.formats): the format is read from the
+    # path (gyre JSONL, SWE-bench-style JSONL, a directory of Harbor tasks) or named ("format"); e.g.
+    # '{"environment": "host"}' runs Harbor or SWE-bench tasks on this host's toolchain (no per-task image).
+    dataset_options: str = ""
+    # Check every task's grader at start (gyre_jax.rl.task_gate; --check_tasks prints the same): "start"
+    # (task files; a generated family's graders are gyre's own) or "off". A broken task stops the run
+    # with one error: line, unless skip_broken drops it (counted in the log and summary).
+    check: str = "start"
+    skip_broken: bool = False
+    # Host paths every graded command sees read-only besides the run's Python (comma-separated),
+    # e.g. a toolchain its tests need (gyre_jax.agents.grader_sandbox).
+    grader_ro_paths: str = ""
 
     def __post_init__(self):
         _positive(self, ("min_len", "max_len"))
+        if self.check not in TASK_CHECKS:
+            raise ConfigError(f"config.task.check must be one of {TASK_CHECKS}, got {self.check!r}")
+        for p in self.grader_ro_path_list:
+            if not os.path.isabs(p):
+                raise ConfigError(f"config.task.grader_ro_paths: {p!r} is not an absolute path")
         _positive(self, ("run_tests_scale",), allow_zero=True)
         if not 0.0 <= self.demo_test_fraction <= 1.0:
             raise ConfigError(f"config.task.demo_test_fraction must be in [0, 1], got {self.demo_test_fraction!r}")
@@ -193,6 +218,17 @@ class TaskConfig:
             raise ConfigError("config.task.ops must name at least one op")
         if self.eval_dataset and not self.dataset:
             raise ConfigError("config.task.eval_dataset needs config.task.dataset (the training tasks' file)")
+        if self.dataset_options:
+            from gyre_jax.agents.tasks.formats import parse_options  # light: no format is read here
+
+            try:
+                parse_options(self.dataset_options)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    @property
+    def grader_ro_path_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.grader_ro_paths.split(",") if p.strip())
 
     @property
     def ops_tuple(self) -> tuple[str, ...]:
@@ -215,7 +251,8 @@ class TaskConfig:
         from gyre_jax.agents.task_sources import make_source  # light: families load on first use
 
         if self.dataset:
-            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed)
+            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed,
+                               options=self.dataset_options)
         return make_source("family", family=self.family, seed=seed, kwargs=self.kwargs())
 
 
@@ -280,6 +317,70 @@ class HarnessKnobs:
                             memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
+LORA_SERVING = ("merged", "unmerged")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraKnobs:
+    """config.train.lora: LoRA adapters instead of full fine-tuning (gyre_jax/model/lora.py).
+
+    rank > 0 turns it on: the base is frozen (held in the serving dtype, no gradient, no optimizer
+    state), and the optimizer, the checkpoints, every role switch and every weight publication hold
+    and move the adapters only."""
+
+    SECTION: ClassVar[str] = "train.lora"
+    rank: int = 0  # 0 = full fine-tuning; r > 0: adapters of rank r on the targets, the base frozen
+    alpha: float = 32.0  # the update is (alpha / rank) x A @ B (alpha / sqrt(rank) with rslora)
+    dropout: float = 0.0  # on the adapters' inputs, training only
+    # comma-separated PEFT module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+    # on MoE layers the last three adapt every expert), or "all"
+    targets: str = "all"
+    layers: str = ""  # comma-separated layer indices or ranges ("0-11,20"); "" = every layer
+    rslora: bool = False
+    # merged: each engine serves the base with the adapter folded in (exact, no per-token cost; the
+    # cell keeps the base to merge each new version into); unmerged: the engine applies the adapter
+    # per token beside the base weights (what several adapters need)
+    serve: str = "merged"
+    init_from: str = ""  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+
+    def __post_init__(self):
+        _ints(self, ("rank",))
+        _positive(self, ("rank", "dropout"), allow_zero=True)
+        if self.serve not in LORA_SERVING:
+            raise ConfigError(f"config.train.lora.serve must be one of {LORA_SERVING}, got {self.serve!r}")
+        if self.rank:
+            self.lora_config()  # every field checked now, before any JAX work
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def lora_config(self):
+        """The model's LoraConfig (None when rank is 0)."""
+        if not self.rank:
+            return None
+        from gyre_jax.model.lora import TARGETS, LoraConfig
+
+        targets = TARGETS if self.targets.strip() in ("all", "") else tuple(
+            t.strip() for t in self.targets.split(",") if t.strip())
+        return _built("train.lora", lambda: LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                                                       targets=targets, layers=_layer_list(self.layers),
+                                                       rslora=self.rslora))
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    """"0-3,7" -> (0, 1, 2, 3, 7); ConfigError naming config.train.lora.layers otherwise."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, sep, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+        except ValueError:
+            raise ConfigError(f"config.train.lora.layers={text!r}: {part!r} is not a layer index or a range "
+                              "like 0-11") from None
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The optimizer, the objective and the rows it trains on.
@@ -337,8 +438,15 @@ class TrainConfig:
     # (rollout routing replay, R3; gyre_jax/model/moe.py) instead of re-routing it live. Either way
     # the step reports routing_mismatch, the fraction of trained tokens whose live routing differs.
     routing_replay: bool = False
+    # LoRA instead of full fine-tuning (LoraKnobs): --config.train.lora.rank=16 on any RL config
+    lora: LoraKnobs = LoraKnobs()
 
     def __post_init__(self):
+        if isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", _build(LoraKnobs, self.lora, "train.lora"))
+        elif not isinstance(self.lora, LoraKnobs):
+            raise ConfigError(f"config.train.lora must be a section of {sorted(f.name for f in dataclasses.fields(LoraKnobs))}, "
+                              f"got {self.lora!r}")
         _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
         if not isinstance(self.routing_replay, bool):
             raise ConfigError(f"config.train.routing_replay must be True or False, got {self.routing_replay!r}")
@@ -589,6 +697,8 @@ class RLConfig:
         if self.harness.max_tokens >= self.cells.max_len:
             raise ConfigError(f"config.harness.max_tokens={self.harness.max_tokens} must be < cells.max_len="
                               f"{self.cells.max_len}")
+        if self.train.lora.enabled:
+            _built("train.lora", lambda: self.policy_model)  # the adapters on this model: layers, MoE, parallelism
         # Build (and throw away) everything the loop builds later from these values. The
         # cell layout is checked against the devices (check_devices) as soon as JAX is up.
         self.policy_config()
@@ -633,6 +743,17 @@ class RLConfig:
             raise ConfigError(f"config.harness.sandbox='auto': {why}, and the policy's commands must not run on "
                               "this host unconfined. Install bubblewrap (apt-get install bubblewrap) or set "
                               "--config.harness.sandbox=none to run them on the host deliberately")
+
+    @property
+    def lora(self):
+        """The run's LoraConfig (model/lora.py), None for full fine-tuning."""
+        return self.train.lora.lora_config()
+
+    @property
+    def policy_model(self) -> ModelConfig:
+        """The model the loop trains and scores: config.model, with LoRA adapters when config.train.lora.rank > 0."""
+        lora = self.lora
+        return self.model if lora is None else self.model.replace(lora=lora)
 
     # ---- the objects the loop builds from the config (validated here) ----
     @functools.cached_property
@@ -755,7 +876,7 @@ class RLConfig:
             max_subagents=h.max_subagents,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None,
-            sandbox=SandboxConfig(kind=h.sandbox)))
+            grader_ro_paths=self.task.grader_ro_path_list, sandbox=SandboxConfig(kind=h.sandbox)))
 
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":
@@ -772,6 +893,7 @@ class RLConfig:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
         hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
+        model = drop_random_init_shape(model, hf_path)
         from gyre_jax.serving.tokenizer import chat_template_kwargs
 
         try:
@@ -794,6 +916,16 @@ class RLConfig:
 
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
 HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+# config.model.random_init_shape=True: the section's shape fields describe the random model used when no
+# checkpoint is given (configs/external.py), so --config.model.hf_path=... replaces them instead of clashing.
+RANDOM_INIT_SHAPE = "random_init_shape"
+
+
+def drop_random_init_shape(model: dict, hf_path: str) -> dict:
+    """``model`` without its marker, and without its shape fields when a checkpoint gives the shape."""
+    if not model.pop(RANDOM_INIT_SHAPE, False) or not hf_path:
+        return model
+    return {k: v for k, v in model.items() if k in HF_MODEL_OVERRIDES or k == "chat_template_kwargs"}
 
 
 def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) -> ModelConfig:
