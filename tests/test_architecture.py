@@ -33,7 +33,6 @@ LONG_FUNCTIONS_OWNED_ELSEWHERE = {
 # Module cycles other branches are removing (issue 43), each as its sorted modules.
 MODULE_CYCLES_OWNED_ELSEWHERE = {
     ("agents.harnesses", "agents.harnesses.command", "agents.harnesses.python_entry"): "branch reward",
-    ("agents.tasks.formats", "agents.tasks.formats.harbor", "agents.tasks.formats.swebench"): "branch reward",
     ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
         "branch lora (lora.init_adapter_boxed imports the Transformer whose layers import lora)",
 }

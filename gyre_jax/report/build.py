@@ -140,43 +140,64 @@ def build_report(mode_dir: str, out_dir: str | None = None, settings: ReportSett
     ``PARALLEL_MIN`` rollouts to build); each opens the store with its own read-only reader.
     ``start_method``: "fork" from a plain process, "spawn" from one whose JAX backend is running
     (the ``report`` job, started by launch.main)."""
-    from gyre_jax.rl.progress import Progress
-    from gyre_jax.trajectory.store import TrajectoryStore
-
     t0 = time.perf_counter()
     out_dir = out_dir or os.path.join(mode_dir, "report")
     data = os.path.join(out_dir, "data")
     os.makedirs(os.path.join(data, "rollouts"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "assets"), exist_ok=True)
     old = _load_manifest(os.path.join(data, "manifest.json"), settings.key())
-    meta: dict[str, dict] = {}
-    built = written = 0
-    store_info: dict = {}
-    jobs: list = []
-    plan: dict = {}
     sdir = _store_dir(mode_dir)
-    if sdir is not None:
-        with TrajectoryStore(sdir, writable=False) as store:
-            plan = _plan(store, settings, old, data)
-            store_info = {"quarantined": len(store.quarantined()), "torn_tails": len(store.torn_tails()),
-                          "unfinished": len(plan["unfinished"]), "complete": len(plan["complete"])}
-            todo = set(plan["todo"])
-            for g, rids in plan["groups"].items():  # the store's order; a group to build: its outcomes' rows
-                meta[g] = old[g] if g not in todo else {"key": None, "members": rids, "rows": [rl_lib.outcome_row(
-                    r, store.outcome(r) if r in plan["complete"] else None, plan["trained"][r],
-                    plan["advantages"].get(r), _shard(g)) for r in rids]}
-        jobs = [(g, plan["groups"][g], {r: plan["trained"][r] for r in plan["groups"][g]},
-                 {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]})
-                for g in plan["todo"]]
-    written += _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
+    meta, jobs, keys, store_info = _first_phase(sdir, settings, old, data)
+    written = _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
     t_page = time.perf_counter() - t0
+    built, nbytes = _second_phase(jobs, keys, meta, sdir, mode_dir, out_dir, settings, store_info, workers,
+                                  start_method, progress)
+    written += nbytes
+    if jobs:
+        written += _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
+    return {"report": os.path.join(out_dir, "index.html"), "rollouts": sum(len(m["rows"]) for m in meta.values()),
+            "groups": len(meta), "groups_built": built, "seconds": round(time.perf_counter() - t0, 3),
+            "page_s": round(t_page, 3), "bytes_written": written, "bytes_total": _dir_bytes(out_dir),
+            "bytes_data": _dir_bytes(data), "bytes_index": os.path.getsize(os.path.join(data, "index.js")),
+            "bytes_run": os.path.getsize(os.path.join(data, "run.js"))}
+
+
+def _first_phase(sdir: str | None, settings: ReportSettings, old: Mapping[str, dict], data: str):
+    """(every group's entry: built ones from the manifest, the others' rows from their outcomes; the groups
+    to build as jobs; their keys; the store's counts)."""
+    from gyre_jax.trajectory.store import TrajectoryStore
+
+    if sdir is None:
+        return {}, [], {}, {}
+    meta: dict[str, dict] = {}
+    with TrajectoryStore(sdir, writable=False) as store:
+        plan = _plan(store, settings, old, data)
+        store_info = {"quarantined": len(store.quarantined()), "torn_tails": len(store.torn_tails()),
+                      "unfinished": len(plan["unfinished"]), "complete": len(plan["complete"])}
+        todo = set(plan["todo"])
+        for g, rids in plan["groups"].items():  # the store's order; a group to build: its outcomes' rows
+            meta[g] = old[g] if g not in todo else {"key": None, "members": rids, "rows": [rl_lib.outcome_row(
+                r, store.outcome(r) if r in plan["complete"] else None, plan["trained"][r],
+                plan["advantages"].get(r), _shard(g)) for r in rids]}
+    jobs = [(g, plan["groups"][g], {r: plan["trained"][r] for r in plan["groups"][g]},
+             {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]}) for g in plan["todo"]]
+    return meta, jobs, plan["keys"], store_info
+
+
+def _second_phase(jobs, keys, meta, sdir, mode_dir, out_dir, settings, store_info, workers, start_method,
+                  progress) -> tuple[int, int]:
+    """Build each job's group file, updating ``meta``; (groups built, bytes written)."""
+    from gyre_jax.rl.progress import Progress
+
     n_todo = sum(len(j[1]) for j in jobs)
     bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
                    line_per_step=False)
+    built = written = 0
     last = time.monotonic()
+    data = os.path.join(out_dir, "data")
     try:
         for g, rows, nbytes in _run_jobs(jobs, sdir, mode_dir, data, settings, workers, start_method, n_todo):
-            meta[g] = {"key": plan["keys"][g], "rows": rows, "members": plan["groups"][g]}
+            meta[g] = {"key": keys[g], "rows": rows, "members": meta[g]["members"]}
             written += nbytes
             built += 1
             bar.step(len(rows))
@@ -189,14 +210,7 @@ def build_report(mode_dir: str, out_dir: str | None = None, settings: ReportSett
         raise
     finally:
         bar.close()
-    if jobs:
-        written += _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
-    seconds = time.perf_counter() - t0
-    return {"report": os.path.join(out_dir, "index.html"), "rollouts": sum(len(m["rows"]) for m in meta.values()),
-            "groups": len(meta), "groups_built": built, "seconds": round(seconds, 3), "page_s": round(t_page, 3),
-            "bytes_written": written, "bytes_total": _dir_bytes(out_dir), "bytes_data": _dir_bytes(data),
-            "bytes_index": os.path.getsize(os.path.join(data, "index.js")),
-            "bytes_run": os.path.getsize(os.path.join(data, "run.js"))}
+    return built, written
 
 
 PUBLISH_EVERY_S = 15.0  # while groups build: the table (index.js) and the manifest rewritten this often
@@ -304,8 +318,14 @@ def _plan(store, settings: ReportSettings, old: Mapping[str, dict], data: str) -
         keys[g] = hashlib.sha1(json.dumps([settings.key(), sig], default=str).encode()).hexdigest()[:20]
     todo = [g for g in groups if old.get(g, {}).get("key") != keys[g]
             or not os.path.exists(os.path.join(data, "rollouts", _shard(g) + ".js"))]
-    # Advantages of the rollouts to build: over each step they were trained in (every rollout of it), or,
-    # not taken yet, over their group.
+    advantages = _advantages(todo, groups, trained, consumed, complete, outcome, settings)
+    return {"unfinished": unfinished, "complete": complete, "trained": trained, "advantages": advantages,
+            "groups": groups, "keys": keys, "todo": todo}
+
+
+def _advantages(todo, groups, trained, consumed, complete, outcome, settings: ReportSettings) -> dict[str, float]:
+    """Advantages of the rollouts to build: over each step they were trained in (every rollout of it), or,
+    not taken yet, over their group."""
     steps = {trained[r].step for g in todo for r in groups[g] if trained[r].step is not None}
     peers: dict[Any, list] = {}
     for rid, c in consumed.items():
@@ -322,8 +342,7 @@ def _plan(store, settings: ReportSettings, old: Mapping[str, dict], data: str) -
             advantages.update(rl_lib.step_advantages(members, settings.advantage, settings.group_field))
         except ValueError:  # rollouts that break the estimator's rules (e.g. a group of mixed tasks): shown without
             pass
-    return {"unfinished": unfinished, "complete": complete, "trained": trained, "advantages": advantages,
-            "groups": groups, "keys": keys, "todo": todo}
+    return advantages
 
 
 def _run_doc(mode_dir: str, rows: Sequence[Mapping[str, Any]], settings: ReportSettings, store_info: dict) -> dict:
