@@ -220,3 +220,34 @@ def test_graded_code_cannot_forge_or_break_the_per_test_verdict(tmp_path):
         g = _grade(task, tmp_path, name, {"calc.py": code})
         out[name] = (g.ok, g.score, (g.details or {}).get("reason", g.error))
     assert {k: v[:2] for k, v in out.items()} == {"fixed": (True, 1.0), **{k: (True, 0.0) for k in out if k != "fixed"}}, out
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_graded_code_that_hangs_or_fills_the_disk_while_graded_is_its_own_zero(tmp_path):
+    """The example fizzbuzz task (8 calls, grader timeout 30 s: the grading process gets 60 s): a
+    fizzbuzz that sleeps made the call runner wait 10 s per call, the grading process was killed at
+    60 s and the rollout was a verifier_error, out of training. The calls now share the task's own
+    timeout (what is left of the process's budget), so the same hang is a 0. And what graded code
+    writes while graded goes to a tmpfs the size of the workspace's limit (root), not the host's disk."""
+    import os
+
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.harness import grader_timeout
+    from gyre_jax.agents.tasks.dataset import load_task_file
+
+    root = Path(__file__).resolve().parents[1]
+    task = {t.task_id: t for t, _ in load_task_file(root / "examples" / "tasks" / "tasks.jsonl")}["fizzbuzz"]
+    outer = grader_timeout(task, HarnessConfig(base_url="http://127.0.0.1:1/v1"))
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "fizz.py").write_text("import time\n\n\ndef fizzbuzz(n):\n    time.sleep(1000)\n")
+    env = grader_sandbox_env("bubblewrap", sb.SandboxLimits())
+    g = asyncio.run(run_grader(task, snap, timeout_s=outer, env=env, bases=tmp_path / "bases"))
+    assert (g.ok, g.score) == (True, 0.0), g.error
+    if os.geteuid() == 0:
+        fill = _task(tmp_path, grader="for i in 1 2 3; do dd if=/dev/zero of=big$i bs=1M count=120; done; "
+                                      "df -k --output=size /workspace | tail -1; exit 1")
+        g = _grade(fill, tmp_path, "fill", {})
+        size_kib = int(g.details["output_tail"].strip().splitlines()[-1])
+        assert (g.ok, g.score) == (True, 0.0) and size_kib * 1024 < sb.SandboxLimits().disk_bytes + (64 << 20), g.details
