@@ -208,6 +208,9 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     return float(score), details, None
 
 
+# Of a grading subprocess's time limit, kept back from its own budget (``grader_main --budget_s``): its
+# interpreter's start and its result line, on a loaded host.
+GRADER_MARGIN_S = 15.0
 GRADER_STDOUT_TAIL = 1 << 20  # of the grader's stdout kept: its result line is last and bounded (grader_main)
 GRADER_STDERR_BYTES = 8192  # head + tail of the grader's stderr kept, for the error
 
@@ -224,7 +227,8 @@ async def run_grader(task: Task, workspace: str | os.PathLike, *, timeout_s: flo
     from gyre_jax.agents.capture import BoundedCapture, bound_json, bound_text, drain_async
 
     t0 = time.monotonic()
-    extra = [*(["--bases", str(bases)] if bases is not None else []), *([] if carry_deletions else ["--keep_deleted"])]
+    extra = [*(["--bases", str(bases)] if bases is not None else []), *([] if carry_deletions else ["--keep_deleted"]),
+             "--budget_s", f"{max(timeout_s / 2, timeout_s - GRADER_MARGIN_S):.3f}"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()), *extra,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

@@ -334,7 +334,7 @@ def grade(task: Task, tree: Path) -> Grade:
     if p.get("grader_mode") == "calls":
         from gyre_jax.agents.call_checks import grade_calls
 
-        return grade_calls(tree, p["grader_calls"], min(timeout, CALL_TIMEOUT_S))
+        return grade_calls(tree, p["grader_calls"], min(timeout, CALL_TIMEOUT_S), total_s=timeout)
     command = p.get("grader_command", "")
     shipped = [str(f.relative_to(tree)) for f in tree.rglob("*") if f.is_file() and not f.is_symlink()] \
         if command else []
