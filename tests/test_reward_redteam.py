@@ -4,7 +4,6 @@ test here failed before its fix (a reward the policy did not earn, a failure tak
 or a broken grader passed by ``--check_tasks``). The graded tree's own rules are in test_graded_tree.py."""
 import asyncio
 import dataclasses
-import json
 import textwrap
 from pathlib import Path
 
