@@ -1,0 +1,90 @@
+"""LoRA in the RL loop (rl/lora_run.py): ``--config.train.lora.rank`` on the demo's tiny loop trains
+adapters over a frozen base; checkpoints hold adapters and their optimizer state only, every weight
+move is an adapter's bytes, the PEFT export at the end is the final adapter, and a resume onto
+another base is refused."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from gyre_jax import jobs
+from gyre_jax.errors import ConfigError
+from gyre_jax.model import lora as L
+from gyre_jax.rl.config import RLConfig
+from tests.test_rl_loop import tiny_config
+
+
+def lora_config(steps=2, rank=4, **over):
+    c = tiny_config("elastic", steps=steps)
+    c.train.lora.rank = rank
+    c.train.lora.update(over)
+    return c
+
+
+def _leaf_paths(tree) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_lora_knobs_reach_the_model_and_bad_ones_fail_early():
+    c = lora_config(rank=16, layers="0", targets="q_proj,v_proj", alpha=8.0)
+    cfg = RLConfig.from_config(c)
+    assert cfg.policy_model.lora == L.LoraConfig(rank=16, alpha=8.0, layers=(0,), targets=("q_proj", "v_proj"))
+    assert cfg.model.lora is None  # the base's config stays the plain model's
+    for field, value, match in (("targets", "qproj", "config.train.lora"), ("layers", "0-x", "config.train.lora.layers"),
+                                ("layers", "5", "the model has 1 layers"), ("serve", "both", "serve must be one of")):
+        bad = lora_config(**{field: value})
+        with pytest.raises(ConfigError, match=match):
+            RLConfig.from_config(bad)
+
+
+def test_lora_loop_trains_and_moves_adapters_only(tmp_path):
+    c = lora_config()
+    summary = jobs.get(c.job)(c, str(tmp_path))
+    wd = os.path.join(tmp_path, "elastic")
+    assert summary["steps"] == 2
+    cfg = RLConfig.from_config(c)
+    adapter_bytes = 4 * L.count_adapter_params(cfg.policy_model)
+    lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    moves = sum(r["weight_moves"] for r in lines)
+    assert moves > 0 and sum(r["weight_move_bytes"] for r in lines) == moves * adapter_bytes  # never the base
+    # The checkpoint: the adapters and their Adam moments, nothing of the base.
+    meta = ocp.StandardCheckpointer().metadata(os.path.join(wd, "checkpoints", "2", "state"))
+    tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+    params = _leaf_paths(tree["params"])
+    assert params and all("['lora']" in p for p in params), params[:5]
+    moments = [p for p in _leaf_paths(tree["opt_state"]) if "mu" in p or "nu" in p]
+    assert len(moments) == 2 * len(params) and all("['lora']" in p for p in moments)
+    ck_meta = json.load(open(os.path.join(wd, "checkpoints", "2", "meta", "metadata")))
+    base_meta = json.load(open(os.path.join(wd, "lora_base", "meta.json")))
+    assert ck_meta["lora_base"] == base_meta["fingerprint"]
+    # The PEFT export is the final checkpoint's adapter.
+    from gyre_jax.model.hf.peft import load_peft
+
+    _, exported = load_peft(os.path.join(wd, "lora_export", "adapter0"), cfg.policy_model)
+    final = ocp.StandardCheckpointer().restore(os.path.join(wd, "checkpoints", "2", "state"))["params"]
+    final = final[0] if isinstance(final, (list, tuple)) else final["0"]
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(exported)[0], jax.tree.leaves(final)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_lora_resume_refuses_another_base(tmp_path):
+    from gyre_jax.cells.frozen_base import FrozenBase
+    from gyre_jax.model import init_params
+    from gyre_jax.rl import lora_run
+
+    c = lora_config(steps=1)
+    jobs.get(c.job)(c, str(tmp_path))
+    wd = os.path.join(tmp_path, "elastic")
+    cfg = RLConfig.from_config(c)
+    other = FrozenBase(cfg.policy_model, init_params(cfg.model, jax.random.key(123)))
+    os.rename(os.path.join(wd, lora_run.BASE_DIR), os.path.join(wd, "old_base"))
+    lora_run._keep(os.path.join(wd, lora_run.BASE_DIR), other, reload=False)
+    c.steps = 2
+    with pytest.raises(Exception, match="trained on base"):
+        jobs.get(c.job)(c, str(tmp_path))
