@@ -107,8 +107,12 @@ def get_config() -> ml_collections.ConfigDict:
         # (tools/bench_demo_modes.py runs the three modes on it; see the README's demo section)
         run_tests_scale=1.0,
         demo_test_fraction=0.3,  # tiny_agent family: share of warm-start demonstrations that test (configs/learn.py)
-        dataset="",  # a JSONL task file instead of a family (configs/external.py shows one)
+        dataset="",  # a task set instead of a family: gyre or SWE-bench JSONL, Harbor task directories
         eval_dataset="",
+        dataset_options="",  # JSON: the set's format and its options, e.g. '{"environment": "host"}' (tasks/formats)
+        check="start",  # check every task file's grader at start (untouched + solution): start | off
+        skip_broken=False,  # a broken task stops the run (one error: line); True: train without it, counted
+        grader_ro_paths="",  # comma-separated host paths graded commands see read-only (the run's Python always)
     ))
     c.harness = ml_collections.ConfigDict(section(
         HarnessKnobs,  # kind, entry, command, env, ...: the built-in agent here (configs/external.py: others)

@@ -108,10 +108,11 @@ def test_a_resumed_run_goes_on_from_its_own_costs_until_it_measures_them_again(t
     est.on_switch_done("train", 5.0)
     est.on_tick(1.0, finished=0, steps_done=0, update_in_progress=False)
     # one direction timed is a lower bound, not a round trip: the earlier 900 s stands
-    assert est.measured() == dataclasses.replace(earlier, switch_in_flight_s=5.0)
+    assert est.measured() == dataclasses.replace(earlier, switch_in_flight_s=5.0, switch_to_train_s=5.0)
     est.on_switch_done("rollout", 3.0)
     est.on_tick(2.0, finished=0, steps_done=0, update_in_progress=False)
-    assert est.measured() == dataclasses.replace(earlier, switch_round_trip_s=8.0)  # measured anew: this one
+    assert est.measured() == dataclasses.replace(earlier, switch_round_trip_s=8.0, switch_to_train_s=5.0,
+                                                 switch_to_rollout_s=3.0)  # measured anew: this one
     # and the policy the resumed loop builds starts at the split those costs give, the flag's priors elsewhere
     flag = tmp_path / "pilot.json"
     flag.write_text(json.dumps({"call_share": 0.25, "serve_s_per_rollout": 1.0}))

@@ -105,6 +105,46 @@ def test_costly_switches_with_measured_costs_only_never_pay_a_round_trip():
     assert back == [] and el.switches < cfg.cluster.n_cells, el.switches
 
 
+def elastic_over_best_fixed_split(cfg: SimConfig) -> tuple[float, dict]:
+    """Elastic's time over the best fixed split's: async and async_stream (streaming included) at every split."""
+    ro = rollouts_for(cfg)
+    fixed = {f"{m}:{k}": r.makespan_s for m in ("async", "async_stream")
+             for k, r in baselines.async_sweep(cfg, ro, per_step=False, mode=m).by_split.items()}
+    el = simulate(cfg.replace(**{"policy.mode": "elastic"}), rollouts=ro, record_decisions=False)
+    best = min(fixed, key=fixed.__getitem__)
+    return el.makespan_s / fixed[best], dict(elastic=el.makespan_s, best=best, best_s=fixed[best], switches=el.switches)
+
+
+def test_issue_46_eight_cells_switches_of_600_and_300_s():
+    # Issue 46: 8 cells, the one-wave short workload (~25 s steps), 8 steps, 600 s to train and 300 s
+    # back. With the pilot's costs elastic runs as the best fixed split (no switch pays in ~190 s).
+    cfg = presets.short_one_wave("elastic", steps=8, accelerators=128).replace(
+        **{"cluster.switch_to_train_s": 600.0, "cluster.switch_to_rollout_s": 300.0})
+    ratio, info = elastic_over_best_fixed_split(cfg)
+    assert ratio <= 1.02 and info["switches"] == 0, info
+    # Blind (the RL loop's first run) it cannot know the split before the first step nor a switch's
+    # cost before one arrives: it bets one cell on a switch of unknown cost, not four (331 s either
+    # way, the split it starts at: docs/design.md says why no blind policy can promise 1.02 here).
+    blind = simulate(cfg.replace(model_priors=False), record_decisions=False)
+    assert blind.switches <= 1, blind.switches
+
+
+def test_a_pilot_finds_the_split_the_step_model_misses():
+    # Found by tools/search_scheduler.py: 10 cells of 2 slots, groups of 8, 3 calls per rollout, switches
+    # of 389 s / 4,001 s (a step is ~115 s). The step model's split (5 training) ran 1.25x the best fixed
+    # one (4): groups are admitted whole, and 10 slots hold one group of 8 where 12 start a second one
+    # sooner. The pilot runs its first step's rollouts at the model's split and its neighbours.
+    wl = WorkloadConfig(name="search", calls_median=3.0, calls_shape=0.5764, calls_max=18, decode_tokens_median=90.85,
+                        decode_tokens_sigma=0.4678, context_tokens_median=1955.2, context_tokens_sigma=0.583,
+                        decode_tok_s=31.56, prefill_tok_s=3240.8, tool_s_median=0.0, tool_s_sigma=0.0,
+                        train_tokens_per_s_per_cell=1469.86, optimizer_s=15.68)
+    cl = ClusterConfig(accelerators=10, cell_size=1, slots_per_cell=2, switch_to_train_s=389.4,
+                       switch_to_rollout_s=4000.7, publish_s=9.31)
+    pol = PolicyConfig(mode="elastic", total_steps=5, groups_per_step=8, group_size=8, staleness_bound=2)
+    ratio, info = elastic_over_best_fixed_split(SimConfig(cluster=cl, workload=wl, policy=pol, seed=369))
+    assert ratio <= 1.02, info
+
+
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=workloads(max_steps=6))
 def test_elastic_within_2pct_of_the_best_baseline(cfg):

@@ -31,7 +31,7 @@ s = json.load(open(f"{w}/elastic/summary.json"))
 with TrajectoryStore(f"{w}/elastic/store", run_id="rl", writable=False) as st:
     outs = {r: st.outcome(r) for r in st.complete_rollouts()}
     cons = st.consumed()
-    out = dict(rc=rc, run_steps=s["run"]["steps"], staleness_max=s["run"]["staleness_max"], finished=len(outs),
+    out = dict(rc=rc, run_steps=s["steps"], staleness_max=s["staleness_max"], finished=len(outs),
                rollouts_lost=len(set(outs) - set(cons)), unfinished=len(st.unfinished_rollouts()),
                trained=sum(e["state"] == "trained" for e in cons.values()),
                abandoned=sum("abandoned" in (o.details.get("error") or "") for o in outs.values()))

@@ -110,6 +110,7 @@ def episode_metrics(results: Sequence, tasks: Sequence, k: int, pass_score: floa
         "eval_exact": float(np.mean(p1)) if p1 else float("nan"),
         "eval_pass_at_k": float(np.mean(pk)) if pk else float("nan"),
         "eval_k": k,
+        "eval_tasks": len(by_task),  # held-out tasks run (eval.tasks caps it; a smaller file runs them all)
         "eval_episodes": len(results),
         "eval_failed": len(results) - len(scored),
         "eval_grader_errors": statuses.get("verifier_error", 0),

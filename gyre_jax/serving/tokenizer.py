@@ -342,8 +342,8 @@ def load_tokenizer(spec: str = "byte", *, template_kwargs: dict | None = None) -
     """``"byte"`` (built in) or ``"<kind>:<path>"`` with kind hf | sentencepiece | tiktoken.
 
     ``hf:DIR`` (or ``hf:DIR/tokenizer.json`` beside a tokenizer_config.json with a
-    ``chat_template``) is the checkpoint's own tokenizer, template and tool-call syntax
-    (``HFChatTokenizer``); a bare tokenizer.json gets our token-level template.
+    ``chat_template``, or ``hf:FILE.gguf``) is the checkpoint's own tokenizer, template and tool-call
+    syntax (``HFChatTokenizer``); a bare tokenizer.json gets our token-level template.
     ``template_kwargs``: variables every render passes to that chat template (a config's
     ``chat_template_kwargs``); the other kinds have no template to pass them to (ValueError).
     """
@@ -358,6 +358,11 @@ def load_tokenizer(spec: str = "byte", *, template_kwargs: dict | None = None) -
     if kind == "hf":
         import os
 
+        if path.endswith(".gguf"):  # a GGUF file carries its tokenizer and chat template in its metadata
+            _require("tokenizers", "tokenizers")
+            from gyre_jax.serving.hf_tokenizer import HFChatTokenizer
+
+            return HFChatTokenizer.from_gguf(path, template_kwargs=template_kwargs)
         d = path if os.path.isdir(path) else os.path.dirname(path)
         if os.path.isdir(path) or _has_chat_template(d):  # a checkpoint's own template and tool-call syntax
             _require("tokenizers", "tokenizers")

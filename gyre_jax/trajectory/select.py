@@ -71,6 +71,9 @@ class SelectionResult:
     trainable_total: int
     trainable_kept: int
     expanded_tokens: int  # sum of the selected paths' lengths (each path expanded alone)
+    # Which nodes of the input tree the selected tree keeps: their indices in ``root.preorder()``
+    # (the run report marks the trained part of a rollout's tree with them).
+    kept: tuple[int, ...] = ()
 
 
 def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> SelectionResult:
@@ -154,6 +157,7 @@ def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> Selec
         trainable_total=trainable_total,
         trainable_kept=int(ntr[keep].sum()),
         expanded_tokens=int(path_tok[cand].sum()),
+        kept=tuple(int(i) for i in np.flatnonzero(keep)),
     )
 
 
