@@ -396,8 +396,13 @@ def save_costs(workdir: str, controller: Controller) -> None:
     if controller.estimates is None:
         return
     path = os.path.join(workdir, costs_file.FILE_NAME)
+    measured = controller.estimates.measured()
+    moves = getattr(controller.cells, "moves", lambda: [])()
+    if moves:  # the weight move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)
+        measured = dataclasses.replace(measured, move_bytes=float(np.mean([m.bytes for m in moves])),
+                                       move_s=float(np.mean([m.seconds for m in moves])))
     try:
-        costs_file.save(path, controller.estimates.measured())
+        costs_file.save(path, measured)
     except OSError as e:
         raise storage_error(path, "writing the scheduler costs", e) from e
 

@@ -751,6 +751,19 @@ class RLConfig:
         lora = self.lora
         return self.model if lora is None else self.model.replace(lora=lora)
 
+    @property
+    def switch_move_bytes(self) -> int:
+        """Bytes one role switch or publication moves: the params, or a LoRA run's adapters (float32)."""
+        import math
+
+        from gyre_jax import planner
+
+        lora = self.lora
+        if lora is None:
+            return sum(math.prod(s) for _, s, _ in planner.param_table(self.model)) * planner._DTYPE_BYTES[
+                self.model.param_dtype]
+        return 4 * sum(math.prod(s) for _, s, _ in planner.lora_table(self.model, lora))
+
     # ---- the objects the loop builds from the config (validated here) ----
     @functools.cached_property
     def scheduler_priors(self):
@@ -771,8 +784,13 @@ class RLConfig:
         where it measured them, config.scheduler.priors's elsewhere."""
         from gyre_jax.scheduler import policy as policy_lib
 
+        from gyre_jax.scheduler.costs import for_move_bytes
+
         s = self.scheduler
-        priors = self.scheduler_priors if own_costs is None else policy_lib.filled(own_costs, self.scheduler_priors)
+        # A pilot's (or a full-weights run's) switch costs, with the weight move rescaled to what this run's
+        # switches move: a LoRA run's adapters, not the weights (scheduler/costs.py: for_move_bytes).
+        priors = for_move_bytes(self.scheduler_priors, self.switch_move_bytes)
+        priors = priors if own_costs is None else policy_lib.filled(own_costs, priors)
         pc = _built("scheduler", lambda: policy_lib.PolicyConfig(
             mode=s.mode, total_steps=self.steps, groups_per_step=s.groups_per_step, group_size=s.group_size,
             staleness_bound=s.staleness_bound, updates_per_publication=s.updates_per_publication,
