@@ -105,7 +105,7 @@ class PrefillInput:
 class Prefix(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
     v: jax.Array | None
-    scalars_i: jax.Array | np.ndarray  # int32[5]: length, next_tok, generated, max_tokens, seed
+    scalars_i: jax.Array | np.ndarray  # int32[6]: length, next_tok, generated, max_tokens, seed, adapter
     scalars_f: jax.Array | np.ndarray  # float32[2]: temperature, top_p
     stop_N: jax.Array | np.ndarray  # int32[MAX_STOP_IDS], -1 = unused
     request_id: str = flax.struct.field(pytree_node=False)
@@ -124,6 +124,7 @@ class DecodeState:
     active_S: jax.Array  # generating
     held_S: jax.Array  # finished, slot kept until the backend releases it (see "Held slots")
     hold_steps_S: jax.Array
+    adapter_S: jax.Array  # multi-LoRA: the adapter each slot decodes with (SamplingParams.adapter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +238,10 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     if paged is None:
         per_layer = (cache_s,) * cfg.n_layers
         # A pytree of shardings shaped like the state (jit's out_shardings), so leaves are not arrays.
-        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 10))  # type: ignore[arg-type]
+        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 11))  # type: ignore[arg-type]
     else:
         per_layer = (pages_sharding(cfg, paged[0], paged[1], mesh),) * cfg.n_layers
-        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
+        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 11))  # type: ignore[arg-type]
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
     layout = RoutingLayout.of(cfg)
     w = layout.step_cols  # result columns per decode step
@@ -248,14 +249,18 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     # The prefills take recorded routing (PrefillInput.routing; None traces the plain forward): the engine
     # records and never replays sampled tokens, but a recomputed cache replays what decode chose.
     replay_cfg = cfg.replace(routing_replay=cfg.num_experts > 0)
+    # Several LoRA adapters over the base (serving/lora_weights.py, unmerged): each prefill runs its call's
+    # adapter (``adapter=``), each decode step every slot's own (DecodeState.adapter_S).
+    multi = cfg.lora is not None and cfg.lora.num_adapters > 1
 
-    def prefill_new(params, tokens_T, n, routing_TxR=None):
-        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR)
+    def prefill_new(params, tokens_T, n, routing_TxR=None, adapter=None):
+        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR,
+                                     adapter=adapter)
         return kv.k, kv.v
 
-    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None):
+    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None, adapter=None):
         _, kv = mdecode.prefill(params, replay_cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n,
-                                routing_TxR=routing_TxR)
+                                routing_TxR=routing_TxR, adapter=adapter)
         t = tokens_T.shape[0]
         lb = min(pk.shape[1] + t, m)
         pad = jnp.zeros((pk.shape[0], t) + pk.shape[2:], pk.dtype)
@@ -263,9 +268,9 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
         return k[:, :lb], v[:, :lb]
 
-    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None):  # one chunk of a long prompt, into a buffer
+    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None, adapter=None):  # one chunk of a long prompt
         _, kv = mdecode.prefill_into(params, replay_cfg, tokens_T, mdecode.KV(k, v), c, true_length=n,
-                                     routing_TxR=routing_TxR)
+                                     routing_TxR=routing_TxR, adapter=adapter)
         return kv.k, kv.v
 
     def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
@@ -285,7 +290,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
             max_tokens_S=ds.max_tokens_S.at[slot].set(si[3]), seed_S=ds.seed_S.at[slot].set(si[4]),
             temperature_S=ds.temperature_S.at[slot].set(sf[0]), top_p_S=ds.top_p_S.at[slot].set(sf[1]),
             stop_SxN=ds.stop_SxN.at[slot].set(stop_N), active_S=ds.active_S.at[slot].set(True),
-            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0))
+            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0),
+            adapter_S=ds.adapter_S.at[slot].set(si[5]))
 
     def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
         return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
@@ -304,7 +310,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
 
     def one_step(params, ds):
         step = mdecode.decode_step if paged is None else mdecode.paged_decode_step
-        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0)
+        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0,
+                      adapter_S=ds.adapter_S if multi else None)
         logits, cache = routed[:2]
         tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
         act_S = ds.active_S
@@ -383,7 +390,7 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         cache = (mdecode.init_cache(cfg, slots, m) if paged is None
                  else mdecode.init_paged_cache(cfg, slots, paged[0], paged[1], m))
         return DecodeState(cache, z, z, z, z, jnp.zeros((slots,), jnp.float32),
-                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z)
+                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z, z)
 
     out["make_state"] = jax.jit(make_state, out_shardings=ds_s)
     return out
