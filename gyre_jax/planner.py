@@ -346,7 +346,7 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
     per_device = device_bytes(device_kind, n_devices) if per_device is None else per_device
     lora = _lora(cfg)
     tmesh, tterms = train_terms(cfg.model, cells, cfg.train, lora)
-    smesh, sterms = serve_terms(cfg.model, cells, lora, getattr(getattr(cfg.train, "lora", None), "serve", "merged"))
+    smesh, sterms = serve_terms(cfg.model, cells, lora, getattr(getattr(cfg.train, "lora", None), "serving", "merged"))
     mode = get_mode(cfg.scheduler.mode)
     # One cell trains and serves in turn: its engine's params and cache stay while it trains.
     if n_cells == 1 or mode.colocated:

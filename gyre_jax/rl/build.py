@@ -82,7 +82,7 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
                         kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None,
-                        lora_serving=cfg.train.lora.serve)  # a LoRA run's params: Adapted(base, adapters)
+                        lora_serving=cfg.train.lora.serving)  # a LoRA run's params: Adapted(base, adapters)
     return JetStreamBackend(engine, name=name)
 
 
@@ -224,6 +224,19 @@ def _warm_start(cfg: RLConfig, tok, params):
                       learning_rate=cfg.sft.learning_rate, seed=cfg.warm_seed, progress=cfg.progress)
 
 
+def _adapter_of_group(cfg: RLConfig):
+    """Multi-LoRA: a group id's adapter ("g00012" -> 12 % adapters; another id, the run's own warm-up calls: 0);
+    None with one adapter."""
+    if cfg.train.lora.adapters == 1:
+        return None
+
+    def adapter_of(group_id: str) -> int:
+        m = re.fullmatch(r"g(\d+)", group_id or "")
+        return cfg.group_adapter(int(m.group(1))) if m else 0
+
+    return adapter_of
+
+
 def _engine_params(frozen: FrozenBase | None, params):
     """What a new engine is given: the params, or a LoRA run's base with its adapters."""
     return params if frozen is None else Adapted(frozen, params)
@@ -256,19 +269,23 @@ def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
     return out
 
 
-def _make_eval(cfg: RLConfig, tok, frozen: FrozenBase | None = None) -> HeldOutEval | None:
+def _make_eval(cfg: RLConfig, tok, frozen: FrozenBase | None = None) -> HeldOutEval | lora_run.AdapterEvals | None:
     """The first-call held-out eval (config.eval.kind=first_call), or None (off, or whole episodes:
     ``_episode_eval`` builds that one once the cells exist)."""
     e = cfg.eval
     if not e.every or e.kind != "first_call":
         return None
-    tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
-    try:
+    def held_out(tasks, prepare=None):
         return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
                            samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
                            temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len,
-                           sandbox=SandboxConfig(kind=cfg.harness.sandbox),
-                           prepare=None if frozen is None else functools.partial(lora_run.merged, frozen))
+                           sandbox=SandboxConfig(kind=cfg.harness.sandbox), prepare=prepare)
+
+    try:
+        if frozen is not None and cfg.train.lora.adapters > 1:  # each adapter on each adapter's task set
+            return lora_run.AdapterEvals([held_out(src.eval_tasks(e.tasks)) for src in cfg.adapter_sources], frozen)
+        tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
+        return held_out(tasks, None if frozen is None else functools.partial(lora_run.merged, frozen))
     except ValueError as err:
         raise ConfigError(f"config.eval: {err}") from None
 
@@ -521,9 +538,13 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
             backends.append(faults.wrap(b) if faults is not None else b)
         # Only keys the launcher issues (one per rollout, revoked at its end) or the run's own token are
         # credentials; any model name is this policy; a harness asking more tokens than the cap gets the cap.
-        return Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
-                     ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
-                                 auth_token=secrets.token_hex(16), unix_path=sock))
+        proxy = Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
+                      ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
+                                  auth_token=secrets.token_hex(16), unix_path=sock))
+        group_adapter = _adapter_of_group(cfg)
+        if group_adapter is not None:  # multi-LoRA: a call samples with its rollout's adapter, found by its key
+            proxy.adapter_of = lambda b: group_adapter(b.group_id)
+        return proxy
 
     server = ServerThread(build_proxy)
     url = server.start()
@@ -624,7 +645,8 @@ def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Rest
         restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
         | {r for g in restored.short for r in g.finished},
         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes)
+        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes,
+        adapter_of=_adapter_of_group(cfg))
 
 
 def _describe(cfg: RLConfig, base: Base, place: Placement, serving: Serving, restored: Restored,

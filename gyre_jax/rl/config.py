@@ -313,7 +313,7 @@ class HarnessKnobs:
                             memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
-LORA_SERVING = ("merged", "unmerged")
+LORA_SERVING = ("auto", "merged", "unmerged")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -335,17 +335,54 @@ class LoraKnobs:
     rslora: bool = False
     # merged: each engine serves the base with the adapter folded in (exact, no per-token cost; the
     # cell keeps the base to merge each new version into); unmerged: the engine applies the adapter
-    # per token beside the base weights (what several adapters need)
-    serve: str = "merged"
+    # per token beside the base weights (what several adapters need); auto: merged for one adapter
+    serve: str = "auto"
     init_from: str = ""  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+    # Multi-LoRA: this many adapters over the one base, each its own task set and optimizer state; group g
+    # trains adapter g % adapters, and the proxy routes its rollouts' calls to that adapter by their key.
+    adapters: int = 1
+    # Each adapter's task set: "|"-separated, per adapter ";"-separated overrides of config.task's fields,
+    # e.g. "ops=copy|ops=upper"; "" = every adapter draws from config.task (its own stream of it).
+    adapter_tasks: str = ""
 
     def __post_init__(self):
-        _ints(self, ("rank",))
+        _ints(self, ("rank", "adapters"))
         _positive(self, ("rank", "dropout"), allow_zero=True)
+        _positive(self, ("adapters",))
         if self.serve not in LORA_SERVING:
             raise ConfigError(f"config.train.lora.serve must be one of {LORA_SERVING}, got {self.serve!r}")
+        if self.adapters > 1 and self.serve == "merged":
+            raise ConfigError(f"config.train.lora.adapters={self.adapters}: serve='merged' folds one adapter into the "
+                              "weights; several serve 'unmerged' (or 'auto')")
+        if (self.adapters > 1 or self.adapter_tasks) and not self.rank:
+            raise ConfigError("config.train.lora.adapters / adapter_tasks need config.train.lora.rank > 0")
+        if self.adapter_tasks and len(self.adapter_tasks.split("|")) != self.adapters:
+            raise ConfigError(f"config.train.lora.adapter_tasks={self.adapter_tasks!r} names "
+                              f"{len(self.adapter_tasks.split('|'))} task sets for adapters={self.adapters}")
         if self.rank:
             self.lora_config()  # every field checked now, before any JAX work
+
+    @property
+    def serving(self) -> str:
+        """How engines serve the adapters: merged for one adapter, unmerged for several (serve='auto')."""
+        if self.serve != "auto":
+            return self.serve
+        return "merged" if self.adapters == 1 else "unmerged"
+
+    def task_overrides(self) -> list[dict[str, str]]:
+        """Each adapter's overrides of config.task (raw strings; RLConfig types them)."""
+        if not self.adapter_tasks:
+            return [{} for _ in range(self.adapters)]
+        out = []
+        for a, part in enumerate(self.adapter_tasks.split("|")):
+            fields = {}
+            for item in (x.strip() for x in part.split(";") if x.strip()):
+                k, eq, v = item.partition("=")
+                if not eq:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {item!r} is not field=value")
+                fields[k.strip()] = v.strip()
+            out.append(fields)
+        return out
 
     @property
     def enabled(self) -> bool:
@@ -361,7 +398,7 @@ class LoraKnobs:
             t.strip() for t in self.targets.split(",") if t.strip())
         return _built("train.lora", lambda: LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                                                        targets=targets, layers=_layer_list(self.layers),
-                                                       rslora=self.rslora))
+                                                       rslora=self.rslora, num_adapters=self.adapters))
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -695,6 +732,14 @@ class RLConfig:
                               f"{self.cells.max_len}")
         if self.train.lora.enabled:
             _built("train.lora", lambda: self.policy_model)  # the adapters on this model: layers, MoE, parallelism
+        if self.train.lora.adapters > 1:
+            for src in self.adapter_sources:  # each adapter's task set builds and has held-out tasks
+                _built("train.lora.adapter_tasks", lambda: src.train_task(0))  # noqa: B023 - called at once
+                if self.eval.every and not src.eval_tasks(1):
+                    raise ConfigError(f"config.train.lora.adapter_tasks: {src.describe()} has no held-out tasks")
+            if self.eval.every and self.eval.kind != "first_call":
+                raise ConfigError("config.train.lora.adapters > 1: the held-out eval of each adapter on each task set is "
+                                  "eval.kind='first_call' (whole-episode evals per adapter are not covered)")
         # Build (and throw away) everything the loop builds later from these values. The
         # cell layout is checked against the devices (check_devices) as soon as JAX is up.
         self.policy_config()
@@ -813,8 +858,36 @@ class RLConfig:
         return n_cells
 
     def group_task(self, g: int):
-        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's)."""
-        return self.task_source.train_task(g)
+        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's);
+        with several LoRA adapters, the ``g // adapters``-th task of adapter ``g % adapters``'s task set."""
+        n = self.train.lora.adapters
+        if n == 1:
+            return self.task_source.train_task(g)
+        return self.adapter_sources[g % n].train_task(g // n)
+
+    def group_adapter(self, g: int) -> int:
+        """The LoRA adapter the run's g-th group trains (and whose rollouts the proxy serves with it)."""
+        return g % self.train.lora.adapters
+
+    @functools.cached_property
+    def adapter_sources(self) -> list:
+        """Each LoRA adapter's TaskSource: config.task with the adapter's overrides (train.lora.adapter_tasks)."""
+        out = []
+        types = {f.name: f.type for f in dataclasses.fields(TaskConfig)}
+        for a, over in enumerate(self.train.lora.task_overrides()):
+            bad = sorted(set(over) - set(types))
+            if bad:
+                raise unknown_fields(f"train.lora.adapter_tasks (adapter {a})", bad, types)
+            typed = {}
+            for k, v in over.items():
+                kind = str(types[k])
+                try:
+                    typed[k] = int(v) if kind == "int" else float(v) if kind == "float" else v
+                except ValueError:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {k}={v!r} is not a {kind}") from None
+            task = _built("train.lora.adapter_tasks", lambda: dataclasses.replace(self.task, **typed))  # noqa: B023
+            out.append(_built("task", lambda: task.source(self.seed + a)))  # noqa: B023 - called at once
+        return out
 
     def processor_config(self):
         from gyre_jax.losses import ADVANTAGE_ESTIMATORS, WEIGHT_BUILDERS

@@ -182,11 +182,36 @@ def export_peft(cfg, adapters, workdir: str, version: int) -> list[str]:
     return out
 
 
+class AdapterEvals:
+    """Multi-LoRA's held-out eval: each adapter (merged into the base) on each adapter's task set, with the
+    first-call eval of each set (``HeldOutEval``). The headline fields (``eval_reward`` ...) are the mean of
+    each adapter on its own set; ``eval_adapter{a}_set{s}_reward`` each cell of the matrix, so a run shows
+    each adapter moving on its own set and what it does to the others'."""
+
+    def __init__(self, evals: list, base: FrozenBase):
+        self.evals, self.base = list(evals), base
+
+    def __call__(self, adapters) -> dict:
+        out: dict = {}
+        own = []
+        for a in range(len(adapters)):
+            params = merged(self.base, adapters, a)
+            for s, ev in enumerate(self.evals):
+                r = ev(params)
+                out[f"eval_adapter{a}_set{s}_reward"] = r["eval_reward"]
+                if a == s:
+                    own.append(r)
+        for k in ("eval_reward", "eval_exact", "eval_format"):
+            out[k] = float(np.mean([r[k] for r in own]))
+        out["eval_grader_errors"] = int(sum(r["eval_grader_errors"] for r in own))
+        return out
+
+
 def describe(cfg, base: FrozenBase, adapters) -> str:
     lora = cfg.lora
     ab = lora_lib.adapter_bytes(adapters)
     return (f"rl: LoRA rank={lora.rank} alpha={lora.alpha} ({lora.scale:g} x A@B) on {','.join(lora.targets)}"
             f"{' layers ' + ','.join(map(str, lora.layers)) if lora.layers else ''}, {lora.num_adapters} adapter(s): "
             f"{ab / 2**20:.2f} MiB trained, checkpointed and moved per switch vs the frozen base's "
-            f"{base.nbytes / 2**20:.1f} MiB ({cfg.model.dtype}), served {cfg.train.lora.serve}")
+            f"{base.nbytes / 2**20:.1f} MiB ({cfg.model.dtype}), served {cfg.train.lora.serving}")
 
