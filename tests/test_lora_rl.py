@@ -88,3 +88,44 @@ def test_lora_resume_refuses_another_base(tmp_path):
     c.steps = 2
     with pytest.raises(Exception, match="trained on base"):
         jobs.get(c.job)(c, str(tmp_path))
+
+
+@pytest.mark.slow  # ~40 s idle, several minutes on a loaded 2-core host
+def test_multi_lora_loop_routes_rollouts_to_their_adapters(tmp_path):
+    """Two adapters over one base, each on its own task set: every call of group g's rollouts samples with
+    adapter g % 2 (the proxy routes by the rollout's key), each adapter keeps its own optimizer state, both
+    are exported, and the held-out eval scores each adapter on each set."""
+    from gyre_jax.rl.build import build, jetstream_backend
+    from gyre_jax.rl.loop import drive
+
+    c = lora_config(adapters=2, adapter_tasks="ops=copy|ops=upper")
+    c.task.ops = "copy,upper"
+    c.eval = dict(kind="first_call", every=1, tasks=4, samples_per_task=2, temperature=1.0)
+    seen = []
+
+    def make_backend(cfg, cell, params, version, name, tok):
+        b = jetstream_backend(cfg, cell, params, version, name, tok)
+        submit = b.submit
+
+        def recording(req):
+            seen.append((req.cache_key, req.sampling.adapter, tok.decode(list(req.prompt_ids))))
+            return submit(req)
+
+        b.submit = recording
+        return b
+
+    cfg = RLConfig.from_config(c)
+    drive(build(cfg, str(tmp_path), make_backend=make_backend))
+    calls = [(k, a, p) for k, a, p in seen if k is not None]  # (the warm-up call has no rollout)
+    assert len(calls) >= 16
+    for key, adapter, prompt in calls:
+        g = int(key.split("/")[1].split("-")[0][1:])
+        assert adapter == g % 2, (key, adapter)
+        assert ("\nupper " if adapter else "\ncopy ") in prompt  # each adapter's own task set
+    meta = ocp.StandardCheckpointer().metadata(os.path.join(tmp_path, "checkpoints", "2", "state"))
+    tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+    assert len(tree["params"]) == 2 and len(tree["opt_state"]) == 2  # one adapter and one optimizer state each
+    for a in range(2):
+        assert os.path.isfile(os.path.join(tmp_path, "lora_export", f"adapter{a}", "adapter_model.safetensors"))
+    last = [json.loads(x) for x in open(os.path.join(tmp_path, "metrics.jsonl"))][-1]
+    assert {f"eval/adapter{a}_set{s}_reward" for a in range(2) for s in range(2)} <= set(last)
