@@ -129,3 +129,27 @@ def test_multi_lora_loop_routes_rollouts_to_their_adapters(tmp_path):
         assert os.path.isfile(os.path.join(tmp_path, "lora_export", f"adapter{a}", "adapter_model.safetensors"))
     last = [json.loads(x) for x in open(os.path.join(tmp_path, "metrics.jsonl"))][-1]
     assert {f"eval/adapter{a}_set{s}_reward" for a in range(2) for s in range(2)} <= set(last)
+
+
+@pytest.mark.slow  # two processes; ~2 min idle
+def test_lora_pods_satellite_reads_the_base_and_moves_adapters_only(tmp_path):
+    """The LoRA run across processes: the satellite process reads the frozen base the core keeps in the workdir,
+    serves and trains on it, and every cross-process publication and snapshot is the adapters' bytes."""
+    from tests.test_pods_rl import _launch
+
+    workdir = str(tmp_path / "run")
+    rc, out = _launch(workdir, steps=2, extra=["--config.train.lora.rank=4"])
+    assert rc == 0, out[-6000:]
+    assert "pods satellite: LoRA base" in out and "pods satellite 1: engine on cell 1 serving v0" in out, out[-4000:]
+    import re
+
+    run = os.path.join(workdir, "elastic")
+    lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    c = lora_config()
+    c.model.update(dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, max_seq_len=96))
+    adapter_bytes = 4 * L.count_adapter_params(RLConfig.from_config(c).policy_model)
+    # The starting policy reached the satellite's engine as the adapters alone (the base was read from the workdir)
+    published = re.search(r"rl: satellite 1 engine at \S+: v0 published \(([\d.]+) MB", out)
+    assert published and float(published.group(1)) == round(adapter_bytes / 1e6, 2), out[-4000:]
+    moves = sum(r["weight_moves"] for r in lines)  # later publications and switches (none if it only trained)
+    assert sum(r["weight_move_bytes"] for r in lines) == moves * adapter_bytes

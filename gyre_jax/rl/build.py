@@ -702,15 +702,22 @@ def _cell_steps(cfg: RLConfig, frozen: FrozenBase | None = None) -> cells_lib.Ce
                                reductions=METRIC_REDUCTIONS)
 
 
-def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_backend) -> dict:
-    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word."""
+def run_satellite(cfg: RLConfig, *, workdir: str | None = None, make_backend: BackendFactory = jetstream_backend) -> dict:
+    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word. A LoRA run's
+    satellite reads the frozen base the core keeps in ``workdir`` (rl/lora_run.py: a shared filesystem, or
+    model.hf_path itself); everything the core sends it afterwards is adapters."""
     from gyre_jax.pods.rl_job import check_layout, satellite_main
 
     _quiet_absl()
     cfg.check_devices(len(jax.devices()))
     check_layout(cfg, cells_lib.split_cells(cfg.cell_config()))
     tok = _tokenizer(cfg)
-    return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
+    frozen = None
+    if cfg.train.lora.enabled:
+        if workdir is None:
+            raise ConfigError("a LoRA run's satellite process needs the run's --workdir (the core keeps the base there)")
+        frozen = lora_run.satellite_base(cfg, os.path.abspath(workdir), lambda: (_hf_params(cfg, None), []))
+    return satellite_main(cfg, _cell_steps(cfg, frozen), make_backend, tok)
 
 
 def check_checkpoint(restored, iterator, frozen: FrozenBase | None = None) -> None:

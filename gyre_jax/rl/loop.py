@@ -59,7 +59,7 @@ def run(config, workdir: str) -> dict:
     """Job 'rl' (gyre_jax.jobs): the loop in ``<workdir>/<mode>``; returns the summary dict."""
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
     if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
-        return run_satellite(cfg)
+        return run_satellite(cfg, workdir=os.path.join(workdir, cfg.scheduler.mode))
     mode_dir = os.path.join(workdir, cfg.scheduler.mode)
     try:
         checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)

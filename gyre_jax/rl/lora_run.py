@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 import flax.serialization
 import jax
@@ -74,6 +75,22 @@ def frozen_base(cfg, workdir: str, make_fresh) -> tuple[FrozenBase, list[dict]]:
     if jax.process_index() == 0:
         _keep(path, base, reload=_reloadable(cfg))
     return base, history
+
+
+def satellite_base(cfg, workdir: str, load_hf, *, timeout_s: float = 1800.0) -> FrozenBase:
+    """A pods satellite's copy of the base: what the core keeps in ``<workdir>/lora_base`` (waited for: the core
+    makes it, SFT included, while the satellites start), read from there or, when it is model.hf_path's weights,
+    loaded from the checkpoint; the fingerprint must be the core's."""
+    meta_path = os.path.join(workdir, BASE_DIR, _META)
+    t0 = time.monotonic()
+    while not os.path.isfile(meta_path):
+        if time.monotonic() - t0 > timeout_s:
+            raise RunFailed(f"{meta_path} did not appear within {timeout_s:.0f} s: a LoRA run's satellites read the "
+                            "base the core keeps in its workdir (a filesystem every process sees)")
+        time.sleep(1.0)
+    base, _ = frozen_base(cfg, workdir, load_hf)
+    print(f"pods satellite: LoRA base {base.fingerprint()} ({base.nbytes / 2**20:.1f} MiB) read from {workdir}", flush=True)
+    return base
 
 
 def _abstract_base(pm):
