@@ -112,7 +112,7 @@ class Components:
     store: TrajectoryStore
     ckpt: Checkpointer
     metrics: MetricsWriter
-    evaluator: HeldOutEval | BackgroundEval | None
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
     timeline: Timeline
     clock: RealClock
     wake: threading.Event
@@ -160,7 +160,7 @@ class Placement:
     steps: cells_lib.CellSteps
     core_mesh: Any
     warm_thread: threading.Thread  # compiling every cell's training step meanwhile
-    evaluator: HeldOutEval | BackgroundEval | None
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
     frozen: FrozenBase | None = None  # a LoRA run's base (rl/lora_run.py); None: the params are the model's
     base_history: tuple[dict, ...] = ()  # the SFT warm start's metrics when the LoRA base was made now
 
@@ -414,7 +414,7 @@ def save_costs(workdir: str, controller: Controller) -> None:
         return
     path = os.path.join(workdir, costs_file.FILE_NAME)
     measured = controller.estimates.measured()
-    moves = getattr(controller.cells, "moves", lambda: [])()
+    moves: list = getattr(controller.cells, "moves", lambda: [])()
     if moves:  # the weight move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)
         measured = dataclasses.replace(measured, move_bytes=float(np.mean([m.bytes for m in moves])),
                                        move_s=float(np.mean([m.seconds for m in moves])))
@@ -435,12 +435,13 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
 
         check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
-    frozen, base_history = None, []
+    frozen: FrozenBase | None = None
+    base_history: list[dict] = []
     if cfg.train.lora.enabled:  # the base first: the cells' steps read it (rl/lora_run.py)
         core_mesh = layout.role_to_mesh()[Role.CORE][0]
         frozen, base_history = lora_run.frozen_base(cfg, base.workdir,
                                                     lambda: fresh_params(cfg, base.tok, core_mesh))
-    evaluator: HeldOutEval | BackgroundEval | None = _make_eval(cfg, base.tok, frozen)
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None = _make_eval(cfg, base.tok, frozen)
     if cfg.eval.every and cfg.eval.kind == "episodes":
         evaluator = _episode_eval(cfg, base.tok, layout.cells[0], make_backend, base.workdir, frozen)
     steps = _cell_steps(cfg, frozen)

@@ -878,7 +878,7 @@ class RLConfig:
             bad = sorted(set(over) - set(types))
             if bad:
                 raise unknown_fields(f"train.lora.adapter_tasks (adapter {a})", bad, types)
-            typed = {}
+            typed: dict[str, Any] = {}
             for k, v in over.items():
                 kind = str(types[k])
                 try:
