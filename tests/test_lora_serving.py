@@ -38,7 +38,8 @@ def _greedy(params, prompt, n):
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("serving", ["merged", "unmerged"])
+@pytest.mark.parametrize("serving", ["merged", pytest.param("unmerged", marks=pytest.mark.slow)])  # (unmerged: also
+# the next test's path, with two adapters)
 def test_lora_engine_serves_the_merged_model_and_takes_adapters_alone(setup, serving):
     base, ad1, ad2 = setup
     frozen = FrozenBase(LCFG, base)
