@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gyre_jax.agents.sparse_copy import copy_extents
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tree_rules import (CATEGORIES, IGNORED, Rules, command_files, command_tool_names, installed_names,
                                         test_file_of)
@@ -317,8 +318,6 @@ def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 def _copy_into(src: str, dst: str, mode: int) -> None:
     """Copy the regular file ``src`` to the new ``dst``, sparse: only its data extents are written
     (a file of holes stays one), nothing followed."""
-    from gyre_jax.agents.graders import copy_extents
-
     fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)

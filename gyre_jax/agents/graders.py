@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_jax.agents.scoring import RESULT_PREFIX
+from gyre_jax.agents.sparse_copy import copy_extents
 from gyre_jax.agents.tasks.base import Task
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -128,36 +128,6 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     stats["bytes"] += copied
     stats["apparent_bytes"] += st.st_size
     return None
-
-
-def copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
-    """Copy ``fd``'s data extents below ``size`` into ``out`` at the same offsets; the data
-    bytes copied, or None once they pass ``budget``."""
-    pos, copied = 0, 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # only holes from pos to the end
-                break
-            start, end = pos, size  # no SEEK_DATA here: all of it is data
-        if start >= size:
-            break
-        os.lseek(fd, start, os.SEEK_SET)
-        os.lseek(out, start, os.SEEK_SET)
-        left = end - start
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                return copied
-            copied += len(chunk)
-            if copied > budget:
-                return None
-            os.write(out, chunk)
-            left -= len(chunk)
-        pos = end
-    return copied
 
 
 def grader_sandbox_env(kind: str, limits, image: str | None = None, ro_paths=()) -> dict[str, str]:

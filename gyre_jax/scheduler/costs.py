@@ -88,6 +88,25 @@ def filled(m: Measured, fallback: Measured) -> Measured:
                        for f in dataclasses.fields(Measured)})
 
 
+def for_move_bytes(m: Measured, move_bytes: float | None) -> Measured:
+    """``m`` (priors, an earlier attempt's costs) for a run whose switches move ``move_bytes``: the
+    weight move inside each switch rescaled by the byte ratio (what a move costs scales with what it
+    moves, at the bandwidth ``m`` measured), the rest of each switch (drains, the engine's reload)
+    as measured. Unchanged where ``m`` did not measure its move or the bytes are the same."""
+    if move_bytes is None or m.move_bytes is None or m.move_s is None or not m.move_bytes \
+            or move_bytes == m.move_bytes:
+        return m
+    new_s = m.move_s * move_bytes / m.move_bytes
+    d = new_s - m.move_s  # one move per direction
+
+    def less(v, k=1):
+        return None if v is None else max(0.0, v + k * d)
+
+    return dataclasses.replace(m, move_bytes=float(move_bytes), move_s=new_s,
+                               switch_to_train_s=less(m.switch_to_train_s), switch_to_rollout_s=less(m.switch_to_rollout_s),
+                               switch_round_trip_s=less(m.switch_round_trip_s, 2))
+
+
 def switch_cost_s(state: ClusterState, config: PolicyConfig) -> float:
     """A role switch's round trip (rollout -> train + train -> rollout), seconds: measured,
     else the priors', else min_work_per_switch_s; at least as long as a switch in progress

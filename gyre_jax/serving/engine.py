@@ -329,7 +329,7 @@ class GyreEngine(engine_api.Engine):
         sp = inp.sampling
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(sp.stop_ids)] = sp.stop_ids
-        return Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed], np.int32),
+        return Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed, sp.adapter], np.int32),
                       np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
@@ -359,24 +359,25 @@ class GyreEngine(engine_api.Engine):
             else:
                 k, v = self._fit(k, v, self.bucket(c))
         elif new.shape[0] > self.prefill_chunk:
-            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None, rt)
+            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None, rt, self._adapter_kw(inp))
             self.counters["prefill_tokens"] += int(new.shape[0])
         else:
             tb = self.bucket(new.shape[0])
             padded = np.zeros((tb,), np.int32)
             padded[: new.shape[0]] = new
             extra = () if rt is None else (_pad_routing(rt[c:], tb),)
+            kw = self._adapter_kw(inp)
             if c == 0:
-                k, v = self._prefill_new(p, padded, np.int32(new.shape[0]), *extra)
+                k, v = self._prefill_new(p, padded, np.int32(new.shape[0]), *extra, **kw)
             else:
-                k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c), *extra)
+                k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c), *extra, **kw)
             self.counters["prefill_tokens"] += int(new.shape[0])
         self.counters["prefills"] += 1
         out = self._prefix_out(k, v, inp, n_all)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return out
 
-    def _prefill_chunks(self, params, toks, c, k, v, routing=None):
+    def _prefill_chunks(self, params, toks, c, k, v, routing=None, adapter_kw=None):
         """Chunked prefill: tokens c.. of ``toks`` into one buffer of bucket(len) entries,
         ``prefill_chunk`` at a time (one compile per buffer bucket); ``routing``: [len(toks), R]
         experts to replay (PrefillInput.routing)."""
@@ -393,11 +394,21 @@ class GyreEngine(engine_api.Engine):
             padded = np.zeros((chunk,), np.int32)
             padded[:real] = toks[start: start + real]
             extra = () if routing is None else (_pad_routing(routing[start: start + real], chunk),)
-            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start), *extra)
+            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start), *extra, **(adapter_kw or {}))
         return k, v
 
+    def _adapter_kw(self, inp: PrefillInput) -> dict:
+        """The prefill's adapter (several LoRA adapters, unmerged: serving/lora_weights.py); {} otherwise."""
+        n = self.config.lora.num_adapters if self.config.lora is not None else 1
+        if n == 1:
+            return {}
+        a = inp.sampling.adapter
+        if a >= n:
+            raise ValueError(f"adapter {a} requested; this engine serves adapters 0..{n - 1}")
+        return {"adapter": np.int32(a)}
+
     def _dead_prefix(self, request_id: str) -> Prefix:
-        return Prefix(None, None, np.zeros(5, np.int32), np.zeros(2, np.float32),
+        return Prefix(None, None, np.zeros(6, np.int32), np.zeros(2, np.float32),
                       np.full((MAX_STOP_IDS,), -1, np.int32), request_id)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:

@@ -105,7 +105,7 @@ class PrefillInput:
 class Prefix(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
     v: jax.Array | None
-    scalars_i: jax.Array | np.ndarray  # int32[5]: length, next_tok, generated, max_tokens, seed
+    scalars_i: jax.Array | np.ndarray  # int32[6]: length, next_tok, generated, max_tokens, seed, adapter
     scalars_f: jax.Array | np.ndarray  # float32[2]: temperature, top_p
     stop_N: jax.Array | np.ndarray  # int32[MAX_STOP_IDS], -1 = unused
     request_id: str = flax.struct.field(pytree_node=False)
@@ -124,6 +124,7 @@ class DecodeState:
     active_S: jax.Array  # generating
     held_S: jax.Array  # finished, slot kept until the backend releases it (see "Held slots")
     hold_steps_S: jax.Array
+    adapter_S: jax.Array  # multi-LoRA: the adapter each slot decodes with (SamplingParams.adapter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,10 +225,10 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     if paged is None:
         per_layer = (cache_s,) * cfg.n_layers
         # A pytree of shardings shaped like the state (jit's out_shardings), so leaves are not arrays.
-        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 10))  # type: ignore[arg-type]
+        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 11))  # type: ignore[arg-type]
     else:
         per_layer = (pages_sharding(cfg, paged[0], paged[1], mesh),) * cfg.n_layers
-        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
+        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 11))  # type: ignore[arg-type]
     out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
     out.update(_prefill_fns(cfg, m, jit_model, blk))
     out.update(_slot_fns(cfg, m, slots, paged, ds_s, blk))
@@ -254,14 +255,17 @@ def _prefill_fns(cfg: ModelConfig, m: int, jit_model, blk: NamedSharding) -> dic
     # The prefills take recorded routing (PrefillInput.routing; None traces the plain forward): the engine
     # records and never replays sampled tokens, but a recomputed cache replays what decode chose.
     replay_cfg = cfg.replace(routing_replay=cfg.num_experts > 0)
+    # Several LoRA adapters over the base (serving/lora_weights.py, unmerged): each prefill runs its call's
+    # adapter (``adapter=``), each decode step every slot's own (DecodeState.adapter_S).
 
-    def prefill_new(params, tokens_T, n, routing_TxR=None):
-        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR)
+    def prefill_new(params, tokens_T, n, routing_TxR=None, adapter=None):
+        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR,
+                                     adapter=adapter)
         return kv.k, kv.v
 
-    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None):
+    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None, adapter=None):
         _, kv = mdecode.prefill(params, replay_cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n,
-                                routing_TxR=routing_TxR)
+                                routing_TxR=routing_TxR, adapter=adapter)
         t = tokens_T.shape[0]
         lb = min(pk.shape[1] + t, m)
         pad = jnp.zeros((pk.shape[0], t) + pk.shape[2:], pk.dtype)
@@ -269,9 +273,9 @@ def _prefill_fns(cfg: ModelConfig, m: int, jit_model, blk: NamedSharding) -> dic
         v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
         return k[:, :lb], v[:, :lb]
 
-    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None):  # one chunk of a long prompt, into a buffer
+    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None, adapter=None):  # one chunk of a long prompt
         _, kv = mdecode.prefill_into(params, replay_cfg, tokens_T, mdecode.KV(k, v), c, true_length=n,
-                                     routing_TxR=routing_TxR)
+                                     routing_TxR=routing_TxR, adapter=adapter)
         return kv.k, kv.v
 
     def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
@@ -299,7 +303,8 @@ def _slot_fns(cfg: ModelConfig, m: int, slots: int, paged: tuple[int, int] | Non
             max_tokens_S=ds.max_tokens_S.at[slot].set(si[3]), seed_S=ds.seed_S.at[slot].set(si[4]),
             temperature_S=ds.temperature_S.at[slot].set(sf[0]), top_p_S=ds.top_p_S.at[slot].set(sf[1]),
             stop_SxN=ds.stop_SxN.at[slot].set(stop_N), active_S=ds.active_S.at[slot].set(True),
-            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0))
+            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0),
+            adapter_S=ds.adapter_S.at[slot].set(si[5]))
 
     def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
         return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
@@ -330,14 +335,6 @@ def _slot_fns(cfg: ModelConfig, m: int, slots: int, paged: tuple[int, int] | Non
         v = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.v])
         return k, v
 
-    def make_state():
-        z = jnp.zeros((slots,), jnp.int32)
-        f = jnp.zeros((slots,), bool)
-        cache = (mdecode.init_cache(cfg, slots, m) if paged is None
-                 else mdecode.init_paged_cache(cfg, slots, paged[0], paged[1], m))
-        return DecodeState(cache, z, z, z, z, jnp.zeros((slots,), jnp.float32),
-                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z)
-
     return {"insert": jax.jit(insert, donate_argnums=0, out_shardings=ds_s),
             "stop_slot": jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s),
             "stop_slots": jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s),
@@ -345,7 +342,16 @@ def _slot_fns(cfg: ModelConfig, m: int, slots: int, paged: tuple[int, int] | Non
             "export": jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk)),
             "set_table": jax.jit(set_table, donate_argnums=0, out_shardings=ds_s),
             "gather": jax.jit(gather, out_shardings=(blk, blk)),
-            "make_state": jax.jit(make_state, out_shardings=ds_s)}
+            "make_state": jax.jit(functools.partial(_empty_state, cfg, m, slots, paged), out_shardings=ds_s)}
+
+
+def _empty_state(cfg: ModelConfig, m: int, slots: int, paged: tuple[int, int] | None) -> DecodeState:
+    z = jnp.zeros((slots,), jnp.int32)
+    f = jnp.zeros((slots,), bool)
+    cache = (mdecode.init_cache(cfg, slots, m) if paged is None
+             else mdecode.init_paged_cache(cfg, slots, paged[0], paged[1], m))
+    return DecodeState(cache, z, z, z, z, jnp.zeros((slots,), jnp.float32),
+                       jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z, z)
 
 
 def _decode_fns(cfg: ModelConfig, m: int, slots: int, k_steps: int, paged: tuple[int, int] | None, jit_model,
@@ -384,9 +390,12 @@ def _decode_fns(cfg: ModelConfig, m: int, slots: int, k_steps: int, paged: tuple
 
 def _one_step(cfg: ModelConfig, m: int, paged: tuple[int, int] | None, layout: RoutingLayout):
     """One decode step of every slot: (new state, (result columns [S, w], valid [S]))."""
+    multi = cfg.lora is not None and cfg.lora.num_adapters > 1
+
     def one_step(params, ds):
         step = mdecode.decode_step if paged is None else mdecode.paged_decode_step
-        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0)
+        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0,
+                      adapter_S=ds.adapter_S if multi else None)
         logits, cache = routed[:2]
         tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
         act_S = ds.active_S

@@ -91,6 +91,10 @@ def plan_kv(kind: str, config: ModelConfig, max_len: int, max_slots: int, *, pag
     """Check the KV sizes; (pages, page_size) of a paged pool, None for a contiguous cache."""
     if kind not in KV_CACHES:
         raise ValueError(f"GyreEngine.kv_cache must be one of {KV_CACHES}, got {kind!r}")
+    if kind == "paged" and config.lora is not None and config.lora.num_adapters > 1:
+        raise ValueError("GyreEngine: kv_cache='paged' shares prompt pages between calls by their tokens alone; "
+                         "with several LoRA adapters two calls of one prompt differ, which is not covered: use "
+                         "kv_cache='contiguous'")
     if kind == "paged":
         if page_size < 1 or max_len % page_size:
             raise ValueError(f"GyreEngine: max_len={max_len} must be a multiple of page_size={page_size}")

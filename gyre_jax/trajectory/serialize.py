@@ -299,6 +299,9 @@ class PackedRows:
     # An MoE model's recorded routing, int16 [B, L, R] (-1: routed live; SerializedTree.routing);
     # None for a dense model. The one field that is not [B, L].
     routing: np.ndarray | None = None
+    # Multi-LoRA (gyre_jax/model/lora.py): int32 [B, L], the adapter each token's rollout trains; None with one
+    # adapter (the trainer fills it; padding 0).
+    adapter: np.ndarray | None = None
 
     def __post_init__(self):
         for k in SCORE_FIELDS:
@@ -307,21 +310,24 @@ class PackedRows:
 
     def as_dict(self) -> dict[str, np.ndarray]:
         d = dataclasses.asdict(self)
-        if d["routing"] is None:  # a dense model's rows: no such field at all (jitted steps see one pytree)
-            del d["routing"]
+        for k in ("routing", "adapter"):  # absent, not None: jitted steps see one pytree
+            if d[k] is None:
+                del d[k]
         return d
 
     def check(self, where: str = "PackedRows") -> None:
         """Every field is [B, L] (the shape of ``tokens``) with its dtype ("input k" is the k-th field);
         ``routing``, if present, int16 [B, L, R]."""
         chex.assert_rank(self.tokens, 2, custom_message=f"{where}: tokens must be [B, L]")
-        names = [f.name for f in dataclasses.fields(self) if f.name != "routing"]
+        names = [f.name for f in dataclasses.fields(self) if f.name not in ("routing", "adapter")]
         arrays = [getattr(self, k) for k in names]
         chex.assert_shape(arrays, self.tokens.shape, custom_message=f"{where}: {names} must be [B, L] like tokens")
         chex.assert_type(arrays, [_DTYPES[k] for k in names], custom_message=f"{where}: {names}")
         if self.routing is not None:
             chex.assert_shape(self.routing, (*self.tokens.shape, None), custom_message=f"{where}: routing must be [B, L, R]")
             chex.assert_type(self.routing, np.int16, custom_message=f"{where}: routing")
+        if self.adapter is not None:
+            chex.assert_shape(self.adapter, self.tokens.shape, custom_message=f"{where}: adapter must be [B, L]")
 
 
 def pack_rows(rows: list[list[SerializedTree]], row_len: int, *, routing_width: int | None = None) -> PackedRows:
