@@ -198,8 +198,15 @@ def lending_pays(state: ClusterState, config: PolicyConfig, available_s: float, 
     there (beyond the steady-state split) are back before that work would have been done without them:
     they start after the switch to training, so only the work the ``n_train`` cells have not done by
     then is shared; the time that saves must cover the switch back that the next step's agents wait
-    for, beyond the update they wait for anyway (nothing waits after the last step)."""
+    for, beyond the update they wait for anyway (nothing waits after the last step). While the way
+    back is unmeasured the lend is priced as a move for the rest of the run (``move_pays``): the cells
+    may never be back in time (issue 46: blind, a 30 s switch to training lent every satellite, and
+    each came back in 1,200 s). With nothing measured yet, a lend is how the first switch is probed."""
     sw = switch_costs(state, config)
+    sc = step_costs(costs(state, config), config) if not sw.known_to_rollout else None
+    if sc is not None:
+        n = census(state.cells).live
+        return n_train + m < n and move_pays(n, sc, n_train, n_train + m, sw.to_train, steps_left(state, config))
     left = available_s - n_train * sw.to_train
     if left <= 0 or n_train <= 0:
         return False
