@@ -215,9 +215,13 @@ def test_a_switch_of_unknown_cost_is_a_probe():
     assert len(of(P.decide(s, c), P.ToTrain)) == 1
     moving = dataclasses.replace(s, cells=cells(["train", "to_train"] + ["rollout"] * 14))
     assert of(P.decide(moving, c), P.ToTrain) == []
-    # the first arrival measured it (or a prior stated it): the rest follow
-    known = dataclasses.replace(moving, cells=cells(["train"] * 2 + ["rollout"] * 14),
-                                measured=P.Measured(switch_to_train_s=1.0))
+    # the first arrival measured the way to training; the way back, still unmeasured, may cost more
+    # than the run has left (issue 46: 30 s there, 1,200 s back): the cell beyond the split probes it
+    arrived = dataclasses.replace(moving, cells=cells(["train"] * 2 + ["rollout"] * 14),
+                                  measured=P.Measured(switch_to_train_s=1.0))
+    assert of(P.decide(arrived, c), P.ToTrain) == []
+    # both ways measured (or stated by a prior): the rest follow
+    known = dataclasses.replace(arrived, measured=P.Measured(switch_to_train_s=1.0, switch_to_rollout_s=1.0))
     assert len(of(P.decide(known, c), P.ToTrain)) == 14
 
 

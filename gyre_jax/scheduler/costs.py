@@ -198,15 +198,8 @@ def lending_pays(state: ClusterState, config: PolicyConfig, available_s: float, 
     there (beyond the steady-state split) are back before that work would have been done without them:
     they start after the switch to training, so only the work the ``n_train`` cells have not done by
     then is shared; the time that saves must cover the switch back that the next step's agents wait
-    for, beyond the update they wait for anyway (nothing waits after the last step). While the way
-    back is unmeasured the lend is priced as a move for the rest of the run (``move_pays``): the cells
-    may never be back in time (issue 46: blind, a 30 s switch to training lent every satellite, and
-    each came back in 1,200 s). With nothing measured yet, a lend is how the first switch is probed."""
+    for, beyond the update they wait for anyway (nothing waits after the last step)."""
     sw = switch_costs(state, config)
-    sc = step_costs(costs(state, config), config) if not sw.known_to_rollout else None
-    if sc is not None:
-        n = census(state.cells).live
-        return n_train + m < n and move_pays(n, sc, n_train, n_train + m, sw.to_train, steps_left(state, config))
     left = available_s - n_train * sw.to_train
     if left <= 0 or n_train <= 0:
         return False
@@ -215,24 +208,56 @@ def lending_pays(state: ClusterState, config: PolicyConfig, available_s: float, 
     return saved > max(0.0, back)
 
 
-# (state, config, target) of the last call: a tick asks for the target two or three times (admission,
-# the switches), on the same immutable state. One tuple swapped whole (another thread may ask too).
-_target_memo: tuple = (None, None, 0)
+def kept_lend_pays(state: ClusterState, config: PolicyConfig, n_train: int, m: int) -> bool:
+    """Whether ``m`` more training cells pay even if they stay training for the rest of the run
+    (``move_pays``): how a lend is priced while the way back is unmeasured (issue 46: blind, having
+    timed a 30 s switch to training, elastic lent every satellite to a step's tail as if the way back
+    were as cheap, and each came back in 1,200 s). False while the step's costs are unknown."""
+    sc = step_costs(costs(state, config), config)
+    n = census(state.cells).live
+    if sc is None or n_train + m >= n:
+        return False
+    return move_pays(n, sc, n_train, n_train + m, switch_costs(state, config).to_train, steps_left(state, config))
+
+
+def probe_within_margin(state: ClusterState, config: PolicyConfig, n_train: int) -> bool:
+    """Whether one more cell lent to training slows the steps by at most 2% (the promise's margin) if
+    it never returns: a lend that probes an unmeasured way back risks no more. True while the step's
+    costs are unknown (nothing to weigh the first probe against)."""
+    sc = step_costs(costs(state, config), config)
+    n = census(state.cells).live
+    if sc is None:
+        return True
+    step_s = _step_model(n, *sc)
+    return n_train + 1 < n and step_s(n_train + 1) <= 1.02 * step_s(n_train)
+
+
+# (what steady_split reads of a state, config, target) of the last call: a tick asks for the target two
+# or three times (admission, the switches), and the next ticks mostly on the same cells and estimates
+# (a controller passes the same objects until they change). One tuple swapped whole (another thread may
+# ask too).
+_target_memo: tuple = (None, None, None, 0)
+
+
+def _split_inputs(state: ClusterState) -> tuple:
+    return state.cells, state.measured, state.steps_done, state.open_step_taken, state.step_sizes
 
 
 def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
-    """``steady_split`` on this state, remembered for the next call on the same one."""
+    """``steady_split`` on this state, remembered for the next call on the same inputs."""
     global _target_memo
-    s, c, k = _target_memo
-    if s is state and c is config:
+    key = _split_inputs(state)
+    k0, c, s, k = _target_memo
+    if c is config and (s is state or (k0 is not None and k0[0] is key[0] and k0[1] is key[1] and k0[2:] == key[2:])):
         return k
     k = steady_split(state, config)
-    _target_memo = (state, config, k)
+    _target_memo = (key, config, state, k)
     return k
 
 
 def steady_split(state: ClusterState, config: PolicyConfig) -> int:
-    """Cells (core included) that training needs in steady state, from measured costs.
+    """Cells (core included) that training needs in steady state, from measured costs. It reads of
+    ``state`` only what ``_split_inputs`` names (``train_cells_target`` remembers it on those).
 
     A step of R rollouts costs ``a_s * R`` serving cell-seconds and ``a_t * R`` training
     cell-seconds plus the core's update U (training cells wait for it). With k training

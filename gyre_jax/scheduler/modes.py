@@ -145,6 +145,16 @@ class Elastic(Mode):
         target = costs.train_cells_target(state, config)
         k = min(limit, max(0, target - n_train), max(0, math.floor(work_s / cost) - n_train))
         lend = min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+        if lend > 0 and not costs.switch_costs(state, config).known_to_rollout:
+            # The way back is unmeasured: a lend that would not pay kept to the run's end is a probe of
+            # it, one cell beyond the split at a time, and only where losing that cell to training for
+            # the rest of the run costs at most 2% (on a few cells it does not: no probe).
+            if costs.kept_lend_pays(state, config, n_train + k, lend):
+                k, lend = k + lend, 0
+            elif costs.probe_within_margin(state, config, n_train + k):
+                lend = min(lend, max(0, 1 - max(0, n_train - target)))
+            else:
+                lend = 0
         if lend > 0 and costs.lending_pays(state, config, available_s, n_train + k, lend):
             k += lend
         if not costs.switch_costs(state, config).known_to_train:
