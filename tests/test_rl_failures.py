@@ -252,6 +252,13 @@ def test_progress_off_a_terminal_is_one_line_per_step():
     for _ in range(100):
         sft.step()
     assert len(quiet.getvalue().splitlines()) == 1  # fast loops: the last line only (and one per every_s)
+    # A report's build counts rollouts, many a second: the line names them and their rate.
+    built = io.StringIO()
+    report = Progress(total=50, desc="report", enabled=True, every_s=3600.0, line_per_step=False, stream=built,
+                      unit="rollout")
+    report.step(50)
+    (line,) = built.getvalue().splitlines()
+    assert line.startswith("report: rollout 50/50 |") and " rollouts/s, ETA 0s" in line, line
 
 
 def _call(rid, gid, version):

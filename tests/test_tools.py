@@ -73,6 +73,7 @@ ELSEWHERE = {
     "device_check": "tests/test_device_check.py runs --dry (= --quick) in process, by default",
     "gen_smol_tasks": "a task-file generator, not a bench: tests/test_smol_tasks.py checks the file it writes",
     "launch_local": "a launcher, not a bench: tests/test_pods_dp.py and test_pods_rl.py run it",
+    "report_screenshot": "a screenshot tool, not a bench: tests/test_report.py runs it (slow: a real browser)",
     "peer_transformers": "the transformers peer (torch, its own venv): tests/test_gguf.py runs it where that venv is",
     "peer_tunix": "the Tunix peer of bench_roofline --peer=tunix, in its own venv (no Tunix here)",
 }
