@@ -90,7 +90,10 @@ def test_plain_text_tool_calls_tiny_group_partial_credit(tmp_path):
     assert [r.status for r in res] == [vocab.STATUS_COMPLETED] * 2
     assert res[0].score == 1.0
     assert res[1].score == pytest.approx((len(expected) - 1) / len(expected))
-    assert res[1].grader_details == {"expected": expected, "got": wrong, "exact": False}
+    details = dict(res[1].grader_details)
+    tree = details.pop("tree")  # what crossed from the workspace into the graded tree (graded_tree.py)
+    assert details == {"expected": expected, "got": wrong, "exact": False}
+    assert tree["carried"] == 1 and not any(tree["refused"].values())  # answer.txt, nothing refused
     assert all("tools" not in r.body for r in srv.requests)
     assert srv.requests[0].messages == demonstration(task).messages[:-1]
 

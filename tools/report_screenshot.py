@@ -11,7 +11,6 @@ error, or a rollout with calls whose tree or calls table did not render (or, wit
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,9 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gyre_jax.testing.chromium import HeadlessChromium  # noqa: E402
 
+import benchkit  # noqa: E402 (tools/, beside this script)
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchkit.tool_parser(__file__, __doc__)
     ap.add_argument("report", help="the report's index.html")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tab", default="overview", choices=("overview", "tasks", "steps", "timeline", "rollouts"))
