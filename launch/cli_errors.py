@@ -29,6 +29,18 @@ def load_plain(path: str):
         fail(f"--config={path}: loading it failed: {type(e).__name__}: {e}")
 
 
+def nearest_field(typed: str, names) -> list[str]:
+    """The field ``typed`` most likely meant, by spelling or by its initials (``lr``, ``lrr`` ->
+    ``learning_rate``); [] when nothing is close."""
+    def score(name: str) -> float:
+        initials = "".join(w[:1] for w in name.split("_"))
+        return max(difflib.SequenceMatcher(None, typed, name).ratio(),
+                   difflib.SequenceMatcher(None, typed, initials).ratio() if "_" in name else 0.0)
+
+    best = max(names, key=score, default=None)
+    return [best] if best is not None and score(best) >= 0.3 else []
+
+
 def bad_override(config, argv) -> str | None:
     """The first ``--config.a.b=v`` of ``argv`` that names no field, with the nearest one; else None."""
     for arg in argv:
@@ -41,7 +53,7 @@ def bad_override(config, argv) -> str | None:
             keys = list(node.keys()) if hasattr(node, "keys") else []
             if part not in keys:
                 where = "config" + "".join("." + w for w in walked)
-                near = difflib.get_close_matches(part, keys, n=1, cutoff=0.3)  # lrr -> learning_rate
+                near = nearest_field(part, keys)
                 hint = (f"; did you mean {' or '.join(f'{where}.{n}' for n in near)}?" if near
                         else f"; {where} has {sorted(keys)}")
                 return f"--config.{dotted}: {where} has no field {part!r}{hint}"
