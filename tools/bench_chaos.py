@@ -38,9 +38,12 @@ and metrics.jsonl. Prints a table (one row per attempt, then one per trial's aud
 JSON line: trials, kills (stops delivered to a live run: kill9 + sigterm), kill9, sigterm,
 resumes (attempts that said "resumed from checkpoint"), restarts (attempts after a trial's
 first), rollouts_lost, rollouts_trained_twice, groups_short, wrong_state,
-max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, oversized_steps and
-extra_groups (steps that took more than groups_per_step groups after a rewind past the bound, and how
-many more), infra_errors
+max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, replayed_steps (steps a
+resume trained again from their records: a kill -9 rewinds to the last checkpoint and replays what the
+cursor recorded after it), params_hash_equal and params_hash_differ (each step line a rewind purged, against
+the surviving lineage's line of that step: a replayed version must be the lost run's, bit for bit),
+oversized_steps and extra_groups (steps that took more than groups_per_step groups after a rewind past the
+bound, and how many more: only what could not be replayed), infra_errors
 (infra_error outcomes that are not abandoned attempts), write_faults (attempts stopped by a full
 disk or an injected write fault with the expected code), write_fault_sites, write_fault_results (per
 site: n, rc, expected_rc, exit_s, one_error_line, completed, lost, twice, short), hangs, leftover_processes (processes of a stopped attempt
@@ -385,7 +388,8 @@ def main(argv=None) -> dict:
         print(f"{r['trial']:>5} {r['attempt']:>3} {r['stop']:<34} {r['at_s']:>6} {str(r['rc']):>5} "
               f"{'' if r['stop_s'] is None else r['stop_s']:>6} {r['steps_seen']:>5}  {r['last']}")
     keys = ("finished", "trained", "dropped", "rollouts_lost", "rollouts_trained_twice", "groups_short", "wrong_state",
-            "staleness_max", "infra_errors", "unfinished", "metrics_steps", "duplicate_steps")
+            "staleness_max", "infra_errors", "unfinished", "metrics_steps", "duplicate_steps", "replayed_steps",
+            "oversized_steps", "params_hash_equal", "params_hash_differ")
     print()
     print(f"{'trial':>5} {'done':>5} " + " ".join(f"{k:>{max(6, len(k))}}" for k in keys))
     for i, t in enumerate(trials):
@@ -407,6 +411,8 @@ def main(argv=None) -> dict:
         max_staleness_over_bound=max(((t["audit"] or {}).get("max_staleness_over_bound", 0) for t in trials), default=0),
         staleness_bound=cfg.scheduler.staleness_bound, duplicate_steps=total("duplicate_steps"),
         steps_short=sum(a.steps - (t["audit"] or {}).get("metrics_steps", 0) for t in trials if t["completed"]),
+        replayed_steps=total("replayed_steps"), params_hash_equal=total("params_hash_equal"),
+        params_hash_differ=total("params_hash_differ"),
         oversized_steps=total("oversized_steps"), extra_groups=total("extra_groups"),
         infra_errors=total("infra_errors"), write_faults=sum(t["write_faults"] for t in trials), hangs=sum(t["hangs"] for t in trials),
         leftover_processes=sum(t["leftover_processes"] for t in trials),

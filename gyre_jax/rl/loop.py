@@ -37,6 +37,7 @@ import logging
 import os
 import queue
 import time
+import traceback
 
 import jax
 
@@ -165,7 +166,7 @@ def drive(c: Components) -> dict:
         wall_rl = c.clock.now()
         segments = c.timeline.close()
         if failure is not None:
-            _save_after_failure(c)
+            _save_after_failure(c, failure)
         c.close()
     if failure is not None:
         _reraise(c, failure)
@@ -199,9 +200,10 @@ def _reraise(c: Components, failure: BaseException) -> None:
                     f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
 
 
-def _save_after_failure(c: Components) -> None:
+def _save_after_failure(c: Components, failure: BaseException) -> None:
     """A checkpoint of the trained state if the last one is older (the store is durable:
-    every finished rollout is pending again at resume, so only the order is saved here)."""
+    every finished rollout is pending again at resume, so only the order is saved here). If that fails
+    too, one line says so and its traceback goes with the failure's (a note: the run's errors.log)."""
     try:
         # The open step is abandoned first (its rollouts stay buffered): the state is then the last update's.
         if not c.trainer.abandon_step():
@@ -222,5 +224,6 @@ def _save_after_failure(c: Components) -> None:
             c.trainer.it.set_state({"step": version, "row": 0})
             save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True)
             print(f"rl: saved checkpoint step {version} after the failure", flush=True)
-    except Exception:  # noqa: BLE001 - the failure is what the user needs to see
-        log.exception("saving a checkpoint after the failure failed")
+    except Exception as e:  # noqa: BLE001 - the failure is what the user needs to see
+        log.error("saving a checkpoint after the failure failed: %s: %s", type(e).__name__, e)
+        failure.add_note("Saving a checkpoint after it failed too:\n" + "".join(traceback.format_exception(e)))
