@@ -109,6 +109,9 @@ def get_config() -> ml_collections.ConfigDict:
         demo_test_fraction=0.3,  # tiny_agent family: share of warm-start demonstrations that test (configs/learn.py)
         dataset="",  # a JSONL task file instead of a family (configs/external.py shows one)
         eval_dataset="",
+        check="start",  # check every task file's grader at start (untouched + solution): start | off
+        skip_broken=False,  # a broken task stops the run (one error: line); True: train without it, counted
+        grader_ro_paths="",  # comma-separated host paths graded commands see read-only (the run's Python always)
     ))
     c.harness = ml_collections.ConfigDict(section(
         HarnessKnobs,  # kind, entry, command, env, ...: the built-in agent here (configs/external.py: others)

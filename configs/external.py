@@ -24,7 +24,10 @@ one mini-swe-agent process started in the rollout's bubblewrap sandbox (its own 
 namespace whose only door is the proxy's unix socket), working in the workspace the task's
 `files`/`repo` were laid into; every model call it makes is recorded by the proxy under the
 rollout's key, the tree of its calls is rebuilt and trained. Its workspace is graded by the
-task's command (exit code, or a `{"score": x}` line). Held-out eval: whole episodes of the
+task's own verdict (per-test: gyre's pytest plugin on the named tests; calls; or a command's exit
+status / $GYRE_VERDICT), every grader checked at start (`--check_tasks` prints the same check:
+`python -m launch.main --config configs/external.py --check_tasks`, ~20 s, every task "ok", exit 0).
+Held-out eval: whole episodes of the
 split=eval tasks through the same harness on a dedicated engine (eval/eval.jsonl).
 
 The model is a tiny random byte-level transformer with a 2K context (no warm start: the task

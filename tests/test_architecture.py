@@ -26,6 +26,9 @@ THIRD_PARTY = {
     "site._server",  # aiohttp: a started site's server, for the port it bound
     "fn._cache_size",  # jax: a jitted function's compile count
     "self._driver._generate_slots",  # JetStream: the driver's free-slot queue per engine
+    # pytest's assertion rewriter: gyre's verdict plugin compiles the task's tests from memory
+    "rewrite._rewrite_test", "rewrite._read_pyc",
+    "sys._getframe",  # the verdict plugin reads a passing assert's operands from the rewritten test frame
 }
 
 

@@ -294,30 +294,35 @@ def test_task_file_grain_order_repo_and_splits(tmp_path):
         src.demo_tasks(1)
 
 
-@pytest.mark.parametrize("command,score,error", [
-    ("exit 0", 1.0, None),
-    ("exit 1", 0.0, None),
-    ("echo '{\"score\": 0.25}'", 0.25, None),
-    ("echo noise; echo '{\"score\": 1.5}'", None, "not a number in"),
-    ("echo '{\"error\": \"fixture missing\"}'", None, "fixture missing"),
-    ("no-such-test-runner", None, "could not run"),
-    ("sleep 30", 0.0, None),
+@pytest.mark.parametrize("command,verdict,score,fault", [
+    ("exit 0", "exit_code", 1.0, None),
+    ("exit 1", "exit_code", 0.0, None),
+    ("echo '{\"score\": 0.25}' > $GYRE_VERDICT", "file", 0.25, None),
+    ("echo '{\"score\": 0.25}'", "exit_code", 1.0, "prints a score"),  # stdout is never a score
+    ("echo '{\"score\": 1}' > $GYRE_VERDICT; exit 1", "file", 0.0, None),  # a non-zero exit is always 0
+    ("echo '{\"score\": 1.5}' > $GYRE_VERDICT", "file", 0.0, "must hold"),
+    ("echo '{\"error\": \"fixture missing\"}' > $GYRE_VERDICT", "file", 0.0, "fixture missing"),
+    ("true", "file", 0.0, "without writing"),
+    ("no-such-test-runner", "exit_code", 0.0, "could not run"),
+    ("sleep 30", "exit_code", 0.0, None),
 ])
-def test_grader_command_scoring(tmp_path, command, score, error):
+def test_grader_command_scoring(tmp_path, command, verdict, score, fault):
+    """A command grader's verdict (verdict_command): its exit status, or $GYRE_VERDICT; every failure of
+    the command is a 0, with a grader fault named where the grader itself looks broken."""
+    from gyre_jax.agents.graders import grade_in_process
     from gyre_jax.agents.tasks.base import Task
 
-    task = Task(task_id="g", family="dataset", prompt="p", grader=dataset.GRADER,
-                params={"grader_command": command, "grader_files": {"hidden.txt": "h"}, "grader_timeout_s": 1.0})
+    task = Task(task_id="g", family="dataset", prompt="p", grader=dataset.GRADER, hidden_files={"hidden.txt": "h"},
+                params={"grader_mode": "command", "grader_command": command, "grader_verdict": verdict,
+                        "grader_timeout_s": 1.0})
     ws = tmp_path / "snap"
     ws.mkdir()
-    if error is None:
-        g = dataset.grade(task, ws)
-        assert g.score == score
-        assert g.details.get("timed_out", False) == (command == "sleep 30")
-    else:
-        with pytest.raises(dataset.VerifierError, match=error):
-            dataset.grade(task, ws)
-    assert not (ws / "hidden.txt").exists()  # hidden files go into a copy, never the snapshot
+    g = grade_in_process(task, ws)
+    assert g.score == score, g.details
+    assert g.details.get("timed_out", False) == (command == "sleep 30")
+    assert (g.details["grader_fault"] is None) == (fault is None), g.details["grader_fault"]
+    assert fault is None or fault in g.details["grader_fault"]
+    assert not (ws / "hidden.txt").exists()  # hidden files go into the graded tree, never the snapshot
 
 
 def test_a_kind_registered_first_keeps_the_built_in_kinds():

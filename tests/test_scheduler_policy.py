@@ -1,6 +1,8 @@
 """The role policy on hand-made cluster states."""
+import ast
 import collections
 import dataclasses
+import pathlib
 import subprocess
 import sys
 
@@ -356,6 +358,45 @@ def test_one_vocabulary_of_cell_roles_and_modes_and_no_jax_in_the_policy():
     # the built-in modes' names are the vocabulary's, each a registered strategy object
     assert P.MODES is vocab.MODES and vocab.MODES == tuple(m.name for m in modes.BUILTIN)
     assert all(modes.get_mode(m).name == m for m in vocab.MODES)
+
+
+def scheduler_module_imports() -> dict[str, set[str]]:
+    """scheduler module -> the scheduler modules it imports: every import statement, inside
+    functions and under ``if TYPE_CHECKING:`` too (a cycle hidden there is still a cycle)."""
+    root = pathlib.Path(P.__file__).parent
+    out: dict[str, set[str]] = {}
+    for f in sorted(root.glob("*.py")):
+        deps = out.setdefault(f.stem, set())
+        for n in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(n, ast.ImportFrom) and n.module == "gyre_jax.scheduler":
+                deps.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("gyre_jax.scheduler."):
+                deps.add(n.module.split(".")[2])
+            elif isinstance(n, ast.Import):
+                deps.update(a.name.split(".")[2] for a in n.names if a.name.startswith("gyre_jax.scheduler."))
+        deps.discard(f.stem)
+    return out
+
+
+def test_the_policy_modules_import_one_way():
+    """policy.py split into state, policy_config, costs and admission (issue 43 item 5): each imports
+    only those before it, and no scheduler module is in an import cycle (TYPE_CHECKING included)."""
+    g = scheduler_module_imports()
+    order = ["vocab", "state", "policy_config", "costs", "admission", "modes", "policy"]
+    for i, m in enumerate(order):
+        assert g[m] <= set(order[:i]), (m, sorted(g[m] - set(order[:i])))
+    done: set[str] = set()
+
+    def visit(m, path):
+        assert m not in path, "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+        if m not in done:
+            for d in sorted(g.get(m, ())):
+                visit(d, path + [m])
+            done.add(m)
+
+    for m in g:
+        visit(m, [])
+    assert g["__init__"] == {"modes"}  # what makes the built-in modes known to any PolicyConfig
 
 
 def test_multi_step_publishes_every_k_updates():

@@ -50,6 +50,7 @@ from gyre_jax.agents import sandbox as sb  # noqa: E402
 from gyre_jax.agents.config import HarnessConfig  # noqa: E402
 from gyre_jax.agents.harness import RolloutRequest, run_rollouts  # noqa: E402
 from gyre_jax.agents.harnesses import make_harness  # noqa: E402
+from gyre_jax.agents.task_check import solution_command  # noqa: E402
 from gyre_jax.agents.tasks import dataset  # noqa: E402
 from gyre_jax.serving.proxy import Proxy, ProxyConfig  # noqa: E402
 from gyre_jax.serving.router import Router  # noqa: E402
@@ -133,7 +134,7 @@ def live(args) -> dict:
                  f"open('.probe_net','w').write(str(s.connect_ex(('127.0.0.1', {port_box[0]}))))\"; "
                  f"touch /tmp/{canary} {sys.prefix}/{canary} {host_dir}/{canary} 2>/dev/null; true")
         return [f"Check the sandbox.\n{FENCE}mswea_bash_command\n{probe}\n{FENCE}",
-                f"Solve it.\n{FENCE}mswea_bash_command\n{task.metadata['solution']}\n{FENCE}",
+                f"Solve it.\n{FENCE}mswea_bash_command\n{solution_command(task.metadata['solution'])}\n{FENCE}",
                 f"Done.\n{FENCE}mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n{FENCE}"]
 
     def script_for(req):

@@ -43,17 +43,14 @@ counted from the error messages they print (a lower bound: a command can hide th
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import dataclasses
-import json
 import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Mapping
@@ -225,6 +222,15 @@ class _UidPool:
 
 
 _UIDS = _UidPool()
+
+
+def take_uid() -> int:
+    """A fresh per-sandbox uid for a root trainer (a grader's sandbox takes one too)."""
+    return _UIDS.take(SandboxConfig().uid_base)
+
+
+def give_uid(uid: int) -> None:
+    _UIDS.give(uid)
 _warned_none = False
 _warned_cgroup = False
 
@@ -298,6 +304,15 @@ def _merged_usr_links() -> list[str]:
         elif os.path.isdir(d):
             out += ["--ro-bind", d, d]
     return out
+
+
+def processes_of(uid: int) -> int:
+    """Processes + threads ``uid`` owns now (what RLIMIT_NPROC counts)."""
+    return _tasks_of_uid(uid)
+
+
+def warn_no_cgroup(why: str) -> None:
+    _warn_no_cgroup(why)
 
 
 def _tasks_of_uid(uid: int) -> int:
@@ -466,10 +481,12 @@ class NoSandbox(Sandbox):
 
 def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths=(),
                binds: tuple[tuple[str, str, str], ...] = (), env: Mapping[str, str] | None = None,
-               deny_shared_memory: bool = False) -> list[str]:
+               deny_shared_memory: bool = False, overlays: tuple[tuple[str, str, str], ...] = ()) -> list[str]:
     """bwrap up to (and including) the command's user switch. ``binds``: (option, host path,
-    sandbox path), e.g. ("--bind", workspace, "/workspace"). ``deny_shared_memory``: the sandbox
-    has no cgroup counting its memory, so memfds and SysV segments are refused (``sandbox_seccomp``).
+    sandbox path), e.g. ("--bind", workspace, "/workspace"); ``overlays``: binds over paths that
+    exist inside an earlier bind (a hidden file read-only inside the writable workspace), after them.
+    ``deny_shared_memory``: the sandbox has no cgroup counting its memory, so memfds and SysV
+    segments are refused (``sandbox_seccomp``).
 
     As root (``uid`` set) bwrap runs privileged without a user namespace, so the command's
     kernel uid really is ``uid`` (RLIMIT_NPROC counts per kernel uid; inside a user namespace
@@ -514,6 +531,8 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
         argv += parents(d) + ["--ro-bind-try", d, d]
     for opt, src, dst in binds:
         argv += parents(dst) + [opt, src, dst]
+    for opt, src, dst in overlays:
+        argv += [opt, src, dst]
     # Started in /: bwrap itself (root without CAP_DAC_OVERRIDE) may not enter the uid's 0700
     # workspace; the command's shell does, as that uid (see ``limited_shell``).
     argv += ["--chdir", "/", "--"]
@@ -533,6 +552,13 @@ _seccomp_refused: str | None = None  # why bwrap refused the filter here (bwrap_
 
 def seccomp_refused() -> str | None:
     return _seccomp_refused
+
+
+def note_seccomp_refused(why: str) -> None:
+    """The trainer found the filter refused here (a grader subprocess learns it from its spec)."""
+    global _seccomp_refused
+    if _seccomp_refused is None:
+        _seccomp_refused = why
 
 
 def _disable_userns() -> list[str]:
@@ -652,73 +678,5 @@ def describe(launch: Launch) -> str:
     return shlex.join(launch.argv)
 
 
-GRADER_SANDBOX_ENV = "GYRE_GRADER_SANDBOX"  # set by graders.run_grader: {"kind", "limits", "image"}
-
-
-@contextlib.contextmanager
-def untrusted_python(workspace: str | os.PathLike, script: str | os.PathLike):
-    """The argv that runs the standard-library-only ``script`` (``python3 -I -c SOURCE``: the
-    source travels in the argv, no file of ours is mounted) on agent code in ``workspace`` (a
-    snapshot), for a grader: confined as the rollout's commands were (``GYRE_GRADER_SANDBOX``;
-    unset: kind none, a plain subprocess), the workspace read-only, no network. Run it with
-    cwd = ``workspace``; stdin and stdout are the script's channel."""
-    source = Path(script).read_text()
-    spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
-    if spec["kind"] == "none":
-        yield [sys.executable, "-I", "-B", "-c", source]
-        return
-    with untrusted_command(workspace, ["python3", "-I", "-B", "-c", source], writable=False) as argv:
-        yield argv
-
-
-@contextlib.contextmanager
-def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable: bool):
-    """The argv that runs ``argv`` on agent code in ``workspace`` for a grader, confined as the
-    rollout's commands were (``GYRE_GRADER_SANDBOX``; unset: kind none, a plain subprocess in
-    ``workspace``), no network, rlimits; ``writable``: the workspace is bound read-write (a
-    test suite writes caches and reports: give it a copy, never the graded snapshot itself).
-    As root the command runs as a fresh uid that owns a writable workspace. Run it with
-    cwd = ``workspace``."""
-    spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
-    kind = spec["kind"]
-    limits = SandboxLimits(**spec.get("limits", {}))
-    workspace = str(Path(workspace).resolve())
-    if kind == "none":
-        yield list(argv)
-        return
-    if kind == "bubblewrap":
-        global _seccomp_refused
-        if not spec.get("seccomp", True) and _seccomp_refused is None:  # the trainer found it refused here
-            _seccomp_refused = "refused (found by the trainer)"
-        uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
-        cap = None
-        try:
-            if uid is not None and writable:
-                for dirpath, dirnames, files in os.walk(workspace):
-                    for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + files)]:
-                        os.lchown(name, uid, uid)
-            bind = "--bind" if writable else "--ro-bind"
-            nproc = limits.processes if uid is not None else _tasks_of_uid(os.getuid()) + limits.processes
-            cap, why = make_cap(limits.cap_bytes, limits.processes)  # the grader's own, per command
-            if cap is None:
-                _warn_no_cgroup(why)
-            inner = bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes, deny_shared_memory=cap is None,
-                               binds=((bind, workspace, WORKSPACE_MOUNT),)) + limited_shell(limits, nproc, list(argv))
-            yield cap.wrap(inner) if cap is not None else inner
-        finally:
-            if cap is not None:
-                cap.release()
-            if uid is not None:
-                _UIDS.give(uid)
-        return
-    if kind in ("docker", "podman"):
-        user = "65534:65534" if not writable else f"{os.getuid()}:{os.getgid()}"
-        yield [kind, "run", "--rm", "--init", "-i", "--network", "none", "--read-only",
-               "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_bytes},mode=1777",
-               "--volume", f"{workspace}:{WORKSPACE_MOUNT}:{'rw' if writable else 'ro'}", "--workdir", WORKSPACE_MOUNT,
-               "--user", user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-               "--pids-limit", str(limits.processes), "--memory", str(limits.memory_bytes),
-               "--ulimit", f"cpu={limits.cpu_s}:{limits.cpu_s}",
-               spec.get("image") or SandboxConfig().default_image, *argv]
-        return
-    raise ValueError(f"{GRADER_SANDBOX_ENV}: unknown sandbox kind {kind!r}")
+# set by graders.run_grader: {"kind", "limits", "image", "seccomp", "ro_paths"}; read by gyre_jax.agents.grader_sandbox
+GRADER_SANDBOX_ENV = "GYRE_GRADER_SANDBOX"

@@ -107,7 +107,24 @@ class DatasetSource:
             self.eval += extra
         if not self.train:
             raise TaskFileError(path, None, "split", "no task has split 'train' (the run needs tasks to train on)")
+        self.excluded: tuple[str, ...] = ()
         self._ds = grain.MapDataset.source(self.train).shuffle(seed=seed).repeat()
+
+    def all_tasks(self) -> list[Task]:
+        return self.train + self.eval
+
+    def exclude(self, task_ids) -> None:
+        """Drop these tasks (broken graders the run was told to skip) before the first draw: the
+        order is then the remaining tasks' (the same set again on resume: the check is cached)."""
+        import grain
+
+        drop = set(task_ids)
+        self.excluded = tuple(sorted(drop))
+        self.train = [t for t in self.train if t.task_id not in drop]
+        self.eval = [t for t in self.eval if t.task_id not in drop]
+        if not self.train:
+            raise LookupError(f"{self.path}: every train task was excluded (broken graders): nothing to train on")
+        self._ds = grain.MapDataset.source(self.train).shuffle(seed=self.seed).repeat()
 
     def train_task(self, index: int) -> Task:
         return self._ds[index]
@@ -120,7 +137,8 @@ class DatasetSource:
 
     def describe(self) -> str:
         return (f"dataset {self.path} ({len(self.train)} train, {len(self.eval)} eval tasks"
-                f"{', eval file ' + self.eval_path if self.eval_path else ''})")
+                f"{', eval file ' + self.eval_path if self.eval_path else ''}"
+                f"{f', {len(self.excluded)} broken tasks skipped' if self.excluded else ''})")
 
 
 register_source(FamilySource.kind, FamilySource)

@@ -38,11 +38,10 @@ import re
 import signal
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gyre_jax.agents.sandbox import Sandbox
-    from gyre_jax.agents.test_suite import TestSuite
+from gyre_jax.agents.sandbox import Sandbox
+from gyre_jax.agents.test_suite import TestSuite
 
 # Handled by the agent loop itself, not by Workspace.
 FINISH = "finish"
@@ -316,6 +315,11 @@ class Workspace:
         if limit <= 0:
             raise ToolError(f"run: timeout_s must be > 0, got {timeout_s}")
         return (await self._exec(command, limit))[0]
+
+    async def execute(self, command: str, timeout_s: float) -> tuple[str, int | None]:
+        """(output, exit code or None if it timed out) of ``command`` in the sandbox (not a tool:
+        ``--check_tasks`` runs a task's reference solution through it)."""
+        return await self._exec(command, float(timeout_s))
 
     async def run_tests(self) -> str:
         """Run the task's suite in the sandbox; on a normal exit write the receipt of what it tested."""

@@ -124,6 +124,7 @@ class Components:
     evals: list[dict] = dataclasses.field(default_factory=list)  # held-out eval results, appended by the loop
     warm_thread: threading.Thread | None = None
     satellites: Any = None  # gyre_jax.pods.rl_job.Satellites when the cells run in separate processes
+    task_check: dict = dataclasses.field(default_factory=dict)  # what the grader check at start found (task_gate)
 
     def close(self) -> None:
         """Stop every thread and server; each part closes even if another fails to."""
@@ -577,7 +578,7 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
                         work_s=functools.partial(work.work_s, row_len=cfg.train.row_len),
                         next_group=max(existing, default=-1) + 1,
                         launched=steps_done * s.groups_per_step + len(restored.ready), faults=serving.faults,
-                        on_error=wake.set)
+                        on_error=wake.set, failure_window=s.groups_per_step * s.group_size)
     launcher.resume(list(restored.short))
     controller = Controller(place.policy, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad,
                             clock=clock)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import functools
+import os
 import re
 from typing import Any, ClassVar, Mapping
 
@@ -169,6 +170,9 @@ class SchedulerConfig:
         return self.multi_step or get_mode(self.mode).streams
 
 
+TASK_CHECKS = ("start", "off")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     SECTION: ClassVar[str] = "task"
@@ -183,9 +187,22 @@ class TaskConfig:
     # second file of held-out tasks (besides the first file's split=eval lines).
     dataset: str = ""
     eval_dataset: str = ""
+    # Check every task's grader at start (gyre_jax.rl.task_gate; --check_tasks prints the same): "start"
+    # (task files; a generated family's graders are gyre's own) or "off". A broken task stops the run
+    # with one error: line, unless skip_broken drops it (counted in the log and summary).
+    check: str = "start"
+    skip_broken: bool = False
+    # Host paths every graded command sees read-only besides the run's Python (comma-separated),
+    # e.g. a toolchain its tests need (gyre_jax.agents.grader_sandbox).
+    grader_ro_paths: str = ""
 
     def __post_init__(self):
         _positive(self, ("min_len", "max_len"))
+        if self.check not in TASK_CHECKS:
+            raise ConfigError(f"config.task.check must be one of {TASK_CHECKS}, got {self.check!r}")
+        for p in self.grader_ro_path_list:
+            if not os.path.isabs(p):
+                raise ConfigError(f"config.task.grader_ro_paths: {p!r} is not an absolute path")
         _positive(self, ("run_tests_scale",), allow_zero=True)
         if not 0.0 <= self.demo_test_fraction <= 1.0:
             raise ConfigError(f"config.task.demo_test_fraction must be in [0, 1], got {self.demo_test_fraction!r}")
@@ -193,6 +210,10 @@ class TaskConfig:
             raise ConfigError("config.task.ops must name at least one op")
         if self.eval_dataset and not self.dataset:
             raise ConfigError("config.task.eval_dataset needs config.task.dataset (the training tasks' file)")
+
+    @property
+    def grader_ro_path_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.grader_ro_paths.split(",") if p.strip())
 
     @property
     def ops_tuple(self) -> tuple[str, ...]:
@@ -755,7 +776,7 @@ class RLConfig:
             max_subagents=h.max_subagents,
             max_retries=h.max_retries, backoff_base_s=h.backoff_base_s, concurrency=self.scheduler.group_size,
             grader_timeout_s=h.grader_timeout_s, grader_concurrency=2, system_prompt=h.system_prompt or None,
-            sandbox=SandboxConfig(kind=h.sandbox)))
+            grader_ro_paths=self.task.grader_ro_path_list, sandbox=SandboxConfig(kind=h.sandbox)))
 
     @classmethod
     def from_config(cls, config: Any) -> "RLConfig":

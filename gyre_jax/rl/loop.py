@@ -32,6 +32,7 @@ measured costs, rewritten each step: a resumed run starts from them, and
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,9 +46,10 @@ from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint, save_costs
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.episode_eval import BackgroundEval
+from gyre_jax.rl.launcher import RolloutsFailed
 from gyre_jax.rl.progress import Progress
-from gyre_jax.rl import heap
-from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars
+from gyre_jax.rl import heap, task_gate
+from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars, status_line
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,9 @@ def run(config, workdir: str) -> dict:
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
     if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
         return run_satellite(cfg)
+    checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
     c = build(cfg, os.path.join(workdir, cfg.scheduler.mode))
-    return drive(c)
+    return drive(dataclasses.replace(c, task_check=checked) if checked else c)
 
 
 def _run_eval(c: Components, version: int, params) -> dict:
@@ -152,7 +155,8 @@ def drive(c: Components) -> dict:
             c.controller.tick()
             records.take()
             roles = "".join(">" if r.startswith("to") else r[0] for r in c.pool.roles())
-            reward = f"reward={records.history[-1]['reward']:.3f} " if records.history else ""
+            last = records.history[-1] if records.history else None
+            reward = f"reward={last['reward']:.3f} {status_line(last)}" if last is not None else ""
             bar.set_status(f"{reward}in_flight={c.launcher.running_rollouts()} roles={roles}")
             c.wake.wait(cfg.scheduler.poll_s)
             c.wake.clear()
@@ -176,7 +180,7 @@ def drive(c: Components) -> dict:
                        n_cells=len(c.layout.cells), step_end_s=records.step_end_s, wall_rl=wall_rl,
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
                        pool=c.pool, server=c.server, injected=injected, sft_history=list(c.start.sft_history),
-                       earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done))
+                       earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done), task_check=c.task_check)
 
 
 def _raise_errors(c: Components) -> None:
@@ -184,7 +188,7 @@ def _raise_errors(c: Components) -> None:
     errors = _errors(c)
     if errors:
         what, e = errors[0]
-        if isinstance(e, StorageError):
+        if isinstance(e, (StorageError, RunFailed)):  # they name what failed themselves
             raise e
         raise RunFailed(f"{what}: {e!r}") from e
 
@@ -195,6 +199,8 @@ def _reraise(c: Components, failure: BaseException) -> None:
         raise failure
     if isinstance(failure, StorageError):  # its own exit code; the message names the path
         raise StorageError(failure.path, failure.what, failure.__cause__ or failure) from failure
+    if isinstance(failure, RolloutsFailed):  # nothing to resume into: the cause must be fixed first
+        raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {failure}") from failure
     what = failure if isinstance(failure, RunFailed) else RunFailed(f"{type(failure).__name__}: {failure}")
     raise RunFailed(f"RL loop stopped at step {c.trainer.steps_done}: {what}; the last checkpoint and the "
                     f"trajectory store hold every finished rollout: rerun the same command to resume") from failure

@@ -8,6 +8,7 @@ failed or went out of service.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -78,6 +79,69 @@ def reward_metrics(done: StepDone) -> dict:
             "resume/extra_groups": done.extra_groups, "resume/replayed": int(done.replayed)}
 
 
+AUDIT_EXAMPLES = 3  # rollout ids kept per audit category per step
+
+
+def outcome_reason(o) -> str | None:
+    """Why a rollout failed or scored 0 without a plain verdict (None: an ordinary grade)."""
+    d = o.details or {}
+    if d.get("reason"):
+        return f"{o.status}: {d['reason']}"
+    grader = d.get("grader") or {}
+    if grader.get("tampered"):
+        return f"{o.status}: tampering with the test run"
+    return f"{o.status}: {d.get('error') or 'no reason recorded'}"[:200] if o.is_failure else None
+
+
+def outcome_metrics(done: StepDone) -> dict:
+    """The step's rollouts by status, their top failure reasons, and the reward-hack audit: per
+    category of ``tree_rules`` (runner configuration, bytecode, shadowing modules, files outside
+    the solution paths, hidden/protected names...), the rollouts whose workspace wrote such a
+    path (refused by the graded tree: it never reached the grader), with example rollout ids."""
+    from gyre_jax.agents.tree_rules import CATEGORIES
+    from gyre_jax.trajectory.vocab import STATUSES
+
+    outs = done.outcomes
+    statuses = collections.Counter(o.status for o in outs)
+    reasons = collections.Counter(r for o in outs if (r := outcome_reason(o)) is not None)
+    audit: dict[str, list[str]] = {c: [] for c in CATEGORIES}
+    for o in outs:
+        refused = ((o.details or {}).get("grader") or {}).get("tree", {}).get("refused", {})
+        for c in CATEGORIES:
+            if refused.get(c):
+                audit[c].append(o.rollout_id)
+    return {**{f"statuses/{k}": statuses.get(k, 0) for k in STATUSES},
+            "reasons": "; ".join(f"{r} x{n}" for r, n in reasons.most_common(3)),
+            **{f"audit/{c}": len(ids) for c, ids in audit.items()},
+            "audit/examples": "; ".join(f"{c}: {','.join(ids[:AUDIT_EXAMPLES])}" for c, ids in audit.items() if ids)}
+
+
+def status_line(rec) -> str:
+    """The step's statuses and top reason for the progress line ('' when every rollout was graded)."""
+    counts = {k.split("/", 1)[1]: v for k, v in (rec.values if isinstance(rec, StepRecord) else rec).items()
+              if k.startswith("statuses/") and v}
+    if not rec.get("reasons") and set(counts) <= {"completed"}:
+        return ""
+    short = " ".join(f"{k}={v}" for k, v in counts.items())
+    top = str(rec.get("reasons") or "").split("; ")[0][:120]
+    return f"statuses {short}" + (f" (top: {top})" if top else "") + " "
+
+
+def audit_totals(history: Sequence[Any]) -> dict:
+    """The run's audit: rollouts per category over its steps, and the first example rollout ids."""
+    from gyre_jax.agents.tree_rules import CATEGORIES
+
+    out: dict[str, Any] = {c: int(sum(r.get(f"audit/{c}", 0) or 0 for r in history)) for c in CATEGORIES}
+    examples: dict[str, list[str]] = {}
+    for r in history:
+        for part in str(r.get("audit/examples", "") or "").split("; "):
+            cat, _, ids = part.partition(": ")
+            if ids:
+                examples.setdefault(cat, []).extend(i for i in ids.split(",") if i)
+    out["examples"] = {c: ids[:5] for c, ids in examples.items()}
+    return out
+
+
 def tree_metrics(t: StepTotals) -> dict:
     """What the Jmax path budget cost (each unique trainable token once) and what the trees did:
     branching, compactions, sub-agents, retries; dedup_factor is the tokens every selected path
@@ -144,7 +208,8 @@ class StepRecorder:
 
     def record(self, done: StepDone) -> StepRecord:
         now = self.clock.now()
-        values = {"version": done.version, "time_s": now, **reward_metrics(done), **tree_metrics(done.totals),
+        values = {"version": done.version, "time_s": now, **reward_metrics(done), **outcome_metrics(done),
+                  **tree_metrics(done.totals),
                   **train_metrics(done), **self._cluster_view(now), **self._scheduler_view()}
         self._t = now
         return StepRecord(done.step, values)
@@ -191,7 +256,7 @@ class StepRecorder:
 
 def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], segments, n_cells: int,
                 step_end_s: list[float], wall_rl: float, wall: float, launcher, timeline, pool, server, injected: dict,
-                sft_history: list[dict], earlier: Sequence[dict] = ()) -> dict:
+                sft_history: list[dict], earlier: Sequence[dict] = (), task_check: dict | None = None) -> dict:
     """summary.json (and the timeline PNG) of this run; printed as one line plus the modes table.
 
     ``earlier``: the step records of attempts before this one (a resumed run), oldest first."""
@@ -223,6 +288,9 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         "injected_faults": injected,
         "sft_steps": len(sft_history), "sft_loss_last": sft_history[-1]["loss"] if sft_history else None,
         "trees": tree_totals(h),
+        # rollouts whose workspace wrote runner configuration, bytecode, shadowing modules, ... (tree_rules)
+        "audit": audit_totals(earlier + h),
+        "task_check": dict(task_check or {}),
         # This attempt's numbers are above; after a resume, "run" describes every step the run trained
         # (the earlier attempts' steps from metrics.jsonl, which keeps exactly one line per step).
         "run": whole_run(earlier + h, cfg.first_last),

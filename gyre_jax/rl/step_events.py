@@ -120,6 +120,7 @@ class StepDone:
     extra_groups: int = 0  # groups over groups_per_step (an oversized step after a rewind past the bound)
     params_hash: str = ""  # the new version's params (cells.fingerprint): equal params, equal hash
     replayed: bool = False  # a step a resume trained again from its record (rl.replay), not a new one
+    outcomes: tuple = ()  # RolloutOutcome of every rollout of the step (statuses, reasons, the graders' audit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,7 +185,8 @@ class StepRunner:
             rows=n_mb * self.b, micro_batches=n_mb, process_s=data.process_s, step_s=time.perf_counter() - t0,
             cells_used=tuple(sorted(set(report.cell_of))), row_chunks=len(data.stats),
             after_last_group_s=time.perf_counter() - last_group_t, score=data.score, dropped_groups=dropped,
-            extra_groups=max(0, len(data.groups) - self.G), params_hash=digest, replayed=self.replaying)
+            extra_groups=max(0, len(data.groups) - self.G), params_hash=digest, replayed=self.replaying,
+            outcomes=tuple(data.outcomes))
         if self.after_update is not None:
             self.after_update(version, self.snapshot())  # checkpoint: before the policy may take the next step
         self.done.put(done)  # before steps_done moves: a loop that sees the last step done has its record

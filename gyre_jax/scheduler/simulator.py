@@ -41,6 +41,7 @@ from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
 from gyre_jax.scheduler.vocab import ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
 from gyre_jax.scheduler.workloads import Rollouts, SimConfig, balanced_async_split, pilot_priors, rollouts_for
 
+# A model call's two events first: the loop checks their token with one comparison (kind <= _CALL_END).
 _CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE, _POLL = range(8)
 
 
@@ -105,6 +106,7 @@ class SimCluster:
         self._series: list[tuple[float, int, int, int, int]] = []
         self.events = 0
         self._changed: set[int] = set()  # cells whose role changed since the controller last asked
+        self._poll_s = 0.0  # the controller's load-sampling grid (run)
 
     # ---- Clock
     def now(self) -> float:
@@ -272,7 +274,7 @@ class SimCluster:
         heapq.heappush(self._heap, (t, next(self._seq), kind, a, b))
 
     def _start(self, rid, cell, end):
-        # (the hot copy of this is inlined in run())
+        # (the hot copy of this is inlined in _event_loop)
         self._busy_slot_s += end - self._now
         self._active[cell] += 1
         if self._active[cell] == self._slots:
@@ -356,34 +358,41 @@ class SimCluster:
 
     # ---- the event loop
     def run(self, controller: Controller, *, progress: bool = False) -> None:
-        N = self.config.policy.total_steps
-        ro, heap, pop, push = self._ro, self._heap, heapq.heappop, heapq.heappush
-        call_s, tool_s, tokens = ro.call_s, ro.tool_s, ro.tokens
-        r_token, r_idx, r_stop, r_done = self._r_token, self._r_idx, self._r_stop, self._r_done
-        r_cell, r_end, r_tokens, r_queued = self._r_cell, self._r_end, self._r_tokens, self._r_queued
-        active, routable, open_, queue, slots = self._active, self._routable, self._open, self._queue, self._slots
-        insort = bisect.insort
-        nseq = self._seq.__next__
-        events = 0
-        wall0 = last_log = time.perf_counter()
-        poll_s = controller.sample_s if controller.estimates is not None else 0.0
-        if poll_s > 0:  # the controller samples load on a grid: tick there (a real loop polls)
-            self._push(poll_s, _POLL, 0, 0)
+        """Drive the cluster with ``controller`` until the last step is done."""
+        self._poll_s = controller.sample_s if controller.estimates is not None else 0.0
+        if self._poll_s > 0:  # the controller samples load on a grid: tick there (a real loop polls)
+            self._push(self._poll_s, _POLL, 0, 0)
         controller.tick()
         self._record_series()
+        self._event_loop(controller, progress)
+        self._advance()
+        for c in range(len(self._role)):
+            self._segments.append((c, self._seg_t0[c], self._now, self._seg_state[c]))
+            self._state_time[self._seg_state[c]] += self._now - self._seg_t0[c]
+
+    def _event_loop(self, controller: Controller, progress: bool) -> None:
+        """Pop every event of an instant, then tick the controller if it reads what changed. A model call's
+        two events (millions at scale) are handled inline on locals, the rest in ``_on_event``."""
+        N = self.config.policy.total_steps
+        heap, pop, push, nseq = self._heap, heapq.heappop, heapq.heappush, self._seq.__next__
+        call_s, tool_s, tokens = self._ro.call_s, self._ro.tool_s, self._ro.tokens
+        r_token, r_idx, r_stop, r_cell, r_end, r_tokens = (self._r_token, self._r_idx, self._r_stop, self._r_cell,
+                                                          self._r_end, self._r_tokens)
+        active, routable, open_, queue, slots, insort = (self._active, self._routable, self._open, self._queue,
+                                                         self._slots, bisect.insort)
+        events = 0
+        wall0 = last_log = time.perf_counter()
         while self._steps_done < N:
             if not heap:
-                raise RuntimeError(f"simulation stuck at t={self._now:.1f}s: no events, {self._steps_done}/{N} steps; "
-                                   f"state={controller.observe()}")
-            t = heap[0][0]
-            self._now = t
+                raise self._stuck(controller)
+            self._now = t = heap[0][0]
             relevant = False
             while heap and heap[0][0] == t:
                 _, _, kind, a, b = pop(heap)
                 events += 1
+                if kind <= _CALL_END and b != r_token[a]:
+                    continue  # a call cut by a drain or a deadline
                 if kind == _CALL_END:
-                    if b != r_token[a]:
-                        continue
                     c = r_cell[a]  # release the slot (inlined _release)
                     if active[c] == slots and routable[c]:
                         insort(open_, c)
@@ -397,28 +406,9 @@ class SimCluster:
                         relevant = True
                     else:
                         push(heap, (t + tool_s[i], nseq(), _CALL_READY, a, b))
-                    while queue and open_:  # a slot is free: start the oldest queued call (inlined _fill)
-                        q = queue.popleft()
-                        if not r_queued[q]:
-                            continue
-                        r_queued[q] = False
-                        self._n_queued -= 1
-                        rem = self._r_rem[q]
-                        if rem >= 0:
-                            self._r_rem[q] = -1.0
-                        else:
-                            rem = call_s[r_idx[q]]
-                        c = open_[0]
-                        self._busy_slot_s += rem
-                        active[c] += 1
-                        if active[c] == slots:
-                            del open_[0]
-                        r_cell[q] = c
-                        r_end[q] = t + rem
-                        push(heap, (t + rem, nseq(), _CALL_END, q, r_token[q]))
+                    if queue and open_:  # a slot is free: start the oldest queued calls
+                        self._start_queued(t)
                 elif kind == _CALL_READY:
-                    if b != r_token[a]:
-                        continue
                     if open_:  # start on the lowest free cell (inlined _start)
                         c = open_[0]
                         d = call_s[r_idx[a]]
@@ -430,72 +420,108 @@ class SimCluster:
                         r_end[a] = t + d
                         push(heap, (t + d, nseq(), _CALL_END, a, b))
                     else:
-                        queue.append(a)
-                        r_queued[a] = True
-                        self._n_queued += 1
-                elif kind == _DEADLINE:
-                    if r_done[a]:
-                        continue
-                    if r_cell[a] >= 0:
-                        self._release(r_cell[a], a, cut=True)
-                    elif self._r_queued[a]:
-                        self._r_queued[a] = False
-                        self._n_queued -= 1
-                    r_token[a] += 1
-                    self._truncated += 1
-                    self._finish(a)
-                    self._fill()
-                    relevant = True
-                elif kind == _WORK_DONE:
-                    if a != self._work_token:
-                        continue
-                    self._advance()
-                    self._train_work_s += self._pending
-                    self._pending = 0.0
-                    self._touch_train()
-                    if self._taken == self.config.policy.groups_per_step:
-                        self._start_update()
-                    relevant = True
-                elif kind == _SWITCH_DONE:
-                    if self._role[a] == TO_TRAIN:
-                        self._advance()
-                        self._role[a] = TRAIN
-                        self._rate += 1
-                        self._reschedule()
-                    else:
-                        self._role[a] = ROLLOUT
-                    self._changed.add(a)
-                    self._touch(a)
-                    relevant = True
-                elif kind == _UPDATE_DONE:
-                    self._update = False
-                    self._steps_done += 1
-                    self._taken = 0
-                    self._step_end.append(t)
-                    relevant = True
-                elif kind == _PUBLISH_DONE:
-                    self._published = a
-                    self._publishing = False
-                    relevant = True
-                elif kind == _POLL:
-                    if heap:  # (nothing else pending: let the stuck check see it)
-                        push(heap, (t + poll_s, nseq(), _POLL, 0, 0))
+                        self._enqueue(a)
+                elif self._on_event(kind, a, t):
                     relevant = True
             if relevant:
-                self.events = events
-                controller.tick()
-                self._record_series()
+                self._tick(controller, events)
             if progress and time.perf_counter() - last_log > 5.0:
-                last_log = time.perf_counter()
-                el = last_log - wall0
-                eta = el / max(self._steps_done, 1) * (N - self._steps_done)
-                print(f"  [{self.config.policy.mode}] step {self._steps_done}/{N} sim t={t / 3600:.2f} h "
-                      f"events={events} ({events / el:,.0f}/s) ETA {eta:.0f}s", flush=True)
+                last_log = self._log_progress(t, events, wall0)
         self.events = events
-        self._advance()
-        for c in range(len(self._role)):
-            self._segments.append((c, self._seg_t0[c], self._now, self._seg_state[c]))
-            self._state_time[self._seg_state[c]] += self._now - self._seg_t0[c]
+
+    def _stuck(self, controller: Controller) -> RuntimeError:
+        return RuntimeError(f"simulation stuck at t={self._now:.1f}s: no events, {self._steps_done}/"
+                            f"{self.config.policy.total_steps} steps; state={controller.observe()}")
+
+    def _enqueue(self, rid: int) -> None:
+        self._queue.append(rid)
+        self._r_queued[rid] = True
+        self._n_queued += 1
+
+    def _tick(self, controller: Controller, events: int) -> None:
+        self.events = events
+        controller.tick()
+        self._record_series()
+
+    def _start_queued(self, t: float) -> None:
+        """Start the oldest queued calls on the free slots (a call's own event left a slot free)."""
+        queue, open_, active, slots = self._queue, self._open, self._active, self._slots
+        while queue and open_:
+            q = queue.popleft()
+            if not self._r_queued[q]:
+                continue
+            self._r_queued[q] = False
+            self._n_queued -= 1
+            rem = self._r_rem[q]
+            if rem >= 0:
+                self._r_rem[q] = -1.0
+            else:
+                rem = self._ro.call_s[self._r_idx[q]]
+            c = open_[0]
+            self._busy_slot_s += rem
+            active[c] += 1
+            if active[c] == slots:
+                del open_[0]
+            self._r_cell[q] = c
+            self._r_end[q] = t + rem
+            heapq.heappush(self._heap, (t + rem, next(self._seq), _CALL_END, q, self._r_token[q]))
+
+    def _on_event(self, kind: int, a: int, t: float) -> bool:
+        """Every event but a model call's end and a rollout's next call; True if the controller reads
+        what it changed."""
+        if kind == _DEADLINE:
+            if self._r_done[a]:
+                return False
+            if self._r_cell[a] >= 0:
+                self._release(self._r_cell[a], a, cut=True)
+            elif self._r_queued[a]:
+                self._r_queued[a] = False
+                self._n_queued -= 1
+            self._r_token[a] += 1
+            self._truncated += 1
+            self._finish(a)
+            self._fill()
+        elif kind == _WORK_DONE:
+            if a != self._work_token:
+                return False
+            self._advance()
+            self._train_work_s += self._pending
+            self._pending = 0.0
+            self._touch_train()
+            if self._taken == self.config.policy.groups_per_step:
+                self._start_update()
+        elif kind == _SWITCH_DONE:
+            self._on_switch_done(a)
+        elif kind == _UPDATE_DONE:
+            self._update = False
+            self._steps_done += 1
+            self._taken = 0
+            self._step_end.append(t)
+        elif kind == _PUBLISH_DONE:
+            self._published = a
+            self._publishing = False
+        elif kind == _POLL and self._heap:  # (nothing else pending: let the stuck check see it)
+            self._push(t + self._poll_s, _POLL, 0, 0)
+        return True
+
+    def _on_switch_done(self, cell: int) -> None:
+        if self._role[cell] == TO_TRAIN:
+            self._advance()
+            self._role[cell] = TRAIN
+            self._rate += 1
+            self._reschedule()
+        else:
+            self._role[cell] = ROLLOUT
+        self._changed.add(cell)
+        self._touch(cell)
+
+    def _log_progress(self, t: float, events: int, wall0: float) -> float:
+        now = time.perf_counter()
+        N, done, elapsed = self.config.policy.total_steps, self._steps_done, now - wall0
+        eta = elapsed / max(done, 1) * (N - done)
+        print(f"  [{self.config.policy.mode}] step {done}/{N} sim t={t / 3600:.2f} h "
+              f"events={events} ({events / elapsed:,.0f}/s) ETA {eta:.0f}s", flush=True)
+        return now
 
     def _record_series(self):
         self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, self._rate))

@@ -136,6 +136,8 @@ class Proxy:
         self._keys_lock = threading.Lock()
         self._issuing = False  # set at the first issued key
         self._ledger = CallLedger(record_sink)
+        # (run, rollout) -> recorded calls and server-side failures answered to it (usage(); dropped at revoke)
+        self._usage: dict[tuple[str, str], collections.Counter] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="records")  # keeps order
         self.storage_errors: list[BaseException] = []  # record writes our storage refused (the loop stops on them)
         self._inflight = 0
@@ -215,14 +217,28 @@ class Proxy:
         else:  # the ledger and the router live on the server's loop: change them there
             loop.call_soon_threadsafe(self._forget, who)
 
+    def usage(self, key: str) -> dict[str, int]:
+        """What this rollout's calls came to so far: ``calls`` recorded and ``server_errors`` (engine
+        or recording failures answered to it). The rollout runner tells from it whether the policy
+        had a say in a failed episode (no call: it had none) and whether the model server failed it."""
+        with self._keys_lock:
+            who = self._keys.get(key)
+        counts = self._usage.get(who, collections.Counter()) if who is not None else collections.Counter()
+        return {"calls": int(counts["calls"]), "server_errors": int(counts["server_errors"])}
+
     def held(self) -> dict[str, int]:
         """How many rollouts each per-rollout structure holds now (live keys, registrations, call
         ledger, cell affinities): bounded by the rollouts running, not by those ever served."""
         return {"keys": len(self._keys), "registered": len(self._rollouts), "ledger": len(self._ledger),
                 "affinity": self.router.affinity_count()}
 
+    def _count(self, who: tuple[str, str], what: str) -> None:
+        if who in self._rollouts:  # issued rollouts only: their entry goes with their last key
+            self._usage.setdefault(who, collections.Counter())[what] += 1
+
     def _forget(self, who: tuple[str, str]) -> None:
         self._ledger.forget(*who)
+        self._usage.pop(who, None)
         self.router.forget_affinity(f"{who[0]}/{who[1]}")
 
     # ---- request plumbing ----------------------------------------------------------------
@@ -373,9 +389,11 @@ class Proxy:
             return await self._whole(call, routed, binding, t0)
         except (EngineError, NoCellError) as e:
             self.counters["engine_errors"] += 1
+            self._count((binding.run_id, binding.rollout_id), "server_errors")
             status = 503 if isinstance(e, NoCellError) else 500
             raise ApiError(status, f"engine error: {e}", kind="api_error") from None
         except RecordError as e:
+            self._count((binding.run_id, binding.rollout_id), "server_errors")
             raise ApiError(500, f"the call could not be recorded: {e}", kind="api_error") from None
         except ValueError as e:  # the backend refused the request
             raise bad(str(e)) from None
@@ -436,8 +454,10 @@ class Proxy:
         except StorageError as e:  # our disk, not the harness's call: the run that owns the store stops on it
             self.counters["storage_errors"] += 1
             self.storage_errors.append(e)
+            self._count(key[:2], "server_errors")
             raise ApiError(503, f"the call could not be recorded: {e}; the run is stopping", kind="api_error") from None
         self._ledger.recorded(*key)
+        self._count(key[:2], "calls")
         self.counters["records_written"] += 1
         self.counters["completion_tokens"] += len(sample.tokens)
         self.counters["moves_kv"] += routed.moves_kv

@@ -70,6 +70,10 @@ def test_suite(task: Task) -> ts.TestSuite:
     return tiny_tests.test_suite(task)
 
 
+def solution_files(task: Task) -> dict[str, str]:
+    return tiny_tests.solution_files(task)
+
+
 test_suite.__test__ = False  # type: ignore[attr-defined]  # not a pytest test (pytest reads the attribute)
 
 

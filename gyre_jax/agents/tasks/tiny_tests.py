@@ -69,6 +69,12 @@ def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
              (FINISH, {})]]
 
 
+def solution_files(task: Task) -> dict[str, str]:
+    """A workspace that scores 1: the answer and the receipt of a suite run on it."""
+    expected = task.params["expected"]
+    return {ANSWER_FILE: expected, ts.RECEIPT_FILE: ts.receipt(task.params["receipt_key"], expected.encode())}
+
+
 def grade(task: Task, workspace: Path) -> Grade:
     g = tiny.grade(task, workspace)  # checks params.expected against op and arg
     answer = Path(workspace) / ANSWER_FILE
