@@ -255,25 +255,41 @@ def test_a_storage_failure_prints_no_traceback_on_the_way_out(tmp_path, inject, 
 
 
 @pytest.mark.slow  # one attempt of the RL job on fake engines through launch.main: ~1-2 min under load
-@pytest.mark.parametrize("fault", ["checkpoint:3", "call:6"])
+@pytest.mark.parametrize("fault", ["checkpoint:3", "call:6", "disk"])
 def test_a_write_fault_run_ends_with_one_error_line_naming_its_traceback_file(tmp_path, fault):
-    """``python -m gyre_jax.testing.faulty_main --fake-engines``: the last checkpoint (or a proxy's call record)
-    meets ENOSPC. stderr holds exactly one ``error:`` line, the last, and no traceback (a disk-full run printed
-    139 before its line); the line names the workdir's errors.log, which holds the whole chain."""
+    """``python -m gyre_jax.testing.faulty_main --fake-engines``: the last checkpoint or a proxy's call record
+    meets an injected ENOSPC, or (``disk``, as root) the workdir is a small tmpfs that really fills. stderr
+    holds exactly one ``error:`` line, the last, and no traceback (a disk-full run printed 139 before its line);
+    the line names the file holding the whole chain (the workdir's errors.log; on a full workdir, the temp
+    directory's)."""
+    import re
+
     from test_rl_stop import TINY
 
-    wd = str(tmp_path)
-    p = subprocess.run([sys.executable, "-m", "gyre_jax.testing.faulty_main", f"--fault={fault}", "--fake-engines",
-                        "--config", "configs/demo.py", "--workdir", wd, *TINY, "--config.steps=2",
-                        "--config.sft.steps=0", "--config.progress=False"], cwd=ROOT, stdin=subprocess.DEVNULL,
-                       capture_output=True, text=True, timeout=900)
+    wd = str(tmp_path / "w")
+    os.makedirs(wd)
+    entry = ["--fault=publisher:1000000"] if fault == "disk" else [f"--fault={fault}"]  # disk: no injection
+    if fault == "disk":
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", wd]).returncode:
+            pytest.skip("mounting a small tmpfs needs root")
+    try:
+        p = subprocess.run([sys.executable, "-m", "gyre_jax.testing.faulty_main", *entry, "--fake-engines",
+                            "--config", "configs/demo.py", "--workdir", wd, *TINY,
+                            f"--config.steps={8 if fault == 'disk' else 2}", "--config.sft.steps=0",
+                            "--config.progress=False"], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=1200)
+    finally:
+        if fault == "disk":
+            subprocess.run(["umount", wd])
     lines = p.stderr.strip().splitlines()
     errors = [x for x in lines if x.startswith("error:")]
     assert p.returncode == 3 and len(errors) == 1 and lines[-1] == errors[0], (p.returncode, p.stderr[-3000:])
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr[-3000:]
-    path = os.path.join(wd, "errors.log")
-    assert errors[0].endswith(f"(traceback: {path})"), errors[0]
-    with open(path) as f:
+    m = re.search(r"\(traceback: (\S+)\)$", errors[0])
+    assert m, errors[0]
+    if fault != "disk":
+        assert m.group(1) == os.path.join(wd, "errors.log"), errors[0]
+    with open(m.group(1)) as f:
         saved = f.read()
     assert "Traceback (most recent call last)" in saved and "StorageError" in saved and "No space left" in saved
 

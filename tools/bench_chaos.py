@@ -4,6 +4,7 @@
   python tools/bench_chaos.py --quick          # one trial, 2 stops, 4 steps: a smoke check (~3-5 min on 2 cores)
   python tools/bench_chaos.py --disk-full 1    # + a trial whose workdir is a small tmpfs that fills (needs root)
   python tools/bench_chaos.py --trials 0 --write-faults cursor,checkpoint   # only injected write faults there
+  python tools/bench_chaos.py --fake-engines --sigterm 0    # kill -9s only, engines faked: replay, in minutes
 
 Each trial is a fresh workdir running the README demo (``python -m launch.main --config
 configs/demo.py --workdir W --config.steps=N --config.sft.steps=M --config.checkpoint_every=K``,
@@ -75,7 +76,8 @@ STEP_RE = re.compile(r"^rl\[[\w-]+\]: step (\d+)/(\d+)", re.M)  # the RL progres
 
 
 def _cmd(workdir: str, a, fault: str | None = None) -> list[str]:
-    entry = ["gyre_jax.testing.faulty_main", f"--fault={fault}"] if fault else ["launch.main"]
+    entry = (["gyre_jax.testing.faulty_main", *([f"--fault={fault}"] if fault else []),
+              *(["--fake-engines"] if a.fake_engines else [])] if fault or a.fake_engines else ["launch.main"])
     return [sys.executable, "-m", *entry, "--config", "configs/demo.py", "--workdir", workdir,
             f"--config.steps={a.steps}", f"--config.sft.steps={a.sft_steps}",
             f"--config.checkpoint_every={a.checkpoint_every}", "--config.eval.every=0", *a.extra]
@@ -333,6 +335,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fault-exit-s", type=float, default=120.0,
                     help="an injected fault's attempt must exit this soon after the injection, else it is a hang")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fake-engines", action="store_true",
+                    help="engines of gyre_jax.testing.fake_engine (no JAX decode; everything else real): minutes, not hours")
     ap.add_argument("--root", default=None, help="where the trials' workdirs go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs")
     ap.add_argument("extra", nargs="*", help="more --config.X=V flags for every attempt (after --)")
@@ -425,6 +429,7 @@ def main(argv=None) -> dict:
         failed_attempts=sum(len(t["failed_rc"]) for t in trials), finished_rollouts=total("finished"),
         wall_s=round(wall, 1), steps=a.steps, sft_steps=a.sft_steps, checkpoint_every=a.checkpoint_every,
         groups_per_step=cfg.scheduler.groups_per_step, group_size=cfg.scheduler.group_size, seed=a.seed,
+        fake_engines=a.fake_engines,
         root=a.root,
     )
     if not a.keep:

@@ -294,8 +294,10 @@ class Launcher:
             self._groups_by_version[version] -= 1
 
     def _fail(self, e: BaseException) -> None:
-        """A group that cannot end: ``drive`` stops the run on ``errors`` at its next tick (never a short group)."""
-        log.error("launcher: %s", e)
+        """A group that cannot end: ``drive`` stops the run on ``errors`` at its next tick (never a short group).
+        Said once per distinct error: on a full disk every running group meets the same one."""
+        if all(str(e) != str(seen) for seen in self.errors):
+            log.error("launcher: %s", e)
         self.errors.append(e)
         if self.on_error is not None:
             self.on_error()
