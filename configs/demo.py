@@ -37,7 +37,7 @@ lists every entry with its paper; docs/results.md has each one's measured eval o
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from gyre_jax.rl.config import HarnessKnobs, section
+from gyre_jax.rl.config import HarnessKnobs, LoraKnobs, section
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE
 
 
@@ -78,6 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
         max_len=160,  # KV-cache length per slot
         tokens_per_call=8,  # decode steps per engine call: amortizes JetStream's per-call host work on CPU
         switch_retries=2,  # a failing role switch / weight load is retried, then its cell is taken out of service
+        start_timeout_s=300.0,  # engines serving within this many seconds of the start, else an error: line (exit 1)
         kv_cache="contiguous",  # or "paged": pages for live tokens only, calls admitted by free pages
         page_size=16,  # tokens per KV page (paged)
         kv_pages=0,  # pages per engine (paged); 0 = the memory of max_slots x max_len
@@ -107,8 +108,9 @@ def get_config() -> ml_collections.ConfigDict:
         # (tools/bench_demo_modes.py runs the three modes on it; see the README's demo section)
         run_tests_scale=1.0,
         demo_test_fraction=0.3,  # tiny_agent family: share of warm-start demonstrations that test (configs/learn.py)
-        dataset="",  # a JSONL task file instead of a family (configs/external.py shows one)
+        dataset="",  # a task set instead of a family: gyre or SWE-bench JSONL, Harbor task directories
         eval_dataset="",
+        dataset_options="",  # JSON: the set's format and its options, e.g. '{"environment": "host"}' (tasks/formats)
         check="start",  # check every task file's grader at start (untouched + solution): start | off
         skip_broken=False,  # a broken task stops the run (one error: line); True: train without it, counted
         grader_ro_paths="",  # comma-separated host paths graded commands see read-only (the run's Python always)
@@ -163,6 +165,8 @@ def get_config() -> ml_collections.ConfigDict:
         overlong_penalty=1.0,  # the penalty at and beyond Lmax
         work_s_per_row=0.05,  # first estimate of training cost (then measured)
         routing_replay=False,  # MoE models: train on the experts the engine recorded per sampled token (R3)
+        # LoRA instead of full fine-tuning: --config.train.lora.rank=16 (README "LoRA"; rank 0 = off)
+        lora=section(LoraKnobs),
     ))
     c.sft = ml_collections.ConfigDict(dict(
         steps=600,  # supervised warm-start steps on scripted demonstrations

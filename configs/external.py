@@ -33,9 +33,9 @@ split=eval tasks through the same harness on a dedicated engine (eval/eval.jsonl
 The model is a tiny random byte-level transformer with a 2K context (no warm start: the task
 file has no demonstrations), so it produces no useful actions and rewards stay ~0: this
 config shows the machinery working end to end with an external harness. To learn, start from a
-real checkpoint: take a checkpoint config (configs/qwen3_8b.py, whose model section has `hf_path`)
-and give it this config's `task.*` and `harness.*` settings as flags (this config's model section
-is the tiny model's shape, not a checkpoint's). Rerunning the same command resumes.
+real checkpoint: `--config.model.hf_path=/ckpt/dir` or `=/path/model.gguf` (the shape comes from it;
+configs/smol_agent.py does this with SmolLM2-135M-Instruct on this host's 2 cores). Rerunning the
+same command resumes.
 
 Expected (2 CPU cores, Dec 3 2026): about 3-5 minutes for 3 steps x 2 groups x 4 rollouts,
 ~3 model calls per rollout (mini-swe-agent stops after 3 format errors in a row), every
@@ -61,6 +61,12 @@ def get_config():
     c.steps = 3
     c.checkpoint_every = 1
     c.model.max_seq_len = 2048  # mini-swe-agent's context: system + task + a few turns, in bytes
+    # A real checkpoint: --config.model.hf_path=/ckpt/dir or /path/model.gguf replaces the random model's shape
+    # fields above (random_init_shape) and keeps max_seq_len/remat/dtype/param_dtype (configs/smol_agent.py).
+    c.model.hf_path = ""
+    c.model.hf_export = False  # with hf_path: save_pretrained the policy into <workdir>/<mode>/hf_export at the end
+    c.model.chat_template_kwargs = ""  # with hf_path: JSON variables for its chat template
+    c.model.random_init_shape = True
     c.cells.max_len = 2048
     c.cells.max_slots = 8
     c.cells.tokens_per_call = 8

@@ -49,7 +49,7 @@ took 19 s and transformers loads and generates from the exported checkpoint.
 """
 import ml_collections
 
-from gyre_jax.rl.config import EvalConfig, HarnessKnobs, TaskConfig, section, train_objective_fields
+from gyre_jax.rl.config import EvalConfig, HarnessKnobs, LoraKnobs, TaskConfig, section, train_objective_fields
 from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
 
 # What `python -m launch.main --config configs/qwen3_8b.py --plan=h100-80g:8` plans for when no
@@ -121,6 +121,7 @@ def get_config() -> ml_collections.ConfigDict:
         learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, max_grad_norm=1.0, adam_b2=0.999, adam_eps=1e-8,
         work_s_per_row=2.0,
         routing_replay=False,  # MoE models only (configs/qwen3_30b_a3b.py turns it on)
+        lora=section(LoraKnobs),  # LoRA instead of full fine-tuning: --config.train.lora.rank=16 (rank 0 = off)
         # The objective (loss, advantage, weights, mismatch and their options; configs/demo.py comments
         # each): gyre_jax.rl.config.TrainConfig's defaults, clipped-ratio GRPO with DAPO's clip-higher.
         **train_objective_fields(),

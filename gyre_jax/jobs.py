@@ -13,6 +13,7 @@ _JOBS = {
     "pods_dp": "gyre_jax.pods.dp_job:run",  # elastic steps with satellites in other processes (configs/pods_dp.py)
     "simulate": "gyre_jax.scheduler.cli:run",
     "serve": "gyre_jax.serving.serve_job:run",  # the model behind the recording proxy (configs/serve.py)
+    "report": "gyre_jax.report.job:run",  # a run's HTML report from its workdir (--config.job=report, any RL config)
 }
 
 

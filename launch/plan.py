@@ -30,6 +30,7 @@ def plan_inputs(config, config_path: str | None):
     scheduler = rl_config._build(rl_config.SchedulerConfig, d.get("scheduler", {}), "scheduler")
     model = dict(d["model"])
     hf_path = model.pop("hf_path", "") or ""
+    model = rl_config.drop_random_init_shape(model, hf_path)
     model.pop("hf_export", None)
     model.pop("chat_template_kwargs", None)  # the tokenizer's, not the model's: no bytes to plan
     if hf_path:

@@ -420,3 +420,29 @@ def test_a_run_whose_every_rollout_fails_stops_with_the_reason(tmp_path):
     assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
     assert "every one of the last 8 rollouts failed" in errors[0] and "127 before its first model call" in errors[0]
     assert "command not found" in errors[0] and ".log" in errors[0]
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_path):
+    from types import SimpleNamespace
+
+    from gyre_jax.errors import ConfigError
+    from gyre_jax.rl import task_gate
+    from gyre_jax.rl.config import HarnessKnobs, TaskConfig
+
+    good = {"id": "good", "instruction": "Write 42 into answer.txt.", "grader": 'test "$(cat answer.txt)" = 42',
+            "metadata": {"solution": "echo 42 > answer.txt"}}
+    path = _task_file(tmp_path, [good, {"id": "always-pass", "instruction": "x", "grader": "true"}])
+
+    def cfg(skip):
+        task = TaskConfig(dataset=path, skip_broken=skip)
+        return SimpleNamespace(task=task, harness=HarnessKnobs(sandbox="bubblewrap"), task_source=task.source(0))
+
+    with pytest.raises(ConfigError, match="1 of 2 tasks .* broken grader .*always-pass.*skip_broken"):
+        task_gate.gate(cfg(False), str(tmp_path / "w"))
+    c = cfg(True)
+    out = task_gate.gate(c, str(tmp_path / "w"))  # the good task is cached: only the broken one is checked again
+    assert out["broken"] == ["always-pass"] and out["checked"] == 1
+    assert [t.task_id for t in c.task_source.train] == ["good"] and c.task_source.excluded == ("always-pass",)
+    assert "1 broken tasks skipped" in c.task_source.describe()

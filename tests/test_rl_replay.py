@@ -70,7 +70,8 @@ def test_a_kill_9_resume_replays_the_lost_steps_bit_for_bit(tmp_path, capsys):
 
     summary = drive(build(fake_config(STEPS, checkpoint_every=EVERY), wd, make_backend=fake_tiny_backend))
     out = capsys.readouterr().out
-    assert summary["steps"] == STEPS - EVERY  # this attempt recorded steps 3..5: two replayed, one new
+    assert summary["attempt"]["steps"] == STEPS - EVERY  # this attempt recorded steps 3..5: two replayed, one new
+    assert summary["steps"] == STEPS and summary["attempts"] == 2  # the run's: the lost steps counted once
     assert f"replayed steps {EVERY}..{KILL_AT - 1} from their records" in out, out[-3000:]
     final = {r["step"]: r for r in _records(os.path.join(wd, "metrics.jsonl"))}
     assert sorted(final) == list(range(STEPS))

@@ -12,12 +12,18 @@ graded command sees:
                   (the venv and the interpreter it was made from: ``python3`` is the run's
                   interpreter, with whatever it has installed, pytest included), and the paths
                   of the task's ``grader.ro_paths`` and the run's ``config.task.grader_ro_paths``
-  PATH            the ``bin`` of each read-only Python/tool path first, then
-                  /usr/local/bin:/usr/bin:/bin
+  PATH            the ``bin`` of each of those paths (the task's, the run's, then the run's
+                  Python: an environment a task brings is the ``python3`` it grades with),
+                  then /usr/local/bin:/usr/bin:/bin
   environment     only PATH, HOME, LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1, PYTHONNOUSERSITE=1,
-                  PYTHONPYCACHEPREFIX (a path that cannot exist: no bytecode is read or written),
-                  GYRE_WORKSPACE=/workspace, and the verdict mode's own (GYRE_VERDICT)
+                  GYRE_WORKSPACE=/workspace, and the verdict mode's own (GYRE_VERDICT); the
+                  ``__pycache__`` of every directory holding a protected Python file is an empty
+                  read-only directory (graded code cannot plant bytecode for a hidden module)
   no network, rlimits and a memory cgroup as the rollout's commands had; as root, a fresh uid.
+
+Container kinds (docker, podman) get the tree, the environment and the limits, but no inherited
+descriptor: the per-test verdict and ``$GYRE_VERDICT`` need the bubblewrap (or none) grader
+sandbox for now (exit-code and ``calls`` verdicts work in both).
 """
 from __future__ import annotations
 
@@ -27,15 +33,13 @@ import json
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from gyre_jax.agents import sandbox as sb
 
 GRADER_PATH_TAIL = ("/usr/local/bin", "/usr/bin", "/bin")
-# Python reads and writes bytecode only under this prefix, which cannot exist (procfs): a .pyc graded
-# code writes into a __pycache__ at grade time is never loaded for a module imported after it.
-NO_PYCACHE = "/proc/gyre-no-pycache"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +67,17 @@ def python_paths() -> tuple[str, ...]:
 
 
 def ro_paths(extra: Sequence[str] = ()) -> tuple[str, ...]:
-    """Read-only host paths of a graded command: the run's Python, the run's and the task's."""
-    return tuple(dict.fromkeys((*python_paths(), *spec().get("ro_paths", ()), *extra)))
+    """Read-only host paths of a graded command, in PATH order: the task's ``grader.ro_paths``, the
+    run's ``config.task.grader_ro_paths``, then the run's Python (a task that brings an environment
+    with its own ``python3`` grades with it)."""
+    return tuple(dict.fromkeys((*extra, *spec().get("ro_paths", ()), *python_paths())))
 
 
 def environment(paths: Sequence[str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
     bins = [os.path.join(p, "bin") for p in paths if os.path.isdir(os.path.join(p, "bin"))]
     return {"PATH": os.pathsep.join([*bins, *GRADER_PATH_TAIL]), "HOME": "/tmp", "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONPYCACHEPREFIX": NO_PYCACHE,
-            "GYRE_WORKSPACE": sb.WORKSPACE_MOUNT, **(extra or {})}
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "GYRE_WORKSPACE": sb.WORKSPACE_MOUNT,
+            **(extra or {})}
 
 
 @contextlib.contextmanager
@@ -115,6 +121,8 @@ def _bubblewrap(workspace: str, argv: list[str], *, writable: bool, limits: sb.S
         sb.note_seccomp_refused("refused (found by the trainer)")
     uid = sb.take_uid() if os.geteuid() == 0 else None
     cap = None
+    empty = tempfile.mkdtemp(prefix="gyre-empty-")
+    os.chmod(empty, 0o555)
     try:
         if uid is not None and writable:  # the fresh uid owns the tree it may write
             for dirpath, dirnames, files in os.walk(workspace):
@@ -123,6 +131,9 @@ def _bubblewrap(workspace: str, argv: list[str], *, writable: bool, limits: sb.S
         bind = "--bind" if writable else "--ro-bind"
         overlays = tuple(("--ro-bind", os.path.join(workspace, rel), f"{sb.WORKSPACE_MOUNT}/{rel}")
                          for rel in read_only if os.path.lexists(os.path.join(workspace, rel)))
+        # no bytecode can be planted beside a protected module: its __pycache__ is empty and read-only
+        pydirs = sorted({os.path.dirname(rel) for rel in read_only if rel.endswith(".py")})
+        overlays += tuple(("--ro-bind", empty, f"{sb.WORKSPACE_MOUNT}/{d + '/' if d else ''}__pycache__") for d in pydirs)
         nproc = limits.processes if uid is not None else sb.processes_of(os.getuid()) + limits.processes
         cap, why = sb.make_cap(limits.cap_bytes, limits.processes)  # the grader's own, per command
         if cap is None:
@@ -137,6 +148,7 @@ def _bubblewrap(workspace: str, argv: list[str], *, writable: bool, limits: sb.S
             cap.release()
         if uid is not None:
             sb.give_uid(uid)
+        os.rmdir(empty)
 
 
 def _container(kind: str, workspace: str, argv: list[str], *, writable: bool, limits: sb.SandboxLimits,

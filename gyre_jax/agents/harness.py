@@ -123,6 +123,12 @@ class RolloutResult:
             "calls", "retries", "compactions", "subagents", "tool_calls", "tool_errors", "finish_reason",
             "wall_time_s", "agent_time_s", "grader_time_s", "workspace", "snapshot", "sandbox", "harness_kind",
             "exit_code", "output_tail", "log_path", "reason")}
+        if num_calls is not None:
+            # The proxy's count is the truth: a command or python harness counts nothing itself (it read 0
+            # with every call recorded). What the harness counted, if anything else, stays beside it.
+            harness["calls"] = num_calls
+            if self.calls != num_calls:
+                harness["harness_counted_calls"] = self.calls
         return RolloutOutcome(run_id=run_id, rollout_id=self.rollout_id, task_id=self.task_id,
                               group_id=self.group_id, status=self.status, score=self.score,
                               # every field cut to the record bounds (capture.RECORD_*), whatever

@@ -8,7 +8,8 @@ supervised warm start (``demo_tasks``; a source without scripted solutions raise
   family   a generated family (``gyre_jax.agents.tasks``): group g gets seed
            ``seed * 1_000_003 + g``, eval seeds ``2**29 + s``, demonstrations ``2**30 + s``
            (three disjoint streams).
-  dataset  a JSONL task file (``gyre_jax.agents.tasks.dataset``): its ``split=train`` tasks
+  dataset  a task set (``gyre_jax.agents.tasks.formats``: a gyre JSONL file, SWE-bench-style JSONL or
+           Harbor task directories, each read as ``gyre_jax.agents.tasks.dataset`` tasks): its ``split=train`` tasks
            read through grain (``MapDataset.source(...).shuffle(seed).repeat()``: a fresh
            order every epoch) by random access at the group's number, so the data position
            IS the group counter the trajectory store already keeps durably: a resumed run
@@ -21,9 +22,12 @@ Adding a source: a class with ``kind``, the three methods and ``describe``, then
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, ClassVar, Protocol
 
 from gyre_jax.agents.tasks.base import Task
+
+log = logging.getLogger(__name__)
 
 
 class TaskSource(Protocol):
@@ -89,17 +93,20 @@ class FamilySource:
 class DatasetSource:
     kind: ClassVar[str] = "dataset"
 
-    def __init__(self, path: str, eval_path: str = "", seed: int = 0):
+    def __init__(self, path: str, eval_path: str = "", seed: int = 0, options: str = ""):
+        """``options``: the task set's format and its options (``tasks/formats``: gyre JSONL, SWE-bench
+        JSONL, Harbor directories; JSON text, e.g. '{"environment": "host"}')."""
         import grain
 
-        from gyre_jax.agents.tasks.dataset import TaskFileError, load_task_file
+        from gyre_jax.agents.tasks.dataset import TaskFileError
+        from gyre_jax.agents.tasks.formats import load_task_set
 
         self.path, self.eval_path, self.seed = path, eval_path, seed
-        rows = load_task_file(path)
+        rows = load_task_set(path, options)
         self.train = [t for t, split in rows if split == "train"]
         self.eval = [t for t, split in rows if split == "eval"]
         if eval_path:
-            extra = [t for t, _ in load_task_file(eval_path)]
+            extra = [t for t, _ in load_task_set(eval_path, options)]
             ids = {t.task_id for t, _ in rows}
             clash = [t.task_id for t in extra if t.task_id in ids]
             if clash:
@@ -130,6 +137,13 @@ class DatasetSource:
         return self._ds[index]
 
     def eval_tasks(self, limit: int) -> list[Task]:
+        """The first ``limit`` held-out tasks. Asked for more than the file holds, every one of them, and a
+        warning naming both numbers: ``eval.tasks`` is a cap (a run's evals compare versions on one fixed set,
+        whatever its size), and a run must not fail at its first eval for a file that shrank; but it must
+        not read as ``limit`` tasks either (eval.jsonl's ``eval/tasks`` says how many were run)."""
+        if 0 < len(self.eval) < limit:  # none at all: the config check refuses the eval
+            log.warning("config.eval.tasks=%d but %s holds %d held-out task(s): evaluating all %d", limit,
+                        self.eval_path or self.path, len(self.eval), len(self.eval))
         return self.eval[:limit]
 
     def demo_tasks(self, n: int) -> list[Task]:

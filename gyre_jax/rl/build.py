@@ -31,7 +31,9 @@ from gyre_jax.distributed import ensure_cpu_devices
 from gyre_jax.errors import ConfigError, RunFailed, storage_error
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, init_params, param_logical_axes
+from gyre_jax.cells.frozen_base import Adapted, FrozenBase
 from gyre_jax.rl import faults as faults_lib
+from gyre_jax.rl import lora_run
 from gyre_jax.rl import reference as reference_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter, RoleTable
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like
@@ -84,7 +86,8 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     c = cfg.cells
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
-                        kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None)
+                        kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None,
+                        lora_serving=cfg.train.lora.serving)  # a LoRA run's params: Adapted(base, adapters)
     return JetStreamBackend(engine, name=name)
 
 
@@ -114,7 +117,7 @@ class Components:
     store: TrajectoryStore
     ckpt: Checkpointer
     metrics: MetricsWriter
-    evaluator: HeldOutEval | BackgroundEval | None
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
     timeline: Timeline
     clock: RealClock
     wake: threading.Event
@@ -125,6 +128,7 @@ class Components:
     warm_thread: threading.Thread | None = None
     satellites: Any = None  # gyre_jax.pods.rl_job.Satellites when the cells run in separate processes
     task_check: dict = dataclasses.field(default_factory=dict)  # what the grader check at start found (task_gate)
+    frozen: FrozenBase | None = None  # a LoRA run's base: every checkpoint of the run names it (save_checkpoint)
 
     def close(self) -> None:
         """Stop every thread and server; each part closes even if another fails to."""
@@ -162,7 +166,9 @@ class Placement:
     steps: cells_lib.CellSteps
     core_mesh: Any
     warm_thread: threading.Thread  # compiling every cell's training step meanwhile
-    evaluator: HeldOutEval | BackgroundEval | None
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
+    frozen: FrozenBase | None = None  # a LoRA run's base (rl/lora_run.py); None: the params are the model's
+    base_history: tuple[dict, ...] = ()  # the SFT warm start's metrics when the LoRA base was made now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +234,24 @@ def _warm_start(cfg: RLConfig, tok, params):
                       learning_rate=cfg.sft.learning_rate, seed=cfg.warm_seed, progress=cfg.progress)
 
 
+def _adapter_of_group(cfg: RLConfig):
+    """Multi-LoRA: a group id's adapter ("g00012" -> 12 % adapters; another id, the run's own warm-up calls: 0);
+    None with one adapter."""
+    if cfg.train.lora.adapters == 1:
+        return None
+
+    def adapter_of(group_id: str) -> int:
+        m = re.fullmatch(r"g(\d+)", group_id or "")
+        return cfg.group_adapter(int(m.group(1))) if m else 0
+
+    return adapter_of
+
+
+def _engine_params(frozen: FrozenBase | None, params):
+    """What a new engine is given: the params, or a LoRA run's base with its adapters."""
+    return params if frozen is None else Adapted(frozen, params)
+
+
 def _hf_params(cfg: RLConfig, mesh):
     from gyre_jax.model.hf import load_pretrained
 
@@ -255,23 +279,29 @@ def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
     return out
 
 
-def _make_eval(cfg: RLConfig, tok) -> HeldOutEval | None:
+def _make_eval(cfg: RLConfig, tok, frozen: FrozenBase | None = None) -> HeldOutEval | lora_run.AdapterEvals | None:
     """The first-call held-out eval (config.eval.kind=first_call), or None (off, or whole episodes:
     ``_episode_eval`` builds that one once the cells exist)."""
     e = cfg.eval
     if not e.every or e.kind != "first_call":
         return None
-    tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
-    try:
+    def held_out(tasks, prepare=None):
         return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
                            samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
                            temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len,
-                           sandbox=SandboxConfig(kind=cfg.harness.sandbox))
+                           sandbox=SandboxConfig(kind=cfg.harness.sandbox), prepare=prepare)
+
+    try:
+        if frozen is not None and cfg.train.lora.adapters > 1:  # each adapter on each adapter's task set
+            return lora_run.AdapterEvals([held_out(src.eval_tasks(e.tasks)) for src in cfg.adapter_sources], frozen)
+        tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
+        return held_out(tasks, None if frozen is None else functools.partial(lora_run.merged, frozen))
     except ValueError as err:
         raise ConfigError(f"config.eval: {err}") from None
 
 
-def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdir: str) -> BackgroundEval:
+def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdir: str,
+                  frozen: FrozenBase | None = None) -> BackgroundEval:
     """Whole-episode held-out eval (config.eval.kind=episodes) on its own engine on ``cell``, on a thread."""
     e = cfg.eval
     # As many episodes in flight as the eval engine has decode slots: multi-call episodes spend most of
@@ -283,9 +313,10 @@ def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdi
                              concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
     ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
                      pass_score=e.pass_score, harness_config=hc, make_harness=cfg.harness.make,
-                     make_backend=lambda params, version: make_backend(cfg, cell, params, version, "eval", tok),
+                     make_backend=lambda params, version: make_backend(cfg, cell, _engine_params(frozen, params),
+                                                                       version, "eval", tok),
                      tokenizer=tok, workdir=os.path.join(workdir, "eval"), seed=cfg.seed,
-                     max_tokens_cap=cfg.harness.max_tokens)
+                     max_tokens_cap=cfg.harness.max_tokens, start_timeout_s=cfg.cells.start_timeout_s)
     return BackgroundEval(ev, log_dir=os.path.join(workdir, "eval"), on_close=(ev.close,))
 
 
@@ -392,8 +423,13 @@ def save_costs(workdir: str, controller: Controller) -> None:
     if controller.estimates is None:
         return
     path = os.path.join(workdir, costs_file.FILE_NAME)
+    measured = controller.estimates.measured()
+    moves: list = getattr(controller.cells, "moves", lambda: [])()
+    if moves:  # the weight move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)
+        measured = dataclasses.replace(measured, move_bytes=float(np.mean([m.bytes for m in moves])),
+                                       move_s=float(np.mean([m.seconds for m in moves])))
     try:
-        costs_file.save(path, controller.estimates.measured())
+        costs_file.save(path, measured)
     except OSError as e:
         raise storage_error(path, "writing the scheduler costs", e) from e
 
@@ -409,16 +445,22 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
 
         check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
-    evaluator: HeldOutEval | BackgroundEval | None = _make_eval(cfg, base.tok)
+    frozen: FrozenBase | None = None
+    base_history: list[dict] = []
+    if cfg.train.lora.enabled:  # the base first: the cells' steps read it (rl/lora_run.py)
+        core_mesh = layout.role_to_mesh()[Role.CORE][0]
+        frozen, base_history = lora_run.frozen_base(cfg, base.workdir,
+                                                    lambda: fresh_params(cfg, base.tok, core_mesh))
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None = _make_eval(cfg, base.tok, frozen)
     if cfg.eval.every and cfg.eval.kind == "episodes":
-        evaluator = _episode_eval(cfg, base.tok, layout.cells[0], make_backend, base.workdir)
-    steps = _cell_steps(cfg)
+        evaluator = _episode_eval(cfg, base.tok, layout.cells[0], make_backend, base.workdir, frozen)
+    steps = _cell_steps(cfg, frozen)
     # Each satellite process compiles its own cell's step; a run that fails during set-up must not wait for these.
     warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if base.multi else cs, cfg), name="gyre-warm",
                             daemon=True)
     warm.start()  # compile every cell's training step while SFT and set-up run
     return Placement(layout=layout, roles=roles, policy=pc, steps=steps, core_mesh=layout.role_to_mesh()[Role.CORE][0],
-                     warm_thread=warm, evaluator=evaluator)
+                     warm_thread=warm, evaluator=evaluator, frozen=frozen, base_history=tuple(base_history))
 
 
 def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
@@ -430,20 +472,23 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
     stream = RowStream(cfg.train.row_len)
     iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
-                                   data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
+                                   data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator, place.frozen))
     sft_history: list[dict] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step
         ref_params = reference_lib.restore_reference(cfg, base.workdir, place.steps, mesh)
     else:
-        params, sft_history = fresh_params(cfg, base.tok, mesh)
+        if place.frozen is not None:  # LoRA: the base was made with the placement; the params are the adapters
+            params, sft_history = lora_run.initial_adapters(cfg, cfg.seed), list(place.base_history)
+        else:
+            params, sft_history = fresh_params(cfg, base.tok, mesh)
         ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
         state, steps_done = spec.state_from_params(params, mesh), 0
         # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
         # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
         # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
         save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
-                        cfg.scheduler.mode, 0, force=True)
+                        cfg.scheduler.mode, 0, force=True, frozen=place.frozen)
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
     trainer = cells_lib.ElasticTrainer(place.steps, place.layout.core, state)
@@ -453,6 +498,8 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
         place.evaluator.start(resume_step=steps_done if restored is not None else None)
     scorer = reference_lib.make_scorer(cfg, place.steps, mesh, ref_params)  # the per-step pass
     print(reference_lib.describe(cfg, scorer, trainer.state.params), flush=True)
+    if place.frozen is not None:
+        print(lora_run.describe(cfg, place.frozen, trainer.state.params), flush=True)
     fresh = Restored(ckpt=ckpt, stream=stream, iterator=iterator, trainer=trainer, steps_done=steps_done, ready=(),
                      short=(), ref_params=ref_params, sft_history=tuple(sft_history), resumed=restored is not None,
                      checkpoint_step=steps_done, scorer=scorer)
@@ -467,11 +514,13 @@ def _resume(cfg: RLConfig, base: Base, place: Placement, r: Restored, checkpoint
     core alone, before any rollout runs), then the finished groups to train and the ones a stop cut short."""
     s, store = cfg.scheduler, base.store
     processor = StepProcessor(store=store, config=cfg.processor_config(), stream=r.stream,
-                              micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, scorer=r.scorer)
+                              micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, scorer=r.scorer,
+                              adapter_of=_adapter_of_group(cfg))
     runner = StepRunner(trainer=r.trainer, store=store, iterator=r.iterator, inputs=processor.outbox,
                         micro_batch_rows=cfg.train.micro_batch_rows, groups_per_step=s.groups_per_step,
                         cells=place.layout.cells, cell_roles=list, work=WorkEstimate(cfg.train.work_s_per_row),
-                        keep_versions=_keep_versions(cfg, r.scorer), after_update=_after_update(cfg, r.ckpt, base))
+                        keep_versions=_keep_versions(cfg, r.scorer),
+                        after_update=_after_update(cfg, r.ckpt, base, place.frozen))
     processor.params_of = runner.params_of
     got = replay_lib.resume_with_replay(store, checkpoint, workdir=base.workdir, run_id=RUN_ID,
                                         group_size=s.group_size, last_step=cfg.steps, processor=processor,
@@ -495,14 +544,19 @@ def _keep_versions(cfg: RLConfig, scorer) -> int:
     return cfg.scheduler.staleness_bound if scorer is not None and scorer.needed and scorer.keeps_versions else 0
 
 
-def _after_update(cfg: RLConfig, ckpt: Checkpointer, base: Base) -> Callable[[int, TrainerSnapshot], None]:
-    """After each update, on the trainer thread, between steps: the checkpoint when due (and the last), the HF
-    export after the last."""
+def _after_update(cfg: RLConfig, ckpt: Checkpointer, base: Base,
+                  frozen: FrozenBase | None) -> Callable[[int, TrainerSnapshot], None]:
+    """After each update, on the trainer thread, between steps: the checkpoint when due (and the last), the
+    exports after the last (a LoRA run's adapters as PEFT directories, the HF checkpoint: merged for LoRA)."""
     def after_update(version: int, snap: TrainerSnapshot) -> None:
         if ckpt.should_save(version) or version >= cfg.steps:
-            save_checkpoint(ckpt, snap, base.store, cfg.scheduler.mode, version, force=version >= cfg.steps)
+            save_checkpoint(ckpt, snap, base.store, cfg.scheduler.mode, version, force=version >= cfg.steps,
+                            frozen=frozen)
+        if frozen is not None and version >= cfg.steps:  # the adapters as PEFT directories: small, always
+            lora_run.export_peft(cfg, snap.state.params, base.workdir, version)
         if cfg.hf_export and version >= cfg.steps:
-            export_hf(cfg, snap.state.params, base.workdir, version)
+            export_hf(cfg, snap.state.params if frozen is None else lora_run.merged(frozen, snap.state.params),
+                      base.workdir, version)
 
     return after_update
 
@@ -517,6 +571,7 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     serving = _serving_cells(s.mode, base.n_cells, s.async_train_cells)
     names = {c: f"cell{c}" for c in serving}
     params0, version = restored.trainer.state.params, restored.steps_done
+    engine_params0 = _engine_params(place.frozen, params0)  # a LoRA run's engines get the base once, here
     sats, remote_backends = None, {}
     if base.multi:  # the satellite processes' cells: training handles, and engines built on the starting policy
         from gyre_jax.pods.rl_job import Satellites
@@ -528,17 +583,22 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     async def build_proxy():
         backends = []
         for c in serving:
-            b = remote_backends[c] if c in remote_backends else make_backend(cfg, place.layout.cells[c], params0,
-                                                                             version, names[c], base.tok)
+            b = remote_backends[c] if c in remote_backends else make_backend(cfg, place.layout.cells[c],
+                                                                             engine_params0, version, names[c],
+                                                                             base.tok)
             backends.append(faults.wrap(b) if faults is not None else b)
         # Only keys the launcher issues (one per rollout, revoked at its end) or the run's own token are
         # credentials; any model name is this policy; a harness asking more tokens than the cap gets the cap.
-        return Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
-                     ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
-                                 auth_token=secrets.token_hex(16), unix_path=sock))
+        proxy = Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
+                      ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
+                                  auth_token=secrets.token_hex(16), unix_path=sock))
+        group_adapter = _adapter_of_group(cfg)
+        if group_adapter is not None:  # multi-LoRA: a call samples with its rollout's adapter, found by its key
+            proxy.adapter_of = lambda b: group_adapter(b.group_id)
+        return proxy
 
     server = ServerThread(build_proxy)
-    url = server.start()
+    url = server.start(cfg.cells.start_timeout_s, "the rollout engines")
     backends = {c: server.proxy.router.cells[names[c]] for c in serving}
     _warm_engines(cfg, server, backends, base.tok)
     spec = place.steps.spec
@@ -594,7 +654,7 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
                       evaluator=place.evaluator, timeline=timeline, clock=clock, wake=wake,
                       start=Start(restored.checkpoint_step, restored.sft_history, 0.0), faults=serving.faults,
                       chaos=serving.chaos,
-                      warm_thread=place.warm_thread, satellites=serving.satellites)
+                      warm_thread=place.warm_thread, satellites=serving.satellites, frozen=place.frozen)
 
 
 def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Restored, serving: Serving,
@@ -625,11 +685,11 @@ def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Rest
                        dynamic_sampling_budget=cfg.dynamic_sampling_budget(), calls_of=functools.partial(_calls, store))
     processor = StepProcessor(store=store, config=cfg.processor_config(), stream=restored.stream,
                               micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, redate=redate,
-                              scorer=restored.scorer, on_processed=queue.processed)
+                              scorer=restored.scorer, on_processed=queue.processed, adapter_of=_adapter_of_group(cfg))
     runner = StepRunner(trainer=restored.trainer, store=store, iterator=restored.iterator, inputs=processor.outbox,
                         micro_batch_rows=cfg.train.micro_batch_rows, groups_per_step=s.groups_per_step, cells=cells,
                         cell_roles=table.all, work=work, keep_versions=_keep_versions(cfg, restored.scorer),
-                        after_update=_after_update(cfg, restored.ckpt, base), on_step_started=pause,
+                        after_update=_after_update(cfg, restored.ckpt, base, place.frozen), on_step_started=pause,
                         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None,
                         versions=dict(restored.versions))
     processor.params_of = runner.params_of
@@ -680,32 +740,45 @@ def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:
     threading.Thread(target=pool.take_out, args=(cell, why), name=f"gyre-out-{cell}", daemon=True).start()
 
 
-def _cell_steps(cfg: RLConfig) -> cells_lib.CellSteps:
-    """The state spec and jitted steps of every cell: the same in every process."""
-    mc, opt = cfg.model, cfg.optimizer_config()
-    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
-                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
+def _cell_steps(cfg: RLConfig, frozen: FrozenBase | None = None) -> cells_lib.CellSteps:
+    """The state spec and jitted steps of every cell: the same in every process. ``frozen``: a LoRA run's
+    base (the state is then its adapters: rl/lora_run.py)."""
+    mc, opt = cfg.policy_model, cfg.optimizer_config()
     # Expert parallelism is a training layout only: the loss dispatches over the training mesh's 'expert'
     # axis; engines run the same params with every expert on the serving mesh (no 'expert' axis there).
     loss_model = mc.replace(expert_parallel_axis="expert") if cfg.cells.train_expert > 1 else mc
     loss_model = loss_model.replace(routing_replay=cfg.train.routing_replay)  # engines never replay: they record
+    if frozen is not None:
+        return lora_run.cell_steps(cfg, frozen, loss_model)
+    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
+                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
     return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.loss_config()), cells_lib.make_schedule(opt),
                                reductions=METRIC_REDUCTIONS)
 
 
-def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_backend) -> dict:
-    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word."""
+def run_satellite(cfg: RLConfig, *, workdir: str | None = None, make_backend: BackendFactory = jetstream_backend) -> dict:
+    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word. A LoRA run's
+    satellite reads the frozen base the core keeps in ``workdir`` (rl/lora_run.py: a shared filesystem, or
+    model.hf_path itself); everything the core sends it afterwards is adapters."""
     from gyre_jax.pods.rl_job import check_layout, satellite_main
 
     _quiet_absl()
     cfg.check_devices(len(jax.devices()))
     check_layout(cfg, cells_lib.split_cells(cfg.cell_config()))
     tok = _tokenizer(cfg)
-    return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
+    frozen = None
+    if cfg.train.lora.enabled:
+        if workdir is None:
+            raise ConfigError("a LoRA run's satellite process needs the run's --workdir (the core keeps the base there)")
+        frozen = lora_run.satellite_base(cfg, os.path.abspath(workdir), lambda: (_hf_params(cfg, None), []))
+    return satellite_main(cfg, _cell_steps(cfg, frozen), make_backend, tok)
 
 
-def check_checkpoint(restored, iterator) -> None:
-    """A checkpoint's label is its state's policy version and its data position's step (ValueError if not)."""
+def check_checkpoint(restored, iterator, frozen: FrozenBase | None = None) -> None:
+    """A checkpoint's label is its state's policy version and its data position's step, and a LoRA run's
+    adapters were trained on this base (ValueError if not)."""
+    if frozen is not None:
+        lora_run.check_resume(restored.meta, frozen)
     version = int(jax.device_get(restored.train_state.policy_version))
     if version != restored.step:
         raise ValueError(f"checkpoint step {restored.step} holds policy version {version}")
@@ -714,7 +787,7 @@ def check_checkpoint(restored, iterator) -> None:
 
 
 def save_checkpoint(ckpt: Checkpointer, snap: TrainerSnapshot, store, mode: str, version: int, *,
-                    force: bool) -> None:
+                    force: bool, frozen: FrozenBase | None = None) -> None:
     """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint.
 
     Its label ``version`` must be the state's own policy version (a checkpoint whose label lies
@@ -723,4 +796,5 @@ def save_checkpoint(ckpt: Checkpointer, snap: TrainerSnapshot, store, mode: str,
     if state_version != version:
         raise RuntimeError(f"save_checkpoint: label {version} but the state is at policy version {state_version}")
     ckpt.save(version, train_state=snap.state, store_cursor=store.cursor_state(),
-              buffer=list(snap.buffered_rollouts), data_iterator=snap.data_iterator, meta={"mode": mode}, force=force)
+              buffer=list(snap.buffered_rollouts), data_iterator=snap.data_iterator, force=force,
+              meta={"mode": mode} if frozen is None else {"mode": mode, lora_run.META_KEY: frozen.fingerprint()})

@@ -105,6 +105,9 @@ class CellsConfig:
     page_size: int = 16  # tokens per KV page (paged); max_len must be a multiple
     kv_pages: int = 0  # pages per engine (paged); 0 = the contiguous cache's memory (max_slots x max_len)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
+    # Engines (weights placed, decode steps compiled) must be serving within this many seconds of the start, or
+    # the run ends with an error: line (exit 1) instead of hanging; a loaded 2-core host compiles slowly.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self):
         _ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
@@ -112,6 +115,7 @@ class CellsConfig:
         _positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
                          "max_len", "tokens_per_call", "page_size"))
         _positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
+        _positive(self, ("start_timeout_s",))
         if self.kv_cache not in ("contiguous", "paged"):
             raise ConfigError(f"config.cells.kv_cache must be 'contiguous' or 'paged', got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.max_len % self.page_size:
@@ -187,6 +191,10 @@ class TaskConfig:
     # second file of held-out tasks (besides the first file's split=eval lines).
     dataset: str = ""
     eval_dataset: str = ""
+    # The task set's format and options, JSON text (gyre_jax.agents.tasks.formats): the format is read from the
+    # path (gyre JSONL, SWE-bench-style JSONL, a directory of Harbor tasks) or named ("format"); e.g.
+    # '{"environment": "host"}' runs Harbor or SWE-bench tasks on this host's toolchain (no per-task image).
+    dataset_options: str = ""
     # Check every task's grader at start (gyre_jax.rl.task_gate; --check_tasks prints the same): "start"
     # (task files; a generated family's graders are gyre's own) or "off". A broken task stops the run
     # with one error: line, unless skip_broken drops it (counted in the log and summary).
@@ -210,6 +218,13 @@ class TaskConfig:
             raise ConfigError("config.task.ops must name at least one op")
         if self.eval_dataset and not self.dataset:
             raise ConfigError("config.task.eval_dataset needs config.task.dataset (the training tasks' file)")
+        if self.dataset_options:
+            from gyre_jax.agents.tasks.formats import parse_options  # light: no format is read here
+
+            try:
+                parse_options(self.dataset_options)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     @property
     def grader_ro_path_list(self) -> tuple[str, ...]:
@@ -236,7 +251,8 @@ class TaskConfig:
         from gyre_jax.agents.task_sources import make_source  # light: families load on first use
 
         if self.dataset:
-            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed)
+            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed,
+                               options=self.dataset_options)
         return make_source("family", family=self.family, seed=seed, kwargs=self.kwargs())
 
 
@@ -301,6 +317,107 @@ class HarnessKnobs:
                             memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
+LORA_SERVING = ("auto", "merged", "unmerged")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraKnobs:
+    """config.train.lora: LoRA adapters instead of full fine-tuning (gyre_jax/model/lora.py).
+
+    rank > 0 turns it on: the base is frozen (held in the serving dtype, no gradient, no optimizer
+    state), and the optimizer, the checkpoints, every role switch and every weight publication hold
+    and move the adapters only."""
+
+    SECTION: ClassVar[str] = "train.lora"
+    rank: int = 0  # 0 = full fine-tuning; r > 0: adapters of rank r on the targets, the base frozen
+    alpha: float = 32.0  # the update is (alpha / rank) x A @ B (alpha / sqrt(rank) with rslora)
+    dropout: float = 0.0  # on the adapters' inputs, training only
+    # comma-separated PEFT module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+    # on MoE layers the last three adapt every expert), or "all"
+    targets: str = "all"
+    layers: str = ""  # comma-separated layer indices or ranges ("0-11,20"); "" = every layer
+    rslora: bool = False
+    # merged: each engine serves the base with the adapter folded in (exact, no per-token cost; the
+    # cell keeps the base to merge each new version into); unmerged: the engine applies the adapter
+    # per token beside the base weights (what several adapters need); auto: merged for one adapter
+    serve: str = "auto"
+    init_from: str = ""  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+    # Multi-LoRA: this many adapters over the one base, each its own task set and optimizer state; group g
+    # trains adapter g % adapters, and the proxy routes its rollouts' calls to that adapter by their key.
+    adapters: int = 1
+    # Each adapter's task set: "|"-separated, per adapter ";"-separated overrides of config.task's fields,
+    # e.g. "ops=copy|ops=upper"; "" = every adapter draws from config.task (its own stream of it).
+    adapter_tasks: str = ""
+
+    def __post_init__(self):
+        _ints(self, ("rank", "adapters"))
+        _positive(self, ("rank", "dropout"), allow_zero=True)
+        _positive(self, ("adapters",))
+        if self.serve not in LORA_SERVING:
+            raise ConfigError(f"config.train.lora.serve must be one of {LORA_SERVING}, got {self.serve!r}")
+        if self.adapters > 1 and self.serve == "merged":
+            raise ConfigError(f"config.train.lora.adapters={self.adapters}: serve='merged' folds one adapter into the "
+                              "weights; several serve 'unmerged' (or 'auto')")
+        if (self.adapters > 1 or self.adapter_tasks) and not self.rank:
+            raise ConfigError("config.train.lora.adapters / adapter_tasks need config.train.lora.rank > 0")
+        if self.adapter_tasks and len(self.adapter_tasks.split("|")) != self.adapters:
+            raise ConfigError(f"config.train.lora.adapter_tasks={self.adapter_tasks!r} names "
+                              f"{len(self.adapter_tasks.split('|'))} task sets for adapters={self.adapters}")
+        if self.rank:
+            self.lora_config()  # every field checked now, before any JAX work
+
+    @property
+    def serving(self) -> str:
+        """How engines serve the adapters: merged for one adapter, unmerged for several (serve='auto')."""
+        if self.serve != "auto":
+            return self.serve
+        return "merged" if self.adapters == 1 else "unmerged"
+
+    def task_overrides(self) -> list[dict[str, str]]:
+        """Each adapter's overrides of config.task (raw strings; RLConfig types them)."""
+        if not self.adapter_tasks:
+            return [{} for _ in range(self.adapters)]
+        out = []
+        for a, part in enumerate(self.adapter_tasks.split("|")):
+            fields = {}
+            for item in (x.strip() for x in part.split(";") if x.strip()):
+                k, eq, v = item.partition("=")
+                if not eq:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {item!r} is not field=value")
+                fields[k.strip()] = v.strip()
+            out.append(fields)
+        return out
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def lora_config(self):
+        """The model's LoraConfig (None when rank is 0)."""
+        if not self.rank:
+            return None
+        from gyre_jax.model.lora import TARGETS, LoraConfig
+
+        targets = TARGETS if self.targets.strip() in ("all", "") else tuple(
+            t.strip() for t in self.targets.split(",") if t.strip())
+        return _built("train.lora", lambda: LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                                                       targets=targets, layers=_layer_list(self.layers),
+                                                       rslora=self.rslora, num_adapters=self.adapters))
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    """"0-3,7" -> (0, 1, 2, 3, 7); ConfigError naming config.train.lora.layers otherwise."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, sep, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+        except ValueError:
+            raise ConfigError(f"config.train.lora.layers={text!r}: {part!r} is not a layer index or a range "
+                              "like 0-11") from None
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The optimizer, the objective and the rows it trains on.
@@ -358,8 +475,15 @@ class TrainConfig:
     # (rollout routing replay, R3; gyre_jax/model/moe.py) instead of re-routing it live. Either way
     # the step reports routing_mismatch, the fraction of trained tokens whose live routing differs.
     routing_replay: bool = False
+    # LoRA instead of full fine-tuning (LoraKnobs): --config.train.lora.rank=16 on any RL config
+    lora: LoraKnobs = LoraKnobs()
 
     def __post_init__(self):
+        if isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", _build(LoraKnobs, self.lora, "train.lora"))
+        elif not isinstance(self.lora, LoraKnobs):
+            raise ConfigError(f"config.train.lora must be a section of {sorted(f.name for f in dataclasses.fields(LoraKnobs))}, "
+                              f"got {self.lora!r}")
         _positive(self, ("row_len", "micro_batch_rows", "learning_rate", "max_grad_norm", "work_s_per_row", "adam_eps"))
         if not isinstance(self.routing_replay, bool):
             raise ConfigError(f"config.train.routing_replay must be True or False, got {self.routing_replay!r}")
@@ -610,6 +734,7 @@ class RLConfig:
         if self.harness.max_tokens >= self.cells.max_len:
             raise ConfigError(f"config.harness.max_tokens={self.harness.max_tokens} must be < cells.max_len="
                               f"{self.cells.max_len}")
+        self._check_lora()
         # Build (and throw away) everything the loop builds later from these values. The
         # cell layout is checked against the devices (check_devices) as soon as JAX is up.
         self.policy_config()
@@ -637,6 +762,20 @@ class RLConfig:
                               f"harness.kind={self.harness.kind!r} use eval.kind='episodes'")
         self._check_sandbox(harness.needs_commands(first))
 
+    def _check_lora(self) -> None:
+        """The adapters fit this model (layers, MoE, parallelism); each adapter's task set builds and has
+        held-out tasks."""
+        if self.train.lora.enabled:
+            _built("train.lora", lambda: self.policy_model)
+        if self.train.lora.adapters > 1:
+            for src in self.adapter_sources:
+                _built("train.lora.adapter_tasks", lambda: src.train_task(0))  # noqa: B023 - called at once
+                if self.eval.every and not src.eval_tasks(1):
+                    raise ConfigError(f"config.train.lora.adapter_tasks: {src.describe()} has no held-out tasks")
+            if self.eval.every and self.eval.kind != "first_call":
+                raise ConfigError("config.train.lora.adapters > 1: the held-out eval of each adapter on each task set is "
+                                  "eval.kind='first_call' (whole-episode evals per adapter are not covered)")
+
     @functools.cached_property
     def task_source(self):
         """The run's TaskSource, built (and its file read) once."""
@@ -654,6 +793,30 @@ class RLConfig:
             raise ConfigError(f"config.harness.sandbox='auto': {why}, and the policy's commands must not run on "
                               "this host unconfined. Install bubblewrap (apt-get install bubblewrap) or set "
                               "--config.harness.sandbox=none to run them on the host deliberately")
+
+    @property
+    def lora(self):
+        """The run's LoraConfig (model/lora.py), None for full fine-tuning."""
+        return self.train.lora.lora_config()
+
+    @property
+    def policy_model(self) -> ModelConfig:
+        """The model the loop trains and scores: config.model, with LoRA adapters when config.train.lora.rank > 0."""
+        lora = self.lora
+        return self.model if lora is None else self.model.replace(lora=lora)
+
+    @property
+    def switch_move_bytes(self) -> int:
+        """Bytes one role switch or publication moves: the params, or a LoRA run's adapters (float32)."""
+        import math
+
+        from gyre_jax import planner
+
+        lora = self.lora
+        if lora is None:
+            return sum(math.prod(s) for _, s, _ in planner.param_table(self.model)) * planner.DTYPE_BYTES[
+                self.model.param_dtype]
+        return 4 * sum(math.prod(s) for _, s, _ in planner.lora_table(self.model, lora))
 
     # ---- the objects the loop builds from the config (validated here) ----
     @functools.cached_property
@@ -675,8 +838,13 @@ class RLConfig:
         where it measured them, config.scheduler.priors's elsewhere."""
         from gyre_jax.scheduler import policy as policy_lib
 
+        from gyre_jax.scheduler.costs import for_move_bytes
+
         s = self.scheduler
-        priors = self.scheduler_priors if own_costs is None else policy_lib.filled(own_costs, self.scheduler_priors)
+        # A pilot's (or a full-weights run's) switch costs, with the weight move rescaled to what this run's
+        # switches move: a LoRA run's adapters, not the weights (scheduler/costs.py: for_move_bytes).
+        priors = for_move_bytes(self.scheduler_priors, self.switch_move_bytes)
+        priors = priors if own_costs is None else policy_lib.filled(own_costs, priors)
         pc = _built("scheduler", lambda: policy_lib.PolicyConfig(
             mode=s.mode, total_steps=self.steps, groups_per_step=s.groups_per_step, group_size=s.group_size,
             staleness_bound=s.staleness_bound, updates_per_publication=s.updates_per_publication,
@@ -699,8 +867,36 @@ class RLConfig:
         return n_cells
 
     def group_task(self, g: int):
-        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's)."""
-        return self.task_source.train_task(g)
+        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's);
+        with several LoRA adapters, the ``g // adapters``-th task of adapter ``g % adapters``'s task set."""
+        n = self.train.lora.adapters
+        if n == 1:
+            return self.task_source.train_task(g)
+        return self.adapter_sources[g % n].train_task(g // n)
+
+    def group_adapter(self, g: int) -> int:
+        """The LoRA adapter the run's g-th group trains (and whose rollouts the proxy serves with it)."""
+        return g % self.train.lora.adapters
+
+    @functools.cached_property
+    def adapter_sources(self) -> list:
+        """Each LoRA adapter's TaskSource: config.task with the adapter's overrides (train.lora.adapter_tasks)."""
+        out = []
+        types = {f.name: f.type for f in dataclasses.fields(TaskConfig)}
+        for a, over in enumerate(self.train.lora.task_overrides()):
+            bad = sorted(set(over) - set(types))
+            if bad:
+                raise unknown_fields(f"train.lora.adapter_tasks (adapter {a})", bad, types)
+            typed: dict[str, Any] = {}
+            for k, v in over.items():
+                kind = str(types[k])
+                try:
+                    typed[k] = int(v) if kind == "int" else float(v) if kind == "float" else v
+                except ValueError:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {k}={v!r} is not a {kind}") from None
+            task = _built("train.lora.adapter_tasks", lambda: dataclasses.replace(self.task, **typed))  # noqa: B023
+            out.append(_built("task", lambda: task.source(self.seed + a)))  # noqa: B023 - called at once
+        return out
 
     def processor_config(self):
         from gyre_jax.losses import ADVANTAGE_ESTIMATORS, WEIGHT_BUILDERS
@@ -793,6 +989,7 @@ class RLConfig:
             raise ConfigError("config.model is required")
         model = dict(d["model"])
         hf_path, hf_export = model.pop("hf_path", "") or "", bool(model.pop("hf_export", False))
+        model = drop_random_init_shape(model, hf_path)
         from gyre_jax.serving.tokenizer import chat_template_kwargs
 
         try:
@@ -815,6 +1012,16 @@ class RLConfig:
 
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
 HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+# config.model.random_init_shape=True: the section's shape fields describe the random model used when no
+# checkpoint is given (configs/external.py), so --config.model.hf_path=... replaces them instead of clashing.
+RANDOM_INIT_SHAPE = "random_init_shape"
+
+
+def drop_random_init_shape(model: dict, hf_path: str) -> dict:
+    """``model`` without its marker, and without its shape fields when a checkpoint gives the shape."""
+    if not model.pop(RANDOM_INIT_SHAPE, False) or not hf_path:
+        return model
+    return {k: v for k, v in model.items() if k in HF_MODEL_OVERRIDES or k == "chat_template_kwargs"}
 
 
 def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) -> ModelConfig:

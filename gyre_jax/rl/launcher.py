@@ -263,7 +263,7 @@ class Launcher:
                 ids.append(res.rollout_id)
                 self._finished(res.rollout_id, res.status, dict(
                     rollout_id=res.rollout_id, status=res.status, score=res.score, retries=res.retries,
-                    calls=res.calls, version=version, gen_tokens=sum(int(c.output_ids.shape[0]) for c in calls),
+                    calls=len(calls), version=version, gen_tokens=sum(int(c.output_ids.shape[0]) for c in calls),
                     exact=bool(res.grader_details.get("exact", False)), sandbox_commands=res.sandbox.get("commands", 0),
                     sandbox_violations=sum(res.sandbox.get("violations", {}).values()),
                     sandbox_limits_hit=sum(res.sandbox.get("limits_hit", {}).values()), reason=res.reason,

@@ -26,7 +26,8 @@ rollout is found again) and raises ``RunFailed`` with one line saying what faile
 rerunning the same command resumes.
 
 Everything lives under ``<workdir>/<mode>/``: store, workspaces, checkpoints,
-metrics.jsonl, timeline.png, summary.json, scheduler_costs.json (the controller's
+metrics.jsonl, timeline.png, summary.json, attempts/ (each attempt's role timeline and how it
+ended, ``rl.attempts``), scheduler_costs.json (the controller's
 measured costs, rewritten each step: a resumed run starts from them, and
 ``--config.scheduler.priors`` gives them to another run).
 """
@@ -48,8 +49,9 @@ from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.episode_eval import BackgroundEval
 from gyre_jax.rl.launcher import RolloutsFailed
 from gyre_jax.rl.progress import Progress
+from gyre_jax.rl import attempts as attempts_lib
 from gyre_jax.rl import heap, task_gate
-from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars, status_line
+from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars, status_line, store_statuses
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +60,14 @@ def run(config, workdir: str) -> dict:
     """Job 'rl' (gyre_jax.jobs): the loop in ``<workdir>/<mode>``; returns the summary dict."""
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
     if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
-        return run_satellite(cfg)
-    checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
-    c = build(cfg, os.path.join(workdir, cfg.scheduler.mode))
+        return run_satellite(cfg, workdir=os.path.join(workdir, cfg.scheduler.mode))
+    mode_dir = os.path.join(workdir, cfg.scheduler.mode)
+    try:
+        checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
+        c = build(cfg, mode_dir)
+    except BaseException as e:  # the attempt's record says how it ended, for the report; then the one line
+        attempts_lib.record_start_failure(mode_dir, e)
+        raise
     return drive(dataclasses.replace(c, task_check=checked) if checked else c)
 
 
@@ -81,7 +88,9 @@ def _run_eval(c: Components, version: int, params) -> dict:
     c.evals.append({"version": version, **r})
     log.info("rl: eval at version %d: %s (%.1fs)", version, r, time.perf_counter() - t0)
     return {"eval/reward": r["eval_reward"], "eval/exact": r["eval_exact"], "eval/format": r["eval_format"],
-            "eval/grader_errors": r["eval_grader_errors"], "eval/version": version, "eval/s": time.perf_counter() - t0}
+            "eval/grader_errors": r["eval_grader_errors"], "eval/version": version, "eval/s": time.perf_counter() - t0,
+            # multi-LoRA: each adapter on each adapter's task set (rl/lora_run.py: AdapterEvals)
+            **{f"eval/{k[len('eval_'):]}": v for k, v in r.items() if k.startswith("eval_adapter")}}
 
 
 def _errors(c: Components) -> list[tuple[str, BaseException]]:
@@ -100,8 +109,8 @@ def _eval_due(cfg: RLConfig, version: int) -> bool:
 class _Records:
     """The loop's side of the trainer's ``done`` queue: each ``StepDone`` becomes a metrics record."""
 
-    def __init__(self, c: Components, bar: Progress):
-        self.c, self.bar = c, bar
+    def __init__(self, c: Components, bar: Progress, attempt: attempts_lib.AttemptLog | None = None):
+        self.c, self.bar, self.attempt = c, bar, attempt
         self.history: list = []  # StepRecords of this attempt, in step order
         self.step_end_s: list[float] = []
         self.heap = heap.HeapTrimmer()
@@ -132,7 +141,18 @@ class _Records:
             c.metrics.write(rec.step, scalars(rec))
             save_costs(c.workdir, c.controller)  # the next run's priors (--config.scheduler.priors), a resume's start
             self.history.append(rec)
+            self.bar.set_status(self.status())  # before the step's line: it prints this step's reward
             self.bar.step()
+            if self.attempt is not None:
+                self.attempt.update(*c.timeline.snapshot(), step=rec.step, counters=attempt_counters(c))
+
+    def status(self) -> str:
+        """The progress line's status: the last trained step's reward, rollouts in flight, each cell's role."""
+        c = self.c
+        roles = "".join(">" if r.startswith("to") else r[0] for r in c.pool.roles())
+        last = self.history[-1] if self.history else None
+        reward = f"reward={last['reward']:.3f} {status_line(last)}" if last is not None else ""
+        return f"{reward}in_flight={c.launcher.running_rollouts()} roles={roles}"
 
 
 def drive(c: Components) -> dict:
@@ -147,17 +167,18 @@ def drive(c: Components) -> dict:
         return {"mode": cfg.scheduler.mode, "steps": 0}
     bar = Progress(total=cfg.steps, initial=c.start.steps_done, desc=f"rl[{cfg.scheduler.mode}]",
                    enabled=cfg.progress, every_s=cfg.progress_every_s)
-    records = _Records(c, bar)
+    sft = list(c.start.sft_history)
+    attempt = attempts_lib.AttemptLog(c.workdir, first_step=c.start.steps_done, n_cells=len(c.layout.cells), extra={
+        "setup_s": c.start.setup_s, "sft_steps": len(sft), "sft_loss_last": sft[-1]["loss"] if sft else None})
+    records = _Records(c, bar, attempt)
     failure: BaseException | None = None
+    statuses = None
     try:
         while not c.controller.done():
             _raise_errors(c)
             c.controller.tick()
             records.take()
-            roles = "".join(">" if r.startswith("to") else r[0] for r in c.pool.roles())
-            last = records.history[-1] if records.history else None
-            reward = f"reward={last['reward']:.3f} {status_line(last)}" if last is not None else ""
-            bar.set_status(f"{reward}in_flight={c.launcher.running_rollouts()} roles={roles}")
+            bar.set_status(records.status())
             c.wake.wait(cfg.scheduler.poll_s)
             c.wake.clear()
         records.take()  # the last step's
@@ -169,18 +190,32 @@ def drive(c: Components) -> dict:
         bar.close()
         wall_rl = c.clock.now()
         segments = c.timeline.close()
+        attempt.end(segments, wall_rl, failure, attempt_counters(c))
         if failure is not None:
             _save_after_failure(c, failure)
+        else:
+            statuses = store_statuses(c.store)  # every finished rollout of the run, every attempt's
         c.close()
     if failure is not None:
         _reraise(c, failure)
-    injected = {**(dict(c.faults.injected) if c.faults is not None else {}),
-                **(dict(c.chaos.injected) if c.chaos is not None else {})}
+    injected = attempt_counters(c)["injected_faults"]
     return run_summary(cfg=cfg, workdir=c.workdir, history=records.history, evals=c.evals, segments=segments,
                        n_cells=len(c.layout.cells), step_end_s=records.step_end_s, wall_rl=wall_rl,
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
-                       pool=c.pool, server=c.server, injected=injected, sft_history=list(c.start.sft_history),
-                       earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done), task_check=c.task_check)
+                       pool=c.pool, server=c.server, injected=injected, sft_history=sft,
+                       earlier=earlier_records(c.metrics.jsonl_path, c.start.steps_done),
+                       attempts=attempts_lib.read_all(c.workdir), statuses=statuses,
+                       task_check=c.task_check)
+
+
+def attempt_counters(c: Components) -> dict:
+    """This attempt's counters that add up over a run's attempts (``rl.attempts``: the summary sums them)."""
+    injected = {**(dict(c.faults.injected) if c.faults is not None else {}),
+                **(dict(c.chaos.injected) if c.chaos is not None else {})}
+    return {"engine_errors": int(c.server.proxy.counters.get("engine_errors", 0)),
+            "retries": int(sum(r["retries"] for r in c.launcher.results)),
+            "group_failures": len(c.launcher.group_failures), "rerun_rollouts": c.launcher.rerun_rollouts,
+            "injected_faults": injected}
 
 
 def _raise_errors(c: Components) -> None:
@@ -228,7 +263,8 @@ def _save_after_failure(c: Components, failure: BaseException) -> None:
             # The abandoned step may have read some of its rows: the saved position is the step's
             # start, whose rows the resumed run rebuilds from the buffered rollouts.
             c.trainer.it.set_state({"step": version, "row": 0})
-            save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True)
+            save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True,
+                            frozen=c.frozen)
             print(f"rl: saved checkpoint step {version} after the failure", flush=True)
     except Exception as e:  # noqa: BLE001 - the failure is what the user needs to see
         log.error("saving a checkpoint after the failure failed: %s: %s", type(e).__name__, e)

@@ -71,15 +71,19 @@ class StepProcessor:
     def __init__(self, *, store, config: ProcessorConfig, stream, micro_batch_rows: int, group_size: int,
                  redate: Mapping[str, int] | None = None, scorer=None,
                  params_of: Callable[[int], object | None] = lambda v: None,
-                 on_processed: Callable[[list[Group]], None] = lambda groups: None):
+                 on_processed: Callable[[list[Group]], None] = lambda groups: None,
+                 adapter_of: Callable[[str], int] | None = None):
         """``redate``: the rollouts a resume found untrained, each with the version its lineage reached (their
         tokens sampled later count as sampled by it); ``params_of(version)``: the kept params the per-step pass
-        reads; ``on_processed(groups)``: the groups' rows are in the stream (the group queue's queued work)."""
+        reads; ``on_processed(groups)``: the groups' rows are in the stream (the group queue's queued work);
+        ``adapter_of``: multi-LoRA, a group id's adapter: every packed token carries its rollout's (rows'
+        ``adapter`` field)."""
         self.store, self.pc, self.stream = store, config, stream
         self.b, self.group_size = int(micro_batch_rows), int(group_size)
         self.redate = dict(redate or {})
         self.scorer = scorer if scorer is not None and scorer.needed else None
         self.params_of, self.on_processed = params_of, on_processed
+        self.adapter_of = adapter_of
         self.inbox: queue.Queue[Taken | None] = queue.Queue()  # None: stop
         self.outbox: queue.Queue[StepInput] = queue.Queue()  # each step's data, at its end (the runner's inbox)
         self._open: _OpenStep | None = None
@@ -127,12 +131,18 @@ class StepProcessor:
             calls += cs
             if moved:
                 data.redated[r] = redate[r]
+        offset = 0 if ev.kind == STEP else data.offset
         if ev.kind == STEP:
             batch = process_step(calls, outcomes, self.pc)
         else:
             batch = process_step(calls, outcomes, self.pc, num_step_rollouts=data.size * self.group_size,
                                  rollout_index_offset=data.offset)
             data.offset += len(batch.rollout_ids)
+        if self.adapter_of is not None:  # multi-LoRA: each token trains its rollout's adapter
+            group_of = {o.rollout_id: o.group_id for o in outcomes}
+            per = np.asarray([self.adapter_of(group_of[r]) for r in batch.rollout_ids] + [0], np.int32)
+            local = np.where(batch.rollout_index >= 0, batch.rollout_index - offset, -1)
+            batch.rows.adapter = per[local]  # -1 (padding) reads the appended 0
         if self.scorer is not None and batch.rows.tokens.shape[0]:
             for k, v in self.scorer.score(batch.rows, batch.rollout_index, version=data.step,
                                           params_of=self.params_of).items():
@@ -151,6 +161,8 @@ class StepProcessor:
         """Hand the step's data to the runner, then let its last rows out of the stream."""
         if not data.rows:  # every rollout failed: one empty row, so the step still runs (and counts)
             empty = pack_rows([[]], self.pc.row_len, routing_width=self.pc.routing_width)
+            if self.adapter_of is not None:
+                empty.adapter = np.zeros(empty.tokens.shape, np.int32)
             self.stream.add(data.step, empty, np.full(empty.tokens.shape, -1, np.int32))
             data.rows = 1
         units = sum(s.weight_units for s in data.stats)

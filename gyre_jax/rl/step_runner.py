@@ -23,7 +23,7 @@ import numpy as np
 
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
 from gyre_jax.cells.fingerprint import params_hash
-from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, ROUTING_KEY
+from gyre_jax.cells.train_step import ADAPTER_KEY, MICRO_BATCH_KEYS, ROUTING_KEY
 from gyre_jax.rl.groups import WorkEstimate
 from gyre_jax.rl.step_events import StepDone, StepInput, StepTotals, TrainerSnapshot
 from gyre_jax.scheduler.vocab import TRAIN
@@ -133,7 +133,7 @@ class StepRunner:
         if step != self.trainer.version:
             raise RuntimeError(f"data position is at step {step} but the trainer is at version "
                                f"{self.trainer.version}: checkpoint and data iterator disagree")
-        mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS + (ROUTING_KEY,) if k in batch}
+        mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS + (ROUTING_KEY, ADAPTER_KEY) if k in batch}
         with self._lock:
             if self._step is None:
                 self._t0, self._n_mb = time.perf_counter(), 0

@@ -58,8 +58,12 @@ def _sections(config: Any):
 
 
 def _key(task, hc) -> str:
+    """The task as graded (its JSON, its own tree's content: a plain repo directory edited since is
+    checked again) and the grader environment."""
+    from gyre_jax.agents.graded_tree import base_key
+
     env = [hc.sandbox.kind, list(hc.grader_ro_paths), sys.executable]
-    return hashlib.sha256(json.dumps([task.to_json(), env]).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([task.to_json(), base_key(task), env]).encode()).hexdigest()[:32]
 
 
 def run_checks(tasks: list, hc, root: str, *, concurrency: int, echo: bool) -> list:

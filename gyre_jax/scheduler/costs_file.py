@@ -25,6 +25,7 @@ from gyre_jax.scheduler.policy import Measured
 
 FILE_NAME = "scheduler_costs.json"
 _FIELDS = tuple(f.name for f in dataclasses.fields(Measured))
+_COUNTS = ("pilot_split",)  # cells, not seconds
 
 
 def to_json(m: Measured) -> dict:
@@ -75,5 +76,8 @@ def load(path: str) -> Measured:
         if not ok:
             raise ValueError(f"{path}: field {k!r} must be null or a number >= 0 (seconds, or calls per agent), "
                              f"got {v!r}")
-    m = Measured(**{k: None if v is None else float(v) for k, v in d.items()})
+        if k in _COUNTS and v is not None and (v != int(v) or v < 1):
+            raise ValueError(f"{path}: field {k!r} must be null or a whole number of cells >= 1, got {v!r}")
+    values: dict = {k: None if v is None else int(v) if k in _COUNTS else float(v) for k, v in d.items()}
+    m = Measured(**values)
     return Measured(**to_json(m))  # a switch_in_flight_s given in the file is the round trip's lower bound

@@ -127,6 +127,8 @@ class Elastic(Mode):
                 # cells lent beyond the split return; the others' calls wait for a slot, and
                 # admission (serving_capacity) holds the agents to the split's serving cells.
                 n_back = min(n_back, max(0, cen.training - costs.train_cells_target(state, config)))
+            if not costs.switch_costs(state, config).known_to_rollout:
+                n_back = min(n_back, 1 - cen.to_rollout)  # a probe: one switch until its cost is known
             back = sorted((c for c in cells if not c.is_core and c.role == TRAIN), key=lambda c: c.id)
             return [ToRollout(c.id) for c in back[:n_back]]
         limit = cen.serving - need
@@ -138,9 +140,15 @@ class Elastic(Mode):
         # largest k with work / (n_train + k) >= cost. Beyond it (the tail: the staleness bound
         # holds admission back, agents finish, serving cells idle), only work already there
         # does: a cell moved for work that has not arrived waits, then is pulled back.
+        # A lent cell must be back before the work it was lent for would have been done
+        # without it (issue 46: a 600 s switch lent for a 40 s step's work never arrived).
         target = costs.train_cells_target(state, config)
         k = min(limit, max(0, target - n_train), max(0, math.floor(work_s / cost) - n_train))
-        k += min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+        lend = min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+        if lend > 0 and costs.lending_pays(state, config, available_s, n_train + k, lend):
+            k += lend
+        if not costs.switch_costs(state, config).known_to_train:
+            k = min(k, 1 - cen.to_train)  # a probe: one switch until its cost is known
         if k <= 0:
             return []
         spare = sorted((c for c in cells if not c.is_core and c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Union
 
-from gyre_jax.scheduler.vocab import OUT, SERVING_ROLES, TRAINING_ROLES
+from gyre_jax.scheduler.vocab import OUT, SERVING_ROLES, TO_ROLLOUT, TO_TRAIN, TRAINING_ROLES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,12 +27,27 @@ class Measured:
     serve_s_per_rollout: float | None = None  # serving cell-seconds (slot-seconds / slots) per finished rollout
     work_s_per_rollout: float | None = None  # training cell-seconds per rollout
     switch_round_trip_s: float | None = None  # rollout -> train + train -> rollout, seconds
+    # Each direction alone (a switch can be dear one way and cheap the other: loading the
+    # training layout from remote storage, dropping it to serve), seconds.
+    switch_to_train_s: float | None = None
+    switch_to_rollout_s: float | None = None
     update_s: float | None = None  # the core's optimizer update, seconds
     # A lower bound on the round trip known before it is measured: the longest a switch now in
     # progress has taken so far (a 10-minute switch must not be taken for free while the first
     # one is still under way), or the one direction timed so far. (The name is the metric's,
     # sched/switch_in_flight_s.)
     switch_in_flight_s: float | None = None
+    # Not a cost: the fixed split (training cells, core included) a pilot found fastest on its own
+    # rollouts (simulator.pilot_split), where the step model's split is the pilot's guess. Given
+    # in priors only (the controller never measures it); elastic starts there when a switch
+    # outlasts a step (costs.priors_split).
+    pilot_split: int | None = None
+    # The weight move inside a switch, as the run that measured these costs made it: the bytes one
+    # switch moves (the params; a LoRA run's adapters) and its seconds. A run that moves other bytes
+    # takes these costs with the move rescaled (costs.for_move_bytes): a full-weights pilot's switch
+    # times say little about a LoRA run's, whose switches move ~1% of the bytes.
+    move_bytes: float | None = None
+    move_s: float | None = None
 
 
 NOT_MEASURED = Measured()
@@ -133,6 +148,8 @@ class Census(NamedTuple):
     sat_slots: int  # their slots
     serving: int  # live satellites serving or switching to it
     slots: int  # slots of one satellite (cells are alike)
+    to_train: int  # cells switching to training now
+    to_rollout: int  # cells switching to rollout now
 
 
 # (cells tuple, its census): a controller passes the same tuple until a cell changes. One tuple,
@@ -147,7 +164,7 @@ def census(cells: tuple[CellView, ...]) -> Census:
     cached_cells, cached = _census_cache
     if cached_cells is cells:
         return cached
-    live = training = sats = sat_slots = serving = slots = 0
+    live = training = sats = sat_slots = serving = slots = to_train = to_rollout = 0
     for c in cells:
         r = c.role
         if r == OUT:
@@ -155,13 +172,15 @@ def census(cells: tuple[CellView, ...]) -> Census:
         live += 1
         if r in TRAINING_ROLES:
             training += 1
+            to_train += r == TO_TRAIN
+        to_rollout += r == TO_ROLLOUT
         if not c.is_core:
             sats += 1
             sat_slots += c.slots
             slots = slots or c.slots
             if r in SERVING_ROLES:
                 serving += 1
-    out = Census(live, training, sats, sat_slots, serving, slots)
+    out = Census(live, training, sats, sat_slots, serving, slots, to_train, to_rollout)
     _census_cache = (cells, out)
     return out
 

@@ -7,7 +7,7 @@ import re
 import types
 from typing import Any, Mapping
 
-from gyre_jax.agents.tools import RUN_TESTS, TOOL_NAMES
+from gyre_jax.agents.tool_schemas import RUN_TESTS, TOOL_NAMES
 from gyre_jax.agents.tree_rules import check_glob
 from gyre_jax.serving.identity import check_id
 

@@ -37,7 +37,7 @@ from gyre_jax.agents import test_suite as ts
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks import tiny, tiny_tests
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tools import FINISH, RUN_TESTS, SPAWN_SUBAGENT
+from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS, SPAWN_SUBAGENT
 from gyre_jax.trajectory.vocab import ROLE_SUBAGENT, ROLE_SUMMARY
 
 FAMILY = "tiny_agent"

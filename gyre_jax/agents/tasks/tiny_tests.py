@@ -29,7 +29,7 @@ from gyre_jax.agents import test_suite as ts
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks import tiny
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tools import FINISH, RUN_TESTS
+from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS
 
 FAMILY = "tiny_tests"
 ANSWER_FILE = tiny.ANSWER_FILE
