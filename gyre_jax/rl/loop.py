@@ -39,6 +39,7 @@ import logging
 import os
 import queue
 import time
+import traceback
 
 import jax
 
@@ -191,7 +192,7 @@ def drive(c: Components) -> dict:
         segments = c.timeline.close()
         attempt.end(segments, wall_rl, failure, attempt_counters(c))
         if failure is not None:
-            _save_after_failure(c)
+            _save_after_failure(c, failure)
         else:
             statuses = store_statuses(c.store)  # every finished rollout of the run, every attempt's
         c.close()
@@ -240,9 +241,10 @@ def _reraise(c: Components, failure: BaseException) -> None:
                     f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
 
 
-def _save_after_failure(c: Components) -> None:
+def _save_after_failure(c: Components, failure: BaseException) -> None:
     """A checkpoint of the trained state if the last one is older (the store is durable:
-    every finished rollout is pending again at resume, so only the order is saved here)."""
+    every finished rollout is pending again at resume, so only the order is saved here). If that fails
+    too, one line says so and its traceback goes with the failure's (a note: the run's errors.log)."""
     try:
         # The open step is abandoned first (its rollouts stay buffered): the state is then the last update's.
         if not c.trainer.abandon_step():
@@ -261,7 +263,9 @@ def _save_after_failure(c: Components) -> None:
             # The abandoned step may have read some of its rows: the saved position is the step's
             # start, whose rows the resumed run rebuilds from the buffered rollouts.
             c.trainer.it.set_state({"step": version, "row": 0})
-            save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True)
+            save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True,
+                            frozen=c.frozen)
             print(f"rl: saved checkpoint step {version} after the failure", flush=True)
-    except Exception:  # noqa: BLE001 - the failure is what the user needs to see
-        log.exception("saving a checkpoint after the failure failed")
+    except Exception as e:  # noqa: BLE001 - the failure is what the user needs to see
+        log.error("saving a checkpoint after the failure failed: %s: %s", type(e).__name__, e)
+        failure.add_note("Saving a checkpoint after it failed too:\n" + "".join(traceback.format_exception(e)))
