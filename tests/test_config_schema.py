@@ -96,16 +96,8 @@ def test_each_objective_option_reaches_the_chosen_entry():
     assert pc.advantage.estimator_config.advantage_eps == 0.01 and pc.weights_config.weights_normalizer == 64
 
 
-def test_a_task_family_gets_the_task_fields_its_make_task_takes(monkeypatch):
-    """Routed by make_task's keyword names: a family with options needs no branch in the config."""
-    import types
-
-    import gyre_jax.agents.tasks as tasks
-
-    def make_task(seed, *, min_len=1, max_len=2, run_tests_scale=1.0):
-        raise AssertionError("not called")
-
-    toy = types.SimpleNamespace(FAMILY="toy", make_task=make_task)
-    monkeypatch.setattr(tasks, "family", lambda name: toy if name == "toy" else pytest.fail(name))
-    assert C.TaskConfig(family="toy", min_len=4, max_len=6, run_tests_scale=0.5).kwargs() == dict(
-        min_len=4, max_len=6, run_tests_scale=0.5)
+def test_a_task_family_gets_the_options_its_schema_declares():
+    """Routed by the family's registered options: a family with options needs no branch in the config."""
+    cfg = C.TaskConfig(family="tiny_tests", min_len=4, max_len=6, run_tests_scale=0.5)
+    assert cfg.kwargs() == dict(ops="copy", min_len=4, max_len=6, run_tests_scale=0.5)
+    assert cfg.source(0).train_task(0).params["test_s"] <= 15.0

@@ -15,15 +15,16 @@ supervised warm start (``demo_tasks``; a source without scripted solutions raise
            continues with exactly the tasks it would have drawn; eval = the ``split=eval``
            lines plus an optional second file.
 
-Adding a source: a class with ``kind``, the three methods and ``describe``, then
-``register_source``.
+Adding a source: a class with ``kind``, the three methods and ``describe``, registered with
+``@TASK_SOURCES.register(kind, summary=...)`` (``gyre_jax.registry``).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.registry import Registry
 
 
 class TaskSource(Protocol):
@@ -38,21 +39,11 @@ class TaskSource(Protocol):
     def describe(self) -> str: ...
 
 
-SOURCES: dict[str, Callable[..., TaskSource]] = {}
-
-
-def register_source(kind: str, factory: Callable[..., TaskSource]) -> None:
-    if kind in SOURCES:
-        raise ValueError(f"task source {kind!r} is already registered")
-    SOURCES[kind] = factory
+TASK_SOURCES = Registry("task source", "task")
 
 
 def make_source(kind: str, **kwargs) -> TaskSource:
-    try:
-        factory = SOURCES[kind]
-    except KeyError:
-        raise LookupError(f"unknown task source {kind!r}; known: {sorted(SOURCES)}") from None
-    return factory(**kwargs)
+    return TASK_SOURCES.get(kind).obj(**kwargs)
 
 
 # Disjoint seed streams of generated families.
@@ -61,17 +52,18 @@ EVAL_SEED_BASE = 2**29
 DEMO_SEED_BASE = 2**30
 
 
+@TASK_SOURCES.register("family", summary="a generated family: three disjoint seed streams (train, eval, demos)")
 @dataclasses.dataclass(frozen=True)
 class FamilySource:
     kind: ClassVar[str] = "family"
     family: str
     seed: int = 0
-    kwargs: dict = dataclasses.field(default_factory=dict)
+    options: Any = None  # the family's options (None: its defaults)
 
     def _make(self, seed: int) -> Task:
         from gyre_jax.agents.tasks import make_task  # families load on first use
 
-        return make_task(self.family, seed % (2**31), **self.kwargs)
+        return make_task(self.family, seed % (2**31), self.options)
 
     def train_task(self, index: int) -> Task:
         return self._make(self.seed * TRAIN_SEED_STRIDE + index)
@@ -86,20 +78,22 @@ class FamilySource:
         return f"family {self.family}"
 
 
+@TASK_SOURCES.register("dataset", summary="a task set on disk (task.dataset) in a task format (task.format)")
 class DatasetSource:
     kind: ClassVar[str] = "dataset"
 
-    def __init__(self, path: str, eval_path: str = "", seed: int = 0):
+    def __init__(self, path: str, eval_path: str = "", seed: int = 0, format: str = "jsonl", options: Any = None):
         import grain
 
-        from gyre_jax.agents.tasks.dataset import TaskFileError, load_task_file
+        from gyre_jax.agents.tasks.dataset import TaskFileError
+        from gyre_jax.agents.tasks.formats import load_tasks
 
         self.path, self.eval_path, self.seed = path, eval_path, seed
-        rows = load_task_file(path)
+        rows = load_tasks(path, format, options)
         self.train = [t for t, split in rows if split == "train"]
         self.eval = [t for t, split in rows if split == "eval"]
         if eval_path:
-            extra = [t for t, _ in load_task_file(eval_path)]
+            extra = [t for t, _ in load_tasks(eval_path, format, options)]
             ids = {t.task_id for t, _ in rows}
             clash = [t.task_id for t in extra if t.task_id in ids]
             if clash:
@@ -122,6 +116,3 @@ class DatasetSource:
         return (f"dataset {self.path} ({len(self.train)} train, {len(self.eval)} eval tasks"
                 f"{', eval file ' + self.eval_path if self.eval_path else ''})")
 
-
-register_source(FamilySource.kind, FamilySource)
-register_source(DatasetSource.kind, DatasetSource)

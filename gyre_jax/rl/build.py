@@ -41,7 +41,7 @@ from gyre_jax.agents.sandbox import SandboxConfig
 from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
 from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
 from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
-from gyre_jax.rl.metrics import MetricsWriter, WandbOptions
+from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl import warm_cache
 from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
@@ -543,9 +543,13 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
                             clock=clock)
     if base.costs is not None and controller.estimates is not None:
         controller.estimates.restore(base.costs)  # a resumed run goes on measured, not blind
-    wandb = (WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
-             if cfg.metrics.wandb != "off" else None)  # the whole config copied only for a run that shows it
-    metrics = MetricsWriter(base.workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B
+    sinks: dict = {"tensorboard": None}
+    if cfg.metrics.wandb != "off":
+        from gyre_jax.rl.sinks.wandb import WandbOptions
+
+        sinks["wandb"] = WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project)
+    metrics = MetricsWriter(base.workdir, purge_step=steps_done, sinks=sinks,  # metrics.jsonl, TensorBoard, W&B
+                            run_config=dataclasses.asdict(cfg) if "wandb" in sinks else None)
     return Components(cfg=cfg, workdir=base.workdir, layout=place.layout, trainer=trainer_ad, pool=pool,
                       proxy=proxy_ad, launcher=launcher, controller=controller, server=serving.server,
                       harness_loop=harness_loop, store=store, ckpt=restored.ckpt, metrics=metrics,

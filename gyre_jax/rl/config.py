@@ -199,16 +199,10 @@ class TaskConfig:
         return tuple(o.strip() for o in self.ops.split(",") if o.strip())
 
     def kwargs(self) -> dict:
-        """The family's ``make_task`` options: this section's fields named as its keyword parameters
-        (``ops`` as a tuple), so a family with a new option needs only a field here of that name."""
-        import inspect
+        """The family's options named as this section's fields."""
+        from gyre_jax.agents.tasks import FAMILIES  # light: the family module alone
 
-        from gyre_jax.agents.tasks import family  # light: the family module alone
-
-        make = getattr(family(self.family), "make_task", None)  # "dataset": its tasks come from a file
-        params = inspect.signature(make).parameters if make is not None else {}
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"ops": self.ops_tuple}
-        return {k: v for k, v in values.items() if k in params and k != "seed"}
+        return {k: getattr(self, k) for k in FAMILIES.get(self.family).options() if hasattr(self, k)}
 
     def source(self, seed: int):
         """The run's TaskSource (gyre_jax.agents.task_sources): the task file's, else the family's."""
@@ -216,7 +210,10 @@ class TaskConfig:
 
         if self.dataset:
             return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed)
-        return make_source("family", family=self.family, seed=seed, kwargs=self.kwargs())
+        from gyre_jax.agents.tasks import family_options
+
+        return make_source("family", family=self.family, seed=seed,
+                           options=family_options(self.family, None, self.kwargs()))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -272,12 +269,10 @@ class HarnessKnobs:
 
     def make(self, unix_socket: str | None = None):
         """The harness object (gyre_jax.agents.harnesses); ``unix_socket``: the proxy's, for kind=command."""
-        from gyre_jax.agents.harnesses import make_harness
+        from gyre_jax.agents.harnesses import HARNESS_KINDS, make_harness
 
-        return make_harness(self.kind, entry=self.entry, command=self.command, env=self.env,
-                            ro_paths=tuple(p.strip() for p in self.ro_paths.split(",") if p.strip()),
-                            nonzero_exit=self.nonzero_exit, output_bytes=self.output_bytes, cpu_s=self.cpu_s,
-                            memory_bytes=self.memory_bytes, unix_socket=unix_socket)
+        options = {k: getattr(self, k) for k in HARNESS_KINDS.get(self.kind).options() if hasattr(self, k)}
+        return make_harness(self.kind, unix_socket=unix_socket, **options)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -389,7 +384,11 @@ def entry_options() -> tuple[str, ...]:
     from gyre_jax.losses import ADVANTAGE_ESTIMATORS, MISMATCH_CORRECTIONS, POLICY_LOSSES, WEIGHT_BUILDERS
 
     return tuple(o for r in (POLICY_LOSSES, MISMATCH_CORRECTIONS, ADVANTAGE_ESTIMATORS, WEIGHT_BUILDERS)
-                 for o in r.options())
+                 for o in _all_options(r))
+
+
+def _all_options(registry) -> tuple[str, ...]:
+    return tuple(sorted({o for e in registry.entries() for o in e.options()}))
 
 
 def _entry_config(registry, name: str, t: TrainConfig, defaults: Mapping[str, Any] | None = None):
@@ -397,7 +396,7 @@ def _entry_config(registry, name: str, t: TrainConfig, defaults: Mapping[str, An
     value, else the entry's own); another entry's option set here is a ConfigError naming it."""
     entry = registry.get(name)
     own = {f.name for f in dataclasses.fields(entry.config)}
-    for k in registry.options():
+    for k in _all_options(registry):
         if k not in own and getattr(t, k) is not None:
             raise ConfigError(f"config.train.{k} does not apply to {registry.flag.split('.')[-1]}={name!r}")
     values = {k: v for k, v in (defaults or {}).items() if k in own}
@@ -478,10 +477,8 @@ class MetricsConfig:
     wandb_project: str = "gyre_jax"
 
     def __post_init__(self):
-        from gyre_jax.rl.metrics import WANDB_MODES
-
-        if self.wandb not in WANDB_MODES:
-            raise ConfigError(f"config.metrics.wandb={self.wandb!r}; known: {WANDB_MODES}")
+        if self.wandb not in ("off", "offline", "online"):
+            raise ConfigError(f"config.metrics.wandb={self.wandb!r}; known: ('off', 'offline', 'online')")
         if self.wandb != "off" and importlib.util.find_spec("wandb") is None:  # say so before any work
             raise ConfigError(f"config.metrics.wandb={self.wandb} needs the wandb package: pip install -e '.[wandb]'")
 
@@ -703,7 +700,7 @@ class RLConfig:
         t = self.train
         from gyre_jax.losses import MISMATCH_CORRECTIONS, POLICY_LOSSES
 
-        options = {k: getattr(t, k) for k in POLICY_LOSSES.options() + MISMATCH_CORRECTIONS.options()}
+        options = {k: getattr(t, k) for k in _all_options(POLICY_LOSSES) + _all_options(MISMATCH_CORRECTIONS)}
         return _built("train", lambda: PolicyLossConfig.create(
             loss=t.loss, mismatch=t.mismatch, kl_coef=t.kl_coef, kl_estimator=t.kl_estimator,
             entropy_coef=t.entropy_coef, log_ratio_clamp=t.log_ratio_clamp, **options))

@@ -10,7 +10,8 @@ unchanged in configs, JSON logs and plots.
 
 Registered here (``scheduler.policy``'s docstring says what each does): colocate, async,
 async_stream, elastic_no_stream, elastic. To add a mode, subclass ``Mode`` (or one of the
-classes below) in this file and ``register_mode`` an instance; a test may register its own.
+classes below) in this file and ``register_mode`` an instance (its own options: ``config=``, a frozen
+dataclass); a test may register its own. ``SCHEDULING_MODES`` is a ``gyre_jax.registry.Registry``.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from gyre_jax.registry import NoConfig, Registry
 from gyre_jax.scheduler import policy as P
 from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, OUT, ROLLOUT, TRAIN
 
@@ -188,32 +190,31 @@ class Elastic(Mode):
         return [P.ToTrain(c.id) for c in spare[:k]]
 
 
-_REGISTRY: dict[str, Mode] = {}
+# The one registry type (gyre_jax.registry); ``vocab.MODES`` is the built-in modes' names.
+SCHEDULING_MODES = Registry("scheduling mode", "scheduler.mode")
 
 
-def register_mode(mode: Mode) -> None:
-    """Make `mode` available by its name (configs, PolicyConfig.mode, the simulator's CLI)."""
-    if mode.name in _REGISTRY:
-        raise ValueError(f"scheduling mode {mode.name!r} is already registered")
-    _REGISTRY[mode.name] = mode
+def register_mode(mode: Mode, *, config: type = NoConfig, summary: str = "") -> Mode:
+    """Make ``mode`` available by its name (configs, PolicyConfig.mode, the simulator's CLI); ``config``: the
+    frozen dataclass of its own options (``--config.scheduler.mode_options.NAME.OPTION=v``; the policy
+    hands the chosen mode's to its decisions as ``config.mode_options``)."""
+    return SCHEDULING_MODES.register(mode.name, config=config,
+                                     summary=summary or (type(mode).__doc__ or "").split("\n")[0])(mode)
 
 
 def unregister_mode(name: str) -> None:
     """Remove a mode a test registered (the built-in ones stay)."""
     if name in {m.name for m in BUILTIN}:
         raise ValueError(f"scheduling mode {name!r} is built in")
-    _REGISTRY.pop(name, None)
+    SCHEDULING_MODES.unregister(name)
 
 
 def get_mode(name: str) -> Mode:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise LookupError(f"unknown scheduling mode {name!r}; known: {mode_names()}") from None
+    return SCHEDULING_MODES.get(name).obj
 
 
 def mode_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return SCHEDULING_MODES.names()
 
 
 BUILTIN = (
@@ -223,5 +224,12 @@ BUILTIN = (
     Elastic(name=ELASTIC_NO_STREAM, streams=False),
     Elastic(name=ELASTIC, streams=True, across_processes=True),
 )
+_SUMMARIES = {
+    COLOCATE: "every cell generates the step's batch, then every cell trains it (on-policy)",
+    ASYNC: "a fixed split: cells 0..k-1 train, the rest serve; a step starts with its whole batch",
+    ASYNC_STREAM: "the fixed split, finished groups streaming into the open step",
+    ELASTIC_NO_STREAM: "the core trains, satellites switch between serving and training; whole batches",
+    ELASTIC: "the core trains, satellites switch when the work coming pays for the switch; groups stream",
+}
 for _m in BUILTIN:
-    register_mode(_m)
+    register_mode(_m, summary=_SUMMARIES[_m.name])

@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from gyre_jax.agents.scoring import Grade
+from gyre_jax.agents.tasks import FAMILIES
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.agents.tasks.formats import TASK_FORMATS
 from gyre_jax.agents.tools import FINISH, TOOL_NAMES, RUN_TESTS
 from gyre_jax.serving.identity import check_id
 
@@ -169,9 +171,10 @@ def parse_line(obj: Any, *, path: str, line: int, base: Path) -> tuple[Task, str
     return task, split
 
 
-def load_task_file(path: str | os.PathLike) -> list[tuple[Task, str]]:
+@TASK_FORMATS.register("jsonl", summary="one JSON task a line: id, instruction, files/repo, grader, split, ...")
+def load_task_file(path: str | os.PathLike, options: Any = None) -> list[tuple[Task, str]]:
     """Every task of a JSONL file with its split, in file order; TaskFileError on the first
-    malformed line (blank lines and lines starting with '#' are skipped)."""
+    malformed line (blank lines and lines starting with '#' are skipped). No options."""
     p = Path(path)
     name = str(path)
     if not p.is_file():
@@ -237,6 +240,7 @@ class VerifierError(RuntimeError):
     """The grader itself failed (raised in the grader subprocess: the rollout becomes verifier_error)."""
 
 
+@FAMILIES.register(FAMILY, generated=False, summary="tasks read from a task file (config.task.dataset)")
 def grade(task: Task, workspace: Path) -> Grade:
     """Run the task's grader command on a copy of ``workspace`` (a snapshot); see the module docstring."""
     from gyre_jax.agents.capture import BoundedCapture, drain_thread
