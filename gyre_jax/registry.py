@@ -186,3 +186,87 @@ class Registry:
     def describe(self) -> list[tuple[str, str, str]]:
         """(name, summary, paper) per entry, sorted by name: the listing the README and the CLI print."""
         return [(e.name, e.summary, e.paper) for e in self.entries()]
+
+
+# ------------------------------------------------------------------ a config's plugin options
+OPTIONS_METADATA = "gyre_options"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionsSlot:
+    """A config field holding the options of the entry (or entries) another field of the same config chooses."""
+
+    source: Registry | Callable[[], Registry]  # the registry, or a function returning it (import order)
+    selector: str  # the sibling field that names the chosen entry
+    off: str | None = None  # a selector value that chooses no entry (the options are then None)
+    multi: bool = False  # the selector names several entries, comma-separated; the options: name -> options
+
+    @property
+    def registry(self) -> Registry:
+        return self.source if isinstance(self.source, Registry) else self.source()
+
+    def chosen(self, selector_value: Any) -> list[str]:
+        if self.multi:
+            return [n.strip() for n in str(selector_value).split(",") if n.strip()]
+        return [] if selector_value == self.off else [selector_value]
+
+
+def options_field(source: Registry | Callable[[], Registry], selector: str, *, off: str | None = None,
+                  multi: bool = False) -> Any:
+    """A dataclass field for the options of the entry ``selector`` chooses: None (its defaults), a mapping of
+    its fields, or its options instance; ``resolve_options`` (in ``__post_init__``) makes it the instance.
+
+        loss: str = "ppo_clip"
+        loss_options: Any = options_field(POLICY_LOSSES, "loss")   # --config.train.loss_options.ppo_clip.eps_low
+    """
+    return dataclasses.field(default=None, metadata={OPTIONS_METADATA: OptionsSlot(source, selector, off, multi)})
+
+
+def options_slot(f: dataclasses.Field) -> OptionsSlot | None:
+    return f.metadata.get(OPTIONS_METADATA)
+
+
+def entry_options(entry: Entry, value: Any, where: str = ""):
+    """``entry``'s options from None (its defaults), a mapping of its fields, or an instance (checked); an
+    entry's ``check`` extra (e.g. "its package is installed") runs on the result."""
+    if value is None:
+        opts = entry.config()
+    elif isinstance(value, Mapping):
+        opts = entry.make_config(value, where=where)
+    else:
+        opts = entry.check_config(value, where)
+    check = entry.extra.get("check")
+    if check is not None:
+        check(opts)
+    return opts
+
+
+def resolve_options(obj: Any) -> None:
+    """For a frozen config's ``__post_init__``: each ``options_field`` becomes the chosen entry's options
+    (a name -> options dict when ``multi``; None when the selector is ``off``); a ValueError names the field."""
+    for f in dataclasses.fields(obj):
+        slot = options_slot(f)
+        if slot is None:
+            continue
+        names, value = slot.chosen(getattr(obj, slot.selector)), getattr(obj, f.name)
+        where = f"{type(obj).__name__}.{f.name}: "
+        registry = slot.registry
+        unknown = [n for n in names if n not in registry]
+        if unknown:
+            known = ([slot.off] if slot.off is not None else []) + registry.names()
+            raise LookupError(f"{type(obj).__name__}.{slot.selector}={getattr(obj, slot.selector)!r}: unknown "
+                              f"{registry.kind} {unknown[0]!r}; known: {known}")
+        if slot.multi:
+            given = dict(value or {})
+            stray = sorted(set(given) - set(names))
+            if stray:
+                raise ValueError(f"{where}options for {stray}, which {slot.selector}={getattr(obj, slot.selector)!r} "
+                                 "does not name")
+            out: Any = {n: entry_options(registry.get(n), given.get(n), where) for n in names}
+        elif not names:
+            if value is not None:
+                raise ValueError(f"{where}is set but {slot.selector} is {slot.off!r}")
+            out = None
+        else:
+            out = entry_options(registry.get(names[0]), value, where)
+        object.__setattr__(obj, f.name, out)

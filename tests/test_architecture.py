@@ -10,6 +10,12 @@
 * No package cycle: the graph of which ``gyre_jax`` package imports which (every import statement,
   also those inside functions) has no cycle, so each package can be read and tested with only those
   below it (tests/test_package_layers.py pins the named layers; this catches any new loop).
+* One registry type (issue 43): every extension point is a ``gyre_jax.registry.Registry``, and no module
+  keeps a registry of its own (a module-level dict that a function fills by name).
+* Config files list only overrides: an RL config starts from ``rl_config()`` or another config file
+  (``load_config``), builds no section of its own, and sets no field to the value it already has.
+* The config, registry and hooks layer has no import cycle between modules (every import statement,
+  ``TYPE_CHECKING`` and function-level ones included) and no function over 60 lines.
 """
 from __future__ import annotations
 
@@ -156,3 +162,183 @@ def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread()
     adapter.stop()
     harness_loop.stop()
     assert not [t for t in threading.enumerate() if t.name in ("gyre-processor", "gyre-trainer", "gyre-harness")]
+
+
+# ------------------------------------------------------------------ issue 43: one registry, one schema, hooks
+# The modules of the config / registry / hooks layer (issue 43): no module cycle through them, no long function.
+LAYER = ("registry.py", "schema.py", "plugins.py", "jobs.py", "rl/config.py", "rl/train_config.py", "rl/hooks.py",
+         "rl/checkpointing.py", "rl/export.py", "rl/sft_config.py", "rl/start_policy.py", "rl/warmup.py", "rl/evaluators.py",
+         "rl/build.py", "rl/loop.py", "rl/metrics.py", "rl/sinks/__init__.py", "rl/sinks/tensorboard.py",
+         "rl/sinks/wandb.py", "scheduler/config.py", "cells/config.py", "agents/config.py", "agents/task_sources.py",
+         "agents/tasks/formats.py", "agents/harnesses/__init__.py", "agents/harnesses/command.py",
+         "agents/harnesses/python_entry.py", "losses/registry.py")
+
+
+def _module_name(path: str) -> str:
+    name = "gyre_jax." + path[:-3].replace(os.sep, ".")
+    return name.removesuffix(".__init__")
+
+
+def module_imports() -> dict[str, set[str]]:
+    """module -> the gyre_jax modules it imports (every import statement; ``from pkg import mod`` is mod)."""
+    trees = {_module_name(path): tree for path, tree in _modules()}
+    out: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        deps = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                deps |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                subs = {f"{n.module}.{a.name}" for a in n.names} & set(trees)
+                deps |= subs or {n.module}
+                if len(subs) < len(n.names):
+                    deps.add(n.module)
+        out[name] = {d for d in deps if d in trees and d != name}
+    return out
+
+
+def cycles_through(graph: dict[str, set[str]], nodes: set[str]) -> list[list[str]]:
+    """One cycle [a, ..., a] through each of ``nodes`` that is on one."""
+    found = []
+    for start in sorted(nodes):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            v, path = stack.pop()
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    found.append(path + [w])
+                    stack = []
+                    break
+                if w not in seen:
+                    seen.add(w)
+                    stack.append((w, path + [w]))
+    return found
+
+
+def test_the_config_and_registry_layer_has_no_module_cycle_and_no_long_function():
+    graph = module_imports()
+    layer = {_module_name(p) for p in LAYER}
+    assert layer <= set(graph), sorted(layer - set(graph))
+    cycles = cycles_through(graph, layer)
+    assert not cycles, "module cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    long = [f"gyre_jax/{path}:{name} ({n} lines)" for path, tree in _modules() if path in LAYER
+            for name, n in long_functions(tree)]
+    assert not long, long
+    assert cycles_through({"a": {"b"}, "b": {"c"}, "c": {"a"}}, {"b"}) == [["b", "c", "a", "b"]]  # the check can fail
+
+
+def test_every_extension_point_is_the_one_registry_type():
+    from gyre_jax.agents.task_sources import TASK_SOURCES
+    from gyre_jax.plugins import all_registries
+    from gyre_jax.registry import Registry
+
+    regs = {**all_registries(), "task": TASK_SOURCES}
+    assert {"train.loss", "train.advantage", "train.mismatch", "train.weights", "harness.kind", "task.family",
+            "task.format", "metrics.sinks", "scheduler.mode", "job"} <= set(regs)
+    for flag, reg in regs.items():
+        assert isinstance(reg, Registry), (flag, type(reg))
+        assert reg.names(), flag
+        try:
+            reg.get("no_such_entry")
+        except LookupError as e:  # the same error everywhere: what kind, and the known names
+            assert str(e) == f"unknown {reg.kind} 'no_such_entry'; known: {reg.names()}"
+        else:
+            raise AssertionError(flag)
+
+
+def home_made_registries(tree: ast.AST) -> list[str]:
+    """Module-level ALL_CAPS dicts that start empty and that a function fills by key: registries of their own."""
+    empty = {t.id for n in getattr(tree, "body", []) if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+             if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and n.value is not None
+             and (isinstance(n.value, ast.Dict) and not n.value.keys
+                  or isinstance(n.value, ast.Call) and ast.unparse(n.value.func) == "dict" and not n.value.args)}
+    filled = {t.value.id for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)}
+    return sorted(empty & filled)
+
+
+def test_no_module_keeps_a_registry_of_its_own():
+    own = [f"gyre_jax/{path}: {name}" for path, tree in _modules() for name in home_made_registries(tree)]
+    allowed = {"gyre_jax/losses/registry.py: METRIC_REDUCTIONS"}  # a metric -> reduction table, not a registry
+    assert not set(own) - allowed, sorted(set(own) - allowed)
+    assert home_made_registries(ast.parse("_R = {}\ndef register(k, v):\n    _R[k] = v\n")) == ["_R"]
+
+
+def _assignments(fn: ast.FunctionDef) -> tuple[str, list[tuple[list[str], object, int]]]:
+    """(what the config starts from, [(dotted path, literal value, line)]) of a config file's get_config."""
+    aliases: dict[str, list[str]] = {}
+    out: list = []
+    base = next((ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) in ("rl_config", "load_config")), "")
+
+    def path_of(node):
+        parts = []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+            elif isinstance(node.slice, ast.Constant):
+                parts.append(node.slice.value)
+            else:
+                return None
+            node = node.value
+        return aliases[node.id] + parts[::-1] if isinstance(node, ast.Name) and node.id in aliases else None
+
+    for n in ast.walk(fn):
+        if not isinstance(n, ast.Assign) or len(n.targets) != 1:
+            continue
+        t, v = n.targets[0], n.value
+        if isinstance(t, ast.Name) and isinstance(v, ast.Call) and ast.unparse(v.func) in ("rl_config", "load_config"):
+            aliases[t.id] = []
+        elif isinstance(t, ast.Name) and path_of(v) is not None:
+            aliases[t.id] = path_of(v)
+        elif path_of(t) is not None:
+            try:
+                out.append((path_of(t), ast.literal_eval(v), n.lineno))
+            except ValueError:
+                out.append((path_of(t), v, n.lineno))
+    return base, out
+
+
+def restated_defaults(source: str, name: str) -> list[str]:
+    """What a config file's get_config does against "overrides only": builds a config itself, builds a whole
+    section, or sets a field to the value its base (``rl_config()``) already has."""
+    from gyre_jax.rl.config import rl_config
+
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "get_config")
+    base_call, assigned = _assignments(fn)
+    if not base_call:
+        return [f"configs/{name} builds its config itself: start from rl_config() or load_config(...)"]
+    if not base_call.startswith("rl_config"):
+        return []  # a config of another's (its base is that file, checked there)
+    base, out = rl_config(), []
+    for dotted, value, line in assigned:
+        if isinstance(value, ast.AST):
+            if len(dotted) == 1 and "ConfigDict" in ast.unparse(value):
+                out.append(f"configs/{name}:{line}: config.{dotted[0]} is a section of its own: set its fields")
+            continue
+        node = base
+        for part in dotted:
+            node = node[part]
+        if node == value:
+            out.append(f"configs/{name}:{line}: config.{'.'.join(map(str, dotted))} = {value!r} is the default")
+    return out
+
+
+def test_config_files_list_only_overrides():
+    import glob
+    import runpy
+
+    checked = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+        if runpy.run_path(path)["get_config"]().job != "rl":
+            continue
+        with open(path) as f:
+            bad = restated_defaults(f.read(), os.path.basename(path))
+        assert not bad, bad
+        checked += 1
+    assert checked >= 6
+    toy = "from gyre_jax.rl.config import rl_config\ndef get_config():\n    c = rl_config()\n    h = c.harness\n" \
+          "    h.max_turns = 1\n    c.steps = 3\n    return c\n"
+    assert restated_defaults(toy, "toy.py") == ["configs/toy.py:5: config.harness.max_turns = 1 is the default"]

@@ -164,7 +164,7 @@ def test_sft_targets_are_the_templates_own_turns(tmp_path):
     d = tiny_checkpoint(tmp_path / "q", "qwen3")
     cfg = RLConfig.from_config(tiny_rl_config("qwen3_8b", d))
     tok = load_tokenizer(f"hf:{d}")
-    hc = cfg.harness_config("http://x.invalid/v1")
+    hc = cfg.harness
     [(prompt, target)] = demo_examples(cfg.task_source.demo_tasks(1), hc, tok)
     target = target.tolist()
     assert target[-1] in tok.stop_ids and tok.decode(target).startswith("<think>\n\n</think>\n\n")
@@ -181,4 +181,4 @@ def test_sft_targets_are_the_templates_own_turns(tmp_path):
     d = tiny_checkpoint(tmp_path / "l", "llama3")
     cfg = RLConfig.from_config(tiny_rl_config("llama3_8b", d))
     with pytest.raises(ConfigError, match="config.sft: demonstration of task .* one tool|single tool"):
-        demo_examples(cfg.task_source.demo_tasks(1), cfg.harness_config("http://x.invalid/v1"), load_tokenizer(f"hf:{d}"))
+        demo_examples(cfg.task_source.demo_tasks(1), cfg.harness, load_tokenizer(f"hf:{d}"))

@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Protocol
 
+from gyre_jax.agents.tasks import FAMILIES
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.registry import Registry
+from gyre_jax.agents.tasks.formats import TASK_FORMATS
+from gyre_jax.registry import Registry, options_field, resolve_options
 
 
 class TaskSource(Protocol):
@@ -116,3 +118,30 @@ class DatasetSource:
         return (f"dataset {self.path} ({len(self.train)} train, {len(self.eval)} eval tasks"
                 f"{', eval file ' + self.eval_path if self.eval_path else ''})")
 
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The RL run's task section (``config.task``): a generated family, or a task set on disk."""
+
+    SECTION: ClassVar[str] = "task"
+    family: str = "tiny"  # a task family (gyre_jax.agents.tasks; python -m gyre_jax.plugins lists them)
+    family_options: Any = options_field(FAMILIES, "family")  # --config.task.family_options.FAMILY.OPTION=v
+    # A task set (a file, or a directory for formats that are one) in `format`; set, it replaces `family`.
+    # eval_dataset: a second set of held-out tasks (besides the first one's split=eval tasks).
+    dataset: str = ""
+    eval_dataset: str = ""
+    format: str = "jsonl"  # a task format (gyre_jax.agents.tasks.formats)
+    format_options: Any = options_field(TASK_FORMATS, "format")
+
+    def __post_init__(self):
+        resolve_options(self)
+        if self.eval_dataset and not self.dataset:
+            raise ValueError("TaskConfig.eval_dataset needs config.task.dataset (the training tasks' set)")
+
+    def source(self, seed: int) -> TaskSource:
+        """The run's TaskSource: the task set's, else the family's."""
+        if self.dataset:
+            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed,
+                               format=self.format, options=self.format_options)
+        return make_source("family", family=self.family, seed=seed, options=self.family_options)

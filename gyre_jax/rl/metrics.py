@@ -39,11 +39,11 @@ import math
 import numbers
 import os
 import time
-from typing import Any, Mapping, Protocol, TextIO
+from typing import Any, ClassVar, Mapping, Protocol, TextIO
 
 import numpy as np
 
-from gyre_jax.registry import Registry
+from gyre_jax.registry import Registry, options_field, resolve_options
 
 JSONL_NAME = "metrics.jsonl"
 DEFAULT_SINKS: Mapping[str, Any] = {"tensorboard": None}
@@ -227,3 +227,21 @@ class SinkContext:
     purge_step: int | None  # resume: the first step this attempt writes (steps >= it of earlier attempts are void)
     flush_secs: int
     run_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the run's config, for sinks that show it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """The RL run's metrics section (``config.metrics``): where per-step metrics go besides metrics.jsonl."""
+
+    SECTION: ClassVar[str] = "metrics"
+    MOVED: ClassVar[Mapping[str, str]] = {  # the flags this section had before its sinks were a registry
+        "wandb": "now --config.metrics.sinks=tensorboard,wandb --config.metrics.sink_options.wandb.mode=offline",
+        "wandb_project": "now --config.metrics.sink_options.wandb.project=NAME"}
+    sinks: str = "tensorboard"  # comma-separated METRIC_SINKS: tensorboard, wandb (the wandb extra), ...
+    sink_options: Any = options_field(METRIC_SINKS, "sinks", multi=True)  # --config.metrics.sink_options.NAME.X=v
+
+    def __post_init__(self):
+        names = [n.strip() for n in self.sinks.split(",") if n.strip()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MetricsConfig.sinks={self.sinks!r} names a sink twice")
+        resolve_options(self)

@@ -242,9 +242,9 @@ class TrainerAdapter:
             return True
         outcomes = [self.store.outcome(r) for r in group.rollout_ids]
         lengths = None
-        if self.pc.advantage.overlong:
+        if self.pc.overlong:
             lengths = [sum(int(c.output_ids.shape[0]) for c in self._calls(r)) for r in group.rollout_ids]
-        if has_signal(outcomes, self.pc.advantage, lengths):
+        if has_signal(outcomes, self.pc, lengths):
             return True
         with self._lock:
             step = self._steps_done

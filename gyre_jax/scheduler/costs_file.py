@@ -77,3 +77,29 @@ def load(path: str) -> Measured:
                              f"got {v!r}")
     m = Measured(**{k: None if v is None else float(v) for k, v in d.items()})
     return Measured(**to_json(m))  # a switch_in_flight_s given in the file is the round trip's lower bound
+
+
+def load_own(workdir: str) -> Measured | None:
+    """The costs an earlier attempt in ``workdir`` measured (None: none did), read after the store's lock says
+    no other run writes them; a damaged file is a ConfigError naming it."""
+    from gyre_jax.errors import ConfigError
+
+    path = os.path.join(workdir, FILE_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        return load(path)
+    except ValueError as e:
+        raise ConfigError(f"--workdir: {e}; delete it to let this run measure its costs afresh") from None
+
+
+def save_own(workdir: str, measured: Measured) -> None:
+    """``<workdir>/scheduler_costs.json`` (each step: the next run's priors, a resume's start); a failed write is a
+    StorageError naming the path."""
+    from gyre_jax.errors import storage_error
+
+    path = os.path.join(workdir, FILE_NAME)
+    try:
+        save(path, measured)
+    except OSError as e:
+        raise storage_error(path, "writing the scheduler costs", e) from e

@@ -41,7 +41,9 @@ import bisect
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
+
+from gyre_jax.registry import Registry, options_field, resolve_options
 
 from gyre_jax.scheduler.vocab import MODES  # noqa: F401 - the built-in modes' names, for callers of the policy
 from gyre_jax.scheduler.vocab import OUT, SERVING_ROLES, TRAINING_ROLES
@@ -76,6 +78,12 @@ class Measured:
 NOT_MEASURED = Measured()
 
 
+def _modes() -> Registry:
+    from gyre_jax.scheduler.modes import SCHEDULING_MODES  # modes builds on this module: looked up when used
+
+    return SCHEDULING_MODES
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
     mode: str  # a registered mode's name (scheduler.modes; the built-in ones: vocab.MODES)
@@ -108,6 +116,9 @@ class PolicyConfig:
     # Async baselines only: the split per optimizer step (an oracle that knows each step's
     # rollouts; the benchmark's per-step async). Empty = async_train_cells for every step.
     async_split_by_step: tuple[int, ...] = ()
+    # The mode's own options (its registration's config; ``--config.scheduler.mode_options.NAME.OPTION=v``),
+    # read by its decisions as ``config.mode_options``; None: its defaults.
+    mode_options: Any = options_field(_modes, "mode")
     # The mode's strategy object (scheduler.modes), looked up once in __post_init__: the
     # policy asks it on every tick. Equality, hashing and replace() go by the name.
     strategy: Mode = dataclasses.field(init=False, repr=False, compare=False)
@@ -120,6 +131,7 @@ class PolicyConfig:
             object.__setattr__(self, "strategy", get_mode(self.mode))
         except LookupError:
             raise ValueError(f"PolicyConfig.mode={self.mode!r}; known modes: {mode_names()}") from None
+        resolve_options(self)
         if self.async_train_cells < 0:
             raise ValueError(f"PolicyConfig.async_train_cells={self.async_train_cells} must be >= 0")
         for name in ("total_steps", "groups_per_step", "group_size"):

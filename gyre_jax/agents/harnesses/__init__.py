@@ -129,6 +129,5 @@ BUILTIN_ENTRY = "gyre_jax.agents.agent:run_episode"
 
 @HARNESS_KINDS.register("builtin", summary="the example agent (gyre_jax.agents.agent:run_episode) in-process")
 def _builtin(options, *, unix_socket: str | None = None) -> Harness:
-    from gyre_jax.agents.harnesses.python_entry import PythonHarness, PythonOptions
-
-    return PythonHarness(PythonOptions(entry=BUILTIN_ENTRY), unix_socket=unix_socket)
+    python = HARNESS_KINDS.get("python")  # python_entry.py registers it (this package's modules import this one)
+    return python.obj(python.make_config({"entry": BUILTIN_ENTRY}), unix_socket=unix_socket)

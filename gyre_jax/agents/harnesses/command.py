@@ -12,7 +12,7 @@ bound in, served on ``127.0.0.1:PORT`` by ``bridge.py``). Its environment:
   GYRE_INSTRUCTION                      the instruction (omitted if over 100 KB: use the file)
   GYRE_INSTRUCTION_FILE                 a read-only file holding it
   GYRE_WORKSPACE                        /workspace
-  + ``config.harness.env`` (e.g. MSWEA_CONFIGURED=true), HOME=/tmp (a private tmpfs)
+  + its ``env`` option (e.g. MSWEA_CONFIGURED=true), HOME=/tmp (a private tmpfs)
 
 In the command, ``{instruction_file}``, ``{workspace}`` and ``{task_id}`` are replaced by
 those values, shell-quoted (nothing else is touched: ``${VAR}`` and JSON braces stay).
