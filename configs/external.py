@@ -29,15 +29,19 @@ one mini-swe-agent process started in the rollout's bubblewrap sandbox (its own 
 namespace whose only door is the proxy's unix socket), working in the workspace the task's
 `files`/`repo` were laid into; every model call it makes is recorded by the proxy under the
 rollout's key, the tree of its calls is rebuilt and trained. Its workspace is graded by the
-task's command (exit code, or a `{"score": x}` line). Held-out eval: whole episodes of the
+task's own verdict (per-test: gyre's pytest plugin on the named tests; calls; or a command's exit
+status / $GYRE_VERDICT), every grader checked at start (`--check_tasks` prints the same check:
+`python -m launch.main --config configs/external.py --check_tasks`, ~20 s, every task "ok", exit 0).
+Held-out eval: whole episodes of the
 split=eval tasks through the same harness on a dedicated engine (eval/eval.jsonl).
 
 The model is a tiny random byte-level transformer with a 2K context (no warm start: the task
 file has no demonstrations), so it produces no useful actions and rewards stay ~0: this
 config shows the machinery working end to end with an external harness. To learn, start from a
-real checkpoint: ``--config.model.hf_path=DIR`` here, or a config of a few lines that takes a
-checkpoint config's sections (configs/external_qwen3_8b.py: this file with configs/qwen3_8b.py's
-model, cells and train). Rerunning the same command resumes.
+real checkpoint: ``--config.model.hf_path=/ckpt/dir`` or ``=/path/model.gguf`` here (the shape comes from
+it; configs/smol_agent.py does this with SmolLM2-135M-Instruct on this host's 2 cores), or a config of
+a few lines that takes a checkpoint config's sections (configs/external_qwen3_8b.py: this file with
+configs/qwen3_8b.py's model, cells and train). Rerunning the same command resumes.
 
 Expected (2 CPU cores, Dec 3 2026): about 3-5 minutes for 3 steps x 2 groups x 4 rollouts,
 ~3 model calls per rollout (mini-swe-agent stops after 3 format errors in a row), every
@@ -59,6 +63,8 @@ def get_config():
     c.steps = 3
     c.checkpoint_every = 1
     c.model.max_seq_len = 2048  # mini-swe-agent's context: system + task + a few turns, in bytes
+    # A real checkpoint: --config.model.hf_path=/ckpt/dir or /path/model.gguf gives the shape (the fields this file
+    # leaves at the tiny model's) and keeps max_seq_len/remat/dtype/param_dtype (configs/smol_agent.py).
     c.cells.max_len = 2048
     c.cells.max_slots = 8
     c.scheduler.groups_per_step = 2

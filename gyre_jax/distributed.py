@@ -40,6 +40,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import socket
 from typing import Any, Mapping
 
 import jax
@@ -174,20 +175,68 @@ def bind_address(coordinator_address: str | None, configured: str | None, env: M
     """The address process 0's coordinator binds, or None to leave it to JAX.
 
     JAX binds ``[::]:port`` (every interface) unless told otherwise, even for a coordinator
-    at 127.0.0.1: anyone who can reach the host could join or stall the run. Asked for an IP
-    literal or localhost, bind exactly that; JAX_COORDINATOR_BIND_ADDRESS still wins."""
+    at 127.0.0.1: anyone who can reach the host could join or stall the run (the coordination
+    service has no authentication). So it binds the address peers use to reach it: an IP
+    literal or localhost as given; a host name (SLURM's first node, a Kubernetes service, this
+    host's name) as the address of this host it resolves to (127.0.0.1 when the name is this
+    host's loopback alias: one machine). A name that resolves to no address of this host names
+    another machine (a process that is not the coordinator) or a forwarder: JAX's default then.
+    JAX_COORDINATOR_BIND_ADDRESS still wins."""
     if configured is not None:
         return configured
     if coordinator_address is None or env.get("JAX_COORDINATOR_BIND_ADDRESS"):
         return None
-    host = coordinator_address.rpartition(":")[0].strip("[]")
+    host, _, port = coordinator_address.rpartition(":")
+    host = host.strip("[]")
     if host == "localhost":
         return coordinator_address
     try:
         ipaddress.ip_address(host)
-    except ValueError:  # a DNS name: it may name a load balancer or another interface
+        return coordinator_address
+    except ValueError:
+        pass
+    local = local_address_of(host)
+    if local is None:
         return None
-    return coordinator_address
+    return f"[{local}]:{port}" if ":" in local else f"{local}:{port}"
+
+
+def local_address_of(host: str) -> str | None:
+    """The first address ``host`` resolves to that a socket on this machine can bind (None: none, or no
+    answer). Loopback answers come first, so a name of this machine that maps to loopback stays there."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return None
+    addrs = sorted({(fam, str(sa[0])) for fam, _, _, _, sa in infos},
+                   key=lambda a: (not ipaddress.ip_address(a[1].split("%")[0]).is_loopback, a[1]))
+    for fam, addr in addrs:
+        try:
+            with socket.socket(fam, socket.SOCK_STREAM) as sk:
+                sk.bind((addr, 0))
+        except OSError:
+            continue
+        return addr
+    return None
+
+
+def _detected(method: str | None, local_device_ids, timeout_s: int) -> dict[str, Any]:
+    """The coordinator address, process count and id JAX's cluster detection finds (``method``: a JAX cluster
+    method name, None for JAX's own order), so the coordinator's bind address can be chosen from them; {} where
+    detection fails here (JAX then detects again, and says why)."""
+    from jax._src import clusters  # the detection JAX runs inside initialize; no public API returns its answer
+
+    try:
+        addr, n, pid, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, local_device_ids, method, timeout_s)
+    except Exception as e:  # noqa: BLE001 - JAX's initialize runs the same detection and reports it
+        log.warning("cluster detection (%s) failed before initialize (%s); the coordinator binds JAX's default", method,
+                    e)
+        return {}
+    if addr is None or n is None or pid is None:
+        return {}
+    return dict(coordinator_address=addr, num_processes=int(n), process_id=int(pid),
+                **({"local_device_ids": list(ids)} if ids is not None else {}))
 
 
 def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> str:
@@ -203,30 +252,10 @@ def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, e
     env = os.environ if env is None else env
     if jax.distributed.is_initialized():
         return "already"
-    kwargs: dict[str, Any] = {}
-    if cfg.coordinator_address is not None:
-        if cfg.num_processes == 1:
-            return "single"
-        how = "explicit"
-        kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id)
-    elif cfg.num_processes == 1 or cfg.cluster == "none":
+    planned = _how_to_initialize(cfg, env)
+    if planned is None:
         return "single"
-    elif cfg.cluster == "auto":
-        found = detect_cluster(env)
-        if found is None:
-            return "single"
-        how = f"detected:{found}"
-        if found == "jax_env":
-            try:
-                kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=int(env["JAX_NUM_PROCESSES"]),
-                              process_id=int(env["JAX_PROCESS_ID"]))
-            except (KeyError, ValueError) as e:
-                raise ValueError(f"JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be ints ({e!r})") from None
-            DistributedConfig(**kwargs)  # same checks as flags (address form, id < count)
-    else:
-        how = cfg.cluster
-        if cfg.cluster != "jax":
-            kwargs["cluster_detection_method"] = cfg.cluster
+    how, kwargs = planned
     if cfg.local_device_ids is not None:
         kwargs["local_device_ids"] = list(cfg.local_device_ids)
     bind = bind_address(kwargs.get("coordinator_address"), cfg.coordinator_bind_address, env)
@@ -247,6 +276,36 @@ def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, e
     jax.distributed.initialize(initialization_timeout=int(cfg.initialization_timeout_s),
                                heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s), **kwargs)
     return how
+
+
+def _how_to_initialize(cfg: DistributedConfig, env: Mapping[str, str]) -> tuple[str, dict[str, Any]] | None:
+    """(how, ``jax.distributed.initialize``'s cluster arguments), or None for one process (see ``initialize``)."""
+    kwargs: dict[str, Any] = {}
+    if cfg.coordinator_address is not None:
+        if cfg.num_processes == 1:
+            return None
+        return "explicit", dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
+                                process_id=cfg.process_id)
+    if cfg.num_processes == 1 or cfg.cluster == "none":
+        return None
+    if cfg.cluster == "auto":
+        found = detect_cluster(env)
+        if found is None:
+            return None
+        if found == "jax_env":
+            try:
+                kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=int(env["JAX_NUM_PROCESSES"]),
+                              process_id=int(env["JAX_PROCESS_ID"]))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be ints ({e!r})") from None
+            DistributedConfig(**kwargs)  # same checks as flags (address form, id < count)
+        else:  # SLURM, Open MPI, a TPU pod: JAX's detection, run here so the bind address is known
+            kwargs = _detected(None, cfg.local_device_ids, cfg.initialization_timeout_s)
+        return f"detected:{found}", kwargs
+    kwargs = _detected(None if cfg.cluster == "jax" else cfg.cluster, cfg.local_device_ids, cfg.initialization_timeout_s)
+    if not kwargs and cfg.cluster != "jax":
+        kwargs["cluster_detection_method"] = cfg.cluster
+    return cfg.cluster, kwargs
 
 
 def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> DistributedInfo:

@@ -17,6 +17,8 @@ JOBS.register_lazy("pods_dp", "gyre_jax.pods.dp_job:run",
 JOBS.register_lazy("simulate", "gyre_jax.scheduler.cli:run", summary="the scheduler's simulator (configs/sim_paper.py)")
 JOBS.register_lazy("serve", "gyre_jax.serving.serve_job:run",
                    summary="the model behind the recording proxy (configs/serve.py)")
+JOBS.register_lazy("report", "gyre_jax.report.job:run",
+                   summary="a run's HTML report from its workdir (--config.job=report, any RL config)")
 
 
 def get(name: str) -> Callable[[Any, str], Any]:

@@ -38,6 +38,7 @@ RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("expert", EXPERT),  # the experts of an MoE layer (model/moe.py dispatches tokens to them all-to-all)
     ("moe_mlp", TENSOR),  # one expert's hidden width
     ("layers", None),  # scanned layer axis: every device holds its slice of every layer
+    ("lora_rank", None),  # a LoRA adapter's rank (model/lora.py): small, every device holds all of it
     ("length", None),  # sequence axis of a packed row
     # A serving engine's KV cache [layers, slots, positions, kv_heads, head_dim] and the
     # k/v blocks it moves [layers, positions, kv_heads, head_dim] (serving/engine_state.py):

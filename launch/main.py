@@ -60,6 +60,10 @@ _LOCAL_DEVICE_IDS = flags.DEFINE_list("local_device_ids", None, "Devices this pr
 _CPU_COLLECTIVES = flags.DEFINE_enum(
     "cpu_collectives", "gloo", distributed.CPU_COLLECTIVES, "Cross-process collectives of the CPU backend.")
 _TIMEOUT = flags.DEFINE_integer("distributed_timeout_s", 300, "How long processes wait for each other at start.")
+_CHECK_TASKS = flags.DEFINE_bool(
+    "check_tasks", False, "Check every task's grader through the rollout sandbox and grader path (the untouched "
+    "workspace must not score full marks, metadata.solution must), one line per task with its seconds; exit 1 "
+    "naming each broken task, 0 if all work. Starts no device or model (gyre_jax/rl/task_gate.py).")
 _PLAN = flags.DEFINE_string(
     "plan", None, "KIND:N, e.g. h100-80g:8: print the config's memory plan on N devices of KIND "
     "(gyre_jax/planner.py DEVICE_KINDS) and exit, 0 if it fits, 2 with one line if not; starts no device.")
@@ -100,15 +104,16 @@ def main(argv):
     except Exception as e:  # noqa: BLE001 - a missing file, a misspelled override: one line, exit 2
         cli_errors.fail(cli_errors.explain_config_failure(
             getattr(flags.FLAGS["config"], "config_filename", None), sys.argv[1:], e))
-    if _PLAN.value:  # before `import jax` below starts anything: the plan is arithmetic
-        from launch import plan
-
-        try:
-            plan.run(config, cli_errors.config_path(sys.argv[1:]), _PLAN.value)
-        except ConfigError as e:
-            cli_errors.fail(str(e))
-        return
+    _no_device_modes(config)  # --plan, --check_tasks: they exit here
     import jax
+
+    # A persistent compilation cache by default: a rerun (a resume, the next run of the same config) loads the
+    # engines' and the train step's executables instead of compiling them again (minutes for a 30-layer model
+    # on 2 cores). JAX_COMPILATION_CACHE_DIR, when set, is used as it is.
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "gyre_jax",
+                                                                    "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
     from gyre_jax import jobs
 
@@ -145,6 +150,25 @@ def main(argv):
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the job saved what it trained
         code = EXIT_TERMINATED if isinstance(e, Stopped) and e.signum == signal.SIGTERM else EXIT_INTERRUPTED
         _exit(f"stopped: {e or 'SIGINT'}; what was trained is saved: rerun the same command to resume", code)
+
+
+def _no_device_modes(config) -> None:
+    """--plan and --check_tasks answer before `import jax` starts anything, and exit."""
+    if _PLAN.value:  # arithmetic
+        from launch import plan
+
+        try:
+            plan.run(config, cli_errors.config_path(sys.argv[1:]), _PLAN.value)
+        except ConfigError as e:
+            cli_errors.fail(str(e))
+        _end(0)
+    if _CHECK_TASKS.value:  # no device, no model: the tasks' graders only
+        from gyre_jax.rl import task_gate
+
+        try:
+            _end(task_gate.check_command(config, _WORKDIR.value or config.get("workdir", None) or "/tmp/gyre_jax/check"))
+        except ConfigError as e:
+            cli_errors.fail(str(e))
 
 
 def _stop_on_signal(signum, frame):

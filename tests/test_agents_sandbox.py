@@ -412,6 +412,63 @@ def test_the_sandbox_as_a_whole_is_capped_against_memfd_and_tmpfs(tmp_path):
     assert box.stats.peak_memory_bytes is None or box.stats.peak_memory_bytes <= 48 << 20
 
 
+# 192 MiB in memfds (under every rlimit: RLIMIT_AS sees no memfd page that is not mapped)
+_HOLD_192 = ("python3 -c \"import os\nfds = [os.memfd_create('x') for _ in range(96)]\n"
+             "[os.write(fd, b'x' * (2 << 20)) for fd in fds]\nprint('HOLD' + '-192')\"")
+
+
+def _one_sandbox(tmp_path, limits):
+    box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap", limits=limits), tmp_path / "ws", family="tiny",
+                          name="mem")
+    (tmp_path / "ws").mkdir()
+    box.prepare()
+    return box, Workspace(tmp_path / "ws", sandbox=box, command_timeout_s=60.0)
+
+
+@needs_bwrap
+def test_the_memory_limit_counts_memfd_pages_without_a_second_setting(tmp_path):
+    """The memory limit is the one a user sets (``memory_bytes``): with no separate sandbox cap given, the
+    sandbox's cgroup caps it there, so 192 MiB in memfds under a 128 MiB limit is killed (a separate default
+    cap of 4 GiB let a command hold 600 MiB in memfds past its memory limit)."""
+    limits = sb.SandboxLimits(processes=64, memory_bytes=128 << 20, tmp_bytes=4 << 20, disk_bytes=8 << 20,
+                              file_bytes=4 << 20, cpu_s=20)
+    box, ws = _one_sandbox(tmp_path, limits)
+    try:
+        out = asyncio.run(ws.run(_HOLD_192))
+        if box.stats.cgroup.startswith("none:"):  # the other path holds it: the filter refuses the memfd
+            assert "Operation not permitted" in out, out
+        assert "HOLD-192" not in out, out
+        assert "HOLD-3" in asyncio.run(ws.run("echo HOLD-$((1+2))"))
+    finally:
+        box.release()
+
+
+@needs_bwrap
+def test_without_a_cgroup_memfd_shm_and_dev_cannot_hold_memory_past_the_limits(tmp_path, monkeypatch):
+    """Where no cgroup can be made (not delegated, not root), RLIMIT_AS alone would let a command hold any
+    amount in memfds, SysV segments or bwrap's unsized /dev tmpfs. Then memfd_create and shmget are refused
+    (seccomp), /dev/shm is sized like /tmp and the rest of /dev is read-only; small commands still run."""
+    monkeypatch.setattr(sb, "make_cap", lambda *a: (None, "no cgroup (the test)"))
+    limits = sb.SandboxLimits(processes=64, memory_bytes=256 << 20, tmp_bytes=4 << 20, disk_bytes=8 << 20,
+                              file_bytes=4 << 20, cpu_s=20)
+    box, ws = _one_sandbox(tmp_path, limits)
+    try:
+        out = asyncio.run(ws.run(_HOLD_192))
+        assert "HOLD-192" not in out and "Operation not permitted" in out, out
+        assert box.stats.cgroup.startswith("none: no cgroup (the test)") and "memfd" in box.stats.cgroup
+        shm = asyncio.run(ws.run("python3 -c \"import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+                                 "print('SHMGET', libc.shmget(0, 64 << 20, 0o1600), ctypes.get_errno())\""))
+        assert "SHMGET -1 1" in shm, shm  # EPERM
+        dev = asyncio.run(ws.run("for i in 1 2 3; do head -c 2M /dev/zero > /dev/shm/x$i || break; done; "
+                                 "echo SHM=$(du -sk /dev/shm | cut -f1); head -c 1M /dev/zero > /dev/y; "
+                                 "echo RC2=$?; echo ok > /dev/null && echo NULL-OK"))
+        assert "No space left on device" in dev and "SHM=4096" in dev, dev  # /dev/shm: 4 MiB
+        assert "RC2=1" in dev and "NULL-OK" in dev, dev  # /dev itself takes no file; its devices still work
+        assert "HOLD-3" in asyncio.run(ws.run("python3 -c \"import threading; print('HOLD-' + str(1 + 2))\""))
+    finally:
+        box.release()
+
+
 @needs_bwrap
 @pytest.mark.skipif(not ROOT, reason="as root: without it bwrap's --disable-userns is used")
 def test_no_user_namespaces_inside_a_root_trainers_sandbox(tmp_path):
@@ -452,12 +509,12 @@ def test_cgroups_left_by_a_killed_trainer_are_removed(monkeypatch):
 @pytest.mark.skipif(not ROOT, reason="the filter is used as root only")
 def test_a_refused_seccomp_filter_leaves_the_sandbox_usable_and_says_so(monkeypatch, caplog):
     from gyre_jax.agents import sandbox_seccomp
-    monkeypatch.setattr(sandbox_seccomp, "_program", lambda: b"not bpf")  # what a kernel without it refuses
-    monkeypatch.setattr(sandbox_seccomp, "_path", None)
+    monkeypatch.setattr(sandbox_seccomp, "_program", lambda sets: b"not bpf")  # what a kernel without it refuses
+    monkeypatch.setattr(sandbox_seccomp, "_paths", {})
     monkeypatch.setattr(sb, "_seccomp_refused", None)
     with caplog.at_level("WARNING", logger="gyre_jax.agents.sandbox"):
         assert sb.bwrap_usable() == (True, "")
     assert sb.seccomp_refused() and "seccomp filter against user namespaces is refused" in caplog.text
     assert "--seccomp" not in sb.bwrap_argv(network=False, uid=12345, tmp_bytes=1 << 20)
     assert json.loads(graders_mod.grader_sandbox_env("bubblewrap", LIMITS)[sb.GRADER_SANDBOX_ENV])["seccomp"] is False
-    monkeypatch.setattr(sandbox_seccomp, "_path", None)  # the garbage file is not reused after the test
+    monkeypatch.setattr(sandbox_seccomp, "_paths", {})  # the garbage file is not reused after the test

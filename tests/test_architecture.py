@@ -1,7 +1,9 @@
 """The shape of the code, checked by reading it (``ast``), so it stays the way issue 31 left it.
 
-* No function in ``gyre_jax/rl/`` is longer than 60 lines: the RL loop is read by people, one
-  function at a time.
+* No function in ``gyre_jax/`` is longer than 60 lines (docstring included): code is read by
+  people, one function at a time. ``LONG_FUNCTIONS_OWNED_ELSEWHERE`` lists the files still being
+  split on other branches (issue 43); an entry with no long function left fails, so the list only
+  shrinks. ``gyre_jax/rl/`` has its own test (it was first).
 * Nothing reads another object's ``_private`` attributes (``x._name`` where ``x`` is not
   ``self``/``cls``/``super()``): an object's privates are its own business, so a class can change
   them without breaking a reader elsewhere. The whole package is clean (the last readers, the
@@ -14,8 +16,10 @@
   keeps a registry of its own (a module-level dict that a function fills by name).
 * Config files list only overrides: an RL config starts from ``rl_config()`` or another config file
   (``load_config``), builds no section of its own, and sets no field to the value it already has.
-* The config, registry and hooks layer has no import cycle between modules (every import statement,
-  ``TYPE_CHECKING`` and function-level ones included) and no function over 60 lines.
+* No module cycle either: the same graph between modules (every import statement, inside functions
+  and under ``TYPE_CHECKING`` too: a cycle hidden from the interpreter is still one for a reader).
+  ``MODULE_CYCLES_OWNED_ELSEWHERE`` lists the cycles other branches are removing (issue 43); like
+  the long functions' list, it may only shrink.
 """
 from __future__ import annotations
 
@@ -26,12 +30,26 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "gyre_jax")
 MAX_LINES = 60
+# Folders (or files) whose long functions other branches are splitting now (issue 43): the integrator empties this.
+LONG_FUNCTIONS_OWNED_ELSEWHERE = {
+    "agents/": "branch reward (gyre_jax/agents/: harness.run_rollout, sandbox.bwrap_argv)",
+}
+# Module cycles other branches are removing (issue 43), each as its sorted modules.
+MODULE_CYCLES_OWNED_ELSEWHERE = {
+    ("agents.harnesses", "agents.harnesses.command", "agents.harnesses.python_entry"): "branch reward",
+    ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
+        "branch lora (lora.init_adapter_boxed imports the Transformer whose layers import lora)",
+}
 # Other libraries' private names we use: allowed anywhere (not ours to change).
 THIRD_PARTY = {
     "os._exit",  # exit without running cleanup (after a fork; the fault injector's kill)
     "site._server",  # aiohttp: a started site's server, for the port it bound
     "fn._cache_size",  # jax: a jitted function's compile count
+    "bound._cache_size", "jitted._cache_size",  # the same, on cells/train_step.py's bound steps
     "self._driver._generate_slots",  # JetStream: the driver's free-slot queue per engine
+    # pytest's assertion rewriter: gyre's verdict plugin compiles the task's tests from memory
+    "rewrite._rewrite_test", "rewrite._read_pyc",
+    "sys._getframe",  # the verdict plugin reads a passing assert's operands from the rewritten test frame
 }
 
 
@@ -71,6 +89,16 @@ def test_no_function_in_rl_is_longer_than_60_lines():
     offenders = [f"gyre_jax/{path}:{name} ({n} lines)" for path, tree in _modules() if path.startswith("rl/")
                  for name, n in long_functions(tree)]
     assert not offenders, f"functions over {MAX_LINES} lines: {offenders}"
+
+
+def test_no_function_in_gyre_jax_is_longer_than_60_lines():
+    long = {path: found for path, tree in _modules() if (found := long_functions(tree))}
+    owned = tuple(LONG_FUNCTIONS_OWNED_ELSEWHERE)
+    offenders = [f"gyre_jax/{path}:{name} ({n} lines)" for path, found in sorted(long.items())
+                 if not path.startswith(owned) for name, n in found]
+    assert not offenders, f"functions over {MAX_LINES} lines (split them into named steps): {offenders}"
+    stale = sorted(p for p in owned if not any(path.startswith(p) for path in long))
+    assert not stale, f"no long function left in {stale}: remove them from LONG_FUNCTIONS_OWNED_ELSEWHERE"
 
 
 def test_nothing_reads_another_objects_privates():
@@ -126,6 +154,77 @@ def test_no_package_cycle():
         f"{a} -> {b} in {graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
 
 
+def module_imports() -> dict[str, set[str]]:
+    """module -> the gyre_jax modules it imports (dotted, without 'gyre_jax.'; a package is its
+    ``__init__``). ``from gyre_jax.p import x`` names module ``p.x`` when that is a module, else ``p``;
+    relative imports are resolved; imports in functions and under TYPE_CHECKING count."""
+    mods = {path[:-3].replace(os.sep, ".").removesuffix(".__init__"): path for path, _ in _modules()}
+
+    def owner(name: str) -> str | None:  # the module that defines a dotted name
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    out: dict[str, set[str]] = {}
+    for path, tree in _modules():
+        me = path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        package = me if path.endswith("__init__.py") else me.rpartition(".")[0]
+        deps: set[str] = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                deps |= {owner(a.name[len("gyre_jax."):]) for a in n.names if a.name.startswith("gyre_jax.")}
+            elif isinstance(n, ast.ImportFrom):
+                if n.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - n.level + 1] if package else [])
+                    full = ".".join(x for x in (base, n.module) if x)
+                elif n.module and n.module.startswith("gyre_jax"):
+                    full = n.module[len("gyre_jax."):] if n.module != "gyre_jax" else ""
+                else:
+                    continue
+                deps |= {f"{full}.{a.name}".lstrip(".") if f"{full}.{a.name}".lstrip(".") in mods else owner(full)
+                         for a in n.names}
+        out[me] = {d for d in deps if d and d != me}
+    return out
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """The graph's cycles, one per strongly connected component of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[tuple[str, ...]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                out.append(tuple(sorted(comp + [v])))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_module_cycle():
+    cycles = module_cycles(module_imports())
+    new = [c for c in cycles if c not in MODULE_CYCLES_OWNED_ELSEWHERE]
+    assert not new, "module import cycles (TYPE_CHECKING and function-level imports count): " + "; ".join(
+        " <-> ".join(c) for c in new)
+    stale = [c for c in MODULE_CYCLES_OWNED_ELSEWHERE if c not in cycles]
+    assert not stale, f"cycles gone: remove {stale} from MODULE_CYCLES_OWNED_ELSEWHERE"
+
+
 def test_the_checks_see_what_they_look_for():
     """The two readers find a long function and a private read in a snippet (the checks can fail)."""
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
@@ -133,6 +232,12 @@ def test_the_checks_see_what_they_look_for():
     assert private_reads(ast.parse("a = b._c + self._d + super()._e + cls._f + o.__len__")) == {"b._c"}
     assert find_cycle({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": ""}, "b": {"c": ""}, "d": {"a": "", "c": ""}}) == []
+    assert module_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}}) == [
+        ("a", "b", "c"), ("d", "e")]
+    assert module_cycles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) == []
+    graph = module_imports()  # the reader resolves absolute, relative, function-level and TYPE_CHECKING imports
+    assert "model.attend" in graph["model.attention"] and "serving.tokenizer_base" in graph["serving.hf_tokenizer"]
+    assert "serving.hf_tokenizer" in graph["serving.tokenizer"]  # inside load_tokenizer
 
 
 def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread():
@@ -165,68 +270,6 @@ def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread()
 
 
 # ------------------------------------------------------------------ issue 43: one registry, one schema, hooks
-# The modules of the config / registry / hooks layer (issue 43): no module cycle through them, no long function.
-LAYER = ("registry.py", "schema.py", "plugins.py", "jobs.py", "rl/config.py", "rl/train_config.py", "rl/hooks.py",
-         "rl/checkpointing.py", "rl/export.py", "rl/sft_config.py", "rl/start_policy.py", "rl/warmup.py", "rl/evaluators.py",
-         "rl/build.py", "rl/loop.py", "rl/metrics.py", "rl/sinks/__init__.py", "rl/sinks/tensorboard.py",
-         "rl/sinks/wandb.py", "scheduler/config.py", "cells/config.py", "agents/config.py", "agents/task_sources.py",
-         "agents/tasks/formats.py", "agents/harnesses/__init__.py", "agents/harnesses/command.py",
-         "agents/harnesses/python_entry.py", "losses/registry.py")
-
-
-def _module_name(path: str) -> str:
-    name = "gyre_jax." + path[:-3].replace(os.sep, ".")
-    return name.removesuffix(".__init__")
-
-
-def module_imports() -> dict[str, set[str]]:
-    """module -> the gyre_jax modules it imports (every import statement; ``from pkg import mod`` is mod)."""
-    trees = {_module_name(path): tree for path, tree in _modules()}
-    out: dict[str, set[str]] = {}
-    for name, tree in trees.items():
-        deps = set()
-        for n in ast.walk(tree):
-            if isinstance(n, ast.Import):
-                deps |= {a.name for a in n.names}
-            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
-                subs = {f"{n.module}.{a.name}" for a in n.names} & set(trees)
-                deps |= subs or {n.module}
-                if len(subs) < len(n.names):
-                    deps.add(n.module)
-        out[name] = {d for d in deps if d in trees and d != name}
-    return out
-
-
-def cycles_through(graph: dict[str, set[str]], nodes: set[str]) -> list[list[str]]:
-    """One cycle [a, ..., a] through each of ``nodes`` that is on one."""
-    found = []
-    for start in sorted(nodes):
-        stack, seen = [(start, [start])], set()
-        while stack:
-            v, path = stack.pop()
-            for w in sorted(graph.get(v, ())):
-                if w == start:
-                    found.append(path + [w])
-                    stack = []
-                    break
-                if w not in seen:
-                    seen.add(w)
-                    stack.append((w, path + [w]))
-    return found
-
-
-def test_the_config_and_registry_layer_has_no_module_cycle_and_no_long_function():
-    graph = module_imports()
-    layer = {_module_name(p) for p in LAYER}
-    assert layer <= set(graph), sorted(layer - set(graph))
-    cycles = cycles_through(graph, layer)
-    assert not cycles, "module cycles: " + "; ".join(" -> ".join(c) for c in cycles)
-    long = [f"gyre_jax/{path}:{name} ({n} lines)" for path, tree in _modules() if path in LAYER
-            for name, n in long_functions(tree)]
-    assert not long, long
-    assert cycles_through({"a": {"b"}, "b": {"c"}, "c": {"a"}}, {"b"}) == [["b", "c", "a", "b"]]  # the check can fail
-
-
 def test_every_extension_point_is_the_one_registry_type():
     from gyre_jax.agents.task_sources import TASK_SOURCES
     from gyre_jax.plugins import all_registries

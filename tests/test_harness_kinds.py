@@ -117,6 +117,48 @@ def test_command_harness_runs_in_sandbox_reaches_only_the_proxy_and_is_graded(pr
     assert sorted(os.listdir(agent_dir)) == ["agent.py"]  # read-only inside
 
 
+_PEER_ATTACK = r"""P='{"model":"gyre","prompt":[1,2],"max_tokens":2}'
+c() { curl -s -o /dev/null -w '%{http_code}' -H 'Content-Type: application/json' "$@" -d "$P" "$OPENAI_BASE_URL/completions"; }
+echo "DERIVED=$(c -H 'Authorization: Bearer gyre:byoa:peer-0') OWNKEY=$(c -H "Authorization: Bearer $OPENAI_API_KEY" \
+  -H 'X-Gyre-Run: byoa' -H 'X-Gyre-Rollout: peer-0') HEADERS=$(c -H 'X-Gyre-Run: byoa' -H 'X-Gyre-Rollout: peer-0') \
+  SESSION=$(c -H 'X-Claude-Code-Session-Id: peer-0') OWN=$(c -H "Authorization: Bearer $OPENAI_API_KEY")"
+echo done > answer.txt"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("auth_token", [None, "run-secret-123"], ids=["auth-off", "auth-on"])
+def test_from_inside_a_sandbox_no_call_reaches_a_peer_rollout(tmp_path, auth_token):
+    """A rollout's command, through the real sandbox and bridge, tries to put a call into a running peer's
+    record: the peer's key derived from its id (``gyre:<run>:<peer>``), its own key with the peer's headers,
+    the headers alone, Claude Code's session header. Every one is refused, with auth on or off (the proxy's
+    default config): the only credential that names a rollout is the random key the proxy issued for it."""
+    store = TrajectoryStore(str(tmp_path / "store"), run_id=RUN)
+    sock = str(tmp_path / "proxy.sock")
+
+    async def build():
+        return Proxy(Router([_reply_backend()]), TOK, store,
+                     ProxyConfig(auth_token=auth_token, unix_path=sock, max_tokens_cap=64))
+
+    st = ServerThread(build)
+    st.start()
+    try:
+        peer_key = st.proxy.issue(RUN, "peer-0", "t", "g0")  # a peer rollout running beside it
+        path = _task_file(tmp_path, [{"id": "t", "instruction": "x", "grader": "test -f answer.txt"}])
+        (task, _), = dataset.load_task_file(path)
+        harness = make_harness("command", command=_PEER_ATTACK, unix_socket=sock)
+        r, = asyncio.run(run_rollouts([RolloutRequest(rollout_id="atk-0", task=task, group_id="g0")],
+                                      _config(st.url), workspace_root=tmp_path / "ws", harness=harness,
+                                      keys=st.proxy))
+        log = open(r.log_path).read()
+        assert r.status == "completed", (r.error, log)
+        assert "DERIVED=401 OWNKEY=403 HEADERS=401 SESSION=401 OWN=200" in " ".join(log.split()), log
+        assert "peer-0" not in store.rollout_ids() and len(store.calls("atk-0")) == 1
+        assert peer_key.startswith("gk-") and "peer-0" not in peer_key  # random, not derived from the id
+    finally:
+        st.stop()
+        store.close()
+
+
 @needs_bwrap
 def test_command_harness_failures_are_recorded_statuses_never_scores(proxy, tmp_path):
     st, _, sock = proxy
@@ -252,30 +294,35 @@ def test_task_file_grain_order_repo_and_splits(tmp_path):
         src.demo_tasks(1)
 
 
-@pytest.mark.parametrize("command,score,error", [
-    ("exit 0", 1.0, None),
-    ("exit 1", 0.0, None),
-    ("echo '{\"score\": 0.25}'", 0.25, None),
-    ("echo noise; echo '{\"score\": 1.5}'", None, "not a number in"),
-    ("echo '{\"error\": \"fixture missing\"}'", None, "fixture missing"),
-    ("no-such-test-runner", None, "could not run"),
-    ("sleep 30", 0.0, None),
+@pytest.mark.parametrize("command,verdict,score,fault", [
+    ("exit 0", "exit_code", 1.0, None),
+    ("exit 1", "exit_code", 0.0, None),
+    ("echo '{\"score\": 0.25}' > $GYRE_VERDICT", "file", 0.25, None),
+    ("echo '{\"score\": 0.25}'", "exit_code", 1.0, "prints a score"),  # stdout is never a score
+    ("echo '{\"score\": 1}' > $GYRE_VERDICT; exit 1", "file", 0.0, None),  # a non-zero exit is always 0
+    ("echo '{\"score\": 1.5}' > $GYRE_VERDICT", "file", 0.0, "must hold"),
+    ("echo '{\"error\": \"fixture missing\"}' > $GYRE_VERDICT", "file", 0.0, "fixture missing"),
+    ("true", "file", 0.0, "without writing"),
+    ("no-such-test-runner", "exit_code", 0.0, "could not run"),
+    ("sleep 30", "exit_code", 0.0, None),
 ])
-def test_grader_command_scoring(tmp_path, command, score, error):
+def test_grader_command_scoring(tmp_path, command, verdict, score, fault):
+    """A command grader's verdict (verdict_command): its exit status, or $GYRE_VERDICT; every failure of
+    the command is a 0, with a grader fault named where the grader itself looks broken."""
+    from gyre_jax.agents.graders import grade_in_process
     from gyre_jax.agents.tasks.base import Task
 
-    task = Task(task_id="g", family="dataset", prompt="p", grader=dataset.GRADER,
-                params={"grader_command": command, "grader_files": {"hidden.txt": "h"}, "grader_timeout_s": 1.0})
+    task = Task(task_id="g", family="dataset", prompt="p", grader=dataset.GRADER, hidden_files={"hidden.txt": "h"},
+                params={"grader_mode": "command", "grader_command": command, "grader_verdict": verdict,
+                        "grader_timeout_s": 1.0})
     ws = tmp_path / "snap"
     ws.mkdir()
-    if error is None:
-        g = dataset.grade(task, ws)
-        assert g.score == score
-        assert g.details.get("timed_out", False) == (command == "sleep 30")
-    else:
-        with pytest.raises(dataset.VerifierError, match=error):
-            dataset.grade(task, ws)
-    assert not (ws / "hidden.txt").exists()  # hidden files go into a copy, never the snapshot
+    g = grade_in_process(task, ws)
+    assert g.score == score, g.details
+    assert g.details.get("timed_out", False) == (command == "sleep 30")
+    assert (g.details["grader_fault"] is None) == (fault is None), g.details["grader_fault"]
+    assert fault is None or fault in g.details["grader_fault"]
+    assert not (ws / "hidden.txt").exists()  # hidden files go into the graded tree, never the snapshot
 
 
 def test_a_kind_registered_first_keeps_the_built_in_kinds():

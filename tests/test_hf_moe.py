@@ -75,6 +75,41 @@ def test_moe_errors_name_what_is_wrong(tmp_path):
         load_pretrained(p)
 
 
+@pytest.mark.parametrize("spelling", ["num_experts", "num_local_experts"])
+def test_either_expert_count_spelling_imports_and_exports_the_one_every_version_reads(tmp_path, spelling):
+    """Published Qwen3-MoE checkpoints (and transformers 4.x) say ``num_experts``; a config transformers 5.x
+    saves says ``num_local_experts`` (its ``Qwen3MoeConfig.attribute_map``). Either imports to the same model;
+    export writes ``num_experts`` alone (4.x reads only that name, 5.x maps it onto its own)."""
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    write_tiny_hf_checkpoint(src, "qwen3_moe", seed=1)
+    with open(os.path.join(src, "config.json")) as f:
+        hf = json.load(f)
+    hf[spelling] = hf.pop("num_experts")
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(hf, f)
+    cfg, params = load_pretrained(src)
+    assert cfg.num_experts == 4
+    save_pretrained(params, cfg, out, like=src)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert written["num_experts"] == 4 and "num_local_experts" not in written, written
+    assert load_pretrained(out)[0] == cfg.replace(vocab_pad_multiple=1)
+
+
+def test_expert_counts_that_disagree_or_are_missing_are_refused(tmp_path):
+    p = str(tmp_path / "a")
+    write_tiny_hf_checkpoint(p, "qwen3_moe")
+    cfg_path = os.path.join(p, "config.json")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    for bad, match in ((dict(hf, num_local_experts=8), "two expert counts"),
+                       ({k: v for k, v in hf.items() if k != "num_experts"}, "num_experts or num_local_experts")):
+        with open(cfg_path, "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(UnsupportedCheckpoint, match=match):
+            load_pretrained(p)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("over", [dict(), dict(MIXED, norm_topk_prob=False)], ids=["all-moe", "mixed"])
 def test_moe_logits_match_transformers(tmp_path, over):

@@ -78,6 +78,41 @@ def test_config_takes_the_shape_from_the_checkpoint(tmp_path):
         RLConfig.from_config(tiny_rl_config("qwen3_8b", str(tmp_path)))
 
 
+def test_config_takes_the_shape_from_a_gguf_file(tmp_path):
+    """--config.model.hf_path=/path/model.gguf: the same model config as the checkpoint directory it was written
+    from (the file's metadata), and the run's tokenizer from the file."""
+    pytest.importorskip("gguf")
+    from gyre_jax.rl.build import _tokenizer
+    from gyre_jax.testing.tiny_gguf import gguf_tokenizer_fields, write_tiny_gguf
+    from gyre_jax.testing.tiny_hf_checkpoint import tiny_hf_tensors
+
+    d = tiny_checkpoint(tmp_path / "ck", "qwen3")
+    with open(os.path.join(d, "config.json")) as f:
+        hf = json.load(f)
+    g = str(tmp_path / "m.gguf")
+    write_tiny_gguf(g, hf, tiny_hf_tensors(hf, seed=1), tokenizer=gguf_tokenizer_fields(d))
+    from_dir, from_file = (RLConfig.from_config(tiny_rl_config("qwen3_8b", p)) for p in (d, g))
+    assert from_file.model == from_dir.model.replace(max_seq_len=from_file.model.max_seq_len)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _tokenizer(from_file).render_chat(msgs) == _tokenizer(from_dir).render_chat(msgs)
+
+
+def test_external_config_composes_with_a_checkpoint(tmp_path):
+    """configs/external.py's model section takes hf_path: the checkpoint's shape replaces the random model's
+    (random_init_shape), the section's max_seq_len/dtype stay; configs/smol_agent.py is that with SmolLM2."""
+    d = tiny_checkpoint(tmp_path / "ck", "qwen3")
+    c = _config("external")
+    c.model.hf_path = d
+    cfg = RLConfig.from_config(c)
+    assert cfg.hf_path == d and cfg.model.qk_norm and cfg.model.vocab_size == 407
+    assert cfg.model.max_seq_len == c.model.max_seq_len and cfg.harness.kind == "command"
+    c = _config("external")
+    c.model.random_init_shape = False  # a config whose shape is not a placeholder: a clash is still an error
+    c.model.hf_path = d
+    with pytest.raises(ConfigError, match="come from"):
+        RLConfig.from_config(c)
+
+
 def test_chat_template_kwargs_from_the_config_reach_the_runs_tokenizer(tmp_path):
     """config.model.chat_template_kwargs (JSON) is passed to the checkpoint's template in every render: Qwen3's
     non-thinking mode from the command line. A bad value or one without a checkpoint fails naming the field."""

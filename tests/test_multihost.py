@@ -12,6 +12,7 @@ PROCESS_ID MODE CKPT_DIR`` starts one process with 2 CPU devices; MODE 'flags'
 passes the coordinator in the config, MODE 'env' leaves the config empty and
 sets JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID.
 """
+import ipaddress
 import json
 import os
 import re
@@ -121,8 +122,14 @@ _LISTEN = """
 import os, socket, sys, threading, time
 from gyre_jax import distributed
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-cfg = distributed.DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=0,
-                                    initialization_timeout_s=60)
+host = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"
+if host == "slurm":  # one node of a 2-task SLURM job, found by --cluster=auto: JAX's detection names the node
+    os.environ.update(SLURM_JOB_ID="7", SLURM_STEP_NODELIST=socket.gethostname(), SLURM_NTASKS="2", SLURM_PROCID="0",
+                      SLURM_LOCALID="0", JAX_COORDINATOR_PORT=str(port))
+    cfg = distributed.DistributedConfig(initialization_timeout_s=60)
+else:
+    cfg = distributed.DistributedConfig(coordinator_address=f"{host}:{port}", num_processes=2, process_id=0,
+                                        initialization_timeout_s=60)
 threading.Thread(target=distributed.initialize, args=(cfg,), daemon=True).start()
 want = f"{port:04X}"
 for _ in range(400):  # the coordinator listens before it waits for process 1
@@ -138,24 +145,46 @@ for _ in range(400):  # the coordinator listens before it waits for process 1
     time.sleep(0.05)
 os._exit(3)
 """
+# 127.0.0.1 in /proc/net/tcp's byte order, or as ::ffff:127.0.0.1 in tcp6 (not [::], all zeros)
+_LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}
+
+
+def _listening(host: str | None = None) -> set[str]:
+    env = {"PYTHONPATH": os.getcwd(), **{k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_BIND_ADDRESS"
+                                         and not k.startswith("SLURM_")}}
+    proc = subprocess.run([sys.executable, "-c", _LISTEN, *([host] if host else [])], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return set(proc.stdout.split()[-1].split(","))
 
 
 def test_coordinator_binds_the_address_it_was_given():
     # A coordinator at 127.0.0.1 listens on loopback only (JAX's default is every interface:
     # anyone reaching the host could join or stall the run).
     from gyre_jax.distributed import bind_address
-    env = {"PYTHONPATH": os.getcwd(), **{k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_BIND_ADDRESS"}}
-    proc = subprocess.run([sys.executable, "-c", _LISTEN], capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    # 127.0.0.1 in /proc/net/tcp's byte order, or as ::ffff:127.0.0.1 in tcp6 (not [::], all zeros)
-    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
-    assert set(proc.stdout.split()[-1].split(",")) <= loopback, proc.stdout
+    assert _listening() <= _LOOPBACK
     assert bind_address("10.0.0.5:1234", None, {}) == "10.0.0.5:1234"
     assert bind_address("[::1]:1234", None, {}) == "[::1]:1234"
     assert bind_address("localhost:1234", None, {}) == "localhost:1234"
-    assert bind_address("node0.cluster:1234", None, {}) is None  # a name: JAX's default
+    assert bind_address("node0.invalid:1234", None, {}) is None  # a name of no address here: JAX's default
     assert bind_address("127.0.0.1:1234", None, {"JAX_COORDINATOR_BIND_ADDRESS": "[::]:1"}) is None
     assert bind_address("127.0.0.1:1234", "0.0.0.0:1234", {}) == "0.0.0.0:1234"
+
+
+@pytest.mark.parametrize("how", ["hostname", "slurm"])
+def test_a_coordinator_named_by_host_name_binds_that_hosts_address_not_every_interface(how):
+    """A coordinator named by a host name (a JobSet service, this machine's name) or found by SLURM's detection
+    (its first node's name) bound every interface ([::], JAX's default for anything but an address): it binds
+    the address of this host the name resolves to (here the machine's name is a loopback alias)."""
+    try:
+        local = socket.gethostbyname(socket.gethostname())
+        socket.create_server((local, 0)).close()
+    except OSError:
+        pytest.skip(f"this host's name {socket.gethostname()!r} resolves to no address of its own")
+    got = _listening(socket.gethostname() if how == "hostname" else "slurm")
+    assert "0" * 8 not in got and "0" * 32 not in got, got  # not 0.0.0.0, not [::]
+    if ipaddress.ip_address(local).is_loopback:
+        assert got <= _LOOPBACK, got
 
 
 @pytest.mark.slow  # ~20 s; test_two_processes_on_loopback keeps two real processes in the default run

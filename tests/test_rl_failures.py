@@ -141,9 +141,9 @@ def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
 
     # The same command, resumed (one step more, so the group added above fits the run's G x N groups).
     summary = drive(build(fake_config(5), wd, make_backend=fake_tiny_backend))
-    assert summary["steps"] == 3  # this run trained steps 2, 3 and 4
-    assert summary["run"]["steps"] == 5 and summary["run"]["first_step"] == 0  # the run: every attempt's steps
-    assert summary["run"]["trees"]["trained_rollouts"] > summary["trees"]["trained_rollouts"]
+    assert summary["attempt"]["steps"] == 3  # this attempt trained steps 2, 3 and 4
+    assert summary["steps"] == 5 and summary["first_step"] == 0 and summary["attempts"] == 2  # the run's
+    assert summary["trees"]["trained_rollouts"] > summary["attempt"]["trees"]["trained_rollouts"]
     outs, consumed, unfinished = store_view(wd)
     assert unfinished == []
     for rid, entry in consumed_at_stop.items():
@@ -159,7 +159,8 @@ def test_an_unsurvivable_failure_saves_and_the_rerun_resumes(tmp_path):
     abandoned = [r for r, o in outs.items() if "abandoned" in (o.details.get("error") or "")]
     assert f"{gid}-1" in abandoned and consumed[f"{gid}-1"]["state"] == "dropped"
     assert [r for r in reruns if r.startswith(gid)] == [f"{gid}-{k}.r1" for k in range(4)]
-    assert summary["rerun_rollouts"] == len(reruns) and len(abandoned) <= len(reruns)
+    assert summary["attempt"]["rerun_rollouts"] == summary["rerun_rollouts"] == len(reruns)
+    assert len(abandoned) <= len(reruns)
     # Once more: the run is finished; nothing is trained and its summary is kept as it was.
     assert drive(build(fake_config(5), wd, make_backend=fake_tiny_backend)) == summary
     with open(os.path.join(wd, "summary.json")) as f:

@@ -1,6 +1,8 @@
 """The role policy on hand-made cluster states."""
+import ast
 import collections
 import dataclasses
+import pathlib
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from gyre_jax.scheduler import policy as P
 from gyre_jax.scheduler import modes, vocab
+from gyre_jax.scheduler.costs import move_pays
 
 
 def cells(roles, *, slots=8, calls=None):
@@ -39,9 +42,10 @@ def of(actions, kind):
 def test_two_rollouts_left_keep_one_serving_cell_move_fourteen_to_training():
     # 16 cells: core training, 15 serving; two agents still running (on cell 3), the
     # step's work has arrived. One cell keeps a slot for each agent's next call, the
-    # other 14 go to training.
+    # other 14 go to training (a switch is known to take a second each way).
     s = state(cells=cells(["train"] + ["rollout"] * 15, calls={3: 2}), running_rollouts=2,
-              running_groups=((0, 1),), launched_groups=12, open_step_taken=3, pending_work_s=10_000.0)
+              running_groups=((0, 1),), launched_groups=12, open_step_taken=3, pending_work_s=10_000.0,
+              measured=P.Measured(switch_round_trip_s=2.0))
     c = cfg(total_steps=3, groups_per_step=4, staleness_bound=2)  # nothing left to launch
     acts = P.decide(s, c)
     assert of(acts, P.Launch) == []
@@ -173,6 +177,48 @@ def test_a_cell_goes_back_below_the_split_only_when_a_round_trip_fits_in_a_step(
     cheap = dataclasses.replace(s, measured=dataclasses.replace(m, switch_round_trip_s=9.0))
     assert not P.round_trip_outlasts_step(cheap, c)
     assert of(P.decide(cheap, c), P.ToRollout) == [P.ToRollout(1), P.ToRollout(2), P.ToRollout(3)]
+
+
+def _lending_state(to_train_s, to_rollout_s, work_s):
+    """8 cells of 8 slots: the core and one lent cell training, six serving two agents; ``work_s``
+    cell-seconds of training already there, nothing measured but the switches."""
+    m = P.Measured(switch_to_train_s=to_train_s, switch_to_rollout_s=to_rollout_s,
+                   switch_round_trip_s=to_train_s + to_rollout_s, update_s=0.0)
+    return state(cells=cells(["train"] * 2 + ["rollout"] * 6), running_rollouts=2, running_groups=((0, 1),),
+                 launched_groups=12, open_step_taken=3, pending_work_s=work_s, measured=m)
+
+
+def test_a_switch_starts_only_when_it_pays_before_its_cells_are_needed_back():
+    # Issue 46. 2,800 cell-seconds of work on 2 training cells, a 600 s switch to train and 300 s back:
+    # a third cell would start after the two did 1,200 of it and save 267 s of the rest, less than the
+    # 300 s the next step's agents wait for it to come back. (It was lent: 2,800 / 900 s >= 3 cells.)
+    c = cfg(total_steps=3, groups_per_step=4, staleness_bound=2)
+    assert of(P.decide(_lending_state(600.0, 300.0, 2800.0), c), P.ToTrain) == []
+    # switches of a minute: every spare cell pays (five: one keeps serving the two agents)
+    assert len(of(P.decide(_lending_state(60.0, 30.0, 2800.0), c), P.ToTrain)) == 5
+    # dear to train, cheap back: enough work pays for the wait
+    assert len(of(P.decide(_lending_state(600.0, 10.0, 20_000.0), c), P.ToTrain)) == 5
+    # a move to a better split: 2 steps left arrive after the run's end, 20 pay (step model:
+    # serving 100 and training 100 cell-seconds a step on 8 cells, from 1 training cell to 3)
+    assert not move_pays(8, (100.0, 100.0, 0.0), 1, 3, 600.0, 2.0)
+    assert move_pays(8, (100.0, 100.0, 0.0), 1, 3, 600.0, 20.0)
+    # ... and back down with a dear switch back: 20 steps of 100 s do not pay a 3,000 s one
+    assert not move_pays(8, (100.0, 100.0, 0.0), 5, 3, 3000.0, 20.0)
+
+
+def test_a_switch_of_unknown_cost_is_a_probe():
+    # Nothing measured or given about switches (the RL loop's first run): one cell moves, and no
+    # other until it has arrived; a 600 s switch then costs one cell, not every spare one.
+    s = state(cells=cells(["train"] + ["rollout"] * 15), pending_work_s=10_000.0, launched_groups=12,
+              open_step_taken=3, running_groups=())
+    c = cfg(total_steps=3, groups_per_step=4, staleness_bound=2)
+    assert len(of(P.decide(s, c), P.ToTrain)) == 1
+    moving = dataclasses.replace(s, cells=cells(["train", "to_train"] + ["rollout"] * 14))
+    assert of(P.decide(moving, c), P.ToTrain) == []
+    # the first arrival measured it (or a prior stated it): the rest follow
+    known = dataclasses.replace(moving, cells=cells(["train"] * 2 + ["rollout"] * 14),
+                                measured=P.Measured(switch_to_train_s=1.0))
+    assert len(of(P.decide(known, c), P.ToTrain)) == 14
 
 
 def test_take_reserves_room_for_a_running_group_that_reaches_its_bound():
@@ -356,6 +402,45 @@ def test_one_vocabulary_of_cell_roles_and_modes_and_no_jax_in_the_policy():
     # the built-in modes' names are the vocabulary's, each a registered strategy object
     assert P.MODES is vocab.MODES and vocab.MODES == tuple(m.name for m in modes.BUILTIN)
     assert all(modes.get_mode(m).name == m for m in vocab.MODES)
+
+
+def scheduler_module_imports() -> dict[str, set[str]]:
+    """scheduler module -> the scheduler modules it imports: every import statement, inside
+    functions and under ``if TYPE_CHECKING:`` too (a cycle hidden there is still a cycle)."""
+    root = pathlib.Path(P.__file__).parent
+    out: dict[str, set[str]] = {}
+    for f in sorted(root.glob("*.py")):
+        deps = out.setdefault(f.stem, set())
+        for n in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(n, ast.ImportFrom) and n.module == "gyre_jax.scheduler":
+                deps.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("gyre_jax.scheduler."):
+                deps.add(n.module.split(".")[2])
+            elif isinstance(n, ast.Import):
+                deps.update(a.name.split(".")[2] for a in n.names if a.name.startswith("gyre_jax.scheduler."))
+        deps.discard(f.stem)
+    return out
+
+
+def test_the_policy_modules_import_one_way():
+    """policy.py split into state, policy_config, costs and admission (issue 43 item 5): each imports
+    only those before it, and no scheduler module is in an import cycle (TYPE_CHECKING included)."""
+    g = scheduler_module_imports()
+    order = ["vocab", "state", "policy_config", "costs", "admission", "modes", "policy"]
+    for i, m in enumerate(order):
+        assert g[m] <= set(order[:i]), (m, sorted(g[m] - set(order[:i])))
+    done: set[str] = set()
+
+    def visit(m, path):
+        assert m not in path, "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+        if m not in done:
+            for d in sorted(g.get(m, ())):
+                visit(d, path + [m])
+            done.add(m)
+
+    for m in g:
+        visit(m, [])
+    assert g["__init__"] == {"modes"}  # what makes the built-in modes known to any PolicyConfig
 
 
 def test_multi_step_publishes_every_k_updates():

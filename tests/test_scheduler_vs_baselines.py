@@ -17,8 +17,17 @@ on Dec 2. Elastic took the split minimizing the step model (11 of 16 training: s
 bound), admission stayed pinned to it and the training cells idled ~7% of each step
 (0.97 / 0.95 / 0.93 of colocate at 6 / 12 / 24 steps); it now takes the training-bound
 split beside it (10), whose serving slack is lent to training (1.02 at each length).
+
+Issue 46: where a role switch costs more than a step, elastic is held to the best fixed split with
+streaming included (async_stream at its best split in hindsight): the issue's 8-cell 600 s / 300 s
+case, a split the step model missed that the simulator's pilot finds, and (slow) the first cases of
+tools/search_scheduler.py, the random hunt for such losses.
 """
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,6 +40,7 @@ from gyre_jax.scheduler.workloads import (ClusterConfig, SimConfig, WorkloadConf
                                           mean_call_s, rollouts_for)
 
 FLOOR = 0.98
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def elastic_vs_best_baseline(cfg: SimConfig) -> tuple[float, dict]:
@@ -105,6 +115,46 @@ def test_costly_switches_with_measured_costs_only_never_pay_a_round_trip():
     assert back == [] and el.switches < cfg.cluster.n_cells, el.switches
 
 
+def elastic_over_best_fixed_split(cfg: SimConfig) -> tuple[float, dict]:
+    """Elastic's time over the best fixed split's: async and async_stream (streaming included) at every split."""
+    ro = rollouts_for(cfg)
+    fixed = {f"{m}:{k}": r.makespan_s for m in ("async", "async_stream")
+             for k, r in baselines.async_sweep(cfg, ro, per_step=False, mode=m).by_split.items()}
+    el = simulate(cfg.replace(**{"policy.mode": "elastic"}), rollouts=ro, record_decisions=False)
+    best = min(fixed, key=fixed.__getitem__)
+    return el.makespan_s / fixed[best], dict(elastic=el.makespan_s, best=best, best_s=fixed[best], switches=el.switches)
+
+
+def test_issue_46_eight_cells_switches_of_600_and_300_s():
+    # Issue 46: 8 cells, the one-wave short workload (~25 s steps), 8 steps, 600 s to train and 300 s
+    # back. With the pilot's costs elastic runs as the best fixed split (no switch pays in ~190 s).
+    cfg = presets.short_one_wave("elastic", steps=8, accelerators=128).replace(
+        **{"cluster.switch_to_train_s": 600.0, "cluster.switch_to_rollout_s": 300.0})
+    ratio, info = elastic_over_best_fixed_split(cfg)
+    assert ratio <= 1.02 and info["switches"] == 0, info
+    # Blind (the RL loop's first run) it cannot know the split before the first step nor a switch's
+    # cost before one arrives: it bets one cell on a switch of unknown cost, not four (331 s either
+    # way, the split it starts at: docs/design.md says why no blind policy can promise 1.02 here).
+    blind = simulate(cfg.replace(model_priors=False), record_decisions=False)
+    assert blind.switches <= 1, blind.switches
+
+
+def test_a_pilot_finds_the_split_the_step_model_misses():
+    # Found by tools/search_scheduler.py: 10 cells of 2 slots, groups of 8, 3 calls per rollout, switches
+    # of 389 s / 4,001 s (a step is ~115 s). The step model's split (5 training) ran 1.25x the best fixed
+    # one (4): groups are admitted whole, and 10 slots hold one group of 8 where 12 start a second one
+    # sooner. The pilot runs its first step's rollouts at the model's split and its neighbours.
+    wl = WorkloadConfig(name="search", calls_median=3.0, calls_shape=0.5764, calls_max=18, decode_tokens_median=90.85,
+                        decode_tokens_sigma=0.4678, context_tokens_median=1955.2, context_tokens_sigma=0.583,
+                        decode_tok_s=31.56, prefill_tok_s=3240.8, tool_s_median=0.0, tool_s_sigma=0.0,
+                        train_tokens_per_s_per_cell=1469.86, optimizer_s=15.68)
+    cl = ClusterConfig(accelerators=10, cell_size=1, slots_per_cell=2, switch_to_train_s=389.4,
+                       switch_to_rollout_s=4000.7, publish_s=9.31)
+    pol = PolicyConfig(mode="elastic", total_steps=5, groups_per_step=8, group_size=8, staleness_bound=2)
+    ratio, info = elastic_over_best_fixed_split(SimConfig(cluster=cl, workload=wl, policy=pol, seed=369))
+    assert ratio <= 1.02, info
+
+
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=workloads(max_steps=6))
 def test_elastic_within_2pct_of_the_best_baseline(cfg):
@@ -137,3 +187,13 @@ def training_heavy_one_accelerator_cells(steps: int = 12) -> SimConfig:
 def test_training_heavy_one_accelerator_cells():  # was 0.945 of colocate: the serving-bound split idled training
     ratio, info = elastic_vs_best_baseline(training_heavy_one_accelerator_cells())
     assert ratio >= FLOOR, info
+
+
+@pytest.mark.slow
+def test_the_loss_search_finds_none_on_its_first_cases():
+    """tools/search_scheduler.py (issue 46's hunt: random clusters, workloads and switches that cost 1-20
+    steps) on its first cases of seed 0: elastic within 2% of the best fixed split on each."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "search_scheduler.py"), "--cases", "6",
+                          "--max-cells", "8"], capture_output=True, text=True, check=True, timeout=1800)
+    final = json.loads(out.stdout.strip().splitlines()[-1])
+    assert final["losses"] == [] and final["worst_elastic_over_best_fixed"] <= 1.02, out.stdout

@@ -91,9 +91,11 @@ def test_serve_command_answers_both_apis_and_stops_cleanly(tmp_path):
     store.close()
 
 
-def test_serve_builds_on_a_hf_checkpoint(tmp_path):
+@pytest.mark.parametrize("fmt", ["dir", "gguf"])
+def test_serve_builds_on_a_hf_checkpoint(tmp_path, fmt):
     """config.model.hf_path: the checkpoint's shape, weights, tokenizer and chat template are served
-    (in-process: build_server, one call through the real proxy, recorded with the template's prompt)."""
+    (in-process: build_server, one call through the real proxy, recorded with the template's prompt).
+    ``gguf``: the same checkpoint as one .gguf file (weights, tokenizer and template from its metadata)."""
     import importlib.util
 
     from gyre_jax.serving.serve_job import build_server
@@ -103,7 +105,13 @@ def test_serve_builds_on_a_hf_checkpoint(tmp_path):
 
     ck = str(tmp_path / "ck")
     n = write_tiny_hf_tokenizer(ck, "qwen3")
-    write_tiny_hf_checkpoint(ck, "qwen3", vocab_size=n + 1, seed=1)
+    hf_cfg, tensors = write_tiny_hf_checkpoint(ck, "qwen3", vocab_size=n + 1, seed=1)
+    if fmt == "gguf":
+        pytest.importorskip("gguf")
+        from gyre_jax.testing.tiny_gguf import gguf_tokenizer_fields, write_tiny_gguf
+
+        ref_dir, ck = ck, str(tmp_path / "m.gguf")
+        write_tiny_gguf(ck, hf_cfg, tensors, tokenizer=gguf_tokenizer_fields(ref_dir))
     spec = importlib.util.spec_from_file_location("serve_cfg", os.path.join(ROOT, "configs", "serve.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -121,5 +129,8 @@ def test_serve_builds_on_a_hf_checkpoint(tmp_path):
         server.stop()
     [call] = store.calls("r-hf")
     ref = load_tokenizer(f"hf:{ck}")
+    if fmt == "gguf":  # the file's tokenizer is the directory's
+        d = load_tokenizer(f"hf:{ref_dir}")
+        assert ref.render_chat(messages) == d.render_chat(messages) and ref.stop_ids == d.stop_ids
     assert list(call.prompt_ids) == ref.render_chat(messages) and type(tok) is type(ref)
     store.close()

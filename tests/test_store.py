@@ -372,19 +372,20 @@ def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_wri
     """ENOSPC (a real one, from /dev/full) on the log, the cursor and the quarantine: a StorageError naming
     the file; the index, the log and the cursor stay what they were, and appends work again once there is room."""
     from gyre_jax.errors import StorageError
+    from gyre_jax.trajectory import cursor as cursor_mod
     from gyre_jax.trajectory import store as store_mod
 
     s = TrajectoryStore(str(tmp_path / "s"), run_id="run")
     s.append(call("a", 0))
     s.append(outcome("a"))
     size = os.path.getsize(tmp_path / "s" / LOG_NAME)
-    healthy, s._wfd = s._wfd, os.open("/dev/full", os.O_WRONLY)
+    healthy, s._log._wfd = s._log._wfd, os.open("/dev/full", os.O_WRONLY)
     with pytest.raises(StorageError, match="No space left on device") as e:
         s.append(call("b", 0))
     assert str(tmp_path / "s" / LOG_NAME) in str(e.value)
     assert os.path.getsize(tmp_path / "s" / LOG_NAME) == size and s.rollout_ids() == ["a"]
-    os.close(s._wfd)
-    s._wfd = healthy
+    os.close(s._log._wfd)
+    s._log._wfd = healthy
     s.append(call("b", 0))  # room again: the same record goes in
     assert sorted(s.rollout_ids()) == ["a", "b"]
 
@@ -401,7 +402,7 @@ def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_wri
     assert s.consumed() == {}  # memory says what the disk says
     assert os.path.getsize(tmp_path / "s" / "cursor.jsonl") == 0  # the half line was cut back
     monkeypatch.undo()
-    monkeypatch.setattr(store_mod, "_atomic_write_json", full)
+    monkeypatch.setattr(cursor_mod, "_atomic_write_json", full)
     with pytest.raises(StorageError, match="cursor.json"):
         s.restore_cursor(s.cursor_state())
     monkeypatch.setattr(store_mod, "_append_line", full)
@@ -424,7 +425,7 @@ def _store_with_outcomes(d, n):
 def test_cursor_is_an_append_only_journal_with_compaction(tmp_path, monkeypatch):
     """One short line per consumed step, not a rewrite of the whole cursor (O(steps^2) bytes over a run);
     compaction into the snapshot keeps the bytes written linear, and every reopen reads the same cursor."""
-    from gyre_jax.trajectory import store as store_mod
+    from gyre_jax.trajectory import cursor as store_mod
 
     d = str(tmp_path)
     st = _store_with_outcomes(d, 40)
@@ -467,7 +468,8 @@ def test_cursor_journal_torn_tail_damage_and_stale_epochs(tmp_path, monkeypatch)
     st = TrajectoryStore(d)
     ckpt = st.cursor_state()
     st.mark_trained(["r3"], step=3)
-    monkeypatch.setattr(TrajectoryStore, "_truncate_journal", lambda self, n: (_ for _ in ()).throw(OSError(5, "EIO")))
+    from gyre_jax.trajectory.cursor import Cursor
+    monkeypatch.setattr(Cursor, "_truncate_journal", lambda self, n: (_ for _ in ()).throw(OSError(5, "EIO")))
     st.restore_cursor(dict(ckpt, consumed={k: v for k, v in ckpt["consumed"].items() if k == "r0"}))
     monkeypatch.undo()
     st.mark_trained(["r2"], step=2)
@@ -501,7 +503,7 @@ def test_a_cursor_json_from_before_the_journal_still_resumes(tmp_path):
 
 MARKER = textwrap.dedent("""
     import sys
-    from gyre_jax.trajectory import store as store_mod
+    from gyre_jax.trajectory import cursor as store_mod
     from gyre_jax.trajectory.store import TrajectoryStore
     store_mod.CURSOR_COMPACT_MIN_BYTES = 0  # compact as often as the rule allows: kills land in compactions too
     st = TrajectoryStore(sys.argv[1])
@@ -533,7 +535,7 @@ def test_kill_9_while_marking_keeps_every_acknowledged_step(tmp_path):
 def _cursor_bytes(d: str, steps: int, monkeypatch) -> tuple[list[int], int]:
     """Bytes the cursor writes (journal lines + snapshots) at each of ``steps`` steps of 4 rollouts, and the
     size of the snapshot that holds all of them."""
-    from gyre_jax.trajectory import store as store_mod
+    from gyre_jax.trajectory import cursor as store_mod
 
     st = TrajectoryStore(d, run_id="run", config=StoreConfig(fsync="never"))
     for s in range(steps):

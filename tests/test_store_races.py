@@ -15,7 +15,9 @@ import sys
 import textwrap
 import threading
 
+from gyre_jax.trajectory import cursor as cursor_mod
 from gyre_jax.trajectory import store as store_mod
+from gyre_jax.trajectory.cursor import Cursor
 from gyre_jax.trajectory.store import LOG_NAME, TrajectoryStore
 from test_store import call, outcome
 
@@ -23,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 READER = textwrap.dedent("""
     import sys
-    from gyre_jax.trajectory import store as store_mod
+    from gyre_jax.trajectory import frame_log as store_mod
     from gyre_jax.trajectory.store import TrajectoryStore
 
     real_scan, paused = store_mod._scan, []
@@ -79,11 +81,11 @@ def test_a_reader_loading_the_cursor_during_a_compaction_sees_every_consumed_rol
     for i in range(12):
         w.append(call(f"r{i}", 0))
         w.append(outcome(f"r{i}"))
-    monkeypatch.setattr(store_mod, "CURSOR_COMPACT_MIN_BYTES", 1 << 30)  # ten journal lines, no snapshot yet
+    monkeypatch.setattr(cursor_mod, "CURSOR_COMPACT_MIN_BYTES", 1 << 30)  # ten journal lines, no snapshot yet
     for i in range(10):
         w.mark_trained([f"r{i}"], step=i)
     snapshot_read, compacted = threading.Event(), threading.Event()
-    real_check = TrajectoryStore._check_cursor
+    real_check = Cursor.check
 
     def check_cursor(self, state):  # called between reading the snapshot and reading the journal
         if not self.writable and not snapshot_read.is_set():
@@ -91,12 +93,12 @@ def test_a_reader_loading_the_cursor_during_a_compaction_sees_every_consumed_rol
             assert compacted.wait(60)
         return real_check(self, state)
 
-    monkeypatch.setattr(TrajectoryStore, "_check_cursor", check_cursor)
+    monkeypatch.setattr(Cursor, "check", check_cursor)
     seen: list = []
     reader = threading.Thread(target=lambda: seen.append(TrajectoryStore(d, writable=False).consumed()))
     reader.start()
     assert snapshot_read.wait(60)
-    monkeypatch.setattr(store_mod, "CURSOR_COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr(cursor_mod, "CURSOR_COMPACT_MIN_BYTES", 0)
     w.mark_trained(["r10"], step=10)  # the journal outgrows the (absent) snapshot: compacted, then emptied
     assert os.path.getsize(os.path.join(d, "cursor.jsonl")) == 0
     compacted.set()

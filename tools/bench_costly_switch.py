@@ -11,9 +11,7 @@ seeded_vs_best_async (best async makespan / seeded makespan; 1.0 = the best fixe
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +22,8 @@ from gyre_jax.scheduler import costs_file, workloads  # noqa: E402
 from gyre_jax.scheduler import policy as P  # noqa: E402
 from gyre_jax.scheduler.controller import Controller  # noqa: E402
 from gyre_jax.testing.fake_cluster import fake_cluster, tiny_sim_config  # noqa: E402
+
+import benchkit  # noqa: E402
 
 
 def run(cfg, policy):
@@ -41,12 +41,13 @@ def run(cfg, policy):
     return fc.clock.now(), ctl.switches, roles, ctl.estimates.measured()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick={"steps": 2})
+    ap = bench.parser
     ap.add_argument("--to-train-s", type=float, default=600.0)
     ap.add_argument("--to-rollout-s", type=float, default=300.0)
     ap.add_argument("--steps", type=int, default=8)
-    a = ap.parse_args()
+    a = bench.parse(argv)
     cfg = tiny_sim_config("elastic", **{"cluster.switch_to_train_s": a.to_train_s,
                                         "cluster.switch_to_rollout_s": a.to_rollout_s, "policy.total_steps": a.steps})
     blind = run(cfg, cfg.policy)
@@ -62,7 +63,7 @@ def main():
     print(f"{'elastic, seeded by blind':28s} {seeded[0]:10.0f} {seeded[1]:8d}  {seeded[2]}")
     for k, t in fixed.items():
         print(f"{f'async_stream, {k} training':28s} {t:10.0f} {0:8d}{'  (best)' if k == best else ''}")
-    print(json.dumps({
+    return bench.emit({
         "switch_to_train_s": a.to_train_s, "switch_to_rollout_s": a.to_rollout_s, "steps": a.steps,
         "cells": cfg.cluster.n_cells, "groups_per_step": cfg.policy.groups_per_step,
         "group_size": cfg.policy.group_size,
@@ -71,7 +72,8 @@ def main():
         "best_async_split": best, "best_async_makespan_s": round(fixed[best], 1),
         "seeded_vs_best_async": round(fixed[best] / seeded[0], 4),
         "blind_vs_best_async": round(fixed[best] / blind[0], 4),
-    }))
+    }, sizes={"steps": a.steps, "cells": cfg.cluster.n_cells, "groups_per_step": cfg.policy.groups_per_step,
+              "group_size": cfg.policy.group_size})
 
 
 if __name__ == "__main__":

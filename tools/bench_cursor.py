@@ -13,20 +13,19 @@ rewrite_ms_per_step, journal_ms_last_100, rewrite_ms_last_100, compactions.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gyre_jax.trajectory import store as store_mod  # noqa: E402
+from gyre_jax.trajectory import cursor as store_mod  # noqa: E402
 from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome  # noqa: E402
 from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore  # noqa: E402
+
+import benchkit  # noqa: E402
 
 
 def _fill(d: str, steps: int, per: int) -> TrajectoryStore:
@@ -47,7 +46,7 @@ def run(kind: str, steps: int, per: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         st = _fill(d, steps, per)
         written, snaps, times = [0], [0], []
-        real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore._journal_write
+        real_atomic, real_write = store_mod._atomic_write_json, TrajectoryStore.journal_write
 
         def atomic(path, obj):
             real_atomic(path, obj)
@@ -59,42 +58,43 @@ def run(kind: str, steps: int, per: int) -> dict:
             return real_write(fd, line, offset)
 
         store_mod._atomic_write_json = atomic
-        TrajectoryStore._journal_write = staticmethod(jwrite)
+        TrajectoryStore.journal_write = staticmethod(jwrite)
         try:
             for s in range(steps):
                 ids = [f"g{s:05d}-{k}" for k in range(per)]
-                t0 = time.perf_counter()
-                if kind == "journal":
-                    st.mark_trained(ids, step=s)
-                else:  # before: memory, then the whole cursor rewritten
-                    for rid in ids:
-                        st._consumed[rid] = {"state": "trained", "step": s, "reason": None,
-                                             "outcome_offset": st._rollouts[rid].outcome[0]}
-                    atomic(os.path.join(d, "cursor.json"), st.cursor_state())
-                times.append(time.perf_counter() - t0)
+                with benchkit.Stopwatch() as sw:
+                    if kind == "journal":
+                        st.mark_trained(ids, step=s)
+                    else:  # before: memory, then the whole cursor rewritten
+                        for rid in ids:
+                            st._cursor.consumed[rid] = {"state": "trained", "step": s, "reason": None,
+                                                        "outcome_offset": st._rollouts[rid].outcome[0]}
+                        atomic(os.path.join(d, "cursor.json"), st.cursor_state())
+                times.append(sw.s)
         finally:
-            store_mod._atomic_write_json, TrajectoryStore._journal_write = real_atomic, real_write
+            store_mod._atomic_write_json, TrajectoryStore.journal_write = real_atomic, staticmethod(real_write)
         st.close()
         return dict(bytes=written[0], snapshots=snaps[0], ms_per_step=1e3 * float(np.mean(times)),
                     ms_last_100=1e3 * float(np.mean(times[-100:])))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick={"steps": 20, "rollouts_per_step": 8})
+    ap = bench.parser
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--rollouts-per-step", type=int, default=64)
-    a = ap.parse_args()
+    a = bench.parse(argv)
     j = run("journal", a.steps, a.rollouts_per_step)
     r = run("rewrite", a.steps, a.rollouts_per_step)
     print(f"{'cursor':<8} {'bytes':>12} {'snapshots':>9} {'ms/step':>8} {'ms/step last 100':>16}")
     for name, x in (("journal", j), ("rewrite", r)):
         print(f"{name:<8} {x['bytes']:>12,} {x['snapshots']:>9} {x['ms_per_step']:>8.2f} {x['ms_last_100']:>16.2f}")
-    print(json.dumps(dict(steps=a.steps, rollouts_per_step=a.rollouts_per_step, journal_bytes=j["bytes"],
+    return bench.emit(dict(steps=a.steps, rollouts_per_step=a.rollouts_per_step, journal_bytes=j["bytes"],
                           rewrite_bytes=r["bytes"], bytes_ratio=round(r["bytes"] / j["bytes"], 1),
                           journal_bytes_per_step=round(j["bytes"] / a.steps), rewrite_bytes_per_step=round(r["bytes"] / a.steps),
                           journal_ms_per_step=round(j["ms_per_step"], 3), rewrite_ms_per_step=round(r["ms_per_step"], 3),
                           journal_ms_last_100=round(j["ms_last_100"], 3), rewrite_ms_last_100=round(r["ms_last_100"], 3),
-                          compactions=j["snapshots"])))
+                           compactions=j["snapshots"]), sizes={"steps": a.steps, "rollouts_per_step": a.rollouts_per_step})
 
 
 if __name__ == "__main__":

@@ -30,16 +30,13 @@ Prints a table, then ONE JSON line:
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import re
 import secrets
 import shutil
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -50,6 +47,7 @@ from gyre_jax.agents import sandbox as sb  # noqa: E402
 from gyre_jax.agents.config import HarnessConfig  # noqa: E402
 from gyre_jax.agents.harness import RolloutRequest, run_rollouts  # noqa: E402
 from gyre_jax.agents.harnesses import make_harness  # noqa: E402
+from gyre_jax.agents.task_check import solution_command  # noqa: E402
 from gyre_jax.agents.tasks import dataset  # noqa: E402
 from gyre_jax.serving.proxy import Proxy, ProxyConfig  # noqa: E402
 from gyre_jax.serving.router import Router  # noqa: E402
@@ -57,6 +55,8 @@ from gyre_jax.serving.server_thread import ServerThread  # noqa: E402
 from gyre_jax.serving.tokenizer import ByteTokenizer  # noqa: E402
 from gyre_jax.testing.fake_backend import FakeBackend  # noqa: E402
 from gyre_jax.trajectory.store import TrajectoryStore  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 TOK = ByteTokenizer()
 IM_END = TOK.special["<|im_end|>"]
@@ -133,7 +133,7 @@ def live(args) -> dict:
                  f"open('.probe_net','w').write(str(s.connect_ex(('127.0.0.1', {port_box[0]}))))\"; "
                  f"touch /tmp/{canary} {sys.prefix}/{canary} {host_dir}/{canary} 2>/dev/null; true")
         return [f"Check the sandbox.\n{FENCE}mswea_bash_command\n{probe}\n{FENCE}",
-                f"Solve it.\n{FENCE}mswea_bash_command\n{task.metadata['solution']}\n{FENCE}",
+                f"Solve it.\n{FENCE}mswea_bash_command\n{solution_command(task.metadata['solution'])}\n{FENCE}",
                 f"Done.\n{FENCE}mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n{FENCE}"]
 
     def script_for(req):
@@ -170,12 +170,12 @@ def live(args) -> dict:
     reqs = [RolloutRequest(rollout_id=f"r{i:04d}", task=tasks[i % len(tasks)], group_id=f"g{i:04d}")
             for i in range(args.rollouts)]
     load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     print(f"bench_external: {args.rollouts} mini-swe-agent rollouts, {args.concurrency} at a time, "
           f"{len(tasks)} tasks of {args.tasks}", flush=True)
     results = asyncio.run(run_rollouts(reqs, hc, workspace_root=os.path.join(tmp, "ws"), harness=harness,
                                        keys=st.proxy))
-    wall = time.perf_counter() - t0
+    wall = sw.s
     st.stop()
     escapes = probes = 0
     overheads, rows = [], []
@@ -183,6 +183,8 @@ def live(args) -> dict:
         calls = store.calls(r.rollout_id) if r.rollout_id in store.rollout_ids() else []
         if not calls:
             print(f"{r.rollout_id}: no recorded call ({r.status}: {r.error}); harness output:\n{r.output_tail[-1500:]}")
+        elif r.status not in ("completed", "timeout"):
+            print(f"{r.rollout_id}: {r.status}: {r.reason}: {(r.error or '')[-600:]}")
         mt = _model_time(calls)
         overheads.append(r.wall_time_s - mt)
         net = os.path.join(r.workspace, ".probe_net")
@@ -227,14 +229,15 @@ def audit(workdir: str) -> dict:
     return {"run_" + k: v for k, v in out.items()}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(rollouts=1, concurrency=1))
+    ap = bench.parser
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--deadline_s", type=float, default=180.0)
     ap.add_argument("--tasks", default=os.path.join(ROOT, "examples", "tasks", "tasks.jsonl"))
     ap.add_argument("--workdir", default="", help="also audit this finished run's store")
-    args = ap.parse_args()
+    args = bench.parse(argv)
     out = live(args)
     print(f"{'rollouts':>9} {'calls':>6} {'calls/r':>8} {'matched':>8} {'prefix':>7} {'escapes':>8} "
           f"{'overhead_s':>10} {'reward':>7}")
@@ -243,7 +246,8 @@ def main():
           f"{out['overhead_s_per_rollout']:10.2f} {out['reward_mean']:7.3f}")
     if args.workdir:
         out.update(audit(args.workdir))
-    print(json.dumps(out))
+    return bench.emit(out, sizes=dict(rollouts=args.rollouts, concurrency=args.concurrency, deadline_s=args.deadline_s,
+                                      tasks=os.path.relpath(args.tasks, ROOT)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Paged vs contiguous KV cache: memory per live token, calls admitted, decode tokens/s (issue 30).
 
     python tools/bench_kv.py                 # ~3-6 min on 2 busy cores
-    python tools/bench_kv.py --quick         # smaller decode part (max_len 8192), ~1 min
+    python tools/bench_kv.py --quick         # a smoke run: 16 groups, a tiny decode part (max_len 512)
 
 Workload (seeded): groups of ``--group`` concurrent calls (the samples or sub-agents of one
 rollout) share a task prefix; prompt lengths are log-uniform in [100, 30,000] tokens, the
@@ -33,15 +33,14 @@ the ideal bytes of its live tokens (contiguous: 6.83x), admits 84 calls where 16
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+import benchkit  # noqa: E402
 
 MAX_TOKENS = 1024
 
@@ -141,13 +140,13 @@ def decode_part(args) -> dict:
         ds, res = eng.generate(eng.params_ref, ds)  # first call (compiles on the first repeat)
         np.asarray(res.data)
         out = [[] for _ in blocks]
-        t0 = time.perf_counter()
-        for _ in range(args.decode_calls - 1):
-            ds, res = eng.generate(eng.params_ref, ds)
-            data = np.asarray(res.data)
-            for s in range(len(blocks)):
-                out[s] += [t for t, _ in decode_result_pairs(data[s, : 2 * args.tokens_per_call])]
-        dt = time.perf_counter() - t0
+        with benchkit.Stopwatch() as sw:
+            for _ in range(args.decode_calls - 1):
+                ds, res = eng.generate(eng.params_ref, ds)
+                data = np.asarray(res.data)
+                for s in range(len(blocks)):
+                    out[s] += [t for t, _ in decode_result_pairs(data[s, : 2 * args.tokens_per_call])]
+        dt = sw.s
         for s in range(len(blocks)):
             eng.release(f"r{rep}-{s}", snapshot=False)
         eng._service(ds)
@@ -169,8 +168,10 @@ def decode_part(args) -> dict:
                 decode_context_lengths=[int(n) for n in lens])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(groups=16, decode_slots=2, decode_max_len=512, decode_calls=3,
+                                                        repeats=1))
+    ap = bench.parser
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=32_768)
     ap.add_argument("--page-size", type=int, default=16)
@@ -182,10 +183,7 @@ def main():
     ap.add_argument("--decode-calls", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="decode part at max_len 8192, 2 repeats")
-    args = ap.parse_args()
-    if args.quick:
-        args.decode_max_len, args.repeats = 8192, 2
+    args = bench.parse(argv)
     mem = memory_part(args)
     print(f"{'cache':>10} {'calls admitted':>15} {'KV bytes / live ideal':>22}")
     print(f"{'contiguous':>10} {mem['calls_admitted_contiguous']:>15} {mem['kv_bytes_over_live_tokens_ideal_contiguous']:>22.3f}")
@@ -197,7 +195,7 @@ def main():
                  group=args.group, max_tokens=MAX_TOKENS, tokens_per_call=args.tokens_per_call,
                  decode_slots=args.decode_slots, decode_max_len=args.decode_max_len, decode_calls=args.decode_calls,
                  repeats=args.repeats, model="model_config_tiny (2 layers, 2 kv heads x 8, f32)")
-    print(json.dumps({**mem, **dec, "sizes": sizes}))
+    return bench.emit({**mem, **dec}, sizes=sizes)
 
 
 if __name__ == "__main__":

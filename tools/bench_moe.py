@@ -14,15 +14,16 @@ worst-case buffers), not a speed-up; on accelerators each device brings its own 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
+
+import benchkit
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(tokens=64, d_model=32, experts=4, expert_width=32, repeat=1,
+                                                        ep="1,2", serve_slots=2, tokens_per_call=2))
+    ap = bench.parser
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--experts", type=int, default=16)
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ep", default="1,2,4", help="expert-parallel degrees to time")
     ap.add_argument("--serve-slots", type=int, default=16, help="decode slots of the serving runs (0: skip them)")
     ap.add_argument("--tokens-per-call", type=int, default=8)
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
     degrees = [int(x) for x in args.ep.split(",")]
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(degrees)}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,14 +56,8 @@ def main(argv=None) -> int:
 
         return jax.jit(jax.value_and_grad(loss))
 
-    def timed(fn, *a):
-        jax.block_until_ready(fn(*a))  # compile
-        best = float("inf")
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            best = min(best, time.perf_counter() - t0)
-        return best
+    def timed(fn, *a):  # the first call compiles
+        return benchkit.best_of(lambda: jax.block_until_ready(fn(*a)), args.repeat, warmup=1)
 
     rows = []
     for impl in ("ragged", "dense"):
@@ -89,8 +84,9 @@ def main(argv=None) -> int:
         tokens=args.tokens, d_model=args.d_model, experts=args.experts, top_k=args.top_k,
         expert_width=args.expert_width, backend=jax.default_backend(), devices=len(jax.devices()),
     )
-    print(json.dumps(final))
-    return 0
+    return bench.emit(final, sizes=dict(tokens=args.tokens, d_model=args.d_model, experts=args.experts, top_k=args.top_k,
+                                        expert_width=args.expert_width, ep=degrees, serve_slots=args.serve_slots,
+                                        tokens_per_call=args.tokens_per_call, repeat=args.repeat))
 
 
 def _serve_decode(args, cfg, p: int, timed) -> float:
@@ -124,4 +120,4 @@ def _serve_decode(args, cfg, p: int, timed) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

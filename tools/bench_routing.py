@@ -18,24 +18,20 @@ a few small functions (~30 CPU-s).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
+
+import benchkit
 
 
 def _best(fn, repeat):
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return benchkit.best_of(fn, repeat)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(layers=4, top_k=2, experts=8, calls=2, prompt=64, output=16,
+                                                        repeat=1, fidelity_tokens=2, fidelity_seqs=1))
+    ap = bench.parser
     ap.add_argument("--layers", type=int, default=48, help="MoE layers")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
@@ -45,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--fidelity-tokens", type=int, default=48, help="tokens sampled per sequence (0: skip)")
     ap.add_argument("--fidelity-seqs", type=int, default=4)
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import numpy as np
 
@@ -112,8 +108,8 @@ def main(argv=None) -> int:
         print(f"{'  tokens routed unlike sampling (fraction)':44s} {fid['mismatch_live']:12.4f} {fid['mismatch_replay']:12.4f}")
         print(f"{'  max |train - sampled log-prob|':44s} {fid['max_err_live']:12.4f} {fid['max_err_replay']:12.4f}")
         print(f"{'  mean |train - sampled log-prob|':44s} {fid['mean_err_live']:12.5f} {fid['mean_err_replay']:12.5f}")
-    print(json.dumps({
-        "bench": "routing_record", "moe_layers": args.layers, "top_k": args.top_k, "experts": args.experts,
+    return bench.emit({
+        "moe_layers": args.layers, "top_k": args.top_k, "experts": args.experts,
         "routing_width": width, "calls": args.calls, "prompt_tokens": args.prompt, "output_tokens_per_call": args.output,
         "generated_tokens": gen, "row_len": timings[True]["row_len"],
         "record_bytes_per_generated_token": 8 + rec_per_tok, "routing_bytes_per_generated_token": rec_per_tok,
@@ -122,8 +118,9 @@ def main(argv=None) -> int:
         **{f"{k[:-2]}_ms" + ("" if r else "_without"): v * 1e3
            for r in (True, False) for k, v in timings[r].items() if k.endswith("_s")},
         **fid,
-    }))
-    return 0
+    }, sizes=dict(moe_layers=args.layers, top_k=args.top_k, experts=args.experts, calls=args.calls,
+                  prompt_tokens=args.prompt, output_tokens_per_call=args.output, repeat=args.repeat,
+                  fidelity_tokens=args.fidelity_tokens, fidelity_seqs=args.fidelity_seqs))
 
 
 def fidelity(n_seqs: int, n_tok: int) -> dict:
@@ -179,4 +176,4 @@ def fidelity(n_seqs: int, n_tok: int) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -20,12 +20,8 @@ the *selected* tree (what is packed); ``tree_unique_tokens`` is the whole tree's
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
-
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +29,8 @@ from gyre_jax.trajectory.processor import ProcessorConfig, process_step  # noqa:
 from gyre_jax.trajectory.select import SelectConfig, select_paths  # noqa: E402
 from gyre_jax.trajectory.synth import PRESETS, preset, synth_rollout  # noqa: E402
 from gyre_jax.trajectory.tree import build_tree  # noqa: E402
+
+import benchkit  # noqa: E402
 
 
 def _rollout(preset_name: str, seed: int, index: int = 0):
@@ -60,8 +58,9 @@ def lower_bound(calls, mode: str, row_len: int) -> float:
     return (u + (rows - 1) * r) / u
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(preset="tiny", repeats=1, cp_row_len=16384, step_rollouts=2))
+    ap = bench.parser
     ap.add_argument("--preset", default="paper", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="priority", help="selection mode of the final JSON line")
@@ -73,13 +72,11 @@ def main(argv=None):
                          "gyre_jax/model/context_parallel.py); 0: skip")
     ap.add_argument("--step-rollouts", type=int, default=8,
                     help="also pack a step of this many rollouts (one group) to show cross-rollout fill; 0: skip")
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
 
-    t0 = time.perf_counter()
-    calls, outcome = _rollout(args.preset, args.seed)
-    gen_s = time.perf_counter() - t0
+    (calls, outcome), gen_s = benchkit.timed(_rollout, args.preset, args.seed)
     recorded = sum(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
     max_ctx = max(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
     base_L = args.row_len or -(-max_ctx // 1024) * 1024
@@ -132,7 +129,7 @@ def main(argv=None):
 
     st, lb = results[(args.mode, base_L)]
     secs = st.seconds["total"]
-    print(json.dumps({
+    return bench.emit({
         "preset": args.preset, "mode": args.mode, "row_len": base_L, "calls": len(calls),
         "recorded_tokens": st.recorded_tokens,
         "unique_tokens": st.selected_tokens,
@@ -152,7 +149,8 @@ def main(argv=None):
         "seconds_by_phase": {k: round(v, 4) for k, v in st.seconds.items()},
         "recorded_tokens_per_s": round(st.recorded_tokens / secs),
         "targets_met": bool(st.packed_over_unique <= 1.02 and secs <= 5.0),
-    }))
+    }, sizes=dict(preset=args.preset, seed=args.seed, mode=args.mode, row_len=base_L, repeats=args.repeats,
+                  cp_row_len=args.cp_row_len, step_rollouts=args.step_rollouts))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,8 @@ expanded / unique tree tokens.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
 # Run from a checkout without installing: put the repo root on the path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,9 +39,15 @@ from gyre_jax.trajectory.binpack import first_fit_decreasing, pack_trees
 from gyre_jax.trajectory.node import TreeNode
 from gyre_jax.trajectory.serialize import PAD_ID, serialize_tree
 
+import benchkit  # noqa: E402 (tools/, beside this script)
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+BENCH = dict(quick=dict(row_len=64, packed_rows=1, prompt_len=8, depth=2, node_len=4, max_branches=2, vocab=64,
+                        d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, iters=1))
+
+
+def parse_args(argv=None, bench=None):
+    bench = bench or benchkit.Bench(__file__, __doc__, **BENCH)
+    p = bench.parser
     p.add_argument("--row_len", type=int, default=512, help="L, tokens per row (both layouts)")
     p.add_argument("--packed_rows", type=int, default=8, help="generate trees to fill about this many packed rows")
     p.add_argument("--prompt_len", type=int, default=96, help="shared prompt tokens at each tree root (+-25%%)")
@@ -60,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--d_ff", type=int, default=384)
     p.add_argument("--iters", type=int, default=4, help="timed iterations per layout, interleaved (after one warm-up each)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    return bench.parse(argv)
 
 
 def make_tree(rng, args) -> TreeNode:
@@ -158,20 +161,18 @@ def time_layouts(step, params, batches, iters):
     batches = {k: jax.device_put(b) for k, b in batches.items()}
     warm, loss = {}, {}
     for name, batch in batches.items():
-        t0 = time.perf_counter()
-        loss[name] = float(jax.block_until_ready(step(params, batch))[0])
-        warm[name] = time.perf_counter() - t0
+        out, warm[name] = benchkit.timed(lambda: jax.block_until_ready(step(params, batch)))
+        loss[name] = float(out[0])
     times = {k: [] for k in batches}
     for _ in range(iters):
         for name, batch in batches.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(params, batch))
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(benchkit.timed(lambda: jax.block_until_ready(step(params, batch)))[1])
     return times, warm, loss
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, **BENCH)
+    args = parse_args(argv, bench)
     rng = np.random.default_rng(args.seed)
     trees = make_trees(rng, args)
     unique = sum(t.num_tokens() for t in trees)
@@ -221,7 +222,7 @@ def main(argv=None):
           f"\nspeedup = expanded_time / packed_time = {speedup:.2f}; target >= 0.8 x dedup = {0.8 * dedup:.2f}"
           f"\n(a row costs the same in both layouts, so the noise-free speedup is the row ratio "
           f"{results['expanded']['rows'] / results['packed']['rows']:.2f}; the gap to dedup is bin-packing fill)")
-    print(json.dumps({
+    return bench.emit({
         "dedup_factor": round(dedup, 3),
         "packed_tokens_per_s": round(unique / results["packed"]["time"], 1),
         "expanded_tokens_per_s": round(unique / results["expanded"]["time"], 1),
@@ -231,7 +232,8 @@ def main(argv=None):
         "expanded_rows": results["expanded"]["rows"],
         "unique_tokens": unique,
         "expanded_tokens": expanded,
-    }))
+    }, sizes=dict(row_len=args.row_len, trees=len(trees), unique_tokens=unique, params=count_params(params),
+                  d_model=cfg.d_model, n_layers=cfg.n_layers, iters=args.iters))
 
 
 if __name__ == "__main__":

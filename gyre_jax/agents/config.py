@@ -70,6 +70,8 @@ class HarnessConfig:
     concurrency: int = derived(8, "scheduler.group_size")  # rollouts in flight
     grader_timeout_s: float = 60.0
     grader_concurrency: int = 0  # grader subprocesses at once; 0 = os.cpu_count()
+    # Host paths every graded command sees read-only, besides the run's Python (gyre_jax.agents.grader_sandbox).
+    grader_ro_paths: tuple[str, ...] = derived((), "task.grader_ro_paths")
     # Where the policy's commands run (gyre_jax.agents.sandbox; the flag is its kind): auto = bubblewrap where
     # it works; where it cannot and the harness runs commands, the run refuses to start (fail closed) unless
     # none is chosen explicitly; bubblewrap, docker, podman, none.
@@ -93,6 +95,10 @@ class HarnessConfig:
         if reserved:
             raise ValueError(f"HarnessConfig.extra_body may not set {sorted(reserved)}; use the fields")
         object.__setattr__(self, "extra_body", types.MappingProxyType(dict(self.extra_body)))
+        object.__setattr__(self, "grader_ro_paths", tuple(self.grader_ro_paths))
+        for p in self.grader_ro_paths:
+            if not isinstance(p, str) or not os.path.isabs(p):
+                raise ValueError(f"HarnessConfig.grader_ro_paths: {p!r} is not an absolute path")
         if not isinstance(self.sandbox, SandboxConfig):
             raise ValueError(f"HarnessConfig.sandbox must be a SandboxConfig, got {type(self.sandbox).__name__}")
         positive = ("max_tokens", "max_turns", "bytes_per_token", "command_timeout_s",

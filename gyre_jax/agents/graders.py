@@ -2,24 +2,26 @@
 
 The grader never reads the live workspace: ``snapshot_workspace`` copies its regular files
 and directories (no symlinks, fifos or devices: nothing the agent made can point the grader
-elsewhere or block it) after the rollout's last command ended, and the grader reads that
-copy. It runs outside the agent's sandbox from the trainer's own code (``python -P``: the
-current directory is not on its import path), with the task (expected answers included) on
-stdin, so nothing the agent could write is code or data the grader trusts. Graders that run
-agent code do it in a sandbox of their own (``sandbox.untrusted_python``, told which kind
-by ``GYRE_GRADER_SANDBOX``).
+elsewhere or block it) after the rollout's last command ended. Nor does a grader see that
+copy: ``grader_main`` builds the graded tree from the task's own files and lays on it only
+what the policy may change (``graded_tree``, ``tree_rules``), and every grader of every family
+reads that tree. It runs outside the agent's sandbox from the trainer's own code (``python
+-P``: the current directory is not on its import path), with the task (expected answers
+included) on stdin, so nothing the agent could write is code or data the grader trusts.
+Graders that run agent code do it in a sandbox of their own (``grader_sandbox``, told which
+kind by ``GYRE_GRADER_SANDBOX``), whose failures on the policy's tree are scores of 0.
 
 ``run_grader`` starts ``python -P -m gyre_jax.agents.grader_main --workspace DIR`` with the
 task's JSON on stdin; the grader prints one line ``GYRE-GRADE {"score", "details"}``.
-Anything else (a crash, a non-zero exit, no or malformed result line, a score outside
-[0, 1], running past the time limit) is a verifier failure: ``ok=False`` with the reason,
-and the rollout's status becomes ``verifier_error``, never a score of 0.
+Anything else (a crash of gyre's grader process, a non-zero exit, no or malformed result
+line, a score outside [0, 1], running past the time limit) is a verifier failure:
+``ok=False`` with the reason, and the rollout's status becomes ``verifier_error``, never a
+score of 0 (graded code cannot cause one: what it does ends in the sandboxed command).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -27,12 +29,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gyre_jax.agents.scoring import RESULT_PREFIX
-
-if TYPE_CHECKING:  # runtime import would cycle through gyre_jax.agents.tasks
-    from gyre_jax.agents.tasks.base import Task
+from gyre_jax.agents.sparse_copy import copy_extents
+from gyre_jax.agents.tasks.base import Task
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -114,7 +115,7 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     try:
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            copied = _copy_extents(fd, out, st.st_size, budget)
+            copied = copy_extents(fd, out, st.st_size, budget)
             os.ftruncate(out, st.st_size)  # trailing holes; never more than was counted
         finally:
             os.close(out)
@@ -129,41 +130,13 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     return None
 
 
-def _copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
-    """Copy ``fd``'s data extents below ``size`` into ``out`` at the same offsets; the data
-    bytes copied, or None once they pass ``budget``."""
-    pos, copied = 0, 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # only holes from pos to the end
-                break
-            start, end = pos, size  # no SEEK_DATA here: all of it is data
-        if start >= size:
-            break
-        os.lseek(fd, start, os.SEEK_SET)
-        os.lseek(out, start, os.SEEK_SET)
-        left = end - start
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                return copied
-            copied += len(chunk)
-            if copied > budget:
-                return None
-            os.write(out, chunk)
-            left -= len(chunk)
-        pos = end
-    return copied
-
-
-def grader_sandbox_env(kind: str, limits, image: str | None = None) -> dict[str, str]:
-    """The GYRE_GRADER_SANDBOX variable: how graders confine the agent code they run."""
+def grader_sandbox_env(kind: str, limits, image: str | None = None, ro_paths=()) -> dict[str, str]:
+    """The GYRE_GRADER_SANDBOX variable: how graders confine the agent code they run
+    (``ro_paths``: host paths every graded command sees read-only, config.task.grader_ro_paths)."""
     from gyre_jax.agents import sandbox
     return {sandbox.GRADER_SANDBOX_ENV: json.dumps({"kind": kind, "limits": dataclasses.asdict(limits), "image": image,
-                                                    "seccomp": sandbox.seccomp_refused() is None})}
+                                                    "seccomp": sandbox.seccomp_refused() is None,
+                                                    "ro_paths": list(ro_paths)})}
 
 
 def subprocess_env() -> dict[str, str]:
@@ -205,21 +178,29 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     return float(score), details, None
 
 
+# Of a grading subprocess's time limit, kept back from its own budget (``grader_main --budget_s``): its
+# interpreter's start and its result line, on a loaded host.
+GRADER_MARGIN_S = 15.0
 GRADER_STDOUT_TAIL = 1 << 20  # of the grader's stdout kept: its result line is last and bounded (grader_main)
 GRADER_STDERR_BYTES = 8192  # head + tail of the grader's stderr kept, for the error
 
 
-async def run_grader(task: "Task", workspace: str | os.PathLike, *, timeout_s: float,
-                     env: dict[str, str] | None = None) -> GraderOutcome:
-    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox).
+async def run_grader(task: Task, workspace: str | os.PathLike, *, timeout_s: float,
+                     env: dict[str, str] | None = None, bases: str | os.PathLike | None = None,
+                     carry_deletions: bool = True) -> GraderOutcome:
+    """Grade ``workspace`` (a snapshot, see above); ``env``: extra variables (the grader sandbox);
+    ``bases``: where the tasks' own trees are cached; ``carry_deletions=False``: the snapshot was
+    truncated (a file missing from it is not one the policy deleted).
 
     The grader's output streams into bounded captures (a grader echoing what agent code
     printed cannot fill the trainer's memory) and its details are cut to the record bounds."""
     from gyre_jax.agents.capture import BoundedCapture, bound_json, bound_text, drain_async
 
     t0 = time.monotonic()
+    extra = [*(["--bases", str(bases)] if bases is not None else []), *([] if carry_deletions else ["--keep_deleted"]),
+             "--budget_s", f"{max(timeout_s / 2, timeout_s - GRADER_MARGIN_S):.3f}"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()),
+        sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()), *extra,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**subprocess_env(), **(env or {})}, cwd="/", start_new_session=True)  # own group: a kill takes its check runners too
     out, err = BoundedCapture(head=4096, tail=GRADER_STDOUT_TAIL), BoundedCapture(
@@ -269,7 +250,8 @@ def _kill_group(proc) -> None:
         pass
 
 
-def grade_in_process(task: "Task", workspace: str | os.PathLike):
-    """Call the task's grader directly (tests and demos); returns its scoring.Grade."""
-    from gyre_jax.agents.grader_main import load_grader
-    return load_grader(task.grader)(task, Path(workspace))
+def grade_in_process(task: Task, workspace: str | os.PathLike):
+    """Grade ``workspace`` in this process (tests and demos): the graded tree is built as the
+    grader subprocess builds it; returns the task grader's scoring.Grade."""
+    from gyre_jax.agents.grader_main import grade_snapshot
+    return grade_snapshot(task, Path(workspace))

@@ -5,14 +5,23 @@
 Status of a rollout (``gyre_jax.trajectory.vocab.STATUSES``):
 
   completed       the main agent ended (finish / no tool call / max_turns) and the
-                  grader scored the workspace
+                  grader scored the workspace; or the harness failed in a way the policy
+                  could cause (below): score 0 with its ``reason``
   timeout         the deadline hit first; the agent was cancelled (running commands
                   killed), the workspace kept and graded: the score is partial credit
-  infra_error     the model server failed a call after retries (or answered something
-                  unusable), or the harness itself raised; not graded, score None
-  verifier_error  the grader crashed, timed out or returned garbage; score None
+  infra_error     a failure outside the policy's reach: the model server failed a call
+                  after retries or failed one of the rollout's calls, the harness failed
+                  before its first model call (a broken harness: the policy had no say),
+                  the workspace could not be snapshotted (host, storage); score None
+  verifier_error  gyre's grading machinery failed (the grader process crashed or timed
+                  out: never the graded code, whose crashes and hangs score 0); score None
 
-``score`` is None unless the status is completed or timeout: a failure is never a 0.
+Every failure the policy can cause is its own 0 and trains: a grader that fails on the policy's
+tree scores 0 (``verdict_command``, ``verdict_pytest``); a harness that fails after the policy
+made a call (the policy's commands share its sandbox: ``kill -9 $PPID``) scores 0 without
+grading. ``reason`` names what happened in a few words that are the same for every rollout
+that failed the same way; ``error`` has the details (``infra_error``/``verifier_error``).
+``score`` is None only for infra_error and verifier_error: those are never a 0.
 Each rollout works in ``workspace_root/<rollout_id>`` (which must not already hold
 files), its commands confined by its own sandbox (``config.sandbox``; see
 ``gyre_jax.agents.sandbox``). When the agent has ended (its commands all dead) the
@@ -28,8 +37,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -43,6 +50,7 @@ from gyre_jax.agents import tools
 from gyre_jax.agents.capture import bound_json, bound_text
 from gyre_jax.agents.client import InfraError
 from gyre_jax.agents.config import HarnessConfig
+from gyre_jax.agents.graded_tree import copy_repo
 from gyre_jax.agents.graders import grader_sandbox_env, run_grader, snapshot_workspace
 from gyre_jax.agents.harnesses import (ClientConfig, Episode, EpisodeTask, Harness, HarnessFailed,
                                        make_harness)
@@ -94,6 +102,7 @@ class RolloutResult:
     grader_time_s: float
     workspace: str
     t_end: float  # unix seconds when the result was ready
+    reason: str | None = None  # why it failed or scored 0 without grading (short: the same for the same cause)
     snapshot: str = ""  # the copy of the workspace the grader read
     # SandboxStats.to_dict() plus "snapshot" (files, bytes, skipped, truncated)
     sandbox: dict = dataclasses.field(default_factory=dict)
@@ -113,18 +122,26 @@ class RolloutResult:
         harness = {k: getattr(self, k) for k in (
             "calls", "retries", "compactions", "subagents", "tool_calls", "tool_errors", "finish_reason",
             "wall_time_s", "agent_time_s", "grader_time_s", "workspace", "snapshot", "sandbox", "harness_kind",
-            "exit_code", "output_tail", "log_path")}
+            "exit_code", "output_tail", "log_path", "reason")}
+        if num_calls is not None:
+            # The proxy's count is the truth: a command or python harness counts nothing itself (it read 0
+            # with every call recorded). What the harness counted, if anything else, stays beside it.
+            harness["calls"] = num_calls
+            if self.calls != num_calls:
+                harness["harness_counted_calls"] = self.calls
         return RolloutOutcome(run_id=run_id, rollout_id=self.rollout_id, task_id=self.task_id,
                               group_id=self.group_id, status=self.status, score=self.score,
                               # every field cut to the record bounds (capture.RECORD_*), whatever
                               # a grader, a harness or an error message carried
                               details={"grader": bound_json(self.grader_details), "harness": bound_json(harness),
-                                       "error": None if self.error is None else bound_text(self.error)},
+                                       "error": None if self.error is None else bound_text(self.error),
+                                       "reason": None if self.reason is None else bound_text(self.reason)},
                               policy_versions=tuple(policy_versions), t_end=self.t_end, num_calls=num_calls)
 
 
 SNAPSHOTS = ".snapshots"  # under workspace_root: the graded copies
 LOGS = ".logs"  # under workspace_root: each command harness's bounded output
+BASES = ".bases"  # under workspace_root: the tasks' own trees, built once (graded_tree.cached_base)
 OUTPUT_TAIL_BYTES = 2048  # of a harness's output kept in the outcome record
 
 
@@ -136,12 +153,15 @@ class KeyIssuer(Protocol):
 
     def revoke(self, key: str) -> None: ...
 
+    # Optional: ``usage(key) -> {"calls", "server_errors"}`` so far (the proxy has it). Without it a
+    # failed harness is judged by its own call counter (the built-in agent keeps one).
+
 
 def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task,
                       sandbox: sandbox_lib.Sandbox | None = None) -> Path:
     """Make the rollout's (empty) workspace, let its sandbox own it, copy the task's repository
     in (if any), then write the task's files."""
-    if rollout_id in (SNAPSHOTS, LOGS):
+    if rollout_id in (SNAPSHOTS, LOGS, BASES):
         raise ValueError(f"rollout id {rollout_id!r} is reserved")
     path = Path(workspace_root) / rollout_id
     if path.exists() and any(path.iterdir()):
@@ -160,20 +180,6 @@ def prepare_workspace(workspace_root: str | Path, rollout_id: str, task: Task,
     return path
 
 
-def copy_repo(repo: str, commit: str, dest: Path) -> None:
-    """``repo`` (a local directory, or with ``commit`` a local git repository checked out at it)
-    into the existing, empty ``dest``."""
-    if commit:
-        for argv in (["git", "clone", "--quiet", "--no-hardlinks", "--no-checkout", repo, str(dest)],
-                     ["git", "-C", str(dest), "checkout", "--quiet", "--detach", commit]):
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                               env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
-            if r.returncode != 0:
-                raise RuntimeError(f"copying repo {repo}@{commit}: {' '.join(argv[:3])} failed: {r.stderr[-500:]}")
-        return
-    shutil.copytree(repo, dest, symlinks=True, dirs_exist_ok=True)
-
-
 def grader_timeout(task: Task, config: HarnessConfig) -> float:
     """The grading subprocess's limit: the harness's, or a task's own command timeout plus a margin."""
     own = task.params.get("grader_timeout_s") if task.family == "dataset" else None
@@ -189,6 +195,20 @@ def client_config(request: RolloutRequest, config: HarnessConfig, key: str, sess
                  HEADER_GROUP: request.group_id})
 
 
+@dataclasses.dataclass
+class _Ended:
+    """How the agent part of a rollout ended (before grading)."""
+    status: str | None  # None: it ended by itself (graded); else timeout / infra_error / completed (a 0)
+    error: str | None = None
+    reason: str | None = None
+    finish_reason: str | None = None
+    exit_code: int | None = None
+    snapshot_stats: dict = dataclasses.field(default_factory=dict)
+    counters: dict = dataclasses.field(default_factory=dict)
+    output: str = ""
+    tmpfs: bool = False
+
+
 async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspace_root: str | Path,
                       harness: Harness | None = None, keys: KeyIssuer | None = None, session=None,
                       grader_slots: asyncio.Semaphore | None = None) -> RolloutResult:
@@ -197,17 +217,58 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
     only for caller errors (bad workspace)."""
     t0 = time.monotonic()
     harness = harness or make_harness("builtin")
-    task = request.task
-    path = Path(workspace_root) / request.rollout_id
-    snapshot = Path(workspace_root) / SNAPSHOTS / request.rollout_id
+    root = Path(workspace_root)
+    path, snapshot = root / request.rollout_id, root / SNAPSHOTS / request.rollout_id
     if snapshot.exists():
         raise FileExistsError(f"snapshot {snapshot} for rollout {request.rollout_id!r} exists; "
                               "rollout ids must be unique")
-    sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=task.family, name=request.rollout_id,
-                                       commands=harness.needs_commands(task))
+    sandbox = sandbox_lib.make_sandbox(config.sandbox, path, family=request.task.family, name=request.rollout_id,
+                                       commands=harness.needs_commands(request.task))
+    ended = await _run_agent(request, config, root, harness, sandbox, keys, session)
+    agent_time = time.monotonic() - t0
+    if ended.tmpfs and snapshot.is_dir():  # the unmounted workspace shows what was graded
+        # the same copy as the snapshot's: sparse files stay sparse, nothing is followed
+        await asyncio.to_thread(snapshot_workspace, snapshot, path, max_bytes=sys.maxsize, max_entries=sys.maxsize,
+                                exist_ok=True)
+    log_path = ""
+    if ended.output:
+        log_path = str(root / LOGS / f"{request.rollout_id}.log")
+        await asyncio.to_thread(_write_log, log_path, ended.output)
+    score, details, grader_time = None, {}, 0.0
+    status, error, reason = ended.status, ended.error, ended.reason
+    if status == STATUS_COMPLETED:  # a failure the policy could cause: its own 0, not graded
+        score, details = 0.0, {"reason": reason, "exact": False}
+    elif status in (None, STATUS_TIMEOUT):
+        async with grader_slots or contextlib.nullcontext():
+            g = await run_grader(request.task, snapshot, timeout_s=grader_timeout(request.task, config),
+                                 env=grader_sandbox_env(sandbox.kind, config.sandbox.limits, sandbox.image,
+                                                        config.grader_ro_paths),
+                                 bases=root / BASES, carry_deletions=not ended.snapshot_stats.get("truncated"))
+        grader_time = g.wall_time_s
+        if g.ok:
+            score, details, status = g.score, g.details, status or STATUS_COMPLETED
+        else:
+            status, error, reason = STATUS_VERIFIER_ERROR, g.error, "the grader process failed"
+    n = {k: int(ended.counters.get(k, 0)) for k in ("calls", "retries", "compactions", "subagents", "tool_calls",
+                                                     "tool_errors")}
+    return RolloutResult(
+        rollout_id=request.rollout_id, task_id=request.task.task_id, group_id=request.group_id, status=status,
+        score=score, grader_details=details, **n, finish_reason=ended.finish_reason, error=error, reason=reason,
+        wall_time_s=time.monotonic() - t0, agent_time_s=agent_time, grader_time_s=grader_time,
+        workspace=str(path), t_end=time.time(), snapshot=str(snapshot),
+        sandbox={**sandbox.stats.to_dict(), "snapshot": ended.snapshot_stats}, harness_kind=harness.kind,
+        exit_code=ended.exit_code, output_tail=ended.output[-OUTPUT_TAIL_BYTES:] if ended.output else "",
+        log_path=log_path)
+
+
+async def _run_agent(request: RolloutRequest, config: HarnessConfig, root: Path, harness: Harness,
+                     sandbox: sandbox_lib.Sandbox, keys: KeyIssuer | None, session) -> _Ended:
+    """Workspace, key, harness under the deadline, then the snapshot; the sandbox released."""
+    task, path = request.task, root / request.rollout_id
     key = None
+    ended = _Ended(None)
     try:
-        await asyncio.to_thread(prepare_workspace, workspace_root, request.rollout_id, task, sandbox)
+        await asyncio.to_thread(prepare_workspace, root, request.rollout_id, task, sandbox)
         ws = tools.Workspace(path, max_output_bytes=config.max_tool_output_bytes,
                              command_timeout_s=config.command_timeout_s, sandbox=sandbox,
                              test_suite=task_test_suite(task) if tools.RUN_TESTS in task.tools else None)
@@ -217,56 +278,47 @@ async def run_rollout(request: RolloutRequest, config: HarnessConfig, *, workspa
                             metadata=task.metadata, rollout_id=request.rollout_id, group_id=request.group_id,
                             run_id=config.run_id, workspace_path=str(path), tools=ws, spec=task)
         episode = Episode(etask, client_config(request, config, key, session), task.deadline_s or config.deadline_s)
-        status, error, finish_reason, exit_code = await _run_harness(harness, episode)
+        ended = await _run_harness(harness, episode)
+        usage = keys.usage(key) if keys is not None and hasattr(keys, "usage") else None
         if keys is not None:  # no call of this rollout is recorded after this point
             keys.revoke(key)
             key = None
-        agent_time = time.monotonic() - t0
+        ended = _classify(ended, usage, etask.counters)
+        ended.counters = dict(etask.counters)
+        ended.output = ended.counters.pop("output", "")
         # The agent has ended and every command with it: what the grader sees is fixed now.
         try:
-            snap = await asyncio.to_thread(snapshot_workspace, path, snapshot,
-                                           max_bytes=config.sandbox.limits.disk_bytes,
-                                           max_entries=config.sandbox.limits.max_files)
-        except OSError as e:  # the grader cannot see the workspace: no score, and say why
-            snap = {"error": f"{type(e).__name__}: {e}"}
-            if status in (None, STATUS_TIMEOUT):
-                status, error = STATUS_VERIFIER_ERROR, f"workspace snapshot failed: {snap['error']}"
+            ended.snapshot_stats = await asyncio.to_thread(
+                snapshot_workspace, path, root / SNAPSHOTS / request.rollout_id,
+                max_bytes=config.sandbox.limits.disk_bytes, max_entries=config.sandbox.limits.max_files)
+        except OSError as e:  # the host's disk, not the policy's doing: no score, and say why
+            ended.snapshot_stats = {"error": f"{type(e).__name__}: {e}"}
+            if ended.status in (None, STATUS_TIMEOUT):
+                ended.status, ended.reason = STATUS_INFRA_ERROR, "the workspace snapshot failed"
+                ended.error = f"workspace snapshot failed: {ended.snapshot_stats['error']}"
     finally:
         if key is not None and keys is not None:
             keys.revoke(key)
-        tmpfs = sandbox.tmpfs
+        ended.tmpfs = sandbox.tmpfs
         sandbox.release()  # synchronous: a second cancellation must not leave a tmpfs mounted
-    if tmpfs and snapshot.is_dir():  # the unmounted workspace shows what was graded
-        # the same copy as the snapshot's: sparse files stay sparse, nothing is followed
-        await asyncio.to_thread(snapshot_workspace, snapshot, path, max_bytes=sys.maxsize, max_entries=sys.maxsize,
-                                exist_ok=True)
-    counters = dict(etask.counters)
-    output = counters.pop("output", "")
-    log_path = ""
-    if output:
-        log_path = str(Path(workspace_root) / LOGS / f"{request.rollout_id}.log")
-        await asyncio.to_thread(_write_log, log_path, output)
-    sandbox_info = {**sandbox.stats.to_dict(), "snapshot": snap}
+    return ended
 
-    score, details, grader_time = None, {}, 0.0
-    if status in (None, STATUS_TIMEOUT):
-        async with grader_slots or contextlib.nullcontext():
-            g = await run_grader(task, snapshot, timeout_s=grader_timeout(task, config),
-                                 env=grader_sandbox_env(sandbox.kind, config.sandbox.limits, sandbox.image))
-        grader_time = g.wall_time_s
-        if g.ok:
-            score, details, status = g.score, g.details, status or STATUS_COMPLETED
-        else:
-            status, error = STATUS_VERIFIER_ERROR, g.error
-    n = {k: int(counters.get(k, 0)) for k in ("calls", "retries", "compactions", "subagents", "tool_calls",
-                                               "tool_errors")}
-    return RolloutResult(
-        rollout_id=request.rollout_id, task_id=task.task_id, group_id=request.group_id, status=status,
-        score=score, grader_details=details, **n, finish_reason=finish_reason,
-        error=error, wall_time_s=time.monotonic() - t0, agent_time_s=agent_time, grader_time_s=grader_time,
-        workspace=str(path), t_end=time.time(), snapshot=str(snapshot), sandbox=sandbox_info,
-        harness_kind=harness.kind, exit_code=exit_code,
-        output_tail=output[-OUTPUT_TAIL_BYTES:] if output else "", log_path=log_path)
+
+def _classify(ended: _Ended, usage: dict | None, counters: dict) -> _Ended:
+    """A harness failure (``infra_error`` from ``_run_harness``) the policy could have caused
+    becomes its own 0: it made a model call and the model server failed none of them."""
+    if ended.status != STATUS_INFRA_ERROR or ended.reason == MODEL_SERVER:
+        return ended
+    calls = usage["calls"] if usage is not None else int(counters.get("calls", 0))
+    if usage is not None and usage.get("server_errors"):
+        ended.reason = f"the model server failed {usage['server_errors']} of the rollout's calls, then {ended.reason}"
+        return ended
+    if calls == 0:
+        ended.reason = f"{ended.reason} before its first model call"
+        return ended
+    ended.status = STATUS_COMPLETED
+    ended.error = f"{ended.error} (after {calls} model calls: the policy's commands can end the harness; scored 0)"
+    return ended
 
 
 def _write_log(path: str, text: str) -> None:
@@ -275,28 +327,32 @@ def _write_log(path: str, text: str) -> None:
         f.write(text)
 
 
-async def _run_harness(harness: Harness, episode: Episode):
-    """(status, error, finish_reason, exit code) of the harness under the deadline; status None: it ended."""
-    status = error = finish_reason = exit_code = None
+MODEL_SERVER = "the model server failed a call after retries"
+
+
+async def _run_harness(harness: Harness, episode: Episode) -> _Ended:
+    """How the harness ended under the deadline (status None: by itself)."""
     deadline = asyncio.timeout(episode.deadline_s)
     try:
         async with deadline:
             result = await harness.run(episode)
-        finish_reason, exit_code = result.finish_reason, result.exit_code
         episode.task.counters.update(result.counters)
+        return _Ended(None, finish_reason=result.finish_reason, exit_code=result.exit_code)
     except TimeoutError:
         if deadline.expired():
-            status = STATUS_TIMEOUT
-        else:  # a TimeoutError that is not our deadline is a bug somewhere below
-            status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
+            return _Ended(STATUS_TIMEOUT)
+        # a TimeoutError that is not our deadline is a bug somewhere below
+        return _Ended(STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5),
+                      "the harness raised TimeoutError")
     except InfraError as e:
-        status, error = STATUS_INFRA_ERROR, str(e)
         episode.task.counters["retries"] = episode.task.counters.get("retries", 0)
+        return _Ended(STATUS_INFRA_ERROR, str(e), MODEL_SERVER)
     except HarnessFailed as e:
-        status, error, exit_code = STATUS_INFRA_ERROR, f"harness failed: {e}", e.exit_code
-    except Exception:  # a harness bug must surface as a failure, never as a score
-        status, error = STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5)
-    return status, error, finish_reason, exit_code
+        return _Ended(STATUS_INFRA_ERROR, f"harness failed: {e}", f"harness: {e.why}", finish_reason="harness_failed",
+                      exit_code=e.exit_code)
+    except Exception as e:  # a harness bug must surface as a failure, never as a score
+        return _Ended(STATUS_INFRA_ERROR, "harness error: " + traceback.format_exc(limit=5),
+                      f"harness raised {type(e).__name__}", finish_reason="harness_failed")
 
 
 class _Progress:

@@ -24,7 +24,12 @@ Kinds (``SandboxConfig.kind``):
 
 Limits (``SandboxLimits``): wall time is the harness's command timeout; CPU time, address
 space, open files, file size and processes are rlimits set by ``ulimit`` inside the sandbox
-(the shell builtin: no extra binary needed). Processes are an rlimit per *user*, so when the
+(the shell builtin: no extra binary needed). Memory: RLIMIT_AS does not count pages held in a
+memfd, a SysV segment or a tmpfs, so the sandbox as a whole gets a cgroup capped at the memory
+limit (``sandbox_cgroup``: every page its processes own counts); where no cgroup can be made,
+a seccomp filter refuses ``memfd_create``/``memfd_secret``/``shmget`` (``sandbox_seccomp``),
+/tmp and /dev/shm are size-limited tmpfs mounts and the rest of /dev is read-only, so what a
+command holds is its address space plus those sizes. Processes are an rlimit per *user*, so when the
 trainer runs as root each rollout gets its own uid (``uid_base`` + slot) and its workspace is
 owned by it; run as another user, the limit is set above that user's current process count.
 The workspace's disk size is bounded by mounting a size-limited tmpfs on it (root only: a
@@ -38,17 +43,14 @@ counted from the error messages they print (a lower bound: a command can hide th
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import dataclasses
-import json
 import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Mapping
@@ -77,17 +79,26 @@ class SandboxLimits:
     disk_bytes: int = 256 << 20  # the workspace in total (tmpfs size, or checked after each command)
     tmp_bytes: int = 64 << 20  # the private /tmp (a tmpfs)
     max_files: int = 65536  # files + dirs in the workspace (tmpfs inodes; the snapshot copies no more)
-    # the whole sandbox (every process, its tmpfs and memfd pages): a cgroup where one can be
-    # made (sandbox_cgroup.py); RLIMIT_AS alone does not count tmpfs or memfd pages
-    sandbox_memory_bytes: int = 4 << 30
+    # The whole sandbox (every process, its tmpfs, memfd and shared-memory pages): a cgroup where one
+    # can be made (sandbox_cgroup.py); RLIMIT_AS alone does not count tmpfs or memfd pages. None: the
+    # memory limit itself (memory_bytes), so one number bounds what a command can hold in any form
+    # (a separate, larger cap let a command hold 600 MiB in memfds past a 512 MiB memory_bytes).
+    sandbox_memory_bytes: int | None = None
 
     def __post_init__(self):
+        if self.sandbox_memory_bytes is None:
+            object.__setattr__(self, "sandbox_memory_bytes", self.memory_bytes)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SandboxLimits.{f.name} must be a positive int, got {v!r}")
         if self.file_bytes < 1024:
             raise ValueError(f"SandboxLimits.file_bytes must be >= 1024, got {self.file_bytes}")
+
+    @property
+    def cap_bytes(self) -> int:
+        """What the sandbox as a whole may hold (``sandbox_memory_bytes``, resolved)."""
+        return int(self.sandbox_memory_bytes or self.memory_bytes)
 
     def ulimit_args(self, processes: int) -> str:
         """``ulimit`` flags (bash units: -v KiB, -f 1024-byte blocks), hard and soft."""
@@ -181,6 +192,16 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
+def mount_tmpfs(path: str | os.PathLike, options: str) -> str | None:
+    """A size-limited tmpfs on ``path`` (root only); why not, or None."""
+    return _mount_tmpfs(Path(path), options)
+
+
+def unmount(path: str | os.PathLike) -> None:
+    if _LIBC.umount2(os.fsencode(path), _MNT_DETACH) != 0:
+        log.warning("sandbox: umount %s failed: %s", path, os.strerror(ctypes.get_errno()))
+
+
 def _mount_tmpfs(path: Path, options: str) -> str | None:
     """mount(2) a tmpfs (the syscall: a mount binary per rollout costs ~ms of CPU); the error or None."""
     rc = _LIBC.mount(b"gyre-workspace", os.fsencode(path), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV),
@@ -211,6 +232,15 @@ class _UidPool:
 
 
 _UIDS = _UidPool()
+
+
+def take_uid() -> int:
+    """A fresh per-sandbox uid for a root trainer (a grader's sandbox takes one too)."""
+    return _UIDS.take(SandboxConfig().uid_base)
+
+
+def give_uid(uid: int) -> None:
+    _UIDS.give(uid)
 _warned_none = False
 _warned_cgroup = False
 
@@ -219,7 +249,8 @@ def _warn_no_cgroup(why: str) -> None:
     global _warned_cgroup
     if not _warned_cgroup:  # once per process: every sandbox finds the same
         _warned_cgroup = True
-        log.warning("sandbox: no cgroup for a per-sandbox memory/pids cap (%s); per-process rlimits only", why)
+        log.warning("sandbox: no cgroup for a per-sandbox memory/pids cap (%s); per-process rlimits, and "
+                    "memfd_create/shmget refused", why)
 
 
 def bwrap_usable() -> tuple[bool, str]:
@@ -283,6 +314,15 @@ def _merged_usr_links() -> list[str]:
         elif os.path.isdir(d):
             out += ["--ro-bind", d, d]
     return out
+
+
+def processes_of(uid: int) -> int:
+    """Processes + threads ``uid`` owns now (what RLIMIT_NPROC counts)."""
+    return _tasks_of_uid(uid)
+
+
+def warn_no_cgroup(why: str) -> None:
+    _warn_no_cgroup(why)
 
 
 def _tasks_of_uid(uid: int) -> int:
@@ -450,9 +490,13 @@ class NoSandbox(Sandbox):
 
 
 def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths=(),
-               binds: tuple[tuple[str, str, str], ...] = (), env: Mapping[str, str] | None = None) -> list[str]:
+               binds: tuple[tuple[str, str, str], ...] = (), env: Mapping[str, str] | None = None,
+               deny_shared_memory: bool = False, overlays: tuple[tuple[str, str, str], ...] = ()) -> list[str]:
     """bwrap up to (and including) the command's user switch. ``binds``: (option, host path,
-    sandbox path), e.g. ("--bind", workspace, "/workspace").
+    sandbox path), e.g. ("--bind", workspace, "/workspace"); ``overlays``: binds over paths that
+    exist inside an earlier bind (a hidden file read-only inside the writable workspace), after them.
+    ``deny_shared_memory``: the sandbox has no cgroup counting its memory, so memfds and SysV
+    segments are refused (``sandbox_seccomp``).
 
     As root (``uid`` set) bwrap runs privileged without a user namespace, so the command's
     kernel uid really is ``uid`` (RLIMIT_NPROC counts per kernel uid; inside a user namespace
@@ -488,20 +532,27 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     for d in SYSTEM_DIRS[:2]:
         argv += parents(d) + ["--ro-bind-try", d, d]
     argv += _merged_usr_links()
-    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    # /dev is a tmpfs of bwrap's (no size: half the host's RAM, writable by a non-root trainer's
+    # sandbox, whose user owns it): /dev/shm gets a sized tmpfs of its own, then /dev goes read-only.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     made.add("/tmp")  # the private tmpfs: a read-only path under the host's /tmp is bound on top of it
     for d in extra_ro_paths:
         argv += parents(d) + ["--ro-bind-try", d, d]
     for opt, src, dst in binds:
         argv += parents(dst) + [opt, src, dst]
+    for opt, src, dst in overlays:
+        argv += [opt, src, dst]
     # Started in /: bwrap itself (root without CAP_DAC_OVERRIDE) may not enter the uid's 0700
     # workspace; the command's shell does, as that uid (see ``limited_shell``).
     argv += ["--chdir", "/", "--"]
     if uid is not None:
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
-        seccomp = None if _seccomp_refused else filter_path()  # no user namespaces inside (sandbox_seccomp)
-        if seccomp is not None:
-            argv = ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
+    # no user namespaces inside a root trainer's sandbox; no uncounted memory in one without a cgroup
+    rules = [*(["userns"] if uid is not None else []), *(["shared_memory"] if deny_shared_memory else [])]
+    seccomp = None if _seccomp_refused else filter_path(*rules)
+    if seccomp is not None:
+        argv = ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
     return argv
 
 
@@ -511,6 +562,13 @@ _seccomp_refused: str | None = None  # why bwrap refused the filter here (bwrap_
 
 def seccomp_refused() -> str | None:
     return _seccomp_refused
+
+
+def note_seccomp_refused(why: str) -> None:
+    """The trainer found the filter refused here (a grader subprocess learns it from its spec)."""
+    global _seccomp_refused
+    if _seccomp_refused is None:
+        _seccomp_refused = why
 
 
 def _disable_userns() -> list[str]:
@@ -536,28 +594,36 @@ class BubblewrapSandbox(Sandbox):
 
     def launch(self, command: str) -> Launch:
         self._check_commands()
+        uncapped = self._make_cap(self.limits)
         argv = bwrap_argv(network=self.network, uid=self.uid, tmp_bytes=self.limits.tmp_bytes,
                           extra_ro_paths=self.config.extra_ro_paths,
-                          binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT),))
-        return Launch(self._capped(argv + self._limited(command), self.limits))
+                          binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT),), deny_shared_memory=uncapped)
+        return Launch(self._capped(argv + self._limited(command)))
 
     def launch_harness(self, argv: list[str], *, env: Mapping[str, str], limits: SandboxLimits,
                        ro_paths: tuple[str, ...] = (), binds: tuple[tuple[str, str, str], ...] = ()) -> Launch:
         self._check_commands()
+        uncapped = self._make_cap(limits)
         outer = bwrap_argv(network=False, uid=self.uid, tmp_bytes=limits.tmp_bytes,
                            extra_ro_paths=(*self.config.extra_ro_paths, *ro_paths), env=env,
-                           binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT), *binds))
-        return Launch(self._capped(outer + limited_shell(limits, self._nproc(limits), list(argv)), limits))
+                           binds=(("--bind", str(self.workspace), WORKSPACE_MOUNT), *binds),
+                           deny_shared_memory=uncapped)
+        return Launch(self._capped(outer + limited_shell(limits, self._nproc(limits), list(argv))))
 
-    def _capped(self, argv: list[str], limits: SandboxLimits) -> list[str]:
-        """``argv`` inside the sandbox's cgroup (made at its first command, one for all its
-        commands and agents), or as is where none can be made (the stats say why)."""
+    def _make_cap(self, limits: SandboxLimits) -> bool:
+        """The sandbox's cgroup, made at its first command (one for all its commands and agents); True if
+        there is none (the stats say why: its commands then get no memfds or SysV segments)."""
         if not self.stats.cgroup:
-            cap, why = make_cap(limits.sandbox_memory_bytes, limits.processes)
+            cap, why = make_cap(limits.cap_bytes, limits.processes)
             self._cap = cap
-            self.stats.cgroup = cap.describe() if cap is not None else f"none: {why}; per-process rlimits only"
+            self.stats.cgroup = (cap.describe() if cap is not None else
+                                 f"none: {why}; per-process rlimits, memfd and shmget refused")
             if cap is None:
                 _warn_no_cgroup(why)
+        return self._cap is None
+
+    def _capped(self, argv: list[str]) -> list[str]:
+        """``argv`` inside the sandbox's cgroup, or as is where none can be made."""
         return self._cap.wrap(argv) if self._cap is not None else argv
 
 
@@ -622,73 +688,5 @@ def describe(launch: Launch) -> str:
     return shlex.join(launch.argv)
 
 
-GRADER_SANDBOX_ENV = "GYRE_GRADER_SANDBOX"  # set by graders.run_grader: {"kind", "limits", "image"}
-
-
-@contextlib.contextmanager
-def untrusted_python(workspace: str | os.PathLike, script: str | os.PathLike):
-    """The argv that runs the standard-library-only ``script`` (``python3 -I -c SOURCE``: the
-    source travels in the argv, no file of ours is mounted) on agent code in ``workspace`` (a
-    snapshot), for a grader: confined as the rollout's commands were (``GYRE_GRADER_SANDBOX``;
-    unset: kind none, a plain subprocess), the workspace read-only, no network. Run it with
-    cwd = ``workspace``; stdin and stdout are the script's channel."""
-    source = Path(script).read_text()
-    spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
-    if spec["kind"] == "none":
-        yield [sys.executable, "-I", "-B", "-c", source]
-        return
-    with untrusted_command(workspace, ["python3", "-I", "-B", "-c", source], writable=False) as argv:
-        yield argv
-
-
-@contextlib.contextmanager
-def untrusted_command(workspace: str | os.PathLike, argv: list[str], *, writable: bool):
-    """The argv that runs ``argv`` on agent code in ``workspace`` for a grader, confined as the
-    rollout's commands were (``GYRE_GRADER_SANDBOX``; unset: kind none, a plain subprocess in
-    ``workspace``), no network, rlimits; ``writable``: the workspace is bound read-write (a
-    test suite writes caches and reports: give it a copy, never the graded snapshot itself).
-    As root the command runs as a fresh uid that owns a writable workspace. Run it with
-    cwd = ``workspace``."""
-    spec = json.loads(os.environ.get(GRADER_SANDBOX_ENV) or '{"kind": "none"}')
-    kind = spec["kind"]
-    limits = SandboxLimits(**spec.get("limits", {}))
-    workspace = str(Path(workspace).resolve())
-    if kind == "none":
-        yield list(argv)
-        return
-    if kind == "bubblewrap":
-        global _seccomp_refused
-        if not spec.get("seccomp", True) and _seccomp_refused is None:  # the trainer found it refused here
-            _seccomp_refused = "refused (found by the trainer)"
-        uid = _UIDS.take(SandboxConfig().uid_base) if os.geteuid() == 0 else None
-        cap = None
-        try:
-            if uid is not None and writable:
-                for dirpath, dirnames, files in os.walk(workspace):
-                    for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + files)]:
-                        os.lchown(name, uid, uid)
-            bind = "--bind" if writable else "--ro-bind"
-            nproc = limits.processes if uid is not None else _tasks_of_uid(os.getuid()) + limits.processes
-            inner = bwrap_argv(network=False, uid=uid, tmp_bytes=limits.tmp_bytes,
-                               binds=((bind, workspace, WORKSPACE_MOUNT),)) + limited_shell(limits, nproc, list(argv))
-            cap, why = make_cap(limits.sandbox_memory_bytes, limits.processes)  # the grader's own, per command
-            if cap is None:
-                _warn_no_cgroup(why)
-            yield cap.wrap(inner) if cap is not None else inner
-        finally:
-            if cap is not None:
-                cap.release()
-            if uid is not None:
-                _UIDS.give(uid)
-        return
-    if kind in ("docker", "podman"):
-        user = "65534:65534" if not writable else f"{os.getuid()}:{os.getgid()}"
-        yield [kind, "run", "--rm", "--init", "-i", "--network", "none", "--read-only",
-               "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_bytes},mode=1777",
-               "--volume", f"{workspace}:{WORKSPACE_MOUNT}:{'rw' if writable else 'ro'}", "--workdir", WORKSPACE_MOUNT,
-               "--user", user, "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-               "--pids-limit", str(limits.processes), "--memory", str(limits.memory_bytes),
-               "--ulimit", f"cpu={limits.cpu_s}:{limits.cpu_s}",
-               spec.get("image") or SandboxConfig().default_image, *argv]
-        return
-    raise ValueError(f"{GRADER_SANDBOX_ENV}: unknown sandbox kind {kind!r}")
+# set by graders.run_grader: {"kind", "limits", "image", "seccomp", "ro_paths"}; read by gyre_jax.agents.grader_sandbox
+GRADER_SANDBOX_ENV = "GYRE_GRADER_SANDBOX"

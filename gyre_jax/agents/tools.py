@@ -38,59 +38,14 @@ import re
 import signal
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gyre_jax.agents.sandbox import Sandbox
-    from gyre_jax.agents.test_suite import TestSuite
+from gyre_jax.agents.sandbox import Sandbox
+from gyre_jax.agents.test_suite import TestSuite
 
-# Handled by the agent loop itself, not by Workspace.
-FINISH = "finish"
-SPAWN_SUBAGENT = "spawn_subagent"
-RUN_TESTS = "run_tests"
-RUN = "run"
+from gyre_jax.agents.tool_schemas import (FINISH, RUN, RUN_TESTS, SPAWN_SUBAGENT, TOOL_NAMES,  # noqa: F401
+                                          TOOL_SCHEMAS)
 
-TOOL_SCHEMAS: dict[str, dict] = {
-    "write_file": {
-        "description": "Create or overwrite a file in the workspace (parent dirs are created).",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-            "required": ["path", "content"],
-        },
-    },
-    "read_file": {
-        "description": "Read a text file from the workspace.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    },
-    "list_files": {
-        "description": "List files under a workspace directory (recursive).",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": []},
-    },
-    "run": {
-        "description": "Run a shell command in the workspace; returns exit code and output.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string"}, "timeout_s": {"type": "number"}},
-            "required": ["command"],
-        },
-    },
-    RUN_TESTS: {
-        "description": "Run the task's test suite on the workspace (it takes seconds to tens of seconds); "
-                       "returns each test's result.",
-        "parameters": {"type": "object", "properties": {}, "required": []},
-    },
-    FINISH: {
-        "description": "Finish the task; optionally report what was done.",
-        "parameters": {"type": "object", "properties": {"message": {"type": "string"}}, "required": []},
-    },
-    SPAWN_SUBAGENT: {
-        "description": "Start a sub-agent with its own context on a sub-task in the same workspace; "
-                       "returns its final report.",
-        "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]},
-    },
-}
-TOOL_NAMES = tuple(TOOL_SCHEMAS)
 _ARG_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "number": (int, float)}
 
 
@@ -316,6 +271,11 @@ class Workspace:
         if limit <= 0:
             raise ToolError(f"run: timeout_s must be > 0, got {timeout_s}")
         return (await self._exec(command, limit))[0]
+
+    async def execute(self, command: str, timeout_s: float) -> tuple[str, int | None]:
+        """(output, exit code or None if it timed out) of ``command`` in the sandbox (not a tool:
+        ``--check_tasks`` runs a task's reference solution through it)."""
+        return await self._exec(command, float(timeout_s))
 
     async def run_tests(self) -> str:
         """Run the task's suite in the sandbox; on a normal exit write the receipt of what it tested."""

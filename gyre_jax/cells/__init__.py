@@ -24,6 +24,7 @@ from gyre_jax.cells.train_state import (
     make_optimizer,
     make_schedule,
     matrix_mask,
+    per_adapter,
 )
 from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, CellSteps, make_grad_fn, staleness
 
@@ -49,6 +50,7 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "matrix_mask",
+    "per_adapter",
     "mesh_spec",
     "move",
     "split_cells",

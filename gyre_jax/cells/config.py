@@ -31,6 +31,9 @@ class CellsConfig(CellConfig):
     page_size: int = 16  # tokens per KV page (paged); max_len must be a multiple
     kv_pages: int = 0  # pages per engine (paged); 0 = the contiguous cache's memory (max_slots x max_len)
     switch_retries: int = 2  # a role switch or weight load that raises is retried this often, then the cell is taken out
+    # Engines (weights placed, decode steps compiled) must be serving within this many seconds of the start, or
+    # the run ends with an error: line (exit 1) instead of hanging; a loaded 2-core host compiles slowly.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self):
         check_ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
@@ -38,6 +41,7 @@ class CellsConfig(CellConfig):
         check_positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert",
                               "max_slots", "max_len", "tokens_per_call", "page_size"))
         check_positive(self, ("switch_retries", "kv_pages"), allow_zero=True)
+        check_positive(self, ("start_timeout_s",))
         if self.kv_cache not in KV_CACHES:
             raise ConfigError(f"config.cells.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.max_len % self.page_size:

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from gyre_jax.losses import PolicyLossConfig, chunked_token_logprobs, loss_from_hidden, loss_from_logits, token_logprobs
 from gyre_jax.losses.registry import declare_metrics
 from gyre_jax.model import ModelConfig, Transformer
+from gyre_jax.cells.train_step import ADAPTER_KEY
+from gyre_jax.model.lora import DROPOUT_RNG as LORA_DROPOUT
 from gyre_jax.model.moe import expert_load, load_balancing_loss
 from gyre_jax.model.transformer import moe_stats
 
@@ -126,7 +128,7 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
         moe = model_config.num_experts > 0
         apply = functools.partial(model.apply, mutable=["intermediates"]) if moe else model.apply
-        apply = _with_routing(apply, mb)
+        apply = _with_lora(_with_routing(apply, mb), mb, model_config, training=True)
         if plan.logits_chunk is None:
             out = apply(params, *inputs)
             logits, inter = out if moe else (out, None)
@@ -149,7 +151,7 @@ def policy_loss_fn(model_config: ModelConfig, loss_config: PolicyLossConfig = Po
         if False not in models:  # a forward alone never needs remat
             models[False] = Transformer(model_config.replace(remat=False))
         inputs = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["subtree_end"])
-        apply = _with_routing(models[False].apply, mb)
+        apply = _with_lora(_with_routing(models[False].apply, mb), mb, model_config, training=False)
         if plan.logits_chunk is None:
             return token_logprobs(apply(params, *inputs), mb["targets"])
         hidden_BxLxD, unembed_DxV = apply(params, *inputs, return_hidden=True)
@@ -168,6 +170,21 @@ def _with_routing(apply, mb):
     if "routing" not in mb:
         return apply
     return functools.partial(apply, routing_BxLxR=mb["routing"])
+
+
+def _with_lora(apply, mb, model_config: ModelConfig, *, training: bool):
+    """The LoRA model's apply (model/lora.py): each token's adapter from the micro-batch's ``adapter``
+    field (several adapters), and dropout's rng when training (a row's mask comes from its own seed,
+    so the key is fixed: the same row draws the same mask on any cell, in any micro-batch)."""
+    lora = model_config.lora
+    if lora is None:
+        return apply
+    kw: dict[str, Any] = {}
+    if lora.num_adapters > 1 and ADAPTER_KEY in mb:
+        kw["adapter_BxL"] = mb[ADAPTER_KEY]
+    if training and lora.dropout:
+        kw["rngs"] = {LORA_DROPOUT: jax.random.key(0)}
+    return functools.partial(apply, **kw) if kw else apply
 
 
 def _routing_metrics(stats, mb):

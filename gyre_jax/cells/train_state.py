@@ -96,6 +96,53 @@ def make_optimizer(cfg: OptimizerConfig, logical_params) -> optax.GradientTransf
     return optax.chain(*parts)
 
 
+class PerAdapter(optax.GradientTransformation):
+    """``per_adapter``'s transformation; ``inner`` and ``n`` say how its state is laid out (a tuple of ``n``
+    states of ``inner``, adapter by adapter), which ``StateSpec.state_shardings`` reads."""
+
+    inner: optax.GradientTransformation
+    n: int
+
+
+def per_adapter(tx: optax.GradientTransformation, n: int) -> PerAdapter:
+    """``tx`` over a tuple of ``n`` LoRA adapters (gyre_jax/model/lora.py), each with its own state.
+
+    Each adapter is clipped, stepped and scheduled on its own. With several adapters (multi-LoRA:
+    each trains on its own task set), one whose gradient is exactly zero in a step (none of its
+    rollouts were in it) is left as it was, state and weights: Adam's momentum would otherwise keep
+    moving an adapter nothing trained, and its step count would run on. With one adapter this is
+    ``tx`` itself, update for update.
+    """
+    if n < 1:
+        raise ValueError(f"per_adapter: n={n} must be >= 1")
+
+    def _check(tree, what):
+        if not isinstance(tree, tuple) or len(tree) != n:
+            raise ValueError(f"per_adapter: {what} must be a tuple of {n} adapters, got {type(tree).__name__}"
+                             + (f" of {len(tree)}" if isinstance(tree, tuple) else ""))
+
+    def init(params):
+        _check(params, "params")
+        return tuple(tx.init(p) for p in params)
+
+    def update(grads, state, params=None):
+        _check(grads, "grads")
+        updates, states = [], []
+        for i in range(n):
+            u, s = tx.update(grads[i], state[i], None if params is None else params[i])
+            if n > 1:
+                live = optax.tree.norm(grads[i]) > 0
+                u = jax.tree.map(lambda x: jnp.where(live, x, jnp.zeros_like(x)), u)  # noqa: B023 - used at once
+                s = jax.tree.map(lambda new, old: jnp.where(live, new, old), s, state[i])  # noqa: B023
+            updates.append(u)
+            states.append(s)
+        return tuple(updates), tuple(states)
+
+    out = PerAdapter(init, update)
+    out.inner, out.n = tx, n
+    return out
+
+
 @flax.struct.dataclass
 class TrainState:
     # Leaves are arrays; abstract_state() / state_shardings() fill the same tree with their
@@ -141,14 +188,17 @@ class StateSpec:
         """Shardings of every leaf: optimizer moments follow their parameter, counters replicate."""
         replicated = NamedSharding(mesh, PartitionSpec())
         params = self.param_shardings(mesh, rules=rules)
-        opt = optax.tree_map_params(
-            self.tx,
-            lambda _, s: s,
-            self.abstract_state().opt_state,
-            params,
-            transform_non_params=lambda _: replicated,
-            is_leaf=lambda x: isinstance(x, NamedSharding),
-        )
+
+        def moments_like_params(tx, state, shardings):
+            return optax.tree_map_params(tx, lambda _, s: s, state, shardings,
+                                         transform_non_params=lambda _: replicated,
+                                         is_leaf=lambda x: isinstance(x, NamedSharding))
+
+        state = self.abstract_state().opt_state
+        if isinstance(self.tx, PerAdapter):  # a tuple of states, adapter i's moments shaped like params[i]
+            opt = tuple(moments_like_params(self.tx.inner, s, p) for s, p in zip(state, params))
+        else:
+            opt = moments_like_params(self.tx, state, params)
         return TrainState(step=replicated, policy_version=replicated, params=params, opt_state=opt)
 
     def init_state(self, rng: jax.Array, mesh: Mesh, *, initial_version: int = 0, rules=RULES) -> TrainState:

@@ -24,6 +24,7 @@ gradient equals the one-device gradient (tests/test_context_parallel_train.py).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.losses.policy_gradient import combine_metrics
 from gyre_jax.sharding import RULES, batch_sharding
+from gyre_jax.cells.frozen_base import FrozenBase
 from gyre_jax.cells.train_state import StateSpec, TrainState
 
 MICRO_BATCH_KEYS: tuple[str, ...] = (
@@ -56,6 +58,8 @@ MICRO_BATCH_KEYS = MICRO_BATCH_KEYS + SCORE_KEYS
 # An MoE model's recorded routing (routing replay, cells/loss.py): [B, L, R] int16, -1 = routed
 # live; present for every micro-batch of an MoE run, absent otherwise. Sharded like [B, L].
 ROUTING_KEY = "routing"
+# Multi-LoRA (model/lora.py): [B, L] int32, the adapter each token trains; absent with one adapter.
+ADAPTER_KEY = "adapter"
 
 LossFn = Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -98,6 +102,11 @@ def device_micro_batch(rows: Mapping[str, Any], *, where: str = "micro-batch") -
             raise ValueError(f"{where}: {ROUTING_KEY} must be integer [B, L, R] with [B, L] = {shape}, got "
                              f"{r.dtype} {r.shape}")
         out[ROUTING_KEY] = r
+    if d.get(ADAPTER_KEY) is not None:
+        a = np.asarray(d[ADAPTER_KEY])
+        if a.shape != shape or a.dtype.kind != "i":
+            raise ValueError(f"{where}: {ADAPTER_KEY} must be integer [B, L] = {shape}, got {a.dtype} {a.shape}")
+        out[ADAPTER_KEY] = a.astype(np.int32)
     return out
 
 
@@ -187,9 +196,15 @@ class CellSteps:
         reductions: Mapping[str, str] | None = None,
         rules=RULES,
         context_parallel_axis: str | None = None,
+        base: FrozenBase | None = None,
     ):
         """``context_parallel_axis``: mesh axis to split rows' sequence over; default the
-        ``loss_fn.context_parallel_axis`` that ``policy_loss_fn`` sets from the model config."""
+        ``loss_fn.context_parallel_axis`` that ``policy_loss_fn`` sets from the model config.
+
+        ``base``: a LoRA run's frozen base (cells/frozen_base.py). Then ``spec``'s params are the
+        adapters, ``loss_fn`` takes the model's variables (``{"params": base, "lora": ...}``), and
+        every step that runs the model gets this mesh's copy of the base as a bound first argument:
+        callers pass adapters where a plain run passes params, and gradients are the adapters' only."""
         self.context_parallel_axis = context_parallel_axis or getattr(loss_fn, "context_parallel_axis", None)
         # Expert parallelism (model/moe.py) dispatches inside shard_map over the abstract mesh, as CP does.
         self.expert_parallel_axis = getattr(loss_fn, "expert_parallel_axis", None)
@@ -198,7 +213,17 @@ class CellSteps:
         self.spec = spec
         self.reductions = reductions  # how each stat combines over micro-batches (None: all sum)
         self.loss_fn = loss_fn
-        self.grad_fn = make_grad_fn(loss_fn)
+        self.base = base
+        if base is None:
+            self.grad_fn = make_grad_fn(loss_fn)
+            self._grad = lambda _b, params, mb: self.grad_fn(params, mb)
+        else:
+            def lora_grad(b, adapters, mb):  # gradients of the adapters only: the base is an input, not a param
+                return make_grad_fn(lambda a, m: loss_fn(base.variables(b, a), m))(adapters, mb)
+
+            self._grad = lora_grad
+            # (adapters, mb) -> (grads, stats) over the host's base: for jax.eval_shape; jit grad_step instead
+            self.grad_fn = lambda adapters, mb: self._grad(base.params, adapters, mb)
         self.schedule = schedule
         self.rules = rules
         self._cache: dict[tuple[str, Mesh], Any] = {}
@@ -236,15 +261,27 @@ class CellSteps:
 
         return wrapped
 
+    def _jit_model(self, mesh: Mesh, fn, in_shardings, out_shardings, donate_argnums=()):
+        """``fn(base, *args)`` jitted on ``mesh``, taking ``*args``: in a LoRA run with this mesh's copy of the
+        frozen base bound as its first argument (placed once, read by every call), else with None."""
+        if self.base is None:
+            return jax.jit(self._in_mesh(lambda *a: fn(None, *a), mesh), in_shardings=in_shardings,
+                           out_shardings=out_shardings, donate_argnums=donate_argnums)
+        jitted = jax.jit(self._in_mesh(fn, mesh), in_shardings=(self.base.shardings(mesh, rules=self.rules),
+                                                                *in_shardings),
+                         out_shardings=out_shardings, donate_argnums=tuple(d + 1 for d in donate_argnums))
+        bound = functools.partial(jitted, self.base.on(mesh, rules=self.rules))
+        bound._cache_size = jitted._cache_size  # type: ignore[attr-defined]  # compiled() counts executables
+        return bound
+
     def grad_step(self, mesh: Mesh):
-        """Jitted (params, micro_batch) -> (grads, stats): grads in this mesh's param layout."""
+        """Jitted (params, micro_batch) -> (grads, stats): grads in this mesh's param layout (a LoRA run:
+        adapters in, the adapters' gradients out)."""
 
         def build():
             ps = self.param_shardings(mesh)
             rep = NamedSharding(mesh, PartitionSpec())
-            return jax.jit(
-                self._in_mesh(self.grad_fn, mesh), in_shardings=(ps, self.batch_sharding(mesh)), out_shardings=(ps, rep)
-            )
+            return self._jit_model(mesh, self._grad, (ps, self.batch_sharding(mesh)), (ps, rep))
 
         return self._get("grad_step", mesh, build)
 
@@ -256,10 +293,14 @@ class CellSteps:
         if fn is None:
             raise ValueError("CellSteps.score_step: the loss_fn has no logprob_fn (build it with policy_loss_fn)")
 
+        base = self.base
+
+        def score(b, p, mb):
+            return jax.lax.stop_gradient(fn(p if base is None else base.variables(b, p), mb))
+
         def build():
             bs = self.batch_sharding(mesh)
-            return jax.jit(self._in_mesh(lambda p, mb: jax.lax.stop_gradient(fn(p, mb)), mesh),
-                           in_shardings=(self.param_shardings(mesh), bs), out_shardings=bs)
+            return self._jit_model(mesh, score, (self.param_shardings(mesh), bs), bs)
 
         return self._get("score_step", mesh, build)
 
@@ -314,17 +355,17 @@ class CellSteps:
         (scan), the same reduction the elastic runner does across cells.
         """
 
-        def step(state: TrainState, batch):
+        def step(b, state: TrainState, batch):
             # One grad_fn in the HLO (inside the scan): zero-initialised accumulators,
             # 0 + g0 == g0, so the sums match the elastic reducer's acc = g0 + g1 + ...
             first = jax.tree.map(lambda x: x[0], batch)
-            _, stats_shape = jax.eval_shape(self.grad_fn, state.params, first)
+            _, stats_shape = jax.eval_shape(self._grad, b, state.params, first)
             acc0 = jax.tree.map(jnp.zeros_like, state.params)
             stats0 = {k: jnp.full(v.shape, _IDENTITY[stat_reduction(k, self.reductions)], v.dtype) for k, v in stats_shape.items()}
 
             def body(carry, mb):
                 acc, stats = carry
-                g, s = self.grad_fn(state.params, mb)
+                g, s = self._grad(b, state.params, mb)
                 return (jax.tree.map(jnp.add, acc, g), combine_stats(stats, s, self.reductions)), None
 
             (grads, stats), _ = jax.lax.scan(body, (acc0, stats0), batch)
@@ -337,8 +378,7 @@ class CellSteps:
             b = self.batch_sharding(mesh)
             stacked = NamedSharding(mesh, PartitionSpec(None, *b.spec))
             rep = NamedSharding(mesh, PartitionSpec())
-            return jax.jit(self._in_mesh(step, mesh), in_shardings=(ss, stacked), out_shardings=(ss, rep),
-                           donate_argnums=0)
+            return self._jit_model(mesh, step, (ss, stacked), (ss, rep), donate_argnums=(0,))
 
         return self._get("train_step", mesh, build)
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from gyre_jax.model.lora import LoraConfig
+
 ROPE_SCALINGS = ("none", "llama3")
 REMAT_POLICIES = ("full", "save_dots")  # what a rematerialised layer keeps (transformer._REMAT_POLICY)
 MOE_IMPLS = ("ragged", "dense")  # ragged: grouped matmuls over tokens sorted by expert; dense: every expert on every token (reference)
@@ -64,6 +66,9 @@ class ModelConfig:
     # Rollout routing replay (R3, model/moe.py): a forward given recorded routing uses those experts
     # where recorded (the router's live probabilities still weight them); False: it only compares.
     routing_replay: bool = False
+    # LoRA adapters on the projections (model/lora.py): their A and B live in the "lora" collection
+    # beside the base's "params"; None = the plain model.
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         where = "ModelConfig"
@@ -108,6 +113,10 @@ class ModelConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{where}.vocab_pad_multiple must be a positive int, got {v!r}")
         self._check_moe(where)
+        if self.lora is not None:
+            if not isinstance(self.lora, LoraConfig):
+                raise ValueError(f"{where}.lora must be a LoraConfig or None, got {type(self.lora).__name__}")
+            self.lora.check_model(self)
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{where}.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")

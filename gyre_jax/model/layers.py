@@ -5,6 +5,7 @@ mapping from logical names to mesh axes lives with the cells, not here.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import cast
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gyre_jax.model import lora as lora_lib
 from gyre_jax.model.config import ModelConfig
 
 # Fan-in scaled normal init: a tiny random model trains from step one and real
@@ -95,19 +97,35 @@ def rope(x_BxLxNxH, positions_BxL, theta: float, *, inv_freq_F=None):
     return out.astype(x_BxLxNxH.dtype)
 
 
+def project(module: nn.Module, name: str, x, w, spec: str, n_in: int, in_shape, in_axes, out_shape, out_axes,
+            lora_in=None):
+    """``einsum(spec, x, w)``, plus the projection's LoRA update when ``config.lora`` adapts it (model/lora.py)."""
+    y = jnp.einsum(spec, x, w)
+    ab = lora_lib.adapter_weights(module, name, in_shape, in_axes, out_shape, out_axes)
+    if ab is None:
+        return y
+    return y + lora_lib.delta(module, x, ab, lora_in, n_in).astype(y.dtype)
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); LoRA on any of the three (``lora_in``: model/lora.py)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD):
+    def __call__(self, x_BxLxD, lora_in=None):
         cfg = self.config
         dt = cfg.jnp_dtype
+        d, f = cfg.d_model, cfg.d_ff
 
-        gate_DxF = dense_param(self, "gate", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.d_model)
-        up_DxF = dense_param(self, "up", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), cfg.d_model)
-        down_FxD = dense_param(self, "down", (cfg.d_ff, cfg.d_model), ("mlp", "embed"), cfg.d_ff)
+        gate_DxF = dense_param(self, "gate", (d, f), ("embed", "mlp"), d)
+        up_DxF = dense_param(self, "up", (d, f), ("embed", "mlp"), d)
+        down_FxD = dense_param(self, "down", (f, d), ("mlp", "embed"), f)
         x = x_BxLxD.astype(dt)
-        h_BxLxF = nn.silu(x @ gate_DxF) * (x @ up_DxF)
-        return h_BxLxF @ down_FxD
+        if cfg.lora is None:
+            h_BxLxF = nn.silu(x @ gate_DxF) * (x @ up_DxF)
+            return h_BxLxF @ down_FxD
+        into = functools.partial(project, self, spec="bld,df->blf", n_in=1, in_shape=(d,), in_axes=("embed",),
+                                 out_shape=(f,), out_axes=("mlp",), lora_in=lora_in)
+        h_BxLxF = nn.silu(into("gate", x, gate_DxF)) * into("up", x, up_DxF)
+        return project(self, "down", h_BxLxF, down_FxD, "blf,fd->bld", 1, (f,), ("mlp",), (d,), ("embed",), lora_in)

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import dense_param
+from gyre_jax.model.lora import adapter_weights as lora_adapter
 from gyre_jax.sharding import RULES
 
 
@@ -85,11 +86,40 @@ def replay_routing(probs_NxE, live_NxK, recorded_NxK, norm_topk: bool, replay: b
     return w_NxK, idx_NxK, mismatch_N
 
 
-def _swiglu_grouped(x_MxD, gate_ExDxF, up_ExDxF, down_ExFxD, group_sizes_E):
-    """Rows of x sorted by expert; group_sizes_E rows each. Rows past the groups give zeros."""
-    h = nn.silu(jax.lax.ragged_dot(x_MxD, gate_ExDxF, group_sizes_E)) * jax.lax.ragged_dot(
-        x_MxD, up_ExDxF, group_sizes_E)
-    return jax.lax.ragged_dot(h, down_ExFxD, group_sizes_E)
+class ExpertLora(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
+    """LoRA on the experts (model/lora.py): per projection A [E, in, R] and B [E, R, out] (scale in B, None
+    where not adapted), and with several adapters each token's rank mask [N, R]."""
+
+    gate: tuple | None = None
+    up: tuple | None = None
+    down: tuple | None = None
+    mask_NxR: jax.Array | None = None
+
+    def pairs(self, order_M, k: int) -> "ExpertLora":
+        """The same adapters with the mask per (token, expert) pair in ``order_M`` (pair m = token m // k)."""
+        return self if self.mask_NxR is None else self.replace(mask_NxR=self.mask_NxR[order_M // k])
+
+
+def _grouped(x_MxI, w_ExIxO, group_sizes_E, ab, mask_MxR):
+    y = jax.lax.ragged_dot(x_MxI, w_ExIxO, group_sizes_E)
+    if ab is None:
+        return y
+    a, b = ab
+    xa = jax.lax.ragged_dot(x_MxI, a.astype(x_MxI.dtype), group_sizes_E)
+    if mask_MxR is not None:
+        xa = xa * mask_MxR.astype(xa.dtype)
+    return y + jax.lax.ragged_dot(xa, b.astype(xa.dtype), group_sizes_E)
+
+
+def _swiglu_grouped(x_MxD, gate_ExDxF, up_ExDxF, down_ExFxD, group_sizes_E, lora: ExpertLora | None = None):
+    """Rows of x sorted by expert; group_sizes_E rows each. Rows past the groups give zeros.
+    ``lora``: the experts' adapters, its mask already per sorted row."""
+    if lora is None:
+        lora = ExpertLora()
+    m = lora.mask_NxR
+    h = nn.silu(_grouped(x_MxD, gate_ExDxF, group_sizes_E, lora.gate, m)) * _grouped(
+        x_MxD, up_ExDxF, group_sizes_E, lora.up, m)
+    return _grouped(h, down_ExFxD, group_sizes_E, lora.down, m)
 
 
 def _combine(y_MxD, w_NxK):
@@ -98,25 +128,41 @@ def _combine(y_MxD, w_NxK):
     return jnp.sum(y_MxD.reshape(n, k, -1) * w_NxK[..., None].astype(y_MxD.dtype), axis=1)
 
 
-def experts_ragged(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
+def experts_ragged(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, lora: ExpertLora | None = None):
     """Grouped matmuls over the N*K (token, expert) pairs sorted by expert."""
     n, k = idx_NxK.shape
     e = gate_ExDxF.shape[0]
     flat_M = idx_NxK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)
     sizes_E = jnp.zeros((e,), jnp.int32).at[flat_M].add(1)
-    y_sorted = _swiglu_grouped(x_NxD[order_M // k], gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E)
+    y_sorted = _swiglu_grouped(x_NxD[order_M // k], gate_ExDxF, up_ExDxF, down_ExFxD, sizes_E,
+                               None if lora is None else lora.pairs(order_M, k))
     y_MxD = jnp.zeros_like(y_sorted).at[order_M].set(y_sorted)  # back to token-major pair order
     return _combine(y_MxD, w_NxK)
 
 
-def experts_dense(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD):
+def _every_expert(x_Nx_, w_ExIxO, ab, mask_NxR, spec_in: str):
+    """x through every expert's projection ([E, N, O]), plus its LoRA update; ``spec_in`` names x's axes."""
+    y = jnp.einsum(f"{spec_in},eio->eno", x_Nx_, w_ExIxO)
+    if ab is None:
+        return y
+    a, b = ab
+    xa = jnp.einsum(f"{spec_in},eir->enr", x_Nx_, a.astype(x_Nx_.dtype))
+    if mask_NxR is not None:
+        xa = xa * mask_NxR.astype(xa.dtype)[None]
+    return y + jnp.einsum("enr,ero->eno", xa, b.astype(xa.dtype))
+
+
+def experts_dense(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, lora: ExpertLora | None = None):
     """Reference: every expert on every token, weighted by the (mostly zero) routing weights."""
     n, _ = idx_NxK.shape
     e = gate_ExDxF.shape[0]
     comb_NxE = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx_NxK].add(w_NxK)
-    h = nn.silu(jnp.einsum("nd,edf->enf", x_NxD, gate_ExDxF)) * jnp.einsum("nd,edf->enf", x_NxD, up_ExDxF)
-    y_ExNxD = jnp.einsum("enf,efd->end", h, down_ExFxD)
+    if lora is None:
+        lora = ExpertLora()
+    m = lora.mask_NxR
+    h = nn.silu(_every_expert(x_NxD, gate_ExDxF, lora.gate, m, "ni")) * _every_expert(x_NxD, up_ExDxF, lora.up, m, "ni")
+    y_ExNxD = _every_expert(h, down_ExFxD, lora.down, m, "eni")
     return jnp.einsum("end,ne->nd", y_ExNxD, comb_NxE.astype(y_ExNxD.dtype))
 
 
@@ -130,7 +176,8 @@ def _token_axes(mesh, expert_axis: str) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def experts_expert_parallel(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, axis: str):
+def experts_expert_parallel(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, lora: ExpertLora | None = None,
+                            *, axis: str):
     """Experts split over mesh ``axis`` (run under ``jax.set_mesh``); all-to-all dispatch and combine."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or axis not in mesh.axis_names:
@@ -152,13 +199,16 @@ def experts_expert_parallel(x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_Ex
         w_NxK = jnp.pad(w_NxK, ((0, pad), (0, 0)))
         idx_NxK = jnp.pad(idx_NxK, ((0, pad), (0, 0)))
     tok, exp = P(tok_axes, None), P(axis, None, None)
+    if lora is not None and lora.mask_NxR is not None:  # LoraConfig.check_model refuses it first
+        raise ValueError("expert parallelism: several LoRA adapters on the experts are not covered")
     local = functools.partial(_dispatch_local, axis=axis, n_dev=p)
-    y = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp), out_specs=tok)(
-        x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+    args = (x_NxD, w_NxK, idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD) + (() if lora is None else (lora,))
+    specs = (tok, tok, tok, exp, exp, exp) + (() if lora is None else (exp,))  # every adapter array is [E, ., .]
+    y = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tok)(*args)
     return y[:n]
 
 
-def _dispatch_local(x_nxD, w_nxK, idx_nxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, axis: str, n_dev: int):
+def _dispatch_local(x_nxD, w_nxK, idx_nxK, gate_ExDxF, up_ExDxF, down_ExFxD, lora=None, *, axis: str, n_dev: int):
     """One device: its n tokens' pairs out to the owners of their experts, local experts, results back.
 
     Local shapes: El = E/P experts here, m = n*K pairs of its own tokens.
@@ -184,7 +234,7 @@ def _dispatch_local(x_nxD, w_nxK, idx_nxK, gate_ExDxF, up_ExDxF, down_ExFxD, *, 
     recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=True).reshape(n_dev * m)
     order_r = jnp.argsort(recv_e, stable=True)
     sizes_El = jnp.zeros((el,), jnp.int32).at[recv_e].add(1, mode="drop")  # the sentinel El is dropped
-    y_sorted = _swiglu_grouped(recv_x[order_r], gate_ExDxF, up_ExDxF, down_ExFxD, sizes_El)
+    y_sorted = _swiglu_grouped(recv_x[order_r], gate_ExDxF, up_ExDxF, down_ExFxD, sizes_El, lora)
     y_recv = jnp.zeros_like(y_sorted).at[order_r].set(y_sorted).reshape(n_dev, m, -1)
     back_Pxm = jax.lax.all_to_all(y_recv, axis, 0, 0, tiled=True)  # back[d, j]: my j-th pair sent to d
     pos_m = jnp.arange(m, dtype=jnp.int32) - start_P[dest_sorted]
@@ -205,7 +255,7 @@ class MoE(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, valid_BxT=None, routing_BxTxK=None):
+    def __call__(self, x_BxTxD, valid_BxT=None, routing_BxTxK=None, lora_in=None):
         cfg = self.config
         dt = cfg.jnp_dtype
         d, e, f, k = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
@@ -225,13 +275,27 @@ class MoE(nn.Module):
             experts = functools.partial(experts_expert_parallel, axis=cfg.expert_parallel_axis)
         else:
             experts = _EXPERTS[cfg.moe_impl]
-        y_NxD = experts(x_NxD, w_NxK.astype(dt), idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD)
+        y_NxD = experts(x_NxD, w_NxK.astype(dt), idx_NxK, gate_ExDxF, up_ExDxF, down_ExFxD,
+                        self._expert_lora(b * t, lora_in))
         valid_N = (jnp.ones((b * t,), jnp.float32) if valid_BxT is None
                    else valid_BxT.reshape(b * t).astype(jnp.float32))
         count_E = jnp.zeros((e,), jnp.float32).at[idx_NxK].add(jnp.broadcast_to(valid_N[:, None], idx_NxK.shape))
         stats = MoEStats(count_E=jax.lax.stop_gradient(count_E), prob_E=probs_NxE.T @ valid_N,
                          tokens=jnp.sum(valid_N), experts=idx_NxK, mismatch=mismatch_N * valid_N)
         return y_NxD.reshape(b, t, d), stats
+
+    def _expert_lora(self, n: int, lora_in) -> ExpertLora | None:
+        """The experts' adapters (model/lora.py), None when the config adapts none of them."""
+        cfg = self.config
+        d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_intermediate_size
+        ab = {name: lora_adapter(self, name, (e, i), ("expert", ia), (o,), (oa,))
+              for name, i, ia, o, oa in (("gate", d, "embed", f, "moe_mlp"), ("up", d, "embed", f, "moe_mlp"),
+                                         ("down", f, "moe_mlp", d, "embed"))}
+        if all(v is None for v in ab.values()):
+            return None
+        mask = None if lora_in is None or lora_in.rank_mask_BxTxR is None else \
+            lora_in.rank_mask_BxTxR.reshape(n, -1)
+        return ExpertLora(gate=ab["gate"], up=ab["up"], down=ab["down"], mask_NxR=mask)
 
 
 def load_balancing_loss(stats: MoEStats, num_experts: int):

@@ -29,6 +29,7 @@ from gyre_jax.model.attention import Attention, tree_attention_mask
 from gyre_jax.model.tree_attention import CacheMask, TreeMask
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import MLP, RMSNorm
+from gyre_jax.model.lora import COLLECTION as LORA, DROPOUT_RNG as LORA_DROPOUT, lora_inputs
 from gyre_jax.model.moe import MoE, MoEStats
 from gyre_jax.model.paged import PagedMask
 
@@ -49,9 +50,11 @@ class Block(nn.Module):
     moe: bool = False
 
     @nn.compact
-    def __call__(self, carry, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT, routing_BxTxK=None):
+    def __call__(self, carry, layer_cache, positions_BxT, mask, cache_index_B, valid_BxT, routing_BxTxK=None,
+                 lora_in=None):
         """carry: the residual x_BxTxD, or for the decode step (x, k_all, v_all, layer) with the
-        whole stacked cache [Y, B, S, K, H] updated in place (then layer_cache is None)."""
+        whole stacked cache [Y, B, S, K, H] updated in place (then layer_cache is None).
+        ``lora_in``: what the adapted projections read besides their input (model/lora.py)."""
         decode = isinstance(carry, tuple)
         if decode:
             x_BxTxD, k_all, v_all, layer = carry
@@ -59,14 +62,14 @@ class Block(nn.Module):
         else:
             x_BxTxD = carry
         y, new_cache = Attention(self.config, name="attn")(
-            RMSNorm(self.config, name="attn_norm")(x_BxTxD), positions_BxT, mask, layer_cache, cache_index_B
+            RMSNorm(self.config, name="attn_norm")(x_BxTxD), positions_BxT, mask, layer_cache, cache_index_B, lora_in
         )
         x = x_BxTxD + y.astype(x_BxTxD.dtype)
         h = RMSNorm(self.config, name="mlp_norm")(x)
         if self.moe:
-            y, stats = MoE(self.config, name="moe")(h, valid_BxT, routing_BxTxK)
+            y, stats = MoE(self.config, name="moe")(h, valid_BxT, routing_BxTxK, lora_in)
         else:
-            y, stats = MLP(self.config, name="mlp")(h), None
+            y, stats = MLP(self.config, name="mlp")(h, lora_in), None
         x = x + y.astype(x.dtype)
         if decode:
             return (x, *new_cache, layer + 1), stats
@@ -86,9 +89,10 @@ def _scanned_blocks(config: ModelConfig, length: int):
         block = nn.remat(Block, prevent_cse=False, policy=_REMAT_POLICY[config.remat_policy])
     return nn.scan(
         block,
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),  # routing: one [B, T, K] per layer
+        variable_axes={"params": 0, LORA: 0},  # LoRA adapters (model/lora.py) stack per layer like the weights
+        split_rngs={"params": True, LORA_DROPOUT: True},
+        # routing: one [B, T, K] per layer; lora_in: the same for every layer
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0, nn.broadcast),
         length=length,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
@@ -150,13 +154,15 @@ class Transformer(nn.Module):
         return logits
 
     def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL, subtree_end_BxL, *, return_hidden=False,
-                 routing_BxLxR=None):
+                 routing_BxLxR=None, adapter_BxL=None):
         """Forward over packed rows with the tree attention mask.
 
         Returns logits_BxLxV (float32), or (hidden_BxLxD, unembed_DxV) if
         ``return_hidden``; then logits = hidden @ unembed. ``routing_BxLxR``: recorded expert
         ids per token (R = config.routing_width: MoE layers x top-k, -1 where none), compared
         with the live routing and, with config.routing_replay, used (model/moe.py).
+        ``adapter_BxL``: with several LoRA adapters (config.lora.num_adapters > 1), which one each
+        token is trained or scored with (default 0; model/lora.py).
         """
         _check_int_BxL(
             "Transformer", tokens=tokens_BxL, positions=positions_BxL, segment_ids=segment_ids_BxL,
@@ -166,8 +172,10 @@ class Transformer(nn.Module):
         mask = self._tree_mask(segment_ids_BxL, subtree_end_BxL)
         valid = segment_ids_BxL > 0  # padding (segment 0) is routed but not counted in the MoE statistics
         per_layer = self._routing_per_layer(routing_BxLxR, tokens_BxL.shape)
+        lora_in = lora_inputs(self.config.lora, self.config.jnp_dtype, adapter_BxL, tokens_BxL, positions_BxL,
+                              training=True)
         for stack, routing in zip(self.stacks, per_layer):
-            x, (_, stats) = stack(x, None, positions_BxL, mask, None, valid, routing)
+            x, (_, stats) = stack(x, None, positions_BxL, mask, None, valid, routing, lora_in)
             self._sow_moe(stats)
         hidden = self.final_norm(x)
         if return_hidden:
@@ -200,14 +208,15 @@ class Transformer(nn.Module):
                         block_q=cfg.attention_block_q, block_k=cfg.attention_block_k, impl=cfg.attention_kernel,
                         context_axis=cfg.context_parallel_axis)
 
-    def with_cache(self, tokens_BxT, positions_BxT, mask_BxTxS, k_YxBxSxKxH, v_YxBxSxKxH, cache_index_B):
+    def with_cache(self, tokens_BxT, positions_BxT, mask_BxTxS, k_YxBxSxKxH, v_YxBxSxKxH, cache_index_B,
+                   adapter_BxT=None):
         """T new tokens per row against a per-row KV cache.
 
         Row b's new k/v are written at cache[:, b, cache_index[b] : cache_index[b]+T]
         first; ``mask_BxTxS`` then says which cache entries (old and just written)
         each new token sees: dense booleans [B, T, S], or a ``CacheMask`` (O(T)
         metadata, blockwise; what ``cache_mask(config, ...)`` gives). Returns
-        (logits_BxTxV float32, (k_cache, v_cache)).
+        (logits_BxTxV float32, (k_cache, v_cache)). ``adapter_BxT``: as ``__call__``'s ``adapter_BxL``.
         """
         where = "Transformer.with_cache"
         _check_int_BxL(where, tokens=tokens_BxT, positions=positions_BxT)
@@ -233,6 +242,7 @@ class Transformer(nn.Module):
             chex.assert_type(mask_BxTxS, bool, custom_message=f"{where}: mask must be boolean")
         chex.assert_shape(cache_index_B, (b,), custom_message=f"{where}: cache_index must be [B]")
         x = self.embed_tokens(tokens_BxT)
+        lora_in = lora_inputs(cfg.lora, cfg.jnp_dtype, adapter_BxT, tokens_BxT, positions_BxT)
         if t == 1 and not isinstance(mask_BxTxS, (CacheMask, PagedMask)):
             # Decode: the scan carries the whole stacked cache and each layer writes its new
             # entry in place (the layer index runs on across stacks). Scanning over the cache
@@ -240,20 +250,20 @@ class Transformer(nn.Module):
             # times the bytes of the cache per token.
             carry = (x, k_YxBxSxKxH, v_YxBxSxKxH, jnp.int32(0))
             for stack in self.stacks:
-                carry, stats = stack(carry, None, positions_BxT, mask_BxTxS, cache_index_B, None, None)
+                carry, stats = stack(carry, None, positions_BxT, mask_BxTxS, cache_index_B, None, None, lora_in)
                 self._sow_moe(stats)
             x, k, v, _ = carry
             return self.head_logits(self.final_norm(x)), (k, v)
         runs = cfg.layer_runs()
         if len(runs) == 1:  # one stack: the whole cache in and out, no copies
             x, ((k, v), stats) = self.stacks[0](x, (k_YxBxSxKxH, v_YxBxSxKxH), positions_BxT, mask_BxTxS,
-                                                cache_index_B, None, None)
+                                                cache_index_B, None, None, lora_in)
             self._sow_moe(stats)
             return self.head_logits(self.final_norm(x)), (k, v)
         ks, vs = [], []
         for stack, (_, start, stop, _) in zip(self.stacks, runs):
             x, ((k, v), stats) = stack(x, (k_YxBxSxKxH[start:stop], v_YxBxSxKxH[start:stop]), positions_BxT,
-                                       mask_BxTxS, cache_index_B, None, None)
+                                       mask_BxTxS, cache_index_B, None, None, lora_in)
             self._sow_moe(stats)
             ks.append(k)
             vs.append(v)
@@ -299,8 +309,9 @@ def _dummy_inputs():
 
 def init_boxed(config: ModelConfig, rng):
     """Variables ``{"params": ...}`` with nn.Partitioned boxes (logical axis names attached)."""
-    # The params do not depend on how rows are split; init runs on a 1-token row, no mesh.
-    return Transformer(config.replace(context_parallel_axis=None, expert_parallel_axis=None)).init(
+    # The params do not depend on how rows are split; init runs on a 1-token row, no mesh. The base
+    # alone: a LoRA model's adapters are made by model/lora.py's init_adapter.
+    return Transformer(config.replace(context_parallel_axis=None, expert_parallel_axis=None, lora=None)).init(
         rng, *_dummy_inputs())
 
 

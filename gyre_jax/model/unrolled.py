@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gyre_jax.model.config import ModelConfig
+from gyre_jax.model.lora import lora_inputs
 from gyre_jax.model.paged import PagedMask
 from gyre_jax.model.transformer import Block, Transformer
 from gyre_jax.model.tree_attention import CacheMask
@@ -52,7 +53,9 @@ def split_params(config: ModelConfig, params, take: Callable[[Any, int], Any] | 
     layers = []
     for name, start, stop, _ in config.layer_runs():
         for i in range(stop - start):
-            layers.append({"params": jax.tree.map(lambda x: take(x, i), p[name])})  # noqa: B023 - used at once
+            # every collection's stack (the base's "params", a LoRA model's "lora" adapters) cut at layer i
+            layers.append({col: jax.tree.map(lambda x: take(x, i), tree[name])  # noqa: B023 - used at once
+                           for col, tree in params.items() if name in tree})
     return LayerParams(rest={"params": {k: v for k, v in p.items() if k not in names}}, layers=tuple(layers))
 
 
@@ -73,14 +76,15 @@ def _head(module: Transformer, hidden_BxTxD):
 
 
 def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_BxT, mask, ks: tuple, vs: tuple,
-                   cache_index_B, *, with_routing: bool = False, routing_BxTxR=None):
+                   cache_index_B, *, with_routing: bool = False, routing_BxTxR=None, adapter_BxT=None):
     """``Transformer.with_cache`` over per-layer params and per-layer k/v buffers.
 
     Returns (logits_BxTxV float32, (ks, vs)) with each layer's buffer updated; with
     ``with_routing`` (an MoE model) also the experts each MoE layer chose for each token,
     int32 [B*T, MoE layers x top-k] in layer order (what the engine records for replay).
     ``routing_BxTxR``: recorded experts per token in that layout (-1: route live), used where
-    ``config.routing_replay`` (model/moe.py): a recomputed cache takes its tokens' decode routing."""
+    ``config.routing_replay`` (model/moe.py): a recomputed cache takes its tokens' decode routing.
+    ``adapter_BxT``: with several LoRA adapters, each token's (model/lora.py; a decode step: each slot's)."""
     if len(lp.layers) != config.n_layers or len(ks) != config.n_layers or len(vs) != config.n_layers:
         raise ValueError(f"forward_layers: need {config.n_layers} layers of params and of k/v, got "
                          f"{len(lp.layers)}, {len(ks)}, {len(vs)}")
@@ -92,6 +96,7 @@ def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_B
     if routing_BxTxR is not None and routing_BxTxR.shape[-1] != config.routing_width:
         raise ValueError(f"forward_layers: routing has {routing_BxTxR.shape[-1]} ids per token, the model records "
                          f"{config.routing_width} (MoE layers x top-k)")
+    lora_in = lora_inputs(config.lora, config.jnp_dtype, adapter_BxT, tokens_BxT, positions_BxT)
     new_k, new_v, experts = [], [], []
     m = 0  # MoE layers so far: this layer's slice of the recorded routing
     for layer, (p, k, v, moe) in enumerate(zip(lp.layers, ks, vs, moe_flags)):
@@ -103,11 +108,11 @@ def forward_layers(config: ModelConfig, lp: LayerParams, tokens_BxT, positions_B
         out: Any  # (flax types apply() loosely): the block's (carry or x, cache and MoE stats)
         if one_token:  # the decode form: the row scattered into the buffer in place, attention without a transpose
             out = block.apply(p, (x, k[None], v[None], 0), None, positions_BxT, mask,
-                              cache_index_B, None, routing)
+                              cache_index_B, None, routing, lora_in)
             (x, k1, v1, _), stats = out
             k, v = k1[0], v1[0]
         else:
-            out = block.apply(p, x, (k, v), positions_BxT, mask, cache_index_B, None, routing)
+            out = block.apply(p, x, (k, v), positions_BxT, mask, cache_index_B, None, routing, lora_in)
             x, ((k, v), stats) = out
         new_k.append(k)
         new_v.append(v)

@@ -34,7 +34,9 @@ from gyre_jax.distributed import ensure_cpu_devices
 from gyre_jax.errors import ConfigError, RunFailed
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, param_logical_axes
+from gyre_jax.cells.frozen_base import Adapted, FrozenBase
 from gyre_jax.rl import faults as faults_lib
+from gyre_jax.rl import lora_run
 from gyre_jax.rl import heap
 from gyre_jax.rl import reference as reference_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter, RoleTable
@@ -43,13 +45,13 @@ from gyre_jax.rl.checkpointing import CheckpointHook, check_checkpoint, open_che
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.evaluate import first_call_prompt
 from gyre_jax.rl.evaluators import Evaluator, make_evaluator
-from gyre_jax.rl.export import ExportHook
+from gyre_jax.rl.export import ExportHook, PeftExportHook
 from gyre_jax.rl.hooks import StepHooks, StepInfo, UpdateHooks
 from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
 from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.report import scalars
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
-from gyre_jax.rl.start_policy import fresh_params
+from gyre_jax.rl.start_policy import fresh_params, hf_params
 from gyre_jax.rl.step_events import TrainerSnapshot
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.rl.warmup import warm_engines, warm_steps
@@ -86,7 +88,8 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     c = cfg.cells
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
-                        kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None)
+                        kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None,
+                        lora_serving=cfg.train.lora.serving)  # a LoRA run's params: Adapted(base, adapters)
     return JetStreamBackend(engine, name=name)
 
 
@@ -127,6 +130,7 @@ class Components:
     chaos: faults_lib.Chaos | None
     warm_thread: threading.Thread | None = None
     satellites: Any = None  # gyre_jax.pods.rl_job.Satellites when the cells run in separate processes
+    task_check: dict = dataclasses.field(default_factory=dict)  # what the grader check at start found (task_gate)
 
     def close(self) -> None:
         """Stop every thread and server; each part closes even if another fails to."""
@@ -165,6 +169,8 @@ class Placement:
     core_mesh: Any
     warm_thread: threading.Thread  # compiling every cell's training step meanwhile
     evaluator: Evaluator | None
+    frozen: FrozenBase | None = None  # a LoRA run's base (rl/lora_run.py); None: the params are the model's
+    base_history: tuple[dict, ...] = ()  # the SFT warm start's metrics when the LoRA base was made now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +251,7 @@ def build_base(cfg: RLConfig, workdir: str) -> Base:
 def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> Placement:
     """Cells and roles, the jitted steps (compiling on a thread of their own while set-up goes on) and the
     held-out eval (whole episodes get an engine on the core cell's devices)."""
-    policy = cfg.scheduler.with_own_costs(base.costs)
+    policy = cfg.policy(base.costs)
     policy.check_cells(base.n_cells, cfg.cells.cell_size)
     roles = tuple(policy_lib.initial_roles(policy, base.n_cells))
     cs = cells_lib.split_cells(cfg.cells)
@@ -254,8 +260,14 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
 
         check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
-    evaluator = make_evaluator(cfg, base.tok, layout.cells[0], make_backend, base.workdir)
-    steps = _cell_steps(cfg)
+    frozen: FrozenBase | None = None
+    base_history: list[dict] = []
+    if cfg.train.lora.enabled:  # the base first: the cells' steps read it (rl/lora_run.py)
+        core_mesh = layout.role_to_mesh()[Role.CORE][0]
+        frozen, base_history = lora_run.frozen_base(cfg, base.workdir,
+                                                    lambda: fresh_params(cfg, base.tok, core_mesh))
+    evaluator = make_evaluator(cfg, base.tok, layout.cells[0], make_backend, base.workdir, frozen)
+    steps = _cell_steps(cfg, frozen)
     # Each satellite process compiles its own cell's step; a run that fails during set-up must not wait for these.
     t = cfg.train
     warm = threading.Thread(target=warm_steps, args=(steps, cs[:1] if base.multi else cs), name="gyre-warm",
@@ -263,7 +275,8 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
                                         routing_width=t.routing_width), daemon=True)
     warm.start()  # compile every cell's training step while SFT and set-up run
     return Placement(layout=layout, roles=roles, policy=policy, steps=steps,
-                     core_mesh=layout.role_to_mesh()[Role.CORE][0], warm_thread=warm, evaluator=evaluator)
+                     core_mesh=layout.role_to_mesh()[Role.CORE][0], warm_thread=warm, evaluator=evaluator,
+                     frozen=frozen, base_history=tuple(base_history))
 
 
 def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
@@ -274,7 +287,7 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
     stream = RowStream(cfg.train.row_len)
     iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
-                                   data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator))
+                                   data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator, place.frozen))
     sft_history: list[dict] = []
     ready: list[Group] = []
     short: list[ResumedGroup] = []
@@ -283,14 +296,17 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
         ready, short = _resume_groups(cfg, base.store, restored)
         ref_params = reference_lib.restore_reference(cfg, base.workdir, place.steps, mesh)
     else:
-        params, sft_history = fresh_params(cfg, base.tok, mesh)
+        if place.frozen is not None:  # LoRA: the base was made with the placement; the params are the adapters
+            params, sft_history = lora_run.initial_adapters(cfg, cfg.seed), list(place.base_history)
+        else:
+            params, sft_history = fresh_params(cfg, base.tok, mesh)
         ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
         state, steps_done = spec.state_from_params(params, mesh), 0
         # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
         # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
         # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
         save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
-                        cfg.scheduler.mode, 0, force=True)
+                        cfg.scheduler.mode, 0, force=True, frozen=place.frozen)
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
     trainer = cells_lib.ElasticTrainer(place.steps, place.layout.core, state)
@@ -330,6 +346,7 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     serving = list(get_mode(s.mode).serving_cells(base.n_cells, s.async_train_cells))  # each gets an engine
     names = {c: f"cell{c}" for c in serving}
     params0, version = restored.trainer.state.params, restored.steps_done
+    engine_params0 = _engine_params(place.frozen, params0)  # a LoRA run's engines get the base once, here
     sats, remote_backends = None, {}
     if base.multi:  # the satellite processes' cells: training handles, and engines built on the starting policy
         from gyre_jax.pods.rl_job import Satellites
@@ -341,17 +358,22 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     async def build_proxy():
         backends = []
         for c in serving:
-            b = remote_backends[c] if c in remote_backends else make_backend(cfg, place.layout.cells[c], params0,
-                                                                             version, names[c], base.tok)
+            b = remote_backends[c] if c in remote_backends else make_backend(cfg, place.layout.cells[c],
+                                                                             engine_params0, version, names[c],
+                                                                             base.tok)
             backends.append(faults.wrap(b) if faults is not None else b)
         # Only keys the launcher issues (one per rollout, revoked at its end) or the run's own token are
         # credentials; any model name is this policy; a harness asking more tokens than the cap gets the cap.
-        return Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
-                     ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
-                                 auth_token=secrets.token_hex(16), unix_path=sock))
+        proxy = Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
+                      ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
+                                  auth_token=secrets.token_hex(16), unix_path=sock))
+        group_adapter = _adapter_of_group(cfg)
+        if group_adapter is not None:  # multi-LoRA: a call samples with its rollout's adapter, found by its key
+            proxy.adapter_of = lambda b: group_adapter(b.group_id)
+        return proxy
 
     server = ServerThread(build_proxy)
-    url = server.start()
+    url = server.start(cfg.cells.start_timeout_s, "the rollout engines")
     backends = {c: server.proxy.router.cells[names[c]] for c in serving}
     warm_engines(server, backends, first_call_prompt(cfg.group_task(0), base.tok, cfg.harness.system_prompt))
     spec = place.steps.spec
@@ -374,7 +396,7 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     timeline = Timeline(clock, list(place.roles))
     table = RoleTable(place.roles, timeline, wake.set)
     proxy_ad = ProxyAdapter(serving.server, dict(serving.names), [c for c in serving.names if place.roles[c] == ROLLOUT])
-    update_hooks, checkpoints = _update_hooks(cfg, base, restored)
+    update_hooks, checkpoints = _update_hooks(cfg, base, restored, place.frozen)
     trainer_ad = _trainer_adapter(cfg, place, restored, serving, table, wake, update_hooks, base.store)
     remote = {c: (serving.satellites.remotes[c], b) for c, b in serving.remote_backends.items()}
     pool = CellPoolAdapter(layout=place.layout, roles=table, trainer=trainer_ad, backends=dict(serving.backends),
@@ -401,14 +423,17 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
                       satellites=serving.satellites)
 
 
-def _update_hooks(cfg: RLConfig, base: Base, restored: Restored) -> tuple[UpdateHooks, CheckpointHook]:
+def _update_hooks(cfg: RLConfig, base: Base, restored: Restored,
+                  frozen: FrozenBase | None) -> tuple[UpdateHooks, CheckpointHook]:
     """After each optimizer update, on the trainer's thread: a checkpoint every checkpoint_every-th (and after the
-    last), the HF export after the last."""
-    checkpoints = CheckpointHook(restored.ckpt, base.store, cfg.scheduler.mode)
+    last); after the last, a LoRA run's adapters as PEFT directories, and the HF export."""
+    checkpoints = CheckpointHook(restored.ckpt, base.store, cfg.scheduler.mode, frozen)
     hooks = UpdateHooks(cfg.steps)
     hooks.add_hook(checkpoints.on_update, every=cfg.checkpoint_every, name="checkpoint")
+    if frozen is not None:  # small: always
+        hooks.add_hook(PeftExportHook(cfg, base.workdir).on_update, every=0, name="peft_export")
     if cfg.hf_export:
-        hooks.add_hook(ExportHook(cfg, base.workdir).on_update, every=0, name="hf_export")
+        hooks.add_hook(ExportHook(cfg, base.workdir, frozen).on_update, every=0, name="hf_export")
     return hooks, checkpoints
 
 
@@ -425,7 +450,8 @@ def _step_hooks(cfg: RLConfig, workdir: str, evaluator: Evaluator | None, contro
     hooks.add_hook(lambda info: metrics.write(info.record.step, scalars(info.record)), name="metrics")
     estimates = controller.estimates
     if estimates is not None:
-        hooks.add_hook(lambda info: costs_file.save_own(workdir, estimates.measured()), name="costs")
+        moves = getattr(controller.cells, "moves", lambda: [])
+        hooks.add_hook(lambda info: costs_file.save_own(workdir, estimates.measured(), moves()), name="costs")
     return hooks
 
 
@@ -447,7 +473,7 @@ def _launcher(cfg: RLConfig, base: Base, restored: Restored, serving: Serving, t
                         work_s=functools.partial(trainer_ad.work_s, row_len=cfg.train.row_len),
                         next_group=max(existing, default=-1) + 1,
                         launched=restored.steps_done * s.groups_per_step + len(restored.ready), faults=serving.faults,
-                        on_error=wake.set)
+                        on_error=wake.set, failure_window=s.groups_per_step * s.group_size)
     launcher.resume(list(restored.short))
     return launcher
 
@@ -467,6 +493,8 @@ def _trainer_adapter(cfg: RLConfig, place: Placement, restored: Restored, servin
               "(the rewind went past the staleness bound)", flush=True)
     scorer = reference_lib.make_scorer(cfg, place.steps, place.core_mesh, restored.ref_params)  # the per-step pass
     print(reference_lib.describe(cfg, scorer, restored.trainer.state.params), flush=True)
+    if place.frozen is not None:
+        print(lora_run.describe(cfg, place.frozen, restored.trainer.state.params), flush=True)
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
     chaos = serving.chaos
     cells = [sats.remotes[c] if sats is not None and c in sats.remotes else cell
@@ -480,7 +508,26 @@ def _trainer_adapter(cfg: RLConfig, place: Placement, restored: Restored, servin
         on_step_started=pause, restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
         | {r for g in restored.short for r in g.finished},
         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes)
+        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes,
+        adapter_of=_adapter_of_group(cfg))
+
+
+def _adapter_of_group(cfg: RLConfig):
+    """Multi-LoRA: a group id's adapter ("g00012" -> 12 % adapters; another id, the run's own warm-up calls: 0);
+    None with one adapter."""
+    if cfg.train.lora.adapters == 1:
+        return None
+
+    def adapter_of(group_id: str) -> int:
+        m = re.fullmatch(r"g(\d+)", group_id or "")
+        return cfg.group_adapter(int(m.group(1))) if m else 0
+
+    return adapter_of
+
+
+def _engine_params(frozen: FrozenBase | None, params):
+    """What a new engine is given: the params, or a LoRA run's base with its adapters."""
+    return params if frozen is None else Adapted(frozen, params)
 
 
 def _describe(cfg: RLConfig, base: Base, place: Placement, serving: Serving, restored: Restored,
@@ -520,27 +567,37 @@ def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:
     threading.Thread(target=pool.take_out, args=(cell, why), name=f"gyre-out-{cell}", daemon=True).start()
 
 
-def _cell_steps(cfg: RLConfig) -> cells_lib.CellSteps:
-    """The state spec and jitted steps of every cell: the same in every process."""
-    mc, opt = cfg.model, cfg.train  # the train section is the optimizer's config and the loss's
-    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
-                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
+def _cell_steps(cfg: RLConfig, frozen: FrozenBase | None = None) -> cells_lib.CellSteps:
+    """The state spec and jitted steps of every cell: the same in every process. ``frozen``: a LoRA run's
+    base (the state is then its adapters: rl/lora_run.py)."""
+    mc, opt = cfg.policy_model, cfg.train  # the train section is the optimizer's config and the loss's
     # Expert parallelism is a training layout only: the loss dispatches over the training mesh's 'expert'
     # axis; engines run the same params with every expert on the serving mesh (no 'expert' axis there).
     loss_model = mc.replace(expert_parallel_axis="expert") if cfg.cells.train_expert > 1 else mc
     loss_model = loss_model.replace(routing_replay=cfg.train.routing_replay)  # engines never replay: they record
+    if frozen is not None:
+        return lora_run.cell_steps(cfg, frozen, loss_model)
+    spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
+                                      cells_lib.make_optimizer(opt, param_logical_axes(mc)))
     return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.train), cells_lib.make_schedule(opt),
                                reductions=METRIC_REDUCTIONS)
 
 
-def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_backend) -> dict:
-    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word."""
+def run_satellite(cfg: RLConfig, *, workdir: str | None = None, make_backend: BackendFactory = jetstream_backend) -> dict:
+    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word. A LoRA run's
+    satellite reads the frozen base the core keeps in ``workdir`` (rl/lora_run.py: a shared filesystem, or
+    model.hf_path itself); everything the core sends it afterwards is adapters."""
     from gyre_jax.pods.rl_job import check_layout, satellite_main
 
     _quiet_absl()
     cfg.check_devices(len(jax.devices()))
     check_layout(cfg, cells_lib.split_cells(cfg.cells))
     tok = _tokenizer(cfg)
-    return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
+    frozen = None
+    if cfg.train.lora.enabled:
+        if workdir is None:
+            raise ConfigError("a LoRA run's satellite process needs the run's --workdir (the core keeps the base there)")
+        frozen = lora_run.satellite_base(cfg, os.path.abspath(workdir), lambda: (hf_params(cfg, None), []))
+    return satellite_main(cfg, _cell_steps(cfg, frozen), make_backend, tok)
 
 

@@ -26,8 +26,13 @@ def open_checkpointer(workdir: str, *, every: int, steps: int, this_process_only
                                          save_interval_steps=every or steps, this_process_only=this_process_only))
 
 
-def check_checkpoint(restored, iterator) -> None:
-    """A checkpoint's label is its state's policy version and its data position's step (ValueError if not)."""
+def check_checkpoint(restored, iterator, frozen=None) -> None:
+    """A checkpoint's label is its state's policy version and its data position's step, and a LoRA run's
+    adapters were trained on this base (``frozen``; ValueError if not)."""
+    if frozen is not None:
+        from gyre_jax.rl import lora_run
+
+        lora_run.check_resume(restored.meta, frozen)
     version = int(jax.device_get(restored.train_state.policy_version))
     if version != restored.step:
         raise ValueError(f"checkpoint step {restored.step} holds policy version {version}")
@@ -36,7 +41,7 @@ def check_checkpoint(restored, iterator) -> None:
 
 
 def save_checkpoint(ckpt: Checkpointer, snap: TrainerSnapshot, store, mode: str, version: int, *,
-                    force: bool) -> None:
+                    force: bool, frozen=None) -> None:
     """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint.
 
     Its label ``version`` must be the state's own policy version (a checkpoint whose label lies
@@ -44,18 +49,24 @@ def save_checkpoint(ckpt: Checkpointer, snap: TrainerSnapshot, store, mode: str,
     state_version = int(jax.device_get(snap.state.policy_version))
     if state_version != version:
         raise RuntimeError(f"save_checkpoint: label {version} but the state is at policy version {state_version}")
+    meta = {"mode": mode}
+    if frozen is not None:  # a LoRA run's adapters: the base they were trained on (rl/lora_run.py)
+        from gyre_jax.rl import lora_run
+
+        meta[lora_run.META_KEY] = frozen.fingerprint()
     ckpt.save(version, train_state=snap.state, store_cursor=store.cursor_state(),
-              buffer=list(snap.buffered_rollouts), data_iterator=snap.data_iterator, meta={"mode": mode}, force=force)
+              buffer=list(snap.buffered_rollouts), data_iterator=snap.data_iterator, meta=meta, force=force)
 
 
 class CheckpointHook:
     """The run's checkpoints: ``on_update`` is the update hook, ``save_after_failure`` the failure path's."""
 
-    def __init__(self, ckpt: Checkpointer, store, mode: str):
-        self.ckpt, self.store, self.mode = ckpt, store, mode
+    def __init__(self, ckpt: Checkpointer, store, mode: str, frozen=None):
+        self.ckpt, self.store, self.mode, self.frozen = ckpt, store, mode, frozen
 
     def on_update(self, info: UpdateInfo) -> None:
-        save_checkpoint(self.ckpt, info.snapshot, self.store, self.mode, info.version, force=info.last)
+        save_checkpoint(self.ckpt, info.snapshot, self.store, self.mode, info.version, force=info.last,
+                        frozen=self.frozen)
 
     def save_after_failure(self, trainer) -> None:
         """A checkpoint of the trained state if the last one is older (the store is durable: every finished
@@ -79,5 +90,5 @@ class CheckpointHook:
             # The abandoned step may have read some of its rows: the saved position is the step's
             # start, whose rows the resumed run rebuilds from the buffered rollouts.
             snap.data_iterator.set_state({"step": version, "row": 0})
-            save_checkpoint(self.ckpt, snap, self.store, self.mode, version, force=True)
+            save_checkpoint(self.ckpt, snap, self.store, self.mode, version, force=True, frozen=self.frozen)
             print(f"rl: saved checkpoint step {version} after the failure", flush=True)

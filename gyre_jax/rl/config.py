@@ -31,6 +31,7 @@ from gyre_jax.errors import ConfigError
 from gyre_jax.model import ModelConfig
 from gyre_jax.rl.evaluators import EvalConfig
 from gyre_jax.rl.faults import FaultConfig
+from gyre_jax.rl.lora_config import adapter_sources, check_lora, switch_move_bytes
 from gyre_jax.rl.metrics import MetricsConfig
 from gyre_jax.rl.sft_config import SFTConfig
 from gyre_jax.rl.train_config import TrainConfig
@@ -100,7 +101,7 @@ class RLConfig:
         width, the harness's concurrency and context budget."""
         h = self.harness
         derived = dict(scheduler=dict(total_steps=self.steps), train=dict(routing_width=self.model.routing_width),
-                       harness=dict(concurrency=self.scheduler.group_size,
+                       harness=dict(concurrency=self.scheduler.group_size, grader_ro_paths=self.task.grader_ro_path_list,
                                     context_budget_tokens=h.context_budget_tokens or self.cells.max_len))
         for name, values in derived.items():
             object.__setattr__(self, name, built(name, functools.partial(dataclasses.replace, getattr(self, name),
@@ -152,6 +153,21 @@ class RLConfig:
             raise ConfigError("config.eval.kind='first_call' scores the built-in agent's first call only; with "
                               f"harness.kind={self.harness.kind!r} use eval.kind='episodes'")
         self._check_sandbox(harness.needs_commands(first))
+        check_lora(self)
+
+    def _check_lora(self) -> None:
+        """The adapters fit this model (layers, MoE, parallelism); each adapter's task set builds and has
+        held-out tasks."""
+        if self.train.lora.enabled:
+            _built("train.lora", lambda: self.policy_model)
+        if self.train.lora.adapters > 1:
+            for src in self.adapter_sources:
+                _built("train.lora.adapter_tasks", lambda: src.train_task(0))  # noqa: B023 - called at once
+                if self.eval.every and not src.eval_tasks(1):
+                    raise ConfigError(f"config.train.lora.adapter_tasks: {src.describe()} has no held-out tasks")
+            if self.eval.every and self.eval.kind != "first_call":
+                raise ConfigError("config.train.lora.adapters > 1: the held-out eval of each adapter on each task set is "
+                                  "eval.kind='first_call' (whole-episode evals per adapter are not covered)")
 
     @functools.cached_property
     def task_source(self):
@@ -181,8 +197,36 @@ class RLConfig:
         return n_cells
 
     def group_task(self, g: int):
-        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's)."""
-        return self.task_source.train_task(g)
+        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's);
+        with several LoRA adapters, the ``g // adapters``-th task of adapter ``g % adapters``'s task set."""
+        n = self.train.lora.adapters
+        if n == 1:
+            return self.task_source.train_task(g)
+        return self.adapter_sources[g % n].train_task(g // n)
+
+    def group_adapter(self, g: int) -> int:
+        """The LoRA adapter the run's g-th group trains (and whose rollouts the proxy serves with it)."""
+        return g % self.train.lora.adapters
+
+    @functools.cached_property
+    def adapter_sources(self) -> list:
+        """Each LoRA adapter's TaskSource: config.task with the adapter's overrides (train.lora.adapter_tasks)."""
+        out = []
+        types = {f.name: f.type for f in dataclasses.fields(TaskConfig)}
+        for a, over in enumerate(self.train.lora.task_overrides()):
+            bad = sorted(set(over) - set(types))
+            if bad:
+                raise unknown_fields(f"train.lora.adapter_tasks (adapter {a})", bad, types)
+            typed: dict[str, Any] = {}
+            for k, v in over.items():
+                kind = str(types[k])
+                try:
+                    typed[k] = int(v) if kind == "int" else float(v) if kind == "float" else v
+                except ValueError:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {k}={v!r} is not a {kind}") from None
+            task = _built("train.lora.adapter_tasks", lambda: dataclasses.replace(self.task, **typed))  # noqa: B023
+            out.append(_built("task", lambda: task.source(self.seed + a)))  # noqa: B023 - called at once
+        return out
 
     @property
     def stream_groups(self) -> bool:
@@ -288,10 +332,11 @@ def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) ->
         raise ConfigError(f"config.model: {bad} come from {path}/config.json when model.hf_path is set; only "
                           f"{list(HF_MODEL_OVERRIDES)} may be given")
     try:
-        cfg = config_from_hf(read_config(path), dtype=given.get("param_dtype") or None,
+        # the overrides as the config has them, its defaults included (param_dtype float32 upcasts a bf16 file)
+        cfg = config_from_hf(read_config(path), dtype=model.get("param_dtype") or None,
                              vocab_pad_multiple=math.lcm(cells.train_tensor, cells.serve_tensor),
-                             max_seq_len=given.get("max_seq_len") or None)
-        cfg = cfg.replace(**{k: given[k] for k in ("remat", "dtype") if given.get(k) not in (None, "")})
+                             max_seq_len=model.get("max_seq_len") or None)
+        cfg = cfg.replace(**{k: model[k] for k in ("remat", "dtype") if model.get(k) not in (None, "")})
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.model.hf_path={path!r}: {e}") from None
     for knob in ("train_tensor", "serve_tensor"):  # the rules table splits these over 'tensor'

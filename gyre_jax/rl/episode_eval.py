@@ -110,6 +110,7 @@ def episode_metrics(results: Sequence, tasks: Sequence, k: int, pass_score: floa
         "eval_exact": float(np.mean(p1)) if p1 else float("nan"),
         "eval_pass_at_k": float(np.mean(pk)) if pk else float("nan"),
         "eval_k": k,
+        "eval_tasks": len(by_task),  # held-out tasks run (eval.tasks caps it; a smaller file runs them all)
         "eval_episodes": len(results),
         "eval_failed": len(results) - len(scored),
         "eval_grader_errors": statuses.get("verifier_error", 0),
@@ -187,7 +188,7 @@ class EpisodeEval:
 
     def __init__(self, *, tasks: Sequence, samples_per_task: int, pass_score: float, harness_config,
                  make_harness: Callable[[str], Any], make_backend: Callable[[Any, int], Any], tokenizer,
-                 workdir: str, seed: int, max_tokens_cap: int):
+                 workdir: str, seed: int, max_tokens_cap: int, start_timeout_s: float = 300.0):
         if not tasks:
             raise ValueError("EpisodeEval: no held-out tasks")
         self.tasks, self.k, self.pass_score = list(tasks), samples_per_task, pass_score
@@ -197,6 +198,7 @@ class EpisodeEval:
         self._backend: Any = None
         self._sock_dir: str | None = None
         self._runner = CancellableRun()
+        self.start_timeout_s = start_timeout_s
 
     def cancel(self) -> None:
         """Cut the eval running now short (and refuse later ones): the run is closing."""
@@ -220,7 +222,7 @@ class EpisodeEval:
                                      clamp_max_tokens=True, model_aliases=("*",), seed_salt=self.seed))
 
         self._server = ServerThread(build)
-        url = self._server.start()
+        url = self._server.start(self.start_timeout_s, "the held-out eval's engine")
         self._url, self._sock = url, sock
         return self._server
 

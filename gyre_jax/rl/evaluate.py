@@ -179,14 +179,16 @@ class HeldOutEval:
 
     def __init__(self, model_cfg: ModelConfig, tasks: Sequence[Task], tokenizer: Tokenizer, *,
                  system_prompt: str | None, samples_per_task: int, max_tokens: int, temperature: float, seed: int,
-                 max_len: int, device=None, sandbox: SandboxConfig | None = None):
+                 max_len: int, device=None, sandbox: SandboxConfig | None = None, prepare=None):
+        """``prepare(params) -> params``: what the sampler runs, from what the loop holds (a LoRA run's
+        adapters, merged into its base: rl/lora_run.py); None: the params as given."""
         if not tasks:
             raise ValueError("HeldOutEval: tasks must not be empty")
         if samples_per_task <= 0 or max_tokens <= 0 or temperature < 0:
             raise ValueError(f"HeldOutEval: need samples_per_task > 0, max_tokens > 0, temperature >= 0; got "
                              f"{samples_per_task}, {max_tokens}, {temperature}")
         self.tasks, self.tok, self.k = list(tasks), tokenizer, samples_per_task
-        self.sandbox = sandbox
+        self.sandbox, self.prepare = sandbox, prepare
         prompts = [first_call_prompt(t, tokenizer, system_prompt) for t in self.tasks]
         t_max = max(len(p) for p in prompts)
         if t_max + max_tokens > max_len:
@@ -202,6 +204,8 @@ class HeldOutEval:
 
     def sample(self, params) -> tuple[np.ndarray, np.ndarray]:
         """(tokens_SxN, logp_SxN) of every sample row (task-major), as numpy."""
+        if self.prepare is not None:
+            params = self.prepare(params)
         params = jax.device_put(params, self.device)
         args = jax.device_put((self.prompts_SxT, self.lengths_S), self.device)
         return jax.device_get(self._sample(params, *args, self.key))

@@ -88,7 +88,9 @@ class FirstCallEvaluator:
         log.info("rl: eval at version %d: %s (%.1fs)", version, r, time.perf_counter() - t0)
         return {"eval/reward": r["eval_reward"], "eval/exact": r["eval_exact"], "eval/format": r["eval_format"],
                 "eval/grader_errors": r["eval_grader_errors"], "eval/version": version,
-                "eval/s": time.perf_counter() - t0}
+                "eval/s": time.perf_counter() - t0,
+                # multi-LoRA: each adapter on each adapter's task set (rl/lora_run.py: AdapterEvals)
+                **{f"eval/{k[len('eval_'):]}": v for k, v in r.items() if k.startswith("eval_adapter")}}
 
     def finish(self) -> list[dict]:
         return sorted(self.results, key=lambda r: r["version"])
@@ -97,25 +99,49 @@ class FirstCallEvaluator:
         pass
 
 
-def make_evaluator(cfg: Any, tok, cell, make_backend: Callable, workdir: str) -> Evaluator | None:
+def make_evaluator(cfg: Any, tok, cell, make_backend: Callable, workdir: str, frozen=None) -> Evaluator | None:
     """The run's evaluator (``cfg``: its RLConfig), or None (``eval.every=0``); whole episodes get an engine of
-    their own on ``cell`` (``make_backend(cfg, cell, params, version, name, tok)``)."""
+    their own on ``cell`` (``make_backend(cfg, cell, params, version, name, tok)``). ``frozen``: a LoRA run's
+    base (the params evaluated are its adapters, merged in or served beside it)."""
     e = cfg.eval
     if not e.every:
         return None
-    tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
     if e.kind == "first_call":
-        from gyre_jax.rl.evaluate import HeldOutEval
-
         try:
-            return FirstCallEvaluator(HeldOutEval(
-                cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt, samples_per_task=e.samples_per_task,
-                max_tokens=cfg.harness.max_tokens, temperature=e.temperature, seed=cfg.seed,
-                max_len=cfg.cells.max_len, sandbox=cfg.harness.sandbox))
+            return FirstCallEvaluator(_first_call(cfg, tok, frozen))
         except ValueError as err:
             raise ConfigError(f"config.eval: {err}") from None
+    return _episodes(cfg, tok, cell, make_backend, workdir, frozen)
+
+
+def _first_call(cfg: Any, tok, frozen) -> Callable[[Any], dict]:
+    """The first-call eval of the held-out tasks; multi-LoRA: each adapter on each adapter's task set."""
+    import functools
+
+    from gyre_jax.rl import lora_run
+    from gyre_jax.rl.evaluate import HeldOutEval
+
+    e = cfg.eval
+
+    def held_out(tasks, prepare=None):
+        return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt,
+                           samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
+                           temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len,
+                           sandbox=cfg.harness.sandbox, prepare=prepare)
+
+    if frozen is not None and cfg.train.lora.adapters > 1:
+        return lora_run.AdapterEvals([held_out(src.eval_tasks(e.tasks)) for src in cfg.adapter_sources], frozen)
+    tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
+    return held_out(tasks, None if frozen is None else functools.partial(lora_run.merged, frozen))
+
+
+def _episodes(cfg: Any, tok, cell, make_backend: Callable, workdir: str, frozen) -> Evaluator:
+    """Whole episodes of the held-out tasks through the run's harness, on their own engine on ``cell``, on a
+    thread of their own."""
+    from gyre_jax.cells.frozen_base import Adapted
     from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
 
+    e = cfg.eval
     # As many episodes in flight as the eval engine has decode slots: multi-call episodes spend most of
     # their time in tools and test suites, so a group's worth in flight leaves the engine idle.
     # A longer deadline than the rollouts': a loaded machine (this run's own training) must not score as the
@@ -124,8 +150,12 @@ def make_evaluator(cfg: Any, tok, cell, make_backend: Callable, workdir: str) ->
     hc = dataclasses.replace(h, base_url="http://127.0.0.1:1/v1", temperature=e.temperature,
                              deadline_s=h.deadline_s * e.deadline_scale,
                              concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
-    ev = EpisodeEval(tasks=tasks, samples_per_task=e.samples_per_task, pass_score=e.pass_score, harness_config=hc,
-                     make_harness=h.make, make_backend=lambda params, version: make_backend(
-                         cfg, cell, params, version, "eval", tok),
-                     tokenizer=tok, workdir=os.path.join(workdir, "eval"), seed=cfg.seed, max_tokens_cap=h.max_tokens)
+
+    def backend(params, version):
+        return make_backend(cfg, cell, params if frozen is None else Adapted(frozen, params), version, "eval", tok)
+
+    ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
+                     pass_score=e.pass_score, harness_config=hc, make_harness=h.make, make_backend=backend,
+                     tokenizer=tok, workdir=os.path.join(workdir, "eval"), seed=cfg.seed, max_tokens_cap=h.max_tokens,
+                     start_timeout_s=cfg.cells.start_timeout_s)
     return BackgroundEval(ev, log_dir=os.path.join(workdir, "eval"), on_close=(ev.close,))

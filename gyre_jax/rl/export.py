@@ -26,10 +26,28 @@ def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
 
 
 class ExportHook:
-    """The update hook that exports the last version (``add_hook(ExportHook(...).on_update, every=0)``)."""
+    """The update hook that exports the last version (``add_hook(ExportHook(...).on_update, every=0)``); a LoRA
+    run's (``frozen``: its base) is the base with the adapter merged in."""
+
+    def __init__(self, cfg: RLConfig, workdir: str, frozen=None):
+        self.cfg, self.workdir, self.frozen = cfg, workdir, frozen
+
+    def on_update(self, info: UpdateInfo) -> None:
+        params = info.snapshot.state.params
+        if self.frozen is not None:
+            from gyre_jax.rl import lora_run
+
+            params = lora_run.merged(self.frozen, params)
+        export_hf(self.cfg, params, self.workdir, info.version)
+
+
+class PeftExportHook:
+    """The update hook that saves a LoRA run's last adapters as PEFT directories (rl/lora_run.py: export_peft)."""
 
     def __init__(self, cfg: RLConfig, workdir: str):
         self.cfg, self.workdir = cfg, workdir
 
     def on_update(self, info: UpdateInfo) -> None:
-        export_hf(self.cfg, info.snapshot.state.params, self.workdir, info.version)
+        from gyre_jax.rl import lora_run
+
+        lora_run.export_peft(self.cfg, info.snapshot.state.params, self.workdir, info.version)

@@ -32,10 +32,10 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from gyre_jax.errors import StorageError
+from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.agents.harness import RolloutRequest, group_requests, iter_rollouts
 from gyre_jax.trajectory.records import RolloutOutcome
-from gyre_jax.trajectory.vocab import STATUS_INFRA_ERROR
+from gyre_jax.trajectory.vocab import FAILURE_STATUSES, STATUS_INFRA_ERROR
 
 log = logging.getLogger(__name__)
 _ROLLOUT_ID = re.compile(r"^(g\d+)-(\d+)(?:\.r(\d+))?$")
@@ -148,15 +148,57 @@ def resume_plan(store, run_id: str, group_size: int, steps_done: int, pending: S
     return complete, short
 
 
+class RolloutsFailed(RunFailed):
+    """A step's worth of rollouts in a row failed (``FailureWindow``): the run stops, naming why."""
+
+
+class FailureWindow:
+    """The last ``size`` finished rollouts; ``add`` returns why the run must stop, or None.
+
+    A run whose rollouts all fail trains on nothing (every rollout excluded) or on nothing but a
+    broken harness's zeros: a step's worth in a row that failed, none able to train or all for one
+    reason, stops it with that reason, an example log and the end of its output (a harness command
+    that does not exist stops after one step's worth, not after the run's budget of rollouts)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.recent: collections.deque = collections.deque(maxlen=max(size, 1))
+
+    @staticmethod
+    def failed(result: dict) -> bool:
+        """Excluded from training, or a 0 the rollout runner gave without grading (a failed harness)."""
+        return result["status"] in FAILURE_STATUSES or (result.get("reason") is not None and not result.get("score"))
+
+    def add(self, result: dict) -> str | None:
+        if self.size <= 0:
+            return None
+        self.recent.append(result)
+        if len(self.recent) < self.size or not all(self.failed(r) for r in self.recent):
+            return None
+        reasons = collections.Counter(f"{r['status']}: {r.get('reason') or 'no reason recorded'}" for r in self.recent)
+        excluded = all(r["status"] in FAILURE_STATUSES for r in self.recent)
+        if len(reasons) > 1 and not excluded:
+            return None
+        (top, n), = reasons.most_common(1)
+        example = self.recent[-1]
+        out = (f"every one of the last {len(self.recent)} rollouts failed"
+               + (f": {top}" if len(reasons) == 1 else f" (none can train): {dict(reasons.most_common(3))}")
+               + (f"; e.g. {example['log_path']}" if example.get("log_path") else ""))
+        tail = str(example.get("output_tail") or "").strip().splitlines()
+        return out + (f" (its output ends: {tail[-1][:200]!r})" if tail else "")
+
+
 class Launcher:
     """Starts groups of harness rollouts (``scheduler.interfaces.RolloutLauncher``)."""
 
     def __init__(self, *, loop, harness_config, store, run_id: str, task_fn: Callable[[int], Any],
                  group_size: int, workspace_root: str, on_group: Callable[[Group], None],
                  work_s: Callable[[int], float], next_group: int = 0, launched: int = 0, faults=None,
-                 harness=None, keys=None, on_error: Callable[[], None] | None = None):
+                 harness=None, keys=None, on_error: Callable[[], None] | None = None, failure_window: int = 0):
         """``harness``: what runs each rollout (gyre_jax.agents.harnesses; None: the built-in agent);
-        ``keys``: who issues and revokes rollout keys (the proxy; None: the plain gyre:run:rollout form)."""
+        ``keys``: who issues and revokes rollout keys (the proxy; None: the plain gyre:run:rollout form);
+        ``failure_window``: a step's worth of rollouts; when that many in a row failed (none can train,
+        or all for one reason) the run stops with that reason (``FailureWindow``; 0: never)."""
         self.loop, self.hc, self.store, self.run_id = loop, harness_config, store, run_id
         self.harness, self.keys = harness, keys
         self.task_fn, self.group_size, self.workspace_root = task_fn, group_size, workspace_root
@@ -175,6 +217,7 @@ class Launcher:
         self._futures: list[concurrent.futures.Future] = []
         self.errors: list[BaseException] = []  # failures no group can survive (drive stops the run on them)
         self.on_error = on_error  # wakes the loop
+        self.failures = FailureWindow(failure_window)
 
     # -- Protocol --
     def launch(self, n_groups: int, version: int) -> None:
@@ -239,10 +282,11 @@ class Launcher:
                 ids.append(res.rollout_id)
                 self._finished(res.rollout_id, res.status, dict(
                     rollout_id=res.rollout_id, status=res.status, score=res.score, retries=res.retries,
-                    calls=res.calls, version=version, gen_tokens=sum(int(c.output_ids.shape[0]) for c in calls),
+                    calls=len(calls), version=version, gen_tokens=sum(int(c.output_ids.shape[0]) for c in calls),
                     exact=bool(res.grader_details.get("exact", False)), sandbox_commands=res.sandbox.get("commands", 0),
                     sandbox_violations=sum(res.sandbox.get("violations", {}).values()),
-                    sandbox_limits_hit=sum(res.sandbox.get("limits_hit", {}).values())))
+                    sandbox_limits_hit=sum(res.sandbox.get("limits_hit", {}).values()), reason=res.reason,
+                    log_path=res.log_path or res.snapshot, output_tail=res.output_tail[-300:]))
         except asyncio.CancelledError:
             raise  # the loop is closing
         except StorageError as e:  # our disk, not the rollouts': no outcome is written, the run stops
@@ -257,7 +301,8 @@ class Launcher:
                     ids.append(rid)
                     self._finished(rid, STATUS_INFRA_ERROR, dict(rollout_id=rid, status=STATUS_INFRA_ERROR, score=None,
                                                                  retries=0, calls=0, version=version, gen_tokens=0,
-                                                                 exact=False))
+                                                                 exact=False, reason=f"harness group failed: "
+                                                                 f"{type(e).__name__}"))
             except Exception as e2:  # noqa: BLE001 - recording the failure failed: the run must hear of it
                 self._fail(e2)
                 return
@@ -287,6 +332,9 @@ class Launcher:
             self._running -= 1
             self.statuses[status] += 1
             self.results.append(result)
+            stop = self.failures.add(result)
+        if stop is not None:
+            self._fail(RolloutsFailed(stop))
 
     def _record_failure(self, rid: str, req, gid: str, error: BaseException) -> None:
         self.store.append(infra_error_outcome(self.run_id, rid, req.task.task_id, gid, self._calls_of(rid),

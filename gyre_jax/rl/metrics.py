@@ -4,8 +4,10 @@
 writes one JSONL line ``{"step": 3, "time": ..., "reward": 0.4, "failures/timeout": 2}``
 and one TensorBoard scalar per number (nested dicts flatten to ``a/b`` tags, the
 TensorBoard convention for grouping). Strings go to the JSONL and to TensorBoard
-as text. Non-finite floats are written as JSON's NaN/Infinity tokens (Python's
-``json`` reads them back). Anything else (arrays, lists, None) is an error naming the key: a
+as text. A non-finite float (a NaN mean: no rollout of the step was scored) is written
+to the JSONL as ``null``, because JSON has no NaN (Python's ``json`` wrote a bare ``NaN``
+token that ``jq``, JavaScript and most JSON readers refuse); TensorBoard and W&B get the
+NaN itself. Anything else (arrays, lists, None) is an error naming the key: a
 metric is never dropped silently.
 
 Why tensorboardX: it writes real TensorBoard event files (TFRecord framing,
@@ -176,7 +178,9 @@ class MetricsWriter:
         if self._jsonl is None:  # not active
             return
         t = time.time() if walltime is None else float(walltime)
-        self._jsonl.write(json.dumps({"step": step, "time": t, **flat}) + "\n")
+        line = {"step": step, "time": t, **{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                             for k, v in flat.items()}}
+        self._jsonl.write(json.dumps(line, allow_nan=False) + "\n")
         for sink in self._sinks:
             sink.write(step, flat, t)
 

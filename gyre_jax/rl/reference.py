@@ -26,8 +26,9 @@ REFERENCE_FILE = os.path.join("reference", "params.npz")
 
 
 def _reloadable(cfg) -> bool:
-    """The warm start is exactly model.hf_path's weights (no SFT after loading)."""
-    return bool(cfg.hf_path) and cfg.sft.steps == 0
+    """The warm start is exactly model.hf_path's weights (no SFT after loading). A LoRA run's reference is
+    its starting adapters (rl/lora_run.py): always kept in the file."""
+    return bool(cfg.hf_path) and cfg.sft.steps == 0 and not cfg.train.lora.enabled
 
 
 def _on_core(tree, steps, mesh):

@@ -8,6 +8,7 @@ failed or went out of service.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -16,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from gyre_jax.rl import attempts as attempts_lib
 from gyre_jax.rl import summary as summary_lib
 from gyre_jax.rl.step_events import StepDone, StepTotals
 from gyre_jax.scheduler import policy as policy_lib
@@ -76,6 +78,69 @@ def reward_metrics(done: StepDone) -> dict:
             "staleness_mean": done.report.staleness_mean, "staleness_max": done.report.staleness_max,
             "groups": list(done.groups), "group_versions": list(done.group_versions),  # in the order taken
             "resume/extra_groups": done.extra_groups}
+
+
+AUDIT_EXAMPLES = 3  # rollout ids kept per audit category per step
+
+
+def outcome_reason(o) -> str | None:
+    """Why a rollout failed or scored 0 without a plain verdict (None: an ordinary grade)."""
+    d = o.details or {}
+    if d.get("reason"):
+        return f"{o.status}: {d['reason']}"
+    grader = d.get("grader") or {}
+    if grader.get("tampered"):
+        return f"{o.status}: tampering with the test run"
+    return f"{o.status}: {d.get('error') or 'no reason recorded'}"[:200] if o.is_failure else None
+
+
+def outcome_metrics(done: StepDone) -> dict:
+    """The step's rollouts by status, their top failure reasons, and the reward-hack audit: per
+    category of ``tree_rules`` (runner configuration, bytecode, shadowing modules, files outside
+    the solution paths, hidden/protected names...), the rollouts whose workspace wrote such a
+    path (refused by the graded tree: it never reached the grader), with example rollout ids."""
+    from gyre_jax.agents.tree_rules import CATEGORIES
+    from gyre_jax.trajectory.vocab import STATUSES
+
+    outs = done.outcomes
+    statuses = collections.Counter(o.status for o in outs)
+    reasons = collections.Counter(r for o in outs if (r := outcome_reason(o)) is not None)
+    audit: dict[str, list[str]] = {c: [] for c in CATEGORIES}
+    for o in outs:
+        refused = ((o.details or {}).get("grader") or {}).get("tree", {}).get("refused", {})
+        for c in CATEGORIES:
+            if refused.get(c):
+                audit[c].append(o.rollout_id)
+    return {**{f"statuses/{k}": statuses.get(k, 0) for k in STATUSES},
+            "reasons": "; ".join(f"{r} x{n}" for r, n in reasons.most_common(3)),
+            **{f"audit/{c}": len(ids) for c, ids in audit.items()},
+            "audit/examples": "; ".join(f"{c}: {','.join(ids[:AUDIT_EXAMPLES])}" for c, ids in audit.items() if ids)}
+
+
+def status_line(rec) -> str:
+    """The step's statuses and top reason for the progress line ('' when every rollout was graded)."""
+    counts = {k.split("/", 1)[1]: v for k, v in (rec.values if isinstance(rec, StepRecord) else rec).items()
+              if k.startswith("statuses/") and v}
+    if not rec.get("reasons") and set(counts) <= {"completed"}:
+        return ""
+    short = " ".join(f"{k}={v}" for k, v in counts.items())
+    top = str(rec.get("reasons") or "").split("; ")[0][:120]
+    return f"statuses {short}" + (f" (top: {top})" if top else "") + " "
+
+
+def audit_totals(history: Sequence[Any]) -> dict:
+    """The run's audit: rollouts per category over its steps, and the first example rollout ids."""
+    from gyre_jax.agents.tree_rules import CATEGORIES
+
+    out: dict[str, Any] = {c: int(sum(r.get(f"audit/{c}", 0) or 0 for r in history)) for c in CATEGORIES}
+    examples: dict[str, list[str]] = {}
+    for r in history:
+        for part in str(r.get("audit/examples", "") or "").split("; "):
+            cat, _, ids = part.partition(": ")
+            if ids:
+                examples.setdefault(cat, []).extend(i for i in ids.split(",") if i)
+    out["examples"] = {c: ids[:5] for c, ids in examples.items()}
+    return out
 
 
 def tree_metrics(t: StepTotals) -> dict:
@@ -143,7 +208,8 @@ class StepRecorder:
 
     def record(self, done: StepDone) -> StepRecord:
         now = self.clock.now()
-        values = {"version": done.version, "time_s": now, **reward_metrics(done), **tree_metrics(done.totals),
+        values = {"version": done.version, "time_s": now, **reward_metrics(done), **outcome_metrics(done),
+                  **tree_metrics(done.totals),
                   **train_metrics(done), **self._cluster_view(now), **self._scheduler_view()}
         self._t = now
         return StepRecord(done.step, values)
@@ -188,26 +254,106 @@ class StepRecorder:
         return out
 
 
-def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], segments, n_cells: int,
+def run_summary(*, cfg, workdir: str, history: list, evals: list[dict], segments, n_cells: int,
                 step_end_s: list[float], wall_rl: float, wall: float, launcher, timeline, pool, server, injected: dict,
-                sft_history: list[dict], earlier: Sequence[dict] = ()) -> dict:
-    """summary.json (and the timeline PNG) of this run; printed as one line plus the modes table.
+                sft_history: list[dict], earlier: Sequence[dict] = (), attempts: Sequence[dict] = (),
+                statuses: Mapping[str, int] | None = None, task_check: dict | None = None) -> dict:
+    """summary.json (and the timeline PNG) of the run; printed as one line plus the modes table.
 
-    ``earlier``: the step records of attempts before this one (a resumed run), oldest first."""
-    earlier = list(earlier)
-    h = history
-    k = min(cfg.first_last, max(1, len(h) // 2))
-    first = float(np.nanmean([r["reward"] for r in h[:k]])) if h else float("nan")
-    lastr = float(np.nanmean([r["reward"] for r in h[-k:]])) if h else float("nan")
-    util = summary_lib.utilization(segments, n_cells, wall_rl)
-    summary_lib.plot_timeline(segments, n_cells, step_end_s, os.path.join(workdir, "timeline.png"),
-                              title=f"gyre_jax RL loop, mode={cfg.scheduler.mode}: cell roles over time")
-    out = {
-        "mode": cfg.scheduler.mode, "updates_per_publication": cfg.scheduler.updates_per_publication,
-        "steps": len(h), "wall_s": wall, "rl_s": wall_rl,
-        "reward_first": first, "reward_last": lastr, "first_last_steps": k,
+    The top level describes the whole run, every attempt of it (a run resumed after a failure, a kill
+    or a stop is one run): its steps are this attempt's ``history`` after ``earlier`` (the step records
+    of attempts before this one, from metrics.jsonl, which keeps exactly one line per step of the
+    lineage that survived), its timeline and wall time every attempt's (``attempts``: their records,
+    ``rl.attempts``, this one last), its statuses every finished rollout's (``statuses``, counted from
+    the store). ``attempt`` holds this attempt's own numbers, as the top level read before resumes
+    were summed (``tests/test_run_records.py``)."""
+    h = [r if isinstance(r, Mapping) else dict(r.values, step=r.step) for r in history]
+    records = list(earlier) + h
+    this = _attempt_summary(cfg, h, evals, segments, n_cells, wall_rl, wall, launcher, timeline, pool, server,
+                            injected, sft_history)
+    attempts = list(attempts) or [{"attempt": 0, "duration_s": wall_rl, "setup_s": wall - wall_rl,
+                                   "segments": segments, "step_ends": [], "n_cells": n_cells}]
+    all_segments, step_ends, restarts, rl_total = attempts_lib.whole_timeline(attempts)
+    if len(attempts) == 1:  # this attempt alone: its own step ends (the file may lag the last step by a write)
+        step_ends = [(i, t) for i, t in enumerate(step_end_s)]
+    summary_lib.plot_timeline(all_segments, n_cells, [t for _, t in step_ends], os.path.join(workdir, "timeline.png"),
+                              title=f"gyre_jax RL loop, mode={cfg.scheduler.mode}: cell roles over time"
+                              + (f" ({len(attempts)} attempts)" if len(attempts) > 1 else ""),
+                              restarts=[(t, f"attempt {a} resumes at step {s}") for t, a, s in restarts])
+    out = {"mode": cfg.scheduler.mode, "updates_per_publication": cfg.scheduler.updates_per_publication,
+           "attempts": len(attempts),
+           "wall_s": sum(float(a.get("setup_s", 0.0)) + float(a.get("duration_s", 0.0)) for a in attempts[:-1]) + wall,
+           **_run_totals(records, all_segments, n_cells, rl_total, cfg.first_last),
+           "cells_out": dict(pool.out),
+           "statuses": dict(statuses) if statuses is not None else this["statuses"],
+           # what this attempt counted, plus what the earlier attempts' records say they did
+           **attempts_lib.add_counters([*attempts[:-1], {"counters": {k: this[k] for k in COUNTERS}}]),
+           "sft_steps": next((a["sft_steps"] for a in attempts if a.get("sft_steps")), this["sft_steps"]),
+           "sft_loss_last": next((a["sft_loss_last"] for a in attempts if a.get("sft_steps")), this["sft_loss_last"]),
+           # rollouts whose workspace wrote runner configuration, bytecode, shadowing modules, ... (tree_rules)
+           "audit": audit_totals(records),
+           "task_check": dict(task_check or {}),
+           "attempt": this}
+    out.update(eval_fields(merge_evals(os.path.join(workdir, "eval", "eval.jsonl"), records, evals)))
+    out = json_safe(out)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(out, f, indent=1, allow_nan=False)
+    _print_summary(out, h)
+    print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(workdir))), flush=True)
+    print(f"rl[{out['mode']}]: every rollout, its tree and calls, per task and per step: python -m gyre_jax.report "
+          f"{workdir}", flush=True)
+    return out
+
+
+COUNTERS = ("engine_errors", "retries", "group_failures", "rerun_rollouts", "injected_faults")
+
+
+def _run_totals(records: Sequence[Mapping], segments, n_cells: int, rl_s: float, first_last: int) -> dict:
+    """The numbers of summary.json's top level that add up over every step record and every attempt's time."""
+    def total(key) -> float:
+        return sum(_num(r.get(key), 0) for r in records)
+
+    k = min(first_last, max(1, len(records) // 2))
+    rewards = [_num(r.get("reward")) for r in records]
+    util = summary_lib.utilization(segments, n_cells, rl_s)
+    return {
+        "steps": len(records), "first_step": int(records[0]["step"]) if records else None, "rl_s": rl_s,
+        "reward_first": _nanmean(rewards[:k]), "reward_last": _nanmean(rewards[-k:]), "first_last_steps": k,
         "util_rollout": util[ROLLOUT], "util_train": util[TRAIN], "util_switching": util["switching"],
         # cell-time actually computing micro-batches (the rest of train role is waiting)
+        "util_train_busy": total("train_busy_cell_s") / max(n_cells * rl_s, 1e-9),
+        "staleness_mean": _nanmean([_num(r.get("staleness_mean")) for r in records], 0.0),
+        "staleness_max": float(max((_num(r.get("staleness_max"), 0.0) for r in records), default=0.0)),
+        "switches": int(total("switches")), "switch_failures": int(total("switch_failures")),
+        "trainable_tokens_dropped": int(total("trainable_tokens_dropped")),
+        "trainable_tokens": int(total("trainable_tokens")), "weight_move_bytes": int(total("weight_move_bytes")),
+        "trees": tree_totals(records),
+    }
+
+
+def _print_summary(out: Mapping, h: Sequence[Mapping]) -> None:
+    if not out["steps"]:
+        return
+    resumed = f" (this attempt: {len(h)} steps from step {h[0]['step']})" if out["attempts"] > 1 and h else ""
+    f = lambda v: "nan" if v is None else f"{v:.3f}"  # noqa: E731 - null in JSON: no step was scored
+    print(f"rl[{out['mode']}]: reward {f(out['reward_first'])} -> {f(out['reward_last'])} (mean of first/last "
+          f"{out['first_last_steps']} steps), {out['steps']} steps in {out['rl_s']:.1f}s of RL ({out['wall_s']:.1f}s "
+          f"total){resumed}, staleness mean {out['staleness_mean']:.2f} max {out['staleness_max']:.0f}; statuses "
+          f"{out['statuses']}" + (f"; held-out eval {f(out['eval_first'])} -> {f(out['eval_last'])} (versions "
+                                  f"{out['eval_first_version']} -> {out['eval_last_version']})"
+                                  if "eval_first" in out else ""), flush=True)
+
+
+def _attempt_summary(cfg, h, evals, segments, n_cells, wall_rl, wall, launcher, timeline, pool, server, injected,
+                     sft_history) -> dict:
+    """This attempt's numbers (what summary.json's top level held before a run's attempts were summed)."""
+    k = min(cfg.first_last, max(1, len(h) // 2))
+    util = summary_lib.utilization(segments, n_cells, wall_rl)
+    out = {
+        "steps": len(h), "first_step": int(h[0]["step"]) if h else None, "wall_s": wall, "rl_s": wall_rl,
+        "reward_first": _nanmean([_num(r["reward"]) for r in h[:k]]),
+        "reward_last": _nanmean([_num(r["reward"]) for r in h[-k:]]), "first_last_steps": k,
+        "util_rollout": util[ROLLOUT], "util_train": util[TRAIN], "util_switching": util["switching"],
         "util_train_busy": sum(r["train_busy_cell_s"] for r in h) / max(n_cells * wall_rl, 1e-9),
         "staleness_mean": float(np.mean([r["staleness_mean"] for r in h])) if h else 0.0,
         "staleness_max": float(max([r["staleness_max"] for r in h], default=0.0)),
@@ -222,30 +368,76 @@ def run_summary(*, cfg, workdir: str, history: list[dict], evals: list[dict], se
         "injected_faults": injected,
         "sft_steps": len(sft_history), "sft_loss_last": sft_history[-1]["loss"] if sft_history else None,
         "trees": tree_totals(h),
-        # This attempt's numbers are above; after a resume, "run" describes every step the run trained
-        # (the earlier attempts' steps from metrics.jsonl, which keeps exactly one line per step).
-        "run": whole_run(earlier + h, cfg.first_last),
     }
-    if evals:  # held-out eval (config.eval): the starting policy's and the last one's
-        out.update(eval_first=evals[0]["eval_reward"], eval_last=evals[-1]["eval_reward"],
-                   eval_first_version=evals[0]["version"], eval_last_version=evals[-1]["version"],
-                   eval_exact_first=evals[0]["eval_exact"], eval_exact_last=evals[-1]["eval_exact"])
-        if "eval_pass_at_k" in evals[-1]:  # whole episodes (eval.kind=episodes): pass@k and the whole curve
-            out.update(eval_pass_at_k_first=evals[0]["eval_pass_at_k"], eval_pass_at_k_last=evals[-1]["eval_pass_at_k"],
-                       eval_k=evals[-1]["eval_k"], evals=evals)
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    if h:
-        print(f"rl[{out['mode']}]: reward {first:.3f} -> {lastr:.3f} (mean of first/last {k} steps), "
-              f"{len(h)} steps in {wall_rl:.1f}s of RL ({wall:.1f}s total), staleness mean "
-              f"{out['staleness_mean']:.2f} max {out['staleness_max']:.0f}; statuses {out['statuses']}"
-              + (f"; held-out eval {out['eval_first']:.3f} -> {out['eval_last']:.3f} (versions "
-                 f"{out['eval_first_version']} -> {out['eval_last_version']})" if evals else ""), flush=True)
-    print(summary_lib.table(summary_lib.mode_summaries(os.path.dirname(workdir))), flush=True)
+    out.update(eval_fields(evals))
     return out
 
 
-def tree_totals(history: list[dict]) -> dict:
+def eval_fields(evals: Sequence[dict]) -> dict:
+    """The held-out eval's first and last (and, for whole episodes, pass@k and the whole curve)."""
+    if not evals:
+        return {}
+    out = dict(eval_first=evals[0]["eval_reward"], eval_last=evals[-1]["eval_reward"],
+               eval_first_version=evals[0]["version"], eval_last_version=evals[-1]["version"],
+               eval_exact_first=evals[0].get("eval_exact"), eval_exact_last=evals[-1].get("eval_exact"))
+    if "eval_pass_at_k" in evals[-1]:  # whole episodes (eval.kind=episodes): pass@k and the whole curve
+        out.update(eval_pass_at_k_first=evals[0].get("eval_pass_at_k"),
+                   eval_pass_at_k_last=evals[-1]["eval_pass_at_k"], eval_k=evals[-1]["eval_k"], evals=list(evals))
+    return out
+
+
+def merge_evals(eval_jsonl: str, records: Sequence[Mapping], evals: Sequence[dict]) -> list[dict]:
+    """The run's held-out evals, one per version, oldest first: earlier attempts' whole-episode evals from
+    eval.jsonl (``eval/<metric>`` at step = version), first-call evals from the step records (``eval/*``
+    and the starting policy's ``eval/*_start``), and this attempt's own (``evals``), which win."""
+    by_version: dict[int, dict] = {}
+    if os.path.exists(eval_jsonl):
+        with open(eval_jsonl) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line
+                if isinstance(r, dict) and isinstance(r.get("step"), int) and "eval/reward" in r:
+                    by_version[r["step"]] = {"version": r["step"], **{"eval_" + k[5:]: _num(v) for k, v in r.items()
+                                                                       if k.startswith("eval/")}}
+    for r in records:
+        for suffix in ("_start", ""):
+            if f"eval/reward{suffix}" in r and f"eval/version{suffix}" in r:
+                v = int(r[f"eval/version{suffix}"])
+                by_version.setdefault(v, {"version": v, **{
+                    "eval_" + k[5:len(k) - len(suffix)]: _num(x) for k, x in r.items()
+                    if k.startswith("eval/") and k.endswith(suffix) and (suffix or not k.endswith("_start"))}})
+    for e in evals:
+        by_version[int(e["version"])] = dict(e)
+    return [by_version[v] for v in sorted(by_version)]
+
+
+def _num(v, default=float("nan")):
+    """A metric read back from JSON: null (a non-finite float, rl/metrics.py) is NaN, or ``default``."""
+    return default if v is None else v
+
+
+def _nanmean(xs, default=float("nan")) -> float:
+    a = np.asarray([x for x in xs if x is not None], np.float64)
+    return float(np.nanmean(a)) if a.size and not np.isnan(a).all() else default
+
+
+def json_safe(obj):
+    """``obj`` with every non-finite float as None: JSON has no NaN or Infinity (Python's json writes bare
+    ``NaN``, which other readers refuse). A NaN mean (no rollout scored) reads back as null."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return json_safe(obj.item())
+    return obj
+
+
+def tree_totals(history: Sequence[Mapping]) -> dict:
     """What the trees did over the run's steps (the per-step ``trees/*`` fields, summed)."""
     def total(k):
         return int(sum(r.get(f"trees/{k}", 0) for r in history))
@@ -263,18 +455,14 @@ def tree_totals(history: list[dict]) -> dict:
     }
 
 
-def whole_run(records: list[dict], first_last: int) -> dict:
-    """The run across its attempts: steps, first and last reward, staleness, tree totals."""
-    k = min(first_last, max(1, len(records) // 2))
-    rewards = [r.get("reward", float("nan")) for r in records]
-    return {
-        "steps": len(records),
-        "first_step": int(records[0]["step"]) if records else None,
-        "reward_first": float(np.nanmean(rewards[:k])) if records else float("nan"),
-        "reward_last": float(np.nanmean(rewards[-k:])) if records else float("nan"),
-        "staleness_max": float(max((r.get("staleness_max", 0.0) for r in records), default=0.0)),
-        "trees": tree_totals(records),
-    }
+def store_statuses(store) -> dict[str, int]:
+    """Finished rollouts of the whole run by status, from the store (every attempt's; a rollout a stop cut
+    off and the rerun ran again counts as the infra_error it was recorded as, and its rerun by its own)."""
+    out: dict[str, int] = {}
+    for rid in store.complete_rollouts():
+        o = store.outcome(rid)
+        out[o.status] = out.get(o.status, 0) + 1
+    return out
 
 
 def earlier_records(jsonl_path: str, before_step: int) -> list[dict]:

@@ -91,6 +91,12 @@ class Timeline:
             if prev in SWITCHING_ROLES and role in (TRAIN, ROLLOUT):
                 self._switches.append(Switch(cell, role, t0, now - t0))
 
+    def snapshot(self) -> tuple[list[tuple[int, float, float, str]], float]:
+        """(every segment so far, the open ones ending now; now): what the attempt record keeps each step."""
+        now = self.clock.now()
+        with self._lock:
+            return self.segments + [(c, t0, now, r) for c, (r, t0) in self._open.items()], now
+
     def close(self) -> list[tuple[int, float, float, str]]:
         now = self.clock.now()
         with self._lock:

@@ -15,7 +15,7 @@ from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
 def fresh_params(cfg: RLConfig, tok, mesh=None):
     """A new model's params (config.model.hf_path's weights, born on ``mesh``, or a random init), warm-started
     by SFT on scripted demonstrations (config.sft); (params, history)."""
-    params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.warm_seed))
+    params = hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.warm_seed))
     if cfg.sft.steps == 0:
         return params, []
     key = warm_cache.cache_key(cfg) if cfg.sft.cache_dir else ""
@@ -38,7 +38,7 @@ def _warm_start(cfg: RLConfig, tok, params):
                       learning_rate=cfg.sft.learning_rate, seed=cfg.warm_seed, progress=cfg.progress)
 
 
-def _hf_params(cfg: RLConfig, mesh):
+def hf_params(cfg: RLConfig, mesh):
     from gyre_jax.model.hf import load_pretrained
 
     mc = cfg.model

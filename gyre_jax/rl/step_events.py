@@ -106,6 +106,7 @@ class StepDone:
     score: Mapping[str, float]
     dropped_groups: int  # dynamic sampling's drops since the previous step
     extra_groups: int = 0  # groups over groups_per_step (an oversized step after a rewind past the bound)
+    outcomes: tuple = ()  # RolloutOutcome of every rollout of the step (statuses, reasons, the graders' audit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,9 @@ def utilization(segments: Sequence[tuple[int, float, float, str]], n_cells: int,
     return out
 
 
-def plot_timeline(segments, n_cells: int, step_end_s: Sequence[float], path: str, *, title: str = "") -> None:
+def plot_timeline(segments, n_cells: int, step_end_s: Sequence[float], path: str, *, title: str = "",
+                  restarts: Sequence[tuple[float, str]] = ()) -> None:
+    """The cells' roles over time; ``restarts``: (t, label) where a resumed attempt begins (a red line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,6 +46,10 @@ def plot_timeline(segments, n_cells: int, step_end_s: Sequence[float], path: str
         ax.broken_barh(xr, (cell - 0.4, 0.8), facecolors=COLORS[role], linewidth=0)
     for t in step_end_s:
         ax.axvline(t, color="k", lw=0.5, alpha=0.4)
+    for t, label in restarts:
+        ax.axvline(t, color="tab:red", lw=1.2, ls="--")
+        ax.annotate(label, (t, -0.5), xytext=(3, 0), textcoords="offset points", color="tab:red", fontsize=7,
+                    va="bottom")
     ax.set_yticks(range(n_cells), [f"cell {c}" + (" (core)" if c == 0 else "") for c in range(n_cells)])
     ax.set_ylim(-0.6, n_cells - 0.4)
     ax.invert_yaxis()
@@ -51,7 +57,8 @@ def plot_timeline(segments, n_cells: int, step_end_s: Sequence[float], path: str
     ax.set_title(title, fontsize=10)
     used = sorted({r for _, _, _, r in segments})
     ax.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in used]
-              + [plt.Line2D([], [], color="k", lw=0.6, alpha=0.5, label="step done")],
+              + [plt.Line2D([], [], color="k", lw=0.6, alpha=0.5, label="step done")]
+              + ([plt.Line2D([], [], color="tab:red", lw=1.2, ls="--", label="resumed")] if restarts else []),
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -75,6 +82,8 @@ def table(summaries: Sequence[dict]) -> str:
             ("switches", "{}"), ("statuses", "{}")]
     rows = [[name for name, _ in cols]]
     for s in summaries:
-        rows.append([fmt.format(s.get(name, "")) if s.get(name, "") != "" else "-" for name, fmt in cols])
+        # null: a mean over nothing scored (summary.json writes NaN as null), or a field an older run lacks
+        rows.append([fmt.format(s[name]) if s.get(name) is not None and s.get(name) != "" else "-"
+                     for name, fmt in cols])
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)

@@ -20,6 +20,7 @@ from gyre_jax.cells.train_state import OptimizerConfig
 from gyre_jax.errors import ConfigError
 from gyre_jax.losses import ADVANTAGE_ESTIMATORS
 from gyre_jax.losses.policy_gradient import PolicyLossConfig
+from gyre_jax.rl.lora_config import LoraKnobs
 from gyre_jax.schema import check_ints, check_positive
 from gyre_jax.trajectory.processor import ProcessorConfig
 
@@ -40,6 +41,7 @@ class TrainConfig(OptimizerConfig, PolicyLossConfig, ProcessorConfig):
     # (rollout routing replay, R3; gyre_jax/model/moe.py) instead of re-routing it live. Either way
     # the step reports routing_mismatch, the fraction of trained tokens whose live routing differs.
     routing_replay: bool = False
+    lora: LoraKnobs = LoraKnobs()  # LoRA instead of full fine-tuning: --config.train.lora.rank=16 (rl/lora_config.py)
 
     def __post_init__(self):
         OptimizerConfig.__post_init__(self)
@@ -52,6 +54,8 @@ class TrainConfig(OptimizerConfig, PolicyLossConfig, ProcessorConfig):
                 raise ConfigError(f"config.train.{name} must be True or False, got {getattr(self, name)!r}")
         check_positive(self, ("dynamic_sampling_budget",), allow_zero=True)
         check_ints(self, ("overlong_max_tokens", "overlong_buffer_tokens"))
+        if not isinstance(self.lora, LoraKnobs):
+            raise ConfigError(f"config.train.lora must be a LoraKnobs section, got {self.lora!r}")
 
     @property
     def scope(self) -> str:

@@ -25,6 +25,7 @@ from gyre_jax.scheduler.policy import Measured
 
 FILE_NAME = "scheduler_costs.json"
 _FIELDS = tuple(f.name for f in dataclasses.fields(Measured))
+_COUNTS = ("pilot_split",)  # cells, not seconds
 
 
 def to_json(m: Measured) -> dict:
@@ -75,7 +76,10 @@ def load(path: str) -> Measured:
         if not ok:
             raise ValueError(f"{path}: field {k!r} must be null or a number >= 0 (seconds, or calls per agent), "
                              f"got {v!r}")
-    m = Measured(**{k: None if v is None else float(v) for k, v in d.items()})
+        if k in _COUNTS and v is not None and (v != int(v) or v < 1):
+            raise ValueError(f"{path}: field {k!r} must be null or a whole number of cells >= 1, got {v!r}")
+    values: dict = {k: None if v is None else int(v) if k in _COUNTS else float(v) for k, v in d.items()}
+    m = Measured(**values)
     return Measured(**to_json(m))  # a switch_in_flight_s given in the file is the round trip's lower bound
 
 
@@ -93,11 +97,15 @@ def load_own(workdir: str) -> Measured | None:
         raise ConfigError(f"--workdir: {e}; delete it to let this run measure its costs afresh") from None
 
 
-def save_own(workdir: str, measured: Measured) -> None:
+def save_own(workdir: str, measured: Measured, moves=()) -> None:
     """``<workdir>/scheduler_costs.json`` (each step: the next run's priors, a resume's start); a failed write is a
-    StorageError naming the path."""
+    StorageError naming the path. ``moves``: the weight moves so far (objects with ``bytes`` and ``seconds``),
+    kept as the move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)."""
     from gyre_jax.errors import storage_error
 
+    if moves:
+        measured = dataclasses.replace(measured, move_bytes=sum(m.bytes for m in moves) / len(moves),
+                                       move_s=sum(m.seconds for m in moves) / len(moves))
     path = os.path.join(workdir, FILE_NAME)
     try:
         save(path, measured)

@@ -26,6 +26,7 @@ import dataclasses
 import math
 
 from gyre_jax.scheduler.policy import NOT_MEASURED, Measured, filled
+from gyre_jax.scheduler.vocab import ROLLOUT, TRAIN
 
 
 class OnlineEstimates:
@@ -45,7 +46,7 @@ class OnlineEstimates:
         self._active_last = 0.0
         self._finished = 0.0  # decayed count of finished rollouts (since the first sample)
         self._work = self._work_rollouts = 0.0  # decayed training work of taken groups / their rollouts
-        self._switch_s: dict[str, float] = {}  # 'to_train' / 'to_rollout' -> mean seconds
+        self._switch_s: dict[str, float] = {}  # the role switched to (vocab.TRAIN / ROLLOUT) -> mean seconds
         self._switch_n: dict[str, int] = {}
         self._update_s: float | None = None
         self._update_t0: float | None = None
@@ -147,6 +148,8 @@ class OnlineEstimates:
         bound = max((b for b in (in_flight, None if rt is not None else legs) if b is not None), default=None)
         self._measured = filled(Measured(call_share=share, serve_s_per_rollout=serve, work_s_per_rollout=work,
                                          switch_round_trip_s=rt, update_s=self._update_s,
+                                         switch_to_train_s=self._switch_s.get(TRAIN),
+                                         switch_to_rollout_s=self._switch_s.get(ROLLOUT),
                                          switch_in_flight_s=bound), self._restored)
 
     @staticmethod

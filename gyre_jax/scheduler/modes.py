@@ -17,62 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
-from gyre_jax.registry import NoConfig, Registry
-from gyre_jax.scheduler import policy as P
+from gyre_jax.scheduler import admission, costs
+# The interface and the registry live beside PolicyConfig (which holds a mode); re-exported here,
+# where modes are defined and registered.
+from gyre_jax.scheduler.policy_config import (SCHEDULING_MODES, Mode, PolicyConfig, get_mode, mode_names, register_mode,
+                                              unregister_mode)
+from gyre_jax.scheduler.state import Action, ClusterState, ToRollout, ToTrain, census
 from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, OUT, ROLLOUT, TRAIN
 
-if TYPE_CHECKING:
-    from gyre_jax.scheduler.policy import Action, ClusterState, PolicyConfig
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Mode:
-    """One scheduling mode: its traits (fields) and its decisions (methods)."""
-
-    name: str
-    # Finished groups enter the open step one by one; False: a step starts only with its whole batch.
-    streams: bool
-    # Rollout and training take turns on the same cells (all switch together). So: on-policy
-    # (staleness 0), new weights load with the switch back (no broadcast), one cell is enough,
-    # and admission is not paced to serving capacity (a late group would hold the whole step).
-    colocated: bool = False
-    # PolicyConfig.async_train_cells (or its per-step schedule) train, the rest serve, never switching.
-    fixed_split: bool = False
-    # Satellites move between serving and training, each keeping its engine (the planner
-    # budgets a satellite for both).
-    switches_satellites: bool = False
-    # Runs as the rl job across processes (gyre_jax.pods: cell k on process k).
-    across_processes: bool = False
-
-    @property
-    def min_cells(self) -> int:
-        """A mode that overlaps serving and training needs a core and a satellite."""
-        return 1 if self.colocated else 2
-
-    def initial_roles(self, config: PolicyConfig, n_cells: int) -> tuple[str, ...]:
-        """The layout the cluster starts in (no switch paid). Cell 0 is the core."""
-        raise NotImplementedError
-
-    def serving_cells(self, n_cells: int, async_train_cells: int) -> range:
-        """Cells that may ever serve (the RL loop puts an engine on each)."""
-        raise NotImplementedError
-
-    def serving_capacity(self, state: ClusterState, config: PolicyConfig) -> int:
-        """Agents the cells that may serve can hold, at the reserve's slots each."""
-        raise NotImplementedError
-
-    def roles(self, state: ClusterState, config: PolicyConfig, *, taken: int, work_s: float, available_s: float,
-              running: int) -> list[Action]:
-        """This tick's role switches (after `taken` groups joined the open step and with
-        `running` agents); `work_s` is the training work coming, `available_s` the part
-        already there."""
-        raise NotImplementedError
+__all__ = ["BUILTIN", "SCHEDULING_MODES", "Colocate", "Elastic", "FixedSplit", "Mode", "get_mode", "mode_names", "register_mode",
+           "unregister_mode"]
 
 
 def _capacity(cells, state: ClusterState, config: PolicyConfig) -> int:
-    return math.floor(sum(c.slots for c in cells) / P.serve_reserve(state, config) + 1e-9)
+    return math.floor(sum(c.slots for c in cells) / costs.serve_reserve(state, config) + 1e-9)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,9 +50,9 @@ class Colocate(Mode):
         return _capacity([c for c in state.cells if c.role != OUT], state, config)
 
     def roles(self, state, config, *, taken, work_s, available_s, running):
-        if taken == P.step_groups(state, config, state.steps_done) or state.update_in_progress:
-            return [P.ToTrain(c.id) for c in state.cells if c.role == ROLLOUT]
-        return [P.ToRollout(c.id) for c in state.cells if c.role == TRAIN]
+        if taken == admission.step_groups(state, config, state.steps_done) or state.update_in_progress:
+            return [ToTrain(c.id) for c in state.cells if c.role == ROLLOUT]
+        return [ToRollout(c.id) for c in state.cells if c.role == TRAIN]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,9 +82,9 @@ class FixedSplit(Mode):
         for c in state.cells:
             want_train = c.id < k
             if want_train and c.role == ROLLOUT:
-                out.append(P.ToTrain(c.id))
+                out.append(ToTrain(c.id))
             elif not want_train and c.role == TRAIN:
-                out.append(P.ToRollout(c.id))
+                out.append(ToRollout(c.id))
         return out
 
 
@@ -139,7 +98,7 @@ class Elastic(Mode):
         # The core alone until the costs are measured; with priors that say switches cost
         # more than a step, the split the policy would move to at once (admission serves only
         # its n - k cells), without paying a switch.
-        k = P.priors_split(config, n_cells) or 1
+        k = costs.priors_split(config, n_cells) or 1
         return (TRAIN,) * k + (ROLLOUT,) * (n_cells - k)
 
     def serving_cells(self, n_cells, async_train_cells):
@@ -148,73 +107,54 @@ class Elastic(Mode):
     def serving_capacity(self, state, config):
         # The cells the steady-state split leaves to serving (train_cells_target): admitting
         # more agents would only take cells from training that the work coming needs.
-        cen = P.census(state.cells)
-        extra = P.train_cells_target(state, config) - 1
+        cen = census(state.cells)
+        extra = costs.train_cells_target(state, config) - 1
         keep = max(1, cen.sats - extra) if cen.sats else 0
-        return math.floor(keep * cen.slots / P.serve_reserve(state, config) + 1e-9)
+        return math.floor(keep * cen.slots / costs.serve_reserve(state, config) + 1e-9)
 
     def roles(self, state, config, *, taken, work_s, available_s, running):
         # Serving first (keep a slot for every running agent; admission keeps that need within
         # the steady-state split), spare cells train when the work coming pays for the switch.
         cells = state.cells
-        cen = P.census(cells)
+        cen = census(cells)
         if not cen.sats:
             return []
-        need = min(cen.sats, P.serving_cells_needed(running, cen.slots, P.serve_reserve(state, config)))
+        need = min(cen.sats, admission.serving_cells_needed(running, cen.slots, costs.serve_reserve(state, config)))
         if need > cen.serving:
             n_back = need - cen.serving
-            if P.round_trip_outlasts_step(state, config):
+            if costs.round_trip_outlasts_step(state, config):
                 # A switch must pay for itself (issue 26): a cell sent back below the split
                 # arrives after the calls it was sent for (a burst, or a noisy first call share:
                 # every agent starts in a model call) and must later pay to come back. Only
                 # cells lent beyond the split return; the others' calls wait for a slot, and
                 # admission (serving_capacity) holds the agents to the split's serving cells.
-                n_back = min(n_back, max(0, cen.training - P.train_cells_target(state, config)))
+                n_back = min(n_back, max(0, cen.training - costs.train_cells_target(state, config)))
+            if not costs.switch_costs(state, config).known_to_rollout:
+                n_back = min(n_back, 1 - cen.to_rollout)  # a probe: one switch until its cost is known
             back = sorted((c for c in cells if not c.is_core and c.role == TRAIN), key=lambda c: c.id)
-            return [P.ToRollout(c.id) for c in back[:n_back]]
+            return [ToRollout(c.id) for c in back[:n_back]]
         limit = cen.serving - need
         if limit <= 0 or work_s <= 0:
             return []
         n_train = cen.training
-        cost = max(P.switch_cost_s(state, config), 1e-9)
+        cost = max(costs.switch_cost_s(state, config), 1e-9)
         # Up to the steady-state split, the work coming (running agents' included) decides:
         # largest k with work / (n_train + k) >= cost. Beyond it (the tail: the staleness bound
         # holds admission back, agents finish, serving cells idle), only work already there
         # does: a cell moved for work that has not arrived waits, then is pulled back.
-        target = P.train_cells_target(state, config)
+        # A lent cell must be back before the work it was lent for would have been done
+        # without it (issue 46: a 600 s switch lent for a 40 s step's work never arrived).
+        target = costs.train_cells_target(state, config)
         k = min(limit, max(0, target - n_train), max(0, math.floor(work_s / cost) - n_train))
-        k += min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+        lend = min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
+        if lend > 0 and costs.lending_pays(state, config, available_s, n_train + k, lend):
+            k += lend
+        if not costs.switch_costs(state, config).known_to_train:
+            k = min(k, 1 - cen.to_train)  # a probe: one switch until its cost is known
         if k <= 0:
             return []
         spare = sorted((c for c in cells if not c.is_core and c.role == ROLLOUT), key=lambda c: (c.active_calls, -c.id))
-        return [P.ToTrain(c.id) for c in spare[:k]]
-
-
-# The one registry type (gyre_jax.registry); ``vocab.MODES`` is the built-in modes' names.
-SCHEDULING_MODES = Registry("scheduling mode", "scheduler.mode")
-
-
-def register_mode(mode: Mode, *, config: type = NoConfig, summary: str = "") -> Mode:
-    """Make ``mode`` available by its name (configs, PolicyConfig.mode, the simulator's CLI); ``config``: the
-    frozen dataclass of its own options (``--config.scheduler.mode_options.NAME.OPTION=v``; the policy
-    hands the chosen mode's to its decisions as ``config.mode_options``)."""
-    return SCHEDULING_MODES.register(mode.name, config=config,
-                                     summary=summary or (type(mode).__doc__ or "").split("\n")[0])(mode)
-
-
-def unregister_mode(name: str) -> None:
-    """Remove a mode a test registered (the built-in ones stay)."""
-    if name in {m.name for m in BUILTIN}:
-        raise ValueError(f"scheduling mode {name!r} is built in")
-    SCHEDULING_MODES.unregister(name)
-
-
-def get_mode(name: str) -> Mode:
-    return SCHEDULING_MODES.get(name).obj
-
-
-def mode_names() -> list[str]:
-    return SCHEDULING_MODES.names()
+        return [ToTrain(c.id) for c in spare[:k]]
 
 
 BUILTIN = (

@@ -11,24 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from gyre_jax.scheduler.simulator import SimResult  # noqa: E402
-from gyre_jax.scheduler.vocab import OUT, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE  # noqa: E402
-
-COLORS = {
-    ROLLOUT: "#4c78a8",  # serving agents' model calls
-    TRAIN: "#f58518",  # computing training micro-batches
-    TRAIN_IDLE: "#fdd9b5",  # in train role, waiting for work or for the core's update
-    TO_TRAIN: "#222222",  # switching (params snapshot from the core)
-    TO_ROLLOUT: "#888888",  # switching (load serving layout)
-    OUT: "#d62728",  # out of service (its switches or training kept failing)
-}
-LABELS = {
-    ROLLOUT: "rollout (serving)",
-    TRAIN: "training",
-    TRAIN_IDLE: "train role, idle",
-    TO_TRAIN: "switching to train",
-    TO_ROLLOUT: "switching to rollout",
-    OUT: "out of service",
-}
+from gyre_jax.scheduler.vocab import ROLE_COLORS as COLORS  # noqa: E402
+from gyre_jax.scheduler.vocab import ROLE_LABELS as LABELS  # noqa: E402
 
 
 def _draw_cells(ax, r: SimResult, xmax_h: float) -> None:

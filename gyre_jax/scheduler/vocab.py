@@ -21,6 +21,23 @@ TRAINING_ROLES = (TRAIN, TO_TRAIN)  # training now, or about to
 SWITCHING_ROLES = (TO_TRAIN, TO_ROLLOUT)
 # Timelines only (simulator, plots): a cell in TRAIN role with no micro-batch to compute.
 TRAIN_IDLE = "train_idle"
+# How timelines draw each role (the PNGs of scheduler.plot and rl.summary, the run report's page).
+ROLE_COLORS = {
+    ROLLOUT: "#4c78a8",  # serving agents' model calls
+    TRAIN: "#f58518",  # computing training micro-batches
+    TRAIN_IDLE: "#fdd9b5",  # in train role, waiting for work or for the core's update
+    TO_TRAIN: "#222222",  # switching (params snapshot from the core)
+    TO_ROLLOUT: "#888888",  # switching (load serving layout)
+    OUT: "#d62728",  # out of service (its switches or training kept failing)
+}
+ROLE_LABELS = {
+    ROLLOUT: "rollout (serving)",
+    TRAIN: "training",
+    TRAIN_IDLE: "train role, idle",
+    TO_TRAIN: "switching to train",
+    TO_ROLLOUT: "switching to rollout",
+    OUT: "out of service",
+}
 
 # The built-in policy modes' names (scheduler.policy's docstring says what each does). What a
 # mode does is its strategy object's (scheduler.modes: get_mode(name)); ask it, not the name.

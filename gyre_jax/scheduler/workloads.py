@@ -235,6 +235,13 @@ def rollouts_for(config: SimConfig) -> Rollouts:
                            merge=config.call_merge)
 
 
+def first_steps(rollouts: Rollouts, per_step: int, steps: int) -> Rollouts:
+    """The first ``per_step`` rollouts, repeated ``steps`` times (a pilot's workload: what it saw)."""
+    a, b = rollouts.offsets[0], rollouts.offsets[per_step]
+    offsets = [0] + [o - a + i * (b - a) for i in range(steps) for o in rollouts.offsets[1:per_step + 1]]
+    return Rollouts(offsets, rollouts.call_s[a:b] * steps, rollouts.tool_s[a:b] * steps, rollouts.tokens[a:b] * steps)
+
+
 def work_split(config: SimConfig, rollouts: Rollouts) -> tuple[float, float]:
     """(serving, training) cell-seconds of the sampled workload, ignoring deadlines."""
     serve = sum(rollouts.call_s) / config.cluster.slots_per_cell
@@ -244,14 +251,16 @@ def work_split(config: SimConfig, rollouts: Rollouts) -> tuple[float, float]:
 
 def pilot_priors(config: SimConfig, rollouts: Rollouts) -> Measured:
     """The costs a pilot measures on the first step's rollouts (PolicyConfig.priors): serving
-    and training cell-seconds per rollout, the optimizer update, the switch round trip."""
+    and training cell-seconds per rollout, the optimizer update, the switch costs (each direction and
+    their round trip)."""
     p = config.policy
     n = min(rollouts.n, p.groups_per_step * p.group_size)
     a, b = rollouts.offsets[0], rollouts.offsets[n]
     c, w = config.cluster, config.workload
     return Measured(serve_s_per_rollout=sum(rollouts.call_s[a:b]) / c.slots_per_cell / n,
                     work_s_per_rollout=sum(rollouts.tokens[a:b]) / w.train_tokens_per_s_per_cell / n,
-                    update_s=w.optimizer_s, switch_round_trip_s=c.switch_to_train_s + c.switch_to_rollout_s)
+                    update_s=w.optimizer_s, switch_round_trip_s=c.switch_to_train_s + c.switch_to_rollout_s,
+                    switch_to_train_s=c.switch_to_train_s, switch_to_rollout_s=c.switch_to_rollout_s)
 
 
 def balanced_async_split(config: SimConfig, rollouts: Rollouts | None = None) -> int:

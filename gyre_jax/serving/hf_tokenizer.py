@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from gyre_jax.serving.tokenizer import Tokenizer, cut_at_stop, parse_call_json
+from gyre_jax.serving.tokenizer_base import Tokenizer, cut_at_stop, parse_call_json
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 TOOL_FORMATS = ("qwen", "llama3_json", "none")
@@ -130,12 +130,33 @@ class HFChatTokenizer(Tokenizer):
         tk = RawTokenizer.from_file(tj)
         tc = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen = _read_json(os.path.join(path, "generation_config.json"))
-        template = _pick_template(path, tc, chat_template)
+        return cls._from_parts(tk, tc, gen, _pick_template(path, tc, chat_template), where=path,
+                               tool_format=tool_format, template_kwargs=template_kwargs)
+
+    @classmethod
+    def from_gguf(cls, path: str, *, chat_template: str | None = None, tool_format: str | None = None,
+                  template_kwargs: dict | None = None) -> "HFChatTokenizer":
+        """From a ``.gguf`` file's metadata (vocabulary, merges, special ids, ``tokenizer.chat_template``), built
+        as transformers builds it for ``from_pretrained(..., gguf_file=...)`` (model/hf/gguf_tokenizer.py)."""
+        from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
+
+        tk, tc = gguf_tokenizer(path)
+        if chat_template:
+            tc["chat_template"] = chat_template if "{" in chat_template else builtin_template(chat_template)
+        if not tc.get("chat_template"):
+            raise ValueError(f"{path}: no tokenizer.chat_template in the file; pass chat_template='qwen3'|'llama3'")
+        return cls._from_parts(tk, tc, {}, tc["chat_template"], where=path, tool_format=tool_format,
+                               template_kwargs=template_kwargs)
+
+    @classmethod
+    def _from_parts(cls, tk, tc: dict, gen: dict, template: str, *, where: str, tool_format: str | None,
+                    template_kwargs: dict | None) -> "HFChatTokenizer":
+        """The special tokens and stops of a tokenizer and its tokenizer_config (+ generation_config)."""
         vocab = tk.get_vocab(with_added_tokens=True)
         eos = _token_text(tc.get("eos_token"))
         turn_end = next((n for n in _TURN_ENDS if n in vocab and n in template), eos)
         if turn_end is None:
-            raise ValueError(f"{path}: cannot tell the end-of-turn token (no eos_token and none of {_TURN_ENDS})")
+            raise ValueError(f"{where}: cannot tell the end-of-turn token (no eos_token and none of {_TURN_ENDS})")
         eos_name = next((n for n in _EOS_NAMES if n in vocab), eos or turn_end)
         bos = _token_text(tc.get("bos_token")) or eos_name
         pad = _token_text(tc.get("pad_token")) or eos_name
@@ -150,7 +171,7 @@ class HFChatTokenizer(Tokenizer):
         kw = {"bos_token": bos, "eos_token": eos or eos_name}
         kw.update(template_kwargs or {})
         return cls(tk, chat_template=template, special_map=special_map, stop_names=stops, tool_format=tool_format,
-                   template_kwargs=kw, where=path)
+                   template_kwargs=kw, where=where)
 
     # ---- text <-> ids ---------------------------------------------------
     def encode(self, text: str) -> list[int]:

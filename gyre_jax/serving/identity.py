@@ -30,7 +30,9 @@ HTTP headers sent with every ``POST {base_url}/chat/completions``:
   ============================  ============================================
 
 API key: ``Authorization: Bearer gyre:<run>:<rollout>`` (see :func:`api_key`),
-for harnesses that can set a key but no headers (the Claude Code CLI, most SDKs).
+for harnesses that can set a key but no headers (the Claude Code CLI, most SDKs), on a
+proxy that issues no keys. It is derivable from the ids, so a proxy that issues random
+per-rollout keys (``Proxy.register_rollout``) refuses it, and headers without an issued key.
 Headers win where both are present. Ids are restricted to ``[A-Za-z0-9_.-]`` so the
 key splits unambiguously on ``:``.
 

@@ -56,6 +56,7 @@ import secrets
 import threading
 import time
 import uuid
+from typing import Callable
 
 import numpy as np
 from aiohttp import web
@@ -132,9 +133,15 @@ class Proxy:
         if tokenizer.vocab_size > self.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {self.vocab_size}")
         self._keys: dict[str, tuple[str, str]] = {}  # issued key -> (run, rollout); issue/revoke from any thread
+        # Multi-LoRA (gyre_jax/model/lora.py): the adapter a call's rollout samples with, from its binding
+        # (the key's rollout and group); None: every call uses the engines' one policy.
+        self.adapter_of: Callable[[Binding], int] | None = None
         self._rollouts: dict[tuple[str, str], tuple[str, str]] = {}
         self._keys_lock = threading.Lock()
+        self._issuing = False  # set at the first issued key
         self._ledger = CallLedger(record_sink)
+        # (run, rollout) -> recorded calls and server-side failures answered to it (usage(); dropped at revoke)
+        self._usage: dict[tuple[str, str], collections.Counter] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="records")  # keeps order
         self.storage_errors: list[BaseException] = []  # record writes our storage refused (the loop stops on them)
         self._inflight = 0
@@ -186,6 +193,7 @@ class Proxy:
             check_id(v, what)
         key = "gk-" + secrets.token_hex(16)
         with self._keys_lock:
+            self._issuing = True  # from now on only issued keys (or the token) name a rollout (authorize)
             self._keys[key] = (run_id, rollout_id)
             self._rollouts[(run_id, rollout_id)] = (task_id, group_id)
         return key
@@ -213,14 +221,28 @@ class Proxy:
         else:  # the ledger and the router live on the server's loop: change them there
             loop.call_soon_threadsafe(self._forget, who)
 
+    def usage(self, key: str) -> dict[str, int]:
+        """What this rollout's calls came to so far: ``calls`` recorded and ``server_errors`` (engine
+        or recording failures answered to it). The rollout runner tells from it whether the policy
+        had a say in a failed episode (no call: it had none) and whether the model server failed it."""
+        with self._keys_lock:
+            who = self._keys.get(key)
+        counts = self._usage.get(who, collections.Counter()) if who is not None else collections.Counter()
+        return {"calls": int(counts["calls"]), "server_errors": int(counts["server_errors"])}
+
     def held(self) -> dict[str, int]:
         """How many rollouts each per-rollout structure holds now (live keys, registrations, call
         ledger, cell affinities): bounded by the rollouts running, not by those ever served."""
         return {"keys": len(self._keys), "registered": len(self._rollouts), "ledger": len(self._ledger),
                 "affinity": self.router.affinity_count()}
 
+    def _count(self, who: tuple[str, str], what: str) -> None:
+        if who in self._rollouts:  # issued rollouts only: their entry goes with their last key
+            self._usage.setdefault(who, collections.Counter())[what] += 1
+
     def _forget(self, who: tuple[str, str]) -> None:
         self._ledger.forget(*who)
+        self._usage.pop(who, None)
         self.router.forget_affinity(f"{who[0]}/{who[1]}")
 
     # ---- request plumbing ----------------------------------------------------------------
@@ -261,7 +283,7 @@ class Proxy:
         return web.json_response(body, status=e.status)
 
     def _authorize(self, request: web.Request) -> tuple[str, str] | None:
-        return authorize(request.headers, self._keys, self.cfg.auth_token)
+        return authorize(request.headers, self._keys, self.cfg.auth_token, issued_only=self._issuing)
 
     async def _json(self, request: web.Request) -> dict:
         raw = await request.read()
@@ -343,6 +365,8 @@ class Proxy:
         self._check_model(call.model)
         binding = self._binding(request, keyed)
         sampling = self._sampling(call)
+        if self.adapter_of is not None:  # the rollout's adapter, routed by its key
+            sampling = dataclasses.replace(sampling, adapter=self.adapter_of(binding))
         if self._inflight + call.n > self.cfg.max_concurrent_calls:
             raise ApiError(503, f"over {self.cfg.max_concurrent_calls} concurrent calls; retry later", kind="overloaded_error")
         if call.n > 1 and binding.call_index is not None:
@@ -371,9 +395,11 @@ class Proxy:
             return await self._whole(call, routed, binding, t0)
         except (EngineError, NoCellError) as e:
             self.counters["engine_errors"] += 1
+            self._count((binding.run_id, binding.rollout_id), "server_errors")
             status = 503 if isinstance(e, NoCellError) else 500
             raise ApiError(status, f"engine error: {e}", kind="api_error") from None
         except RecordError as e:
+            self._count((binding.run_id, binding.rollout_id), "server_errors")
             raise ApiError(500, f"the call could not be recorded: {e}", kind="api_error") from None
         except ValueError as e:  # the backend refused the request
             raise bad(str(e)) from None
@@ -434,8 +460,10 @@ class Proxy:
         except StorageError as e:  # our disk, not the harness's call: the run that owns the store stops on it
             self.counters["storage_errors"] += 1
             self.storage_errors.append(e)
+            self._count(key[:2], "server_errors")
             raise ApiError(503, f"the call could not be recorded: {e}; the run is stopping", kind="api_error") from None
         self._ledger.recorded(*key)
+        self._count(key[:2], "calls")
         self.counters["records_written"] += 1
         self.counters["completion_tokens"] += len(sample.tokens)
         self.counters["moves_kv"] += routed.moves_kv

@@ -6,8 +6,10 @@ Tying a call to a rollout (``identity`` has the names):
   2. A per-rollout API key, for harnesses that can only set a key (Claude Code:
      ``ANTHROPIC_API_KEY``; OpenAI SDKs: ``OPENAI_API_KEY``), sent as
      ``Authorization: Bearer <key>`` or ``x-api-key: <key>``. Either a secret key
-     from ``Proxy.register_rollout(run, rollout, task, group)`` (works with auth
-     on), or, with auth off, the plain ``gyre:<run>:<rollout>`` form.
+     from ``Proxy.register_rollout(run, rollout, task, group)`` (random: no rollout's
+     key can be derived from another's), or, with auth off on a proxy that has
+     issued no key, the plain ``gyre:<run>:<rollout>`` form. Once a proxy issues keys,
+     an issued key (or the auth token) is the only way to name a rollout.
   Headers win where both are present. Task/group come from headers, else from
   the registration, else "unknown". Agent defaults to 0 and role to "main"; the
   call index to a per-rollout counter when ``X-Gyre-Call`` is absent. With
@@ -45,8 +47,14 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key")
 
 
-def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], auth_token: str | None):
-    """Checks auth; returns the (run, rollout) a key names, if any. Raises ApiError(401)."""
+def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], auth_token: str | None, *,
+              issued_only: bool = False):
+    """Checks auth; returns the (run, rollout) a key names, if any. Raises ApiError(401).
+
+    ``issued_only``: the proxy has issued secret per-rollout keys, so only those (and the token) are
+    credentials. The derivable ``gyre:<run>:<rollout>`` form, bare binding headers and a
+    ``X-Claude-Code-Session-Id`` are then refused even with auth off: from inside one rollout's sandbox
+    any of them named a peer rollout (its id is guessable from one's own) and recorded calls under it."""
     key = presented_key(headers)
     if key is not None and key in keys:
         return keys[key]
@@ -55,6 +63,10 @@ def authorize(headers: Mapping[str, str], keys: Mapping[str, tuple[str, str]], a
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
                            kind="authentication_error")
         return None
+    if issued_only:
+        raise ApiError(401, "missing, revoked or unknown API key: this proxy issues a secret key per rollout and "
+                            "accepts only those (not the gyre:<run>:<rollout> form, nor binding headers alone)",
+                       kind="authentication_error")
     if not key:
         return None
     problem = wire.api_key_problem(key)
@@ -88,8 +100,12 @@ def resolve_binding(h: Mapping[str, str], keyed: tuple[str, str] | None,
                       "rollout API key")
         run = run or default_run_id
         rollout = rollout or h.get("X-Claude-Code-Session-Id") or "unbound"
-    task, group = registered.get((run, rollout), ("unknown", "unknown"))
+    known = registered.get((run, rollout))
+    task, group = known or ("unknown", "unknown")
     task, group = h.get(wire.HEADER_TASK) or task, h.get(wire.HEADER_GROUP) or group
+    if known is not None and (task, group) != known:  # the harness (and the policy's commands) hold its key
+        raise bad(f"headers {wire.HEADER_TASK}/{wire.HEADER_GROUP}: rollout {rollout!r} was registered for task "
+                  f"{known[0]!r}, group {known[1]!r}, not {task!r}, {group!r}")
     for what, v in (("run", run), ("rollout", rollout), ("task", task), ("group", group)):
         if not (1 <= len(v) <= 256 and v.isprintable() and v.strip() == v):
             raise bad(f"{what} id {v!r} must be 1-256 printable characters without surrounding spaces")

@@ -16,6 +16,12 @@ import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable
 
+from gyre_jax.errors import RunFailed
+
+
+class StartTimeout(RunFailed):
+    """The server (its engines: weights placed, steps compiled) was not ready within the start-up deadline."""
+
 
 class ServerThread:
     def __init__(self, build: Callable[[], Awaitable]):
@@ -24,13 +30,22 @@ class ServerThread:
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._abandoned = False  # start() gave up waiting: stop as soon as the build is done
         self.proxy: Any = None  # what build() made (a Proxy), once started
         self.url: str | None = None
 
-    def start(self, timeout: float = 300.0) -> str:
+    def start(self, timeout: float = 300.0, what: str = "the proxy and its engines") -> str:
+        """Start; ``StartTimeout`` (a RunFailed: the launcher prints one ``error:`` line and exits 1) when not
+        ready within ``timeout`` s. A build still running then stops its server as soon as it finishes."""
         self._thread = threading.Thread(target=self._main, name="gyre-proxy", daemon=True)
         self._thread.start()
-        self.url = self._ready.result(timeout)
+        try:
+            self.url = self._ready.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self._abandoned = True
+            raise StartTimeout(f"{what} were not ready within {timeout:.0f} s (weights placed, decode steps "
+                               "compiled): on a loaded host raise config.cells.start_timeout_s; a warm compilation "
+                               "cache (JAX_COMPILATION_CACHE_DIR) makes a rerun start faster") from None
         return self.url
 
     def _main(self):
@@ -46,6 +61,8 @@ class ServerThread:
             self._ready.set_exception(e)
             return
         self._ready.set_result(url)
+        if self._abandoned:
+            self._stop.set()
         await self._stop.wait()
         await self.proxy.stop()
         await self.proxy.router.close()

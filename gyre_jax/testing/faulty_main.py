@@ -59,7 +59,7 @@ class FaultPlan:
 
 
 class _FaultyOS:
-    """The store module's ``os``: every name is the real one's, except the frame write and fsync, which ask
+    """The frame log module's ``os``: every name is the real one's, except the frame write and fsync, which ask
     the plan first when they run inside an append (the thread-local site says which record it writes)."""
 
     def __init__(self, real, plan: FaultPlan, where: threading.local):
@@ -85,15 +85,16 @@ def install(plan: FaultPlan) -> Callable[[], None]:
     import orbax.checkpoint as ocp
 
     from gyre_jax.cells import publish
+    from gyre_jax.trajectory import frame_log
     from gyre_jax.trajectory import store as store_mod
     from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome
 
     where = threading.local()
-    saved = [(store_mod, "os", store_mod.os), (store_mod.TrajectoryStore, "append", store_mod.TrajectoryStore.append),
+    saved = [(frame_log, "os", frame_log.os), (store_mod.TrajectoryStore, "append", store_mod.TrajectoryStore.append),
              (store_mod.TrajectoryStore, "journal_write", store_mod.TrajectoryStore.__dict__["journal_write"]),
              (ocp.CheckpointManager, "save", ocp.CheckpointManager.save),
              (publish.WeightPublisher, "publish", publish.WeightPublisher.publish)]
-    store_mod.os = _FaultyOS(os, plan, where)  # type: ignore[assignment]
+    frame_log.os = _FaultyOS(os, plan, where)  # type: ignore[assignment]
     real_append = store_mod.TrajectoryStore.append
 
     def append(self, record):

@@ -19,9 +19,11 @@ records every call under it) and act on ``episode.workspace``. Three kinds are r
            only the proxy (``gyre_jax.agents.harnesses.command``).
 
 How a run ends is the runner's to record: the harness returning is a completed episode
-(graded); the deadline is a timeout (graded for partial credit); :class:`HarnessFailed` (a
-command that exited non-zero, crashed or could not start), ``InfraError`` (the model could
-not answer) or any other exception is ``infra_error`` with the reason, never a score.
+(graded); the deadline is a timeout (graded for partial credit); ``InfraError`` (the model
+could not answer) is ``infra_error``; :class:`HarnessFailed` (a command that exited non-zero,
+crashed or could not start) or any other exception is ``infra_error`` when the policy had no
+say in it (no model call was recorded, or the model server failed one of the rollout's
+calls), else a score of 0 with its reason (``gyre_jax.agents.harness`` says why).
 
 Adding a harness kind: a class with ``kind``, ``needs_commands(task)`` and ``async run(episode) ->
 HarnessResult`` built as ``Class(options, unix_socket=...)``, its options a frozen dataclass beside it,
@@ -88,12 +90,16 @@ class HarnessResult:
 
 
 class HarnessFailed(Exception):
-    """The harness did not run the episode to its end (crash, non-zero exit, could not start):
-    the rollout is ``infra_error`` with this reason, never a score."""
+    """The harness did not run the episode to its end (crash, non-zero exit, could not start).
+    The runner decides what that is (``gyre_jax.agents.harness``): ``infra_error`` when the policy
+    had no say (no model call was made) or the model server failed the rollout, else a score of 0
+    (the policy's commands share the harness's sandbox and can end it). ``why``: the short reason,
+    the same for every rollout that failed the same way (the message adds the output's tail)."""
 
-    def __init__(self, reason: str, *, output: str = "", exit_code: int | None = None):
+    def __init__(self, reason: str, *, output: str = "", exit_code: int | None = None, why: str | None = None):
         super().__init__(reason)
         self.output, self.exit_code = output, exit_code
+        self.why = why or reason
 
 
 class Harness(Protocol):

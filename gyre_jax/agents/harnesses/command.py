@@ -21,8 +21,11 @@ in this venv runs) plus ``ro_paths`` (e.g. its config files, a node install for 
 their ``bin`` directories lead PATH.
 
 Ending: exit 0 is a finished episode (graded). A non-zero exit, a death by signal or a bridge
-that could not start is ``HarnessFailed`` (``infra_error``, never a score), unless
-``nonzero_exit="graded"`` says this harness exits non-zero when its agent gives up. The
+that could not start is ``HarnessFailed``, unless ``nonzero_exit="graded"`` says this harness
+exits non-zero when its agent gives up. The runner makes that ``infra_error`` when no model call
+was made (the harness or its command is broken: the policy had no say) or the model server
+failed the rollout, else a score of 0: the policy's commands run in the harness's sandbox and
+can kill it (``kill -9 $PPID``), which must not beat failing. The
 deadline kills the sandbox (every process of it) and the rollout is a timeout, graded for
 partial credit. Output (stdout and stderr together) is kept bounded while it streams:
 ``output_bytes`` from its start and as many from its end.
@@ -112,9 +115,8 @@ class CommandHarness:
         extra = tuple(p.strip() for p in o.ro_paths.split(",") if p.strip())
         self.ro_paths = tuple(dict.fromkeys((*default_ro_paths(), *extra)))
         self.output_bytes = o.output_bytes
-        # the whole sandbox (cgroup) holds at least what one of its processes may map
-        self.limits = SandboxLimits(cpu_s=o.cpu_s, memory_bytes=o.memory_bytes, tmp_bytes=o.tmp_bytes,
-                                    sandbox_memory_bytes=max(o.memory_bytes, SandboxLimits.sandbox_memory_bytes))
+        # the whole sandbox (its cgroup) is capped at the memory limit too (SandboxLimits.sandbox_memory_bytes)
+        self.limits = SandboxLimits(cpu_s=o.cpu_s, memory_bytes=o.memory_bytes, tmp_bytes=o.tmp_bytes)
         self.unix_socket = unix_socket
 
     def needs_commands(self, task: Task) -> bool:
@@ -175,7 +177,8 @@ class CommandHarness:
                 *launch.argv, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, env=launch.env, start_new_session=True)
         except OSError as e:
-            raise HarnessFailed(f"the harness could not start: {type(e).__name__}: {e}") from None
+            raise HarnessFailed(f"the harness could not start: {type(e).__name__}: {e}",
+                                why=f"the harness could not start: {type(e).__name__}") from None
         reader = asyncio.ensure_future(drain_async(proc.stdout, capture))
         try:
             code = await proc.wait()
@@ -203,7 +206,7 @@ class CommandHarness:
         else:
             why = f"the harness exited with code {code}"
         tail = capture.tail_text(600).strip()
-        raise HarnessFailed(f"{why}; its output ends: {tail!r}" if tail else why, output=out, exit_code=code)
+        raise HarnessFailed(f"{why}; its output ends: {tail!r}" if tail else why, output=out, exit_code=code, why=why)
 
 
 def _kill(proc) -> None:

@@ -7,7 +7,8 @@ import re
 import types
 from typing import Any, Mapping
 
-from gyre_jax.agents.tools import RUN_TESTS, TOOL_NAMES
+from gyre_jax.agents.tool_schemas import RUN_TESTS, TOOL_NAMES
+from gyre_jax.agents.tree_rules import check_glob
 from gyre_jax.serving.identity import check_id
 
 # every tool, sub-agents included, but run_tests: only a family with a test suite offers it
@@ -33,6 +34,11 @@ class Task:
     repo: str = ""
     repo_commit: str = ""
     deadline_s: float | None = None  # this task's rollout deadline; None: the harness's
+    # Files only the grader sees, laid last into the graded tree (gyre_jax.agents.graded_tree).
+    hidden_files: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Globs of the paths whose changes by the policy reach the grader (gyre_jax.agents.tree_rules);
+    # empty: the files the task ships and new files, minus runner configuration, bytecode, etc.
+    solution_paths: tuple[str, ...] = ()
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON; for harnesses and reports
 
     def __post_init__(self):
@@ -45,7 +51,13 @@ class Task:
         unknown = sorted(set(self.tools) - set(TOOL_NAMES))
         if unknown:
             raise ValueError(f"Task {self.task_id}: unknown tools {unknown}; known: {list(TOOL_NAMES)}")
-        for name in ("params", "setup_files", "metadata"):
+        object.__setattr__(self, "solution_paths", tuple(self.solution_paths))
+        for pattern in self.solution_paths:
+            try:
+                check_glob(pattern)
+            except ValueError as e:
+                raise ValueError(f"Task {self.task_id}: solution_paths: {e}") from None
+        for name in ("params", "setup_files", "metadata", "hidden_files"):
             value = getattr(self, name)
             if not isinstance(value, Mapping):
                 raise ValueError(f"Task {self.task_id}: {name} must be a mapping, got {type(value).__name__}")
@@ -54,9 +66,11 @@ class Task:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"Task {self.task_id}: {name} must be JSON-serializable ({e})") from None
             object.__setattr__(self, name, types.MappingProxyType(dict(value)))
-        for path, content in self.setup_files.items():
-            if not isinstance(path, str) or not isinstance(content, str) or path.startswith("/") or ".." in path.split("/"):
-                raise ValueError(f"Task {self.task_id}: setup_files entry {path!r} must be a relative path -> str")
+        for name in ("setup_files", "hidden_files"):
+            for path, content in getattr(self, name).items():
+                if not isinstance(path, str) or not isinstance(content, str) or not path or path.startswith("/") \
+                        or ".." in path.split("/") or "" in path.split("/"):
+                    raise ValueError(f"Task {self.task_id}: {name} entry {path!r} must be a relative path -> str")
         if self.repo_commit and not self.repo:
             raise ValueError(f"Task {self.task_id}: repo_commit {self.repo_commit!r} needs a repo")
         if self.repo and not self.repo.startswith("/"):
@@ -68,7 +82,8 @@ class Task:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["params"], d["setup_files"], d["tools"] = dict(self.params), dict(self.setup_files), list(self.tools)
-        d["metadata"] = dict(self.metadata)
+        d["metadata"], d["hidden_files"] = dict(self.metadata), dict(self.hidden_files)
+        d["solution_paths"] = list(self.solution_paths)
         return d
 
     def to_json(self) -> str:

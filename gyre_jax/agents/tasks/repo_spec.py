@@ -12,7 +12,7 @@ same (score = passed / total):
   readme:<word>           README.md mentions the package / each module
 
 Agent code runs in ``check_runner`` subprocesses (one per module) inside the grader's
-sandbox (``sandbox.untrusted_python``), so a hang, crash or ``sys.exit`` in it fails its
+sandbox (``grader_sandbox.untrusted_python``), so a hang, crash or ``sys.exit`` in it fails its
 checks instead of crashing the grader; the runner reports the values returned and this
 grader compares them with the expected ones, which never reach agent code.
 """
@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
-import signal
-import subprocess
-import threading
 from pathlib import Path
 
-from gyre_jax.agents import check_runner
 from gyre_jax.agents.check_runner import check_names, import_check_name
-from gyre_jax.agents.sandbox import untrusted_python
+from gyre_jax.agents.call_checks import run_module_checks, same_json
 from gyre_jax.agents.scoring import Checks, Grade
 from gyre_jax.agents.tasks import FAMILIES, family_options
 from gyre_jax.agents.tasks.base import Task
@@ -152,6 +147,9 @@ def reference_files(task: Task) -> dict[str, str]:
     return files
 
 
+solution_files = reference_files  # what --check_tasks grades as the solution
+
+
 def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
     """Look, write every file, check the imports, finish."""
     imports = ", ".join(m["import"] for m in task.params["modules"])
@@ -159,92 +157,6 @@ def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
             [("write_file", {"path": path, "content": content}) for path, content in reference_files(task).items()],
             [("run", {"command": f"python3 -c 'import {imports}; print(\"ok\")'"})],
             [("finish", {"message": "package written and imports checked"})]]
-
-
-RUNNER_LINE_BYTES = 65536  # a result line longer than this is not a result (the rest of it is skipped)
-
-
-def _run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str, dict]:
-    """The check runner's results by check name: only well-formed lines naming one of this
-    module's checks are kept (agent code can write on the runner's result channel; a line
-    it forges cannot crash the grader, and its output cannot fill the grader's memory)."""
-    from gyre_jax.agents.capture import BoundedCapture, drain_thread
-
-    spec = {"module": mod["import"], "case_timeout_s": timeout_s,  # the arguments only: never the answers
-            "functions": [{"name": f["name"], "cases": [{"args": c["args"]} for c in f["cases"]]}
-                          for f in mod["functions"]]}
-    known = {import_check_name(mod["import"])}
-    for f in mod["functions"]:
-        defines, cases = check_names(mod["import"], f["name"], len(f["cases"]))
-        known.update([defines, *cases])
-    n_cases = sum(len(f["cases"]) for f in mod["functions"])
-    results: dict[str, dict] = {}
-    err = BoundedCapture(head=0, tail=2048)
-    with untrusted_python(workspace, check_runner.__file__) as argv:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=workspace, start_new_session=True,
-                                env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": os.environ.get("PATH", "")})
-        err_reader = drain_thread(proc.stderr, err)
-        fired = threading.Event()
-        def on_timeout() -> None:
-            fired.set()
-            _kill_group(proc)
-
-        timer = threading.Timer(timeout_s * (n_cases + 1) + 10, on_timeout)
-        timer.start()
-        assert proc.stdin is not None and proc.stdout is not None  # both are pipes (Popen above)
-        try:
-            try:
-                proc.stdin.write(json.dumps(spec).encode())
-                proc.stdin.close()
-            except BrokenPipeError:  # it died before reading: its exit code says so
-                pass
-            partial = False
-            while line := proc.stdout.readline(RUNNER_LINE_BYTES):
-                whole = line.endswith(b"\n")
-                if not partial:
-                    r = _result_line(line, known)
-                    if r is not None:
-                        results[r["check"]] = r
-                partial = not whole
-            code = proc.wait()
-        finally:
-            timer.cancel()
-            _kill_group(proc)
-        err_reader.join(5.0)
-    why = ("check runner timed out" if fired.is_set()  # checks it finished before the cut still count
-           else f"check runner exited with {code}: {err.tail_text(300)}")
-    results["_why_missing"] = {"note": why}
-    return results
-
-
-def _result_line(line: bytes, known: set[str]) -> dict | None:
-    """One runner result, or None if the line is not one: a JSON object with a known
-    ``check``, a bool ``ok``, a string ``note`` and, for a returned case, ``got``."""
-    try:
-        r = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(r, dict) or not isinstance(r.get("check"), str) or r["check"] not in known \
-            or not isinstance(r.get("ok"), bool):
-        return None
-    out = {"check": r["check"], "ok": r["ok"], "note": str(r.get("note", ""))[:300]}
-    if "got" in r:
-        out["got"] = r["got"]
-    return out
-
-
-def _kill_group(proc) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _same_json(a, b) -> bool:
-    """Equal as JSON values, types included (Python's 1 == True would pass a wrong type)."""
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def grade(task: Task, workspace: Path) -> Grade:
@@ -260,7 +172,7 @@ def grade(task: Task, workspace: Path) -> Grade:
         for fn in mod["functions"]:
             defines, cases = check_names(mod["import"], fn["name"], len(fn["cases"]))
             names += [defines, *cases]
-        results = _run_module_checks(workspace, mod, timeout_s) if present else {}
+        results = run_module_checks(workspace, mod, timeout_s) if present else {}
         why = results.get("_why_missing", {}).get("note", "file missing")
         if names[0] in results and not results[names[0]]["ok"]:
             why = "the module did not import"
@@ -271,7 +183,7 @@ def grade(task: Task, workspace: Path) -> Grade:
             if r is None:
                 checks.add(name, False, f"no result ({why})")
             elif name in expected and r["ok"]:
-                ok = "got" in r and _same_json(r["got"], expected[name])
+                ok = "got" in r and same_json(r["got"], expected[name])
                 checks.add(name, ok, "" if ok else f"expected {expected[name]!r}, got {r.get('got')!r}")
             else:
                 checks.add(name, bool(r["ok"]), r["note"])

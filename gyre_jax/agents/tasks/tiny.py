@@ -95,6 +95,11 @@ def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
     return [[("write_file", {"path": ANSWER_FILE, "content": task.params["expected"]}), ("finish", {})]]
 
 
+def solution_files(task: Task) -> dict[str, str]:
+    """A workspace that scores 1 (``--check_tasks`` grades it)."""
+    return {ANSWER_FILE: task.params["expected"]}
+
+
 def grade(task: Task, workspace: Path) -> Grade:
     expected = task.params["expected"]
     if expected != expected_answer(task.params["op"], task.params["arg"]):

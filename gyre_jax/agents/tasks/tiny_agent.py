@@ -38,7 +38,7 @@ from gyre_jax.agents import test_suite as ts
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks import FAMILIES, family_options, tiny, tiny_tests
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tools import FINISH, RUN_TESTS, SPAWN_SUBAGENT
+from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS, SPAWN_SUBAGENT
 from gyre_jax.trajectory.vocab import ROLE_SUBAGENT, ROLE_SUMMARY
 
 FAMILY = "tiny_agent"
@@ -79,6 +79,10 @@ def make_task(seed: int, options: Options | None = None, **values) -> Task:
 
 def test_suite(task: Task) -> ts.TestSuite:
     return tiny_tests.test_suite(task)
+
+
+def solution_files(task: Task) -> dict[str, str]:
+    return tiny_tests.solution_files(task)
 
 
 test_suite.__test__ = False  # type: ignore[attr-defined]  # not a pytest test (pytest reads the attribute)

@@ -30,7 +30,7 @@ from gyre_jax.agents import test_suite as ts
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks import FAMILIES, family_options, tiny
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tools import FINISH, RUN_TESTS
+from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS
 
 FAMILY = "tiny_tests"
 ANSWER_FILE = tiny.ANSWER_FILE
@@ -80,6 +80,12 @@ test_suite.__test__ = False  # type: ignore[attr-defined]  # not a pytest test (
 def solution_turns(task: Task) -> list[list[tuple[str, dict]]]:
     return [[("write_file", {"path": ANSWER_FILE, "content": task.params["expected"]}), (RUN_TESTS, {}),
              (FINISH, {})]]
+
+
+def solution_files(task: Task) -> dict[str, str]:
+    """A workspace that scores 1: the answer and the receipt of a suite run on it."""
+    expected = task.params["expected"]
+    return {ANSWER_FILE: expected, ts.RECEIPT_FILE: ts.receipt(task.params["receipt_key"], expected.encode())}
 
 
 def grade(task: Task, workspace: Path) -> Grade:

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from gyre_jax.sharding import RULES, tree_shardings
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.hf.config_map import UnsupportedCheckpoint, config_from_hf, hf_config
+from gyre_jax.model.hf.gguf_file import GGUFCheckpoint, is_gguf
 from gyre_jax.model.hf.st_io import SafetensorsReader, write_safetensors
 from gyre_jax.model.hf.tensors import IGNORED_SUFFIXES, Entry, entries
 from gyre_jax.model.transformer import init_params, param_logical_axes
@@ -93,7 +94,15 @@ def vocab_multiple(mesh, rules=RULES) -> int:
 
 
 def read_config(path: str) -> dict[str, Any]:
-    """``path``/config.json, with ``tie_word_embeddings`` as transformers loads these files (``_tie_as_loaded``)."""
+    """``path``/config.json, with ``tie_word_embeddings`` as transformers loads these files (``_tie_as_loaded``).
+
+    A ``.gguf`` file: the config.json its metadata describes (gguf_file.GGUFCheckpoint.hf_config)."""
+    if is_gguf(path):
+        ck = GGUFCheckpoint(path)
+        try:
+            return ck.hf_config()
+        finally:
+            ck.close()
     p = os.path.join(path, CONFIG)
     if not os.path.exists(p):
         raise FileNotFoundError(f"{p}: no config.json (is {path!r} a Hugging Face checkpoint directory?)")
@@ -171,9 +180,16 @@ def _slice_sharding(sharding, rank: int = 1):
     return sharding
 
 
+def open_checkpoint(path: str) -> _Checkpoint | GGUFCheckpoint:
+    """The tensors of a HF checkpoint directory or of a ``.gguf`` file, by HF name."""
+    return GGUFCheckpoint(path) if is_gguf(path) else _Checkpoint(path)
+
+
 def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad_multiple: int | None = None,
                     max_seq_len: int | None = None, rules=RULES) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, {"params": ...}) of a HF checkpoint directory, params placed on ``mesh``.
+    """(ModelConfig, {"params": ...}) of a HF checkpoint directory or a ``.gguf`` file, params placed on ``mesh``.
+
+    A GGUF file's quantized tensors are dequantized (gguf_file.py) to ``dtype``.
 
     ``dtype``: the params' dtype ("bfloat16", "float32"; default config.json's ``dtype``/``torch_dtype``).
     ``vocab_pad_multiple`` defaults to what ``mesh`` needs to split the vocab axis.
@@ -183,14 +199,14 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
     if vocab_pad_multiple is None:
         vocab_pad_multiple = vocab_multiple(mesh, rules)
     cfg = config_from_hf(hf, dtype=dtype, vocab_pad_multiple=vocab_pad_multiple, max_seq_len=max_seq_len,
-                         where=os.path.join(path, CONFIG))
+                         where=path if is_gguf(path) else os.path.join(path, CONFIG))
     abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))["params"]
     if mesh is None:
         one = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, abstract)
     else:
         shardings = tree_shardings(param_logical_axes(cfg)["params"], mesh, abstract, rules=rules)
-    ck = _Checkpoint(path)
+    ck = open_checkpoint(path)
     try:
         plan = entries(cfg)
         _check_names(ck, cfg, plan)
@@ -215,8 +231,8 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
                 del w
                 if time.perf_counter() - last > 10:
                     last, el = time.perf_counter(), time.perf_counter() - t0
-                    log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.2f GB/s), ETA %.0fs", done, total, nbytes / 1e9,
-                             el, nbytes / 1e9 / el, el * (total - done) / done)
+                    log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.0f MB/s), ETA %.0fs", done, total, nbytes / 1e9,
+                             el, nbytes / 1e6 / el, el * (total - done) / done)
             _set(params, e.path, stacked)
         log.info("hf: loaded %s (%d tensors, %.2f GB) in %.1fs", path, total, nbytes / 1e9, time.perf_counter() - t0)
     finally:
@@ -224,7 +240,7 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
     return cfg, {"params": params}
 
 
-def _check_names(ck: _Checkpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
+def _check_names(ck: _Checkpoint | GGUFCheckpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
     expected = {name for e in plan for name, _, _ in e.tensors()}
     have = set(ck.file_of)
     missing = sorted(expected - have)
@@ -239,7 +255,7 @@ def _check_names(ck: _Checkpoint, cfg: ModelConfig, plan: list[Entry]) -> None:
                                     f"not compute?), e.g. {extra[:5]}")
 
 
-def _read(ck: _Checkpoint, e: Entry, name: str, dtype) -> np.ndarray:
+def _read(ck: _Checkpoint | GGUFCheckpoint, e: Entry, name: str, dtype) -> np.ndarray:
     got = ck.shape(name)
     if got != e.hf_shape:
         raise UnsupportedCheckpoint(f"{ck.path}: tensor {name!r} ({ck.file_of[name]}) has shape {got}, "
@@ -254,36 +270,16 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
 
     ``like``: a source checkpoint directory whose config.json fields we do not own
     (token ids, ...) are kept and whose tokenizer files are copied, so the result is
-    servable as is. ``dtype`` defaults to the params'. Returns the files written.
+    servable as is; or the ``.gguf`` file a run started from (its metadata's config, and its
+    tokenizer and chat template written as tokenizer.json + tokenizer_config.json).
+    ``dtype`` defaults to the params'. Returns the files written.
     """
     tree = params["params"] if "params" in params else params
     dtype = dtype or config.param_dtype
     out_dt = np.dtype(jnp.dtype(dtype))
     os.makedirs(path, exist_ok=True)
-    specs, makers = [], []
-    plan = entries(config)
-    for e in plan:  # HF order: embeddings, layer by layer, final norm, head
-        if not e.per_layer and e.path == ("embed",):
-            specs.append((e.name(), e.hf_shape, out_dt))
-            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
-    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()
-                 if i is not None]  # always: a per-layer entry's tensors name their layer
-    for _, name, e, idx in sorted(per_layer, key=lambda t: t[0]):  # layer by layer (stable: plan order within)
-        specs.append((name, e.hf_shape, out_dt))
-        makers.append(functools.partial(_fetch, tree, e, idx, out_dt))
-    for e in plan:
-        if not e.per_layer and e.path != ("embed",):
-            specs.append((e.name(), e.hf_shape, out_dt))
-            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
-    shards: list[list[int]] = [[]]
-    size = 0
-    for k, (_, shape, dt) in enumerate(specs):
-        nb = int(np.prod(shape)) * dt.itemsize
-        if shards[-1] and size + nb > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += nb
+    specs, makers = _tensor_plan(tree, config, out_dt)
+    shards = _shards(specs, max_shard_bytes)
     names = [SINGLE] if len(shards) == 1 else [f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for j in range(len(shards))]
     total, weight_map = 0, {}
@@ -303,7 +299,9 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
     with open(os.path.join(path, CONFIG), "w") as f:
         json.dump(hf_config(config.replace(param_dtype=dtype), base), f, indent=2)  # torch_dtype: the files' dtype
     written.append(CONFIG)
-    if like:
+    if like and is_gguf(like):  # the file's tokenizer and chat template as tokenizer.json + tokenizer_config.json
+        written += _write_gguf_tokenizer(like, path)
+    elif like:
         for fn in TOKENIZER_FILES:
             src = os.path.join(like, fn)
             if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, fn)):
@@ -311,6 +309,51 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
                 written.append(fn)
     log.info("hf: wrote %s (%d files, %.2f GB)", path, len(names), total / 1e9)
     return written
+
+
+def _tensor_plan(tree, config: ModelConfig, out_dt: np.dtype) -> tuple[list, list]:
+    """(the checkpoint's tensors as (name, HF shape, dtype), a function making each one's array), in HF
+    order: embeddings, layer by layer, final norm, head."""
+    specs, makers = [], []
+    plan = entries(config)
+    for e in plan:
+        if not e.per_layer and e.path == ("embed",):
+            specs.append((e.name(), e.hf_shape, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
+    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()
+                 if i is not None]  # always: a per-layer entry's tensors name their layer
+    for _, name, e, idx in sorted(per_layer, key=lambda t: t[0]):  # layer by layer (stable: plan order within)
+        specs.append((name, e.hf_shape, out_dt))
+        makers.append(functools.partial(_fetch, tree, e, idx, out_dt))
+    for e in plan:
+        if not e.per_layer and e.path != ("embed",):
+            specs.append((e.name(), e.hf_shape, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
+    return specs, makers
+
+
+def _shards(specs: list, max_shard_bytes: int) -> list[list[int]]:
+    """Tensor indices per safetensors file, in order, each file at most ``max_shard_bytes`` (or one tensor)."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for k, (_, shape, dt) in enumerate(specs):
+        nb = int(np.prod(shape)) * dt.itemsize
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nb
+    return shards
+
+
+def _write_gguf_tokenizer(src: str, path: str) -> list[str]:
+    from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
+
+    tk, tc = gguf_tokenizer(src)
+    tk.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({k: v for k, v in tc.items() if v is not None}, f, indent=2)
+    return ["tokenizer.json", "tokenizer_config.json"]
 
 
 def _fetch(tree, e: Entry, idx: tuple[int, ...], dt) -> np.ndarray:

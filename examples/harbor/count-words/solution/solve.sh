@@ -1,0 +1,2 @@
+#!/bin/bash
+awk '{print NF}' /app/words.txt > /app/counts.txt
