@@ -28,7 +28,7 @@ import os
 
 import ml_collections
 
-from gyre_jax.rl.config import checkpoint_model
+from gyre_jax.rl.config import checkpoint_model, load_config
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
@@ -55,7 +55,7 @@ def smollm2_path() -> str:
 def get_config(harness: str = "shell") -> ml_collections.ConfigDict:
     if harness not in HARNESSES:
         raise ValueError(f"configs/smol_agent.py:{harness}: harness must be one of {sorted(HARNESSES)}")
-    c = _external.get_config()  # configs/external.py, with a real model and what its size needs:
+    c = load_config(os.path.join(_HERE, "external.py"))  # with a real model and what its size needs:
     c.steps = 30
     c.num_cpu_devices = 4  # 2 cells of 2 devices on 2 cores: more cells add memory and compiles, not compute
     c.checkpoint_every = 5

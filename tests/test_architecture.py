@@ -36,7 +36,6 @@ LONG_FUNCTIONS_OWNED_ELSEWHERE = {
 }
 # Module cycles other branches are removing (issue 43), each as its sorted modules.
 MODULE_CYCLES_OWNED_ELSEWHERE = {
-    ("agents.harnesses", "agents.harnesses.command", "agents.harnesses.python_entry"): "branch reward",
     ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
         "branch lora (lora.init_adapter_boxed imports the Transformer whose layers import lora)",
 }
@@ -277,7 +276,7 @@ def test_every_extension_point_is_the_one_registry_type():
 
     regs = {**all_registries(), "task": TASK_SOURCES}
     assert {"train.loss", "train.advantage", "train.mismatch", "train.weights", "harness.kind", "task.family",
-            "task.format", "metrics.sinks", "scheduler.mode", "job"} <= set(regs)
+            "task.dataset_options.format", "metrics.sinks", "scheduler.mode", "job"} <= set(regs)
     for flag, reg in regs.items():
         assert isinstance(reg, Registry), (flag, type(reg))
         assert reg.names(), flag
@@ -304,7 +303,9 @@ def home_made_registries(tree: ast.AST) -> list[str]:
 
 def test_no_module_keeps_a_registry_of_its_own():
     own = [f"gyre_jax/{path}: {name}" for path, tree in _modules() for name in home_made_registries(tree)]
-    allowed = {"gyre_jax/losses/registry.py: METRIC_REDUCTIONS"}  # a metric -> reduction table, not a registry
+    allowed = {"gyre_jax/losses/registry.py: METRIC_REDUCTIONS",  # a metric -> reduction table, not a registry
+               # the pytest plugin's caches of the graded test files' sources (path -> text), not registries
+               "gyre_jax/agents/verdict_plugin.py: _LINES", "gyre_jax/agents/verdict_plugin.py: _SOURCES"}
     assert not set(own) - allowed, sorted(set(own) - allowed)
     assert home_made_registries(ast.parse("_R = {}\ndef register(k, v):\n    _R[k] = v\n")) == ["_R"]
 

@@ -189,5 +189,5 @@ def test_an_rl_config_rescales_its_priors_to_its_own_move(tmp_path):
     c.train.lora.rank = 4
     lora = RLConfig.from_config(c)
     assert lora.switch_move_bytes * 20 < full.switch_move_bytes
-    pc = lora.policy_config()
+    pc = lora.policy()
     assert pc.priors.switch_to_train_s == pytest.approx(1.0 + 2.0 * lora.switch_move_bytes / full.switch_move_bytes)

@@ -155,20 +155,6 @@ class RLConfig:
         self._check_sandbox(harness.needs_commands(first))
         check_lora(self)
 
-    def _check_lora(self) -> None:
-        """The adapters fit this model (layers, MoE, parallelism); each adapter's task set builds and has
-        held-out tasks."""
-        if self.train.lora.enabled:
-            _built("train.lora", lambda: self.policy_model)
-        if self.train.lora.adapters > 1:
-            for src in self.adapter_sources:
-                _built("train.lora.adapter_tasks", lambda: src.train_task(0))  # noqa: B023 - called at once
-                if self.eval.every and not src.eval_tasks(1):
-                    raise ConfigError(f"config.train.lora.adapter_tasks: {src.describe()} has no held-out tasks")
-            if self.eval.every and self.eval.kind != "first_call":
-                raise ConfigError("config.train.lora.adapters > 1: the held-out eval of each adapter on each task set is "
-                                  "eval.kind='first_call' (whole-episode evals per adapter are not covered)")
-
     @functools.cached_property
     def task_source(self):
         """The run's TaskSource, built (and its file read) once."""
@@ -211,22 +197,33 @@ class RLConfig:
     @functools.cached_property
     def adapter_sources(self) -> list:
         """Each LoRA adapter's TaskSource: config.task with the adapter's overrides (train.lora.adapter_tasks)."""
-        out = []
-        types = {f.name: f.type for f in dataclasses.fields(TaskConfig)}
-        for a, over in enumerate(self.train.lora.task_overrides()):
-            bad = sorted(set(over) - set(types))
-            if bad:
-                raise unknown_fields(f"train.lora.adapter_tasks (adapter {a})", bad, types)
-            typed: dict[str, Any] = {}
-            for k, v in over.items():
-                kind = str(types[k])
-                try:
-                    typed[k] = int(v) if kind == "int" else float(v) if kind == "float" else v
-                except ValueError:
-                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {k}={v!r} is not a {kind}") from None
-            task = _built("train.lora.adapter_tasks", lambda: dataclasses.replace(self.task, **typed))  # noqa: B023
-            out.append(_built("task", lambda: task.source(self.seed + a)))  # noqa: B023 - called at once
-        return out
+        return adapter_sources(self)
+
+    @property
+    def lora(self):
+        """The run's LoraConfig (model/lora.py), None for full fine-tuning."""
+        return self.train.lora.lora_config()
+
+    @property
+    def policy_model(self) -> ModelConfig:
+        """The model the loop trains and scores: config.model, with LoRA adapters when config.train.lora.rank > 0."""
+        lora = self.lora
+        return self.model if lora is None else self.model.replace(lora=lora)
+
+    @property
+    def switch_move_bytes(self) -> int:
+        """Bytes one role switch or publication moves: the params, or a LoRA run's adapters (float32)."""
+        return switch_move_bytes(self)
+
+    def policy(self, own_costs=None):
+        """config.scheduler for this run: the priors (a pilot's, or a full-weights run's switch costs) with the
+        weight move rescaled to what this run's switches move (a LoRA run's adapters, not the weights;
+        scheduler/costs.py: for_move_bytes), then what this workdir's earlier attempt measured over them."""
+        from gyre_jax.scheduler.costs import for_move_bytes
+
+        s = self.scheduler
+        s = dataclasses.replace(s, priors=for_move_bytes(s.priors, self.switch_move_bytes), priors_file=s.priors_file)
+        return s.with_own_costs(own_costs)
 
     @property
     def stream_groups(self) -> bool:

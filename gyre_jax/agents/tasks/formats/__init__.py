@@ -13,7 +13,6 @@ graded tree, the verdict modes, ``--check_tasks``), and one place a task's field
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -21,7 +20,7 @@ from typing import Any, Mapping
 from gyre_jax.agents.tasks.formats import jsonl  # noqa: F401  (registers "jsonl", gyre's own, first)
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import TaskFileError
-from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: F401  (they register themselves)
+from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: F401  (they register themselves; others are found by name)
 from gyre_jax.agents.tasks.formats.registry import TASK_FORMATS
 
 
