@@ -450,7 +450,7 @@ def _step_hooks(cfg: RLConfig, workdir: str, evaluator: Evaluator | None, contro
     hooks.add_hook(lambda info: metrics.write(info.record.step, scalars(info.record)), name="metrics")
     estimates = controller.estimates
     if estimates is not None:
-        moves = getattr(controller.cells, "moves", lambda: [])
+        moves: Callable[[], list] = getattr(controller.cells, "moves", lambda: [])
         hooks.add_hook(lambda info: costs_file.save_own(workdir, estimates.measured(), moves()), name="costs")
     return hooks
 

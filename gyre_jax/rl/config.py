@@ -100,9 +100,10 @@ class RLConfig:
         """The fields one section takes from another (never flags): the policy's steps, the rows' routing
         width, the harness's concurrency and context budget."""
         h = self.harness
-        derived = dict(scheduler=dict(total_steps=self.steps), train=dict(routing_width=self.model.routing_width),
-                       harness=dict(concurrency=self.scheduler.group_size, grader_ro_paths=self.task.grader_ro_path_list,
-                                    context_budget_tokens=h.context_budget_tokens or self.cells.max_len))
+        derived: dict[str, dict[str, Any]] = dict(
+            scheduler=dict(total_steps=self.steps), train=dict(routing_width=self.model.routing_width),
+            harness=dict(concurrency=self.scheduler.group_size, grader_ro_paths=self.task.grader_ro_path_list,
+                         context_budget_tokens=h.context_budget_tokens or self.cells.max_len))
         for name, values in derived.items():
             object.__setattr__(self, name, built(name, functools.partial(dataclasses.replace, getattr(self, name),
                                                                          **values)))
