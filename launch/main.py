@@ -41,7 +41,7 @@ from ml_collections import config_flags
 from gyre_jax import distributed
 from gyre_jax.errors import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TERMINATED, ConfigError,
                              RunFailed, Stopped, StorageError)
-from launch import cli_errors
+from launch import cli_errors, failure_file
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, metrics and plots.")
@@ -142,14 +142,15 @@ def main(argv):
     except ConfigError as e:  # a bad value: its dotted name and why, no traceback
         _exit(f"error: {e}", EXIT_CONFIG)
     except StorageError as e:  # our disk: the path and why; nothing became a rollout failure
-        logging.error("storage failed", exc_info=e)
-        _exit(f"error: {e}; free space (or fix the device) and rerun the same command to resume", EXIT_STORAGE)
+        _exit(f"error: {e}; free space (or fix the device) and rerun the same command to resume"
+              f"{failure_file.save(workdir, e)}", EXIT_STORAGE)
     except RunFailed as e:  # what failed; the job saved what it could and a rerun resumes
-        logging.error("run failed", exc_info=e)  # the traceback, for the log file
-        _exit(f"error: {e}", EXIT_FAILED)
+        _exit(f"error: {e}{failure_file.save(workdir, e)}", EXIT_FAILED)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the job saved what it trained
         code = EXIT_TERMINATED if isinstance(e, Stopped) and e.signum == signal.SIGTERM else EXIT_INTERRUPTED
         _exit(f"stopped: {e or 'SIGINT'}; what was trained is saved: rerun the same command to resume", code)
+    except Exception as e:  # noqa: BLE001 - a bug, or a job that does not say what failed: still one line
+        _exit(f"error: {type(e).__name__}: {e}{failure_file.save(workdir, e)}", EXIT_FAILED)
 
 
 def _no_device_modes(config) -> None:

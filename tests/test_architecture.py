@@ -31,9 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "gyre_jax")
 MAX_LINES = 60
 # Folders (or files) whose long functions other branches are splitting now (issue 43): the integrator empties this.
-LONG_FUNCTIONS_OWNED_ELSEWHERE = {
-    "agents/": "branch reward (gyre_jax/agents/: harness.run_rollout, sandbox.bwrap_argv)",
-}
+LONG_FUNCTIONS_OWNED_ELSEWHERE: dict[str, str] = {}
 # Module cycles other branches are removing (issue 43), each as its sorted modules.
 MODULE_CYCLES_OWNED_ELSEWHERE = {
     ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
@@ -246,17 +244,25 @@ def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread()
 
     import numpy as np
 
+    from gyre_jax.rl.group_queue import GroupQueue
+    from gyre_jax.rl.groups import WorkEstimate
     from gyre_jax.rl.runtime import LoopThread
+    from gyre_jax.rl.step_processor import StepProcessor
+    from gyre_jax.rl.step_runner import StepRunner
     from gyre_jax.rl.trainer import TrainerAdapter
     from gyre_jax.trajectory.dataset import RowStream, StreamingDataset
 
     stream = RowStream(8)
     core = types.SimpleNamespace(version=0, state=types.SimpleNamespace(params={"w": np.zeros(2, np.float32)}))
     before = set(threading.enumerate())
-    adapter = TrainerAdapter(trainer=core, store=None, processor_config=None, groups_per_step=1, group_size=1,
-                             micro_batch_rows=1, cells=[], cell_roles=list, notify=lambda: None, work_s_per_row=0.1,
-                             stream=stream, data_iterator=iter(StreamingDataset(stream, batch_size=1, seed=0)),
-                             stream_groups=False)
+    store = types.SimpleNamespace(consumed=dict)
+    processor = StepProcessor(store=store, config=None, stream=stream, micro_batch_rows=1, group_size=1)
+    queue = GroupQueue(store=store, advantage=None, groups_per_step=1, stream_groups=False, send=processor.inbox.put,
+                       notify=lambda: None, work=WorkEstimate(0.1))
+    runner = StepRunner(trainer=core, store=store, iterator=iter(StreamingDataset(stream, batch_size=1, seed=0)),
+                        inputs=processor.outbox, micro_batch_rows=1, groups_per_step=1, cells=[], cell_roles=list,
+                        work=WorkEstimate(0.1))
+    adapter = TrainerAdapter(queue, processor, runner)
     harness_loop = LoopThread()
     assert set(threading.enumerate()) == before
     adapter.start()

@@ -40,19 +40,24 @@ from gyre_jax.rl import lora_run
 from gyre_jax.rl import heap
 from gyre_jax.rl import reference as reference_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter, RoleTable
-from gyre_jax.rl.checkpoint import Checkpointer, abstract_like, resume_store
+from gyre_jax.rl.checkpoint import Checkpointer, abstract_like
 from gyre_jax.rl.checkpointing import CheckpointHook, check_checkpoint, open_checkpointer, save_checkpoint
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.evaluate import first_call_prompt
 from gyre_jax.rl.evaluators import Evaluator, make_evaluator
 from gyre_jax.rl.export import ExportHook, PeftExportHook
 from gyre_jax.rl.hooks import StepHooks, StepInfo, UpdateHooks
-from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
+from gyre_jax.rl.groups import Group, WorkEstimate
+from gyre_jax.rl.group_queue import GroupQueue
+from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number
+from gyre_jax.rl import replay as replay_lib
 from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.report import scalars
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
 from gyre_jax.rl.start_policy import fresh_params, hf_params
 from gyre_jax.rl.step_events import TrainerSnapshot
+from gyre_jax.rl.step_processor import StepProcessor
+from gyre_jax.rl.step_runner import StepRunner
 from gyre_jax.rl.trainer import TrainerAdapter
 from gyre_jax.rl.warmup import warm_engines, warm_steps
 from gyre_jax.scheduler import costs_file
@@ -140,8 +145,8 @@ class Components:
                      *sats, *evals, self.ckpt.close, self.metrics.close, self.store.close):
             try:
                 stop()
-            except Exception:  # noqa: BLE001 - close the rest
-                log.exception("closing %s failed", getattr(stop, "__qualname__", stop))
+            except Exception as e:  # noqa: BLE001 - close the rest; one line (a failing run already says why)
+                log.error("closing %s failed: %s: %s", getattr(stop, "__qualname__", stop), type(e).__name__, e)
         if self.warm_thread is not None:
             self.warm_thread.join(60)
 
@@ -181,12 +186,18 @@ class Restored:
     stream: RowStream
     iterator: Any  # the grain iterator over ``stream``, at the state's step
     trainer: cells_lib.ElasticTrainer
-    steps_done: int
+    steps_done: int  # after a resume's replay (rl.replay)
     ready: tuple[Group, ...]  # finished groups to train first
     short: tuple[ResumedGroup, ...]  # groups a stop cut short: their missing rollouts run again
     ref_params: Any  # KL's target, or None
     sft_history: tuple[dict, ...]
     resumed: bool
+    update_hooks: UpdateHooks  # after each update (the replay's and the run's): the checkpoint, the exports
+    checkpoints: CheckpointHook  # its save_after_failure: what a failing run trained
+    checkpoint_step: int = 0  # the restored checkpoint's step: the first this attempt records
+    replayed: tuple = ()  # StepDone of each step the resume trained again from its record
+    scorer: Any = None  # the per-step pass (cells.score.StepScorer), or None
+    versions: Mapping[int, Any] = dataclasses.field(default_factory=dict)  # params the replay kept for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +233,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     c.trainer.start()
     setup_s = time.perf_counter() - t_start
     _describe(cfg, base, place, serving, restored, setup_s)
-    return dataclasses.replace(c, start=Start(restored.steps_done, restored.sft_history, setup_s))
+    return dataclasses.replace(c, start=Start(restored.checkpoint_step, restored.sft_history, setup_s))
 
 
 def build_base(cfg: RLConfig, workdir: str) -> Base:
@@ -280,7 +291,8 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
 
 
 def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
-    """The last checkpoint (state, data position, buffered rollouts), or a fresh model warm-started by SFT."""
+    """The last checkpoint (state, data position, buffered rollouts; the steps its rewind removed replayed from
+    their records), or a fresh model warm-started by SFT; and the hooks after each update (the checkpoints)."""
     ckpt = open_checkpointer(base.workdir, every=cfg.checkpoint_every, steps=cfg.steps,
                              this_process_only=base.multi)  # pods: the core alone owns and saves
     spec, mesh = place.steps.spec, place.core_mesh
@@ -289,24 +301,12 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
                                    data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator, place.frozen))
     sft_history: list[dict] = []
-    ready: list[Group] = []
-    short: list[ResumedGroup] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step
-        ready, short = _resume_groups(cfg, base.store, restored)
         ref_params = reference_lib.restore_reference(cfg, base.workdir, place.steps, mesh)
     else:
-        if place.frozen is not None:  # LoRA: the base was made with the placement; the params are the adapters
-            params, sft_history = lora_run.initial_adapters(cfg, cfg.seed), list(place.base_history)
-        else:
-            params, sft_history = fresh_params(cfg, base.tok, mesh)
-        ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
-        state, steps_done = spec.state_from_params(params, mesh), 0
-        # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
-        # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
-        # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
-        save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
-                        cfg.scheduler.mode, 0, force=True, frozen=place.frozen)
+        state, ref_params, sft_history = _fresh_state(cfg, base, place, ckpt, iterator)
+        steps_done = 0
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
     trainer = cells_lib.ElasticTrainer(place.steps, place.layout.core, state)
@@ -314,26 +314,70 @@ def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
         raise RunFailed(f"checkpoint step {steps_done} != policy version {trainer.version}")
     if place.evaluator is not None:  # eval.jsonl keeps the lineage's versions; none evaluated twice
         place.evaluator.start(steps_done if restored is not None else None)
-    if steps_done >= cfg.steps:
-        print(f"rl: already at step {steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
-    return Restored(ckpt=ckpt, stream=stream, iterator=iterator, trainer=trainer, steps_done=steps_done,
-                    ready=tuple(ready), short=tuple(short), ref_params=ref_params, sft_history=tuple(sft_history),
-                    resumed=restored is not None)
+    scorer = reference_lib.make_scorer(cfg, place.steps, mesh, ref_params)  # the per-step pass
+    print(reference_lib.describe(cfg, scorer, trainer.state.params), flush=True)
+    if place.frozen is not None:
+        print(lora_run.describe(cfg, place.frozen, trainer.state.params), flush=True)
+    update_hooks, checkpoints = _update_hooks(cfg, base, ckpt, place.frozen)
+    fresh = Restored(ckpt=ckpt, stream=stream, iterator=iterator, trainer=trainer, steps_done=steps_done, ready=(),
+                     short=(), ref_params=ref_params, sft_history=tuple(sft_history), resumed=restored is not None,
+                     checkpoint_step=steps_done, scorer=scorer, update_hooks=update_hooks, checkpoints=checkpoints)
+    out = _resume(cfg, base, place, fresh, restored) if restored is not None else fresh
+    if out.steps_done >= cfg.steps:
+        print(f"rl: already at step {out.steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
+    return out
 
 
-def _resume_groups(cfg: RLConfig, store: TrajectoryStore, restored):
-    """A resumed run's (ready, short) groups: the buffered ones to train, the ones a stop cut short."""
-    steps_done = restored.step
-    pending = resume_store(store, restored)
-    ready, short = resume_plan(store, RUN_ID, cfg.scheduler.group_size, steps_done, pending)
+def _fresh_state(cfg: RLConfig, base: Base, place: Placement, ckpt: Checkpointer, iterator):
+    """A fresh run's (state, KL's reference params, the warm start's history), saved as checkpoint 0."""
+    spec, mesh = place.steps.spec, place.core_mesh
+    if place.frozen is not None:  # LoRA: the base was made with the placement; the params are the adapters
+        params, sft_history = lora_run.initial_adapters(cfg, cfg.seed), list(place.base_history)
+    else:
+        params, sft_history = fresh_params(cfg, base.tok, mesh)
+    ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
+    state = spec.state_from_params(params, mesh)
+    # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
+    # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
+    # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
+    save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
+                    cfg.scheduler.mode, 0, force=True, frozen=place.frozen)
+    return state, ref_params, sft_history
+
+
+def _resume(cfg: RLConfig, base: Base, place: Placement, r: Restored, checkpoint) -> Restored:
+    """A resumed run: the steps the rewind removed trained again from their records (``rl.replay``, on the
+    core alone, before any rollout runs; the update hooks after each), then the finished groups to train and
+    the ones a stop cut short."""
+    s, store = cfg.scheduler, base.store
+    processor = StepProcessor(store=store, config=cfg.train, stream=r.stream,
+                              micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, scorer=r.scorer,
+                              adapter_of=_adapter_of_group(cfg))
+    runner = StepRunner(trainer=r.trainer, store=store, iterator=r.iterator, inputs=processor.outbox,
+                        micro_batch_rows=cfg.train.micro_batch_rows, groups_per_step=s.groups_per_step,
+                        cells=place.layout.cells, cell_roles=list, work=WorkEstimate(cfg.train.work_s_per_row),
+                        keep_versions=_keep_versions(cfg, r.scorer), after_update=r.update_hooks.after_update)
+    processor.params_of = runner.params_of
+    got = replay_lib.resume_with_replay(store, checkpoint, workdir=base.workdir, run_id=RUN_ID,
+                                        group_size=s.group_size, last_step=cfg.steps, processor=processor,
+                                        runner=runner)
     damaged = store.damaged_rollouts()
     if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
         log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
-                    {r: d.reason for r, d in list(damaged.items())[:10]})
-    print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
-          f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
-          f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
-    return ready, short
+                    {k: d.reason for k, d in list(damaged.items())[:10]})
+    replayed = (f"; replayed steps {got.checkpoint_step}..{got.steps_done - 1} from their records"
+                if got.replayed else "")
+    print(f"rl: resumed from checkpoint step {got.checkpoint_step} ({sum(len(g.rollout_ids) for g in got.ready)} "
+          f"finished rollouts to train in {len(got.ready)} groups; {len(got.short)} groups cut short by the stop get "
+          f"their {sum(len(g.rerun) for g in got.short)} missing rollouts run again){replayed}", flush=True)
+    return dataclasses.replace(r, steps_done=got.steps_done, ready=got.ready, short=got.short,
+                               checkpoint_step=got.checkpoint_step, replayed=got.replayed,
+                               versions=runner.kept_versions())
+
+
+def _keep_versions(cfg: RLConfig, scorer) -> int:
+    """Versions whose params the per-step pass reads: the staleness bound's, when a mismatch correction needs them."""
+    return cfg.scheduler.staleness_bound if scorer is not None and scorer.needed and scorer.keeps_versions else 0
 
 
 def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restored,
@@ -396,8 +440,7 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     timeline = Timeline(clock, list(place.roles))
     table = RoleTable(place.roles, timeline, wake.set)
     proxy_ad = ProxyAdapter(serving.server, dict(serving.names), [c for c in serving.names if place.roles[c] == ROLLOUT])
-    update_hooks, checkpoints = _update_hooks(cfg, base, restored, place.frozen)
-    trainer_ad = _trainer_adapter(cfg, place, restored, serving, table, wake, update_hooks, base.store)
+    trainer_ad = _trainer_adapter(cfg, base, place, restored, serving, table, wake)
     remote = {c: (serving.satellites.remotes[c], b) for c, b in serving.remote_backends.items()}
     pool = CellPoolAdapter(layout=place.layout, roles=table, trainer=trainer_ad, backends=dict(serving.backends),
                            proxy=proxy_ad, notify=wake.set, publisher=serving.publisher,
@@ -411,23 +454,25 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
                             clock=clock)
     if base.costs is not None and controller.estimates is not None:
         controller.estimates.restore(base.costs)  # a resumed run goes on measured, not blind
-    metrics = MetricsWriter(base.workdir, purge_step=steps_done, sinks=cfg.metrics.sink_options,
-                            run_config=plain(cfg))  # metrics.jsonl, and the sinks it names
+    # metrics.jsonl and the sinks it names; from the checkpoint's step: the replayed steps are recorded again
+    metrics = MetricsWriter(base.workdir, purge_step=restored.checkpoint_step, sinks=cfg.metrics.sink_options,
+                            run_config=plain(cfg))
     return Components(cfg=cfg, workdir=base.workdir, layout=place.layout, trainer=trainer_ad, pool=pool,
                       proxy=proxy_ad, launcher=launcher, controller=controller, server=serving.server,
-                      harness_loop=harness_loop, store=base.store, ckpt=restored.ckpt, checkpoints=checkpoints,
+                      harness_loop=harness_loop, store=base.store, ckpt=restored.ckpt, checkpoints=restored.checkpoints,
                       metrics=metrics, evaluator=place.evaluator,
                       step_hooks=_step_hooks(cfg, base.workdir, place.evaluator, controller, metrics),
-                      timeline=timeline, clock=clock, wake=wake, start=Start(steps_done, restored.sft_history, 0.0),
+                      timeline=timeline, clock=clock, wake=wake,
+                      start=Start(restored.checkpoint_step, restored.sft_history, 0.0),
                       faults=serving.faults, chaos=serving.chaos, warm_thread=place.warm_thread,
                       satellites=serving.satellites)
 
 
-def _update_hooks(cfg: RLConfig, base: Base, restored: Restored,
+def _update_hooks(cfg: RLConfig, base: Base, ckpt: Checkpointer,
                   frozen: FrozenBase | None) -> tuple[UpdateHooks, CheckpointHook]:
     """After each optimizer update, on the trainer's thread: a checkpoint every checkpoint_every-th (and after the
     last); after the last, a LoRA run's adapters as PEFT directories, and the HF export."""
-    checkpoints = CheckpointHook(restored.ckpt, base.store, cfg.scheduler.mode, frozen)
+    checkpoints = CheckpointHook(ckpt, base.store, cfg.scheduler.mode, frozen)
     hooks = UpdateHooks(cfg.steps)
     hooks.add_hook(checkpoints.on_update, every=cfg.checkpoint_every, name="checkpoint")
     if frozen is not None:  # small: always
@@ -478,11 +523,12 @@ def _launcher(cfg: RLConfig, base: Base, restored: Restored, serving: Serving, t
     return launcher
 
 
-def _trainer_adapter(cfg: RLConfig, place: Placement, restored: Restored, serving: Serving, table: RoleTable,
-                     wake: threading.Event, update_hooks: UpdateHooks, store: TrajectoryStore) -> TrainerAdapter:
-    """The trainer behind the scheduler's Protocol: finished groups -> rows -> elastic steps, the update hooks
-    after each update."""
-    s, sats = cfg.scheduler, serving.satellites
+def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Restored, serving: Serving,
+                     table: RoleTable, wake: threading.Event) -> TrainerAdapter:
+    """The trainer behind the scheduler's Protocol, its three parts wired (``rl/trainer.py``: the group queue, the
+    step processor, the step runner), the update hooks after each update."""
+    s, store = cfg.scheduler, base.store
+    sats, chaos = serving.satellites, serving.chaos
     # A rewind past the staleness bound leaves more groups due by the next S steps than they hold at G each:
     # those steps take more (policy.resume_step_sizes), so every group trains within the bound.
     sizes = policy_lib.resume_step_sizes([g.version for g in restored.ready] + [g.version for g in restored.short],
@@ -491,25 +537,36 @@ def _trainer_adapter(cfg: RLConfig, place: Placement, restored: Restored, servin
         print(f"resume: steps {sizes.first}..{sizes.first + len(sizes.groups) - 1} take {sizes.groups[0]} groups "
               f"each (not {s.groups_per_step}): {len(restored.ready) + len(restored.short)} groups are due by them "
               "(the rewind went past the staleness bound)", flush=True)
-    scorer = reference_lib.make_scorer(cfg, place.steps, place.core_mesh, restored.ref_params)  # the per-step pass
-    print(reference_lib.describe(cfg, scorer, restored.trainer.state.params), flush=True)
-    if place.frozen is not None:
-        print(lora_run.describe(cfg, place.frozen, restored.trainer.state.params), flush=True)
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
-    chaos = serving.chaos
     cells = [sats.remotes[c] if sats is not None and c in sats.remotes else cell
              for c, cell in enumerate(place.layout.cells)]
-    return TrainerAdapter(
-        trainer=restored.trainer, store=store, processor_config=cfg.train,
-        groups_per_step=s.groups_per_step, group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
-        cells=cells, cell_roles=table.all, notify=wake.set, work_s_per_row=cfg.train.work_s_per_row,
-        stream=restored.stream, data_iterator=restored.iterator, stream_groups=cfg.stream_groups,
-        steps_done=restored.steps_done, ready=restored.ready, after_update=update_hooks.after_update,
-        on_step_started=pause, restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
-        | {r for g in restored.short for r in g.finished},
-        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes,
-        adapter_of=_adapter_of_group(cfg))
+    work = WorkEstimate(cfg.train.work_s_per_row)
+    # The finished rollouts a resume found untrained: their tokens sampled past the version it reached count
+    # as sampled by it (launcher.lineage_version).
+    redate = {r: restored.steps_done for g in restored.ready for r in g.rollout_ids}
+    redate.update({r: restored.steps_done for g in restored.short for r in g.finished})
+    queue = GroupQueue(store=store, advantage=cfg.train, groups_per_step=s.groups_per_step,
+                       stream_groups=cfg.stream_groups, send=lambda ev: processor.inbox.put(ev), notify=wake.set,
+                       work=work, steps_done=restored.steps_done, ready=restored.ready, step_sizes=sizes,
+                       dynamic_sampling_budget=cfg.dynamic_sampling_budget(), calls_of=functools.partial(_calls, store))
+    processor = StepProcessor(store=store, config=cfg.train, stream=restored.stream,
+                              micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, redate=redate,
+                              scorer=restored.scorer, on_processed=queue.processed, adapter_of=_adapter_of_group(cfg))
+    runner = StepRunner(trainer=restored.trainer, store=store, iterator=restored.iterator, inputs=processor.outbox,
+                        micro_batch_rows=cfg.train.micro_batch_rows, groups_per_step=s.groups_per_step, cells=cells,
+                        cell_roles=table.all, work=work, keep_versions=_keep_versions(cfg, restored.scorer),
+                        after_update=restored.update_hooks.after_update, on_step_started=pause,
+                        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None,
+                        versions=dict(restored.versions))
+    processor.params_of = runner.params_of
+    return TrainerAdapter(queue, processor, runner, replayed=restored.replayed)
+
+
+def _calls(store, rid: str) -> list:
+    try:
+        return store.calls(rid)
+    except KeyError:  # a rollout that never reached the model
+        return []
 
 
 def _adapter_of_group(cfg: RLConfig):

@@ -39,6 +39,7 @@ import logging
 import os
 import queue
 import time
+import traceback
 
 import jax
 
@@ -160,7 +161,7 @@ def drive(c: Components) -> dict:
         segments = c.timeline.close()
         attempt.end(segments, wall_rl, failure, attempt_counters(c))
         if failure is not None:
-            _save_after_failure(c)
+            _save_after_failure(c, failure)
         else:
             statuses = store_statuses(c.store)  # every finished rollout of the run, every attempt's
         c.close()
@@ -209,9 +210,11 @@ def _reraise(c: Components, failure: BaseException) -> None:
                     f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
 
 
-def _save_after_failure(c: Components) -> None:
-    """A checkpoint of the trained state if the last one is older (``CheckpointHook.save_after_failure``)."""
+def _save_after_failure(c: Components, failure: BaseException) -> None:
+    """A checkpoint of the trained state if the last one is older (``CheckpointHook.save_after_failure``). If that
+    fails too, one line says so and its traceback goes with the failure's (a note: the run's errors.log)."""
     try:
         c.checkpoints.save_after_failure(c.trainer)
-    except Exception:  # noqa: BLE001 - the failure is what the user needs to see
-        log.exception("saving a checkpoint after the failure failed")
+    except Exception as e:  # noqa: BLE001 - the failure is what the user needs to see
+        log.error("saving a checkpoint after the failure failed: %s: %s", type(e).__name__, e)
+        failure.add_note("Saving a checkpoint after it failed too:\n" + "".join(traceback.format_exception(e)))

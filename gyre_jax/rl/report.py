@@ -77,7 +77,7 @@ def reward_metrics(done: StepDone) -> dict:
             **{f"failures/{k}": v for k, v in t.failures.items()},
             "staleness_mean": done.report.staleness_mean, "staleness_max": done.report.staleness_max,
             "groups": list(done.groups), "group_versions": list(done.group_versions),  # in the order taken
-            "resume/extra_groups": done.extra_groups}
+            "resume/extra_groups": done.extra_groups, "resume/replayed": int(done.replayed)}
 
 
 AUDIT_EXAMPLES = 3  # rollout ids kept per audit category per step
@@ -178,6 +178,7 @@ def train_metrics(done: StepDone) -> dict:
     rep = done.report
     return {
         "rows": done.rows, "micro_batches": done.micro_batches,
+        "params_hash": done.params_hash or None,  # the new version's params (cells.fingerprint)
         "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate, "grad_scale": rep.grad_scale,
         **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
         **routing_metrics(rep.stats),
