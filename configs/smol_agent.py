@@ -28,6 +28,8 @@ import os
 
 import ml_collections
 
+from gyre_jax.rl.config import checkpoint_model, load_config
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
 _spec = importlib.util.spec_from_file_location("_external", os.path.join(_HERE, "external.py"))
@@ -53,38 +55,25 @@ def smollm2_path() -> str:
 def get_config(harness: str = "shell") -> ml_collections.ConfigDict:
     if harness not in HARNESSES:
         raise ValueError(f"configs/smol_agent.py:{harness}: harness must be one of {sorted(HARNESSES)}")
-    c = _external.get_config()
+    c = load_config(os.path.join(_HERE, "external.py"))  # with a real model and what its size needs:
     c.steps = 30
     c.num_cpu_devices = 4  # 2 cells of 2 devices on 2 cores: more cells add memory and compiles, not compute
     c.checkpoint_every = 5
-    c.model = ml_collections.ConfigDict(dict(
-        hf_path=smollm2_path(),  # the GGUF file (shape, weights, tokenizer and ChatML template from its metadata)
-        hf_export=False,  # True: save_pretrained the trained policy into <workdir>/<mode>/hf_export
-        chat_template_kwargs="",
-        max_seq_len=1024,  # system + task + 3 turns of <= 64 tokens and their outputs
-        remat=False,  # 1024-token rows of a 135M model fit without recomputation
-        dtype="float32",
-        param_dtype="float32",  # Q4_1/Q8_0 weights dequantized to f32 (the file's values exactly)
-    ))
-    c.cells.cell_size = 2
+    checkpoint_model(c)  # shape, weights, tokenizer and ChatML template from the GGUF file's metadata
+    c.model.hf_path = smollm2_path() or None  # None: the run says how to install it, naming config.model.hf_path
+    c.model.max_seq_len = 1024  # system + task + 3 turns of <= 64 tokens and their outputs
+    # remat off, float32 activations and params (the defaults): 1024-token rows of a 135M model fit without
+    # recomputation, and the Q4_1/Q8_0 weights dequantize to f32 exactly
     c.cells.max_len = 1024
-    c.cells.max_slots = 8  # a group's rollouts decode together
-    c.cells.tokens_per_call = 8
     c.cells.start_timeout_s = 900.0  # a cold start compiles a 30-layer decode step: minutes on a loaded 2-core host
-    c.scheduler.groups_per_step = 2
     c.scheduler.group_size = 8  # GRPO group: 8 samples of one task
     c.task.dataset = os.path.join(_EXAMPLES, "tasks", "smol_tasks.jsonl")
-    c.harness.kind = "command"
-    c.harness.command = HARNESSES[harness]
-    c.harness.ro_paths = os.path.join(_EXAMPLES, "harnesses")
+    c.harness.kind_options.command.command = HARNESSES[harness]
     c.harness.max_tokens = 64  # per call (the proxy clamps larger requests to this)
     c.harness.deadline_s = 240.0  # per rollout: 3 calls of a 30-layer model on a shared 2-core host
     c.harness.request_timeout_s = 200.0
     c.train.row_len = 1024
-    c.train.micro_batch_rows = 2
     c.train.learning_rate = 2e-6  # a pretrained model: small steps (AdamW, constant)
-    c.eval.kind = "episodes"  # whole episodes of the 64 held-out tasks through the same harness
     c.eval.every = 5
-    c.eval.tasks = 64
-    c.eval.samples_per_task = 2
+    c.eval.tasks = 64  # every held-out task, 2 samples each: whole episodes through the same harness
     return c

@@ -204,5 +204,5 @@ def _end(code: int) -> None:
 
 
 if __name__ == "__main__":
-    cli_errors.precheck(sys.argv[1:])
+    sys.argv[1:] = cli_errors.precheck(sys.argv[1:])
     app.run(main)

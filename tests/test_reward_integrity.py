@@ -429,7 +429,8 @@ def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_
 
     from gyre_jax.errors import ConfigError
     from gyre_jax.rl import task_gate
-    from gyre_jax.rl.config import HarnessKnobs, TaskConfig
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.task_sources import TaskConfig
 
     good = {"id": "good", "instruction": "Write 42 into answer.txt.", "grader": 'test "$(cat answer.txt)" = 42',
             "metadata": {"solution": "echo 42 > answer.txt"}}
@@ -437,7 +438,7 @@ def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_
 
     def cfg(skip):
         task = TaskConfig(dataset=path, skip_broken=skip)
-        return SimpleNamespace(task=task, harness=HarnessKnobs(sandbox="bubblewrap"), task_source=task.source(0))
+        return SimpleNamespace(task=task, harness=HarnessConfig(sandbox="bubblewrap"), task_source=task.source(0))
 
     with pytest.raises(ConfigError, match="1 of 2 tasks .* broken grader .*always-pass.*skip_broken"):
         task_gate.gate(cfg(False), str(tmp_path / "w"))

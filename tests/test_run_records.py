@@ -52,21 +52,25 @@ class _Recorder:
 
 
 def test_the_progress_line_of_a_step_shows_that_steps_reward(monkeypatch):
+    from gyre_jax.rl.hooks import StepHooks
+
     monkeypatch.setattr(loop_lib, "StepRecorder", _Recorder)
-    monkeypatch.setattr(loop_lib, "save_costs", lambda *a: None)
     done = queue.Queue()
     written = []
+    hooks = StepHooks(3)  # the metrics writer's hook, as rl/build.py adds it
+    hooks.add_hook(lambda info: written.append((info.record.step, info.record["reward"])), name="metrics")
     c = types.SimpleNamespace(
         clock=None, server=None, timeline=None, controller=None, evaluator=None, cfg=None, workdir="",
         trainer=types.SimpleNamespace(done=done),
         launcher=types.SimpleNamespace(running_rollouts=lambda: 3),
         pool=types.SimpleNamespace(roles=lambda: ["train", "rollout"], training_failed=None),
-        metrics=types.SimpleNamespace(write=lambda step, values: written.append((step, values["reward"]))))
+        step_hooks=hooks)
     out = io.StringIO()  # not a terminal: one line per step
     bar = Progress(total=3, desc="rl[elastic]", enabled=True, every_s=3600.0, stream=out)
     records = loop_lib._Records(c, bar)
     for step, reward in ((0, 0.25), (1, 0.5), (2, 0.75)):
-        done.put(types.SimpleNamespace(step=step, reward=reward, report=types.SimpleNamespace(failed_cells=())))
+        done.put(types.SimpleNamespace(step=step, version=step + 1, params=None, reward=reward,
+                                       report=types.SimpleNamespace(failed_cells=())))
         records.take()
     lines = out.getvalue().splitlines()
     assert [ln.split(" | ")[:2] for ln in lines] == [

@@ -50,7 +50,7 @@ import benchkit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "learn.py")
 QUICK = ("steps=2", "sft.steps=20", "eval.every=1", "eval.tasks=1", "eval.samples_per_task=2",
-         "scheduler.groups_per_step=2", "scheduler.group_size=4", "task.run_tests_scale=0.02", "checkpoint_every=2")
+         "scheduler.groups_per_step=2", "scheduler.group_size=4", "task.family_options.tiny_agent.run_tests_scale=0.02", "checkpoint_every=2")
 
 
 def _jsonl(path: str) -> list[dict]:

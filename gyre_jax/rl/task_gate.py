@@ -31,10 +31,9 @@ CACHE_FILE = "task_check.json"
 
 def _harness_config(task, knobs):
     from gyre_jax.agents.config import HarnessConfig
-    from gyre_jax.agents.sandbox import SandboxConfig
 
     return HarnessConfig(base_url="http://127.0.0.1:1/v1", run_id="check", grader_timeout_s=knobs.grader_timeout_s,
-                         grader_ro_paths=task.grader_ro_path_list, sandbox=SandboxConfig(kind=knobs.sandbox))
+                         grader_ro_paths=task.grader_ro_path_list, sandbox=knobs.sandbox)
 
 
 def _tasks(source, *, family_samples: int) -> list:
@@ -45,16 +44,14 @@ def _tasks(source, *, family_samples: int) -> list:
 
 def _sections(config: Any):
     """The config's task and harness sections alone (the rest of a run's config is not checked here)."""
-    from gyre_jax.rl.config import HarnessKnobs, TaskConfig
+    from gyre_jax.rl.config import RLConfig
+    from gyre_jax.schema import from_mapping
 
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    out = []
-    for name, klass in (("task", TaskConfig), ("harness", HarnessKnobs)):
-        try:
-            out.append(klass(**dict(d.get(name, {}))))
-        except TypeError as e:
-            raise ConfigError(f"config.{name}: {e}") from None
-    return out[0], out[1], int(d.get("seed", 0))
+    base = RLConfig.defaults()
+    task, harness = (from_mapping(type(getattr(base, name)), dict(d.get(name, {})), name, base=getattr(base, name))
+                     for name in ("task", "harness"))
+    return task, harness, int(d.get("seed", 0))
 
 
 def _key(task, hc) -> str:
