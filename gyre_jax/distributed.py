@@ -252,34 +252,10 @@ def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, e
     env = os.environ if env is None else env
     if jax.distributed.is_initialized():
         return "already"
-    kwargs: dict[str, Any] = {}
-    if cfg.coordinator_address is not None:
-        if cfg.num_processes == 1:
-            return "single"
-        how = "explicit"
-        kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id)
-    elif cfg.num_processes == 1 or cfg.cluster == "none":
+    planned = _how_to_initialize(cfg, env)
+    if planned is None:
         return "single"
-    elif cfg.cluster == "auto":
-        found = detect_cluster(env)
-        if found is None:
-            return "single"
-        how = f"detected:{found}"
-        if found == "jax_env":
-            try:
-                kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=int(env["JAX_NUM_PROCESSES"]),
-                              process_id=int(env["JAX_PROCESS_ID"]))
-            except (KeyError, ValueError) as e:
-                raise ValueError(f"JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be ints ({e!r})") from None
-            DistributedConfig(**kwargs)  # same checks as flags (address form, id < count)
-        else:  # SLURM, Open MPI, a TPU pod: JAX's detection, run here so the bind address is known
-            kwargs = _detected(None, cfg.local_device_ids, cfg.initialization_timeout_s)
-    else:
-        how = cfg.cluster
-        kwargs = _detected(None if cfg.cluster == "jax" else cfg.cluster, cfg.local_device_ids,
-                           cfg.initialization_timeout_s)
-        if not kwargs and cfg.cluster != "jax":
-            kwargs["cluster_detection_method"] = cfg.cluster
+    how, kwargs = planned
     if cfg.local_device_ids is not None:
         kwargs["local_device_ids"] = list(cfg.local_device_ids)
     bind = bind_address(kwargs.get("coordinator_address"), cfg.coordinator_bind_address, env)
@@ -300,6 +276,36 @@ def initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, e
     jax.distributed.initialize(initialization_timeout=int(cfg.initialization_timeout_s),
                                heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s), **kwargs)
     return how
+
+
+def _how_to_initialize(cfg: DistributedConfig, env: Mapping[str, str]) -> tuple[str, dict[str, Any]] | None:
+    """(how, ``jax.distributed.initialize``'s cluster arguments), or None for one process (see ``initialize``)."""
+    kwargs: dict[str, Any] = {}
+    if cfg.coordinator_address is not None:
+        if cfg.num_processes == 1:
+            return None
+        return "explicit", dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
+                                process_id=cfg.process_id)
+    if cfg.num_processes == 1 or cfg.cluster == "none":
+        return None
+    if cfg.cluster == "auto":
+        found = detect_cluster(env)
+        if found is None:
+            return None
+        if found == "jax_env":
+            try:
+                kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=int(env["JAX_NUM_PROCESSES"]),
+                              process_id=int(env["JAX_PROCESS_ID"]))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be ints ({e!r})") from None
+            DistributedConfig(**kwargs)  # same checks as flags (address form, id < count)
+        else:  # SLURM, Open MPI, a TPU pod: JAX's detection, run here so the bind address is known
+            kwargs = _detected(None, cfg.local_device_ids, cfg.initialization_timeout_s)
+        return f"detected:{found}", kwargs
+    kwargs = _detected(None if cfg.cluster == "jax" else cfg.cluster, cfg.local_device_ids, cfg.initialization_timeout_s)
+    if not kwargs and cfg.cluster != "jax":
+        kwargs["cluster_detection_method"] = cfg.cluster
+    return cfg.cluster, kwargs
 
 
 def maybe_initialize(config: DistributedConfig | Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> DistributedInfo:

@@ -72,7 +72,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {k.name: k for k in (
 # the CUDA/TPU runtime. On GPU also set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (JAX takes 75% by default).
 RESERVE_FRACTION = 0.10
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -122,6 +122,40 @@ def param_table(m) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
     return out
 
 
+def lora_table(m, lora) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+    """(name, shape, logical axes) of every array of ``lora.num_adapters`` LoRA adapters on model ``m``
+    (gyre_jax/model/lora.py; checked against the model's own adapters in tests/test_planner.py)."""
+    D, F, H, K, hd, r = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim, lora.rank
+    E, Fe = getattr(m, "num_experts", 0), getattr(m, "moe_intermediate_size", 0)
+    mods = {"q_proj": ("q", (D,), ("embed",), (H, hd), ("heads", "head_dim")),
+            "k_proj": ("k", (D,), ("embed",), (K, hd), ("kv_heads", "head_dim")),
+            "v_proj": ("v", (D,), ("embed",), (K, hd), ("kv_heads", "head_dim")),
+            "o_proj": ("o", (H, hd), ("heads", "head_dim"), (D,), ("embed",))}
+    mlp = {"gate_proj": ("gate", (D,), ("embed",), (F,), ("mlp",)), "up_proj": ("up", (D,), ("embed",), (F,), ("mlp",)),
+           "down_proj": ("down", (F,), ("mlp",), (D,), ("embed",))}
+    moe = {"gate_proj": ("gate", (E, D), ("expert", "embed"), (Fe,), ("moe_mlp",)),
+           "up_proj": ("up", (E, D), ("expert", "embed"), (Fe,), ("moe_mlp",)),
+           "down_proj": ("down", (E, Fe), ("expert", "moe_mlp"), (D,), ("embed",))}
+    out: list[tuple[str, tuple[int, ...], tuple[str | None, ...]]] = []
+    for stack, start, stop, is_moe in m.layer_runs():
+        table = {**mods, **(moe if is_moe else mlp)}
+        y = stop - start
+        for target in lora.targets:
+            name, ins, ia, outs, oa = table[target]
+            lead = 1 if ia[:1] == ("expert",) else 0
+            for a in range(lora.num_adapters):
+                out.append((f"{a}/{stack}/{name}_lora_a", (y, *ins, r), ("layers", *ia, "lora_rank")))
+                out.append((f"{a}/{stack}/{name}_lora_b", (y, *ins[:lead], r, *outs),
+                            ("layers", *ia[:lead], "lora_rank", *oa)))
+    return out
+
+
+def _lora(cfg):
+    """The run's LoraConfig, None for full fine-tuning (an RLConfig's train.lora; absent: full)."""
+    knobs = getattr(getattr(cfg, "train", None), "lora", None)
+    return knobs.lora_config() if knobs is not None and getattr(knobs, "rank", 0) else None
+
+
 def split(logical: tuple, shape: tuple, mesh: dict[str, int], *, replicate_indivisible: bool = False) -> int:
     """How many ways the rules table splits an array of these logical axes on a mesh of these axis sizes."""
     from gyre_jax.sharding import RULES
@@ -154,7 +188,7 @@ def activation_bytes(m, rows: int, row_len: int, tensor: int, *, remat: bool, lo
     ``memory_analysis`` on CPU (tests/test_planner_xla.py). Logits: 2.5 float32 copies of
     [positions, V / tensor] (logits, log-softmax, their gradient in place of one).
     """
-    a = _DTYPE_BYTES[m.dtype]
+    a = DTYPE_BYTES[m.dtype]
     D, F, H, K, hd = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim
     if getattr(m, "num_experts", 0):  # an MoE layer's SwiGLU set is K experts' worth per token (the larger wins)
         F = max(F if m.mlp_only_layers or m.decoder_sparse_step > 1 else 0,
@@ -245,8 +279,10 @@ BATCH_BYTES_PER_TOKEN = 4 * 15  # the micro-batch's int32/float32 [B, L] fields 
 ROUTING_BYTES_PER_ID = 2  # an MoE model's recorded routing: int16 [B, L, MoE layers x top-k] (routing replay)
 
 
-def train_terms(m, cells, train) -> tuple[dict, dict]:
-    """(mesh, bytes per device) of the core's training state and one micro-batch."""
+def train_terms(m, cells, train, lora=None) -> tuple[dict, dict]:
+    """(mesh, bytes per device) of the core's training state and one micro-batch. With ``lora`` the
+    base is frozen in the activation dtype (no gradient, no optimizer state) and the adapters, in
+    float32, carry the optimizer's two moments and the two gradient buffers."""
     from gyre_jax.cells.loss import memory_plan
 
     tensor, expert = cells.train_tensor, getattr(cells, "train_expert", 1)
@@ -254,24 +290,36 @@ def train_terms(m, cells, train) -> tuple[dict, dict]:
     if expert > 1:  # cells/mesh.py: ('fsdp', 'expert', 'tensor'); rows split over fsdp x expert
         mesh = {"fsdp": cells.cell_size // (tensor * expert), "expert": expert, "tensor": tensor}
     table = param_table(m)
-    p = _DTYPE_BYTES[m.param_dtype]
+    p = DTYPE_BYTES[m.param_dtype]
     params = per_device_bytes(table, mesh, p)
     mp = memory_plan(m, train.micro_batch_rows, train.row_len)
     rows_here = max(1, train.micro_batch_rows // (mesh["fsdp"] * expert))  # rows split over fsdp (x expert)
     act = activation_bytes(m, rows_here, train.row_len, tensor, remat=mp.remat, logits_chunk=mp.logits_chunk)
     # gradients: the step's accumulator and the micro-batch gradient being added to it (cells/train_step.py)
-    terms = {"params": params, "optimizer": 2 * params, "gradients": 2 * params, **act,
-             "batch": rows_here * train.row_len * (BATCH_BYTES_PER_TOKEN + ROUTING_BYTES_PER_ID * m.routing_width)}
+    batch = rows_here * train.row_len * (BATCH_BYTES_PER_TOKEN + ROUTING_BYTES_PER_ID * m.routing_width)
+    if lora is not None:  # cells/frozen_base.py: the base in the serving dtype; model/lora.py: adapters in float32
+        base = per_device_bytes(table, mesh, DTYPE_BYTES[m.dtype])
+        adapters = per_device_bytes(lora_table(m, lora), mesh, 4)
+        return mesh, {"params": base, "adapters": adapters, "optimizer": 2 * adapters, "gradients": 2 * adapters,
+                      **act, "batch": batch}
+    terms = {"params": params, "optimizer": 2 * params, "gradients": 2 * params, **act, "batch": batch}
     return mesh, terms
 
 
-def serve_terms(m, cells) -> tuple[dict, dict]:
-    """(mesh, bytes per device) of a rollout cell's engine: params and the preallocated KV cache."""
+def serve_terms(m, cells, lora=None, lora_serving: str = "merged") -> tuple[dict, dict]:
+    """(mesh, bytes per device) of a rollout cell's engine: params and the preallocated KV cache. With
+    ``lora`` (serving/lora_weights.py): merged, the merged weights plus the base kept to merge each
+    version into; unmerged, the base plus the adapters beside it."""
     tensor, expert = cells.serve_tensor, getattr(cells, "serve_expert", 1)
     mesh = {"data": cells.cell_size // tensor, "tensor": tensor}
     if expert > 1:  # cells/mesh.py: ('data', 'expert', 'tensor'); experts split over 'expert', slots over data x expert
         mesh = {"data": cells.cell_size // (tensor * expert), "expert": expert, "tensor": tensor}
-    params = per_device_bytes(param_table(m), mesh, _DTYPE_BYTES[m.param_dtype])
+    params = per_device_bytes(param_table(m), mesh, DTYPE_BYTES[m.param_dtype])
+    extra: dict[str, int] = {}
+    if lora is not None:
+        params = per_device_bytes(param_table(m), mesh, DTYPE_BYTES[m.dtype])  # the base, frozen in the serving dtype
+        extra = ({"lora_base": params} if lora_serving == "merged"
+                 else {"adapters": per_device_bytes(lora_table(m, lora), mesh, 4)})
     if getattr(cells, "kv_cache", "contiguous") == "paged":  # the engine's page pool (serving/engine_state.py)
         pages = getattr(cells, "kv_pages", 0) or cells.max_slots * cells.max_len // cells.page_size + 1
         kv_shape = (m.n_layers, m.n_kv_heads, pages, cells.page_size, m.head_dim)
@@ -279,10 +327,10 @@ def serve_terms(m, cells) -> tuple[dict, dict]:
     else:
         kv_shape = (m.n_layers, cells.max_slots, cells.max_len, m.n_kv_heads, m.head_dim)
         kv_logical = ("layers", "cache_batch", "cache_len", "kv_heads", "head_dim")  # serving/engine_state.py
-    kv = 2 * math.prod(kv_shape) * _DTYPE_BYTES[m.dtype] // split(kv_logical, kv_shape, mesh,
+    kv = 2 * math.prod(kv_shape) * DTYPE_BYTES[m.dtype] // split(kv_logical, kv_shape, mesh,
                                                                   replicate_indivisible=True)
     slots_here = cells.max_slots // split(("cache_batch",), (cells.max_slots,), mesh, replicate_indivisible=True)
-    return mesh, {"params": params, "kv_cache": kv, "decode_logits": slots_here * m.padded_vocab * 4}
+    return mesh, {"params": params, **extra, "kv_cache": kv, "decode_logits": slots_here * m.padded_vocab * 4}
 
 
 def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None) -> Plan:
@@ -296,28 +344,37 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
         raise ConfigError(f"config.cells.cell_size={cells.cell_size} does not divide the {n_devices} devices")
     n_cells = n_devices // cells.cell_size
     per_device = device_bytes(device_kind, n_devices) if per_device is None else per_device
-    tmesh, tterms = train_terms(cfg.model, cells, cfg.train)
-    smesh, sterms = serve_terms(cfg.model, cells)
+    lora = _lora(cfg)
+    tmesh, tterms = train_terms(cfg.model, cells, cfg.train, lora)
+    smesh, sterms = serve_terms(cfg.model, cells, lora, getattr(getattr(cfg.train, "lora", None), "serving", "merged"))
     mode = get_mode(cfg.scheduler.mode)
     # One cell trains and serves in turn: its engine's params and cache stay while it trains.
     if n_cells == 1 or mode.colocated:
         both = dict(tterms)
         both["serve_params"] = sterms["params"]
         both["kv_cache"], both["decode_logits"] = sterms["kv_cache"], sterms["decode_logits"]
+        if "lora_base" in sterms:
+            both["lora_base"] = sterms["lora_base"]
+        if "adapters" in sterms:
+            both["serve_adapters"] = sterms["adapters"]
         roles: tuple[RolePlan, ...] = (RolePlan("core+serve", tmesh, both, per_device),)
     else:
         roles = (RolePlan("core", tmesh, tterms, per_device), RolePlan("serve", smesh, sterms, per_device))
         if mode.switches_satellites:
             # A satellite that turns to training keeps its engine (params and cache stay, rl/cell_pool.py)
             # and takes a params snapshot, one micro-batch's gradient and its activations on top.
-            sat = {("serve_params" if k == "params" else k): v for k, v in sterms.items()}
+            sat = {("serve_params" if k == "params" else "serve_adapters" if k == "adapters" else k): v
+                   for k, v in sterms.items()}
             sat.update({k: v for k, v in tterms.items() if k not in ("optimizer", "gradients")})
-            sat["gradients"] = tterms["params"]
+            sat["gradients"] = tterms["adapters" if lora is not None else "params"]
             roles += (RolePlan("satellite", tmesh, sat, per_device),)
     return Plan(device_kind, n_devices, n_cells, roles)
 
 
 _ADVICE["serve_params"] = _ADVICE["params"]
+_ADVICE["lora_base"] = "serve the adapters unmerged (config.train.lora.serve=unmerged: no merged copy of the base)"
+_ADVICE["adapters"] = "lower config.train.lora.rank, or adapt fewer targets or layers"
+_ADVICE["serve_adapters"] = _ADVICE["adapters"]
 
 
 # device_kind strings JAX reports -> our table's names (a kind not listed is not planned)

@@ -213,11 +213,33 @@ def run(config, workdir: str) -> list[dict]:
     primary = jax.process_index() == 0
     if primary:
         os.makedirs(workdir, exist_ok=True)
-    rng = np.random.default_rng(cfg.seed)
-    sampler = TreeSampler(cfg, model_cfg.vocab_size, rng)
+    sampler = TreeSampler(cfg, model_cfg.vocab_size, np.random.default_rng(cfg.seed))
+    params, opt_state, tx, schedule = _init_state(cfg, model_cfg, mesh)
+    train_step = make_train_step(Transformer(model_cfg), tx, mesh)
+    say = functools.partial(print, flush=True) if primary else (lambda *a, **k: None)
+    say(f"train_synthetic: {count_params(params):,} params, {cfg.steps} steps of {cfg.rows}x{cfg.row_len} "
+        f"tree-packed tokens over {mesh.size} devices ({jax.process_count()} processes), workdir={workdir}")
+    path = os.path.join(workdir, "metrics.jsonl")
+    t_start = time.perf_counter()
+    params, history = _train_loop(cfg, sampler, train_step, params, opt_state, mesh, schedule,
+                                  path if primary else None, t_start)
+    first = np.mean([h["loss"] for h in history[: cfg.log_every]])
+    last = np.mean([h["loss"] for h in history[-cfg.log_every :]])
+    say(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
+        f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}")
+    if primary:
+        final: dict[str, Any] = local_params(params)  # savez's stub would take an array for allow_pickle
+        say(f"train_synthetic: final params sha256 {params_digest(final)}")
+        if cfg.save_params:
+            np.savez(os.path.join(workdir, "params.npz"), **final)
+    return history
+
+
+def _init_state(cfg, model_cfg, mesh: Mesh):
+    """(params, optimizer state, optimizer, lr schedule): born replicated on every device."""
     replicated = NamedSharding(mesh, P())
-    # Born replicated on every device. 'rbg' (XLA's RngBitGenerator): compiles in about half of
-    # threefry's CPU time, which is most of the job's start-up on a small model.
+    # 'rbg' (XLA's RngBitGenerator): compiles in about half of threefry's CPU time, which is most
+    # of the job's start-up on a small model.
     init = jax.jit(functools.partial(init_params, model_cfg), out_shardings=replicated)
     params = init(jax.random.key(cfg.seed, impl="rbg"))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -225,17 +247,17 @@ def run(config, workdir: str) -> list[dict]:
     )
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
     opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
-    train_step = make_train_step(Transformer(model_cfg), tx, mesh)
-    say = functools.partial(print, flush=True) if primary else (lambda *a, **k: None)
-    say(f"train_synthetic: {count_params(params):,} params, {cfg.steps} steps of {cfg.rows}x{cfg.row_len} "
-        f"tree-packed tokens over {mesh.size} devices ({jax.process_count()} processes), workdir={workdir}")
+    return params, opt_state, tx, schedule
 
+
+def _train_loop(cfg, sampler, train_step, params, opt_state, mesh: Mesh, schedule, path: str | None,
+                t_start: float):
+    """The steps, each step's metrics read one step late so dispatch overlaps; (final params, metrics).
+    ``path``: where this process writes metrics.jsonl (None: it writes nothing and shows no bar)."""
     history: list[dict] = []
-    path = os.path.join(workdir, "metrics.jsonl")
-    t_start = time.perf_counter()
-    pending = None  # (step, host-side info, device metrics): read one step late so dispatch overlaps
-    with (open(path, "w") if primary else contextlib.nullcontext()) as f, \
-            tqdm(total=cfg.steps, desc="train_synthetic", unit="step", disable=not primary) as bar:
+    pending = None  # (step, host-side info, device metrics)
+    with (open(path, "w") if path is not None else contextlib.nullcontext()) as f, \
+            tqdm(total=cfg.steps, desc="train_synthetic", unit="step", disable=path is None) as bar:
 
         def flush(item):
             step, info, metrics = item
@@ -257,13 +279,4 @@ def run(config, workdir: str) -> list[dict]:
                 flush(pending)
             pending = (step, info, metrics)
         flush(pending)
-    first = np.mean([h["loss"] for h in history[: cfg.log_every]])
-    last = np.mean([h["loss"] for h in history[-cfg.log_every :]])
-    say(f"train_synthetic: loss {first:.3f} -> {last:.3f} (mean of first/last {cfg.log_every} steps), "
-        f"accuracy {history[-1]['accuracy']:.2f}, {time.perf_counter() - t_start:.1f}s; metrics: {path}")
-    if primary:
-        final: dict[str, Any] = local_params(params)  # savez's stub would take an array for allow_pickle
-        say(f"train_synthetic: final params sha256 {params_digest(final)}")
-        if cfg.save_params:
-            np.savez(os.path.join(workdir, "params.npz"), **final)
-    return history
+    return params, history

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.test_tools import assert_header
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,6 +18,7 @@ def test_quick_chaos_run_loses_nothing_and_resumes(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert_header(out, "bench_chaos")
     bad = {k: out[k] for k in ("rollouts_lost", "rollouts_trained_twice", "groups_short", "wrong_state", "duplicate_steps",
                                "steps_short", "unresumable_workdirs", "infra_errors", "failed_attempts", "hangs") if out[k]}
     if bad or out["kills"] + out["failed_attempts"] < 1:

@@ -10,6 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_learning  # noqa: E402
 
+from tests.test_tools import assert_header  # noqa: E402
+
 
 def _run(curve, rl_s, branching=0.5, dedup=2.0):
     return {"curve": curve, "summary": {"rl_s": rl_s, "trees": {"branching_rollout_fraction": branching,
@@ -74,6 +76,7 @@ def test_quick_smoke_run_writes_the_plot_and_the_json_line(tmp_path):
                         "elastic", "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert_header(out, "bench_learning")
     assert out["quick"] is True and out["modes"] == ["elastic"]
     assert 0.0 <= out["eval_final_elastic"] <= 1.0 and out["eval_warm_start"] is not None
     assert out["trained_rollouts"] == 2 * 2 * 4  # steps x groups x group size of --quick

@@ -39,9 +39,12 @@ def test_shipped_rl_configs_list_every_field_of_every_section_and_nothing_else(n
 
 
 def _default(f):
+    """A field's default as a config file writes it (a nested section, such as train.lora, as its dict)."""
     if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+        d = f.default
+    else:
+        d = f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+    return dataclasses.asdict(d) if dataclasses.is_dataclass(d) and not isinstance(d, type) else d
 
 
 def test_the_dataclass_defaults_are_the_demos_values():

@@ -10,11 +10,14 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import device_check  # noqa: E402
 
+from tests.test_tools import assert_header  # noqa: E402
+
 
 def test_device_check_dry_prints_one_json_line_with_every_check(capsys):
     out = device_check.main(["--dry"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0]) == json.loads(json.dumps(out))
+    assert_header(out, "device_check", quick=False)  # --dry; --quick is the same run
     assert not [k for k in out if k.endswith("_error")], out
     assert out["tree_attention_impl"] == "pallas_interpret"
     assert out["tree_attention_max_diff_vs_xla"] <= 1e-5

@@ -1,4 +1,4 @@
-"""GGUF in, without torch (gyre_jax/model/hf/gguf_file.py, serving/gguf_tokenizer.py).
+"""GGUF in, without torch (gyre_jax/model/hf/gguf_file.py, model/hf/gguf_tokenizer.py).
 
 1. Every supported tensor type dequantizes as ggml's C code does: random blocks checked against a float64
    per-block reference written here from ggml-quants.c (dequantize_row_*).

@@ -6,7 +6,7 @@ import pytest
 
 from gyre_jax.agents.graded_tree import build_graded_tree, cached_base
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tree_rules import Rules, command_files, glob_regex
+from gyre_jax.agents.tree_rules import Rules, command_files, command_tool_names, glob_regex
 
 
 def _task(**kw):
@@ -45,7 +45,7 @@ def test_only_allowed_changes_cross_and_every_refusal_is_counted(tmp_path):
                     "notes.txt": "fine\n", "pkg/__init__.py": "", "pkg/json.py": "pkg.json is fine\n",
                     "run.sh": "exit 1\n", "tests/test_calc.py": "hidden\n", "tests/test_old.py": "old\n"}
     assert audit["refused"] == {"runner_config": 6, "bytecode": 2, "shadowing": 3, "protected": 2, "test_file": 2,
-                                "outside_solution_paths": 0}
+                                "outside_solution_paths": 0, "over_limit": 0}
     assert audit["carried"] == 4 and audit["deleted"] == 0
     assert set(audit["examples"]["protected"]) == {"run.sh", "tests/test_calc.py"}  # named by the command, hidden
 
@@ -109,4 +109,78 @@ def test_globs_and_command_files():
     assert glob_regex("src/**/*.py").fullmatch("src/a/b/c.py") and glob_regex("src/**/*.py").fullmatch("src/c.py")
     assert not glob_regex("*.py").fullmatch("a/b.py") and glob_regex("lib").fullmatch("lib/x/y")
     assert command_files("cd x && bash ./run_tests.sh; python3 check.py --fast | tee log; make test",
-                         ["run_tests.sh", "check.py", "Makefile", "other.sh"]) == {"run_tests.sh", "check.py", "Makefile"}
+                         ["run_tests.sh", "check.py", "Makefile", "other.sh"]) == {"run_tests.sh", "check.py"}
+    # a script named relative to the directory the command changes to
+    assert command_files("cd scripts && bash run.sh", ["scripts/run.sh", "run.sh2"]) == {"scripts/run.sh"}
+    assert command_files("make -C sub check", ["sub/check", "check"]) == {"sub/check", "check"}
+    # make reads whichever makefile name it finds first: every one is protected wherever it is
+    assert command_tool_names("cd x && make -s test") == command_tool_names("sh -c 'make test'") == \
+        {"GNUmakefile", "makefile", "Makefile"}
+    assert command_tool_names("python3 check.py") == frozenset()
+
+
+def test_a_sparse_file_is_laid_sparse_and_changes_past_the_limit_are_refused(tmp_path, monkeypatch):
+    """A 128 MiB file of holes costs the policy nothing in its tmpfs; laid dense, a few hundred of them
+    were gigabytes written in the grader's time (a verifier error, not a 0). So were 65536 empty files."""
+    from gyre_jax.agents import graded_tree
+
+    task = _task()
+    snap = _snapshot(tmp_path / "snap", dict(task.setup_files))
+    with open(snap / "holes.bin", "wb") as f:
+        f.truncate(128 << 20)
+        f.seek(64 << 20)
+        f.write(b"data")
+    build_graded_tree(task, snap, tmp_path / "tree")
+    st = os.stat(tmp_path / "tree" / "holes.bin")
+    assert st.st_size == (128 << 20) + 0 and st.st_blocks * 512 < (1 << 20)
+    with open(tmp_path / "tree" / "holes.bin", "rb") as f:
+        f.seek(64 << 20)
+        assert f.read(4) == b"data"
+    monkeypatch.setattr(graded_tree, "MAX_CHANGED_FILES", 3)
+    snap2 = _snapshot(tmp_path / "snap2", {**task.setup_files, "calc.py": "fixed\n",
+                                           **{f"junk/{i}.txt": "x" for i in range(5)}})
+    audit = build_graded_tree(task, snap2, tmp_path / "tree2")
+    assert audit["carried"] == 3 and audit["refused"]["over_limit"] == 3
+    assert (tmp_path / "tree2" / "calc.py").read_text() == "fixed\n"  # sorted: calc.py before junk/
+
+
+@pytest.mark.parametrize("files,why", [
+    # a package beside a hidden module wins its import (tests/helpers/ over tests/helpers.py)
+    ({"tests/helpers/__init__.py": "EXPECTED = -1\n"}, "shadowing"),
+    # an __init__.py the policy plants makes tests/ a package: the hidden test is then imported as
+    # tests.test_calc and tests/ leaves sys.path, so a root helpers.py answers `from helpers import`
+    ({"tests/__init__.py": "", "helpers.py": "EXPECTED = -1\n"}, "shadowing"),
+    ({"my-tests/__init__.py": ""}, "protected"), ({"__init__.py": ""}, "protected"),
+    ({"helpers.py": "EXPECTED = -1\n"}, "shadowing"),
+    # a planted __init__.py does not make grader/ a package: grader/json.py shadows json for
+    # `python3 grader/check.py` (the script's directory is first on sys.path)
+    ({"grader/__init__.py": "", "grader/json.py": "x"}, "shadowing"),
+    ({"grader/json.py": "x"}, "shadowing"),
+    # make prefers GNUmakefile and makefile to the task's Makefile
+    ({"GNUmakefile": "test:\n\t@true\n"}, "protected"), ({"sub/makefile": "x"}, "protected"),
+    ({"Makefile": "test:\n\t@true\n"}, "protected"),
+])
+def test_packages_layouts_and_makefiles_that_would_answer_for_hidden_files_are_refused(tmp_path, files, why):
+    task = _task(setup_files={"calc.py": "bug\n", "Makefile": "test:\n\tpython3 grader/check.py\n",
+                              "pkg/__init__.py": ""},
+                 hidden_files={"tests/test_calc.py": "from helpers import EXPECTED\n", "tests/helpers.py": "EXPECTED = 5\n",
+                               "grader/check.py": "import json\n", "my-tests/test_x.py": "x\n"},
+                 params={"grader_command": "make -s test"})
+    snap = _snapshot(tmp_path / "snap", {**task.setup_files, **files})
+    audit = build_graded_tree(task, snap, tmp_path / "tree")
+    assert audit["refused"][why] >= 1 and audit["carried"] == 0, audit
+    tree = _tree(tmp_path / "tree")
+    assert tree["tests/helpers.py"] == "EXPECTED = 5\n" and tree["Makefile"] == task.setup_files["Makefile"]
+    assert not set(files) - {"Makefile"} & set(tree)
+
+
+def test_new_modules_inside_the_tasks_own_packages_still_cross(tmp_path):
+    """The rules above refuse no honest change: a new module in a package the task ships (even one whose
+    directory holds hidden tests' parents), a changed __init__.py, new helper modules at the root."""
+    task = _task(setup_files={"app/__init__.py": "", "app/core.py": "bug\n"},
+                 hidden_files={"app/tests/test_core.py": "from app.core import f\n"}, params={})
+    snap = _snapshot(tmp_path / "snap", {"app/__init__.py": "from app.core import f\n", "app/core.py": "fixed\n",
+                                         "app/json_io.py": "x\n", "app/util/__init__.py": "", "app/util/io.py": "x\n",
+                                         "tools.py": "x\n"})
+    audit = build_graded_tree(task, snap, tmp_path / "tree")
+    assert audit["carried"] == 6 and not any(audit["refused"].values()), audit

@@ -124,3 +124,26 @@ def test_peft_loads_our_adapter_and_gives_our_logits(tmp_path, family, lora):
     assert np.max(np.abs(got - np.asarray(jax.jit(Transformer(cfg.replace(lora=None)).apply)(
         base, row(ids), row(np.arange(n)), row(np.ones(n)), row(np.full(n, n))))[0, :, :cfg.vocab_size])) > 1e-2
     np.testing.assert_allclose(got, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_run_starts_from_a_peft_adapter(tmp_path):
+    """config.train.lora.init_from: a fresh LoRA run's adapters are the directory's (every adapter slot), and an
+    adapter of another rank is refused naming the field."""
+    from configs import demo as demo_config
+    from gyre_jax.errors import ConfigError
+    from gyre_jax.rl import lora_run
+    from gyre_jax.rl.config import RLConfig
+
+    c = demo_config.get_config()
+    c.train.lora.update(dict(rank=4, alpha=8.0, layers="1"))
+    cfg = RLConfig.from_config(c)
+    ad = _random_adapter(cfg.policy_model, 4)
+    src = save_peft(cfg.policy_model, ad, str(tmp_path / "start"))
+    c.train.lora.init_from = src
+    got = lora_run.initial_adapters(RLConfig.from_config(c), seed=0)
+    assert len(got) == 1
+    for x, y in zip(jax.tree.leaves(got[0]), jax.tree.leaves(jax.device_get(ad))):
+        assert np.array_equal(np.asarray(x)[1], np.asarray(y)[1])
+    c.train.lora.rank = 8
+    with pytest.raises(ConfigError, match="config.train.lora.init_from=.*rank: run 8 vs file 4"):
+        lora_run.initial_adapters(RLConfig.from_config(c), seed=0)

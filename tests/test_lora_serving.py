@@ -38,7 +38,8 @@ def _greedy(params, prompt, n):
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("serving", ["merged", "unmerged"])
+@pytest.mark.parametrize("serving", ["merged", pytest.param("unmerged", marks=pytest.mark.slow)])  # (unmerged: also
+# the next test's path, with two adapters)
 def test_lora_engine_serves_the_merged_model_and_takes_adapters_alone(setup, serving):
     base, ad1, ad2 = setup
     frozen = FrozenBase(LCFG, base)
@@ -56,3 +57,27 @@ def test_lora_engine_serves_the_merged_model_and_takes_adapters_alone(setup, ser
     want_base = _greedy(base, p, 8)
     assert want_base != _greedy(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _numpy_merge(LCFG, base, ad2)),
                                 p, 8), "the adapters must change the output for this check to mean anything"
+
+
+def test_several_adapters_each_slot_its_own(setup):
+    """Multi-LoRA serving: one engine, one base, two adapters; each call decodes with the adapter its
+    sampling names (what the proxy sets from the rollout's key), side by side in one batch, and a call
+    naming an adapter the engine lacks fails alone."""
+    base, ad1, ad2 = setup
+    cfg2 = LCFG.replace(lora=L.LoraConfig(rank=4, alpha=8.0, num_adapters=2))
+    engine = GyreEngine(cfg2, Adapted(FrozenBase(cfg2, base), (ad1, ad2)), max_slots=2, max_len=MAX_LEN,
+                        lora_serving="unmerged")
+    p = prompts(1, seed=3)[0][:12]
+    r = Runner(engine)
+    r.insert(0, pinput("a0", p, max_tokens=8, temperature=0.0, adapter=0))
+    r.insert(1, pinput("a1", p, max_tokens=8, temperature=0.0, adapter=1))
+    r.step(9)
+    for slot, ad in ((0, ad1), (1, ad2)):
+        merged = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _numpy_merge(LCFG, base, ad))
+        assert [t for t, _ in r.out[slot]] == _greedy(merged, p, 8), f"slot {slot}"
+    assert r.out[0] != r.out[1]
+    engine.prefill(params=engine.params_ref, padded_tokens=pinput("bad", p, max_tokens=2, adapter=2),
+                   true_length=len(p) - 1)
+    assert "adapter 2 requested" in engine.pop_error("bad")
+    with pytest.raises(ValueError, match="merged' serves one adapter"):
+        GyreEngine(cfg2, Adapted(FrozenBase(cfg2, base), (ad1, ad2)), max_slots=2, max_len=MAX_LEN)

@@ -170,3 +170,34 @@ def test_an_elastic_satellite_keeps_its_engine_while_it_trains():
     config.scheduler.mode = "colocate"
     (both,) = planner.plan(launch_plan.plan_inputs(config, path), "h100-80g", 8).roles
     assert both.role == "core+serve" and both.terms["kv_cache"] == serve["kv_cache"] and both.terms["optimizer"]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_layers=3,
+                                             mlp_only_layers=(1,))])
+def test_lora_table_matches_the_models_own_adapters(kw):
+    from gyre_jax.model import lora as L
+
+    lora = L.LoraConfig(rank=3, num_adapters=2, targets=("q_proj", "o_proj", "up_proj", "down_proj"))
+    m = model_config_tiny(lora=lora, **kw)
+    one = jax.eval_shape(functools.partial(L.init_adapter, m), jax.random.key(0))
+    want = sorted(math.prod(x.shape) for x in jax.tree.leaves(one)) * 2
+    assert sorted(math.prod(s) for _, s, _ in planner.lora_table(m, lora)) == sorted(want)
+
+
+def test_lora_plan_holds_adapters_not_optimizer_state_for_the_base():
+    """--config.train.lora.rank=16 on Qwen3-8B: the core's optimizer and gradients are the adapters' (tens of
+    MB), the frozen base is in bf16; the serving role keeps the base to merge each version into."""
+    path = os.path.join(ROOT, "configs", "qwen3_8b.py")
+    full = launch_plan.plan_inputs(runpy.run_path(path)["get_config"](), path)
+    c = runpy.run_path(path)["get_config"]()
+    c.train.lora.rank = 16
+    cfg = launch_plan.plan_inputs(c, path)
+    p_full = {r.role: r for r in planner.plan(full, "h100-80g", 64).roles}
+    p_lora = {r.role: r for r in planner.plan(cfg, "h100-80g", 64).roles}
+    core_full, core = p_full["core"].terms, p_lora["core"].terms
+    assert core["optimizer"] == 2 * core["adapters"] and core["gradients"] == 2 * core["adapters"]
+    # rank 16 on every projection: 0.5% of the weights (each A or B splits over one mesh axis, not two: 1.5% per device)
+    assert core["adapters"] * 40 < core_full["params"]
+    assert core["params"] * 2 == core_full["params"] * (2 if full.model.param_dtype == "bfloat16" else 1)
+    assert p_lora["core"].used < p_full["core"].used / 2
+    assert p_lora["serve"].terms["lora_base"] == p_lora["serve"].terms["params"]

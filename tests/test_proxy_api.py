@@ -476,3 +476,36 @@ def test_identity_conflicts_are_refused_before_generation(tmp_path):
             st.stop()
     assert [c.call_index for c in store.calls("rc")] == [0]
     store.close()
+
+
+def test_a_rollouts_key_routes_its_calls_to_its_lora_adapter(tmp_path):
+    """Multi-LoRA (rl/build.py sets Proxy.adapter_of from the group id): every call of a rollout samples with
+    its group's adapter, whatever the client sends; without adapter_of, adapter 0."""
+    store = TrajectoryStore(str(tmp_path / "s"), run_id="runA")
+    seen: list[tuple[str, int]] = []
+
+    class Recording(FakeBackend):
+        def submit(self, request):
+            seen.append((request.cache_key, request.sampling.adapter))
+            return super().submit(request)
+
+    async def build():
+        p = Proxy(Router([Recording("A")]), TOK, store, ProxyConfig(auth_token="tok-12345678"))
+        p.adapter_of = lambda b: int(b.group_id[1:]) % 3
+        return p
+
+    st = ServerThread(build)
+    st.start()
+    try:
+        body = {"model": "gyre", "prompt": [1, 2], "max_tokens": 2}
+        for group in ("g00004", "g00005", "g00004"):
+            key = st.proxy.register_rollout("runA", f"{group}-r", "task", group)
+            assert post(st.url + "/v1/completions", body, {"x-api-key": key})[0] == 200
+        assert [a for _, a in seen] == [1, 2, 1] and seen[0][0].startswith("runA/g00004-r")
+        st.proxy.adapter_of = None
+        key = st.proxy.register_rollout("runA", "g00005-s", "task", "g00005")
+        assert post(st.url + "/v1/completions", body, {"x-api-key": key})[0] == 200
+        assert seen[-1][1] == 0
+    finally:
+        st.stop()
+        store.close()

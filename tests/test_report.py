@@ -247,6 +247,35 @@ def test_a_rebuild_redoes_only_the_groups_that_changed(tmp_path):
     assert math.isclose(rows["g00002-0"]["advantage"], _grpo([0.75, 0.5, 1.0])[0], rel_tol=1e-6)
 
 
+def test_the_page_is_written_before_the_rollout_files_and_an_interrupted_build_resumes(tmp_path, monkeypatch):
+    """Phase one lists every rollout from its outcome (a page that works, whatever the run's size); a build cut
+    off in phase two leaves it, and the next build makes the groups it did not finish."""
+    from gyre_jax.report import build as build_lib
+
+    wd = _workdir(tmp_path)
+    real = build_lib._build_groups
+
+    def first_group_then_stop(sdir, mode_dir, data, settings, jobs):
+        for out in real(sdir, mode_dir, data, settings, jobs[:1]):
+            yield out
+        raise KeyboardInterrupt("stopped while building")
+
+    monkeypatch.setattr(build_lib, "_build_groups", first_group_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        build_report(wd, progress=False)
+    rows = {r[0]: rl_lib.index_dict(r) for r in read_js(os.path.join(wd, "report", "data", "index.js"))["rows"]}
+    assert len(rows) == 13 and rows["g00001-3"]["status"] == "infra_error" and "exit N" in rows["g00001-3"]["reason"]
+    assert rows["g00002-1"]["trained_tokens"] is None and rows["g00002-1"]["calls"] == 7  # from its outcome
+    assert os.path.exists(os.path.join(wd, "report", "index.html"))
+    assert read_js(os.path.join(wd, "report", "data", "run.js"))["steps"]["1"]["statuses"] == {"completed": 3,
+                                                                                               "infra_error": 1}
+    monkeypatch.setattr(build_lib, "_build_groups", real)
+    again = build_report(wd, progress=False)
+    assert again["groups_built"] == 3  # the three the stop cut off
+    rows = {r[0]: rl_lib.index_dict(r) for r in read_js(os.path.join(wd, "report", "data", "index.js"))["rows"]}
+    assert all(r["trained_tokens"] is not None for r in rows.values())
+
+
 def test_synthetic_rollouts_with_every_branch_kind_build(tmp_path):
     """The synthetic generator's rollouts (random ids far past the byte range, sub-agents, retries, drift,
     compaction, timeouts, failures) build without error and keep every token."""

@@ -144,6 +144,10 @@ def test_a_resumed_runs_summary_and_timeline_cover_every_attempt(tmp_path, monke
     assert out["attempt"]["reward_first"] == pytest.approx(0.7)
     with open(os.path.join(wd, "summary.json")) as f:
         assert strict_json(f.read()) == out
+    # A mean over nothing scored is null in summary.json; the modes table reads it back as "-".
+    from gyre_jax.rl.summary import table
+    assert table([{**out, "eval_first": None, "reward_last": None}]).splitlines()[1].split()[4:8] == \
+        ["0.100", "-", "-", "-"]
     # The timeline: attempt 1 drawn after attempt 0's 20 s, the restart marked, every step's end.
     assert max(t1 for _, _, t1, _ in drawn["segments"]) == pytest.approx(50.0)
     assert sorted(drawn["ends"]) == pytest.approx([10.0, 20.0, 35.0])

@@ -137,3 +137,41 @@ def test_switches_costlier_than_a_step_leave_a_pilot_seeded_run_at_the_best_fixe
     best = min(run_fakes(sim, dataclasses.replace(sim.policy, mode="async_stream", async_train_cells=k))[1].clock.now()
                for k in range(1, 8))
     assert fc.clock.now() <= 1.02 * best, (fc.clock.now(), best)
+
+
+def test_priors_of_a_full_weights_pilot_are_rescaled_to_a_lora_runs_smaller_move(tmp_path):
+    """A pilot that moved 1 GB per switch in 6 of its 10 s: a LoRA run moving 10 MB pays 4.06 s each way;
+    a run moving the same bytes takes the pilot's costs as they are; without a measured move, unchanged."""
+    from gyre_jax.scheduler.costs import for_move_bytes
+    from gyre_jax.scheduler.policy import Measured
+
+    pilot = Measured(switch_to_train_s=10.0, switch_to_rollout_s=8.0, switch_round_trip_s=18.0, move_bytes=1e9,
+                     move_s=6.0, work_s_per_rollout=2.0)
+    lora = for_move_bytes(pilot, 1e7)
+    assert lora.switch_to_train_s == pytest.approx(4.06) and lora.switch_to_rollout_s == pytest.approx(2.06)
+    assert lora.switch_round_trip_s == pytest.approx(6.12) and lora.move_s == pytest.approx(0.06)
+    assert lora.work_s_per_rollout == 2.0
+    assert for_move_bytes(pilot, 1e9) is pilot and for_move_bytes(Measured(switch_round_trip_s=5.0), 1e7).switch_round_trip_s == 5.0
+    path = str(tmp_path / "costs.json")
+    costs_file.save(path, pilot)
+    assert costs_file.load(path).move_bytes == 1e9  # the file keeps what the rescale needs
+
+
+def test_an_rl_config_rescales_its_priors_to_its_own_move(tmp_path):
+    """--config.train.lora.rank on a run given a full-weights pilot's costs: the policy's priors are the
+    pilot's with the move cut down to the adapters' bytes."""
+    from configs import demo as demo_config
+    from gyre_jax.rl.config import RLConfig
+    from gyre_jax.scheduler.policy import Measured
+
+    c = demo_config.get_config()
+    full = RLConfig.from_config(c)
+    path = str(tmp_path / "pilot.json")
+    costs_file.save(path, Measured(switch_to_train_s=3.0, switch_to_rollout_s=3.0, move_bytes=full.switch_move_bytes,
+                                   move_s=2.0))
+    c.scheduler.priors = path
+    c.train.lora.rank = 4
+    lora = RLConfig.from_config(c)
+    assert lora.switch_move_bytes * 20 < full.switch_move_bytes
+    pc = lora.policy_config()
+    assert pc.priors.switch_to_train_s == pytest.approx(1.0 + 2.0 * lora.switch_move_bytes / full.switch_move_bytes)

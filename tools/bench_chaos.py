@@ -49,8 +49,6 @@ wall_s, and the sizes (steps, sft_steps, checkpoint_every, groups_per_step, grou
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import re
@@ -67,6 +65,8 @@ sys.path.insert(0, ROOT)
 from configs import demo as demo_config  # noqa: E402
 from gyre_jax.rl.audit import audit_workdir  # noqa: E402
 from gyre_jax.testing.faulty_main import INJECTED, SITES  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 STEP_RE = re.compile(r"^rl\[[\w-]+\]: step (\d+)/(\d+)", re.M)  # the RL progress line, not SFT's
 
@@ -312,8 +312,9 @@ def _read_prev_logs(root: str, trial: int) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 trial, 2 stops, 4 steps, 10 SFT steps")
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(trials=1, kills=2, steps=4, sft_steps=10, checkpoint_every=2),
+                           quick_help="1 trial, 2 stops, 4 steps, 10 SFT steps, no write faults")
+    ap = bench.parser
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--kills", type=int, default=3, help="stops per trial before the rerun to the end")
     ap.add_argument("--steps", type=int, default=8)
@@ -333,9 +334,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--root", default=None, help="where the trials' workdirs go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs")
     ap.add_argument("extra", nargs="*", help="more --config.X=V flags for every attempt (after --)")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.trials, a.kills, a.steps, a.sft_steps, a.checkpoint_every = 1, 2, 4, 10, 2
+    a = bench.parse(argv)
     if a.write_faults is None:
         a.write_faults = "none" if a.quick else "all"
     sites = (list(SITES) if a.write_faults == "all" else [] if a.write_faults == "none"
@@ -424,8 +423,9 @@ def main(argv=None) -> dict:
     if not a.keep:
         shutil.rmtree(a.root, ignore_errors=True)
         out["root"] = None
-    print(json.dumps(out))
-    return out
+    return bench.emit(out, sizes=dict(trials=a.trials, kills=a.kills, steps=a.steps, sft_steps=a.sft_steps,
+                                      checkpoint_every=a.checkpoint_every, groups_per_step=cfg.scheduler.groups_per_step,
+                                      group_size=cfg.scheduler.group_size, seed=a.seed))
 
 
 if __name__ == "__main__":

@@ -38,13 +38,13 @@ a ratio measured beside other jobs says how the modes compare under that load.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
+
+import benchkit
 
 MODES = ("elastic", "colocate", "async")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,10 +75,8 @@ def run_mode(mode: str, args) -> dict:
     load_before = os.getloadavg()[0]
     log_path = os.path.join(args.workdir, f"{mode}.log")
     print(f"[{mode}] {' '.join(cmd[1:])}\n[{mode}] log: {log_path} (load {load_before:.2f})", flush=True)
-    t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - t0
+        proc, seconds = benchkit.timed(subprocess.run, cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
@@ -148,8 +146,10 @@ def suite_bound_rl_s(args, mode: str) -> float:
                               record_decisions=False).makespan_s
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(steps=1, groups_per_step=1, group_size=2, sft_steps=5,
+                                                        run_tests_scale=0.05, modes="elastic"))
+    ap = bench.parser
     ap.add_argument("--steps", type=int, default=8, help="RL steps per mode")
     ap.add_argument("--groups_per_step", type=int, default=8)
     ap.add_argument("--group_size", type=int, default=8)
@@ -162,7 +162,7 @@ def main(argv=None):
                     "async, elastic, ...) so a slow spell of the machine hits every mode; the ratios use each "
                     "mode's median round (the slower middle one of an even count)")
     ap.add_argument("extra", nargs="*", help="more --config.* overrides, after --")
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
     modes = [m for m in args.modes.split(",") if m]
     os.makedirs(args.workdir, exist_ok=True)
     if args.repeats < 1:
@@ -203,7 +203,9 @@ def main(argv=None):
                 final[f"elastic_vs_{base}"] = round(res["elastic"]["rollouts_per_s"] / res[base]["rollouts_per_s"], 3)
                 final[f"elastic_vs_{base}_by_round"] = [
                     round(rd["elastic"]["rollouts_per_s"] / rd[base]["rollouts_per_s"], 3) for rd in rounds]
-    print(json.dumps(final), flush=True)
+    return bench.emit(final, sizes=dict(steps=args.steps, groups_per_step=args.groups_per_step, group_size=args.group_size,
+                                        run_tests_scale=args.run_tests_scale, sft_steps=args.sft_steps, modes=modes,
+                                        repeats=args.repeats))
 
 
 if __name__ == "__main__":

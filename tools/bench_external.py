@@ -30,16 +30,13 @@ Prints a table, then ONE JSON line:
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import re
 import secrets
 import shutil
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -58,6 +55,8 @@ from gyre_jax.serving.server_thread import ServerThread  # noqa: E402
 from gyre_jax.serving.tokenizer import ByteTokenizer  # noqa: E402
 from gyre_jax.testing.fake_backend import FakeBackend  # noqa: E402
 from gyre_jax.trajectory.store import TrajectoryStore  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 TOK = ByteTokenizer()
 IM_END = TOK.special["<|im_end|>"]
@@ -170,12 +169,12 @@ def live(args) -> dict:
     reqs = [RolloutRequest(rollout_id=f"r{i:04d}", task=tasks[i % len(tasks)], group_id=f"g{i:04d}")
             for i in range(args.rollouts)]
     load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     print(f"bench_external: {args.rollouts} mini-swe-agent rollouts, {args.concurrency} at a time, "
           f"{len(tasks)} tasks of {args.tasks}", flush=True)
     results = asyncio.run(run_rollouts(reqs, hc, workspace_root=os.path.join(tmp, "ws"), harness=harness,
                                        keys=st.proxy))
-    wall = time.perf_counter() - t0
+    wall = sw.s
     st.stop()
     escapes = probes = 0
     overheads, rows = [], []
@@ -229,14 +228,15 @@ def audit(workdir: str) -> dict:
     return {"run_" + k: v for k, v in out.items()}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(rollouts=1, concurrency=1))
+    ap = bench.parser
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--deadline_s", type=float, default=180.0)
     ap.add_argument("--tasks", default=os.path.join(ROOT, "examples", "tasks", "tasks.jsonl"))
     ap.add_argument("--workdir", default="", help="also audit this finished run's store")
-    args = ap.parse_args()
+    args = bench.parse(argv)
     out = live(args)
     print(f"{'rollouts':>9} {'calls':>6} {'calls/r':>8} {'matched':>8} {'prefix':>7} {'escapes':>8} "
           f"{'overhead_s':>10} {'reward':>7}")
@@ -245,7 +245,8 @@ def main():
           f"{out['overhead_s_per_rollout']:10.2f} {out['reward_mean']:7.3f}")
     if args.workdir:
         out.update(audit(args.workdir))
-    print(json.dumps(out))
+    return bench.emit(out, sizes=dict(rollouts=args.rollouts, concurrency=args.concurrency, deadline_s=args.deadline_s,
+                                      tasks=os.path.relpath(args.tasks, ROOT)))
 
 
 if __name__ == "__main__":

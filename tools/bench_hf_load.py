@@ -18,7 +18,8 @@ the RSS numbers are printed beside it: peak RSS minus the RSS once loading finis
 reports there. Target: peak_host_over_largest_shard < 1.5 (stream).
 
     python tools/bench_hf_load.py                  # ~1.2 GB checkpoint, ~1 min on 2 cores, ~3.5 GB RSS peak (naive)
-    python tools/bench_hf_load.py --layers 4 --vocab 32000   # small and quick
+    python tools/bench_hf_load.py --layers 4 --vocab 32000   # small
+    python tools/bench_hf_load.py --quick                    # a smoke run: 2 layers, vocab 512, d 64
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import benchkit
 
 
 def _rss() -> int:
@@ -121,14 +124,13 @@ def child(path, mode):
     jax.jit(lambda x: x + 1)(np.zeros(4))  # backend up before the baseline
     base = _rss()
     tracemalloc.start()
-    t0 = time.perf_counter()
-    with _RssPeak() as peak:
+    with _RssPeak() as peak, benchkit.Stopwatch() as sw:
         if mode == "stream":
             _, params = load_pretrained(path, mesh=mesh)
         else:
             params = _naive(path, mesh)
         jax.block_until_ready(params)
-    dt = time.perf_counter() - t0
+    dt = sw.s
     _, py_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     dev = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -168,8 +170,9 @@ def _naive(path, mesh):
     return {"params": jax.device_put(tree, sh)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict | None:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(layers=2, vocab=512, d_model=64, d_ff=128, shard_mb=1))
+    p = bench.parser
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--d_model", type=int, default=1024)
@@ -177,16 +180,15 @@ def main():
     p.add_argument("--shard_mb", type=int, default=300)
     p.add_argument("--skip_naive", action="store_true")
     p.add_argument("--_child", nargs=2, metavar=("PATH", "MODE"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = bench.parse(argv)
     if args._child:
         return child(*args._child)
     with tempfile.TemporaryDirectory(prefix="gyre_hf_bench_") as d:
-        t0 = time.perf_counter()
-        sizes = write_checkpoint(d, args)
+        sizes, write_s = benchkit.timed(write_checkpoint, d, args)
         total, largest = sum(sizes), max(sizes)
         print(f"checkpoint: Qwen3-shaped, {args.layers} layers, vocab {args.vocab}, d {args.d_model}, bf16; "
               f"{len(sizes)} shards, {total / 2**20:.0f} MiB total, largest {largest / 2**20:.0f} MiB "
-              f"(written in {time.perf_counter() - t0:.1f}s)", flush=True)
+              f"(written in {write_s:.1f}s)", flush=True)
         res = {}
         for mode in ["stream"] + ([] if args.skip_naive else ["naive"]):
             out = subprocess.run([sys.executable, __file__, "--_child", d, mode], capture_output=True, text=True,
@@ -213,8 +215,10 @@ def main():
         n = res["naive"]
         final.update(naive_peak_host_over_largest_shard=round(n["py_peak"] / largest, 3),
                      naive_load_s=round(n["seconds"], 2))
-    print(json.dumps(final))
+    return bench.emit(final, sizes=dict(layers=args.layers, vocab=args.vocab, d_model=args.d_model, d_ff=args.d_ff,
+                                        shard_mb=args.shard_mb, shards=len(sizes), checkpoint_mib=round(total / 2**20),
+                                        skip_naive=args.skip_naive))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

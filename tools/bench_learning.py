@@ -38,13 +38,14 @@ run is in the table.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+
+import benchkit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "learn.py")
@@ -64,14 +65,14 @@ def run_one(workdir: str, mode: str, seed: int, overrides: list[str], log_path: 
             f"--config.scheduler.mode={mode}", f"--config.seed={seed}", "--config.progress=False",
             f"--config.sft.cache_dir={os.path.join(os.path.dirname(workdir), 'sft_cache')}",
             *[f"--config.{o}" for o in overrides]]
-    t0 = time.monotonic()
     with open(log_path, "a") as log:
-        rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        proc, seconds = benchkit.timed(subprocess.run, argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    rc = proc.returncode
     if rc != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
         raise SystemExit(f"bench_learning: {mode} seed {seed} exited {rc}; the end of {log_path}:\n{tail}")
-    return time.monotonic() - t0
+    return seconds
 
 
 def read_run(run_dir: str) -> dict:
@@ -189,17 +190,17 @@ def plot(runs, seeds, modes, warm: float | None, path: str) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = benchkit.Bench(__file__, __doc__, quick_help="a smoke run: tiny sizes, one seed")
+    ap = bench.parser
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--modes", default="elastic,async,colocate")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workdir", default="/tmp/gyre_bench_learning")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one seed")
     ap.add_argument("--warm_seed", type=int, default=-1,
                     help="one warm start (this seed's) for every seed: the spread over RL seeds alone; -1: one per seed")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run, e.g. --set train.learning_rate=2e-4")
-    a = ap.parse_args(argv)
+    a = bench.parse(argv)
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     overrides = ([*QUICK] if a.quick else [f"steps={a.steps}"]) + [f"sft.seed={a.warm_seed}"] + a.set
@@ -232,8 +233,9 @@ def main(argv=None) -> dict:
     result.update(steps=int(cfg_steps) if cfg_steps else None, seeds=seeds, modes=modes, quick=a.quick,
                   overrides=overrides, groups_per_step=s0.get("groups_per_step"), group_size=s0.get("group_size"),
                   trained_rollouts=s0.get("trees", {}).get("trained_rollouts"), wall_s=time.monotonic() - t0)
-    print(json.dumps(result))
-    return result
+    return bench.emit(result, sizes=dict(steps=result["steps"], seeds=seeds, modes=modes,
+                                         groups_per_step=result["groups_per_step"], group_size=result["group_size"],
+                                         overrides=overrides))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python tools/bench_long_context.py                      # all fields; ~10 min; one child up to ~4 GiB
     python tools/bench_long_context.py --max-len 16384      # quicker: rows up to 16K only
+    python tools/bench_long_context.py --quick              # a smoke run: the tiny preset, rows of 1-2K
 
 Rows are paper-like: the synthetic paper-preset rollout (gyre_jax.trajectory.synth) is
 rebuilt, selected and packed by the trajectory processor into one row of ``--tree-row-len``
@@ -33,24 +34,25 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 TINY_VOCAB = 128  # model_config_tiny's vocab_size
 _ROW_KEYS = ("tokens", "targets", "loss_mask", "behavior_logprobs", "positions", "segment_ids", "subtree_end",
              "loss_weights", "advantages")
 
 
-def paper_tree_row(row_len: int, seed: int = 0) -> dict[str, np.ndarray]:
+def paper_tree_row(row_len: int, seed: int = 0, preset_name: str = "paper") -> dict[str, np.ndarray]:
     """The fullest packed row of one paper-preset rollout, as [1, row_len] arrays."""
     from gyre_jax.trajectory.processor import ProcessorConfig, process_step
     from gyre_jax.trajectory.select import SelectConfig
     from gyre_jax.trajectory.synth import preset, synth_rollout
 
-    cfg = preset("paper", seed=seed, timeout_rate=0.0, infra_error_rate=0.0, verifier_error_rate=0.0)
+    cfg = preset(preset_name, seed=seed, timeout_rate=0.0, infra_error_rate=0.0, verifier_error_rate=0.0)
     calls, outcome = synth_rollout(cfg, 0, 0)
     batch = process_step(calls, [outcome], ProcessorConfig(row_len=row_len, select=SelectConfig(mode="priority")))
     rows = batch.rows
@@ -100,13 +102,7 @@ def time_fwd_bwd(row, impl: str, repeats: int, block: int) -> float:
     params = init_params(cfg, jax.random.key(0))
     step = _fwd_bwd(cfg, None)
     mb = {k: jax.numpy.asarray(v) for k, v in row.items()}
-    jax.block_until_ready(step(params, mb))  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(params, mb))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return benchkit.best_of(lambda: jax.block_until_ready(step(params, mb)), repeats, warmup=1)  # warm-up: compile
 
 
 def child_fwd_bwd(npz_path: str, block: int, logits_chunk: int) -> None:
@@ -126,14 +122,14 @@ def child_fwd_bwd(npz_path: str, block: int, logits_chunk: int) -> None:
     cfg = tiny_config(length, remat=True, attention_block_q=block, attention_block_k=block)
     params = init_params(cfg, jax.random.key(0))
     step = _fwd_bwd(cfg, logits_chunk)
-    t0 = time.perf_counter()
-    loss, grads = jax.block_until_ready(step(params, {k: jax.numpy.asarray(v) for k, v in row.items()}))
+    (loss, grads), seconds = benchkit.timed(
+        lambda: jax.block_until_ready(step(params, {k: jax.numpy.asarray(v) for k, v in row.items()})))
     finite = bool(np.isfinite(float(loss))) and all(bool(np.isfinite(np.asarray(g)).all())
                                                    for g in jax.tree.leaves(grads))
     grad_norm = float(np.sqrt(sum(float(jax.numpy.sum(g.astype(np.float32) ** 2)) for g in jax.tree.leaves(grads))))
     with open("/proc/self/status") as f:  # VmHWM: this process's own peak (ru_maxrss keeps the forking parent's)
         hwm_kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
-    print(json.dumps({"length": length, "seconds": time.perf_counter() - t0, "finite": finite,
+    print(json.dumps({"length": length, "seconds": seconds, "finite": finite,
                       "trained_tokens": int(row["loss_mask"].sum()), "grad_norm": grad_norm,
                       "peak_rss_gib": hwm_kib / 2**20}), flush=True)
 
@@ -143,14 +139,13 @@ def run_child(row, length, args, tmp) -> dict:
     np.savez(path, **crop(row, length))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", path, "--block", str(args.block),
            "--logits-chunk", str(args.logits_chunk)]
-    t0 = time.perf_counter()
-    with open(path + ".out", "w") as out_f, open(path + ".err", "w") as err_f:
+    with open(path + ".out", "w") as out_f, open(path + ".err", "w") as err_f, benchkit.Stopwatch() as sw:
         proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f)
         _, status, usage = os.wait4(proc.pid, 0)
     rc = os.waitstatus_to_exitcode(status)
     out, err = open(path + ".out").read(), open(path + ".err").read()
     peak_kib = usage.ru_maxrss  # an upper bound (includes the parent's RSS at fork); the child reports VmHWM
-    res = {"length": length, "rc": rc, "peak_rss_gib": peak_kib / 2**20, "wall_s": time.perf_counter() - t0}
+    res = {"length": length, "rc": rc, "peak_rss_gib": peak_kib / 2**20, "wall_s": sw.s}
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if rc == 0 and lines:
         res.update(json.loads(lines[-1]))
@@ -178,22 +173,22 @@ def prefill_long(length: int, chunk: int, decode_steps: int, block: int) -> dict
     params = init_params(cfg, jax.random.key(0))
     prompt = np.random.default_rng(0).integers(1, cfg.vocab_size, length).astype(np.int32)
     eng = GyreEngine(cfg, params, max_slots=1, max_len=cap, prefill_chunk=chunk)
-    t0 = time.perf_counter()
-    inp = PrefillInput("long", prompt[:-1], int(prompt[-1]), 0, SamplingParams(max_tokens=decode_steps,
-                                                                               temperature=0.0))
-    pre = eng.prefill(params=eng.params_ref, padded_tokens=inp, true_length=length - 1)
-    err = eng.pop_error("long")
-    jax.block_until_ready(pre.k)
-    prefill_s = time.perf_counter() - t0
+    with benchkit.Stopwatch() as sw:
+        inp = PrefillInput("long", prompt[:-1], int(prompt[-1]), 0, SamplingParams(max_tokens=decode_steps,
+                                                                                   temperature=0.0))
+        pre = eng.prefill(params=eng.params_ref, padded_tokens=inp, true_length=length - 1)
+        err = eng.pop_error("long")
+        jax.block_until_ready(pre.k)
+    prefill_s = sw.s
     ds = eng.insert(pre, eng.init_decode_state(), 0)
-    t0 = time.perf_counter()
     toks = []
-    for _ in range(decode_steps):
-        ds, res = eng.generate(eng.params_ref, ds)
-        data = np.asarray(res.data)
-        if data[0, res.tokens_idx[1]]:
-            toks += [t for t, _ in decode_result_pairs(data[0, :2])]
-    decode_s = time.perf_counter() - t0
+    with benchkit.Stopwatch() as sw:
+        for _ in range(decode_steps):
+            ds, res = eng.generate(eng.params_ref, ds)
+            data = np.asarray(res.data)
+            if data[0, res.tokens_idx[1]]:
+                toks += [t for t, _ in decode_result_pairs(data[0, :2])]
+    decode_s = sw.s
     _, logits = decode.prefill_chunked(params, cfg, jnp.asarray(prompt), cache_len=cap, chunk=chunk)
     ref_first = int(np.argmax(np.asarray(logits)))
     ok = err is None and len(toks) == decode_steps and toks[0] == ref_first
@@ -202,31 +197,36 @@ def prefill_long(length: int, chunk: int, decode_steps: int, block: int) -> dict
             "error": err, "ok": bool(ok)}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict | None:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(
+        preset="tiny", tree_row_len=2048, block=128, cp_row_len=4096, repeats=1, ladder_start=1024, max_len=1024,
+        speed_len=512, logits_chunk=256, prefill_len=600, prefill_chunk=256))
+    ap = bench.parser
+    ap.add_argument("--preset", default="paper", help="the synthetic rollout preset the rows come from")
     ap.add_argument("--tree-row-len", type=int, default=131072, help="row length the paper tree is packed into")
     ap.add_argument("--block", type=int, default=512, help="tile size (queries and keys)")
     ap.add_argument("--cp-row-len", type=int, default=8 * 131072,
                     help="also the tile fractions of the whole tree packed in one row this long; 0: skip")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ladder-start", type=int, default=16384, help="shortest row of the fwd+bwd ladder")
     ap.add_argument("--max-len", type=int, default=65536, help="longest row of the fwd+bwd ladder")
+    ap.add_argument("--speed-len", type=int, default=4096, help="row length of the dense vs blockwise timing")
     ap.add_argument("--mem-limit-gib", type=float, default=16.0)
     ap.add_argument("--logits-chunk", type=int, default=4096, help="positions per vocab-projection chunk (long rows)")
     ap.add_argument("--prefill-len", type=int, default=75000)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
     if args.child:
         child_fwd_bwd(args.child, args.block, args.logits_chunk)
-        return
+        return None
 
     from gyre_jax.model.tree_attention import tile_fractions_np
 
-    t0 = time.perf_counter()
-    row = paper_tree_row(args.tree_row_len)
+    row, built_s = benchkit.timed(paper_tree_row, args.tree_row_len, preset_name=args.preset)
     n_real = int((row["segment_ids"] > 0).sum())
     print(f"paper tree row: row_len={args.tree_row_len} real_tokens={n_real} trees={int(row['segment_ids'].max())} "
-          f"(built in {time.perf_counter() - t0:.1f}s)", flush=True)
+          f"(built in {built_s:.1f}s)", flush=True)
 
     print(f"{'block':>6} {'skipped':>8} {'masked':>8}  (tile pairs of the paper tree row)")
     tiles = {}
@@ -236,7 +236,7 @@ def main(argv=None):
     skipped, masked = tiles[args.block]
     whole = None
     if args.cp_row_len:  # the whole selected tree in one context-parallel row: sub-agents and branches skip more
-        cp_row = paper_tree_row(args.cp_row_len)
+        cp_row = paper_tree_row(args.cp_row_len, preset_name=args.preset)
         n_cp = int((cp_row["segment_ids"] > 0).sum())
         whole = tile_fractions_np(cp_row["segment_ids"][0][:n_cp], cp_row["subtree_end"][0][:n_cp], args.block,
                                   args.block)
@@ -246,7 +246,7 @@ def main(argv=None):
     print(f"{'L':>7} {'rc':>3} {'peak_rss_GiB':>12} {'run_s':>7} {'wall_s':>7}  (fwd+bwd, remat, chunked vocab)")
     ladder, max_ok = [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        length = 16384
+        length = args.ladder_start
         while length <= args.max_len:
             res = run_child(row, length, args, tmp)
             ladder.append(res)
@@ -261,16 +261,17 @@ def main(argv=None):
 
     print(f"{'row':>8} {'L':>6} {'dense_s':>8} {'blockwise_s':>11} {'speedup':>8}  (tiny model fwd+bwd)")
     speed = {}
-    for name, r in (("tree", crop(row, 4096)), ("causal", causal_row(row, 4096))):
+    n = args.speed_len
+    for name, r in (("tree", crop(row, n)), ("causal", causal_row(row, n))):
         d = time_fwd_bwd(r, "dense", args.repeats, args.block)
         b = time_fwd_bwd(r, "blockwise", args.repeats, args.block)
         speed[name] = d / b
-        print(f"{name:>8} {4096:>6} {d:8.3f} {b:11.3f} {d / b:8.2f}", flush=True)
+        print(f"{name:>8} {n:>6} {d:8.3f} {b:11.3f} {d / b:8.2f}", flush=True)
 
     prefill = prefill_long(args.prefill_len, args.prefill_chunk, 4, args.block)
     print(f"prefill: {prefill}", flush=True)
 
-    print(json.dumps({
+    return bench.emit({
         "block": args.block,
         "tree_row_len": args.tree_row_len,
         "tree_row_real_tokens": n_real,
@@ -288,7 +289,10 @@ def main(argv=None):
         "prefill": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in prefill.items()},
         "targets_met": bool(abs(skipped - masked) <= 0.05 and min(speed.values()) >= 1.0 and max_ok >= 65536
                             and prefill["ok"]),
-    }))
+    }, sizes=dict(preset=args.preset, tree_row_len=args.tree_row_len, block=args.block, cp_row_len=args.cp_row_len,
+                  repeats=args.repeats, ladder=[args.ladder_start, args.max_len], speed_len=args.speed_len,
+                  logits_chunk=args.logits_chunk, prefill_len=args.prefill_len, prefill_chunk=args.prefill_chunk,
+                  model="model_config_tiny"))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+import benchkit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -234,7 +236,9 @@ async def soak(a) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(calls=64, warmup=16, every=32, clients=4, calls_per_rollout=4,
+                                                        prompt_bytes=200))
+    ap = bench.parser
     ap.add_argument("--calls", type=int, default=20000, help="measured calls (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=1000, help="calls before the first RSS (imports, pools, caches)")
     ap.add_argument("--clients", type=int, default=32)
@@ -249,7 +253,7 @@ def main(argv=None) -> dict:
                     help="fake: a scripted cell (the proxy alone); engine: a tiny real model in a GyreEngine")
     ap.add_argument("--max-len", type=int, default=4096, help="the engine's KV capacity per slot (tokens)")
     ap.add_argument("--serve", metavar="STORE_DIR", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    a = bench.parse(argv)
     if a.serve:
         serve(a.serve, a.tracemalloc, a.backend, a.clients, a.max_len)
         return {}
@@ -290,8 +294,7 @@ def main(argv=None) -> dict:
            "sizes": {"prompt_bytes": a.prompt_bytes, "max_tokens": a.max_tokens, "warmup": a.warmup,
                      **({"model": "272 vocab, d 64, 2 layers", "slots": a.clients, "max_len": a.max_len}
                         if a.backend == "engine" else {})}}
-    print(json.dumps(out))
-    return out
+    return bench.emit(out)  # its own "sizes" field is the header's
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Synthetic runs: ``gyre_jax.trajectory.synth`` rollouts (sub-agents, retries, dri
 failures; ids drawn from the byte range, so they decode) written into a store, trained in steps of 32 (the
 store's cursor: so advantages and path selection run as for a real run), with a metrics.jsonl line per
 step. Each run is built twice: cold (every group) and again with nothing changed (what a rerun on a
-running run costs). Prints a table, then ONE JSON line: build_s (cold, wall), build_cpu_s (its CPU time with
+running run costs). Prints a table, then ONE JSON line: page_s (until the page and its tables are written,
+every rollout listed: it is usable from then on), build_s (cold, wall, every rollout's file), build_cpu_s (its CPU time with
 --workers 1: what it costs on a quiet core when the machine is shared), rebuild_s, rollouts, calls,
 recorded_tokens, bytes_total (the page, its data and the 1.2 MB plotly.js), bytes_index (what the page
 loads first: the rollout table), bytes_run (curves and tables), bytes_largest_group (the most a click
@@ -18,11 +19,8 @@ loads), load (the 1-minute load average at the start: the machine is shared).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gyre_jax.report import build_report, mode_dirs  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 STEP_ROLLOUTS = 32
 
@@ -46,7 +46,7 @@ def synth_run(mode_dir: str, rollouts: int, group_size: int, calls: int, seed: i
                  drift_rate=0.05, timeout_rate=0.1, infra_error_rate=0.02, verifier_error_rate=0.02,
                  version_every_calls=0)
     n_calls = n_tokens = 0
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     with TrajectoryStore(os.path.join(mode_dir, "store"), run_id=cfg.run_id,
                          config=StoreConfig(fsync="never", vocab_size=cfg.vocab_size)) as st, \
             MetricsWriter(mode_dir, process_index=0) as m:
@@ -70,7 +70,7 @@ def synth_run(mode_dir: str, rollouts: int, group_size: int, calls: int, seed: i
                 scores += scored
                 step, batch = step + 1, []
     return {"rollouts": cfg.num_groups * cfg.group_size, "calls": n_calls, "recorded_tokens": n_tokens,
-            "steps": step, "synth_s": round(time.perf_counter() - t0, 2)}
+            "steps": step, "synth_s": round(sw.s, 2)}
 
 
 def measure(mode_dir: str, title: str, workers: int = 0) -> dict:
@@ -83,31 +83,22 @@ def measure(mode_dir: str, title: str, workers: int = 0) -> dict:
     shards = os.path.join(out, "data", "rollouts")
     largest = max((os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards)), default=0)
     return {"run": title, "rollouts": cold["rollouts"], "build_s": cold["seconds"], "build_cpu_s": round(cpu, 2),
-            "rollouts_s": cold["rollouts_s"],
+            "page_s": cold["page_s"],
             "rebuild_s": warm["seconds"], "bytes_total": cold["bytes_total"], "bytes_data": cold["bytes_data"],
             "bytes_index": cold["bytes_index"], "bytes_run": cold["bytes_run"], "bytes_largest_group": largest,
             "report": cold["report"]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return ""
-
-
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = benchkit.Bench(__file__, __doc__, quick_help="200 synthetic rollouts")
+    ap = bench.parser
     ap.add_argument("--rollouts", type=int, default=10_000)
     ap.add_argument("--group_size", type=int, default=8)
     ap.add_argument("--calls", type=int, default=12, help="model calls per (full) synthetic rollout")
     ap.add_argument("--workdir", default="", help="measure this run's report instead of a synthetic one")
-    ap.add_argument("--quick", action="store_true", help="200 synthetic rollouts")
     ap.add_argument("--keep", default="", help="keep the synthetic run in this directory")
     ap.add_argument("--workers", type=int, default=0, help="build processes (0: one per CPU up to 8; 1: one)")
-    args = ap.parse_args(argv)
-    load = os.getloadavg()[0]
+    args = bench.parse(argv)
     rows, extra = [], {}
     if args.workdir:
         for d in mode_dirs(args.workdir):
@@ -121,16 +112,16 @@ def main(argv=None) -> dict:
         rows.append(measure(mode_dir, f"synthetic, {n} rollouts x {args.calls} calls", args.workers))
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"{'run':44s} {'rollouts':>8s} {'build s':>8s} {'CPU s':>6s} {'rebuild s':>9s} {'page MB':>8s} "
-          f"{'index KB':>9s} {'run KB':>7s} {'max group KB':>12s}")
+    print(f"{'run':44s} {'rollouts':>8s} {'page s':>7s} {'build s':>8s} {'CPU s':>6s} {'rebuild s':>9s} "
+          f"{'page MB':>8s} {'index KB':>9s} {'run KB':>7s} {'max group KB':>12s}")
     for r in rows:
-        print(f"{r['run'][-44:]:44s} {r['rollouts']:8d} {r['build_s']:8.1f} {r['build_cpu_s']:6.1f} {r['rebuild_s']:9.2f} "
+        print(f"{r['run'][-44:]:44s} {r['rollouts']:8d} {r['page_s']:7.1f} {r['build_s']:8.1f} {r['build_cpu_s']:6.1f} "
+              f"{r['rebuild_s']:9.2f} "
               f"{r['bytes_total'] / 1e6:8.1f} {r['bytes_index'] / 1e3:9.0f} {r['bytes_run'] / 1e3:7.0f} "
               f"{r['bytes_largest_group'] / 1e3:12.0f}")
-    result = {"bench": "report", "commit": _commit(), "host": os.uname().nodename, "load": round(load, 1),
-              **extra, **{k: v for k, v in rows[0].items() if k not in ("run", "report")}} if rows else {}
-    print(json.dumps(result))
-    return result
+    result = {**extra, **{k: v for k, v in rows[0].items() if k not in ("run", "report")}} if rows else {}
+    return bench.emit(result, sizes=dict(rollouts=result.get("rollouts"), group_size=args.group_size, calls=args.calls,
+                                         workdir=args.workdir or None, workers=args.workers))
 
 
 if __name__ == "__main__":

@@ -35,15 +35,14 @@ as sampled).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
-import sys
 import tempfile
-import time
 
 import numpy as np
+
+import benchkit
 
 STYLES = ("canonical", "think", "empty_think", "compact_json", "no_separator")
 
@@ -183,29 +182,31 @@ def _train_tokenizer(path, vocab, seeds):
                    "chat_template": builtin_template("qwen3")}, f)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(conversations=4, vocab=600, train_conversations=10))
+    p = bench.parser
     p.add_argument("--conversations", type=int, default=200)
     p.add_argument("--resample_p", type=float, default=0.01)
     p.add_argument("--vocab", type=int, default=4000)
+    p.add_argument("--train_conversations", type=int, default=200, help="tasks the BPE tokenizer is trained on")
     p.add_argument("--tokenizer", default="", help="a checkpoint directory with its own tokenizer + Qwen-style template")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = bench.parse(argv)
     from gyre_jax.serving.hf_tokenizer import HFChatTokenizer
 
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     with tempfile.TemporaryDirectory() as d:
         if args.tokenizer:
             tok = HFChatTokenizer.from_dir(args.tokenizer)
         else:
-            _train_tokenizer(d, args.vocab, range(10_000, 10_200))
+            _train_tokenizer(d, args.vocab, range(10_000, 10_000 + args.train_conversations))
             tok = HFChatTokenizer.from_dir(d)
     if tok.tool_format != "qwen":
         raise SystemExit(f"{args.tokenizer}: this benchmark writes Qwen-syntax tool calls; got {tok.tool_format}")
     convs = conversations(range(args.conversations))
     by_style, conv_frac, tokens, off_path = measure(tok, convs, args.resample_p, args.seed)
     print(f"tokenizer: {'trained BPE' if not args.tokenizer else args.tokenizer}, vocab {tok.vocab_size}, Qwen3 "
-          f"template; {len(convs)} conversations, resample_p={args.resample_p} ({time.perf_counter() - t0:.1f}s)\n")
+          f"template; {len(convs)} conversations, resample_p={args.resample_p} ({sw.s:.1f}s)\n")
     print(f"{'style':14} {'turns':>6} {'drifted':>8} {'fraction':>9} {'parse_failed':>13}")
     tot = collections.Counter()
     for s in STYLES:
@@ -213,14 +214,16 @@ def main():
         tot.update(c)
         print(f"{s:14} {c['turns']:6d} {c['drift']:8d} {c['drift'] / max(c['turns'], 1):9.3f} {c['parse_failed']:13d}")
     print(f"{'all':14} {tot['turns']:6d} {tot['drift']:8d} {tot['drift'] / tot['turns']:9.3f} {tot['parse_failed']:13d}")
-    print(json.dumps(dict(
+    return bench.emit(dict(
         drift_fraction=round(tot["drift"] / tot["turns"], 4),
         conversation_drift_fraction=round(conv_frac, 4),
         off_path_token_fraction=round(off_path / max(tokens, 1), 4),
         **{f"drift_{s}": round(by_style[s]["drift"] / max(by_style[s]["turns"], 1), 4) for s in STYLES},
         turns=tot["turns"], conversations=len(convs), resample_p=args.resample_p, vocab=tok.vocab_size,
-        parse_failed=tot["parse_failed"])))
+        parse_failed=tot["parse_failed"]), sizes=dict(conversations=len(convs), resample_p=args.resample_p,
+                                                      vocab=tok.vocab_size, tokenizer=args.tokenizer or "trained BPE",
+                                                      seed=args.seed, train_conversations=args.train_conversations))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

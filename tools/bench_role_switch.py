@@ -30,6 +30,14 @@ dispatch until the target cell holds every byte:
   * --sweep:   each transfer-server setting in SWEEP (sockets, chunk size, chunks
                in flight, raw buffers) and per-leaf offers, in the same rounds;
                this is how TransferConfig's defaults were picked.
+  * LoRA (--lora_rank R, default 16; 0 skips): the same two switches of a LoRA run on the
+               same model (gyre_jax/model/lora.py, rank R on all seven projections): a switch
+               moves the adapters only (the frozen base is placed on each cell once, when the
+               run starts: outside the timing), and to_rollout then merges them into the
+               serving weights on the cell (serving/lora_weights.py, 'merged': part of the
+               switch, timed with it); cross-process, the adapters pulled like the params.
+               lora_bytes_ratio = param bytes / adapter bytes; lora_switch_speedup = the
+               full switch round trip / the LoRA one.
 
 Each kind of move runs in blocks of --repeats, the kinds alternating over
 --rounds; times are medians over all blocks. The first move of each kind is
@@ -42,6 +50,7 @@ Target: copy_gbps >= 0.5 * plain_copy_gbps.
     python tools/bench_role_switch.py     # 623 MB model, ~5 min on 2 loaded cores; ~4 GB of host memory in all
     python tools/bench_role_switch.py --sweep --in_process 0   # the transfer settings only, ~6 min
     python tools/bench_role_switch.py --n_layers 2 --vocab 8192   # smaller, faster
+    python tools/bench_role_switch.py --quick     # a smoke run: a 1-layer model of d 64, one round of one move
 """
 from __future__ import annotations
 
@@ -61,10 +70,8 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -77,11 +84,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gyre_jax import cells  # noqa: E402
 from gyre_jax.cells import Role  # noqa: E402
+from gyre_jax.cells.frozen_base import FrozenBase  # noqa: E402
 from gyre_jax.model import ModelConfig, init_boxed, param_logical_axes  # noqa: E402
+from gyre_jax.model import lora as lora_lib  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
+
+QUICK = dict(vocab=256, d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=128, repeats=1, rounds=1)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None, bench=None):
+    bench = bench or benchkit.Bench(__file__, __doc__, quick=QUICK)
+    p = bench.parser
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--d_model", type=int, default=1024)
     p.add_argument("--n_layers", type=int, default=8)
@@ -96,13 +110,30 @@ def parse_args(argv=None):
                    help="cross-process: also time each transfer-server setting in SWEEP and per-leaf offers")
     p.add_argument("--in_process", type=int, default=1, help="0: skip the in-process moves (plain copy and role "
                    "switches); the cross-process ratio is then to the link limit only")
+    p.add_argument("--lora_rank", type=int, default=16, help="also time a LoRA run's switches at this rank (0: skip)")
     p.add_argument("--_peer", nargs=2, type=int, metavar=("PROCESS_ID", "PORT"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return bench.parse(argv)
 
 
 def model_config(args) -> ModelConfig:
     return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                        n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, tie_embeddings=False)
+
+
+def lora_spec(model: ModelConfig, rank: int):
+    """(LoRA model config, the adapters' StateSpec) of a LoRA run on ``model`` (rl/lora_run.py's)."""
+    lcfg = model.replace(lora=lora_lib.LoraConfig(rank=rank))
+    tx = cells.per_adapter(cells.make_optimizer(cells.OptimizerConfig(learning_rate=1e-4),
+                                                lora_lib.adapter_logical_axes(lcfg)), 1)
+    return lcfg, cells.StateSpec.create(lambda r: (lora_lib.init_adapter_boxed(lcfg, r),), tx)
+
+
+def trained_adapters(lcfg, spec, shardings):
+    """Adapters as a run holds them after some training (B nonzero), born on ``shardings``."""
+    def make(r):
+        one = nn.unbox(lora_lib.init_adapter_boxed(lcfg, r))
+        return (jax.tree.map(lambda x: x + 0.01, one),)
+    return jax.block_until_ready(jax.jit(make, out_shardings=shardings)(jax.random.key(1)))
 
 
 # --sweep: transfer-server settings (TransferConfig fields) timed beside the Transport's default, and per-leaf
@@ -129,6 +160,7 @@ def sweep_name(c: dict) -> str:
 
 
 LEAF = "per-leaf offers"
+LORA = "lora adapters"  # --lora_rank: the adapters of a LoRA run on the same model, pulled by the Transport
 
 
 def cross_process(args, argv) -> dict:
@@ -166,15 +198,15 @@ def _tcp_pull(conns, bufs) -> float:
         while len(view):
             view = view[c.recv_into(view):]
 
-    t0 = time.perf_counter()
-    for c in conns:
-        c.sendall(b"g")
-    threads = [threading.Thread(target=rx, args=(c, memoryview(b))) for c, b in zip(conns, bufs)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return time.perf_counter() - t0
+    with benchkit.Stopwatch() as sw:
+        for c in conns:
+            c.sendall(b"g")
+        threads = [threading.Thread(target=rx, args=(c, memoryview(b))) for c, b in zip(conns, bufs)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    return sw.s
 
 
 def _split(n: int, k: int) -> list[int]:
@@ -204,7 +236,8 @@ def peer(args) -> None:
     for name, srv in servers.items():
         t.kv.key_value_set(f"bench/addr/{pid}/{name}", srv.address())
     socket_counts = sorted({1, t.transfer.sockets})
-    kinds = [*servers, *([LEAF] if args.sweep else []), *(f"tcp x{n}" for n in socket_counts)]
+    kinds = [*servers, *([LEAF] if args.sweep else []), *(f"tcp x{n}" for n in socket_counts),
+             *([LORA] if args.lora_rank else [])]
     (cell,) = cells.split_cells(cells.CellConfig(cell_size=4, train_tensor=1, serve_tensor=4), jax.local_devices())
     model = model_config(args)
     spec = cells.StateSpec.create(functools.partial(init_boxed, model), cells.make_optimizer(
@@ -214,6 +247,9 @@ def peer(args) -> None:
     # The plan: per round, each kind in turn, --repeats moves (plus one first move of each kind, shown apart).
     plan = [(k, r) for r in range(args.rounds) for k in kinds for _ in range(args.repeats + (r == 0))]
     param_bytes = cells.tree_bytes(spec.abstract_params)
+    if args.lora_rank:  # a LoRA run's adapters on the same model, in the training layout
+        lcfg, lspec = lora_spec(model, args.lora_rank)
+        lshard = lspec.param_shardings(cell.train_mesh)
     if pid == 0:
         params = jax.jit(lambda r: nn.unbox(init_boxed(model, r)), out_shardings=shardings)(jax.random.key(0))
         params = jax.block_until_ready(params)
@@ -225,10 +261,14 @@ def peer(args) -> None:
             lo, hi = json.loads(conn.recv(64).decode().split("\n")[0])
             threading.Thread(target=_tcp_serve, args=(conn, memoryview(buf)[lo:hi]), daemon=True).start()
         leaves = jax.tree.leaves(params)
+        adapters = trained_adapters(lcfg, lspec, lshard) if args.lora_rank else None
         uuids = []
         for kind, _ in plan:  # offered at once: the server only keeps references until each is pulled
             if kind.startswith("tcp"):
                 uuids.append(None)
+            elif kind == LORA:
+                uuids.append(t.new_uuid())
+                t.server.await_pull(uuids[-1], adapters)
             elif kind == LEAF:
                 ids = [t.new_uuid() for _ in leaves]
                 for u, x in zip(ids, leaves):
@@ -239,7 +279,8 @@ def peer(args) -> None:
                 servers[kind].await_pull(uuids[-1], params)
         Mailbox(t.kv, 1).send({"uuids": uuids})
         res = json.loads(get(t.kv, "bench/pull_times", timeout_s=1800))
-        res.update(param_bytes=param_bytes, transfer=base, env=os.environ.get(ENV, ""))
+        res.update(param_bytes=param_bytes, transfer=base, env=os.environ.get(ENV, ""),
+                   lora_bytes=cells.tree_bytes(adapters) if adapters is not None else 0)
         print("PEER " + json.dumps(res), flush=True)
     else:
         conns = {}
@@ -255,22 +296,22 @@ def peer(args) -> None:
             conns[f"tcp x{k}"] = (conns[f"tcp x{k}"], [bytearray(sz) for sz in sizes])
         links = {name: srv.connect(get(t.kv, f"bench/addr/0/{name}", timeout_s=300)) for name, srv in servers.items()}
         like = abstract(spec.abstract_params, shardings)
+        lora_like = abstract(lspec.abstract_params, lshard) if args.lora_rank else None
         like_leaves = jax.tree.leaves(like)
         uuids = Mailbox(t.kv, 1).recv(timeout_s=1800)["uuids"]
         times: dict[str, list[float]] = {k: [] for k in kinds}
         first: dict[str, float] = {}
         for (kind, _), u in zip(plan, uuids):
-            t0 = time.perf_counter()
             if kind.startswith("tcp"):
                 dt = _tcp_pull(*conns[kind])
+            elif kind == LEAF:
+                dt = timed(lambda: jax.block_until_ready([links["transport"].pull(i, [x])[0]
+                                                          for i, x in zip(u, like_leaves)]))
             else:
-                if kind == LEAF:
-                    out = [links["transport"].pull(i, [x])[0] for i, x in zip(u, like_leaves)]
+                if kind == LORA:
+                    dt = timed(lambda: jax.block_until_ready(links["transport"].pull(u, lora_like)))
                 else:
-                    out = links[kind].pull(u, like)
-                jax.block_until_ready(out)
-                dt = time.perf_counter() - t0
-                del out
+                    dt = timed(lambda: jax.block_until_ready(links[kind].pull(u, like)))
             if kind in first:
                 times[kind].append(dt)
             else:
@@ -284,11 +325,7 @@ def peer(args) -> None:
 
 def timed(fn):
     """Seconds of ``fn()``, which blocks until its copy is complete; the copy is dropped after."""
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    del out
-    return dt
+    return benchkit.timed(fn)[1]
 
 
 def in_process(args) -> dict:
@@ -300,15 +337,12 @@ def in_process(args) -> dict:
         cells.OptimizerConfig(learning_rate=1e-4), logical))
     publisher = cells.WeightPublisher(spec.logical_params, spec.abstract_params)
 
-    t0 = time.perf_counter()
-    params = jax.jit(lambda r: nn.unbox(init_boxed(model, r)), out_shardings=spec.param_shardings(core.train_mesh))(
-        jax.random.key(0)
-    )
-    params = jax.block_until_ready(params)
+    params, born_s = benchkit.timed(lambda: jax.block_until_ready(jax.jit(
+        lambda r: nn.unbox(init_boxed(model, r)), out_shardings=spec.param_shardings(core.train_mesh))(jax.random.key(0))))
     param_bytes = cells.tree_bytes(params)
     n_leaves = len(jax.tree.leaves(params))
     print(f"model: {param_bytes / 1e6:.0f} MB in {n_leaves} arrays, born sharded on the core "
-          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"in {born_s:.1f} s", flush=True)
 
     # The limit: the same bytes as plain float32 arrays of 64 MB (16 MB per shard, about
     # the params' shard sizes, so both sides see the same allocator behaviour), same
@@ -338,22 +372,52 @@ def in_process(args) -> dict:
         "to_train": lambda: switch(Role.TRAIN),
         "to_rollout": lambda: switch(Role.ROLLOUT),
     }
+    lora_bytes = 0
+    if args.lora_rank:
+        lcfg, lspec = lora_spec(model, args.lora_rank)
+        adapters = trained_adapters(lcfg, lspec, lspec.param_shardings(core.train_mesh))
+        lora_bytes = cells.tree_bytes(adapters)
+        lpub = cells.WeightPublisher(lspec.logical_params, lspec.abstract_params)
+        frozen = FrozenBase(lcfg, params)
+        base_serve = frozen.on(sat.serve_mesh)  # the satellite's base, placed once when the run starts
+        frozen.on(sat.train_mesh)
+        merge = jax.jit(lambda b, a: lora_lib.merge(lcfg, b, a[0]), out_shardings=frozen.shardings(sat.serve_mesh))
+
+        effective = jax.jit(lambda a: lora_lib.effective(lcfg, a))
+
+        def lora_switch(role, merged=True):
+            version[0] += 1
+            moved = lpub.publish(adapters, version[0], sat, role).params
+            if role is Role.TRAIN:
+                return moved
+            return jax.block_until_ready(merge(base_serve, moved) if merged else effective(moved))
+
+        moves["lora_to_train"] = lambda: lora_switch(Role.TRAIN)
+        moves["lora_to_rollout"] = lambda: lora_switch(Role.ROLLOUT)
+        moves["lora_to_rollout_unmerged"] = lambda: lora_switch(Role.ROLLOUT, merged=False)
+        print(f"LoRA rank {args.lora_rank} on every projection: {lora_bytes / 1e6:.2f} MB of adapters "
+              f"({param_bytes / lora_bytes:.0f}x fewer bytes than the params)", flush=True)
     # Blocks of --repeats moves of one kind (the allocator settles into each pattern),
     # the three kinds alternating over --rounds so load changes on a shared machine hit
     # all alike. The very first move of each kind includes one-time work (compiling the
     # slices of a reshard) and is shown apart; so is each block's settling move.
     times: dict[str, list[float]] = {k: [] for k in moves}
     first: dict[str, float] = {}
+    def drop():
+        publisher.forget(sat)
+        if args.lora_rank:
+            lpub.forget(sat)
+
     for _ in range(args.rounds):
         for name, fn in moves.items():
-            publisher.forget(sat)
+            drop()
             dt = timed(fn)
             first.setdefault(name, dt)
             for _ in range(args.repeats):
-                publisher.forget(sat)
+                drop()
                 times[name].append(timed(fn))
-    publisher.forget(sat)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    drop()
+    med = {k: benchkit.median(v) for k, v in times.items()}
     mins = {k: min(v) for k, v in times.items()}
     to_train_s, to_rollout_s, plain_s = med["to_train"], med["to_rollout"], med["plain"]
 
@@ -363,6 +427,10 @@ def in_process(args) -> dict:
         ("to_rollout (train->rollout)", "train fsdp=4 -> serve tensor=4", param_bytes, "to_rollout"),
         ("plain device-to-device copy", f"{len(src)} arrays, same sharding", plain_bytes, "plain"),
     ]
+    if args.lora_rank:
+        rows_out += [("LoRA to_train", "adapters, train -> train", lora_bytes, "lora_to_train"),
+                     ("LoRA to_rollout (+ merge)", "adapters, train -> serve, merged", lora_bytes, "lora_to_rollout"),
+                     ("LoRA to_rollout unmerged", "adapters, train -> serve", lora_bytes, "lora_to_rollout_unmerged")]
     print(f"\n{'move':30s} {'layouts':34s} {'MB':>7s} {'first s':>8s} {'median s':>9s} {'min s':>7s} {'GB/s':>6s}")
     for name, lay, b, k in rows_out:
         print(f"{name:30s} {lay:34s} {b / 1e6:7.1f} {first[k]:8.3f} {med[k]:9.4f} {mins[k]:7.4f} {b / med[k] / gb:6.2f}")
@@ -371,7 +439,21 @@ def in_process(args) -> dict:
     ratio = copy_gbps / plain_gbps
     print(f"\ncopy_gbps (slower move) = {copy_gbps:.2f} GB/s = {ratio:.2f} x plain copy "
           f"({'meets' if ratio >= 0.5 else 'MISSES'} target 0.5x)")
-    return {
+    lora = {}
+    if args.lora_rank:
+        full_rt, lora_rt = to_train_s + to_rollout_s, med["lora_to_train"] + med["lora_to_rollout"]
+        unmerged_rt = med["lora_to_train"] + med["lora_to_rollout_unmerged"]
+        lora = {"lora_rank": args.lora_rank, "lora_bytes": int(lora_bytes),
+                "lora_bytes_ratio": round(param_bytes / lora_bytes, 1),
+                "lora_to_train_s": round(med["lora_to_train"], 5), "lora_to_rollout_s": round(med["lora_to_rollout"], 5),
+                "lora_to_rollout_unmerged_s": round(med["lora_to_rollout_unmerged"], 5),
+                "lora_switch_speedup": round(full_rt / lora_rt, 2),
+                "lora_unmerged_switch_speedup": round(full_rt / unmerged_rt, 2)}
+        print(f"LoRA: {lora_bytes / 1e6:.2f} MB moved per switch instead of {param_bytes / 1e6:.0f} MB "
+              f"({lora['lora_bytes_ratio']}x fewer bytes); round trip {lora_rt:.4f} s merged (the merge into the "
+              f"serving weights is a pass over them), {unmerged_rt:.4f} s unmerged, vs {full_rt:.4f} s "
+              f"({lora['lora_switch_speedup']}x and {lora['lora_unmerged_switch_speedup']}x faster)")
+    return lora | {
         "param_bytes": int(param_bytes),
         "to_train_s": round(to_train_s, 5),
         "to_rollout_s": round(to_rollout_s, 5),
@@ -388,13 +470,20 @@ def in_process(args) -> dict:
 def report_cross_process(res: dict, plain_gbps: float | None) -> dict:
     """Print the cross-process table (every kind the peers timed) and return the JSON fields."""
     gb, b = 1e9, res["param_bytes"]
-    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    med = {k: benchkit.median(v) for k, v in res["times"].items()}
     cfg = res["transfer"]
     print(f"\ncross-process moves of {b / 1e6:.1f} MB (train fsdp=4 in process 0 -> train fsdp=4 in process 1); "
           f"Transport default: {cfg}{' from ' + res['env'] if res['env'] else ''}")
-    print(f"{'kind':28s} {'first s':>8s} {'median s':>9s} {'min s':>7s} {'GB/s':>6s}")
+    print(f"{'kind':28s} {'MB':>8s} {'first s':>8s} {'median s':>9s} {'min s':>7s} {'GB/s':>6s}")
     for k, v in res["times"].items():
-        print(f"{k:28s} {res['first'][k]:8.3f} {med[k]:9.4f} {min(v):7.4f} {b / med[k] / gb:6.2f}")
+        kb = res["lora_bytes"] if k == LORA else b
+        print(f"{k:28s} {kb / 1e6:8.2f} {res['first'][k]:8.3f} {med[k]:9.4f} {min(v):7.4f} {kb / med[k] / gb:6.2f}")
+    lora = {}
+    if LORA in med:
+        lora = {"cross_process_lora_s": round(med.pop(LORA), 5), "cross_process_lora_bytes": res["lora_bytes"]}
+        lora["cross_process_lora_speedup"] = round(med["transport"] / lora["cross_process_lora_s"], 1)
+        print(f"cross-process LoRA pull: {res['lora_bytes'] / 1e6:.2f} MB in {lora['cross_process_lora_s']:.4f} s, "
+              f"{lora['cross_process_lora_speedup']}x faster than the params' pull")
     link_kind = min((k for k in med if k.startswith("tcp")), key=med.get)
     out = {"cross_process_s": round(med["transport"], 4), "cross_process_first_s": round(res["first"]["transport"], 4),
            "cross_process_gbps": round(b / med["transport"] / gb, 4),
@@ -410,6 +499,7 @@ def report_cross_process(res: dict, plain_gbps: float | None) -> dict:
         line += f", {out['cross_process_ratio']:.2f} x plain copy"
     met = out["cross_process_vs_link"] >= 0.8 or out.get("cross_process_ratio", 0) >= 0.3
     print(line + f" ({'meets' if met else 'MISSES'} target: >= 0.3x plain copy or >= 0.8x link limit)")
+    out |= lora
     if len(med) > 3:  # --sweep: the fastest setting, for TransferConfig's default
         best = min((k for k in med if not k.startswith("tcp")), key=med.get)
         out["sweep_best"] = best
@@ -418,19 +508,24 @@ def report_cross_process(res: dict, plain_gbps: float | None) -> dict:
     return out
 
 
-def main(argv=None):
+def main(argv=None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    bench = benchkit.Bench(__file__, __doc__, quick=QUICK)
+    args = parse_args(argv, bench)
     if args._peer is not None:
         peer(args)
-        return
+        return None
     fields = in_process(args) if args.in_process else {"param_bytes": None}
     if args.cross_process:
         res = cross_process(args, argv)
         fields |= {"param_bytes": res["param_bytes"]} | report_cross_process(res, fields.get("plain_copy_gbps"))
     fields |= {"rounds": args.rounds, "repeats": args.repeats, "n_layers": args.n_layers, "d_model": args.d_model,
                "vocab": args.vocab, "load_avg_1m": round(os.getloadavg()[0], 2)}
-    print(json.dumps(fields))
+    return bench.emit(fields, sizes=dict(vocab=args.vocab, d_model=args.d_model, n_layers=args.n_layers,
+                                         n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+                                         d_ff=args.d_ff, repeats=args.repeats, rounds=args.rounds,
+                                         cross_process=args.cross_process, sweep=args.sweep, in_process=args.in_process,
+                                         param_bytes=fields.get("param_bytes")))
 
 
 if __name__ == "__main__":

@@ -47,12 +47,10 @@ vs peer >= 1.0.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import os
-import statistics
 import select
 import subprocess
 import sys
@@ -63,18 +61,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+import benchkit  # noqa: E402 (tools/, beside this script)
+from benchkit import median  # noqa: E402
+
 # ~100M parameters, Qwen3-shaped (qk-norm, GQA 12:4, tied embeddings, vocab 32K):
 # 12 layers x 6.29M + 32768 x 768 embedding = 100.7M.
 MODEL_100M = dict(vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048,
                   qk_norm=True, rope_theta=1e6)
 MODEL_SMALL = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024,
                    qk_norm=True, rope_theta=1e6)
+MODEL_TINY = dict(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
+                  qk_norm=True, rope_theta=1e6)  # --quick: a smoke run
 
 
 def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return benchkit.timed(fn)[1]
 
 
 def matmul_sampler(n: int, dtype: str):
@@ -112,14 +113,14 @@ def memory_sampler(mib: int, dtype: str):
 
 def measure_matmul_flops(n: int, dtype: str, repeats: int) -> float:
     sample = matmul_sampler(n, dtype)
-    return statistics.median(sample() for _ in range(repeats))
+    return median(sample() for _ in range(repeats))
 
 
 def measure_memory_bw(mib: int, dtype: str, repeats: int) -> dict:
     """Bytes/s of a full read (sum) and of a copy (read + write): medians over ``repeats`` samples."""
     sample = memory_sampler(mib, dtype)
     got = [sample() for _ in range(repeats)]
-    read, cp = statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+    read, cp = median(g[0] for g in got), median(g[1] for g in got)
     return {"read_bytes_per_s": read, "copy_bytes_per_s": cp, "bytes_per_s": max(read, cp)}
 
 
@@ -135,20 +136,20 @@ class Paired:
 
     @property
     def t(self) -> float:
-        return statistics.median(self.ts)
+        return median(self.ts)
 
     @property
     def peak(self) -> float:
-        return statistics.median(self.peaks)
+        return median(self.peaks)
 
     @property
     def inv(self) -> float:
         """Median of the per-pair peak-normalized work rate 1 / (t * peak)."""
-        return statistics.median(1 / (t * p) for t, p in zip(self.ts, self.peaks))
+        return median(1 / (t * p) for t, p in zip(self.ts, self.peaks))
 
     @property
     def cpu(self) -> float:
-        return statistics.median(self.cpus)
+        return median(self.cpus)
 
 
 def paired(peak_sample, work, repeats: int, beside=None) -> Paired:
@@ -183,7 +184,7 @@ def train_flops_per_token(mc, row_len: int) -> dict:
 def model_config(args):
     from gyre_jax.model import ModelConfig
 
-    base = MODEL_SMALL if args.small else MODEL_100M
+    base = MODEL_TINY if args.quick else MODEL_SMALL if args.small else MODEL_100M
     max_len = max(args.row_len, args.context + args.decode_steps * args.tokens_per_call + 64)
     return ModelConfig(**base, dtype=args.dtype, param_dtype=args.dtype, max_seq_len=max_len)
 
@@ -224,10 +225,7 @@ def bench_train(mc, args, peak, peer=None) -> dict:
     batch = jax.device_put({k: v[None] for k, v in mb.items()})
     state = spec.state_from_params(init_params(mc, jax.random.key(0)), mesh)
     step = steps.train_step(mesh)
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    compile_s = time.perf_counter() - t0
+    (state, metrics), compile_s = benchkit.timed(lambda: jax.block_until_ready(step(state, batch)))
     box = [state]
 
     def run():
@@ -290,9 +288,7 @@ def bench_engine_decode(mc, params, slots: int, args, peak, peer=None) -> dict:
             box[0], res = eng.generate(eng.params_ref, box[0])
         jax.block_until_ready(res.data)
 
-    t0 = time.perf_counter()
-    run()
-    warm_s = time.perf_counter() - t0
+    warm_s = _timed(run)
     n = args.decode_steps * tpc
     peer_setup = peer.ask(op="decode_setup", slots=slots) if peer else None
     pr = paired(peak, run, args.repeats, beside=(lambda: peer.ask(op="decode", slots=slots)) if peer_setup else None)
@@ -413,14 +409,17 @@ def peer_vs(pr: Paired, our_tokens: int, setup: dict | None) -> dict:
     pairs = [(t, c, b) for t, c, b in zip(pr.ts, pr.cpus, pr.beside) if b]
     if not pairs:
         return {}
-    return {"setup": setup, "tokens_per_s": statistics.median(b["tokens"] / b["s"] for _, _, b in pairs),
-            "vs": statistics.median((our_tokens / t) / (b["tokens"] / b["s"]) for t, _, b in pairs),
-            "vs_cpu": statistics.median((our_tokens / c) / (b["tokens"] / b["cpu_s"]) for _, c, b in pairs),
+    return {"setup": setup, "tokens_per_s": median(b["tokens"] / b["s"] for _, _, b in pairs),
+            "vs": median((our_tokens / t) / (b["tokens"] / b["s"]) for t, _, b in pairs),
+            "vs_cpu": median((our_tokens / c) / (b["tokens"] / b["cpu_s"]) for _, c, b in pairs),
             "pairs": len(pairs)}
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(row_len=64, context=16, slots="1,2", decode_steps=1,
+                                                        tokens_per_call=2, repeats=1, matmul_n=64, bw_mib=1),
+                           quick_help="a smoke run: a 1-layer model of d 32, rows of 64, matmul 64^2, 1 MiB")
+    ap = bench.parser
     ap.add_argument("--small", action="store_true", help="a ~10M model (quick look; not the issue's sizes)")
     ap.add_argument("--dtype", default="float32", help="model params and activations, and the peaks' dtype")
     ap.add_argument("--row-len", type=int, default=2048)
@@ -436,7 +435,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--peer-python", default="/work/venvs/peer/bin/python")
     ap.add_argument("--peer-timeout-s", type=float, default=3600,
                     help="the whole peer side (it runs beside ours: ~23 min at load 4-10 on 2 cores)")
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
     args.slots = [int(s) for s in args.slots.split(",")]
 
     import jax
@@ -485,7 +484,7 @@ def main(argv=None) -> dict:
                          f"ours/peer tokens/s {pv['vs']:.2f} (by CPU-s {pv['vs_cpu']:.2f}), {pv['pairs']} pairs"))
     w_bytes = _param_bytes(params)
     kvt = kv_bytes_per_token(mc)
-    mm_peak = statistics.median(mm() for _ in range(3)) if args.slots else 0.0
+    mm_peak = median(mm() for _ in range(3)) if args.slots else 0.0
     for s in args.slots:
         e = bench_engine_decode(mc, params, s, args, bw_peak, peer)
         m = bench_model_decode(mc, params, s, args, bw_peak)
@@ -525,14 +524,16 @@ def main(argv=None) -> dict:
             rows.append(("peer", "failed", out["peer_error"]))
     load1 = os.getloadavg()
     out["load_avg_1m_before_after"] = [round(load0[0], 2), round(load1[0], 2)]
-    out["sizes"] = (f"{n_params / 1e6:.1f}M params ({mc.n_layers}L d{mc.d_model} V{mc.vocab_size}), row {args.row_len}, "
-                    f"decode ctx {args.context} x slots {args.slots}, {args.dtype}")
+    out["sizes"] = {"summary": f"{n_params / 1e6:.1f}M params ({mc.n_layers}L d{mc.d_model} V{mc.vocab_size}), row "
+                               f"{args.row_len}, decode ctx {args.context} x slots {args.slots}, {args.dtype}",
+                    "params": n_params, "n_layers": mc.n_layers, "d_model": mc.d_model, "vocab": mc.vocab_size,
+                    "row_len": args.row_len, "context": args.context, "slots": args.slots, "dtype": args.dtype,
+                    "decode_steps": args.decode_steps, "tokens_per_call": args.tokens_per_call, "repeats": args.repeats}
     print(f"{'what':<20} {'rate':>14}  detail")
     for what, rate, detail in rows:
         print(f"{what:<20} {rate:>14}  {detail}")
     print(f"load average (1 min) before/after: {out['load_avg_1m_before_after']}")
-    print(json.dumps(out), flush=True)
-    return out
+    return bench.emit(out)  # its "sizes" field is the header's
 
 
 if __name__ == "__main__":

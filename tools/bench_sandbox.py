@@ -30,16 +30,14 @@ Prints a table, then ONE JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 from gyre_jax.agents import sandbox as sb  # noqa: E402
 from gyre_jax.agents.agent import tool_call_message  # noqa: E402
@@ -71,9 +69,9 @@ async def _command_ms(n: int, root: Path) -> tuple[float, float, float]:
         times = [[], [], []]
         for k in range(n + 5):
             for ws, acc in zip((plain, *spaces), times):
-                t0 = time.perf_counter()
-                out = await ws.run("true")
-                dt = time.perf_counter() - t0
+                with benchkit.Stopwatch() as sw:
+                    out = await ws.run("true")
+                dt = sw.s
                 assert out.startswith("exit code 0"), out
                 if k >= 5:  # warm-up: page cache, first exec
                     acc.append(dt * 1e3)
@@ -82,7 +80,7 @@ async def _command_ms(n: int, root: Path) -> tuple[float, float, float]:
     finally:
         for box in boxes:
             box.release()
-    return tuple(statistics.median(t) for t in times)
+    return tuple(benchkit.median(t) for t in times)
 
 
 _MEMFD = ("python3 -c \"import os\nfds = [os.memfd_create('x') for _ in range(80)]\n"
@@ -115,17 +113,15 @@ def _fixed_ms(n: int, root: Path) -> tuple[float, float]:
     for k in range(n):
         ws = root / f"fixed-{k}"
         ws.mkdir()
-        t0 = time.perf_counter()
-        box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap"), ws, family="bench", name="b")
-        box.prepare()
-        Workspace(ws, sandbox=box).write_file("answer.txt", "cba")
-        t1 = time.perf_counter()
-        snapshot_workspace(ws, root / f"snap-{k}", max_bytes=1 << 20)
-        t2 = time.perf_counter()
-        box.release()
-        prep.append((time.perf_counter() - t2 + t1 - t0) * 1e3)
-        snap.append((t2 - t1) * 1e3)
-    return statistics.median(prep), statistics.median(snap)
+        with benchkit.Stopwatch() as made:
+            box = sb.make_sandbox(sb.SandboxConfig(kind="bubblewrap"), ws, family="bench", name="b")
+            box.prepare()
+            Workspace(ws, sandbox=box).write_file("answer.txt", "cba")
+        _, snap_s = benchkit.timed(snapshot_workspace, ws, root / f"snap-{k}", max_bytes=1 << 20)
+        _, release_s = benchkit.timed(box.release)
+        prep.append((made.s + release_s) * 1e3)
+        snap.append(snap_s * 1e3)
+    return benchkit.median(prep), benchkit.median(snap)
 
 
 async def _rollouts_ms(kind: str, task, n: int, root: Path, tag: str) -> float:
@@ -140,9 +136,9 @@ async def _rollouts_ms(kind: str, task, n: int, root: Path, tag: str) -> float:
         cfg = HarnessConfig(base_url=srv.base_url, run_id="bench", concurrency=8, grader_concurrency=2,
                             send_tools_schema=False, sandbox=sb.SandboxConfig(kind=kind))
         reqs = [RolloutRequest(rollout_id=f"{kind}-{k}", task=task, group_id="g") for k in range(n)]
-        t0 = time.perf_counter()
-        results = await run_rollouts(reqs, cfg, workspace_root=root / f"{tag}-{kind}-{task.family}")
-        dt = time.perf_counter() - t0
+        with benchkit.Stopwatch() as sw:
+            results = await run_rollouts(reqs, cfg, workspace_root=root / f"{tag}-{kind}-{task.family}")
+        dt = sw.s
     bad = [r for r in results if r.score != 1.0]
     if bad:
         raise SystemExit(f"bench: {len(bad)} {kind} rollouts did not score 1: {bad[0].status} {bad[0].error} "
@@ -154,13 +150,16 @@ def _reply(msg: dict) -> dict:
     return {"content": msg.get("content") or "", "tool_calls": msg.get("tool_calls")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(commands=3, fixed=3, rollouts=2, rounds=1, warmup_rollouts=1))
+    ap = bench.parser
     ap.add_argument("--commands", type=int, default=200, help="commands per mode")
     ap.add_argument("--rollouts", type=int, default=32, help="rollouts per mode, family and round")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (median); 0: no end-to-end rollouts")
     ap.add_argument("--cap-mib", type=int, default=64, help="the sandbox memory cap for the cap check")
-    args = ap.parse_args()
+    ap.add_argument("--fixed", type=int, default=200, help="sandbox prepare/release and snapshot samples")
+    ap.add_argument("--warmup-rollouts", type=int, default=8, help="untimed rollouts per family first")
+    args = bench.parse(argv)
     ok, why = sb.bwrap_usable()
     if not ok:
         raise SystemExit(f"bench_sandbox: {why}")
@@ -168,13 +167,13 @@ def main() -> None:
         root = Path(tmp)
         print(f"per command: {args.commands} x `true` through Workspace.run, interleaved", flush=True)
         cmd_none, cmd_bwrap, cmd_nocap = asyncio.run(_command_ms(args.commands, root))
-        prep_ms, snap_ms = _fixed_ms(200, root)
+        prep_ms, snap_ms = _fixed_ms(args.fixed, root)
         cap = asyncio.run(_cap_check(root, args.cap_mib))
         rows = {}
         for family, task in (("tiny", tiny.make_task(1)), ("repo_spec", repo_spec.make_task(1, n_modules=1))):
             if args.rounds == 0:
                 break
-            asyncio.run(_rollouts_ms("none", task, 8, root / "warmup", f"warm-{family}"))  # imports, first grader
+            asyncio.run(_rollouts_ms("none", task, args.warmup_rollouts, root / "warmup", f"warm-{family}"))  # imports, first grader
             times = {"none": [], "bubblewrap": []}
             for r in range(args.rounds):  # interleaved rounds: load drift hits both kinds
                 for kind in ("none", "bubblewrap") if r % 2 == 0 else ("bubblewrap", "none"):
@@ -182,7 +181,7 @@ def main() -> None:
                 print(f"  {family}: round {r + 1}/{args.rounds}: none {times['none'][-1]:.1f} ms, "
                       f"bubblewrap {times['bubblewrap'][-1]:.1f} ms per rollout", flush=True)
             for kind, xs in times.items():
-                rows[(family, kind)] = statistics.median(xs)
+                rows[(family, kind)] = benchkit.median(xs)
     overhead = cmd_bwrap - cmd_none
     # The demo's 'tiny' rollouts run no command (no uid or tmpfs is set up): what they pay is the
     # snapshot the grader reads. A family with commands pays prepare/release + each command.
@@ -204,14 +203,16 @@ def main() -> None:
     print(f"RL demo estimate: {DEMO_ROLLOUTS} tiny rollouts x {snap_ms:.2f} ms (snapshot) serialized = "
           f"{demo_pct:.3f}% of its {DEMO_WALL_S:.0f} s (upper bound); a rollout of a family with commands "
           f"adds {prep_ms:.1f} ms + {overhead:.1f} ms per command")
-    print(json.dumps({"overhead_per_command_ms": round(overhead, 3), "command_ms_none": round(cmd_none, 3),
+    return bench.emit({"overhead_per_command_ms": round(overhead, 3), "command_ms_none": round(cmd_none, 3),
                       "command_ms_bubblewrap": round(cmd_bwrap, 3),
                       "command_ms_bubblewrap_no_cgroup": round(cmd_nocap, 3), "prepare_release_ms": round(prep_ms, 3),
                       "snapshot_ms": round(snap_ms, 3),
                       **{f"rollout_ms_{f}_{k}": round(v, 2) for (f, k), v in rows.items()},
                       "demo_overhead_pct_upper_bound": round(demo_pct, 3), "sandbox_memory_cap_mib": args.cap_mib,
                       **cap, "commands": args.commands,
-                      "rollouts": args.rollouts, "rounds": args.rounds}))
+                      "rollouts": args.rollouts, "rounds": args.rounds},
+                     sizes=dict(commands=args.commands, rollouts=args.rollouts, rounds=args.rounds, cap_mib=args.cap_mib,
+                                fixed=args.fixed, warmup_rollouts=args.warmup_rollouts))
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ tuned to the paper's ratios: every parameter's source is in gyre_jax/scheduler/p
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -50,6 +48,8 @@ from gyre_jax.scheduler import baselines, presets
 from gyre_jax.scheduler.cli import describe
 from gyre_jax.scheduler.simulator import simulate
 from gyre_jax.scheduler.workloads import rollouts_for
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 
 def compare(name: str, steps: int, *, stream_modes: bool = False) -> dict:
@@ -104,7 +104,7 @@ def family_configs(quick: bool) -> list[tuple[str, object]]:
     grid = [("short_one_wave", acc, steps) for acc in (128, 256, 512) for steps in (4, 8, 20)]
     grid += [("short_uniform", 128, steps) for steps in (4, 8)]
     if quick:
-        grid = [("short_one_wave", 128, 4), ("short_one_wave", 256, 8)]
+        grid = [("short_one_wave", 128, 4)]
     out = []
     for name, acc, steps in grid:
         for to_train, to_rollout in FAMILY_SWITCHES:
@@ -151,10 +151,9 @@ def speed(accelerators: int, steps: int) -> dict:
     return {"cpu_s": r.cpu_s, "events_per_s": eps, "events": r.events}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer steps and workloads: a smoke run")
-    args = ap.parse_args()
+def main(argv=None) -> dict:
+    bench = benchkit.Bench(__file__, __doc__, quick_help="fewer steps and workloads: a smoke run")
+    args = bench.parse(argv)
     t0 = time.perf_counter()
     q = args.quick
     steps = ({"large_run": 4, "short_one_wave": 6, "drift": 6, "short_one_wave_costly_switch": 6} if q else
@@ -221,7 +220,7 @@ def main():
         "bench_wall_s": round(time.perf_counter() - t0, 1),
         "quick": q,
     }
-    print(json.dumps(final))
+    return bench.emit(final, sizes={"steps": steps, "speed_accelerators": sorted(sp), "call_merge_steps": n_m})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ standalone per-step jitted call, not JetStream. On a tiny model (~1 ms/step) the
 fixed per-request costs (16 prefill calls, HTTP) dominate: ratio ~0.3-0.5.
 
     python tools/bench_serving.py                 # ~5 min on 2 CPU cores
-    python tools/bench_serving.py --d_model 128 --n_layers 2 --d_ff 512 --rounds 2   # quick
+    python tools/bench_serving.py --d_model 128 --n_layers 2 --d_ff 512 --rounds 2   # smaller
+    python tools/bench_serving.py --quick         # a smoke run: 2 slots of a 1-layer model, 8 tokens each
     python tools/bench_serving.py --profile_mock  # JetStream's own TestEngine in its Driver
 """
 from __future__ import annotations
@@ -39,16 +40,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import benchkit  # noqa: E402 (tools/, beside this script)
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+QUICK = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_len=64, batch=2, prompt_len=8, new_tokens=8,
+             rounds=1, tokens_per_call=4)
+
+
+def parse_args(argv=None, bench=None):
+    bench = bench or benchkit.Bench(__file__, __doc__, quick=QUICK)
+    p = bench.parser
     p.add_argument("--d_model", type=int, default=512)
     p.add_argument("--n_layers", type=int, default=4)
     p.add_argument("--n_heads", type=int, default=8)
@@ -62,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens_per_call", type=int, default=8, help="decode steps per engine generate call")
     p.add_argument("--profile_mock", action="store_true", help="time JetStream's TestEngine through its Driver")
     p.add_argument("--client", nargs=5, metavar=("URL", "BATCH", "PROMPT_LEN", "NEW", "STREAM"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return bench.parse(argv)
 
 
 # ---- client (runs in its own process) -------------------------------------------------
@@ -92,9 +98,9 @@ def client_main(url, batch, prompt_len, new, stream):
     async def main():
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*(one(s, i) for i in range(batch)))
-            return sum(counts), time.perf_counter() - t0
+            with benchkit.Stopwatch() as sw:
+                counts = await asyncio.gather(*(one(s, i) for i in range(batch)))
+            return sum(counts), sw.s
 
     tokens, wall = asyncio.run(main())
     print(json.dumps({"tokens": tokens, "wall_s": wall}))
@@ -156,9 +162,7 @@ class Plain:
         self.run()
 
     def run(self):
-        t0 = time.perf_counter()
-        self.jax.block_until_ready(self.loop(*self.args))
-        return time.perf_counter() - t0
+        return benchkit.timed(lambda: self.jax.block_until_ready(self.loop(*self.args)))[1]
 
 
 class EngineApi:
@@ -181,15 +185,15 @@ class EngineApi:
 
         e, a = self.e, self.a
         ds = e.init_decode_state()
-        t0 = time.perf_counter()
-        for i, p in enumerate(_prompts(a)):
-            inp = PrefillInput(f"api-{i}-{time.time_ns()}", p[:-1], int(p[-1]), 0,
-                               SamplingParams(max_tokens=a.new_tokens, temperature=0.0))
-            ds = e.insert(e.prefill(params=e.params_ref, padded_tokens=inp, true_length=0), ds, i)
-        for _ in range(-(-a.new_tokens // e.tokens_per_call)):
-            ds, res = e.generate(e.params_ref, ds)
-        jax.block_until_ready(res.data)
-        return time.perf_counter() - t0
+        with benchkit.Stopwatch() as sw:
+            for i, p in enumerate(_prompts(a)):
+                inp = PrefillInput(f"api-{i}-{time.time_ns()}", p[:-1], int(p[-1]), 0,
+                                   SamplingParams(max_tokens=a.new_tokens, temperature=0.0))
+                ds = e.insert(e.prefill(params=e.params_ref, padded_tokens=inp, true_length=0), ds, i)
+            for _ in range(-(-a.new_tokens // e.tokens_per_call)):
+                ds, res = e.generate(e.params_ref, ds)
+            jax.block_until_ready(res.data)
+        return sw.s
 
 
 class Driver:
@@ -213,7 +217,7 @@ class Driver:
         a = self.a
 
         async def go():
-            t0 = time.perf_counter()
+            sw = benchkit.Stopwatch.started()
             streams = [self.b.submit(GenerateRequest(request_id=f"drv-{i}-{time.time_ns()}", prompt_ids=p,
                                                      sampling=SamplingParams(max_tokens=a.new_tokens, temperature=0.0)))
                        for i, p in enumerate(_prompts(a))]
@@ -226,7 +230,7 @@ class Driver:
 
             n = sum(await asyncio.gather(*(drain(st) for st in streams)))
             assert n == a.batch * a.new_tokens, n
-            return time.perf_counter() - t0
+            return sw.s
 
         return asyncio.run(go())
 
@@ -277,7 +281,7 @@ class Served:
         self.store.close()
 
 
-def profile_mock():
+def profile_mock(bench):
     """JetStream's own TestEngine through its Driver: per-call engine time vs wall time."""
     import asyncio
 
@@ -330,12 +334,14 @@ def profile_mock():
         print(f"{k:10s} {sum(x > 0 for x in v):3d} {sum(v):12.2f}")
     print(f"request wall {wall:.2f}s, engine calls {engine_s:.2f}s, orchestrator overhead {wall - engine_s:.3f}s, "
           f"Driver.stop() {stop_s:.2f}s")
-    print(json.dumps({"mock_request_wall_s": round(wall, 3), "mock_engine_s": round(engine_s, 3),
-                      "orchestrator_overhead_s": round(wall - engine_s, 3), "driver_stop_s": round(stop_s, 3)}))
+    return bench.emit({"mock_request_wall_s": round(wall, 3), "mock_engine_s": round(engine_s, 3),
+                       "orchestrator_overhead_s": round(wall - engine_s, 3), "driver_stop_s": round(stop_s, 3)},
+                      sizes={"batch_size": 8, "cache_length": 32, "max_tokens": 4})
 
 
 def main(argv=None):
-    a = parse_args(argv)
+    bench = benchkit.Bench(__file__, __doc__, quick=QUICK)
+    a = parse_args(argv, bench)
     if a.client:
         url, batch, pl, new, stream = a.client
         return client_main(url, int(batch), int(pl), int(new), bool(int(stream)))
@@ -343,7 +349,7 @@ def main(argv=None):
 
     jax.config.update("jax_num_cpu_devices", 1)
     if a.profile_mock:
-        return profile_mock()
+        return profile_mock(bench)
     import tempfile
 
     from gyre_jax.model import ModelConfig, count_params, init_params
@@ -384,18 +390,21 @@ def main(argv=None):
             if hasattr(w, "close"):
                 w.close()
         tmp.cleanup()
-    rate = {k: a.batch * a.new_tokens / statistics.median(v) for k, v in times.items()}
+    rate = {k: a.batch * a.new_tokens / benchkit.median(v) for k, v in times.items()}
     plain = rate[ways[0].name]
     print(f"\n{'path (median of ' + str(a.rounds) + ' rounds)':34s} {'tokens/s':>10s} {'vs plain':>9s}")
     for k, v in rate.items():
         print(f"{k:34s} {v:10,.0f} {v / plain:9.2f}")
     w_, s_ = rate[ways[3].name], rate[ways[4].name]
-    print(json.dumps({"served_tokens_per_s": round(w_, 1), "plain_tokens_per_s": round(plain, 1),
+    return bench.emit({"served_tokens_per_s": round(w_, 1), "plain_tokens_per_s": round(plain, 1),
                       "ratio": round(w_ / plain, 3), "served_stream_tokens_per_s": round(s_, 1),
                       "ratio_stream": round(s_ / plain, 3), "engine_api_tokens_per_s": round(rate[ways[1].name], 1),
                       "driver_tokens_per_s": round(rate[ways[2].name], 1), "batch": a.batch,
                       "new_tokens": a.new_tokens, "tokens_per_call": a.tokens_per_call,
-                      "params_m": round(count_params(params) / 1e6, 2)}))
+                      "params_m": round(count_params(params) / 1e6, 2)},
+                     sizes=dict(d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                                d_ff=a.d_ff, max_len=a.max_len, batch=a.batch, prompt_len=a.prompt_len,
+                                new_tokens=a.new_tokens, rounds=a.rounds, tokens_per_call=a.tokens_per_call))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,9 +76,7 @@ def main(argv=None) -> dict:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
 
-    t0 = time.perf_counter()
-    calls, outcome = _rollout(args.preset, args.seed)
-    gen_s = time.perf_counter() - t0
+    (calls, outcome), gen_s = benchkit.timed(_rollout, args.preset, args.seed)
     recorded = sum(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
     max_ctx = max(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in calls)
     base_L = args.row_len or -(-max_ctx // 1024) * 1024

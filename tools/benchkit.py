@@ -68,7 +68,15 @@ def median(xs: Iterable[float]) -> float:
 
 
 class Stopwatch:
-    """``with Stopwatch() as sw: ...`` then ``sw.s``: the seconds the block took (so far, inside it)."""
+    """``with Stopwatch() as sw: ...`` then ``sw.s``: the seconds the block took (so far, inside it).
+    ``Stopwatch.started()`` starts one without a block (a span across awaits or branches)."""
+
+    def __init__(self) -> None:
+        self.t0, self.end = time.perf_counter(), None
+
+    @classmethod
+    def started(cls) -> Stopwatch:
+        return cls()
 
     def __enter__(self) -> Stopwatch:
         self.t0, self.end = time.perf_counter(), None
@@ -120,6 +128,12 @@ def host() -> dict[str, Any]:
 
 
 # ---- arguments and the final line ----------------------------------------------------------
+def tool_parser(file: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser every script under tools/ starts from: its file name as ``prog``, its docstring as the help."""
+    return argparse.ArgumentParser(prog=os.path.basename(file), description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 class Bench:
     """One bench run: its parser (``--quick`` included), the load when it started, its final JSON line."""
 
@@ -127,8 +141,7 @@ class Bench:
                  quick_help: str | None = None, name: str | None = None):
         self.name = name or os.path.splitext(os.path.basename(file))[0]
         self.quick = dict(quick or {})
-        self.parser = argparse.ArgumentParser(prog=os.path.basename(file), description=doc,
-                                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.parser = tool_parser(file, doc)
         shrunk = ", ".join(f"{k}={v}" for k, v in self.quick.items())
         self.parser.add_argument("--quick", action="store_true", help=quick_help or (
             "a smoke run of a few seconds" + (f" ({shrunk})" if shrunk else "") + "; its numbers are not the benchmark's"))

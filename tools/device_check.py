@@ -1,10 +1,10 @@
 """One command for the day a GPU or TPU is lent: is the device path right, and how near its peaks?
 
     python tools/device_check.py            # on one GPU/TPU: ~1B model, bfloat16; under 8 minutes
-    python tools/device_check.py --dry      # any CPU: tiny shapes, Pallas in interpret mode; ~15 s
+    python tools/device_check.py --dry      # any CPU: tiny shapes, Pallas in interpret mode; ~15 s (= --quick)
 
-Prints ONE JSON line (and nothing else on stdout), each check independent: a check that
-fails records ``<check>_error`` and the rest still run.
+Prints ONE JSON line (and nothing else on stdout; tools/benchkit.py's header first), each check
+independent: a check that fails records ``<check>_error`` and the rest still run.
 
 * ``tree_attention_max_diff_vs_xla`` / ``_vs_dense``: the Pallas tree-attention kernel
   (gyre_jax/model/tree_attention_pallas.py; ``pallas`` on the device, ``pallas_interpret``
@@ -24,17 +24,16 @@ fails records ``<check>_error`` and the rest still run.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+
+import benchkit  # noqa: E402
 
 # Dense bf16 FLOP/s and HBM bytes/s per chip, from the vendors' spec sheets (device_kind substring).
 PEAKS = {
@@ -75,13 +74,7 @@ def tree_row(length: int, seed: int = 0):
 def _time(fn, repeats: int) -> float:
     import jax
 
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return benchkit.median_of(lambda: jax.block_until_ready(fn()), repeats, warmup=1)
 
 
 def check_tree_attention(p, dry: bool) -> dict:
@@ -150,9 +143,7 @@ def check_train(mc, p) -> dict:
     state = spec.state_from_params(params, cell.train_mesh)
     mb = device_micro_batch(policy_row(mc, p["row_len"]))
     batch = jax.device_put({k: v[None] for k, v in mb.items()})
-    t0 = time.perf_counter()
-    compiled = steps.train_step(cell.train_mesh).lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = benchkit.timed(lambda: steps.train_step(cell.train_mesh).lower(state, batch).compile())
     box = [state]
 
     def run():
@@ -186,9 +177,7 @@ def check_decode(mc, p) -> dict:
 
     cache = decode.init_cache(mc, s, max_len).replace(lengths=jnp.full((s,), p["context"], jnp.int32))
     tok = jnp.ones((s,), jnp.int32)
-    t0 = time.perf_counter()
-    fn = jax.jit(loop, donate_argnums=2).lower(params, tok, cache).compile()
-    compile_s = time.perf_counter() - t0
+    fn, compile_s = benchkit.timed(lambda: jax.jit(loop, donate_argnums=2).lower(params, tok, cache).compile())
     box = [tok, cache]
 
     def run():
@@ -211,9 +200,10 @@ def run_check(out: dict, name: str, fn, *a) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry", action="store_true", help="tiny shapes, Pallas interpret mode: any CPU, ~15 s")
-    args = ap.parse_args(argv)
+    bench = benchkit.Bench(__file__, __doc__, quick_help="the same as --dry")
+    bench.parser.add_argument("--dry", action="store_true", help="tiny shapes, Pallas interpret mode: any CPU, ~15 s")
+    args = bench.parse(argv)
+    args.dry = args.dry or args.quick
     import jax
 
     from bench_roofline import measure_matmul_flops, measure_memory_bw
@@ -224,7 +214,7 @@ def main(argv=None) -> dict:
     peak_flops, peak_bw = spec_peaks(dev.device_kind)
     out: dict = {"device_kind": dev.device_kind, "platform": dev.platform, "dry": args.dry, "dtype": p["dtype"],
                  "spec_peak_flops": peak_flops, "spec_hbm_bytes_per_s": peak_bw}
-    t_all = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     run_check(out, "tree_attention", check_tree_attention, p, args.dry)
     run_check(out, "paged_attention", check_paged_attention, p, args.dry)
     mc = ModelConfig(**(MODEL_DRY if args.dry else MODEL_1B), dtype=p["dtype"], param_dtype=p["dtype"],
@@ -247,10 +237,9 @@ def main(argv=None) -> dict:
         out["decode_fraction_of_hbm_bw"] = bps / peak_bw if peak_bw else None
         if out.get("memory_bytes_per_s"):
             out["decode_fraction_of_measured_bw"] = bps / out["memory_bytes_per_s"]
-    out["wall_s"] = time.perf_counter() - t_all
+    out["wall_s"] = sw.s
     out["sizes"] = types.SimpleNamespace(**p).__dict__ | {"model": "dry" if args.dry else "1B"}
-    print(json.dumps(out), flush=True)
-    return out
+    return bench.emit(out)  # its "sizes" field is the header's
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 set -u
 cd "$(dirname "$0")/.."
 W=${1:-/tmp/gyre_double_kill}; rm -rf "$W" "$W".*.log; mkdir -p "$W"
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)  # for the JSON header (tools/benchkit.py)
 ARGS="--config configs/demo.py --workdir $W --config.sft.steps=20 --config.steps=10 --config.checkpoint_every=8 --config.eval.every=0"
 .venv/bin/python -m launch.main $ARGS > "$W.1.log" 2>&1 & pid=$!
 for _ in $(seq 1 600); do grep -q "step 3/10" "$W.1.log" 2>/dev/null && break; sleep 1; done
@@ -23,10 +24,14 @@ kill -9 $pid; wait $pid 2>/dev/null
 echo "attempt 2: $(grep -h 'resumed from' "$W.2.log" | cut -c1-160); kill -9 $when"
 .venv/bin/python -m launch.main $ARGS > "$W.3.log" 2>&1; rc=$?
 echo "attempt 3: rc=$rc; $(grep -h 'resumed from' "$W.3.log" | cut -c1-160)"
-.venv/bin/python - "$W" "$rc" <<'PY'
-import json, sys
+.venv/bin/python - "$W" "$rc" "$LOAD0" "$SECONDS" <<'PY'
+import json, os, sys
+sys.path.insert(0, "tools")
+import benchkit
 from gyre_jax.trajectory.store import TrajectoryStore
 w, rc = sys.argv[1], int(sys.argv[2])
+bench = benchkit.Bench("double_kill.sh", None)
+bench.load_before, bench.t0 = [float(x) for x in sys.argv[3].split()], bench.t0 - float(sys.argv[4])
 s = json.load(open(f"{w}/elastic/summary.json"))
 with TrajectoryStore(f"{w}/elastic/store", run_id="rl", writable=False) as st:
     outs = {r: st.outcome(r) for r in st.complete_rollouts()}
@@ -39,5 +44,5 @@ from gyre_jax.rl.audit import audit_workdir
 au = audit_workdir(f"{w}/elastic", group_size=8, staleness_bound=1)  # configs/demo.py's
 out.update({k: au[k] for k in ("rollouts_trained_twice", "groups_short", "max_staleness_over_bound",
                                "duplicate_steps", "oversized_steps", "extra_groups")})
-print(json.dumps(out))
+bench.emit(out, sizes={"steps": 10, "sft_steps": 20, "checkpoint_every": 8, "second_kill": "at step 1" if os.environ.get("AT") == "step" else "12 s into the resume"})
 PY

@@ -18,11 +18,12 @@ the base model is neither always wrong nor always right (numbers: README "Real m
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import shlex
+
+import benchkit
 
 _WORDS = ("apple banana cherry grape lemon mango melon olive peach pear plum berry "
           "red blue green black white yellow orange purple silver golden "
@@ -186,7 +187,7 @@ def generate(n_train: int, n_eval: int, seed: int = 0, families=None) -> list[di
 
 def main():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchkit.tool_parser(__file__, __doc__)
     ap.add_argument("--train", type=int, default=320)
     ap.add_argument("--eval", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

@@ -20,7 +20,6 @@ Kubernetes JobSet (one pod per host, JAX_COORDINATOR_ADDRESS etc. in its env).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -28,6 +27,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import benchkit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     cut = argv.index("--")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchkit.tool_parser(__file__, __doc__)
     ap.add_argument("-n", "--num_processes", type=int, required=True)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--devices_per_process", type=int, default=2)

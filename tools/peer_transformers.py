@@ -15,10 +15,10 @@ A ``.gguf`` path loads with ``from_pretrained(dir, gguf_file=name)`` (dequantize
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import time
+
+import benchkit  # tools/, beside this script: stdlib only, so it loads in the peer's own venv
 
 
 def load(path: str, threads: int):
@@ -28,9 +28,7 @@ def load(path: str, threads: int):
     torch.set_num_threads(threads)
     kw = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
     d = os.path.dirname(path) if path.endswith(".gguf") else path
-    t0 = time.perf_counter()
-    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
-    return m, time.perf_counter() - t0
+    return benchkit.timed(lambda: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval())
 
 
 def reference(args) -> dict:
@@ -63,30 +61,26 @@ def speed(args) -> dict:
         mask = torch.ones_like(x)
         with torch.no_grad():
             m.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=2, pad_token_id=m.config.eos_token_id)
-            t0 = time.perf_counter()
-            out = m.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new,
-                             pad_token_id=m.config.eos_token_id)
-            dt = time.perf_counter() - t0
+            out, dt = benchkit.timed(m.generate, x, attention_mask=mask, do_sample=False, max_new_tokens=args.new,
+                                     min_new_tokens=args.new, pad_token_id=m.config.eos_token_id)
         res["decode"][str(b)] = {"s": dt, "tokens": b * args.new, "tok_s": b * args.new / dt,
                                  "greedy_row0": out[0, len(ids):].tolist()}
     if args.train_len:
         m.train()
         g = torch.Generator().manual_seed(0)
         row = torch.randint(0, m.config.vocab_size, (1, args.train_len), generator=g)
-        times = []
-        for _ in range(args.train_reps + 1):
-            t0 = time.perf_counter()
-            loss = m(input_ids=row, labels=row).loss
-            loss.backward()
+
+        def step():
+            m(input_ids=row, labels=row).loss.backward()
             m.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
-        best = min(times[1:])
+
+        best = benchkit.best_of(step, args.train_reps, warmup=1)
         res["train"] = {"len": args.train_len, "s": best, "tok_s": args.train_len / best}
     return res
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchkit.tool_parser(__file__, __doc__)
     ap.add_argument("what", choices=("reference", "speed"))
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt-ids", required=True, help="JSON list of token ids")

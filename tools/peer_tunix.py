@@ -44,6 +44,8 @@ from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.models.qwen3 import model as qwen3
 
+import benchkit  # tools/, beside this script: stdlib only, so it loads in the peer's own venv
+
 
 class IdTokenizer:
     """Text = space-separated token ids (the bench has no vocabulary; Tunix's Sampler takes strings)."""
@@ -65,9 +67,9 @@ class IdTokenizer:
 
 
 def _timed(fn) -> dict:
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    return {"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    c0 = time.process_time()
+    _, s = benchkit.timed(fn)
+    return {"s": s, "cpu_s": time.process_time() - c0}
 
 
 def build(shape, dtype):
@@ -154,17 +156,17 @@ def main():
         try:
             op = req["op"]
             if op == "train_setup":
-                t0 = time.perf_counter()
-                train = Train(model, cfg, a["row_len"])
-                train.once()
-                out = {"compile_and_first_s": time.perf_counter() - t0, "loss": train.loss}
+                with benchkit.Stopwatch() as sw:
+                    train = Train(model, cfg, a["row_len"])
+                    train.once()
+                out = {"compile_and_first_s": sw.s, "loss": train.loss}
             elif op == "train":
                 out = dict(_timed(train.once), tokens=a["row_len"])
             elif op == "decode_setup":
-                t0 = time.perf_counter()
-                d = decode[req["slots"]] = Decode(model, cfg, req["slots"], a["context"], a["decode_steps"])
-                d.once()
-                out = {"setup_s": time.perf_counter() - t0, "cache_size": d.cache_size, "steps": d.steps,
+                with benchkit.Stopwatch() as sw:
+                    d = decode[req["slots"]] = Decode(model, cfg, req["slots"], a["context"], a["decode_steps"])
+                    d.once()
+                out = {"setup_s": sw.s, "cache_size": d.cache_size, "steps": d.steps,
                        "public_call_tokens": d.public_tokens[0]}
             elif op == "decode":
                 d = decode[req["slots"]]

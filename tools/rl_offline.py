@@ -29,18 +29,20 @@ where the reward falls.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import benchkit  # noqa: E402 (tools/, beside this script)
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+QUICK = dict(steps=1, groups=2, group_size=2, sft_steps=4, eval_every=1, eval_tasks=1)
+
+
+def parse_args(argv=None, bench=None):
+    bench = bench or benchkit.Bench(__file__, __doc__, quick=QUICK)
+    p = bench.parser
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--groups", type=int, default=8, help="tasks per step")
     p.add_argument("--group_size", type=int, default=8, help="samples per task")
@@ -56,11 +58,12 @@ def parse_args(argv=None):
     p.add_argument("--eval_tasks", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--line_search", action="store_true")
-    return p.parse_args(argv)
+    return bench.parse(argv)
 
 
 def main(argv=None) -> dict:
-    a = parse_args(argv)
+    bench = benchkit.Bench(__file__, __doc__, quick=QUICK)
+    a = parse_args(argv, bench)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -91,10 +94,9 @@ def main(argv=None) -> dict:
     mc, h, t = cfg.model, cfg.harness, cfg.train
     tok = ByteTokenizer()
     stop = [tok.special["<|im_end|>"]]
-    t0 = time.perf_counter()
-    params, _ = fresh_params(cfg, tok)
+    (params, _), sft_s = benchkit.timed(fresh_params, cfg, tok)
     params = jax.device_get(params)
-    print(f"sft: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"sft: {cfg.sft.steps} steps in {sft_s:.1f}s", flush=True)
 
     eval_tasks = [make_task(cfg.task.family, 2**29 + s, **cfg.task.kwargs()) for s in range(a.eval_tasks)]
     held_out = HeldOutEval(mc, eval_tasks, tok, system_prompt=h.system_prompt or None, samples_per_task=8,
@@ -137,8 +139,12 @@ def main(argv=None) -> dict:
         return [make_task(cfg.task.family, (a.seed * 1_000_003 + step * a.groups + g) % 2**31, **cfg.task.kwargs())
                 for g in range(a.groups)]
 
+    sizes = dict(steps=a.steps, groups=a.groups, group_size=a.group_size, sft_steps=cfg.sft.steps,
+                 eval_tasks=a.eval_tasks, eval_every=a.eval_every, seed=a.seed, params=int(sum(
+                     x.size for x in jax.tree.leaves(params))))
     if a.line_search:
-        return line_search(params, batch_of(params, task_batch(0), jax.random.key(3))[0], loss_fn, held_out)
+        return line_search(params, batch_of(params, task_batch(0), jax.random.key(3))[0], loss_fn, held_out, bench,
+                           sizes)
 
     tx = make_optimizer(OptimizerConfig(learning_rate=a.lr, max_grad_norm=t.max_grad_norm, adam_b2=t.adam_b2,
                                         adam_eps=t.adam_eps), param_logical_axes(mc))
@@ -153,13 +159,13 @@ def main(argv=None) -> dict:
     key, evals, rewards = jax.random.key(a.seed + 1), [], []
     ent = float("nan")  # entropy of the last update (none before step 1)
     print(f"{'step':>5} {'eval_reward':>11} {'train_reward':>12} {'entropy':>8} {'steps/s':>8}", flush=True)
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     for step in range(a.steps + 1):
         if step % a.eval_every == 0 or step == a.steps:
             evals.append((step, held_out(params)["eval_reward"]))
             recent = float(np.mean(rewards[-a.eval_every:])) if rewards else float("nan")
             print(f"{step:5d} {evals[-1][1]:11.3f} {recent:12.3f} {float(ent):8.3f} "
-                  f"{step / max(time.perf_counter() - t0, 1e-9):8.2f}", flush=True)
+                  f"{step / max(sw.s, 1e-9):8.2f}", flush=True)
         if step == a.steps:
             break
         key, k = jax.random.split(key)
@@ -169,12 +175,11 @@ def main(argv=None) -> dict:
     out = {"eval_first": evals[0][1], "eval_last": evals[-1][1], "evals": evals, "steps": a.steps,
            "rollouts_per_step": a.groups * a.group_size, "lr": a.lr, "loss": t.loss, "advantage": t.advantage,
            "weights": t.weights, "kl_coef": t.kl_coef,
-           "sft_steps": cfg.sft.steps, "eval_samples": a.eval_tasks * 8, "seconds": time.perf_counter() - t0}
-    print(json.dumps(out), flush=True)
-    return out
+           "sft_steps": cfg.sft.steps, "eval_samples": a.eval_tasks * 8, "seconds": sw.s}
+    return bench.emit(out, sizes=sizes)
 
 
-def line_search(params, b, loss_fn, held_out) -> dict:
+def line_search(params, b, loss_fn, held_out, bench, sizes) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
@@ -196,9 +201,7 @@ def line_search(params, b, loss_fn, held_out) -> dict:
             lambda q, u: u / jnp.linalg.norm(leaf) if jax.tree_util.keystr(q) == name else jnp.zeros_like(u), unit)
         per_leaf[name] = held_out(jax.tree.map(lambda p, u: p - 0.3 * u, params, only))["eval_reward"]
         print(f"{name[:40]:<40} leaf alone, alpha=0.3: {per_leaf[name]:.3f}", flush=True)
-    out = {"line_search": whole, "per_leaf_alpha_0.3": per_leaf}
-    print(json.dumps(out), flush=True)
-    return out
+    return bench.emit({"line_search": whole, "per_leaf_alpha_0.3": per_leaf}, sizes=sizes)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ losses and the CPU seconds.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -32,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from gyre_jax.scheduler import baselines  # noqa: E402
 from gyre_jax.scheduler.policy import PolicyConfig, ToRollout, ToTrain  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 from gyre_jax.scheduler.simulator import simulate  # noqa: E402
 from gyre_jax.scheduler.workloads import (ClusterConfig, SimConfig, WorkloadConfig, batch_filling_cluster,  # noqa: E402
                                           mean_call_s, rollouts_for)
@@ -105,8 +106,9 @@ def replay(cfg: SimConfig) -> None:
             print(f"  t={d.time:9.1f}  {moves}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> dict | None:
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(cases=2, max_cells=4))
+    ap = bench.parser
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--switch", choices=sorted(SWITCH_RANGES), default="above_step")
@@ -114,12 +116,12 @@ def main():
     ap.add_argument("--max-cells", type=int, default=12)
     ap.add_argument("--tolerance", type=float, default=0.02)
     ap.add_argument("--replay", default="", help="SEED:INDEX of a printed case: rerun it with its switches listed")
-    a = ap.parse_args()
+    a = bench.parse(argv)
     kw = dict(switch=a.switch, max_cells=a.max_cells, blind=a.blind)
     if a.replay:
         seed, i = (int(x) for x in a.replay.split(":"))
         replay(draw(random.Random(seed * 1_000_003 + i), **kw))
-        return
+        return None
     cpu0, wall0 = time.process_time(), time.perf_counter()
     worst, losses = None, []
     for i in range(a.cases):
@@ -138,10 +140,11 @@ def main():
               f"[{time.process_time() - t0:.1f} s CPU; ETA {el / (i + 1) * (a.cases - i - 1):.0f} s]"
               f"{'  <-- LOSS' if loss else ''}", flush=True)
     assert worst is not None
-    print(json.dumps({"bench": "search_scheduler", "cases": a.cases, "seed": a.seed, "switch": a.switch,
-                      "blind": a.blind, "max_cells": a.max_cells, "tolerance": a.tolerance,
-                      "worst_elastic_over_best_fixed": round(worst[0], 4), "worst_case": worst[1],
-                      "worst_case_is": worst[2], "losses": losses, "cpu_s": round(time.process_time() - cpu0, 1)}))
+    return bench.emit({"cases": a.cases, "seed": a.seed, "switch": a.switch,
+                       "blind": a.blind, "max_cells": a.max_cells, "tolerance": a.tolerance,
+                       "worst_elastic_over_best_fixed": round(worst[0], 4), "worst_case": worst[1],
+                       "worst_case_is": worst[2], "losses": losses, "cpu_s": round(time.process_time() - cpu0, 1)},
+                      sizes=dict(cases=a.cases, seed=a.seed, switch=a.switch, blind=a.blind, max_cells=a.max_cells))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,10 @@ records read back from the store.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
-import time
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,6 +23,8 @@ from gyre_jax.trajectory.store import StoreConfig, TrajectoryStore  # noqa: E402
 from gyre_jax.trajectory.synth import PRESETS, preset, synth_rollout  # noqa: E402
 from gyre_jax.trajectory.tree import rebuild  # noqa: E402
 from gyre_jax.trajectory.vocab import ROLES  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -40,18 +40,21 @@ def _parse_set(items: list[str]) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = benchkit.Bench(__file__, __doc__, quick=dict(set=["num_groups=1", "group_size=2"]))
+    ap = bench.parser
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, help="store directory (created; must not hold a store already)")
+    ap.add_argument("--out", default="", help="store directory (created; must not hold a store already); "
+                    "default: a new temp directory")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a SynthConfig field")
     ap.add_argument("--fsync", default="never", choices=("always", "interval", "never"))
     ap.add_argument("--no-rebuild", action="store_true", help="skip rebuilding each tree (faster)")
-    args = ap.parse_args(argv)
+    args = bench.parse(argv)
+    args.out = args.out or tempfile.mkdtemp(prefix="gyre_synth_")
     cfg = preset(args.preset, **_parse_set(args.set))
     if os.path.exists(os.path.join(args.out, "meta.json")):
         raise SystemExit(f"{args.out} already holds a store; pick a new directory")
     rows = []
-    t0 = time.perf_counter()
+    sw = benchkit.Stopwatch.started()
     n = cfg.num_groups * cfg.group_size
     with TrajectoryStore(args.out, run_id=cfg.run_id, config=StoreConfig(fsync=args.fsync, vocab_size=cfg.vocab_size)) as st:
         for k in tqdm(range(n), desc="rollouts", unit="rollout", disable=n < 4):
@@ -65,9 +68,8 @@ def main(argv=None) -> dict:
                        max_prompt=max(c.prompt_ids.shape[0] for c in calls))
             if not args.no_rebuild:
                 back = st.calls(outcome.rollout_id)
-                t = time.perf_counter()
-                rt = rebuild(back)
-                row.update(unique=rt.unique_tokens, trainable=rt.trainable_tokens, rebuild_s=time.perf_counter() - t)
+                rt, rebuild_s = benchkit.timed(rebuild, back)
+                row.update(unique=rt.unique_tokens, trainable=rt.trainable_tokens, rebuild_s=rebuild_s)
             rows.append(row)
         stats = st.stats()
     cols = list(rows[0])
@@ -77,14 +79,14 @@ def main(argv=None) -> dict:
     result = dict(
         preset=args.preset, out=os.path.abspath(args.out), rollouts=len(rows), calls=stats.calls,
         recorded_tokens=sum(r["recorded"] for r in rows), max_prompt_tokens=max(r["max_prompt"] for r in rows),
-        log_bytes=stats.log_bytes, seconds=time.perf_counter() - t0,
+        log_bytes=stats.log_bytes, seconds=sw.s,
     )
     if not args.no_rebuild:
         result.update(unique_tokens=sum(r["unique"] for r in rows), trainable_tokens=sum(r["trainable"] for r in rows),
                       rebuild_seconds=sum(r["rebuild_s"] for r in rows),
                       max_rebuild_seconds=max(r["rebuild_s"] for r in rows))
-    print(json.dumps(result))
-    return result
+    return bench.emit(result, sizes=dict(preset=args.preset, overrides=args.set, rollouts=len(rows),
+                                         fsync=args.fsync, rebuild=not args.no_rebuild))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,12 @@ from gyre_jax.agents.scoring import Checks, Grade
 RUNNER_LINE_BYTES = 65536  # a result line longer than this is not a result (the rest of it is skipped)
 
 
-def run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str, dict]:
+def run_module_checks(workspace: Path, mod: dict, timeout_s: float, total_s: float | None = None) -> dict[str, dict]:
     """The check runner's results by check name: only well-formed lines naming one of this
     module's checks are kept (agent code can write on the runner's result channel; a line
-    it forges cannot crash the grader, and its output cannot fill the grader's memory)."""
+    it forges cannot crash the grader, and its output cannot fill the grader's memory).
+    ``timeout_s``: per call; ``total_s``: the whole runner at most (a function that hangs in every
+    case must not keep the grader past its own time limit: that was a verifier error)."""
     from gyre_jax.agents.capture import BoundedCapture, drain_thread
 
     spec = {"module": mod["import"], "case_timeout_s": timeout_s,  # the arguments only: never the answers
@@ -54,7 +56,8 @@ def run_module_checks(workspace: Path, mod: dict, timeout_s: float) -> dict[str,
             fired.set()
             _kill_group(proc)
 
-        timer = threading.Timer(timeout_s * (n_cases + 1) + 10, on_timeout)
+        limit = timeout_s * (n_cases + 1) + 10
+        timer = threading.Timer(limit if total_s is None else max(0.1, min(limit, total_s)), on_timeout)
         timer.start()
         assert proc.stdin is not None and proc.stdout is not None  # both are pipes (Popen above)
         try:
@@ -111,9 +114,13 @@ def same_json(a, b) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def grade_calls(tree: Path, calls: Sequence[dict[str, Any]], timeout_s: float) -> Grade:
+def grade_calls(tree: Path, calls: Sequence[dict[str, Any]], timeout_s: float, total_s: float | None = None) -> Grade:
     """Score = the fraction of ``calls`` (``{"call": "pkg.mod:fn", "args": [...], "expected": v}``)
-    whose function returned ``expected``; one runner process per module."""
+    whose function returned ``expected``; one runner process per module, ``timeout_s`` per call,
+    ``total_s`` for all of them (calls without a result by then score 0)."""
+    import time
+
+    deadline = None if total_s is None else time.monotonic() + total_s
     modules: dict[str, dict[str, list]] = {}
     for c in calls:
         module, _, fn = c["call"].partition(":")
@@ -121,7 +128,7 @@ def grade_calls(tree: Path, calls: Sequence[dict[str, Any]], timeout_s: float) -
     checks = Checks()
     for module, fns in modules.items():
         mod = {"import": module, "functions": [{"name": fn, "cases": cases} for fn, cases in fns.items()]}
-        results = run_module_checks(tree, mod, timeout_s)
+        results = run_module_checks(tree, mod, timeout_s, None if deadline is None else deadline - time.monotonic())
         why = results.get("_why_missing", {}).get("note", "")
         if import_check_name(module) in results and not results[import_check_name(module)]["ok"]:
             why = f"{module} did not import: {results[import_check_name(module)]['note']}"

@@ -12,6 +12,11 @@
 It returns the audit: paths carried and deleted, and by category the policy's paths that were
 refused (``tree_rules.CATEGORIES``), with a few examples each. A file the policy left as the
 task shipped it is not a write, whatever its category (the task's own ``conftest.py``).
+
+What laying the policy's changes costs is bounded by the policy's own tree, never by the grader's
+time limit: files are copied sparse (a file of holes stays one: a workspace of 128 MiB sparse files
+must not become gigabytes written in the grader's time), and at most ``MAX_CHANGED_FILES`` new or
+changed files are carried (the rest are refused, ``over_limit``).
 """
 from __future__ import annotations
 
@@ -25,10 +30,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gyre_jax.agents.sparse_copy import copy_extents
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tree_rules import CATEGORIES, IGNORED, Rules, command_files, test_file_of
+from gyre_jax.agents.tree_rules import (CATEGORIES, IGNORED, Rules, command_files, command_tool_names, installed_names,
+                                        test_file_of)
 
 EXAMPLES_PER_CATEGORY = 5
+# The policy's new or changed files laid into a graded tree at most (an honest change is a few files; a
+# workspace of 65536 empty files took the grader past its time limit, a verifier error instead of a 0).
+MAX_CHANGED_FILES = 10_000
 _GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1"}
 
 
@@ -114,6 +124,29 @@ def protected_paths(task: Task) -> set[str]:
     return out
 
 
+def protection(task: Task, shipped) -> tuple[set[str], frozenset[str]]:
+    """(protected paths, file names protected wherever they are) of ``task``, whose own tree holds
+    the files ``shipped``: ``protected_paths``, the shipped files its grader command runs and the
+    configuration of the tools it runs (``tree_rules.command_tool_names``)."""
+    command = str(task.params.get("grader_command", ""))
+    return protected_paths(task) | command_files(command, shipped), command_tool_names(command)
+
+
+def task_rules(task: Task, base: dict[str, str], snap: dict[str, str] | None = None) -> Rules:
+    """The rules for ``task`` whose own tree is the listing ``base`` (``listing``), the policy's
+    tree ``snap``."""
+    from gyre_jax.agents import grader_sandbox
+
+    shipped = [r for r, k in base.items() if k == "file"]
+    protected, names = protection(task, shipped)
+    def packages(listing):
+        return {r.rsplit("/", 1)[0] if "/" in r else "" for r, k in listing.items()
+                if k == "file" and r.rsplit("/", 1)[-1] == "__init__.py"} - {""}
+    envs = installed_names(grader_sandbox.ro_paths(task.params.get("grader_ro_paths", ())))
+    return Rules(solution_paths=task.solution_paths, protected=protected, protected_names=names,
+                 package_dirs=packages({**base, **(snap or {})}), base_packages=packages(base), names=envs)
+
+
 def build_graded_tree(task: Task, snapshot: str | os.PathLike, dest: str | os.PathLike, *,
                       cache_dir: str | os.PathLike | None = None, carry_deletions: bool = True) -> dict[str, Any]:
     """Lay the graded tree in ``dest`` (must not exist); returns the audit (module docstring).
@@ -123,25 +156,23 @@ def build_graded_tree(task: Task, snapshot: str | os.PathLike, dest: str | os.Pa
         shutil.copytree(cached_base(task, Path(cache_dir)), dest, symlinks=True)
     else:
         build_base(task, dest)
-    base = _listing(dest)
-    snap = _listing(snapshot)
-    shipped = [r for r, k in base.items() if k == "file"]
-    protected = protected_paths(task) | command_files(str(task.params.get("grader_command", "")), shipped)
-    packages = {r.rsplit("/", 1)[0] if "/" in r else "" for r, k in {**base, **snap}.items()
-                if k == "file" and r.rsplit("/", 1)[-1] == "__init__.py"}
-    rules = Rules(solution_paths=task.solution_paths, protected=protected, package_dirs=packages - {""})
-    audit = _Audit()
+    base = listing(dest)
+    snap = listing(snapshot)
+    rules = task_rules(task, base, snap)
+    audit = _Audit(str(dest), str(snapshot), {r for r, k in base.items() if k == "dir"})
     for rel in sorted(r for r, k in base.items() if k == "file" and snap.get(r) != "file"):
         if carry_deletions or snap.get(rel) == "dir":  # a directory where the file was is a change
-            audit.delete(dest, rel, rules)
+            audit.delete(rel, rules)
     for rel in sorted(r for r, k in snap.items() if k == "file"):
-        audit.carry(dest, snapshot, rel, rules, base)
+        audit.carry(rel, rules, base)
     lay_files(dest, dict(task.hidden_files))
     return audit.to_dict()
 
 
 class _Audit:
-    def __init__(self):
+    def __init__(self, dest: str, snapshot: str, dirs: set[str]):
+        self.dest, self.snapshot = dest, snapshot
+        self.dirs = dirs  # relative paths known to be real directories in dest (no lstat per file)
         self.carried = self.deleted = 0
         self.refused = dict.fromkeys(CATEGORIES, 0)
         self.examples: dict[str, list[str]] = {c: [] for c in CATEGORIES}
@@ -153,58 +184,71 @@ class _Audit:
         if len(self.examples[category]) < EXAMPLES_PER_CATEGORY:
             self.examples[category].append(rel)
 
-    def delete(self, dest: Path, rel: str, rules: Rules) -> None:
-        why = rules.refusal(rel, new=False)
+    def delete(self, rel: str, rules: Rules) -> None:
+        why = rules.refusal(rel, new=False, deleted=True)
         if why is not None:
             return self.refuse(why, rel)
-        _remove(dest / rel)
+        _remove(Path(self.dest, rel))
         self.deleted += 1
 
-    def carry(self, dest: Path, snapshot: Path, rel: str, rules: Rules, base: dict[str, str]) -> None:
-        src, base_kind = snapshot / rel, base.get(rel)
-        if base_kind == "file" and _same_file(src, dest / rel):
+    def carry(self, rel: str, rules: Rules, base: dict[str, str]) -> None:
+        src, dst, base_kind = os.path.join(self.snapshot, rel), os.path.join(self.dest, rel), base.get(rel)
+        if base_kind == "file" and _same_file(src, dst):
             return  # as the task shipped it: not a write
         why = rules.refusal(rel, new=base_kind is None)
         if why is None and base_kind == "dir":  # the policy's file where the task has a directory
             why = next((w for r, k in base.items() if k == "file" and r.startswith(rel + "/")
-                        for w in [rules.refusal(r, new=False)] if w is not None), None)
+                        for w in [rules.refusal(r, new=False, deleted=True)] if w is not None), None)
         if why is None:
-            why = self._blocked_parent(dest, rel, rules)
+            why = self._blocked_parent(rel, rules)
+        if why is None and self.carried >= MAX_CHANGED_FILES:
+            why = "over_limit"
         if why is not None:
             return self.refuse(why, rel)
-        path = _make_parents(dest, rel.split("/"))
+        self._make_parents(rel)
         mode = 0o644
-        try:
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode):
-                mode = stat.S_IMODE(st.st_mode)  # the task's executable bit stays
-        except FileNotFoundError:
-            pass
-        _remove(path)
-        _copy_into(src, path, mode)
+        if base_kind is not None:
+            try:
+                st = os.lstat(dst)
+                if stat.S_ISREG(st.st_mode):
+                    mode = stat.S_IMODE(st.st_mode)  # the task's executable bit stays
+            except FileNotFoundError:
+                pass
+            _remove(Path(dst))
+        _copy_into(src, dst, mode)
         self.carried += 1
 
-    @staticmethod
-    def _blocked_parent(dest: Path, rel: str, rules: Rules) -> str | None:
+    def _blocked_parent(self, rel: str, rules: Rules) -> str | None:
         """Why a parent of ``rel`` that is not a directory in the tree (a file or symlink the
         task ships) may not be replaced by the policy's directory, or None."""
         parts = rel.split("/")
         for k in range(1, len(parts)):
             prefix = "/".join(parts[:k])
+            if prefix in self.dirs:
+                continue
             try:
-                st = os.lstat(dest / prefix)
+                st = os.lstat(os.path.join(self.dest, prefix))
             except FileNotFoundError:
                 return None
             if not stat.S_ISDIR(st.st_mode):
                 return rules.refusal(prefix, new=False, is_dir=True)
+            self.dirs.add(prefix)
         return None
+
+    def _make_parents(self, rel: str) -> None:
+        parts = rel.split("/")
+        for k in range(1, len(parts)):
+            prefix = "/".join(parts[:k])
+            if prefix not in self.dirs:
+                _make_parents(Path(self.dest), parts[:k] + ["x"])
+                self.dirs.add(prefix)
 
     def to_dict(self) -> dict[str, Any]:
         return {"carried": self.carried, "deleted": self.deleted, "refused": dict(self.refused),
                 "examples": {c: v for c, v in self.examples.items() if v}}
 
 
-def _listing(root: Path) -> dict[str, str]:
+def listing(root: Path) -> dict[str, str]:
     """Relative path -> 'file' | 'dir' | 'link' (anything else is skipped), nothing followed."""
     out: dict[str, str] = {}
     stack = [("", root)]
@@ -255,7 +299,7 @@ def _remove(path: Path) -> None:
         os.unlink(path)
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     try:
         sa, sb = os.lstat(a), os.lstat(b)
     except FileNotFoundError:
@@ -271,16 +315,16 @@ def _same_file(a: Path, b: Path) -> bool:
                 return True
 
 
-def _copy_into(src: Path, dst: Path, mode: int) -> None:
+def _copy_into(src: str, dst: str, mode: int) -> None:
+    """Copy the regular file ``src`` to the new ``dst``, sparse: only its data extents are written
+    (a file of holes stays one), nothing followed."""
     fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
-            while True:
-                chunk = os.read(fd_in, 1 << 20)
-                if not chunk:
-                    break
-                os.write(fd_out, chunk)
+            size = os.fstat(fd_in).st_size
+            copy_extents(fd_in, fd_out, size, size)
+            os.ftruncate(fd_out, size)
         finally:
             os.close(fd_out)
     finally:
@@ -290,7 +334,7 @@ def _copy_into(src: Path, dst: Path, mode: int) -> None:
 def _drop_bytecode(root: Path) -> None:
     """The task's own ``__pycache__`` and ``.pyc``: stale bytecode would run instead of the
     policy's source (its compiled extension modules stay: the task ships them)."""
-    for rel, kind in _listing(root).items():
+    for rel, kind in listing(root).items():
         name = rel.rsplit("/", 1)[-1]
         if name == "__pycache__" if kind == "dir" else kind == "file" and name.endswith((".pyc", ".pyo")):
             _remove(root / rel)

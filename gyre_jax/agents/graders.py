@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_jax.agents.scoring import RESULT_PREFIX
+from gyre_jax.agents.sparse_copy import copy_extents
 from gyre_jax.agents.tasks.base import Task
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -115,7 +115,7 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     try:
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
-            copied = _copy_extents(fd, out, st.st_size, budget)
+            copied = copy_extents(fd, out, st.st_size, budget)
             os.ftruncate(out, st.st_size)  # trailing holes; never more than was counted
         finally:
             os.close(out)
@@ -128,36 +128,6 @@ def _copy_file(entry: os.DirEntry, dst: Path, budget: int, stats: dict) -> str |
     stats["bytes"] += copied
     stats["apparent_bytes"] += st.st_size
     return None
-
-
-def _copy_extents(fd: int, out: int, size: int, budget: int) -> int | None:
-    """Copy ``fd``'s data extents below ``size`` into ``out`` at the same offsets; the data
-    bytes copied, or None once they pass ``budget``."""
-    pos, copied = 0, 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # only holes from pos to the end
-                break
-            start, end = pos, size  # no SEEK_DATA here: all of it is data
-        if start >= size:
-            break
-        os.lseek(fd, start, os.SEEK_SET)
-        os.lseek(out, start, os.SEEK_SET)
-        left = end - start
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                return copied
-            copied += len(chunk)
-            if copied > budget:
-                return None
-            os.write(out, chunk)
-            left -= len(chunk)
-        pos = end
-    return copied
 
 
 def grader_sandbox_env(kind: str, limits, image: str | None = None, ro_paths=()) -> dict[str, str]:
@@ -208,6 +178,9 @@ def parse_grader_output(stdout: str, returncode: int, stderr: str) -> tuple[floa
     return float(score), details, None
 
 
+# Of a grading subprocess's time limit, kept back from its own budget (``grader_main --budget_s``): its
+# interpreter's start and its result line, on a loaded host.
+GRADER_MARGIN_S = 15.0
 GRADER_STDOUT_TAIL = 1 << 20  # of the grader's stdout kept: its result line is last and bounded (grader_main)
 GRADER_STDERR_BYTES = 8192  # head + tail of the grader's stderr kept, for the error
 
@@ -224,7 +197,8 @@ async def run_grader(task: Task, workspace: str | os.PathLike, *, timeout_s: flo
     from gyre_jax.agents.capture import BoundedCapture, bound_json, bound_text, drain_async
 
     t0 = time.monotonic()
-    extra = [*(["--bases", str(bases)] if bases is not None else []), *([] if carry_deletions else ["--keep_deleted"])]
+    extra = [*(["--bases", str(bases)] if bases is not None else []), *([] if carry_deletions else ["--keep_deleted"]),
+             "--budget_s", f"{max(timeout_s / 2, timeout_s - GRADER_MARGIN_S):.3f}"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-P", "-m", "gyre_jax.agents.grader_main", "--workspace", str(Path(workspace).resolve()), *extra,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

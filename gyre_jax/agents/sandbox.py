@@ -192,6 +192,16 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
+def mount_tmpfs(path: str | os.PathLike, options: str) -> str | None:
+    """A size-limited tmpfs on ``path`` (root only); why not, or None."""
+    return _mount_tmpfs(Path(path), options)
+
+
+def unmount(path: str | os.PathLike) -> None:
+    if _LIBC.umount2(os.fsencode(path), _MNT_DETACH) != 0:
+        log.warning("sandbox: umount %s failed: %s", path, os.strerror(ctypes.get_errno()))
+
+
 def _mount_tmpfs(path: Path, options: str) -> str | None:
     """mount(2) a tmpfs (the syscall: a mount binary per rollout costs ~ms of CPU); the error or None."""
     rc = _LIBC.mount(b"gyre-workspace", os.fsencode(path), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV),

@@ -11,10 +11,12 @@ and commit in the rollout sandbox, ``snapshot_workspace``, ``run_grader`` and it
              ``pass_to_pass`` passes;
   forgery    the untouched workspace with every Python file the policy may change wrapped in
              generic forgeries (pytest and unittest patched at import, a ``$GYRE_VERDICT``
-             write, an atexit hook printing ``{"score": 1.0}`` and exiting 0, public functions
-             returning an object that equals everything): must not score above the untouched
-             workspace, or the grader is one graded code can forge (it imports the agent's
-             code, or lets it reach its verdict);
+             write, an atexit hook printing ``{"score": 1.0}`` and exiting 0, ``os._exit``
+             made to exit 0, public functions returning an object that equals everything), and
+             every shell script it may change in a ``$GYRE_VERDICT`` write and an exit trap
+             that ends the shell with 0: must not score above the untouched workspace, or the
+             grader is one graded code can forge (it imports or sources the agent's code, runs
+             a script the policy can edit, or lets graded code reach its verdict);
   solution   ``metadata.solution`` (a command run in the workspace's sandbox, ``{"command"}``,
              ``{"files"}`` or ``{"patch"}``; a generated family's ``solution_files(task)``)
              applied, graded: must score 1.
@@ -97,8 +99,17 @@ def _gyre_forge():
             setattr(unittest.TestCase, n, lambda *a, **k: None)
     except Exception:
         pass
-    atexit.register(lambda: (print('{"score": 1.0}', flush=True), os._exit(0)))
+    real_exit = os._exit
+    os._exit = lambda *a, **k: real_exit(0)  # a checker that ends itself with os._exit(1) ends with 0
+    os.abort = lambda: real_exit(0)
+    atexit.register(lambda: (print('{"score": 1.0}', flush=True), real_exit(0)))
 _gyre_forge()
+"""
+# Put at the top of every shell script the policy may change (after its #! line): a checker that
+# sources it, or trusts the exit status of a script the policy can edit, then ends with 0.
+SHELL_FORGERY = """# gyre --check_tasks forgery probe (not a solution)
+if [ -n "${GYRE_VERDICT:-}" ]; then printf '{"score": 1.0}' > "$GYRE_VERDICT" 2>/dev/null; fi
+trap 'exit 0' EXIT
 """
 # Appended: every public function of the module returns an object that equals everything.
 FORGERY_POSTAMBLE = """
@@ -122,15 +133,18 @@ def forgery_files(task: Task, workspace: Path, forged: bool = True) -> dict[str,
     exist can earn credit of their own)."""
     import ast
 
-    from gyre_jax.agents.graded_tree import protected_paths
-    from gyre_jax.agents.tree_rules import Rules
+    from gyre_jax.agents.graded_tree import listing, task_rules
 
-    rules = Rules(solution_paths=task.solution_paths, protected=protected_paths(task))
+    rules = task_rules(task, listing(workspace))
     out = {}
-    for f in sorted(workspace.rglob("*.py")):
+    for f in sorted(workspace.rglob("*")):
         rel = f.relative_to(workspace).as_posix()
-        if forged and f.is_file() and not f.is_symlink() and rules.refusal(rel, new=False) is None:
-            out[rel] = FORGERY_PREAMBLE + f.read_text(errors="replace") + FORGERY_POSTAMBLE
+        if not forged or not f.is_file() or f.is_symlink() or rules.refusal(rel, new=False) is not None:
+            continue
+        kind = _script_kind(f)
+        if kind is not None:
+            head, body = _split_shebang(f.read_text(errors="replace"))
+            out[rel] = head + (FORGERY_PREAMBLE + body + FORGERY_POSTAMBLE if kind == "python" else SHELL_FORGERY + body)
     sol = solution_of(task)
     for rel, content in (sol.get("files", {}) if isinstance(sol, dict) else {}).items():
         if rel.endswith(".py") and rel not in out and rules.refusal(rel, new=True) is None:
@@ -142,6 +156,33 @@ def forgery_files(task: Task, workspace: Path, forged: bool = True) -> dict[str,
             stubs = "".join(f"def {n}(*a, **k):\n    return None\n" for n in names)
             out[rel] = FORGERY_PREAMBLE + stubs + FORGERY_POSTAMBLE if forged else stubs
     return out
+
+
+def _script_kind(path: Path) -> str | None:
+    """'python' or 'shell' for a file a checker could import, source or run, else None."""
+    if path.suffix in (".py", ".pyw"):
+        return "python"
+    if path.suffix in (".sh", ".bash"):
+        return "shell"
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    names = [os.path.basename(w) for w in first[2:].decode(errors="replace").split()[:2]]  # /usr/bin/env bash
+    if any(n.startswith("python") for n in names):
+        return "python"
+    return "shell" if any(n in ("sh", "bash", "dash", "zsh", "ksh") for n in names) else None
+
+
+def _split_shebang(text: str) -> tuple[str, str]:
+    """(the ``#!`` line, if any, the rest): the probe goes below it, so the script still runs."""
+    if text.startswith("#!"):
+        first, _, rest = text.partition("\n")
+        return first + "\n", rest
+    return "", text
 
 
 def solution_of(task: Task) -> Any:

@@ -13,20 +13,35 @@ categories, in the order they are checked:
                  ``*.pyd``): an unchecked-hash ``.pyc`` runs instead of the restored source, a
                  new extension module wins the import over a ``.py`` of the same name. Never
                  carried (the task's own bytecode is dropped too: the graded tree has none).
-  shadowing      a new module or package whose name is one of the standard library's, a test
-                 tool's (pytest, pluggy, unittest, ...), gyre's grading modules' or an installed
-                 package's, in a directory that can be on ``sys.path`` (one that is not a
-                 regular package: the root, a tests directory). Never carried. Changes to
-                 a module the task itself ships under such a name are ordinary files.
   protected      the task's hidden grader files, the files of the tests it names
-                 (``fail_to_pass``/``pass_to_pass``) and shipped files its grader command
-                 names (``bash run_tests.sh``): the graded tree always has the task's version;
-                 a policy path equal to one, inside one or holding one (a file where a hidden
-                 directory goes) is not carried.
+                 (``fail_to_pass``/``pass_to_pass``), shipped files its grader command names
+                 (``bash run_tests.sh``) and, when the command runs ``make``, every makefile name
+                 (a new ``GNUmakefile`` or ``makefile`` would win over the task's ``Makefile``):
+                 the graded tree always has the task's version; a policy path equal to one,
+                 inside one or holding one (a file where a hidden directory goes) is not carried.
+                 So is the import layout of protected Python files: an ``__init__.py`` the policy
+                 adds or deletes in their directory or any directory above it (it changes the
+                 name they are imported under and what is on ``sys.path``: checked after
+                 shadowing).
+  shadowing      a new module or package whose name is one of the standard library's, a test
+                 tool's (pytest, pluggy, unittest, ...), gyre's grading modules', an installed
+                 package's (this interpreter's and the graders' ``ro_paths`` environments') or
+                 one the task's protected files define (a hidden ``tests/helpers.py`` or
+                 ``grader/`` package: a policy package ``tests/helpers/`` would win the import
+                 over the hidden module beside it), in a directory that can be on ``sys.path``:
+                 any directory except one inside a regular package the task itself ships
+                 (``pkg/json.py`` is ``pkg.json``; so is a package the policy makes inside one);
+                 a directory holding protected files is on the path whatever its ``__init__.py``
+                 says (a script's own directory, pytest's and unittest's start directories), and
+                 an ``__init__.py`` the policy adds to a top-level directory never makes it a
+                 package for this rule (``PYTHONPATH=src`` puts it on the path). Never carried.
+                 Changes to a module the task itself ships under such a name are ordinary files.
   test_file      (default solution paths only) a test file a runner discovers by name
                  (``test*.py``, ``*_test.py``): the policy's new or changed tests would run
                  inside the grader's session. Carried only where ``solution_paths`` names it.
   outside_solution_paths  with ``solution_paths`` set, anything its globs do not match.
+  over_limit     (``graded_tree``) new or changed files past ``MAX_CHANGED_FILES``: laying them
+                 costs the grader time the policy would otherwise control.
   vcs            the policy's ``.git`` changes (commits, hooks): ignored, not audited.
 
 Default solution paths (``solution_paths`` unset): every other path, i.e. the files the task
@@ -35,7 +50,9 @@ ships and new files, minus the categories above.
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import posixpath
 import re
 import shlex
 import sys
@@ -55,7 +72,12 @@ TEST_TOOL_MODULES = frozenset({
     "typing_extensions", "gyre_verdict", "gyre_canary", "check_runner"})
 # Module file suffixes whose stem is an importable name.
 MODULE_SUFFIXES = (".py", ".pyw", ".pyc", ".so", ".pyd")
-CATEGORIES = ("runner_config", "bytecode", "shadowing", "protected", "test_file", "outside_solution_paths")
+CATEGORIES = ("runner_config", "bytecode", "shadowing", "protected", "test_file", "outside_solution_paths",
+              "over_limit")
+# Tools whose own configuration files decide what a grader command that runs them does: where the
+# command runs one, those names are protected wherever they are (a new one is refused too).
+MAKEFILE_NAMES = ("GNUmakefile", "makefile", "Makefile")
+TOOL_FILES = {"make": MAKEFILE_NAMES, "gmake": MAKEFILE_NAMES}
 IGNORED = "vcs"
 _TEST_FILE = re.compile(r"(test[^/]*\.py|[^/]*_test\.py)$")
 
@@ -91,9 +113,26 @@ def shadowed_names() -> frozenset[str]:
     gyre's grading modules and the top-level names installed in this interpreter's site dirs (a
     directory listing: a metadata scan costs seconds)."""
     names = set(sys.stdlib_module_names) | set(sys.builtin_module_names) | TEST_TOOL_MODULES
-    for d in sys.path:
-        if not d or not os.path.isabs(d) or "-packages" not in d:
-            continue
+    return frozenset(names | _listed_names(d for d in sys.path if d and os.path.isabs(d) and "-packages" in d))
+
+
+@functools.lru_cache(maxsize=64)
+def installed_names(roots: tuple[str, ...]) -> frozenset[str]:
+    """Top-level names installed in the Python environments under ``roots`` (a grader's ``ro_paths``:
+    a venv or prefix whose ``python3`` a graded command runs, with packages this interpreter lacks)."""
+    dirs = []
+    for root in roots:
+        for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages",
+                        "lib64/python3*/site-packages"):
+            dirs += glob.glob(os.path.join(glob.escape(root), pattern))
+        if os.path.basename(root.rstrip("/")) in ("site-packages", "dist-packages"):
+            dirs.append(root)
+    return _listed_names(dirs)
+
+
+def _listed_names(dirs: Iterable[str]) -> frozenset[str]:
+    names = set()
+    for d in dirs:
         try:
             entries = os.listdir(d)
         except OSError:
@@ -105,6 +144,19 @@ def shadowed_names() -> frozenset[str]:
             if name:
                 names.add(name)
     return frozenset(names)
+
+
+def defined_names(paths: Iterable[str]) -> frozenset[str]:
+    """The importable names the components of ``paths`` define (``tests/helpers.py`` -> tests,
+    helpers): a protected file's own name and its directories' must not be shadowed."""
+    out = set()
+    for rel in paths:
+        parts = rel.split("/")
+        for k, comp in enumerate(parts):
+            name = module_name(comp, is_dir=k < len(parts) - 1)
+            if name and name != "__init__":
+                out.add(name)
+    return frozenset(out)
 
 
 def glob_regex(pattern: str) -> re.Pattern:
@@ -152,24 +204,40 @@ def check_glob(pattern: str) -> str:
 
 
 class Rules:
-    """The rules for one task: ``refusal(rel, ...)`` -> a category, or None (the path crosses)."""
+    """The rules for one task: ``refusal(rel, ...)`` -> a category, or None (the path crosses).
+
+    ``package_dirs``: directories holding an ``__init__.py`` in the tree as it would be (the
+    task's and the policy's: a regular package shadows as one); ``base_packages``: those the task
+    itself ships (only inside one of these is a module not on ``sys.path``); ``names``: names
+    that must not be shadowed beyond :func:`shadowed_names` (installed in the graders'
+    environments)."""
 
     def __init__(self, *, solution_paths: Sequence[str] = (), protected: Iterable[str] = (),
-                 package_dirs: Iterable[str] = ()):
+                 package_dirs: Iterable[str] = (), base_packages: Iterable[str] = (), names: Iterable[str] = (),
+                 protected_names: Iterable[str] = ()):
         self.solution = [glob_regex(p) for p in solution_paths]
         self.explicit = bool(solution_paths)
         self.protected = frozenset(protected)
+        self.protected_names = frozenset(protected_names)  # file names protected wherever they are (makefiles)
         # ancestors of protected paths: a policy *file* there would block a hidden directory
         self.protected_dirs = frozenset(p.rsplit("/", k)[0] for p in self.protected
                                         for k in range(1, p.count("/") + 1))
-        self.package_dirs = set(package_dirs)  # directories holding an __init__.py (regular packages)
+        self.package_dirs = set(package_dirs)
+        self.base_packages = set(base_packages) - {""}
+        py = [p for p in self.protected if p.endswith(".py")]
+        # directories a protected Python file is imported from, and every one above it (its import layout)
+        self.layout_dirs = frozenset({""} | {p.rsplit("/", k)[0] for p in py for k in range(1, p.count("/") + 1)})
+        # directories that are on sys.path whatever their __init__.py: where protected files are run from
+        self.path_dirs = frozenset({""} | {p.rsplit("/", 1)[0] if "/" in p else "" for p in self.protected})
+        self.names = frozenset(names) | defined_names(self.protected)
 
     def in_solution(self, rel: str) -> bool:
         return any(rx.fullmatch(rel) for rx in self.solution)
 
-    def refusal(self, rel: str, *, new: bool, is_dir: bool = False) -> str | None:
+    def refusal(self, rel: str, *, new: bool, is_dir: bool = False, deleted: bool = False) -> str | None:
         """Why the policy's ``rel`` (a file, or with ``is_dir`` a directory it made where the task
-        has a file) does not cross, or None. ``new``: the task's own tree has nothing there."""
+        has a file) does not cross, or None. ``new``: the task's own tree has nothing there;
+        ``deleted``: the policy removed the task's file."""
         parts = rel.split("/")
         if parts[0] in VCS_DIRS:
             return IGNORED
@@ -177,10 +245,12 @@ class Rules:
             return "runner_config"
         if is_bytecode(rel):
             return "bytecode"
+        if rel in self.protected or rel in self.protected_dirs or any(
+                rel.startswith(p + "/") for p in self.protected) or parts[-1] in self.protected_names:
+            return "protected"
         if new and self._shadows(parts, is_dir):
             return "shadowing"
-        if rel in self.protected or rel in self.protected_dirs or any(
-                rel.startswith(p + "/") for p in self.protected):
+        if self._layout(parts, new or deleted, is_dir):
             return "protected"
         if self.explicit:
             return None if self.in_solution(rel) or (is_dir and self._solution_below(rel)) else \
@@ -189,46 +259,79 @@ class Rules:
             return "test_file"
         return None
 
+    def _layout(self, parts: list[str], added_or_removed: bool, is_dir: bool) -> bool:
+        """An ``__init__.py`` added or removed where it changes how a protected Python file is imported."""
+        return not is_dir and added_or_removed and parts[-1] == "__init__.py" and "/".join(parts[:-1]) in self.layout_dirs
+
+    def _in_package(self, d: str) -> bool:
+        """``d`` is a regular package the task ships, or one the policy made inside such a package
+        (a top-level directory the policy made a package can be on ``sys.path``: a grader's
+        ``PYTHONPATH=src``)."""
+        while d in self.package_dirs:
+            if d in self.base_packages:
+                return True
+            if "/" not in d:
+                return False
+            d = d.rsplit("/", 1)[0]
+        return False
+
     def _solution_below(self, rel: str) -> bool:
         return any(rx.fullmatch(rel + "/x") for rx in self.solution)
 
     def _shadows(self, parts: list[str], is_dir: bool) -> bool:
         """A path component that defines a shadowing name in a directory that may be on sys.path:
-        a module file, or a regular package (a directory without ``__init__.py`` is a namespace
-        portion, which never wins over a module of the same name elsewhere on the path)."""
+        a module file, or a regular package the task does not ship (a directory without
+        ``__init__.py`` is a namespace portion, which never wins over a module of the same name
+        elsewhere on the path)."""
         names = shadowed_names()
         for k, comp in enumerate(parts):
-            if "/".join(parts[:k]) in self.package_dirs:
-                continue  # inside a regular package: pkg.json, not json
+            parent, here = "/".join(parts[:k]), "/".join(parts[:k + 1])
+            if parent not in self.path_dirs and self._in_package(parent):
+                continue  # inside a package the task ships: pkg.json, not json
             if k == len(parts) - 1 and not is_dir:
                 name = module_name(comp, is_dir=False)
-            elif "/".join(parts[:k + 1]) in self.package_dirs:
+            elif here in self.package_dirs and here not in self.base_packages:
                 name = module_name(comp, is_dir=True)
             else:
                 continue
-            if name in names:
+            if name is not None and (name in names or name in self.names):
                 return True
         return False
 
 
 def command_files(command: str, shipped: Iterable[str]) -> set[str]:
     """Shipped files a grader command names (``bash run_tests.sh``, ``python3 ./check.py``,
-    ``make`` -> the Makefile): the command runs them, so they are protected."""
+    ``cd scripts && bash run.sh``, ``make`` -> the Makefile): the command runs them, so they are
+    protected."""
     shipped = set(shipped)
+    tokens = _tokens(command)
+    # the directories the command changes to (``cd DIR``, ``make -C DIR``): a name there is DIR/name
+    dirs = [""] + [posixpath.normpath(b.removeprefix("./")) for a, b in zip(tokens, tokens[1:])
+                   if a in ("cd", "pushd", "-C", "--directory") and not b.startswith(("/", "-", "$", "~"))]
+    out = set()
+    for tok in tokens:
+        t = tok[2:] if tok.startswith("./") else tok
+        for d in dirs:
+            path = posixpath.normpath(posixpath.join(d, t)) if d else t
+            if path in shipped:
+                out.add(path)
+    return out
+
+
+def command_tool_names(command: str) -> frozenset[str]:
+    """File names protected wherever they are because the grader command runs a tool that reads
+    them as its configuration (``TOOL_FILES``: ``make`` anywhere in it, quoted or not)."""
+    words = set(re.findall(r"[A-Za-z0-9_.+-]+", command))
+    return frozenset(n for tool, names in TOOL_FILES.items() if tool in words for n in names)
+
+
+def _tokens(command: str) -> list[str]:
     try:
         lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
-        tokens = list(lexer)
+        return list(lexer)
     except ValueError:  # unbalanced quotes: the shell will say so; split on whitespace here
-        tokens = command.split()
-    out = set()
-    for tok in tokens:
-        for t in (tok, tok[2:] if tok.startswith("./") else tok):
-            if t in shipped:
-                out.add(t)
-    if any(t == "make" or t.endswith("/make") for t in tokens):
-        out |= {m for m in ("Makefile", "makefile", "GNUmakefile") if m in shipped}
-    return out
+        return command.split()
 
 
 def test_file_of(test_id: str) -> str:

@@ -1,8 +1,9 @@
 """gyre's pytest plugin for per-test verdicts (loaded as ``-p gyre_verdict``; stdlib and pytest only).
 
 It runs INSIDE the graded pytest process, loaded before any task code (conftest, test module,
-agent module). It writes JSON lines to the descriptor named by ``GYRE_VERDICT`` (a file outside
-every sandbox, see ``verdict_command``), each carrying the run's nonce:
+agent module). It writes JSON lines to the descriptor named by ``GYRE_VERDICT`` (the write end of a
+pipe the host drains, ``verdict_pytest``), each numbered (``seq``: 0, 1, 2, ...; the host takes a
+line out of sequence, a second record for one test phase or a record after ``finish`` as tampering):
 
   start      at import, before any task code: the plugin works (its absence means pytest itself
              could not start: a grader fault)
@@ -24,13 +25,19 @@ that raised while the report says it did not; a trace or profile function from t
 (it can rewrite a running test's frame); the canary tests (a must-fail and a must-pass test the
 host adds, outside the tree) not behaving.
 
+An object that equals everything is also one that equals every fresh random value of the builtin
+types (an ``__eq__`` that says yes to any int or str, but not to the sentinel, is caught too).
+
 The task's test and conftest files (``GYRE_VERDICT_HIDDEN``) are read at import and served to
 pytest's assertion rewriter from memory; on disk they become decoys, so graded code reading
-them (to copy the expected answers) or rewriting one not yet imported changes nothing.
+them (to copy the expected answers) or rewriting one not yet imported changes nothing. Their
+source reaches ``linecache`` only while a report is being made (tracebacks show the test as it
+ran), never while graded code runs a test.
 
-The plugin shares a process with the graded code, so code written to defeat THIS plugin (read
-its nonce, forge its lines) can: the checks raise the bar for generic tampering from a policy;
-they are not isolation (README: "What a grader can and cannot guarantee").
+The plugin shares a process with the graded code, so code written to defeat THIS plugin (patch its
+own functions and the checks with them, read a test's constants from its frame) can: the checks
+raise the bar for generic tampering from a policy; they are not isolation (README: "What a grader
+can and cannot guarantee").
 """
 import json
 import linecache
@@ -39,7 +46,8 @@ import sys
 import types
 
 _REPORT_FD = -1
-_NONCE = ""
+_write = os.write  # bound before any task code: graded code replacing os.write or json.dumps is seen
+_dumps = json.dumps
 _ROOT = os.environ.pop("GYRE_VERDICT_ROOT", "/workspace")
 _CANARY = os.environ.pop("GYRE_VERDICT_CANARY", "")
 _IDS = json.loads(os.environ.pop("GYRE_VERDICT_IDS", "[]"))  # the requested test ids: only those run
@@ -47,22 +55,26 @@ _IDS = json.loads(os.environ.pop("GYRE_VERDICT_IDS", "[]"))  # the requested tes
 # memory and replaced on disk by a decoy, so graded code can neither read them nor change what runs.
 _HIDDEN = json.loads(os.environ.pop("GYRE_VERDICT_HIDDEN", "[]"))
 _SOURCES: dict = {}
+_LINES: dict = {}  # their lines, put in linecache only while a report is made (``_show_sources``)
 DECOY = b"# hidden by gyre's verdict plugin: the test that runs was read before any graded code\n"
 _WATCHED = ("_pytest.runner", "_pytest.reports", "_pytest.python", "_pytest.main", "_pytest.skipping",
             "_pytest.outcomes", "_pytest.unittest", "_pytest.fixtures", "_pytest.nodes", "_pytest.config",
             "pluggy._callers", "pluggy._hooks", "pluggy._manager", "pluggy._result", "unittest.case",
-            "unittest.result", "unittest.suite", "unittest.runner", "unittest.loader", "unittest.main", __name__)
+            "unittest.result", "unittest.suite", "unittest.runner", "unittest.loader", "unittest.main", "json",
+            "json.encoder", "linecache", __name__)
 _HOOKS = ("pytest_runtest_protocol", "pytest_runtest_makereport", "pytest_runtest_logreport",
           "pytest_report_teststatus", "pytest_runtest_call", "pytest_runtest_setup", "pytest_runtest_teardown",
           "pytest_pyfunc_call", "pytest_collection_modifyitems", "pytest_deselected", "pytest_sessionfinish",
           "pytest_collectreport", "pytest_itemcollected", "pytest_terminal_summary")
-_state: dict = {"tampered": [], "raised": {}, "hooks": None, "code": None}
+_WATCHED_BUILTINS = (("os", "write"), ("posix", "write"), ("json", "dumps"), ("json", "_default_encoder"),
+                     ("json.encoder", "c_make_encoder"), ("json.encoder", "encode_basestring"),
+                     ("json.encoder", "encode_basestring_ascii"))
+_state: dict = {"tampered": [], "raised": {}, "hooks": None, "code": None, "seq": 0}
 
 
 def _open_channel() -> None:
-    global _REPORT_FD, _NONCE
+    global _REPORT_FD
     path = os.environ.pop("GYRE_VERDICT", "")
-    _NONCE = os.environ.pop("GYRE_VERDICT_NONCE", "")
     if path.startswith("/dev/fd/"):
         _REPORT_FD = int(path[len("/dev/fd/"):])
     elif path:
@@ -73,7 +85,10 @@ def _open_channel() -> None:
 
 def _emit(**rec) -> None:
     if _REPORT_FD >= 0:
-        os.write(_REPORT_FD, (json.dumps({**rec, "nonce": _NONCE}, default=str) + "\n").encode())
+        line = (_dumps({**rec, "seq": _state["seq"]}, default=str) + "\n").encode()
+        _state["seq"] += 1
+        while line:
+            line = line[_write(_REPORT_FD, line):]
 
 
 def _tamper(what: str) -> None:
@@ -93,8 +108,15 @@ def _functions(obj):
 
 
 def _code_map() -> dict:
-    """Qualified name -> (identity, the code's file) of every watched function, method and class."""
+    """Qualified name -> (identity, the code's file) of every watched function, method and class
+    (and the builtins this plugin writes with)."""
     out = {}
+    for modname, name in _WATCHED_BUILTINS:
+        mod = sys.modules.get(modname)
+        if mod is not None:
+            out[f"{modname}.{name}"] = ((id(getattr(mod, name, None)), 0), "")
+    for name in ("_write", "_dumps"):
+        out[f"{__name__}.{name}"] = ((id(globals()[name]), 0), "")
     for modname in _WATCHED:
         mod = sys.modules.get(modname)
         if mod is None:
@@ -159,17 +181,28 @@ class _Sentinel:
     """A fresh object nothing sane equals."""
 
 
+def _probes() -> list:
+    """Fresh values nothing sane equals: a sentinel, and random values of the builtin types an
+    assertion compares with (an ``__eq__`` that says yes to any int or str passes ``== 5``)."""
+    r = int.from_bytes(os.urandom(8), "little")
+    return [_Sentinel(), r + (1 << 70), r / 7.0 + 0.5, f"gyre-{r:x}", f"gyre-{r:x}".encode(), (r, "gyre"), [r, "gyre"],
+            {"gyre": r}, frozenset({r}), None, complex(r, 1)]
+
+
 def _equals_everything(v) -> bool:
     """An object whose type's ``__eq__``/``__ne__`` comes from the graded tree and that says it
-    equals a fresh sentinel: it would pass any ``==`` assertion."""
+    equals a fresh probe (``_probes``): it would pass any ``==`` assertion of those types."""
     t = type(v)
     codes = [getattr(getattr(t, name, None), "__code__", None) for name in ("__eq__", "__ne__")]
     if not any(c is not None and _from_tree(c.co_filename) for c in codes):
         return False
-    try:
-        return bool(v == _Sentinel()) or not bool(v != _Sentinel()) or bool(_Sentinel() == v)
-    except BaseException:  # noqa: BLE001 - an object that cannot be compared is not an always-equal one
-        return False
+    for probe in _probes():
+        try:
+            if bool(v == probe) or not bool(v != probe) or bool(probe == v):
+                return True
+        except BaseException:  # noqa: BLE001 - an object that cannot be compared is not an always-equal one
+            continue
+    return False
 
 
 def _check_operands(where: str, values) -> None:
@@ -206,8 +239,7 @@ def _hide_tests() -> None:
         try:
             with open(path, "rb") as src:
                 _SOURCES[os.path.realpath(path)] = source = src.read()
-            # tracebacks show the test as it runs, not the decoy (mtime None: never reloaded from disk)
-            linecache.cache[path] = (len(source), None, source.decode("utf-8", "replace").splitlines(True), path)
+            _LINES[path] = source.decode("utf-8", "replace").splitlines(True)
             with open(path, "wb") as decoy:
                 decoy.write(DECOY)
         except OSError:
@@ -232,6 +264,16 @@ def _hide_tests() -> None:
 
     rewrite._rewrite_test = rewrite_test
     rewrite._read_pyc = lambda *a, **k: None
+
+
+def _show_sources(show: bool) -> None:
+    """The hidden tests' real lines in ``linecache`` (tracebacks show the test as it ran, not the
+    decoy: mtime None, never reloaded from disk), or out of it again before graded code runs."""
+    for path, lines in _LINES.items():
+        if show:
+            linecache.cache[path] = (sum(map(len, lines)), None, lines, path)
+        else:
+            linecache.cache.pop(path, None)
 
 
 def _is_canary(item) -> bool:
@@ -301,7 +343,11 @@ def pytest_pyfunc_call(pyfuncitem):
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
+    _show_sources(True)
+    try:
+        outcome = yield
+    finally:
+        _show_sources(False)
     excinfo = call.excinfo
     ours = "passed" if excinfo is None else "skipped" if excinfo.errisinstance(pytest.skip.Exception) else "failed"
     if call.when == "call" and excinfo is None and _state["raised"].get(item.nodeid):

@@ -12,6 +12,7 @@ a run: a resumed run must find the same base (``fingerprint``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import threading
 from typing import Any
@@ -52,6 +53,7 @@ class FrozenBase:
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
         self._on: dict = {}
         self._lock = threading.Lock()
+        self._fingerprint: str | None = None
 
     def shardings(self, mesh: Mesh, *, rules=RULES):
         return tree_shardings(self.logical, mesh, self.abstract, rules=rules)
@@ -74,8 +76,11 @@ class FrozenBase:
 
     def fingerprint(self) -> str:
         """A hash of every array's path, shape, dtype and an evenly spaced sample of its values: what a
-        checkpoint records, so a resume onto another base fails instead of training nonsense."""
-        return fingerprint(self.params)
+        checkpoint records, so a resume onto another base fails instead of training nonsense (computed
+        once: the base never changes)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.params)
+        return self._fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +95,18 @@ class Adapted:
 def fingerprint(params) -> str:
     h = hashlib.sha256()
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        flat = jnp.ravel(x)
-        stride = max(1, flat.shape[0] // FINGERPRINT_SAMPLES)
-        sample = np.asarray(jax.device_get(flat[::stride][:FINGERPRINT_SAMPLES])).astype(np.float32)
+        stride = max(1, x.size // FINGERPRINT_SAMPLES)
+        sample = np.asarray(jax.device_get(_sample(x, stride))).astype(np.float32)
         h.update(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}:{x.dtype}".encode())
         h.update(sample.tobytes())
     return h.hexdigest()[:32]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _sample(x, stride: int):
+    """Every ``stride``-th value of ``x`` (row-major), at most FINGERPRINT_SAMPLES: one small gather on the
+    devices that hold ``x``, not a copy of it."""
+    return jnp.ravel(x)[::stride][:FINGERPRINT_SAMPLES]
 
 
 def _is_spec(x) -> bool:

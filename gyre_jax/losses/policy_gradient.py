@@ -276,25 +276,8 @@ def policy_loss(logp_BxT: jax.Array, weights_BxT: jax.Array, batch: Mapping[str,
     ``num_tokens``, the objective's and correction's, ``kl_ref`` (with reference
     log-probs), ``entropy`` (with ``entropy_BxT``).
     """
-    shape = logp_BxT.shape
     entry = config.entry
-    chex.assert_shape(weights_BxT, shape, custom_message=f"{where}: weights must have the shape of logp_BxT")
-    if ref_logp_BxT is None and config.kl_coef and "ref_logprobs" in batch:
-        ref_logp_BxT = batch["ref_logprobs"]  # read only when the KL term is on (a loop batch always has the key)
-    if config.kl_coef != 0.0 and ref_logp_BxT is None:
-        raise ValueError(f"{where}: kl_coef != 0 needs reference log-probs (ref_logp_BxT or batch['ref_logprobs'])")
-    if config.entropy_coef != 0.0 and entropy_BxT is None:
-        raise ValueError(f"{where}: entropy_coef != 0 needs entropy_BxT")
-    needs = [k for k in config.batch_needs() if k != "ref_logprobs"]
-    missing = [k for k in needs if k not in batch]
-    if missing:
-        raise KeyError(f"{where}: loss {config.loss!r}"
-                       f"{'' if config.correction is None else f' with mismatch {config.mismatch!r}'} "
-                       f"needs {missing} in the batch; it has {sorted(batch)}")
-    for name, x in [*((k, batch[k]) for k in needs), ("ref_logp_BxT", ref_logp_BxT), ("entropy_BxT", entropy_BxT)]:
-        if x is not None:
-            chex.assert_shape(x, shape, custom_message=f"{where}: {name} must have the shape of logp_BxT")
-
+    ref_logp_BxT, needs = _checked_inputs(logp_BxT, weights_BxT, batch, config, entropy_BxT, ref_logp_BxT, where)
     f32 = jnp.float32
     sg = jax.lax.stop_gradient
     active = weights_BxT != 0
@@ -308,22 +291,13 @@ def policy_loss(logp_BxT: jax.Array, weights_BxT: jax.Array, batch: Mapping[str,
 
     c = config.log_ratio_clamp
     logp = safe(logp_BxT)
-    zeros = jnp.zeros(shape, f32)
+    zeros = jnp.zeros(logp_BxT.shape, f32)
     old = given("behavior_logprobs")
     adv = given("advantages")
     metrics: dict = {}
     corr = None
     if config.correction is not None:
-        tr = given("trainer_logprobs")
-        log_rho = tr - old
-        seq = None
-        if config.correction.level == "sequence":
-            seq = sg(safe(_sequence_stat(batch, "seq_log_mismatch", log_rho, active, "sum", where)))
-        mx = MismatchInputs(log_rho=log_rho, seq_log_rho=seq, weights=w, active=active, log_ratio_clamp=c)
-        corr, cm = config.correction.fn(mx, config.mismatch_config)
-        corr = sg(jnp.where(active, corr, 0.0))
-        metrics.update(cm, **mismatch_metrics(mx, corr))
-        old = tr  # the ratio is taken against the trainer's own behaviour log-prob
+        corr, old = _mismatch_correction(given("trainer_logprobs"), old, w, active, batch, config, metrics, safe, where)
     seq_lr = None
     if entry.extra.get("sequence_stat"):
         seq_lr = sg(safe(_sequence_stat(batch, "seq_log_ratio", sg(logp - old), active, "mean", where)))
@@ -348,6 +322,47 @@ def policy_loss(logp_BxT: jax.Array, weights_BxT: jax.Array, batch: Mapping[str,
     metrics.update(loss=sg(loss), pg_loss=sg(jnp.sum(w * pg)), weight_sum=jnp.sum(w),
                    num_tokens=jnp.sum(active).astype(f32))
     return loss, metrics
+
+
+def _checked_inputs(logp_BxT, weights_BxT, batch, config: PolicyLossConfig, entropy_BxT, ref_logp_BxT, where: str):
+    """(the reference log-probs to use, the batch keys the loss reads): every input the config needs is
+    there, shaped like ``logp_BxT`` (a clear error naming what is missing or misshapen otherwise)."""
+    shape = logp_BxT.shape
+    chex.assert_shape(weights_BxT, shape, custom_message=f"{where}: weights must have the shape of logp_BxT")
+    if ref_logp_BxT is None and config.kl_coef and "ref_logprobs" in batch:
+        ref_logp_BxT = batch["ref_logprobs"]  # read only when the KL term is on (a loop batch always has the key)
+    if config.kl_coef != 0.0 and ref_logp_BxT is None:
+        raise ValueError(f"{where}: kl_coef != 0 needs reference log-probs (ref_logp_BxT or batch['ref_logprobs'])")
+    if config.entropy_coef != 0.0 and entropy_BxT is None:
+        raise ValueError(f"{where}: entropy_coef != 0 needs entropy_BxT")
+    needs = [k for k in config.batch_needs() if k != "ref_logprobs"]
+    missing = [k for k in needs if k not in batch]
+    if missing:
+        raise KeyError(f"{where}: loss {config.loss!r}"
+                       f"{'' if config.correction is None else f' with mismatch {config.mismatch!r}'} "
+                       f"needs {missing} in the batch; it has {sorted(batch)}")
+    for name, x in [*((k, batch[k]) for k in needs), ("ref_logp_BxT", ref_logp_BxT), ("entropy_BxT", entropy_BxT)]:
+        if x is not None:
+            chex.assert_shape(x, shape, custom_message=f"{where}: {name} must have the shape of logp_BxT")
+    return ref_logp_BxT, needs
+
+
+def _mismatch_correction(tr, old, w, active, batch, config: PolicyLossConfig, metrics: dict, safe, where: str):
+    """The train-inference mismatch correction's per-token weight (stop-gradient, 0 off the active
+    tokens) and the log-prob the policy ratio is then taken against: the trainer's own behaviour
+    log-prob ``tr``. Its metrics go into ``metrics``."""
+    sg = jax.lax.stop_gradient
+    assert config.correction is not None  # policy_loss calls this only with a correction
+    log_rho = tr - old
+    seq = None
+    if config.correction.level == "sequence":
+        seq = sg(safe(_sequence_stat(batch, "seq_log_mismatch", log_rho, active, "sum", where)))
+    mx = MismatchInputs(log_rho=log_rho, seq_log_rho=seq, weights=w, active=active,
+                        log_ratio_clamp=config.log_ratio_clamp)
+    corr, cm = config.correction.fn(mx, config.mismatch_config)
+    corr = sg(jnp.where(active, corr, 0.0))
+    metrics.update(cm, **mismatch_metrics(mx, corr))
+    return corr, tr
 
 
 def policy_gradient_loss(

@@ -15,11 +15,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from gyre_jax.model.attend import attend
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.lora import adapter_weights as lora_adapter, delta as lora_delta
 from gyre_jax.model.layers import RMSNorm, dense_param, project, rope, rope_inv_freq
 from gyre_jax.model.paged import PagedMask, page_slots, paged_attention, write_pages
-from gyre_jax.model.tree_attention import CacheMask, TreeMask, attend_structured
 
 
 def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
@@ -29,27 +29,6 @@ def tree_attention_mask(segment_ids_BxL, subtree_end_BxL):
     j = jnp.arange(L, dtype=jnp.int32)[None, :]
     same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
     return same & (j <= i) & (i < subtree_end_BxL[:, None, :])
-
-
-def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
-    """Softmax attention with GQA (N query heads share K k/v heads); float32 softmax.
-
-    ``mask_BxTxS``: dense booleans, or a TreeMask/CacheMask (blockwise path, same result).
-    Every query row must have at least one visible key (the tree rule always
-    includes the token itself), so no row is all -inf.
-    """
-    if isinstance(mask_BxTxS, (TreeMask, CacheMask)):
-        return attend_structured(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS)
-    b, t, n, h = q_BxTxNxH.shape
-    kv = k_BxSxKxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32
-    ) * (h**-0.5)
-    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-    return out.reshape(b, t, n, h)
 
 
 def attend_one_query(q_Bx1xNxH, k_YxBxSxKxH, v_YxBxSxKxH, layer, mask_Bx1xS):
@@ -148,30 +127,7 @@ class Attention(nn.Module):
         q = rope(q, positions_BxT, cfg.rope_theta, inv_freq_F=inv_freq_F)
         k = rope(k, positions_BxT, cfg.rope_theta, inv_freq_F=inv_freq_F)
 
-        if cache is None:
-            out = attend(q, k, v, mask)
-            new_cache = None
-        elif isinstance(mask, PagedMask):  # one decode token per row, k/v pages [K, NP, G, H]
-            k_pages, v_pages = cache
-            pos_BxT = cache_index_B[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-            page_BxT, row_BxT = page_slots(mask.page_table, pos_BxT, k_pages.shape[2])
-            k_pages = write_pages(k_pages, k, page_BxT, row_BxT)
-            v_pages = write_pages(v_pages, v, page_BxT, row_BxT)
-            out = paged_attention(q[:, 0], k_pages, v_pages, mask.page_table, cache_index_B + 1, impl=mask.impl,
-                                  block_q=mask.block_q, block_k=mask.block_k, blockwise=mask.blockwise)[:, None]
-            new_cache = (k_pages, v_pages)
-        elif len(cache) == 3:  # decode: the stacked cache, carried through the layer scan
-            k_all, v_all, layer = cache
-            k_all = write_one_row(k_all, k, layer, cache_index_B)
-            v_all = write_one_row(v_all, v, layer, cache_index_B)
-            out = attend_one_query(q, k_all, v_all, layer, mask).astype(dt)
-            new_cache = (k_all, v_all)
-        else:
-            k_cache, v_cache = cache
-            k_all = _write_rows(k_cache, k, cache_index_B)
-            v_all = _write_rows(v_cache, v, cache_index_B)
-            out = attend(q, k_all.astype(dt), v_all.astype(dt), mask)
-            new_cache = (k_all, v_all)
+        out, new_cache = _attend_cached(q, k, v, mask, cache, cache_index_B, dt)
         # One [N*H] contraction: as "btnh,nhd" XLA may contract h-major and copy the weight
         # transposed every call (each layer's o at every decode step).
         b, t = out.shape[:2]
@@ -180,3 +136,28 @@ class Attention(nn.Module):
         if ab is not None:
             y = y + lora_delta(self, out, ab, lora_in, 2).astype(y.dtype)
         return y, new_cache
+
+
+def _attend_cached(q, k, v, mask, cache, cache_index_B, dt):
+    """(attention output, the updated cache) for the cache forms ``Attention`` takes (its docstring):
+    none, pages [K, NP, G, H] (a decode token per row), the stacked decode cache, or rows to write."""
+    if cache is None:
+        return attend(q, k, v, mask), None
+    if isinstance(mask, PagedMask):  # one decode token per row, k/v pages [K, NP, G, H]
+        k_pages, v_pages = cache
+        pos_BxT = cache_index_B[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None]
+        page_BxT, row_BxT = page_slots(mask.page_table, pos_BxT, k_pages.shape[2])
+        k_pages = write_pages(k_pages, k, page_BxT, row_BxT)
+        v_pages = write_pages(v_pages, v, page_BxT, row_BxT)
+        out = paged_attention(q[:, 0], k_pages, v_pages, mask.page_table, cache_index_B + 1, impl=mask.impl,
+                              block_q=mask.block_q, block_k=mask.block_k, blockwise=mask.blockwise)[:, None]
+        return out, (k_pages, v_pages)
+    if len(cache) == 3:  # decode: the stacked cache, carried through the layer scan
+        k_all, v_all, layer = cache
+        k_all = write_one_row(k_all, k, layer, cache_index_B)
+        v_all = write_one_row(v_all, v, layer, cache_index_B)
+        return attend_one_query(q, k_all, v_all, layer, mask).astype(dt), (k_all, v_all)
+    k_cache, v_cache = cache
+    k_all = _write_rows(k_cache, k, cache_index_B)
+    v_all = _write_rows(v_cache, v, cache_index_B)
+    return attend(q, k_all.astype(dt), v_all.astype(dt), mask), (k_all, v_all)

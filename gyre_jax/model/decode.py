@@ -84,41 +84,43 @@ def init_cache(config: ModelConfig, batch_slots: int, max_len: int | None = None
 
 
 def _with_cache(config: ModelConfig, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
-                routing_BxTxR=None):
+                routing_BxTxR=None, adapter_BxT=None):
     """``Transformer.with_cache`` for any params form and k/v either per-layer tuples (a cache: the
     unrolled forward) or stacked [Y, B, P, K, H] (a prefill buffer: returned stacked).
     ``routing_BxTxR``: recorded experts to replay (``forward_layers``; the stacked form needs params
-    split per layer or splits them)."""
+    split per layer or splits them). ``adapter_BxT``: several LoRA adapters: each token's (model/lora.py)."""
     if isinstance(k, tuple):
         lp = params if isinstance(params, LayerParams) else split_params(config, params)
         return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
-                              routing_BxTxR=routing_BxTxR)
+                              routing_BxTxR=routing_BxTxR, adapter_BxT=adapter_BxT)
     if isinstance(params, LayerParams) or routing_BxTxR is not None:
         lp = params if isinstance(params, LayerParams) else split_params(config, params)
         y = config.n_layers
         logits, (ks, vs) = forward_layers(config, lp, tokens_BxT, positions_BxT, mask,
                                           tuple(k[i] for i in range(y)), tuple(v[i] for i in range(y)), cache_index_B,
-                                          routing_BxTxR=routing_BxTxR)
+                                          routing_BxTxR=routing_BxTxR, adapter_BxT=adapter_BxT)
         return logits, (jnp.stack(ks), jnp.stack(vs))
-    out = Transformer(config).apply(params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
+    out = Transformer(config).apply(params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B, adapter_BxT,
                                     method=Transformer.with_cache)
     return cast(tuple[jax.Array, tuple[jax.Array, jax.Array]], out)  # no mutable collections (flax types apply() loosely)
 
 
 def _decode_apply(config: ModelConfig, params, with_routing: bool, tokens_BxT, positions_BxT, mask, k: tuple,
-                  v: tuple, cache_index_B):
+                  v: tuple, cache_index_B, adapter_BxT=None):
     """``with_cache`` for one token per slot over a per-layer cache: (logits, (k, v), routing_SxR int32 or None).
 
     ``with_routing`` (an MoE model): also the experts every MoE layer chose for each slot's
     token, [S, MoE layers x top-k] in layer order: what the engine records for routing replay."""
     if not with_routing:
-        return (*_with_cache(config, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B), None)
+        return (*_with_cache(config, params, tokens_BxT, positions_BxT, mask, k, v, cache_index_B,
+                             adapter_BxT=adapter_BxT), None)
     lp = params if isinstance(params, LayerParams) else split_params(config, params)
-    return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B, with_routing=True)
+    return forward_layers(config, lp, tokens_BxT, positions_BxT, mask, k, v, cache_index_B, with_routing=True,
+                          adapter_BxT=adapter_BxT)
 
 
 def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, start_pos=None, true_length=None,
-            routing_TxR=None):
+            routing_TxR=None, adapter=None):
     """Run T new tokens (one sequence), after an optional cached prefix.
 
     Args:
@@ -128,6 +130,7 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
       true_length: how many of the T tokens are real (default T).
       routing_TxR: an MoE model's recorded experts per token (-1: route live), replayed where
         ``config.routing_replay`` (a moved call's cache recomputed as decode computed it).
+      adapter: several LoRA adapters (model/lora.py): the one this sequence runs with (default 0).
     Returns:
       (logits_V float32 at the last real token, KV [Y, T, K, H] of the new tokens).
     """
@@ -159,6 +162,7 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
         v_buf[:, None],
         start[None],
         None if routing_TxR is None else routing_TxR[None],
+        None if adapter is None else jnp.full((1, t), adapter, jnp.int32),
     )
     kv_shape = (config.n_layers, t, config.n_kv_heads, config.head_dim)
     new_k = jax.lax.dynamic_slice(k[:, 0], (0, start, 0, 0), kv_shape)
@@ -166,7 +170,8 @@ def prefill(params, config: ModelConfig, tokens_T, *, prefix: KV | None = None, 
     return logits[0, n - 1], KV(k=new_k, v=new_v)
 
 
-def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_length=None, routing_TxR=None):
+def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_length=None, routing_TxR=None,
+                 adapter=None):
     """Run T new tokens into a KV buffer [Y, P, K, H] whose first ``start`` entries hold the context.
 
     Their k/v are written at buf[:, start : start+T] and each attends to buffer entries
@@ -190,6 +195,7 @@ def prefill_into(params, config: ModelConfig, tokens_T, buf: KV, start, true_len
     logits, (k, v) = _with_cache(config,
         params, tokens_T[None], positions_T[None], cache_mask(config, positions_T[None], p),
         buf.k[:, None], buf.v[:, None], start[None], None if routing_TxR is None else routing_TxR[None],
+        None if adapter is None else jnp.full((1, t), adapter, jnp.int32),
     )
     return logits[0, n - 1], KV(k=k[:, 0], v=v[:, 0])
 
@@ -266,7 +272,8 @@ def slot_kv(cache: KVCache, slot) -> KV:
     return KV(k=jnp.stack([c[slot] for c in cache.k]), v=jnp.stack([c[slot] for c in cache.v]))
 
 
-def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=None, *, with_routing=False):
+def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=None, *, with_routing=False,
+                adapter_S=None):
     """One token for every slot: logits of the next token and the updated cache.
 
     Slot s's token sits at position ``cache.lengths[s]``; its k/v is written
@@ -277,6 +284,7 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
 
     Returns (logits_SxV float32, cache), and with ``with_routing`` (an MoE model) a third
     value: routing_SxR int32, the experts each slot's token was routed to (``_decode_apply``).
+    ``adapter_S``: several LoRA adapters: each slot's (model/lora.py).
     """
     chex.assert_shape(tokens_S, (cache.num_slots,), custom_message="decode_step: tokens_S must be [S], one per slot")
     if active_S is not None:
@@ -291,6 +299,7 @@ def decode_step(params, config: ModelConfig, tokens_S, cache: KVCache, active_S=
         cache.k,
         cache.v,
         pos_S,
+        None if adapter_S is None else adapter_S[:, None],
     )
     if active_S is None:
         lengths = pos_S + 1
@@ -382,7 +391,7 @@ def paged_slot_kv(cache: PagedKVCache, slot, length: int) -> KV:
 
 
 def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache, active_S=None, *,
-                      with_routing=False):
+                      with_routing=False, adapter_S=None):
     """``decode_step`` over a paged cache (same contract, same result): slot s's token sits at
     position lengths[s], its k/v lands on the page holding that position (the trash page if
     the host gave the slot none there). The kernel is config.attention_kernel ("xla" gathers
@@ -394,7 +403,7 @@ def paged_decode_step(params, config: ModelConfig, tokens_S, cache: PagedKVCache
     mask = PagedMask(cache.page_table, impl=config.attention_kernel, block_q=config.attention_block_q,
                      block_k=config.attention_block_k, blockwise=config.attention_impl == "blockwise")
     logits, (k, v), routing = _decode_apply(config, params, with_routing, tokens_S[:, None], pos_S[:, None], mask,
-                                            cache.k, cache.v, pos_S)
+                                            cache.k, cache.v, pos_S, None if adapter_S is None else adapter_S[:, None])
     lengths = pos_S + 1 if active_S is None else pos_S + active_S.astype(jnp.int32)
     out = logits[:, 0], cache.replace(k=k, v=v, lengths=lengths)
     return (*out, routing) if with_routing else out

@@ -86,8 +86,7 @@ def replay_routing(probs_NxE, live_NxK, recorded_NxK, norm_topk: bool, replay: b
     return w_NxK, idx_NxK, mismatch_N
 
 
-@flax.struct.dataclass
-class ExpertLora:
+class ExpertLora(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     """LoRA on the experts (model/lora.py): per projection A [E, in, R] and B [E, R, out] (scale in B, None
     where not adapted), and with several adapters each token's rank mask [N, R]."""
 

@@ -24,6 +24,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from gyre_jax.model.attend import attend
+from gyre_jax.model.tree_attention import CacheMask
+
 TRASH_PAGE = 0
 PAGED_IMPLS = ("xla", "pallas", "pallas_interpret")
 
@@ -77,9 +80,6 @@ def paged_attention(q_BxNxH, k_pages_KxPxGxH, v_pages_KxPxGxH, page_table_BxP, l
         raise ValueError(f"paged_attention: impl must be one of {PAGED_IMPLS}, got {impl!r}")
     b, n, h = q_BxNxH.shape
     if impl == "xla":
-        from gyre_jax.model.attention import attend  # attention.py imports this module
-        from gyre_jax.model.tree_attention import CacheMask
-
         k_BxSxKxH = gather_pages(k_pages_KxPxGxH, page_table_BxP)
         v_BxSxKxH = gather_pages(v_pages_KxPxGxH, page_table_BxP)
         s = k_BxSxKxH.shape[1]

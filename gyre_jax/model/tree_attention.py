@@ -336,20 +336,3 @@ class CacheMask:
     block_q: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
     block_k: int = flax.struct.field(pytree_node=False, default=DEFAULT_BLOCK)
     impl: str = flax.struct.field(pytree_node=False, default="xla")  # one of IMPLS
-
-
-def attend_structured(q, k, v, mask):
-    """Blockwise attention for a TreeMask or CacheMask (``attention.attend`` dispatches here)."""
-    blocks = dict(block_q=mask.block_q, block_k=mask.block_k, impl=mask.impl)
-    if isinstance(mask, TreeMask) and mask.context_axis is not None:
-        from gyre_jax.model.context_parallel import context_parallel_tree_attention
-
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or mask.context_axis not in mesh.axis_names:
-            raise ValueError(f"context_axis={mask.context_axis!r}: run the model under jax.set_mesh(mesh) with a "
-                             f"mesh that has that axis (current mesh axes: {mesh.axis_names})")
-        return context_parallel_tree_attention(q, k, v, mask.segment_ids, mask.subtree_end, mesh=mesh,
-                                               axis=mask.context_axis, **blocks)
-    if isinstance(mask, TreeMask):
-        return packed_tree_attention(q, k, v, mask.segment_ids, mask.subtree_end, **blocks)
-    return causal_cache_attention(q, k, v, mask.q_index, **blocks)

@@ -32,6 +32,7 @@ import uuid
 import jax
 
 from gyre_jax import cells as cells_lib
+from gyre_jax.cells.frozen_base import Adapted
 from gyre_jax.cells.mesh import Role
 from gyre_jax.errors import ConfigError
 from gyre_jax.pods.remote_engine import EngineServer, RemoteBackend
@@ -79,8 +80,11 @@ def satellite_main(cfg, steps, make_backend, tok) -> dict:
         if "backend" not in box:  # the core's starting policy: build the engine on it
             t0 = time.perf_counter()
 
+            # A LoRA run: the satellite holds the frozen base (steps.base); what arrives is adapters.
+            first = params if steps.base is None else Adapted(steps.base, params)
+
             async def make():
-                backend = make_backend(cfg, cell, params, version, f"cell{me}", tok)
+                backend = make_backend(cfg, cell, first, version, f"cell{me}", tok)
                 server = EngineServer(backend)
                 url = await server.start(transfer_host())
                 return backend, server, url

@@ -185,64 +185,99 @@ def serve(transport: Transport, steps: CellSteps, mesh, *, serve_shardings=None,
     me = transport.process
     generation = generation or uuid_lib.uuid4().hex  # this life of the process: a restart gets a fresh mailbox
     mail = Mailbox(transport.kv, me, generation)
-    params_like = abstract(steps.spec.abstract_params, steps.param_shardings(mesh))
-    bsh = steps.batch_sharding(mesh)
-    grad_step = steps.grad_step(mesh)
+    loop = _Serving(transport, abstract(steps.spec.abstract_params, steps.param_shardings(mesh)),
+                    steps.batch_sharding(mesh), steps.grad_step(mesh), serve_shardings, on_grad, on_publish,
+                    keep_serving)
     transport.kv.key_value_set(HELLO.format(process=me), json.dumps(
         {"process": me, "generation": generation, "devices": [d.id for d in mesh.devices.flat]}), allow_overwrite=True)
-    params, version = None, None
-    done: dict[str, Any] = {"micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0,
-            "published_version": None, "publish_bytes": 0, "publish_seconds": 0.0}
-    published = None  # (version, params in the serving layout): what an engine here would serve
     while True:
         msg = mail.recv()
         op = msg.get("op")
         if op == "stop":
-            return done
+            return loop.done
         if op == "params":
-            params, st = transport.pull_ready(int(msg["core"]), int(msg["uuid"]), params_like)
-            version = int(msg["version"])
-            transport.kv.key_value_set(SNAPSHOT.format(process=me, uuid=msg["uuid"]),
-                                       json.dumps({"bytes": st.bytes, "seconds": st.seconds}))
-            done["snapshots"] += 1
-            done["snapshot_bytes"] += st.bytes
-            done["snapshot_seconds"] += st.seconds
-            log.info("pods satellite %d: params v%d pulled, %.2f MB in %.3f s (%.2f GB/s)",
-                     me, version, st.bytes / 1e6, st.seconds, st.gbps)
+            loop.snapshot(msg)
         elif op == "publish":
-            if not keep_serving:
-                published = None  # no engine here reads it: free it before the new version lands
-            t0 = time.perf_counter()
-            # A pull cannot change the layout (jax 0.10.2: "Async transfer object was deleted before transfers
-            # completed" when the target sharding differs), so: the core's layout across, the reshard here.
-            pending = transport.pull(int(msg["core"]), int(msg["uuid"]), params_like)  # in flight from here
-            log.info("pods satellite %d: pulling v%d, serving v%s meanwhile", me, int(msg["version"]),
-                     None if published is None else published[0])
-            p = jax.block_until_ready(pending)
-            st = PullStats(int(msg["uuid"]), tree_bytes(params_like), time.perf_counter() - t0)
-            if serve_shardings is not None:
-                p = jax.block_until_ready(jax.device_put(p, serve_shardings))
-            seconds = time.perf_counter() - t0
-            if on_publish is not None:
-                on_publish(int(msg["version"]), p)
-            published = (int(msg["version"]), p)
-            transport.kv.key_value_set(PUBLISHED.format(process=me, version=published[0]),
-                                       json.dumps({"bytes": st.bytes, "seconds": seconds, "pull_seconds": st.seconds}),
-                                       allow_overwrite=True)
-            done["published_version"] = published[0]
-            done["publish_bytes"] += st.bytes
-            done["publish_seconds"] += seconds
+            loop.publish(msg)
         elif op == "grad":
-            if params is None:
-                raise RuntimeError(f"pods satellite {me}: micro-batch {msg['i']} before any params snapshot")
-            if on_grad is not None:
-                on_grad(done["micro_batches"], int(msg["i"]))
-            like = {k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=bsh) for k, (s, d) in msg["shapes"].items()}
-            mb = transport.pull(int(msg["core"]), int(msg["in"]), like)
-            transport.offer(int(msg["out"]), grad_step(params, mb))
-            done["micro_batches"] += 1
+            loop.grad(msg)
         else:
             raise ValueError(f"pods satellite {me}: unknown message {msg!r}")
+
+
+@dataclasses.dataclass(eq=False)
+class _Serving:
+    """``serve``'s state and what it does per message: the training snapshot it computes micro-batches
+    with, the version it serves, and the counts it returns."""
+
+    transport: Transport
+    params_like: Any  # the params' abstract tree in the training layout
+    batch_sharding: Any
+    grad_step: Callable[..., Any]
+    serve_shardings: Any
+    on_grad: Callable[[int, int], None] | None
+    on_publish: Callable[[int, Any], None] | None
+    keep_serving: bool
+    params: Any = None  # the latest training snapshot
+    version: int | None = None
+    published: tuple[int, Any] | None = None  # (version, params in the serving layout): what an engine here serves
+    done: dict[str, Any] = dataclasses.field(default_factory=lambda: {
+        "micro_batches": 0, "snapshots": 0, "snapshot_bytes": 0, "snapshot_seconds": 0.0,
+        "published_version": None, "publish_bytes": 0, "publish_seconds": 0.0})
+
+    @property
+    def me(self) -> int:
+        return self.transport.process
+
+    def snapshot(self, msg: dict) -> None:
+        """The core's params for the micro-batches of a step: pulled, acknowledged with their transfer stats."""
+        self.params, st = self.transport.pull_ready(int(msg["core"]), int(msg["uuid"]), self.params_like)
+        self.version = int(msg["version"])
+        self.transport.kv.key_value_set(SNAPSHOT.format(process=self.me, uuid=msg["uuid"]),
+                                        json.dumps({"bytes": st.bytes, "seconds": st.seconds}))
+        self.done["snapshots"] += 1
+        self.done["snapshot_bytes"] += st.bytes
+        self.done["snapshot_seconds"] += st.seconds
+        log.info("pods satellite %d: params v%d pulled, %.2f MB in %.3f s (%.2f GB/s)",
+                 self.me, self.version, st.bytes / 1e6, st.seconds, st.gbps)
+
+    def publish(self, msg: dict) -> None:
+        """A new version to serve: pulled in the core's layout, resharded to the serving one, handed to
+        ``on_publish``, then acknowledged (serve's docstring: memory while it lands)."""
+        if not self.keep_serving:
+            self.published = None  # no engine here reads it: free it before the new version lands
+        t0 = time.perf_counter()
+        # A pull cannot change the layout (jax 0.10.2: "Async transfer object was deleted before transfers
+        # completed" when the target sharding differs), so: the core's layout across, the reshard here.
+        pending = self.transport.pull(int(msg["core"]), int(msg["uuid"]), self.params_like)  # in flight from here
+        log.info("pods satellite %d: pulling v%d, serving v%s meanwhile", self.me, int(msg["version"]),
+                 None if self.published is None else self.published[0])
+        p = jax.block_until_ready(pending)
+        st = PullStats(int(msg["uuid"]), tree_bytes(self.params_like), time.perf_counter() - t0)
+        if self.serve_shardings is not None:
+            p = jax.block_until_ready(jax.device_put(p, self.serve_shardings))
+        seconds = time.perf_counter() - t0
+        if self.on_publish is not None:
+            self.on_publish(int(msg["version"]), p)
+        self.published = (int(msg["version"]), p)
+        self.transport.kv.key_value_set(PUBLISHED.format(process=self.me, version=self.published[0]),
+                                        json.dumps({"bytes": st.bytes, "seconds": seconds, "pull_seconds": st.seconds}),
+                                        allow_overwrite=True)
+        self.done["published_version"] = self.published[0]
+        self.done["publish_bytes"] += st.bytes
+        self.done["publish_seconds"] += seconds
+
+    def grad(self, msg: dict) -> None:
+        """One micro-batch: pulled, its gradient computed on the snapshot and offered back to the core."""
+        if self.params is None:
+            raise RuntimeError(f"pods satellite {self.me}: micro-batch {msg['i']} before any params snapshot")
+        if self.on_grad is not None:
+            self.on_grad(self.done["micro_batches"], int(msg["i"]))
+        like = {k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=self.batch_sharding)
+                for k, (s, d) in msg["shapes"].items()}
+        mb = self.transport.pull(int(msg["core"]), int(msg["in"]), like)
+        self.transport.offer(int(msg["out"]), self.grad_step(self.params, mb))
+        self.done["micro_batches"] += 1
 
 
 def hold_forever(reason: str) -> None:

@@ -131,60 +131,105 @@ def build_report(mode_dir: str, out_dir: str | None = None, settings: ReportSett
                  progress: bool = True, workers: int = 0, start_method: str = "fork") -> dict:
     """Write (or bring up to date) the report of the run in ``mode_dir``; its stats (timings, sizes).
 
+    In two phases: first the page and its tables, every rollout listed from its outcome and the store's
+    cursor (seconds, whatever the run's size: the page works from here on), then each changed group's
+    file (its rollouts' trees, decoded calls and tree columns of the table), rewriting the table every
+    ``PUBLISH_EVERY_S`` while it builds, so a page reloaded meanwhile shows what is done.
+
     ``workers``: processes that build rollout files (0: one per CPU, up to 8, when there are more than
     ``PARALLEL_MIN`` rollouts to build); each opens the store with its own read-only reader.
     ``start_method``: "fork" from a plain process, "spawn" from one whose JAX backend is running
     (the ``report`` job, started by launch.main)."""
-    from gyre_jax.rl.progress import Progress
-    from gyre_jax.trajectory.store import TrajectoryStore
-
     t0 = time.perf_counter()
     out_dir = out_dir or os.path.join(mode_dir, "report")
     data = os.path.join(out_dir, "data")
     os.makedirs(os.path.join(data, "rollouts"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "assets"), exist_ok=True)
-    manifest_path = os.path.join(data, "manifest.json")
-    old = _load_manifest(manifest_path, settings.key())
-    groups_meta: dict[str, dict] = {}
-    built = written = 0
-    store_info: dict = {}
+    old = _load_manifest(os.path.join(data, "manifest.json"), settings.key())
     sdir = _store_dir(mode_dir)
-    if sdir is not None:
-        with TrajectoryStore(sdir, writable=False) as store:
-            plan = _plan(store, settings)
-            store_info = {"quarantined": len(store.quarantined()), "torn_tails": len(store.torn_tails()),
-                          "unfinished": len(plan["unfinished"]), "complete": len(plan["outcomes"])}
-        todo = [g for g, key in plan["keys"].items() if old.get(g, {}).get("key") != key
-                or not os.path.exists(os.path.join(data, "rollouts", _shard(g) + ".js"))]
-        jobs = [(g, plan["groups"][g], {r: plan["trained"][r] for r in plan["groups"][g]},
-                 {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]}) for g in todo]
-        n_todo = sum(len(j[1]) for j in jobs)
-        bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
-                       line_per_step=False)
+    meta, jobs, keys, store_info = _first_phase(sdir, settings, old, data)
+    written = _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
+    t_page = time.perf_counter() - t0
+    built, nbytes = _second_phase(jobs, keys, meta, sdir, mode_dir, out_dir, settings, store_info, workers,
+                                  start_method, progress)
+    written += nbytes
+    if jobs:
+        written += _publish(mode_dir, out_dir, settings, store_info, meta, run=True)
+    return {"report": os.path.join(out_dir, "index.html"), "rollouts": sum(len(m["rows"]) for m in meta.values()),
+            "groups": len(meta), "groups_built": built, "seconds": round(time.perf_counter() - t0, 3),
+            "page_s": round(t_page, 3), "bytes_written": written, "bytes_total": _dir_bytes(out_dir),
+            "bytes_data": _dir_bytes(data), "bytes_index": os.path.getsize(os.path.join(data, "index.js")),
+            "bytes_run": os.path.getsize(os.path.join(data, "run.js"))}
+
+
+def _first_phase(sdir: str | None, settings: ReportSettings, old: Mapping[str, dict], data: str):
+    """(every group's entry: built ones from the manifest, the others' rows from their outcomes; the groups
+    to build as jobs; their keys; the store's counts)."""
+    from gyre_jax.trajectory.store import TrajectoryStore
+
+    if sdir is None:
+        return {}, [], {}, {}
+    meta: dict[str, dict] = {}
+    with TrajectoryStore(sdir, writable=False) as store:
+        plan = _plan(store, settings, old, data)
+        store_info = {"quarantined": len(store.quarantined()), "torn_tails": len(store.torn_tails()),
+                      "unfinished": len(plan["unfinished"]), "complete": len(plan["complete"])}
+        todo = set(plan["todo"])
+        for g, rids in plan["groups"].items():  # the store's order; a group to build: its outcomes' rows
+            meta[g] = old[g] if g not in todo else {"key": None, "members": rids, "rows": [rl_lib.outcome_row(
+                r, store.outcome(r) if r in plan["complete"] else None, plan["trained"][r],
+                plan["advantages"].get(r), _shard(g)) for r in rids]}
+    jobs = [(g, plan["groups"][g], {r: plan["trained"][r] for r in plan["groups"][g]},
+             {r: plan["advantages"][r] for r in plan["groups"][g] if r in plan["advantages"]}) for g in plan["todo"]]
+    return meta, jobs, plan["keys"], store_info
+
+
+def _second_phase(jobs, keys, meta, sdir, mode_dir, out_dir, settings, store_info, workers, start_method,
+                  progress) -> tuple[int, int]:
+    """Build each job's group file, updating ``meta``; (groups built, bytes written)."""
+    from gyre_jax.rl.progress import Progress
+
+    n_todo = sum(len(j[1]) for j in jobs)
+    bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
+                   line_per_step=False)
+    built = written = 0
+    last = time.monotonic()
+    data = os.path.join(out_dir, "data")
+    try:
         for g, rows, nbytes in _run_jobs(jobs, sdir, mode_dir, data, settings, workers, start_method, n_todo):
-            groups_meta[g] = {"key": plan["keys"][g], "rows": rows}
+            meta[g] = {"key": keys[g], "rows": rows, "members": meta[g]["members"]}
             written += nbytes
             built += 1
             bar.step(len(rows))
+            if time.monotonic() - last >= PUBLISH_EVERY_S:
+                written += _publish(mode_dir, out_dir, settings, store_info, meta, run=False)
+                last = time.monotonic()
+    except BaseException:  # stopped or failed: what was built stays built (the next build does the rest)
+        if built:
+            _publish(mode_dir, out_dir, settings, store_info, meta, run=False)
+        raise
+    finally:
         bar.close()
-        for g in plan["groups"]:  # unchanged groups: their rows from the manifest, in the store's order
-            if g not in groups_meta:
-                groups_meta[g] = old[g]
-        groups_meta = {g: groups_meta[g] for g in plan["groups"]}
-    rows = [r for m in groups_meta.values() for r in m["rows"]]
-    t_rollouts = time.perf_counter() - t0
-    run = _run_doc(mode_dir, [rl_lib.index_dict(r) for r in rows], settings, store_info)
-    written += _write_js(os.path.join(data, "run.js"), "window.GYRE_RUN", run)
-    written += _write_js(os.path.join(data, "index.js"), "window.GYRE_INDEX",
-                         {"columns": list(rl_lib.INDEX_COLUMNS), "rows": rows})
-    _write_manifest(manifest_path, settings.key(), groups_meta)
-    _copy_static(out_dir)
-    seconds = time.perf_counter() - t0
-    return {"report": os.path.join(out_dir, "index.html"), "rollouts": len(rows), "groups": len(groups_meta),
-            "groups_built": built, "seconds": round(seconds, 3), "rollouts_s": round(t_rollouts, 3),
-            "bytes_written": written, "bytes_total": _dir_bytes(out_dir), "bytes_data": _dir_bytes(data),
-            "bytes_index": os.path.getsize(os.path.join(data, "index.js")),
-            "bytes_run": os.path.getsize(os.path.join(data, "run.js"))}
+    return built, written
+
+
+PUBLISH_EVERY_S = 15.0  # while groups build: the table (index.js) and the manifest rewritten this often
+
+
+def _publish(mode_dir: str, out_dir: str, settings: ReportSettings, store_info: dict, meta: Mapping[str, dict], *,
+             run: bool) -> int:
+    """index.js and the manifest (a group not built yet has no key: the next build builds it); with ``run``,
+    run.js (the run's tables read every row) and the page."""
+    data = os.path.join(out_dir, "data")
+    rows = [r for m in meta.values() for r in m["rows"]]
+    n = _write_js(os.path.join(data, "index.js"), "window.GYRE_INDEX",
+                  {"columns": list(rl_lib.INDEX_COLUMNS), "rows": rows})
+    if run:
+        n += _write_js(os.path.join(data, "run.js"), "window.GYRE_RUN",
+                       _run_doc(mode_dir, [rl_lib.index_dict(r) for r in rows], settings, store_info))
+        _copy_static(out_dir)
+    _write_manifest(os.path.join(data, "manifest.json"), settings.key(), meta)
+    return n
 
 
 PARALLEL_MIN = 400  # rollouts to build below which one process does it (a worker's start costs seconds)
@@ -232,43 +277,72 @@ def _build_groups(sdir, mode_dir, data, settings: ReportSettings, jobs):
             yield g, _clean(rows), nbytes
 
 
-def _plan(store, settings: ReportSettings) -> dict:
-    """Outcomes, what the trainer did with each rollout, advantages, groups and their cache keys."""
-    complete = store.complete_rollouts()
-    outcomes = {rid: store.outcome(rid) for rid in complete}
-    unfinished = store.unfinished_rollouts()
+def _plan(store, settings: ReportSettings, old: Mapping[str, dict], data: str) -> dict:
+    """What the trainer did with each rollout, the groups, their cache keys, the groups to build and the
+    advantages they need. Cheap when little changed: a group's key is its rollouts' ids, whether each is
+    finished, and its trainer state and step (with the size of that step, so a step that changes
+    rebuilds every group in it); outcomes are read only for new rollouts and the steps to rebuild."""
+    import collections
+
+    complete = set(store.complete_rollouts())
+    unfinished = set(store.unfinished_rollouts())
     consumed = store.consumed()
+    step_size = collections.Counter(c.get("step") for c in consumed.values())
+    outcomes: dict[str, Any] = {}
+
+    def outcome(rid):
+        if rid not in outcomes:
+            outcomes[rid] = store.outcome(rid)
+        return outcomes[rid]
+
     trained: dict[str, rl_lib.Trained] = {}
-    for rid in store.rollout_ids():
-        c = consumed.get(rid)
-        if c is not None:
-            trained[rid] = rl_lib.Trained(c.get("state", "trained"), c.get("step"), c.get("reason"))
-        else:
-            trained[rid] = rl_lib.Trained("pending" if rid in outcomes else "running")
-    by_step: dict[Any, list] = {}
-    for rid, o in outcomes.items():
-        t = trained[rid]
-        key = ("step", t.step) if t.step is not None else ("group", getattr(o, settings.group_field))
-        by_step.setdefault(key, []).append(o)
-    advantages: dict[str, float] = {}
-    for os_ in by_step.values():
-        try:
-            advantages.update(rl_lib.step_advantages(os_, settings.advantage, settings.group_field))
-        except ValueError:  # a group that breaks the estimator's rules (e.g. mixed tasks): shown without
-            pass
+    known = {rid: g for g, meta in old.items() for rid in meta.get("members", ())}
     groups: dict[str, list[str]] = {}
     for rid in store.rollout_ids():
-        o = outcomes.get(rid)
-        g = o.group_id if o is not None else store.calls(rid)[0].group_id if rid in unfinished else None
-        if g is not None:
-            groups.setdefault(g, []).append(rid)
+        c = consumed.get(rid)
+        trained[rid] = (rl_lib.Trained(c.get("state", "trained"), c.get("step"), c.get("reason")) if c is not None
+                        else rl_lib.Trained("pending" if rid in complete else "running"))
+        g = known.get(rid)
+        if g is None:
+            if rid in complete:
+                g = outcome(rid).group_id
+            elif rid in unfinished:
+                g = store.calls(rid)[0].group_id
+            else:
+                continue
+        groups.setdefault(g, []).append(rid)
     keys = {}
     for g, rids in groups.items():
-        sig = [(r, trained[r].state, trained[r].step, outcomes[r].status if r in outcomes else None,
-                advantages.get(r)) for r in sorted(rids)]
+        sig = [(r, r in complete, trained[r].state, trained[r].step, step_size.get(trained[r].step))
+               for r in sorted(rids)]
         keys[g] = hashlib.sha1(json.dumps([settings.key(), sig], default=str).encode()).hexdigest()[:20]
-    return {"outcomes": outcomes, "unfinished": unfinished, "trained": trained, "advantages": advantages,
-            "groups": groups, "keys": keys}
+    todo = [g for g in groups if old.get(g, {}).get("key") != keys[g]
+            or not os.path.exists(os.path.join(data, "rollouts", _shard(g) + ".js"))]
+    advantages = _advantages(todo, groups, trained, consumed, complete, outcome, settings)
+    return {"unfinished": unfinished, "complete": complete, "trained": trained, "advantages": advantages,
+            "groups": groups, "keys": keys, "todo": todo}
+
+
+def _advantages(todo, groups, trained, consumed, complete, outcome, settings: ReportSettings) -> dict[str, float]:
+    """Advantages of the rollouts to build: over each step they were trained in (every rollout of it), or,
+    not taken yet, over their group."""
+    steps = {trained[r].step for g in todo for r in groups[g] if trained[r].step is not None}
+    peers: dict[Any, list] = {}
+    for rid, c in consumed.items():
+        if c.get("step") in steps and rid in complete:
+            peers.setdefault(("step", c["step"]), []).append(outcome(rid))
+    for g in todo:
+        for rid in groups[g]:
+            if trained[rid].step is None and rid in complete:
+                o = outcome(rid)
+                peers.setdefault(("group", getattr(o, settings.group_field)), []).append(o)
+    advantages: dict[str, float] = {}
+    for members in peers.values():
+        try:
+            advantages.update(rl_lib.step_advantages(members, settings.advantage, settings.group_field))
+        except ValueError:  # rollouts that break the estimator's rules (e.g. a group of mixed tasks): shown without
+            pass
+    return advantages
 
 
 def _run_doc(mode_dir: str, rows: Sequence[Mapping[str, Any]], settings: ReportSettings, store_info: dict) -> dict:
@@ -299,10 +373,10 @@ def _load_manifest(path: str, key: str) -> dict:
     return doc.get("groups", {}) if doc.get("settings") == key else {}
 
 
-def _write_manifest(path: str, key: str, groups: dict) -> None:
+def _write_manifest(path: str, key: str, groups: Mapping[str, dict]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"settings": key, "groups": groups}, f, separators=(",", ":"))
+        json.dump({"settings": key, "groups": dict(groups)}, f, separators=(",", ":"))
     os.replace(tmp, path)
 
 

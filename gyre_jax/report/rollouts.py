@@ -181,6 +181,18 @@ def rollout_detail(rid: str, calls: Sequence[Any], outcome, *, trained: Trained,
     return detail, row
 
 
+def outcome_row(rid: str, outcome, trained: Trained, advantage: float | None, shard: str) -> list:
+    """A rollout's row of ``INDEX_COLUMNS`` from its outcome alone (no call read): what the table shows while
+    its group's file is built; the tree's columns (tokens, paths, branches) are None until then."""
+    versions = sorted(getattr(outcome, "policy_versions", ()) or ())
+    stale = (trained.step - versions[0]) if trained.step is not None and versions else None
+    return [rid, getattr(outcome, "task_id", None), getattr(outcome, "group_id", None),
+            outcome.status if outcome is not None else "running", getattr(outcome, "score", None), advantage,
+            trained.step, trained.state, versions[0] if versions else None, versions[-1] if versions else None, stale,
+            getattr(outcome, "num_calls", None), None, None, None, None, None, None, None, None, None, None,
+            reason_of(outcome), shard, getattr(outcome, "t_end", None)]
+
+
 def _tree(calls, outcome, trained: Trained, decoder: TurnDecoder, select: SelectConfig) -> dict:
     rebuilt = rebuild(calls)
     nodes, parent = rebuilt.root.preorder()

@@ -82,7 +82,7 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
                         kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None,
-                        lora_serving=cfg.train.lora.serve)  # a LoRA run's params: Adapted(base, adapters)
+                        lora_serving=cfg.train.lora.serving)  # a LoRA run's params: Adapted(base, adapters)
     return JetStreamBackend(engine, name=name)
 
 
@@ -112,7 +112,7 @@ class Components:
     store: TrajectoryStore
     ckpt: Checkpointer
     metrics: MetricsWriter
-    evaluator: HeldOutEval | BackgroundEval | None
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
     timeline: Timeline
     clock: RealClock
     wake: threading.Event
@@ -160,7 +160,7 @@ class Placement:
     steps: cells_lib.CellSteps
     core_mesh: Any
     warm_thread: threading.Thread  # compiling every cell's training step meanwhile
-    evaluator: HeldOutEval | BackgroundEval | None
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
     frozen: FrozenBase | None = None  # a LoRA run's base (rl/lora_run.py); None: the params are the model's
     base_history: tuple[dict, ...] = ()  # the SFT warm start's metrics when the LoRA base was made now
 
@@ -224,6 +224,19 @@ def _warm_start(cfg: RLConfig, tok, params):
                       learning_rate=cfg.sft.learning_rate, seed=cfg.warm_seed, progress=cfg.progress)
 
 
+def _adapter_of_group(cfg: RLConfig):
+    """Multi-LoRA: a group id's adapter ("g00012" -> 12 % adapters; another id, the run's own warm-up calls: 0);
+    None with one adapter."""
+    if cfg.train.lora.adapters == 1:
+        return None
+
+    def adapter_of(group_id: str) -> int:
+        m = re.fullmatch(r"g(\d+)", group_id or "")
+        return cfg.group_adapter(int(m.group(1))) if m else 0
+
+    return adapter_of
+
+
 def _engine_params(frozen: FrozenBase | None, params):
     """What a new engine is given: the params, or a LoRA run's base with its adapters."""
     return params if frozen is None else Adapted(frozen, params)
@@ -256,19 +269,23 @@ def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
     return out
 
 
-def _make_eval(cfg: RLConfig, tok, frozen: FrozenBase | None = None) -> HeldOutEval | None:
+def _make_eval(cfg: RLConfig, tok, frozen: FrozenBase | None = None) -> HeldOutEval | lora_run.AdapterEvals | None:
     """The first-call held-out eval (config.eval.kind=first_call), or None (off, or whole episodes:
     ``_episode_eval`` builds that one once the cells exist)."""
     e = cfg.eval
     if not e.every or e.kind != "first_call":
         return None
-    tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
-    try:
+    def held_out(tasks, prepare=None):
         return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
                            samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
                            temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len,
-                           sandbox=SandboxConfig(kind=cfg.harness.sandbox),
-                           prepare=None if frozen is None else functools.partial(lora_run.merged, frozen))
+                           sandbox=SandboxConfig(kind=cfg.harness.sandbox), prepare=prepare)
+
+    try:
+        if frozen is not None and cfg.train.lora.adapters > 1:  # each adapter on each adapter's task set
+            return lora_run.AdapterEvals([held_out(src.eval_tasks(e.tasks)) for src in cfg.adapter_sources], frozen)
+        tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
+        return held_out(tasks, None if frozen is None else functools.partial(lora_run.merged, frozen))
     except ValueError as err:
         raise ConfigError(f"config.eval: {err}") from None
 
@@ -396,8 +413,13 @@ def save_costs(workdir: str, controller: Controller) -> None:
     if controller.estimates is None:
         return
     path = os.path.join(workdir, costs_file.FILE_NAME)
+    measured = controller.estimates.measured()
+    moves: list = getattr(controller.cells, "moves", lambda: [])()
+    if moves:  # the weight move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)
+        measured = dataclasses.replace(measured, move_bytes=float(np.mean([m.bytes for m in moves])),
+                                       move_s=float(np.mean([m.seconds for m in moves])))
     try:
-        costs_file.save(path, controller.estimates.measured())
+        costs_file.save(path, measured)
     except OSError as e:
         raise storage_error(path, "writing the scheduler costs", e) from e
 
@@ -413,12 +435,13 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
 
         check_layout(cfg, cs)
     layout = CellLayout(cs, (Role.CORE,) + tuple(Role.ROLLOUT if r == ROLLOUT else Role.TRAIN for r in roles[1:]))
-    frozen, base_history = None, []
+    frozen: FrozenBase | None = None
+    base_history: list[dict] = []
     if cfg.train.lora.enabled:  # the base first: the cells' steps read it (rl/lora_run.py)
         core_mesh = layout.role_to_mesh()[Role.CORE][0]
         frozen, base_history = lora_run.frozen_base(cfg, base.workdir,
                                                     lambda: fresh_params(cfg, base.tok, core_mesh))
-    evaluator: HeldOutEval | BackgroundEval | None = _make_eval(cfg, base.tok, frozen)
+    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None = _make_eval(cfg, base.tok, frozen)
     if cfg.eval.every and cfg.eval.kind == "episodes":
         evaluator = _episode_eval(cfg, base.tok, layout.cells[0], make_backend, base.workdir, frozen)
     steps = _cell_steps(cfg, frozen)
@@ -516,9 +539,13 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
             backends.append(faults.wrap(b) if faults is not None else b)
         # Only keys the launcher issues (one per rollout, revoked at its end) or the run's own token are
         # credentials; any model name is this policy; a harness asking more tokens than the cap gets the cap.
-        return Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
-                     ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
-                                 auth_token=secrets.token_hex(16), unix_path=sock))
+        proxy = Proxy(Router(backends, wait_for_cell_s=600.0), base.tok, base.store,
+                      ProxyConfig(max_tokens_cap=cfg.harness.max_tokens, clamp_max_tokens=True, model_aliases=("*",),
+                                  auth_token=secrets.token_hex(16), unix_path=sock))
+        group_adapter = _adapter_of_group(cfg)
+        if group_adapter is not None:  # multi-LoRA: a call samples with its rollout's adapter, found by its key
+            proxy.adapter_of = lambda b: group_adapter(b.group_id)
+        return proxy
 
     server = ServerThread(build_proxy)
     url = server.start(cfg.cells.start_timeout_s, "the rollout engines")
@@ -619,7 +646,8 @@ def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Rest
         restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
         | {r for g in restored.short for r in g.finished},
         on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes)
+        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes,
+        adapter_of=_adapter_of_group(cfg))
 
 
 def _describe(cfg: RLConfig, base: Base, place: Placement, serving: Serving, restored: Restored,
@@ -675,15 +703,22 @@ def _cell_steps(cfg: RLConfig, frozen: FrozenBase | None = None) -> cells_lib.Ce
                                reductions=METRIC_REDUCTIONS)
 
 
-def run_satellite(cfg: RLConfig, *, make_backend: BackendFactory = jetstream_backend) -> dict:
-    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word."""
+def run_satellite(cfg: RLConfig, *, workdir: str | None = None, make_backend: BackendFactory = jetstream_backend) -> dict:
+    """Process k > 0 of a multi-process rl run: cell k, serving or training on the core's word. A LoRA run's
+    satellite reads the frozen base the core keeps in ``workdir`` (rl/lora_run.py: a shared filesystem, or
+    model.hf_path itself); everything the core sends it afterwards is adapters."""
     from gyre_jax.pods.rl_job import check_layout, satellite_main
 
     _quiet_absl()
     cfg.check_devices(len(jax.devices()))
     check_layout(cfg, cells_lib.split_cells(cfg.cell_config()))
     tok = _tokenizer(cfg)
-    return satellite_main(cfg, _cell_steps(cfg), make_backend, tok)
+    frozen = None
+    if cfg.train.lora.enabled:
+        if workdir is None:
+            raise ConfigError("a LoRA run's satellite process needs the run's --workdir (the core keeps the base there)")
+        frozen = lora_run.satellite_base(cfg, os.path.abspath(workdir), lambda: (_hf_params(cfg, None), []))
+    return satellite_main(cfg, _cell_steps(cfg, frozen), make_backend, tok)
 
 
 def check_checkpoint(restored, iterator, frozen: FrozenBase | None = None) -> None:

@@ -317,7 +317,7 @@ class HarnessKnobs:
                             memory_bytes=self.memory_bytes, unix_socket=unix_socket)
 
 
-LORA_SERVING = ("merged", "unmerged")
+LORA_SERVING = ("auto", "merged", "unmerged")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -339,17 +339,54 @@ class LoraKnobs:
     rslora: bool = False
     # merged: each engine serves the base with the adapter folded in (exact, no per-token cost; the
     # cell keeps the base to merge each new version into); unmerged: the engine applies the adapter
-    # per token beside the base weights (what several adapters need)
-    serve: str = "merged"
+    # per token beside the base weights (what several adapters need); auto: merged for one adapter
+    serve: str = "auto"
     init_from: str = ""  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+    # Multi-LoRA: this many adapters over the one base, each its own task set and optimizer state; group g
+    # trains adapter g % adapters, and the proxy routes its rollouts' calls to that adapter by their key.
+    adapters: int = 1
+    # Each adapter's task set: "|"-separated, per adapter ";"-separated overrides of config.task's fields,
+    # e.g. "ops=copy|ops=upper"; "" = every adapter draws from config.task (its own stream of it).
+    adapter_tasks: str = ""
 
     def __post_init__(self):
-        _ints(self, ("rank",))
+        _ints(self, ("rank", "adapters"))
         _positive(self, ("rank", "dropout"), allow_zero=True)
+        _positive(self, ("adapters",))
         if self.serve not in LORA_SERVING:
             raise ConfigError(f"config.train.lora.serve must be one of {LORA_SERVING}, got {self.serve!r}")
+        if self.adapters > 1 and self.serve == "merged":
+            raise ConfigError(f"config.train.lora.adapters={self.adapters}: serve='merged' folds one adapter into the "
+                              "weights; several serve 'unmerged' (or 'auto')")
+        if (self.adapters > 1 or self.adapter_tasks) and not self.rank:
+            raise ConfigError("config.train.lora.adapters / adapter_tasks need config.train.lora.rank > 0")
+        if self.adapter_tasks and len(self.adapter_tasks.split("|")) != self.adapters:
+            raise ConfigError(f"config.train.lora.adapter_tasks={self.adapter_tasks!r} names "
+                              f"{len(self.adapter_tasks.split('|'))} task sets for adapters={self.adapters}")
         if self.rank:
             self.lora_config()  # every field checked now, before any JAX work
+
+    @property
+    def serving(self) -> str:
+        """How engines serve the adapters: merged for one adapter, unmerged for several (serve='auto')."""
+        if self.serve != "auto":
+            return self.serve
+        return "merged" if self.adapters == 1 else "unmerged"
+
+    def task_overrides(self) -> list[dict[str, str]]:
+        """Each adapter's overrides of config.task (raw strings; RLConfig types them)."""
+        if not self.adapter_tasks:
+            return [{} for _ in range(self.adapters)]
+        out = []
+        for a, part in enumerate(self.adapter_tasks.split("|")):
+            fields = {}
+            for item in (x.strip() for x in part.split(";") if x.strip()):
+                k, eq, v = item.partition("=")
+                if not eq:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {item!r} is not field=value")
+                fields[k.strip()] = v.strip()
+            out.append(fields)
+        return out
 
     @property
     def enabled(self) -> bool:
@@ -365,7 +402,7 @@ class LoraKnobs:
             t.strip() for t in self.targets.split(",") if t.strip())
         return _built("train.lora", lambda: LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                                                        targets=targets, layers=_layer_list(self.layers),
-                                                       rslora=self.rslora))
+                                                       rslora=self.rslora, num_adapters=self.adapters))
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -697,8 +734,7 @@ class RLConfig:
         if self.harness.max_tokens >= self.cells.max_len:
             raise ConfigError(f"config.harness.max_tokens={self.harness.max_tokens} must be < cells.max_len="
                               f"{self.cells.max_len}")
-        if self.train.lora.enabled:
-            _built("train.lora", lambda: self.policy_model)  # the adapters on this model: layers, MoE, parallelism
+        self._check_lora()
         # Build (and throw away) everything the loop builds later from these values. The
         # cell layout is checked against the devices (check_devices) as soon as JAX is up.
         self.policy_config()
@@ -725,6 +761,20 @@ class RLConfig:
             raise ConfigError("config.eval.kind='first_call' scores the built-in agent's first call only; with "
                               f"harness.kind={self.harness.kind!r} use eval.kind='episodes'")
         self._check_sandbox(harness.needs_commands(first))
+
+    def _check_lora(self) -> None:
+        """The adapters fit this model (layers, MoE, parallelism); each adapter's task set builds and has
+        held-out tasks."""
+        if self.train.lora.enabled:
+            _built("train.lora", lambda: self.policy_model)
+        if self.train.lora.adapters > 1:
+            for src in self.adapter_sources:
+                _built("train.lora.adapter_tasks", lambda: src.train_task(0))  # noqa: B023 - called at once
+                if self.eval.every and not src.eval_tasks(1):
+                    raise ConfigError(f"config.train.lora.adapter_tasks: {src.describe()} has no held-out tasks")
+            if self.eval.every and self.eval.kind != "first_call":
+                raise ConfigError("config.train.lora.adapters > 1: the held-out eval of each adapter on each task set is "
+                                  "eval.kind='first_call' (whole-episode evals per adapter are not covered)")
 
     @functools.cached_property
     def task_source(self):
@@ -755,6 +805,19 @@ class RLConfig:
         lora = self.lora
         return self.model if lora is None else self.model.replace(lora=lora)
 
+    @property
+    def switch_move_bytes(self) -> int:
+        """Bytes one role switch or publication moves: the params, or a LoRA run's adapters (float32)."""
+        import math
+
+        from gyre_jax import planner
+
+        lora = self.lora
+        if lora is None:
+            return sum(math.prod(s) for _, s, _ in planner.param_table(self.model)) * planner.DTYPE_BYTES[
+                self.model.param_dtype]
+        return 4 * sum(math.prod(s) for _, s, _ in planner.lora_table(self.model, lora))
+
     # ---- the objects the loop builds from the config (validated here) ----
     @functools.cached_property
     def scheduler_priors(self):
@@ -775,8 +838,13 @@ class RLConfig:
         where it measured them, config.scheduler.priors's elsewhere."""
         from gyre_jax.scheduler import policy as policy_lib
 
+        from gyre_jax.scheduler.costs import for_move_bytes
+
         s = self.scheduler
-        priors = self.scheduler_priors if own_costs is None else policy_lib.filled(own_costs, self.scheduler_priors)
+        # A pilot's (or a full-weights run's) switch costs, with the weight move rescaled to what this run's
+        # switches move: a LoRA run's adapters, not the weights (scheduler/costs.py: for_move_bytes).
+        priors = for_move_bytes(self.scheduler_priors, self.switch_move_bytes)
+        priors = priors if own_costs is None else policy_lib.filled(own_costs, priors)
         pc = _built("scheduler", lambda: policy_lib.PolicyConfig(
             mode=s.mode, total_steps=self.steps, groups_per_step=s.groups_per_step, group_size=s.group_size,
             staleness_bound=s.staleness_bound, updates_per_publication=s.updates_per_publication,
@@ -799,8 +867,36 @@ class RLConfig:
         return n_cells
 
     def group_task(self, g: int):
-        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's)."""
-        return self.task_source.train_task(g)
+        """The task of the run's g-th launched group (gyre_jax.agents.task_sources: disjoint from eval's and SFT's);
+        with several LoRA adapters, the ``g // adapters``-th task of adapter ``g % adapters``'s task set."""
+        n = self.train.lora.adapters
+        if n == 1:
+            return self.task_source.train_task(g)
+        return self.adapter_sources[g % n].train_task(g // n)
+
+    def group_adapter(self, g: int) -> int:
+        """The LoRA adapter the run's g-th group trains (and whose rollouts the proxy serves with it)."""
+        return g % self.train.lora.adapters
+
+    @functools.cached_property
+    def adapter_sources(self) -> list:
+        """Each LoRA adapter's TaskSource: config.task with the adapter's overrides (train.lora.adapter_tasks)."""
+        out = []
+        types = {f.name: f.type for f in dataclasses.fields(TaskConfig)}
+        for a, over in enumerate(self.train.lora.task_overrides()):
+            bad = sorted(set(over) - set(types))
+            if bad:
+                raise unknown_fields(f"train.lora.adapter_tasks (adapter {a})", bad, types)
+            typed: dict[str, Any] = {}
+            for k, v in over.items():
+                kind = str(types[k])
+                try:
+                    typed[k] = int(v) if kind == "int" else float(v) if kind == "float" else v
+                except ValueError:
+                    raise ConfigError(f"config.train.lora.adapter_tasks: adapter {a}'s {k}={v!r} is not a {kind}") from None
+            task = _built("train.lora.adapter_tasks", lambda: dataclasses.replace(self.task, **typed))  # noqa: B023
+            out.append(_built("task", lambda: task.source(self.seed + a)))  # noqa: B023 - called at once
+        return out
 
     def processor_config(self):
         from gyre_jax.losses import ADVANTAGE_ESTIMATORS, WEIGHT_BUILDERS

@@ -59,7 +59,7 @@ def run(config, workdir: str) -> dict:
     """Job 'rl' (gyre_jax.jobs): the loop in ``<workdir>/<mode>``; returns the summary dict."""
     cfg = RLConfig.from_config(config)  # every bad value fails here, before any JAX work
     if jax.process_count() > 1 and jax.process_index() > 0:  # pods: a satellite cell (gyre_jax.pods.rl_job)
-        return run_satellite(cfg)
+        return run_satellite(cfg, workdir=os.path.join(workdir, cfg.scheduler.mode))
     mode_dir = os.path.join(workdir, cfg.scheduler.mode)
     try:
         checked = task_gate.gate(cfg, workdir)  # every task's grader works, or the run stops here (one line)
@@ -87,7 +87,9 @@ def _run_eval(c: Components, version: int, params) -> dict:
     c.evals.append({"version": version, **r})
     log.info("rl: eval at version %d: %s (%.1fs)", version, r, time.perf_counter() - t0)
     return {"eval/reward": r["eval_reward"], "eval/exact": r["eval_exact"], "eval/format": r["eval_format"],
-            "eval/grader_errors": r["eval_grader_errors"], "eval/version": version, "eval/s": time.perf_counter() - t0}
+            "eval/grader_errors": r["eval_grader_errors"], "eval/version": version, "eval/s": time.perf_counter() - t0,
+            # multi-LoRA: each adapter on each adapter's task set (rl/lora_run.py: AdapterEvals)
+            **{f"eval/{k[len('eval_'):]}": v for k, v in r.items() if k.startswith("eval_adapter")}}
 
 
 def _errors(c: Components) -> list[tuple[str, BaseException]]:

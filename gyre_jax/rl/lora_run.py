@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 import flax.serialization
 import jax
@@ -74,6 +75,22 @@ def frozen_base(cfg, workdir: str, make_fresh) -> tuple[FrozenBase, list[dict]]:
     if jax.process_index() == 0:
         _keep(path, base, reload=_reloadable(cfg))
     return base, history
+
+
+def satellite_base(cfg, workdir: str, load_hf, *, timeout_s: float = 1800.0) -> FrozenBase:
+    """A pods satellite's copy of the base: what the core keeps in ``<workdir>/lora_base`` (waited for: the core
+    makes it, SFT included, while the satellites start), read from there or, when it is model.hf_path's weights,
+    loaded from the checkpoint; the fingerprint must be the core's."""
+    meta_path = os.path.join(workdir, BASE_DIR, _META)
+    t0 = time.monotonic()
+    while not os.path.isfile(meta_path):
+        if time.monotonic() - t0 > timeout_s:
+            raise RunFailed(f"{meta_path} did not appear within {timeout_s:.0f} s: a LoRA run's satellites read the "
+                            "base the core keeps in its workdir (a filesystem every process sees)")
+        time.sleep(1.0)
+    base, _ = frozen_base(cfg, workdir, load_hf)
+    print(f"pods satellite: LoRA base {base.fingerprint()} ({base.nbytes / 2**20:.1f} MiB) read from {workdir}", flush=True)
+    return base
 
 
 def _abstract_base(pm):
@@ -182,11 +199,36 @@ def export_peft(cfg, adapters, workdir: str, version: int) -> list[str]:
     return out
 
 
+class AdapterEvals:
+    """Multi-LoRA's held-out eval: each adapter (merged into the base) on each adapter's task set, with the
+    first-call eval of each set (``HeldOutEval``). The headline fields (``eval_reward`` ...) are the mean of
+    each adapter on its own set; ``eval_adapter{a}_set{s}_reward`` each cell of the matrix, so a run shows
+    each adapter moving on its own set and what it does to the others'."""
+
+    def __init__(self, evals: list, base: FrozenBase):
+        self.evals, self.base = list(evals), base
+
+    def __call__(self, adapters) -> dict:
+        out: dict = {}
+        own = []
+        for a in range(len(adapters)):
+            params = merged(self.base, adapters, a)
+            for s, ev in enumerate(self.evals):
+                r = ev(params)
+                out[f"eval_adapter{a}_set{s}_reward"] = r["eval_reward"]
+                if a == s:
+                    own.append(r)
+        for k in ("eval_reward", "eval_exact", "eval_format"):
+            out[k] = float(np.mean([r[k] for r in own]))
+        out["eval_grader_errors"] = int(sum(r["eval_grader_errors"] for r in own))
+        return out
+
+
 def describe(cfg, base: FrozenBase, adapters) -> str:
     lora = cfg.lora
     ab = lora_lib.adapter_bytes(adapters)
     return (f"rl: LoRA rank={lora.rank} alpha={lora.alpha} ({lora.scale:g} x A@B) on {','.join(lora.targets)}"
             f"{' layers ' + ','.join(map(str, lora.layers)) if lora.layers else ''}, {lora.num_adapters} adapter(s): "
             f"{ab / 2**20:.2f} MiB trained, checkpointed and moved per switch vs the frozen base's "
-            f"{base.nbytes / 2**20:.1f} MiB ({cfg.model.dtype}), served {cfg.train.lora.serve}")
+            f"{base.nbytes / 2**20:.1f} MiB ({cfg.model.dtype}), served {cfg.train.lora.serving}")
 

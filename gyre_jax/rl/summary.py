@@ -82,6 +82,8 @@ def table(summaries: Sequence[dict]) -> str:
             ("switches", "{}"), ("statuses", "{}")]
     rows = [[name for name, _ in cols]]
     for s in summaries:
-        rows.append([fmt.format(s.get(name, "")) if s.get(name, "") != "" else "-" for name, fmt in cols])
+        # null: a mean over nothing scored (summary.json writes NaN as null), or a field an older run lacks
+        rows.append([fmt.format(s[name]) if s.get(name) is not None and s.get(name) != "" else "-"
+                     for name, fmt in cols])
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)

@@ -65,7 +65,7 @@ import jax
 import numpy as np
 
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
-from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, ROUTING_KEY
+from gyre_jax.cells.train_step import ADAPTER_KEY, MICRO_BATCH_KEYS, ROUTING_KEY
 from gyre_jax.rl.launcher import Group, lineage_calls
 from gyre_jax.rl.step_events import StepDone, StepInput, StepTotals, TrainerSnapshot
 from gyre_jax.scheduler.interfaces import TrainProgress
@@ -122,10 +122,13 @@ class TrainerAdapter:
                  on_step_started: Callable[[int], None] | None = None,
                  on_pull_for_step: Callable[[int], Callable[[int, int], None] | None] | None = None,
                  scorer=None, keep_versions: int = 0, dynamic_sampling_budget: int = 0,
-                 restored_rollouts: frozenset[str] = frozenset(), step_sizes: StepSizes = NOMINAL):
+                 restored_rollouts: frozenset[str] = frozenset(), step_sizes: StepSizes = NOMINAL,
+                 adapter_of: Callable[[str], int] | None = None):
         """``restored_rollouts``: the finished rollouts a resume at ``steps_done`` found untrained; their tokens
         sampled after that checkpoint count as sampled by it (``launcher.lineage_version``). ``step_sizes``: the
-        steps that hold more than ``groups_per_step`` groups (``policy.resume_step_sizes``)."""
+        steps that hold more than ``groups_per_step`` groups (``policy.resume_step_sizes``). ``adapter_of``:
+        multi-LoRA, a group id's adapter: every packed token carries its rollout's (rows' ``adapter`` field)."""
+        self.adapter_of = adapter_of
         self.trainer, self.store, self.pc = trainer, store, processor_config
         self.G, self.group_size, self.b = groups_per_step, group_size, micro_batch_rows
         self.cells, self.cell_roles, self.stream_groups = cells, cell_roles, stream_groups
@@ -381,12 +384,18 @@ class TrainerAdapter:
         rids = [r for g in groups for r in sorted(g.rollout_ids)]
         outcomes = [self.store.outcome(r) for r in rids]
         calls = [c for r in rids for c in self._calls(r)]
+        offset = 0 if kind == "step" else data.offset
         if kind == "step":
             batch = process_step(calls, outcomes, self.pc)
         else:
             batch = process_step(calls, outcomes, self.pc, num_step_rollouts=self._size(data.step) * self.group_size,
                                  rollout_index_offset=data.offset)
             data.offset += len(batch.rollout_ids)
+        if self.adapter_of is not None:  # multi-LoRA: each token trains its rollout's adapter
+            group_of = {o.rollout_id: o.group_id for o in outcomes}
+            per = np.asarray([self.adapter_of(group_of[r]) for r in batch.rollout_ids] + [0], np.int32)
+            local = np.where(batch.rollout_index >= 0, batch.rollout_index - offset, -1)
+            batch.rows.adapter = per[local]  # -1 (padding) reads the appended 0
         if self.scorer is not None and batch.rows.tokens.shape[0]:
             for k, v in self.scorer.score(batch.rows, batch.rollout_index, version=data.step,
                                           params_of=self._params_of).items():
@@ -406,6 +415,8 @@ class TrainerAdapter:
         """Hand the step's data to the trainer thread, then let its last rows out of the stream."""
         if not data.rows:  # every rollout failed: one empty row, so the step still runs (and counts)
             empty = pack_rows([[]], self.pc.row_len, routing_width=self.pc.routing_width)
+            if self.adapter_of is not None:
+                empty.adapter = np.zeros(empty.tokens.shape, np.int32)
             self.stream.add(data.step, empty, np.full(empty.tokens.shape, -1, np.int32))
             data.rows = 1
         units = sum(s.weight_units for s in data.stats)
@@ -434,7 +445,7 @@ class TrainerAdapter:
             if step != self.trainer.version:
                 raise RuntimeError(f"data position is at step {step} but the trainer is at version "
                                    f"{self.trainer.version}: checkpoint and data iterator disagree")
-            mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS + (ROUTING_KEY,) if k in batch}
+            mb = {k: np.asarray(batch[k]) for k in MICRO_BATCH_KEYS + (ROUTING_KEY, ADAPTER_KEY) if k in batch}
             with self._lock:
                 if self._step is None:
                     t0, n_mb = time.perf_counter(), 0

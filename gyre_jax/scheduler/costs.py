@@ -88,6 +88,25 @@ def filled(m: Measured, fallback: Measured) -> Measured:
                        for f in dataclasses.fields(Measured)})
 
 
+def for_move_bytes(m: Measured, move_bytes: float | None) -> Measured:
+    """``m`` (priors, an earlier attempt's costs) for a run whose switches move ``move_bytes``: the
+    weight move inside each switch rescaled by the byte ratio (what a move costs scales with what it
+    moves, at the bandwidth ``m`` measured), the rest of each switch (drains, the engine's reload)
+    as measured. Unchanged where ``m`` did not measure its move or the bytes are the same."""
+    if move_bytes is None or m.move_bytes is None or m.move_s is None or not m.move_bytes \
+            or move_bytes == m.move_bytes:
+        return m
+    new_s = m.move_s * move_bytes / m.move_bytes
+    d = new_s - m.move_s  # one move per direction
+
+    def less(v, k=1):
+        return None if v is None else max(0.0, v + k * d)
+
+    return dataclasses.replace(m, move_bytes=float(move_bytes), move_s=new_s,
+                               switch_to_train_s=less(m.switch_to_train_s), switch_to_rollout_s=less(m.switch_to_rollout_s),
+                               switch_round_trip_s=less(m.switch_round_trip_s, 2))
+
+
 def switch_cost_s(state: ClusterState, config: PolicyConfig) -> float:
     """A role switch's round trip (rollout -> train + train -> rollout), seconds: measured,
     else the priors', else min_work_per_switch_s; at least as long as a switch in progress
@@ -189,7 +208,23 @@ def lending_pays(state: ClusterState, config: PolicyConfig, available_s: float, 
     return saved > max(0.0, back)
 
 
+# (state, config, target) of the last call: a tick asks for the target two or three times (admission,
+# the switches), on the same immutable state. One tuple swapped whole (another thread may ask too).
+_target_memo: tuple = (None, None, 0)
+
+
 def train_cells_target(state: ClusterState, config: PolicyConfig) -> int:
+    """``steady_split`` on this state, remembered for the next call on the same one."""
+    global _target_memo
+    s, c, k = _target_memo
+    if s is state and c is config:
+        return k
+    k = steady_split(state, config)
+    _target_memo = (state, config, k)
+    return k
+
+
+def steady_split(state: ClusterState, config: PolicyConfig) -> int:
     """Cells (core included) that training needs in steady state, from measured costs.
 
     A step of R rollouts costs ``a_s * R`` serving cell-seconds and ``a_t * R`` training

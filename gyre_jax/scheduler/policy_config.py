@@ -157,6 +157,19 @@ class PolicyConfig:
         if any(k < 1 for k in self.async_split_by_step):
             raise ValueError(f"PolicyConfig.async_split_by_step={self.async_split_by_step}: every split must be >= 1")
 
+    def __hash__(self) -> int:
+        # The dataclass's own hash, computed once: the policy's caches (priors_split) key on the config
+        # several times a tick, and hashing every field each time was a tenth of a large simulation's ticks.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # (a string's hash differs between processes: a copy sent to another one computes its own)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def async_split(self, step: int) -> int:
         """Training cells of the async modes at optimizer step `step`."""
         sched = self.async_split_by_step

@@ -74,17 +74,15 @@ class SimCluster:
         self._r_queued = [False] * R
         self._r_done = [False] * R
         self._r_tokens = [0.0] * R
-        self._next_rollout = 0
-        self._running_rollouts = 0
-        self._g_version: list[int] = []
+        self._next_rollout = self._running_rollouts = 0
+        self._g_version: list[int] = []  # per group: its version, its rollouts still running, its tokens
         self._g_left: list[int] = []
         self._g_tokens: list[float] = []
         self._running_groups: dict[int, int] = {}
         self._ready: list[tuple[int, int]] = []  # (version, gid), FIFO within version
         self._ready_view: list[ReadyGroup] = []  # the same groups, as the policy sees them
         self._ready_work = 0.0  # their summed work_s
-        self._steps_done = 0
-        self._taken = 0
+        self._steps_done = self._taken = 0  # steps applied, groups taken into the open one
         self._pending = 0.0
         self._t_work = 0.0
         self._rate = sum(1 for r in roles if r == TRAIN)
@@ -99,8 +97,7 @@ class SimCluster:
         self._busy_slot_s = 0.0  # slot-seconds served: + a call's time at start, - what a cut removes
         self._train_work_s = 0.0
         self._staleness: list[int] = []  # per group, weighted by group_size later
-        self._truncated = 0
-        self._moved = 0
+        self._truncated = self._moved = 0  # rollouts cut by their deadline, calls moved off drained cells
         self._step_end: list[float] = []
         self._seg_state = [self._cell_state(c) for c in range(n)]
         self._seg_t0 = [0.0] * n
@@ -109,7 +106,8 @@ class SimCluster:
         self._series: list[tuple[float, int, int, int, int]] = []
         self.events = 0
         self._changed: set[int] = set()  # cells whose role changed since the controller last asked
-        self._poll_s = 0.0  # the controller's load-sampling grid (run)
+        # run's: the controller's load-sampling grid (s); when it began, when to print progress (perf_counter)
+        self._poll_s = self._wall0 = self._log_at = 0.0
 
     # ---- Clock
     def now(self) -> float:
@@ -362,6 +360,7 @@ class SimCluster:
     # ---- the event loop
     def run(self, controller: Controller, *, progress: bool = False) -> None:
         """Drive the cluster with ``controller`` until the last step is done."""
+        self._wall0 = time.perf_counter()
         self._poll_s = controller.sample_s if controller.estimates is not None else 0.0
         if self._poll_s > 0:  # the controller samples load on a grid: tick there (a real loop polls)
             self._push(self._poll_s, _POLL, 0, 0)
@@ -374,28 +373,23 @@ class SimCluster:
             self._state_time[self._seg_state[c]] += self._now - self._seg_t0[c]
 
     def _event_loop(self, controller: Controller, progress: bool) -> None:
-        """Pop every event of an instant, then tick the controller if it reads what changed. A model call's
-        two events (millions at scale) are handled inline on locals, the rest in ``_on_event``."""
-        N = self.config.policy.total_steps
+        """Pop events in (time, push order); once an instant's events are all handled, tick the controller
+        if one of them changed what it reads. A model call's two events (tens of millions at scale) are
+        handled inline on locals."""
         heap, pop, push, nseq = self._heap, heapq.heappop, heapq.heappush, self._seq.__next__
         call_s, tool_s, tokens = self._ro.call_s, self._ro.tool_s, self._ro.tokens
         r_token, r_idx, r_stop, r_cell, r_end, r_tokens = (self._r_token, self._r_idx, self._r_stop, self._r_cell,
                                                           self._r_end, self._r_tokens)
         active, routable, open_, queue, slots, insort = (self._active, self._routable, self._open, self._queue,
                                                          self._slots, bisect.insort)
-        events = 0
-        wall0 = last_log = time.perf_counter()
-        while self._steps_done < N:
-            if not heap:
-                raise self._stuck(controller)
-            self._now = t = heap[0][0]
-            relevant = False
-            while heap and heap[0][0] == t:
-                _, _, kind, a, b = pop(heap)
-                events += 1
-                if kind <= _CALL_END and b != r_token[a]:
-                    continue  # a call cut by a drain or a deadline
-                if kind == _CALL_END:
+        call_end, call_ready = _CALL_END, _CALL_READY  # locals: read tens of millions of times
+        self._log_at = (self._wall0 + 5.0) if progress else math.inf
+        relevant, events = False, 0
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            events += 1
+            if kind == call_end:
+                if b == r_token[a]:  # (else a call cut by a drain or a deadline)
                     c = r_cell[a]  # release the slot (inlined _release)
                     if active[c] == slots and routable[c]:
                         insort(open_, c)
@@ -408,29 +402,48 @@ class SimCluster:
                         self._finish(a)
                         relevant = True
                     else:
-                        push(heap, (t + tool_s[i], nseq(), _CALL_READY, a, b))
+                        push(heap, (t + tool_s[i], nseq(), call_ready, a, b))
                     if queue and open_:  # a slot is free: start the oldest queued calls
                         self._start_queued(t)
-                elif kind == _CALL_READY:
-                    if open_:  # start on the lowest free cell (inlined _start)
-                        c = open_[0]
-                        d = call_s[r_idx[a]]
-                        self._busy_slot_s += d
-                        active[c] += 1
-                        if active[c] == slots:
-                            del open_[0]
-                        r_cell[a] = c
-                        r_end[a] = t + d
-                        push(heap, (t + d, nseq(), _CALL_END, a, b))
-                    else:
-                        self._enqueue(a)
-                elif self._on_event(kind, a, t):
-                    relevant = True
-            if relevant:
-                self._tick(controller, events)
-            if progress and time.perf_counter() - last_log > 5.0:
-                last_log = self._log_progress(t, events, wall0)
+            elif kind == call_ready:
+                if b != r_token[a]:
+                    pass
+                elif open_:  # start on the lowest free cell (inlined _start)
+                    c = open_[0]
+                    d = call_s[r_idx[a]]
+                    self._busy_slot_s += d
+                    active[c] += 1
+                    if active[c] == slots:
+                        del open_[0]
+                    r_cell[a] = c
+                    r_end[a] = t + d
+                    push(heap, (t + d, nseq(), call_end, a, b))
+                else:
+                    self._enqueue(a)
+            else:
+                self._now = t
+                relevant = self._on_event(kind, a, t) or relevant
+            if relevant and (not heap or heap[0][0] != t):  # the instant is over
+                relevant = False
+                if self._end_instant(controller, t, events):
+                    break
+        else:
+            raise self._stuck(controller)
         self.events = events
+
+    def _end_instant(self, controller: Controller, t: float, events: int) -> bool:
+        """Tick the controller on what the instant's events changed; True once the last step is done."""
+        self._now, self.events = t, events
+        controller.tick()
+        self._record_series()
+        if self._steps_done >= self.config.policy.total_steps:
+            return True
+        if time.perf_counter() > self._log_at:
+            self._log_at = time.perf_counter() + 5.0
+            N, done, elapsed = self.config.policy.total_steps, self._steps_done, time.perf_counter() - self._wall0
+            print(f"  [{self.config.policy.mode}] step {done}/{N} sim t={t / 3600:.2f} h events={events} "
+                  f"({events / elapsed:,.0f}/s) ETA {elapsed / max(done, 1) * (N - done):.0f}s", flush=True)
+        return False
 
     def _stuck(self, controller: Controller) -> RuntimeError:
         return RuntimeError(f"simulation stuck at t={self._now:.1f}s: no events, {self._steps_done}/"
@@ -441,10 +454,6 @@ class SimCluster:
         self._r_queued[rid] = True
         self._n_queued += 1
 
-    def _tick(self, controller: Controller, events: int) -> None:
-        self.events = events
-        controller.tick()
-        self._record_series()
 
     def _start_queued(self, t: float) -> None:
         """Start the oldest queued calls on the free slots (a call's own event left a slot free)."""
@@ -518,14 +527,6 @@ class SimCluster:
         self._changed.add(cell)
         self._touch(cell)
 
-    def _log_progress(self, t: float, events: int, wall0: float) -> float:
-        now = time.perf_counter()
-        N, done, elapsed = self.config.policy.total_steps, self._steps_done, now - wall0
-        eta = elapsed / max(done, 1) * (N - done)
-        print(f"  [{self.config.policy.mode}] step {done}/{N} sim t={t / 3600:.2f} h "
-              f"events={events} ({events / elapsed:,.0f}/s) ETA {eta:.0f}s", flush=True)
-        return now
-
     def _record_series(self):
         self._series.append((self._now, self._running_rollouts, sum(self._active), self._n_queued, self._rate))
 
@@ -582,8 +583,8 @@ PILOT_REACH = 3  # candidate splits: the step model's, and this many on either s
 def pilot_split(config: SimConfig, rollouts: Rollouts) -> int:
     """The fixed split (training cells, core included) that runs the pilot's rollouts fastest: the
     first step's rollouts, repeated for up to PILOT_STEPS steps, in the fixed-split mode that streams
-    as ``config``'s mode does, at the step model's split and its neighbours; each candidate's run
-    length extrapolated from its first step and its pace after. What elastic starts at when a
+    as ``config``'s mode does, at the step model's split and its neighbours; a longer run's length
+    extrapolated at the pace of the pilot's middle steps. What elastic starts at when a
     switch outlasts a step (``costs.priors_split``): the step model alone missed the best split by
     a cell on workloads it does not see (admission by whole groups on a few slots, the staleness
     bound's pipeline, publication stalls), a fixed commitment 10-25% slower (issue 46)."""
@@ -598,19 +599,23 @@ def pilot_split(config: SimConfig, rollouts: Rollouts) -> int:
     def run_s(k: int) -> float:
         ends = simulate(base.replace(**{"policy.async_train_cells": k}), rollouts=pilot,
                         record_decisions=False).step_end_s
-        pace = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else 0.0
-        return ends[0] + (p.total_steps - 1) * pace
+        if steps == p.total_steps:
+            return ends[-1]
+        # The steps between the first (nothing to train beside it) and the last (nothing to serve
+        # beside it) set the pace of the steps the pilot did not run.
+        return ends[-1] + (p.total_steps - steps) * (ends[-2] - ends[0]) / (steps - 2)
 
     times = {k: run_s(k) for k in range(max(1, model - PILOT_REACH), min(n - 1, model + PILOT_REACH) + 1)}
     best = min(times, key=lambda k: (times[k], abs(k - model)))
     # The pilot saw one step's rollouts: it overrules the model only by more than that sample's noise,
-    # the standard error of its mean rollout length (at least 1%). On 8 heavy-tailed rollouts a 2% lead
-    # was the sample's, not the split's.
+    # half the standard error of its mean rollout length (the candidates run the same rollouts, so their
+    # difference is less noisy than either), at least 1%. On 8 heavy-tailed rollouts a 2% lead was the
+    # sample's, not the split's; on 48 a 5% one was the split's.
     lengths = [sum(pilot.call_s[pilot.offsets[r]:pilot.offsets[r + 1]]) + sum(pilot.tool_s[pilot.offsets[r]:
                pilot.offsets[r + 1] - 1]) for r in range(p.groups_per_step * p.group_size)]
     mean = sum(lengths) / len(lengths)
     sd = math.sqrt(sum((x - mean) ** 2 for x in lengths) / len(lengths))
-    noise = max(0.01, sd / mean / math.sqrt(len(lengths)) if mean > 0 else 0.0)
+    noise = max(0.01, 0.5 * sd / mean / math.sqrt(len(lengths)) if mean > 0 else 0.0)
     return best if times[best] * (1 + noise) < times[model] else model
 
 

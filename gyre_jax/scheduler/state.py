@@ -42,6 +42,12 @@ class Measured:
     # in priors only (the controller never measures it); elastic starts there when a switch
     # outlasts a step (costs.priors_split).
     pilot_split: int | None = None
+    # The weight move inside a switch, as the run that measured these costs made it: the bytes one
+    # switch moves (the params; a LoRA run's adapters) and its seconds. A run that moves other bytes
+    # takes these costs with the move rescaled (costs.for_move_bytes): a full-weights pilot's switch
+    # times say little about a LoRA run's, whose switches move ~1% of the bytes.
+    move_bytes: float | None = None
+    move_s: float | None = None
 
 
 NOT_MEASURED = Measured()

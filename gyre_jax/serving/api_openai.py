@@ -99,40 +99,7 @@ def _content_text(content, where: str) -> str:
 
 def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
     c = _common(body, "openai.chat", _CHAT_KNOWN)
-    msgs = []
-    for i, m in enumerate(get_list(body, "messages", required=True)):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{w}: expected an object")
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
-            raise bad(f"{w}.role: {role!r} is not one of system, developer, user, assistant, tool")
-        out = {"role": role, "content": _content_text(m.get("content"), f"{w}.content")}
-        if role == "tool":
-            out["tool_call_id"] = get_str(m, "tool_call_id", required=False, where=f"{w}.") or ""
-        if role == "assistant":  # the reasoning of an earlier turn (vLLM's field; "reasoning" is its newer name)
-            key = "reasoning_content" if m.get("reasoning_content") is not None else "reasoning"
-            reasoning = get_str(m, key, required=False, where=f"{w}.")
-            if reasoning is not None:
-                out["reasoning_content"] = reasoning
-        calls = []
-        for j, tc in enumerate(get_list(m, "tool_calls", where=f"{w}.")):
-            fn = tc.get("function") if isinstance(tc, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise bad(f"{w}.tool_calls[{j}].function.name: required string")
-            args = fn.get("arguments", "{}")
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except ValueError as e:
-                raise bad(f"{w}.tool_calls[{j}].function.arguments: not valid JSON ({e})") from None
-            if not isinstance(args, dict):
-                raise bad(f"{w}.tool_calls[{j}].function.arguments: must be a JSON object")
-            calls.append({"id": tc.get("id") or "", "name": fn["name"], "arguments": args})
-        if calls:
-            out["tool_calls"] = calls
-        msgs.append(out)
+    msgs = [_chat_message(m, f"messages[{i}]") for i, m in enumerate(get_list(body, "messages", required=True))]
     if not msgs:
         raise bad("messages: at least one message is required", "messages")
     tools = []
@@ -163,6 +130,44 @@ def parse_chat(body: dict, tok: Tokenizer) -> ChatCall:
                     stop_strings=c["stop_strings"], n=c["n"],
                     extras={"logprobs": lp, "include_usage": c["include_usage"],
                             "return_token_ids": get_bool(body, "return_token_ids")})
+
+
+def _chat_message(m, w: str) -> dict:
+    """One of a chat request's messages as the chat template renders it (``w``: where, for errors)."""
+    if not isinstance(m, dict):
+        raise bad(f"{w}: expected an object")
+    role = m.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise bad(f"{w}.role: {role!r} is not one of system, developer, user, assistant, tool")
+    out = {"role": role, "content": _content_text(m.get("content"), f"{w}.content")}
+    if role == "tool":
+        out["tool_call_id"] = get_str(m, "tool_call_id", required=False, where=f"{w}.") or ""
+    if role == "assistant":  # the reasoning of an earlier turn (vLLM's field; "reasoning" is its newer name)
+        key = "reasoning_content" if m.get("reasoning_content") is not None else "reasoning"
+        reasoning = get_str(m, key, required=False, where=f"{w}.")
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+    calls = [_tool_call(tc, f"{w}.tool_calls[{j}]") for j, tc in enumerate(get_list(m, "tool_calls", where=f"{w}."))]
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tool_call(tc, w: str) -> dict:
+    """An assistant message's tool call: {"id", "name", "arguments": a JSON object}."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad(f"{w}.function.name: required string")
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError as e:
+        raise bad(f"{w}.function.arguments: not valid JSON ({e})") from None
+    if not isinstance(args, dict):
+        raise bad(f"{w}.function.arguments: must be a JSON object")
+    return {"id": tc.get("id") or "", "name": fn["name"], "arguments": args}
 
 
 def parse_completion(body: dict, tok: Tokenizer, vocab_size: int) -> ChatCall:

@@ -51,9 +51,13 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
+    adapter: int = 0  # multi-LoRA: which of the engine's adapters samples (the proxy sets it from the rollout's key)
 
     def __post_init__(self):
         w = "SamplingParams"
+        if isinstance(self.adapter, bool) or not isinstance(self.adapter, (int, np.integer)) or self.adapter < 0:
+            raise ValueError(f"{w}.adapter must be an int >= 0, got {self.adapter!r}")
+        object.__setattr__(self, "adapter", int(self.adapter))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens < 1:
             raise ValueError(f"{w}.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         t = self.temperature

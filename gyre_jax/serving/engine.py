@@ -43,8 +43,9 @@ Throughput on a host with few cores (jetstream_backend has the measurements): a
 ``generate`` call runs ``tokens_per_call`` decode steps in one jitted scan; it
 does not decode while requests being prefilled can still join the batch, nor
 while no slot is generating; at most MAX_INFLIGHT_CALLS calls run ahead of the
-device. The device functions and state layout are in engine_state.py; the paged
-cache's host side (kv_cache="paged": admission by pages, prefix pages) in engine_paged.py.
+device. The device functions and state layout are in engine_state.py. Where the slots' KV
+lives is the engine's KV layout (kv_layout.py: ``self.kv``, contiguous or paged; the paged
+one's admission by pages and prefix pages in kv_paged.py), called through one small interface.
 """
 from __future__ import annotations
 
@@ -68,18 +69,26 @@ from gyre_jax.model.unrolled import LayerParams, layer_sharding, split_params
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
     DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, expert_parallel,
-    kv_bytes_per_page, kv_memory_plan,
 )
 from gyre_jax.cells.frozen_base import Adapted
-from gyre_jax.serving.engine_paged import PagedSlots
-from gyre_jax.serving.lora_weights import LoraWeights
-from gyre_jax.serving.pages import PagePool, PrefixPages
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
+from gyre_jax.serving.kv_layout import ContiguousKV, EngineHooks, KVLayout, plan_kv
+from gyre_jax.serving.kv_paged import PagedKV
+from gyre_jax.serving.lora_weights import LoraWeights
+from gyre_jax.serving.pages import PrefixPages
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 MAX_INFLIGHT_CALLS = 2  # decode calls dispatched ahead of the device
-KV_CACHES = ("contiguous", "paged")
+
+
+def kv_layout_for(pages: tuple[int, int] | None, hooks: EngineHooks, *, max_slots: int, max_len: int,
+                  tokens_per_call: int) -> KVLayout:
+    """The layout ``plan_kv`` planned: ContiguousKV for None, else PagedKV over that pool."""
+    if pages is None:
+        return ContiguousKV(hooks)
+    return PagedKV(hooks, num_pages=pages[0], page_size=pages[1], max_slots=max_slots, max_len=max_len,
+                   tokens_per_call=tokens_per_call)
 
 
 def _pad_routing(routing_TxR: np.ndarray, length: int) -> np.ndarray:
@@ -128,7 +137,18 @@ class _JetStreamTokenizer(tokenizer_api.Tokenizer):
         return set()
 
 
-class GyreEngine(PagedSlots, engine_api.Engine):
+def _check_sizes(config: ModelConfig, max_slots: int, max_len: int, tokens_per_call: int, prefill_chunk: int) -> None:
+    if max_slots < 1:
+        raise ValueError(f"GyreEngine.max_slots must be >= 1, got {max_slots}")
+    if tokens_per_call < 1:
+        raise ValueError(f"GyreEngine.tokens_per_call must be >= 1, got {tokens_per_call}")
+    if not 2 <= max_len <= config.max_seq_len:
+        raise ValueError(f"GyreEngine.max_len={max_len} must be in [2, config.max_seq_len={config.max_seq_len}]")
+    if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
+        raise ValueError(f"GyreEngine.prefill_chunk must be a power of two >= {MIN_BUCKET}, got {prefill_chunk}")
+
+
+class GyreEngine(engine_api.Engine):
     def __init__(self, config: ModelConfig, params, *, mesh: Mesh | None = None, max_slots: int = 8,
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
@@ -164,51 +184,19 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         kv_pages: pages in the pool (page 0 is never used); default: the budget's
           worth, or the contiguous cache's memory (max_slots x max_len) + 1.
         """
-        if max_slots < 1:
-            raise ValueError(f"GyreEngine.max_slots must be >= 1, got {max_slots}")
-        if tokens_per_call < 1:
-            raise ValueError(f"GyreEngine.tokens_per_call must be >= 1, got {tokens_per_call}")
-        self.tokens_per_call = int(tokens_per_call)
-        if mesh is None:
-            mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor")) if mesh is None else mesh
         self._lora = LoraWeights(params.base, mesh, lora_serving) if isinstance(params, Adapted) else None
-        if self._lora is not None:
-            config = self._lora.config
+        config = self._lora.config if self._lora is not None else config
+        self.max_len = config.max_seq_len if max_len is None else int(max_len)
+        _check_sizes(config, max_slots, self.max_len, tokens_per_call, prefill_chunk)
+        self.tokens_per_call = int(tokens_per_call)
         self.config, self.name = config, name
         # An MoE model's routing rides beside each token in the result rows (engine_state.py).
         self.result_layout = RoutingLayout.of(config)
-        self.max_len = config.max_seq_len if max_len is None else int(max_len)
-        if not 2 <= self.max_len <= config.max_seq_len:
-            raise ValueError(f"GyreEngine.max_len={self.max_len} must be in [2, config.max_seq_len={config.max_seq_len}]")
-        if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"GyreEngine.prefill_chunk must be a power of two >= {MIN_BUCKET}, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk)
-        if kv_cache not in KV_CACHES:
-            raise ValueError(f"GyreEngine.kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
-        self.kv_cache, self._pool = kv_cache, None
-        if kv_cache == "paged":
-            if page_size < 1 or self.max_len % page_size:
-                raise ValueError(f"GyreEngine: max_len={self.max_len} must be a multiple of page_size={page_size}")
-            if kv_pages is None:
-                kv_pages = (int(kv_budget_bytes) // kv_bytes_per_page(config, page_size) if kv_budget_bytes is not None
-                            else max_slots * self.max_len // page_size + 1)
-            self._pool = PagePool(int(kv_pages), page_size, max_slots, self.max_len)
-        elif kv_budget_bytes is not None:
-            plan = kv_memory_plan(config, self.max_len, int(kv_budget_bytes))
-            if plan["slots_that_fit"] < max_slots:
-                raise ValueError(
-                    f"GyreEngine: {max_slots} slots x max_len={self.max_len} need "
-                    f"{max_slots * plan['bytes_per_slot'] / 2**30:.2f} GiB of KV cache, more than "
-                    f"kv_budget_bytes={kv_budget_bytes / 2**30:.2f} GiB; {plan['slots_that_fit']} slots fit at this "
-                    f"max_len, or one slot of up to {plan['max_len_one_slot']} tokens (or kv_cache='paged')")
-        self._prefix_pages = None if self._pool is None else PrefixPages(self._pool)
-        # Per request between prefill and insert: its prompt tokens and the cached prefix pages it maps.
-        self._pending_pages: dict[str, tuple[np.ndarray, PrefillInput | None]] = {}
-        self._waiting: collections.deque[tuple[Prefix, int]] = collections.deque()  # inserted, waiting for pages
-        # Host bound on each slot's length (paged: pages are handed out before the decode call
-        # that writes them) and whether the slot may still be generating.
-        self._host_len = np.zeros((max_slots,), np.int64)
-        self._host_live = np.zeros((max_slots,), bool)
+        self.kv_cache = kv_cache
+        pages = plan_kv(kv_cache, config, self.max_len, max_slots, page_size=page_size, kv_pages=kv_pages,
+                        kv_budget_bytes=kv_budget_bytes)
         self._slots = max_slots
         self._mesh = mesh
         expert_parallel(config, mesh)  # experts that do not split over the mesh: say so before laying them out
@@ -216,6 +204,19 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         self._param_shardings = (self._lora.param_shardings() if self._lora is not None
                                  else tree_shardings(param_logical_axes(config), mesh, params))
         self.params_ref = ParamsRef(self._weights(params, None), version)
+        self._init_host_state(max_decode_pause_s)
+        self._build_jits(pages)
+        self.kv: KVLayout = kv_layout_for(pages, self._kv_hooks(), max_slots=max_slots, max_len=self.max_len,
+                                          tokens_per_call=self.tokens_per_call)
+
+    def _init_host_state(self, max_decode_pause_s: float) -> None:
+        """What JetStream's threads and the backend's share: slot owners, commands, errors, counters,
+        and the prefill/decode coordination (see generate)."""
+        self.max_decode_pause_s = float(max_decode_pause_s)
+        self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
+        self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
+                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0,
+                             page_waits=0, shared_page_tokens=0)
         self._lock = threading.Lock()
         self._owner_slot: dict[str, int] = {}
         self._slot_owner: dict[int, str] = {}
@@ -233,20 +234,28 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         # the device only delays commands and wastes steps on finished slots.
         self._inflight: collections.deque = collections.deque()
         self._any_active: bool | None = False  # None = unknown (a decode call is in flight)
-        self.max_decode_pause_s = float(max_decode_pause_s)
-        self.free_slots = None  # () -> free decode slots; set by the backend that drives this engine
         self._ids = itertools.count()
-        self.counters = dict(prefill_tokens=0, prefills=0, moved_tokens=0, cached_tokens=0,
-                             generate_steps=0, generate_s=0.0, prefill_s=0.0, engine_errors=0, decode_pauses=0,
-                             page_waits=0, shared_page_tokens=0)
-        self._build_jits()
 
-    def _build_jits(self):
-        paged = None if self._pool is None else (self._pool.num_pages, self._pool.page_size)
-        fns = device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call, paged)
+    def _build_jits(self, pages: tuple[int, int] | None):
+        fns = device_fns(self.config, self.max_len, self._slots, self._mesh, self.tokens_per_call, pages)
         self._ds_sharding, self._block_sharding = fns["ds_sharding"], fns["block_sharding"]
         for k, v in fns.items():
             setattr(self, "_" + k, v)
+
+    def _kv_hooks(self) -> EngineHooks:
+        return EngineHooks(name=self.name, counters=self.counters, params=lambda: self.params_ref.value,
+                           prefill=self._prefill, prefix_out=self._prefix_out, insert_now=self._insert_now,
+                           fail=self._fail, wake=self._wake, stop_slot=self._stop_slot, hold_slot=self._hold_slot,
+                           gather=self._gather, set_table=self._set_table)
+
+    @property
+    def _prefix_pages(self) -> PrefixPages | None:
+        """The paged layout's prefix cache (None for a contiguous cache)."""
+        return self.kv.prefix_pages
+
+    def kv_stats(self) -> dict[str, int]:
+        """Pages in use / free / promised (paged cache), and the live tokens they hold; {} for a contiguous one."""
+        return self.kv.stats()
 
     def _place(self, params) -> LayerParams:
         """Weights as the engine serves them: one array per layer (model/unrolled.py: a decode step
@@ -281,18 +290,12 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         engine takes the adapters alone (serving/lora_weights.py)."""
         self.params_ref.value = self._weights(params, self.params_ref.value)
         self.params_ref.version = int(version)
-        if self._prefix_pages is not None:  # k/v of the old weights: never reused
-            self._prefix_pages.clear()
+        self.kv.forget_cached()  # k/v of the old weights: never reused
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         """A fresh decode state (all slots empty). Paged: a fresh pool, so the host's page
         tables, waiting calls and cached prefix pages are reset with it."""
-        if self._pool is not None:
-            for s in range(self._slots):
-                self._free_pages(s)
-            self._drop_waiting()
-            if self._prefix_pages is not None:  # set with the pool
-                self._prefix_pages.clear()
+        self.kv.reset()
         return self._make_state()
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int) -> Prefix:
@@ -312,9 +315,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             with self._lock:
                 if inp.request_id in self._cancelled:
                     return self._dead_prefix(inp.request_id)
-            if self._pool is not None:
-                return self._prefill_paged(params, inp)
-            return self._prefill(params, inp)
+            return self.kv.prefill(params, inp)
         except Exception as e:  # noqa: BLE001 - must not reach JetStream's thread
             log.exception("%s: prefill of %s failed", self.name, inp.request_id)
             self._fail(inp.request_id, f"prefill failed: {type(e).__name__}: {e}")
@@ -328,7 +329,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         sp = inp.sampling
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(sp.stop_ids)] = sp.stop_ids
-        return Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed], np.int32),
+        return Prefix(k, v, np.array([n_all, inp.next_tok, inp.generated, sp.max_tokens, sp.seed, sp.adapter], np.int32),
                       np.array([sp.temperature, sp.top_p], np.float32), stop, inp.request_id)
 
     def _prefill(self, params, inp: PrefillInput) -> Prefix:
@@ -358,24 +359,25 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             else:
                 k, v = self._fit(k, v, self.bucket(c))
         elif new.shape[0] > self.prefill_chunk:
-            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None, rt)
+            k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None, rt, self._adapter_kw(inp))
             self.counters["prefill_tokens"] += int(new.shape[0])
         else:
             tb = self.bucket(new.shape[0])
             padded = np.zeros((tb,), np.int32)
             padded[: new.shape[0]] = new
             extra = () if rt is None else (_pad_routing(rt[c:], tb),)
+            kw = self._adapter_kw(inp)
             if c == 0:
-                k, v = self._prefill_new(p, padded, np.int32(new.shape[0]), *extra)
+                k, v = self._prefill_new(p, padded, np.int32(new.shape[0]), *extra, **kw)
             else:
-                k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c), *extra)
+                k, v = self._prefill_on(p, padded, np.int32(new.shape[0]), k, v, np.int32(c), *extra, **kw)
             self.counters["prefill_tokens"] += int(new.shape[0])
         self.counters["prefills"] += 1
         out = self._prefix_out(k, v, inp, n_all)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return out
 
-    def _prefill_chunks(self, params, toks, c, k, v, routing=None):
+    def _prefill_chunks(self, params, toks, c, k, v, routing=None, adapter_kw=None):
         """Chunked prefill: tokens c.. of ``toks`` into one buffer of bucket(len) entries,
         ``prefill_chunk`` at a time (one compile per buffer bucket); ``routing``: [len(toks), R]
         experts to replay (PrefillInput.routing)."""
@@ -392,11 +394,21 @@ class GyreEngine(PagedSlots, engine_api.Engine):
             padded = np.zeros((chunk,), np.int32)
             padded[:real] = toks[start: start + real]
             extra = () if routing is None else (_pad_routing(routing[start: start + real], chunk),)
-            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start), *extra)
+            k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start), *extra, **(adapter_kw or {}))
         return k, v
 
+    def _adapter_kw(self, inp: PrefillInput) -> dict:
+        """The prefill's adapter (several LoRA adapters, unmerged: serving/lora_weights.py); {} otherwise."""
+        n = self.config.lora.num_adapters if self.config.lora is not None else 1
+        if n == 1:
+            return {}
+        a = inp.sampling.adapter
+        if a >= n:
+            raise ValueError(f"adapter {a} requested; this engine serves adapters 0..{n - 1}")
+        return {"adapter": np.int32(a)}
+
     def _dead_prefix(self, request_id: str) -> Prefix:
-        return Prefix(None, None, np.zeros(5, np.int32), np.zeros(2, np.float32),
+        return Prefix(None, None, np.zeros(6, np.int32), np.zeros(2, np.float32),
                       np.full((MAX_STOP_IDS,), -1, np.int32), request_id)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -410,27 +422,10 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                 self._owner_slot.pop(old, None)
             self._slot_owner[slot] = rid
             self._owner_slot[rid] = slot
-            pending = self._pending_pages.get(rid)
-            deferred_compute = pending is not None and pending[1] is not None
-            dead = (prefix.k is None and not deferred_compute) or rid in self._cancelled
+            cancelled = rid in self._cancelled
             self._cancelled.discard(rid)
         try:
-            if self._pool is not None and self._pool.owned[slot]:  # left by a call JetStream freed on its own
-                self._free_pages(slot)
-            if dead:
-                if self._pool is not None:
-                    self._pending_pages.pop(rid, None)
-                return self._stop_slot(decode_state, np.int32(slot))
-            if self._pool is not None:  # admitted when its pages are free (_admit_waiting)
-                # JetStream deletes a prefix's arrays once insert returns (k and v are None together)
-                if prefix.k is not None and prefix.v is not None:
-                    prefix = prefix.replace(k=jnp.copy(prefix.k), v=jnp.copy(prefix.v))
-                self._waiting.append((prefix, slot))
-                decode_state = self._admit_waiting(self._hold_slot(decode_state, np.int32(slot), prefix.scalars_i[2]))
-                if self._waiting and self._waiting[-1][1] == slot:
-                    self.counters["page_waits"] += 1  # admission by pages: it waits, though it has a slot
-                return decode_state
-            return self._insert_now(decode_state, prefix, slot)
+            return self.kv.insert(decode_state, prefix, slot, cancelled=cancelled)
         except Exception as e:  # noqa: BLE001
             log.exception("%s: insert of %s failed", self.name, rid)
             self._fail(rid, f"insert failed: {type(e).__name__}: {e}")
@@ -441,8 +436,6 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         # not be read as "nothing is generating" by _idle.
         self._any_active = True
         self._inflight.clear()
-        n = int(prefix.scalars_i[0])
-        self._host_len[slot], self._host_live[slot] = n, True
         return self._insert(ds, prefix.k, prefix.v, prefix.scalars_i, prefix.scalars_f, prefix.stop_N,
                             np.int32(slot), *extra)
 
@@ -455,7 +448,7 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         if newest is not None and not self._inflight:  # the latest call is done: its flags are current
             active_S = np.asarray(newest)[:, -1].astype(bool)
             self._any_active = bool(active_S.any())
-            self._host_live &= active_S  # a finished slot grows no more pages
+            self.kv.track(active_S)  # a finished slot grows no more
         if self._any_active is not False:
             return False
         with self._cv:
@@ -492,16 +485,14 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         staggered by one decode call each."""
         t0 = time.perf_counter()
         try:
-            decode_state = self._service(decode_state)
-            if self._waiting:
-                decode_state = self._admit_waiting(decode_state)
+            decode_state = self.kv.admit(self._service(decode_state))
             if self._should_pause() or self._idle():
                 self.counters["decode_pauses"] += 1
                 return decode_state, self._result(self._pause(decode_state))
             p = params.value if isinstance(params, ParamsRef) else params
             if len(self._inflight) >= MAX_INFLIGHT_CALLS:
                 jax.block_until_ready(self._inflight.popleft())
-            decode_state = self._grow_pages(decode_state)
+            decode_state = self.kv.grow(decode_state)
             decode_state, data = self._generate(p, decode_state)
             self._inflight.append(data)
             self._any_active = None
@@ -578,14 +569,13 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         with self._lock:
             if request_id not in self._owner_slot:
                 return None
-            if tokens is not None and self._pool is not None:
+            if tokens is not None and self.kv.keeps_sequences:
                 self._release_tokens[request_id] = np.asarray(tokens, np.int32)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._commands.put(("release_snapshot" if snapshot else "release", request_id, fut))
         self._wake()
         return fut
 
-    # ---- paged cache (host side) --------------------------------------------------------
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -612,12 +602,13 @@ class GyreEngine(PagedSlots, engine_api.Engine):
         if not cmds:
             return ds
         try:
-            active_S, held_S, len_S, gen_S = (np.asarray(x) for x in jax.device_get(
+            flags = tuple(np.asarray(x) for x in jax.device_get(
                 (ds.active_S, ds.held_S, ds.cache.lengths, ds.generated_S)))
         except Exception as e:  # noqa: BLE001
             for _, _, fut in cmds:
                 fut.set_exception(e)
             return ds
+        active_S, _, len_S, _ = flags
         stop_S = np.zeros((self._slots,), bool)
         for kind, rid, fut in cmds:
             if kind == "gather":  # a cached prefix's pages, for a prefill (rid: the page list)
@@ -627,52 +618,56 @@ class GyreEngine(PagedSlots, engine_api.Engine):
                     fut.set_exception(e)
                 continue
             try:
-                with self._lock:
-                    slot = self._owner_slot.get(rid)
-                    seq = self._release_tokens.pop(rid, None) if kind.startswith("release") else None
-                if slot is None or stop_S[slot]:
-                    fut.set_result(None)
-                    continue
-                active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
-                result: ExportedSlot | bool | None = None
-                found = None if self._pool is None else self._waiting_slot(slot)
-                if found is not None:  # never admitted: nothing computed here to move but its prompt
-                    i, waiting = found
-                    del self._waiting[i]
-                    _, inp = self._pending_pages.pop(rid, (None, None))
-                    if kind == "export":
-                        # Its prefill ran (inp None; a dead prefix never waits) or was left for admission.
-                        kv = (KVBlock(waiting.k, waiting.v, int(waiting.scalars_i[0]))
-                              if inp is None and waiting.k is not None and waiting.v is not None else None)
-                        result = ExportedSlot(kv, int(waiting.scalars_i[2]))
-                    else:
-                        result = True
-                    stop_S[slot] = True
-                    fut.set_result(result)
-                    continue
-                if seq is not None and held:
-                    self._keep_sequence_pages(seq, slot, length)  # before _free_pages below drops the slot's hold
-                if kind == "export" and active or kind == "release_snapshot" and held:
-                    k, v = self._export(ds, np.int32(slot), self.bucket(length))
-                    result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))
-                elif kind in ("stop", "release"):
-                    result = True if (active or held) else None
-                stop_S[slot] = active or held
-                fut.set_result(result)
+                self._command(ds, kind, rid, fut, flags, stop_S)
             except Exception as e:  # noqa: BLE001
                 log.exception("%s: %s of %s failed", self.name, kind, rid)
                 fut.set_exception(e)
-        self._host_len[:] = len_S
-        self._host_live[:] = active_S
+        self.kv.track(active_S, len_S)
         if stop_S.any():
             ds = self._stop_slots(ds, stop_S)
-        for kind, rid, _ in cmds:  # stopped, or ended on its own (context full): its pages go back
+        for kind, rid, _ in cmds:  # stopped, or ended on its own (context full): its room goes back
             if kind == "gather":
                 continue
             with self._lock:
                 slot = self._owner_slot.get(rid)
             if slot is not None and kind != "export" or slot is not None and stop_S[slot]:
-                self._free_pages(slot)
+                self.kv.free(slot)
         self._any_active = bool((active_S & ~stop_S).any())  # exact for ds now (the read waited for it)
         self._inflight.clear()
         return ds
+
+    def _command(self, ds: DecodeState, kind: str, rid: str, fut: concurrent.futures.Future, flags: tuple,
+                 stop_S: np.ndarray) -> None:
+        """One export / stop / release(_snapshot) of ``rid``'s slot: its future's result set, and the
+        slot marked in ``stop_S`` when it must stop (flags: the slots' active, held, length, generated)."""
+        active_S, held_S, len_S, gen_S = flags
+        with self._lock:
+            slot = self._owner_slot.get(rid)
+            seq = self._release_tokens.pop(rid, None) if kind.startswith("release") else None
+        if slot is None or stop_S[slot]:
+            fut.set_result(None)
+            return
+        active, held, length = bool(active_S[slot]), bool(held_S[slot]), int(len_S[slot])
+        result: ExportedSlot | bool | None = None
+        found = self.kv.withdraw(slot)
+        if found is not None:  # never admitted: nothing computed here to move but its prompt
+            waiting, inp = found
+            if kind == "export":
+                # Its prefill ran (inp None; a dead prefix never waits) or was left for admission.
+                kv = (KVBlock(waiting.k, waiting.v, int(waiting.scalars_i[0]))
+                      if inp is None and waiting.k is not None and waiting.v is not None else None)
+                result = ExportedSlot(kv, int(waiting.scalars_i[2]))
+            else:
+                result = True
+            stop_S[slot] = True
+            fut.set_result(result)
+            return
+        if seq is not None and held:
+            self.kv.keep_sequence(seq, slot, length)  # before free() drops the slot's hold
+        if kind == "export" and active or kind == "release_snapshot" and held:
+            k, v = self._export(ds, np.int32(slot), self.bucket(length))
+            result = ExportedSlot(KVBlock(k, v, length), int(gen_S[slot]))
+        elif kind in ("stop", "release"):
+            result = True if (active or held) else None
+        stop_S[slot] = active or held
+        fut.set_result(result)

@@ -105,7 +105,7 @@ class PrefillInput:
 class Prefix(flax.struct.PyTreeNode):  # PyTreeNode: flax.struct.dataclass with a typed replace()
     k: jax.Array | None  # [Y, Lb, K, H]; None for a request that must not run
     v: jax.Array | None
-    scalars_i: jax.Array | np.ndarray  # int32[5]: length, next_tok, generated, max_tokens, seed
+    scalars_i: jax.Array | np.ndarray  # int32[6]: length, next_tok, generated, max_tokens, seed, adapter
     scalars_f: jax.Array | np.ndarray  # float32[2]: temperature, top_p
     stop_N: jax.Array | np.ndarray  # int32[MAX_STOP_IDS], -1 = unused
     request_id: str = flax.struct.field(pytree_node=False)
@@ -124,6 +124,7 @@ class DecodeState:
     active_S: jax.Array  # generating
     held_S: jax.Array  # finished, slot kept until the backend releases it (see "Held slots")
     hold_steps_S: jax.Array
+    adapter_S: jax.Array  # multi-LoRA: the adapter each slot decodes with (SamplingParams.adapter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +219,27 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     ep = expert_parallel(cfg, mesh)
     if ep:
         cfg = cfg.replace(expert_parallel_axis=EXPERT)
+    jit_model = _model_jit(mesh) if ep else jax.jit
+    cache_s, blk = kv_shardings(cfg, m, slots, mesh)
+    rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
+    if paged is None:
+        per_layer = (cache_s,) * cfg.n_layers
+        # A pytree of shardings shaped like the state (jit's out_shardings), so leaves are not arrays.
+        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 11))  # type: ignore[arg-type]
+    else:
+        per_layer = (pages_sharding(cfg, paged[0], paged[1], mesh),) * cfg.n_layers
+        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 11))  # type: ignore[arg-type]
+    out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
+    out.update(_prefill_fns(cfg, m, jit_model, blk))
+    out.update(_slot_fns(cfg, m, slots, paged, ds_s, blk))
+    out.update(_decode_fns(cfg, m, slots, k_steps, paged, jit_model, ds_s, rep))
+    return out
 
+
+def _model_jit(mesh: Mesh):
+    """jax.jit, traced under the serving mesh when the experts are dispatched over it (model/moe.py
+    finds its axis in the abstract mesh, as the training step's does)."""
     def jit_model(fn, **kw):
-        """jax.jit, traced under the serving mesh when the experts are dispatched over it (model/moe.py
-        finds its axis in the abstract mesh, as the training step's does)."""
-        if not ep:
-            return jax.jit(fn, **kw)
-
         @functools.wraps(fn)
         def in_mesh(*args):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -232,30 +247,25 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
 
         return jax.jit(in_mesh, **kw)
 
-    cache_s, blk = kv_shardings(cfg, m, slots, mesh)
-    rep = NamedSharding(mesh, PartitionSpec())  # lengths, per-slot vectors, result rows: small, read on the host
-    if paged is None:
-        per_layer = (cache_s,) * cfg.n_layers
-        # A pytree of shardings shaped like the state (jit's out_shardings), so leaves are not arrays.
-        ds_s = DecodeState(mdecode.KVCache(per_layer, per_layer, rep), *([rep] * 10))  # type: ignore[arg-type]
-    else:
-        per_layer = (pages_sharding(cfg, paged[0], paged[1], mesh),) * cfg.n_layers
-        ds_s = DecodeState(mdecode.PagedKVCache(per_layer, per_layer, rep, rep), *([rep] * 10))  # type: ignore[arg-type]
-    out: dict = {"ds_sharding": ds_s, "block_sharding": blk}
-    layout = RoutingLayout.of(cfg)
-    w = layout.step_cols  # result columns per decode step
+    return jit_model
 
+
+def _prefill_fns(cfg: ModelConfig, m: int, jit_model, blk: NamedSharding) -> dict:
+    """A prompt's k/v blocks: from nothing, after a prefix block, chunk by chunk into a buffer; and fit."""
     # The prefills take recorded routing (PrefillInput.routing; None traces the plain forward): the engine
     # records and never replays sampled tokens, but a recomputed cache replays what decode chose.
     replay_cfg = cfg.replace(routing_replay=cfg.num_experts > 0)
+    # Several LoRA adapters over the base (serving/lora_weights.py, unmerged): each prefill runs its call's
+    # adapter (``adapter=``), each decode step every slot's own (DecodeState.adapter_S).
 
-    def prefill_new(params, tokens_T, n, routing_TxR=None):
-        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR)
+    def prefill_new(params, tokens_T, n, routing_TxR=None, adapter=None):
+        logits, kv = mdecode.prefill(params, replay_cfg, tokens_T, true_length=n, routing_TxR=routing_TxR,
+                                     adapter=adapter)
         return kv.k, kv.v
 
-    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None):
+    def prefill_on(params, tokens_T, n, pk, pv, c, routing_TxR=None, adapter=None):
         _, kv = mdecode.prefill(params, replay_cfg, tokens_T, prefix=mdecode.KV(pk, pv), start_pos=c, true_length=n,
-                                routing_TxR=routing_TxR)
+                                routing_TxR=routing_TxR, adapter=adapter)
         t = tokens_T.shape[0]
         lb = min(pk.shape[1] + t, m)
         pad = jnp.zeros((pk.shape[0], t) + pk.shape[2:], pk.dtype)
@@ -263,9 +273,9 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         v = jax.lax.dynamic_update_slice(jnp.concatenate([pv, pad], 1), kv.v.astype(pv.dtype), (0, c, 0, 0))
         return k[:, :lb], v[:, :lb]
 
-    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None):  # one chunk of a long prompt, into a buffer
+    def prefill_into(params, tokens_T, n, k, v, c, routing_TxR=None, adapter=None):  # one chunk of a long prompt
         _, kv = mdecode.prefill_into(params, replay_cfg, tokens_T, mdecode.KV(k, v), c, true_length=n,
-                                     routing_TxR=routing_TxR)
+                                     routing_TxR=routing_TxR, adapter=adapter)
         return kv.k, kv.v
 
     def fit(k, v, lb):  # fresh buffers of static length lb (JetStream deletes prefixes after insert)
@@ -274,6 +284,14 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
         pad = [(0, 0), (0, lb - k.shape[1]), (0, 0), (0, 0)]
         return jnp.pad(k, pad), jnp.pad(v, pad)
 
+    return {"prefill_new": jit_model(prefill_new, out_shardings=(blk, blk)),
+            "prefill_on": jit_model(prefill_on, out_shardings=(blk, blk)),
+            "prefill_into": jit_model(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk)),
+            "fit": jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))}
+
+
+def _slot_fns(cfg: ModelConfig, m: int, slots: int, paged: tuple[int, int] | None, ds_s, blk: NamedSharding) -> dict:
+    """What changes one slot of the decode state (insert, stop, hold, page table) or reads it (export, gather)."""
     def insert(ds, k, v, si, sf, stop_N, slot, row_P=None, shared=None):  # arrays only: a Prefix's request_id
         if paged is None:  # would key the jit cache
             cache = mdecode.insert(ds.cache, mdecode.KV(k, v), slot, start=0, length=si[0])
@@ -285,7 +303,8 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
             max_tokens_S=ds.max_tokens_S.at[slot].set(si[3]), seed_S=ds.seed_S.at[slot].set(si[4]),
             temperature_S=ds.temperature_S.at[slot].set(sf[0]), top_p_S=ds.top_p_S.at[slot].set(sf[1]),
             stop_SxN=ds.stop_SxN.at[slot].set(stop_N), active_S=ds.active_S.at[slot].set(True),
-            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0))
+            held_S=ds.held_S.at[slot].set(False), hold_steps_S=ds.hold_steps_S.at[slot].set(0),
+            adapter_S=ds.adapter_S.at[slot].set(si[5]))
 
     def stop_slot(ds, slot):  # neither generating nor held: JetStream frees it after the next step
         return ds.replace(active_S=ds.active_S.at[slot].set(False), held_S=ds.held_S.at[slot].set(False))
@@ -302,28 +321,45 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
     def set_table(ds, table_SxP):
         return ds.replace(cache=ds.cache.replace(page_table=table_SxP))
 
-    def one_step(params, ds):
-        step = mdecode.decode_step if paged is None else mdecode.paged_decode_step
-        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0)
-        logits, cache = routed[:2]
-        tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
-        act_S = ds.active_S
-        gen_S = ds.generated_S + act_S.astype(jnp.int32)
-        stop_S = jnp.any(tok_S[:, None] == ds.stop_SxN, axis=1)
-        # Keep one spare cache entry: a finished slot's dummy writes land there.
-        full_S = cache.lengths >= m - 1
-        ended_S = act_S & (stop_S | (gen_S >= ds.max_tokens_S) | full_S)
-        still_held_S = ds.held_S & (ds.hold_steps_S < MAX_HOLD_STEPS)
-        valid_S = (act_S | still_held_S).astype(jnp.int32)
-        out_S = jnp.where(act_S, tok_S, HELD_MARK)
-        lp_bits_S = jax.lax.bitcast_convert_type(-jnp.abs(lp_S), jnp.int32)
-        new = ds.replace(cache=cache, next_tok_S=jnp.where(act_S, tok_S, ds.next_tok_S), generated_S=gen_S,
-                         active_S=act_S & ~ended_S, held_S=still_held_S | (ended_S & ~full_S),
-                         hold_steps_S=jnp.where(still_held_S, ds.hold_steps_S + 1, 0))
-        cols_SxW = jnp.stack([out_S, lp_bits_S], axis=-1)
-        if layout.width:  # the experts that produced this token, beside it (module docstring)
-            cols_SxW = jnp.concatenate([cols_SxW, layout.pack(routed[2])], axis=-1)
-        return new, (cols_SxW, valid_S)
+    def export_slot(ds, slot, lb):
+        if paged is not None:  # the slot's pages (those holding its first lb tokens), gathered
+            kv = mdecode.paged_slot_kv(ds.cache, slot, lb)
+            return kv.k, kv.v
+        sh = (1, lb, cfg.n_kv_heads, cfg.head_dim)
+        k = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.k])
+        v = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.v])
+        return k, v
+
+    def gather(ds, pages_P):  # a cached prefix's pages as one contiguous block (for a prefill to attend to)
+        k = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.k])
+        v = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.v])
+        return k, v
+
+    return {"insert": jax.jit(insert, donate_argnums=0, out_shardings=ds_s),
+            "stop_slot": jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s),
+            "stop_slots": jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s),
+            "hold_slot": jax.jit(hold_slot, donate_argnums=0, out_shardings=ds_s),
+            "export": jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk)),
+            "set_table": jax.jit(set_table, donate_argnums=0, out_shardings=ds_s),
+            "gather": jax.jit(gather, out_shardings=(blk, blk)),
+            "make_state": jax.jit(functools.partial(_empty_state, cfg, m, slots, paged), out_shardings=ds_s)}
+
+
+def _empty_state(cfg: ModelConfig, m: int, slots: int, paged: tuple[int, int] | None) -> DecodeState:
+    z = jnp.zeros((slots,), jnp.int32)
+    f = jnp.zeros((slots,), bool)
+    cache = (mdecode.init_cache(cfg, slots, m) if paged is None
+             else mdecode.init_paged_cache(cfg, slots, paged[0], paged[1], m))
+    return DecodeState(cache, z, z, z, z, jnp.zeros((slots,), jnp.float32),
+                       jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z, z)
+
+
+def _decode_fns(cfg: ModelConfig, m: int, slots: int, k_steps: int, paged: tuple[int, int] | None, jit_model,
+                ds_s, rep: NamedSharding) -> dict:
+    """``generate`` (k_steps decode steps of every slot, one program) and ``pause`` (a call without decoding)."""
+    layout = RoutingLayout.of(cfg)
+    w = layout.step_cols  # result columns per decode step
+    one_step = _one_step(cfg, m, paged, layout)
 
     def generate(params, ds):
         """k_steps decode steps in one program. Per slot the result row is
@@ -348,42 +384,36 @@ def device_fns(cfg: ModelConfig, m: int, slots: int, mesh: Mesh, k_steps: int,
                                ds.active_S.astype(jnp.int32)[:, None]], axis=1)
         return row
 
-    def export_slot(ds, slot, lb):
-        if paged is not None:  # the slot's pages (those holding its first lb tokens), gathered
-            kv = mdecode.paged_slot_kv(ds.cache, slot, lb)
-            return kv.k, kv.v
-        sh = (1, lb, cfg.n_kv_heads, cfg.head_dim)
-        k = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.k])
-        v = jnp.stack([jax.lax.dynamic_slice(c, (slot, 0, 0, 0), sh)[0] for c in ds.cache.v])
-        return k, v
+    return {"generate": jit_model(generate, donate_argnums=1, out_shardings=(ds_s, rep)),
+            "pause": jax.jit(pause, out_shardings=rep)}
 
-    out["prefill_new"] = jit_model(prefill_new, out_shardings=(blk, blk))
-    out["prefill_on"] = jit_model(prefill_on, out_shardings=(blk, blk))
-    out["prefill_into"] = jit_model(prefill_into, donate_argnums=(3, 4), out_shardings=(blk, blk))
-    out["fit"] = jax.jit(fit, static_argnums=2, out_shardings=(blk, blk))
-    out["insert"] = jax.jit(insert, donate_argnums=0, out_shardings=ds_s)
-    out["stop_slot"] = jax.jit(stop_slot, donate_argnums=0, out_shardings=ds_s)
-    out["stop_slots"] = jax.jit(stop_slots, donate_argnums=0, out_shardings=ds_s)
-    out["hold_slot"] = jax.jit(hold_slot, donate_argnums=0, out_shardings=ds_s)
-    out["generate"] = jit_model(generate, donate_argnums=1, out_shardings=(ds_s, rep))
-    out["export"] = jax.jit(export_slot, static_argnums=2, out_shardings=(blk, blk))
-    out["pause"] = jax.jit(pause, out_shardings=rep)
-    out["set_table"] = jax.jit(set_table, donate_argnums=0, out_shardings=ds_s)
 
-    def gather(ds, pages_P):  # a cached prefix's pages as one contiguous block (for a prefill to attend to)
-        k = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.k])
-        v = jnp.stack([mdecode.gather_pages(c, pages_P[None])[0] for c in ds.cache.v])
-        return k, v
+def _one_step(cfg: ModelConfig, m: int, paged: tuple[int, int] | None, layout: RoutingLayout):
+    """One decode step of every slot: (new state, (result columns [S, w], valid [S]))."""
+    multi = cfg.lora is not None and cfg.lora.num_adapters > 1
 
-    out["gather"] = jax.jit(gather, out_shardings=(blk, blk))
+    def one_step(params, ds):
+        step = mdecode.decode_step if paged is None else mdecode.paged_decode_step
+        routed = step(params, cfg, ds.next_tok_S, ds.cache, active_S=ds.active_S, with_routing=layout.width > 0,
+                      adapter_S=ds.adapter_S if multi else None)
+        logits, cache = routed[:2]
+        tok_S, lp_S = sample_tokens(logits, ds.temperature_S, ds.top_p_S, ds.seed_S, ds.generated_S)
+        act_S = ds.active_S
+        gen_S = ds.generated_S + act_S.astype(jnp.int32)
+        stop_S = jnp.any(tok_S[:, None] == ds.stop_SxN, axis=1)
+        # Keep one spare cache entry: a finished slot's dummy writes land there.
+        full_S = cache.lengths >= m - 1
+        ended_S = act_S & (stop_S | (gen_S >= ds.max_tokens_S) | full_S)
+        still_held_S = ds.held_S & (ds.hold_steps_S < MAX_HOLD_STEPS)
+        valid_S = (act_S | still_held_S).astype(jnp.int32)
+        out_S = jnp.where(act_S, tok_S, HELD_MARK)
+        lp_bits_S = jax.lax.bitcast_convert_type(-jnp.abs(lp_S), jnp.int32)
+        new = ds.replace(cache=cache, next_tok_S=jnp.where(act_S, tok_S, ds.next_tok_S), generated_S=gen_S,
+                         active_S=act_S & ~ended_S, held_S=still_held_S | (ended_S & ~full_S),
+                         hold_steps_S=jnp.where(still_held_S, ds.hold_steps_S + 1, 0))
+        cols_SxW = jnp.stack([out_S, lp_bits_S], axis=-1)
+        if layout.width:  # the experts that produced this token, beside it (module docstring)
+            cols_SxW = jnp.concatenate([cols_SxW, layout.pack(routed[2])], axis=-1)
+        return new, (cols_SxW, valid_S)
 
-    def make_state():
-        z = jnp.zeros((slots,), jnp.int32)
-        f = jnp.zeros((slots,), bool)
-        cache = (mdecode.init_cache(cfg, slots, m) if paged is None
-                 else mdecode.init_paged_cache(cfg, slots, paged[0], paged[1], m))
-        return DecodeState(cache, z, z, z, z, jnp.zeros((slots,), jnp.float32),
-                           jnp.ones((slots,), jnp.float32), jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32), f, f, z)
-
-    out["make_state"] = jax.jit(make_state, out_shardings=ds_s)
-    return out
+    return one_step

@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from gyre_jax.serving.tokenizer import Tokenizer, cut_at_stop, parse_call_json
+from gyre_jax.serving.tokenizer_base import Tokenizer, cut_at_stop, parse_call_json
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 TOOL_FORMATS = ("qwen", "llama3_json", "none")
@@ -137,8 +137,8 @@ class HFChatTokenizer(Tokenizer):
     def from_gguf(cls, path: str, *, chat_template: str | None = None, tool_format: str | None = None,
                   template_kwargs: dict | None = None) -> "HFChatTokenizer":
         """From a ``.gguf`` file's metadata (vocabulary, merges, special ids, ``tokenizer.chat_template``), built
-        as transformers builds it for ``from_pretrained(..., gguf_file=...)`` (serving/gguf_tokenizer.py)."""
-        from gyre_jax.serving.gguf_tokenizer import gguf_tokenizer
+        as transformers builds it for ``from_pretrained(..., gguf_file=...)`` (model/hf/gguf_tokenizer.py)."""
+        from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
 
         tk, tc = gguf_tokenizer(path)
         if chat_template:

@@ -33,6 +33,7 @@ class LoraWeights:
         if serving not in SERVING:
             raise ValueError(f"lora_serving must be one of {SERVING}, got {serving!r}")
         lora = base.config.lora
+        assert lora is not None  # FrozenBase refuses a config without lora
         if serving == "merged" and lora.num_adapters > 1:
             raise ValueError(f"lora_serving='merged' serves one adapter; this run has {lora.num_adapters}: use "
                              "'unmerged' (each slot applies its own adapter beside the base)")

@@ -56,6 +56,7 @@ import secrets
 import threading
 import time
 import uuid
+from typing import Callable
 
 import numpy as np
 from aiohttp import web
@@ -132,6 +133,9 @@ class Proxy:
         if tokenizer.vocab_size > self.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {self.vocab_size}")
         self._keys: dict[str, tuple[str, str]] = {}  # issued key -> (run, rollout); issue/revoke from any thread
+        # Multi-LoRA (gyre_jax/model/lora.py): the adapter a call's rollout samples with, from its binding
+        # (the key's rollout and group); None: every call uses the engines' one policy.
+        self.adapter_of: Callable[[Binding], int] | None = None
         self._rollouts: dict[tuple[str, str], tuple[str, str]] = {}
         self._keys_lock = threading.Lock()
         self._issuing = False  # set at the first issued key
@@ -361,6 +365,8 @@ class Proxy:
         self._check_model(call.model)
         binding = self._binding(request, keyed)
         sampling = self._sampling(call)
+        if self.adapter_of is not None:  # the rollout's adapter, routed by its key
+            sampling = dataclasses.replace(sampling, adapter=self.adapter_of(binding))
         if self._inflight + call.n > self.cfg.max_concurrent_calls:
             raise ApiError(503, f"over {self.cfg.max_concurrent_calls} concurrent calls; retry later", kind="overloaded_error")
         if call.n > 1 and binding.call_index is not None:

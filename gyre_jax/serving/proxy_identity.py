@@ -100,8 +100,12 @@ def resolve_binding(h: Mapping[str, str], keyed: tuple[str, str] | None,
                       "rollout API key")
         run = run or default_run_id
         rollout = rollout or h.get("X-Claude-Code-Session-Id") or "unbound"
-    task, group = registered.get((run, rollout), ("unknown", "unknown"))
+    known = registered.get((run, rollout))
+    task, group = known or ("unknown", "unknown")
     task, group = h.get(wire.HEADER_TASK) or task, h.get(wire.HEADER_GROUP) or group
+    if known is not None and (task, group) != known:  # the harness (and the policy's commands) hold its key
+        raise bad(f"headers {wire.HEADER_TASK}/{wire.HEADER_GROUP}: rollout {rollout!r} was registered for task "
+                  f"{known[0]!r}, group {known[1]!r}, not {task!r}, {group!r}")
     for what, v in (("run", run), ("rollout", rollout), ("task", task), ("group", group)):
         if not (1 <= len(v) <= 256 and v.isprintable() and v.strip() == v):
             raise bad(f"{what} id {v!r} must be 1-256 printable characters without surrounding spaces")

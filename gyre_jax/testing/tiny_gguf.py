@@ -70,7 +70,30 @@ def write_tiny_gguf(path: str, cfg: dict, tensors: dict[str, np.ndarray], *, typ
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    for key, value in (tokenizer or {}).items():
+    _add_fields(w, tokenizer or {})
+    scaling = cfg.get("rope_scaling")
+    if arch == "llama" and scaling:
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg["rope_theta"], head_dim, scaling))
+    stored: dict[str, tuple[str, np.ndarray]] = {}
+    for name, a in tensors.items():
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            a = llama_cpp_permute(a, n)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            a = llama_cpp_permute(a, k)
+        kind = "F32"
+        if a.ndim > 1:
+            kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), "F32")
+        stored[name] = (kind, _add_tensor(w, gguf_name(name), a, kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def _add_fields(w, fields: dict) -> None:
+    """Metadata fields {key: value} with the GGUF types llama.cpp writes them with."""
+    for key, value in fields.items():
         if isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, bool):
@@ -81,42 +104,36 @@ def write_tiny_gguf(path: str, cfg: dict, tensors: dict[str, np.ndarray], *, typ
             w.add_array(key, [int(v) for v in value])  # an int32 array, as llama.cpp writes it
         else:
             w.add_array(key, list(value))
-    stored: dict[str, tuple[str, np.ndarray]] = {}
-    scaling = cfg.get("rope_scaling")
-    if arch == "llama" and scaling:
-        inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-        f, lo, hi, old = (scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
-                          scaling["original_max_position_embeddings"])
-        factors = []
-        for freq in inv:
-            wl = 2 * math.pi / freq
-            factors.append(1.0 if wl < old / hi else f if wl > old / lo else
-                           1 / ((1 - (old / wl - lo) / (hi - lo)) / f + (old / wl - lo) / (hi - lo)))
-        w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
-    for name, a in tensors.items():
-        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
-            a = llama_cpp_permute(a, n)
-        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
-            a = llama_cpp_permute(a, k)
-        kind = "F32"
-        if a.ndim > 1:
-            kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), "F32")
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "F32":
-            data = np.ascontiguousarray(a, np.float32)
-            w.add_tensor(gguf_name(name), data)
-        elif kind == "F16":
-            data = a.astype(np.float16)
-            w.add_tensor(gguf_name(name), data)
-        else:
-            data = gguf.quants.quantize(a.astype(np.float32), qtype)
-            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
-        stored[name] = (kind, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return stored
+
+
+def _llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a Llama-3 rope scaling: the divisor of each frequency."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    f, lo, hi, old = (scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+                      scaling["original_max_position_embeddings"])
+    factors = []
+    for freq in inv:
+        wl = 2 * math.pi / freq
+        factors.append(1.0 if wl < old / hi else f if wl > old / lo else
+                       1 / ((1 - (old / wl - lo) / (hi - lo)) / f + (old / wl - lo) / (hi - lo)))
+    return np.asarray(factors, np.float32)
+
+
+def _add_tensor(w, name: str, a: np.ndarray, kind: str) -> np.ndarray:
+    """One tensor as GGML type ``kind``; the array stored (float32, float16 or the quantized bytes)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "F32":
+        data = np.ascontiguousarray(a, np.float32)
+        w.add_tensor(name, data)
+    elif kind == "F16":
+        data = a.astype(np.float16)
+        w.add_tensor(name, data)
+    else:
+        data = gguf.quants.quantize(a.astype(np.float32), qtype)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    return data
 
 
 def gguf_tokenizer_fields(hf_dir: str, pre: str = "default") -> dict:

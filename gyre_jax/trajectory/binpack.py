@@ -213,54 +213,24 @@ def pack_trees(
     nr = len(trees)
     if len(advantages) != nr:
         raise ValueError(f"pack_trees: {nr} trees but {len(advantages)} advantages")
-    R = nr if num_step_rollouts is None else int(num_step_rollouts)
-    if R < nr:
-        raise ValueError(f"pack_trees: num_step_rollouts={R} < {nr} rollouts given")
-    names = [f"rollout #{r}" for r in range(nr)] if names is None else list(names)
-
-    items: list[SerializedTree] = []
-    owner: list[int] = []
-    dup = unique = 0
-    for r, t in enumerate(trees):
-        if t is None:
-            continue
-        s = split_tree(t, row_len, name=names[r])
-        items.extend(s.parts)
-        owner.extend([r] * len(s.parts))
-        dup += s.duplicated_tokens
-        unique += s.unique_tokens
-    lengths = [len(t) for t in items]
-    assignment = first_fit_decreasing(lengths, row_len)
+    if num_step_rollouts is not None and num_step_rollouts < nr:
+        raise ValueError(f"pack_trees: num_step_rollouts={num_step_rollouts} < {nr} rollouts given")
+    items, owner, dup, unique = _split_all(trees, row_len, names)
+    assignment = first_fit_decreasing([len(t) for t in items], row_len)
     while len(assignment) < min_rows:
         assignment.append([])
     rows = pack_rows([[items[k] for k in row] for row in assignment], row_len, routing_width=routing_width)
-
-    # Segment s (1-based) of row b holds item assignment[b][s-1]; map segments to rollouts.
-    max_seg = max((len(row) for row in assignment), default=0)
-    seg_owner = np.full((len(assignment), max_seg + 1), -1, np.int32)
-    for b, row in enumerate(assignment):
-        seg_owner[b, 1 : len(row) + 1] = [owner[k] for k in row]
-    rollout_index = np.take_along_axis(seg_owner, rows.segment_ids.astype(np.int64), axis=1)
-
+    rollout_index = _rollout_index(assignment, owner, rows.segment_ids)
     valid = rollout_index >= 0
     ridx = np.where(valid, rollout_index, 0)
     num_targets = np.bincount(ridx[rows.loss_mask], minlength=nr).astype(np.int64)
-    # The losses package owns the aggregation; N_r is counted over all parts here.
-    entry = get_weight_builder(weights)
-    units, normalizer = 0.0, 0.0
-    if nr:  # a rollout without tokens still counts in R (rollout-counted builders)
-        _, units = entry.fn(rows.loss_mask, ridx, nr, num_targets,
-                            entry.config() if weights_config is None else weights_config)
-        normalizer = units if num_step_rollouts is None else (
-            R * row_len if entry.units == "tokens" else float(R))
-        rows.loss_weights, _ = build_loss_weights(weights, rows.loss_mask, ridx, nr, rollout_token_counts=num_targets,
-                                                  config=weights_config, normalizer=normalizer)
+    units, normalizer = _fill_weights(rows, ridx, nr, num_targets, weights, weights_config,
+                                      None if num_step_rollouts is None else int(num_step_rollouts), row_len)
     # Lookup table with one spare entry so that ridx (0 on padding) indexes it even
-    # when no rollout is given; padding is masked out below.
+    # when no rollout is given; padding is masked out.
     adv = np.zeros(nr + 1, np.float32)
     adv[:nr] = np.asarray(advantages, np.float32).reshape(nr)
     rows.advantages = np.where(valid, adv[ridx], 0.0).astype(np.float32)
-
     rows.check("pack_trees")
     chex.assert_shape(rollout_index, rows.tokens.shape, custom_message="pack_trees: rollout_index must be [B, L]")
     chex.assert_shape(num_targets, (nr,), custom_message="pack_trees: num_targets must be [rollouts]")
@@ -277,3 +247,48 @@ def pack_trees(
         weight_units=float(units),
         weight_normalizer=float(normalizer),
     )
+
+
+def _split_all(trees: Sequence[TreeNode | None], row_len: int,
+               names: Sequence[str] | None) -> tuple[list[SerializedTree], list[int], int, int]:
+    """Every tree split into row-sized parts: (parts, the rollout of each, duplicated tokens, unique tokens)."""
+    names = [f"rollout #{r}" for r in range(len(trees))] if names is None else list(names)
+    items: list[SerializedTree] = []
+    owner: list[int] = []
+    dup = unique = 0
+    for r, t in enumerate(trees):
+        if t is None:
+            continue
+        s = split_tree(t, row_len, name=names[r])
+        items.extend(s.parts)
+        owner.extend([r] * len(s.parts))
+        dup += s.duplicated_tokens
+        unique += s.unique_tokens
+    return items, owner, dup, unique
+
+
+def _rollout_index(assignment: list[list[int]], owner: list[int], segment_ids: np.ndarray) -> np.ndarray:
+    """[B, L]: the rollout of each position (-1 on padding). Segment s (1-based) of row b holds
+    item assignment[b][s-1]."""
+    max_seg = max((len(row) for row in assignment), default=0)
+    seg_owner = np.full((len(assignment), max_seg + 1), -1, np.int32)
+    for b, row in enumerate(assignment):
+        seg_owner[b, 1 : len(row) + 1] = [owner[k] for k in row]
+    return np.take_along_axis(seg_owner, segment_ids.astype(np.int64), axis=1)
+
+
+def _fill_weights(rows: PackedRows, ridx: np.ndarray, nr: int, num_targets: np.ndarray, weights: str,
+                  weights_config, step_rollouts: int | None, row_len: int) -> tuple[float, float]:
+    """``rows.loss_weights`` from the named builder (the losses package owns the aggregation; N_r is
+    counted over all parts here); (its units in these rows, what the weights were divided by:
+    their own units, or with ``step_rollouts`` R the step's nominal R or R * row_len)."""
+    entry = get_weight_builder(weights)
+    units, normalizer = 0.0, 0.0
+    if nr:  # a rollout without tokens still counts in R (rollout-counted builders)
+        _, units = entry.fn(rows.loss_mask, ridx, nr, num_targets,
+                            entry.config() if weights_config is None else weights_config)
+        normalizer = units if step_rollouts is None else (
+            step_rollouts * row_len if entry.units == "tokens" else float(step_rollouts))
+        rows.loss_weights, _ = build_loss_weights(weights, rows.loss_mask, ridx, nr, rollout_token_counts=num_targets,
+                                                  config=weights_config, normalizer=normalizer)
+    return units, normalizer

@@ -39,7 +39,8 @@ import numpy as np
 
 from gyre_jax.trajectory.serialize import PackedRows, pack_rows
 
-OPTIONAL_FIELDS = ("routing",)  # [B, L, R]: present in every chunk of an MoE run, in none of a dense one
+# Present in every chunk of a run or in none: routing [B, L, R] (an MoE run), adapter [B, L] (multi-LoRA)
+OPTIONAL_FIELDS = ("routing", "adapter")
 ROW_FIELDS = tuple(f.name for f in dataclasses.fields(PackedRows) if f.name not in OPTIONAL_FIELDS) + ("rollout_index",)
 
 
@@ -60,6 +61,8 @@ def _pad_like(batch: dict[str, np.ndarray], n: int, row_len: int) -> dict[str, n
     pad = _empty_rows(n, row_len)
     if "routing" in batch:
         pad["routing"] = np.full((n, row_len, batch["routing"].shape[2]), -1, batch["routing"].dtype)
+    if "adapter" in batch:
+        pad["adapter"] = np.zeros((n, row_len), np.int32)
     return pad
 
 

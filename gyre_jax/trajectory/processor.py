@@ -157,7 +157,6 @@ def process_step(
     """
     t0 = time.perf_counter()
     by_rollout = _group_calls(calls)
-    n_calls = sum(len(v) for v in by_rollout.values())
     known = {o.rollout_id for o in outcomes}
     orphans = sorted(set(by_rollout) - known)
     if orphans:
@@ -169,7 +168,43 @@ def process_step(
     if config.advantage.overlong:  # DAPO's overlong shaping reads each rollout's generated tokens
         lengths = [sum(int(c.output_ids.shape[0]) for c in by_rollout.get(o.rollout_id, [])) for o in outcomes]
     rew = compute_advantages(outcomes, config.advantage, group_field=config.group_field, lengths=lengths)
+    trained, adv, calls_dropped = _trained_rollouts(outcomes, rew, by_rollout)
+    t1 = time.perf_counter()
+    trees, recorded, no_calls = _build_trees(trained)
+    t2 = time.perf_counter()
+    sels = [select_paths(t, config.select) if t is not None else None for t in trees]
+    t3 = time.perf_counter()
+    pack = pack_trees(
+        [s.tree if s is not None else None for s in sels],
+        np.asarray(adv, np.float32),
+        config.row_len,
+        num_step_rollouts=num_step_rollouts,
+        names=[f"rollout {rid!r}" for rid, _ in trained],
+        min_rows=config.min_rows,
+        weights=config.weights,
+        weights_config=config.weights_config,
+        routing_width=config.routing_width,
+    )
+    t4 = time.perf_counter()
+    ri = pack.rollout_index
+    if rollout_index_offset:
+        ri = np.where(ri >= 0, ri + rollout_index_offset, -1).astype(np.int32)
+    counts = dict(rollouts=len(outcomes), trained_rollouts=len(trained), failures=dict(rew.counts),
+                  calls=sum(len(v) for v in by_rollout.values()), calls_dropped=calls_dropped, no_calls=len(no_calls),
+                  recorded_tokens=recorded, advantage_metrics=dict(rew.metrics),
+                  seconds={"rebuild": t2 - t1, "select": t3 - t2, "pack": t4 - t3, "total": t4 - t0})
+    return StepBatch(
+        rows=pack.rows,
+        rollout_index=ri,
+        rollout_ids=tuple(rid for rid, _ in trained),
+        advantages=np.asarray(adv, np.float32).reshape(-1),
+        stats=_step_stats(trained, trees, sels, pack, counts),
+    )
 
+
+def _trained_rollouts(outcomes: Sequence[Any], rew, by_rollout: dict[str, list]) -> tuple[list, list, dict[str, int]]:
+    """([(rollout id, its calls)] of the valid rollouts, their advantages, calls dropped per failure
+    status); a valid rollout's calls must be as many as its outcome says."""
     calls_dropped = {s: 0 for s in FAILURE_STATUSES}
     trained, adv = [], []
     for o, valid, a in zip(outcomes, rew.valid, rew.advantages):
@@ -187,82 +222,57 @@ def process_step(
         adv.append(a)
     if any(calls_dropped.values()):
         log.info("process_step: dropped calls of failed rollouts (not trained): %s", calls_dropped)
+    return trained, adv, calls_dropped
 
+
+def _build_trees(trained: list) -> tuple[list[TreeNode | None], int, list[str]]:
+    """(each trained rollout's rebuilt tree: None if it never called the model, recorded tokens,
+    the rollouts without calls: in R, no tokens)."""
     recorded = 0
     trees: list[TreeNode | None] = []
-    t1 = time.perf_counter()
     no_calls = []
     for rid, cs in trained:
         recorded += sum(int(c.prompt_ids.shape[0] + c.output_ids.shape[0]) for c in cs)
-        if not cs:  # a valid rollout that never called the model: in R, no tokens
+        if not cs:
             no_calls.append(rid)
             trees.append(None)
             continue
         trees.append(build_tree(cs))
     if no_calls:
         log.warning("process_step: %d trained rollout(s) have no call records: %s", len(no_calls), no_calls[:5])
-    t2 = time.perf_counter()
-    sels = [select_paths(t, config.select) if t is not None else None for t in trees]
-    t3 = time.perf_counter()
+    return trees, recorded, no_calls
+
+
+def _step_stats(trained: list, trees: list, sels: list, pack, counts: dict) -> StepStats:
+    """The step's StepStats from its trees, selections and packing (``counts``: the fields counted before)."""
     # Per rollout: fraction of its trainable tokens that selection left out.
     lost = [((s.trainable_total - s.trainable_kept) / s.trainable_total, rid)
             for (rid, _), s in zip(trained, sels) if s is not None and s.trainable_kept < s.trainable_total]
     worst = max(lost, key=lambda x: x[0], default=(0.0, None))
-    pack = pack_trees(
-        [s.tree if s is not None else None for s in sels],
-        np.asarray(adv, np.float32),
-        config.row_len,
-        num_step_rollouts=num_step_rollouts,
-        names=[f"rollout {rid!r}" for rid, _ in trained],
-        min_rows=config.min_rows,
-        weights=config.weights,
-        weights_config=config.weights_config,
-        routing_width=config.routing_width,
-    )
-    t4 = time.perf_counter()
-    ri = pack.rollout_index
-    if rollout_index_offset:
-        ri = np.where(ri >= 0, ri + rollout_index_offset, -1).astype(np.int32)
-
-    shape = tree_shape_counts([cs for _, cs in trained], trees)
-    stats = StepStats(
-        **shape,
-        rollouts=len(outcomes),
-        trained_rollouts=len(trained),
-        failures=dict(rew.counts),
-        calls=n_calls,
-        calls_dropped=calls_dropped,
-        no_calls=len(no_calls),
-        no_selection=sum(s is not None and s.tree is None for s in sels),
-        recorded_tokens=recorded,
-        unique_tokens=sum(s.tokens_total for s in sels if s is not None),
+    sel = [s for s in sels if s is not None]
+    counted: dict[str, Any] = {**tree_shape_counts([cs for _, cs in trained], trees), **counts}
+    return StepStats(
+        **counted,
+        no_selection=sum(s.tree is None for s in sel),
+        unique_tokens=sum(s.tokens_total for s in sel),
         selected_tokens=pack.unique_tokens,
-        expanded_tokens=sum(s.expanded_tokens for s in sels if s is not None),
+        expanded_tokens=sum(s.expanded_tokens for s in sel),
         packed_tokens=pack.packed_tokens,
         duplicated_tokens=pack.duplicated_tokens,
         branch_copies=pack.branch_copies,
         trainable_targets=int(pack.num_targets.sum()),
-        paths_total=sum(s.paths_total for s in sels if s is not None),
-        paths_selected=sum(s.paths_selected for s in sels if s is not None),
-        trainable_unique=sum(s.trainable_total for s in sels if s is not None),
-        trainable_selected=sum(s.trainable_kept for s in sels if s is not None),
-        trainable_dropped=sum(s.trainable_total - s.trainable_kept for s in sels if s is not None),
+        paths_total=sum(s.paths_total for s in sel),
+        paths_selected=sum(s.paths_selected for s in sel),
+        trainable_unique=sum(s.trainable_total for s in sel),
+        trainable_selected=sum(s.trainable_kept for s in sel),
+        trainable_dropped=sum(s.trainable_total - s.trainable_kept for s in sel),
         rollouts_truncated=len(lost),
         max_dropped_fraction=worst[0],
         max_dropped_rollout=worst[1],
         rows=int(pack.rows.tokens.shape[0]),
         fill=pack.fill,
-        seconds={"rebuild": t2 - t1, "select": t3 - t2, "pack": t4 - t3, "total": t4 - t0},
         weight_units=pack.weight_units,
         weight_normalizer=pack.weight_normalizer,
-        advantage_metrics=dict(rew.metrics),
-    )
-    return StepBatch(
-        rows=pack.rows,
-        rollout_index=ri,
-        rollout_ids=tuple(rid for rid, _ in trained),
-        advantages=np.asarray(adv, np.float32).reshape(-1),
-        stats=stats,
     )
 
 

@@ -134,37 +134,7 @@ def compute_advantages(
     overlong shaping. A ``step``-scoped estimator normalises over exactly these outcomes.
     """
     n = len(outcomes)
-    rids, groups, statuses = [], [], []
-    scores = np.full(n, np.nan, np.float64)
-    seen = set()
-    group_task: dict = {}
-    for i, o in enumerate(outcomes):
-        rid = _field(o, "rollout_id", i)
-        status = _field(o, "status", i)
-        if rid in seen:
-            raise ValueError(f"compute_advantages: rollout_id {rid!r} appears twice (outcome #{i})")
-        seen.add(rid)
-        if status not in STATUSES:
-            raise ValueError(f"compute_advantages: rollout {rid!r} has unknown status {status!r}; known: {STATUSES}")
-        if status in SCORED_STATUSES:
-            s = _field(o, "score", i)
-            try:
-                s = float(s)
-            except (TypeError, ValueError):
-                raise ValueError(f"compute_advantages: rollout {rid!r} ({status}) has non-numeric score {s!r}") from None
-            if not (0.0 <= s <= 1.0):  # also rejects NaN
-                raise ValueError(f"compute_advantages: rollout {rid!r} ({status}) has score {s!r} outside [0, 1]")
-            scores[i] = s
-        g, task = _field(o, group_field, i), _field(o, "task_id", i)
-        if group_task.setdefault(g, task) != task:
-            raise ValueError(
-                f"compute_advantages: group {g!r} mixes tasks {group_task[g]!r} and {task!r} "
-                f"(rollout {rid!r}); a group is one task's rollouts"
-            )
-        rids.append(rid)
-        groups.append(g)
-        statuses.append(status)
-
+    rids, groups, statuses, scores = _read_outcomes(outcomes, group_field)
     valid = np.array([s in SCORED_STATUSES for s in statuses], bool)
     rewards = scores.copy()
     if config.overlong:
@@ -172,26 +142,7 @@ def compute_advantages(
             raise ValueError(f"compute_advantages: overlong shaping needs one length per outcome; got "
                              f"{None if lengths is None else len(lengths)} for {n}")
         rewards = np.where(valid, scores + overlong_penalty(lengths, config), np.nan)
-    # Groups laid out [G, N] (slots in the order given), padding and failures not valid.
-    order: dict = {}
-    gidx = np.array([order.setdefault(g, len(order)) for g in groups], np.int64) if n else np.zeros(0, np.int64)
-    num_groups = len(order)
-    slot = np.zeros(n, np.int64)
-    sizes = np.zeros(num_groups, np.int64)
-    for i, g in enumerate(gidx):
-        slot[i], sizes[g] = sizes[g], sizes[g] + 1
-    width = int(sizes.max()) if num_groups else 0
-    r_GxN = np.zeros((num_groups, width), np.float64)
-    v_GxN = np.zeros((num_groups, width), bool)
-    r_GxN[gidx, slot] = np.where(valid, rewards, 0.0)
-    v_GxN[gidx, slot] = valid
-    entry = config.entry
-    adv_GxN, m = entry.fn(r_GxN, v_GxN, config.estimator_config) if num_groups else (r_GxN, {})
-    adv = np.where(valid, np.asarray(adv_GxN, np.float64)[gidx, slot], 0.0) if n else np.zeros(0)
-    if config.negative_advantage_scale != 1.0:
-        adv = np.where(adv < 0, adv * config.negative_advantage_scale, adv)
-    metrics = {k: float(v) for k, v in m.items()}
-
+    adv, num_groups, metrics = _estimate(groups, rewards, valid, config)
     counts = {s: 0 for s in STATUSES}
     for s in statuses:
         counts[s] += 1
@@ -215,6 +166,69 @@ def compute_advantages(
         empty_groups=empty,
         metrics=metrics,
     )
+
+
+def _read_outcomes(outcomes: Sequence[Any], group_field: str) -> tuple[list, list, list, np.ndarray]:
+    """(rollout ids, group keys, statuses, scores: NaN where not scored), each outcome checked:
+    ids unique, statuses known, scores finite in [0, 1], one task per group."""
+    rids, groups, statuses = [], [], []
+    scores = np.full(len(outcomes), np.nan, np.float64)
+    seen = set()
+    group_task: dict = {}
+    for i, o in enumerate(outcomes):
+        rid = _field(o, "rollout_id", i)
+        status = _field(o, "status", i)
+        if rid in seen:
+            raise ValueError(f"compute_advantages: rollout_id {rid!r} appears twice (outcome #{i})")
+        seen.add(rid)
+        if status not in STATUSES:
+            raise ValueError(f"compute_advantages: rollout {rid!r} has unknown status {status!r}; known: {STATUSES}")
+        if status in SCORED_STATUSES:
+            scores[i] = _checked_score(_field(o, "score", i), rid, status)
+        g, task = _field(o, group_field, i), _field(o, "task_id", i)
+        if group_task.setdefault(g, task) != task:
+            raise ValueError(
+                f"compute_advantages: group {g!r} mixes tasks {group_task[g]!r} and {task!r} "
+                f"(rollout {rid!r}); a group is one task's rollouts"
+            )
+        rids.append(rid)
+        groups.append(g)
+        statuses.append(status)
+    return rids, groups, statuses, scores
+
+
+def _checked_score(s: Any, rid: str, status: str) -> float:
+    try:
+        s = float(s)
+    except (TypeError, ValueError):
+        raise ValueError(f"compute_advantages: rollout {rid!r} ({status}) has non-numeric score {s!r}") from None
+    if not (0.0 <= s <= 1.0):  # also rejects NaN
+        raise ValueError(f"compute_advantages: rollout {rid!r} ({status}) has score {s!r} outside [0, 1]")
+    return s
+
+
+def _estimate(groups: list, rewards: np.ndarray, valid: np.ndarray,
+              config: AdvantageConfig) -> tuple[np.ndarray, int, dict[str, float]]:
+    """(advantage per rollout: 0 where not valid, number of groups, the estimator's metrics). Groups
+    are laid out [G, N] (slots in the order given), padding and failures not valid."""
+    n = len(groups)
+    order: dict = {}
+    gidx = np.array([order.setdefault(g, len(order)) for g in groups], np.int64) if n else np.zeros(0, np.int64)
+    num_groups = len(order)
+    slot = np.zeros(n, np.int64)
+    sizes = np.zeros(num_groups, np.int64)
+    for i, g in enumerate(gidx):
+        slot[i], sizes[g] = sizes[g], sizes[g] + 1
+    width = int(sizes.max()) if num_groups else 0
+    r_GxN = np.zeros((num_groups, width), np.float64)
+    v_GxN = np.zeros((num_groups, width), bool)
+    r_GxN[gidx, slot] = np.where(valid, rewards, 0.0)
+    v_GxN[gidx, slot] = valid
+    adv_GxN, m = config.entry.fn(r_GxN, v_GxN, config.estimator_config) if num_groups else (r_GxN, {})
+    adv = np.where(valid, np.asarray(adv_GxN, np.float64)[gidx, slot], 0.0) if n else np.zeros(0)
+    if config.negative_advantage_scale != 1.0:
+        adv = np.where(adv < 0, adv * config.negative_advantage_scale, adv)
+    return adv, num_groups, {k: float(v) for k, v in m.items()}
 
 
 def has_signal(outcomes: Sequence[Any], config: AdvantageConfig, lengths: Sequence[int] | None = None) -> bool:

@@ -76,89 +76,117 @@ class SelectionResult:
     kept: tuple[int, ...] = ()
 
 
-def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> SelectionResult:
-    # One pre-order pass: parent, per-node token/trainable counts, path lengths.
-    nodes, parent = root.preorder()
-    n = len(nodes)
-    ntok = np.fromiter((x.tokens.shape[0] for x in nodes), np.int64, n)
-    ntr = np.fromiter((int(np.count_nonzero(x.trainable)) for x in nodes), np.int64, n)
-    path_tok = ntok.copy()
-    for i in range(1, n):  # pre-order: parent before child
-        path_tok[i] += path_tok[parent[i]]
-    leaves = np.array([i for i in range(n) if not nodes[i].children], np.int64)
-    keep = np.zeros(n, bool)
-    roles: list[str] = []
-    # Static per-role trainable counts along each root path; since the kept set is
-    # closed under ancestors, a path's gain is its count minus the count at its
+@dataclasses.dataclass(frozen=True)
+class _Counts:
+    """One pre-order pass over a tree: its nodes, their parents, and the counts selection ranks by."""
+
+    nodes: list  # TreeNode in pre-order
+    parent: np.ndarray  # parent index of each node (-1: the root)
+    ntok: np.ndarray  # tokens per node
+    ntr: np.ndarray  # trainable tokens per node
+    path_tok: np.ndarray  # tokens on the root path ending at each node
+    leaves: np.ndarray  # leaf indices, in pre-order
+    # Per-role trainable counts along each root path, [n + 1, roles]; row n: "no kept node" (zeros).
+    # The kept set is closed under ancestors, so a path's gain is its count minus the count at its
     # deepest kept node.
-    role_idx = np.fromiter((_ROLE_RANK[x.role] for x in nodes), np.int64, n)
-    cum = np.zeros((n + 1, len(ROLES)), np.int64)  # row n: "no kept node" (zeros)
-    cum[np.arange(n), role_idx] = ntr
-    for i in range(1, n):
-        cum[i] += cum[parent[i]]
+    cum: np.ndarray
 
-    if config.mode == "unbounded":
-        cand = [int(i) for i in leaves]
-        for leaf in cand:
-            _mark_path(keep, parent, leaf)
-        # No pick order: a path's role is the highest-priority role it has tokens of.
-        for i in cand:
-            has = np.flatnonzero(cum[i])
-            roles.append(ROLES[int(has[0])] if has.size else nodes[i].role)
-    else:
-        nroles = 1 if config.mode == "main_only" else len(ROLES)
-        allowed = np.ones(leaves.size, bool)
-        cand = []
-        for _ in range(config.jmax):
-            deepest = [n] * n  # deepest kept ancestor-or-self of each node (n: none)
-            for i in range(n):
-                deepest[i] = i if keep[i] else (deepest[parent[i]] if i else n)
-            g = cum[leaves] - cum[np.asarray(deepest, np.int64)[leaves]]
-            gain = g[:, :nroles] * allowed[:, None]
-            if not gain.any():
-                break
-            # Largest (main, subagent, summary) gain, then earliest leaf. lexsort: last key is primary.
-            keys = [leaves] + [-gain[:, r] for r in range(nroles - 1, -1, -1)]
-            k = int(np.lexsort(keys)[0])
-            cand.append(int(leaves[k]))
-            roles.append(ROLES[int(np.flatnonzero(gain[k])[0])])
-            _mark_path(keep, parent, int(leaves[k]))
-            allowed[k] = False
+    @classmethod
+    def of(cls, root: TreeNode) -> _Counts:
+        nodes, parent = root.preorder()
+        n = len(nodes)
+        ntok = np.fromiter((x.tokens.shape[0] for x in nodes), np.int64, n)
+        ntr = np.fromiter((int(np.count_nonzero(x.trainable)) for x in nodes), np.int64, n)
+        path_tok = ntok.copy()
+        for i in range(1, n):  # pre-order: parent before child
+            path_tok[i] += path_tok[parent[i]]
+        leaves = np.array([i for i in range(n) if not nodes[i].children], np.int64)
+        role_idx = np.fromiter((_ROLE_RANK[x.role] for x in nodes), np.int64, n)
+        cum = np.zeros((n + 1, len(ROLES)), np.int64)
+        cum[np.arange(n), role_idx] = ntr
+        for i in range(1, n):
+            cum[i] += cum[parent[i]]
+        return cls(nodes, np.asarray(parent), ntok, ntr, path_tok, leaves, cum)
 
-    tokens_total, trainable_total = int(ntok.sum()), int(ntr.sum())
+
+def select_paths(root: TreeNode, config: SelectConfig = SelectConfig()) -> SelectionResult:
+    c = _Counts.of(root)
+    keep = np.zeros(len(c.nodes), bool)
+    cand, roles = _pick_all(c, keep) if config.mode == "unbounded" else _pick_greedy(c, keep, config)
+    tokens_total, trainable_total = int(c.ntok.sum()), int(c.ntr.sum())
     if not cand:
-        return SelectionResult(None, int(leaves.size), 0, (), tokens_total, 0, trainable_total, 0, 0)
+        return SelectionResult(None, int(c.leaves.size), 0, (), tokens_total, 0, trainable_total, 0, 0)
+    return SelectionResult(
+        tree=_kept_tree(c, keep),
+        paths_total=int(c.leaves.size),
+        paths_selected=len(cand),
+        selected_roles=tuple(roles),
+        tokens_total=tokens_total,
+        tokens_kept=int(c.ntok[keep].sum()),
+        trainable_total=trainable_total,
+        trainable_kept=int(c.ntr[keep].sum()),
+        expanded_tokens=int(c.path_tok[cand].sum()),
+        kept=tuple(int(i) for i in np.flatnonzero(keep)),
+    )
 
-    # Rebuild kept nodes bottom-up (reverse pre-order: children before parents),
-    # preserving the original child order.
+
+def _pick_all(c: _Counts, keep: np.ndarray) -> tuple[list[int], list[str]]:
+    """``unbounded``: every path. No pick order: a path's role is the highest-priority role it has tokens of."""
+    cand = [int(i) for i in c.leaves]
+    roles = []
+    for leaf in cand:
+        _mark_path(keep, c.parent, leaf)
+    for i in cand:
+        has = np.flatnonzero(c.cum[i])
+        roles.append(ROLES[int(has[0])] if has.size else c.nodes[i].role)
+    return cand, roles
+
+
+def _pick_greedy(c: _Counts, keep: np.ndarray, config: SelectConfig) -> tuple[list[int], list[str]]:
+    """``priority`` / ``main_only``: up to jmax paths by largest gain (module docstring), marking them in ``keep``."""
+    n = len(c.nodes)
+    nroles = 1 if config.mode == "main_only" else len(ROLES)
+    allowed = np.ones(c.leaves.size, bool)
+    cand: list[int] = []
+    roles: list[str] = []
+    for _ in range(config.jmax):
+        deepest = [n] * n  # deepest kept ancestor-or-self of each node (n: none)
+        for i in range(n):
+            deepest[i] = i if keep[i] else (deepest[c.parent[i]] if i else n)
+        g = c.cum[c.leaves] - c.cum[np.asarray(deepest, np.int64)[c.leaves]]
+        gain = g[:, :nroles] * allowed[:, None]
+        if not gain.any():
+            break
+        # Largest (main, subagent, summary) gain, then earliest leaf. lexsort: last key is primary.
+        keys = [c.leaves] + [-gain[:, r] for r in range(nroles - 1, -1, -1)]
+        k = int(np.lexsort(keys)[0])
+        cand.append(int(c.leaves[k]))
+        roles.append(ROLES[int(np.flatnonzero(gain[k])[0])])
+        _mark_path(keep, c.parent, int(c.leaves[k]))
+        allowed[k] = False
+    return cand, roles
+
+
+def _kept_tree(c: _Counts, keep: np.ndarray) -> TreeNode | None:
+    """The kept nodes rebuilt bottom-up (reverse pre-order: children before parents), in the original child order."""
+    n = len(c.nodes)
     new: list[TreeNode | None] = [None] * n
     kept_children: list[list[TreeNode]] = [[] for _ in range(n)]
     for i in range(n - 1, -1, -1):
         if not keep[i]:
             continue
-        x = nodes[i]
+        x = c.nodes[i]
         kids = kept_children[i]
         kids.reverse()  # filled in reverse pre-order
-        new[i] = TreeNode(
+        node = TreeNode(
             tokens=x.tokens, trainable=x.trainable, logprobs=x.logprobs, children=kids,
             role=x.role, agent_id=x.agent_id, call_ids=x.call_ids, policy_version=x.policy_version,
             routing=x.routing,
         )
-        if parent[i] >= 0:
-            kept_children[parent[i]].append(new[i])
-
-    return SelectionResult(
-        tree=new[0],
-        paths_total=int(leaves.size),
-        paths_selected=len(cand),
-        selected_roles=tuple(roles),
-        tokens_total=tokens_total,
-        tokens_kept=int(ntok[keep].sum()),
-        trainable_total=trainable_total,
-        trainable_kept=int(ntr[keep].sum()),
-        expanded_tokens=int(path_tok[cand].sum()),
-        kept=tuple(int(i) for i in np.flatnonzero(keep)),
-    )
+        new[i] = node
+        if c.parent[i] >= 0:
+            kept_children[c.parent[i]].append(node)
+    return new[0]
 
 
 def _mark_path(keep: np.ndarray, parent: np.ndarray, leaf: int) -> None:

@@ -111,13 +111,56 @@ class SerializedTree:
 
 def serialize_tree(root: TreeNode) -> SerializedTree:
     """Depth-first serialization with the branch-point rule (module docstring)."""
-    # Pass 1 (pre-order): effective token lists. An entry is (source node, offset
-    # into its tokens); a carried-down copy keeps its source, hence its position.
+    nodes, parent, depth, eff_src = _effective_entries(root)
+    lay = _Layout.of(eff_src, parent)
+    total, counts = lay.total, lay.counts
+    # Gather per-token attributes from the source nodes in one concatenation.
+    tok_all = np.concatenate([n.tokens for n in nodes]) if nodes else np.zeros(0, np.int32)
+    tr_all = np.concatenate([n.trainable for n in nodes]) if nodes else np.zeros(0, bool)
+    lp_all = np.concatenate([n.logprobs for n in nodes]) if nodes else np.zeros(0, np.float32)
+    node_tok_start = np.concatenate([[0], np.cumsum([n.tokens.shape[0] for n in nodes])]).astype(np.int64)
+    flat = node_tok_start[lay.src_node] + lay.src_off
+    tokens = tok_all[flat]
+    positions = (np.asarray(depth, np.int64)[lay.src_node] + lay.src_off).astype(np.int32)
+    version_all = np.array([n.policy_version for n in nodes], np.int32)
+
+    succ = _successors(lay, parent)
+    has_succ = succ >= 0
+    succ_c = np.where(has_succ, succ, 0)
+    targets = np.where(has_succ, tokens[np.minimum(succ_c, max(total - 1, 0))], PAD_ID).astype(np.int32)
+    tgt_flat = flat[np.minimum(succ_c, max(total - 1, 0))]
+    loss_mask = has_succ & tr_all[tgt_flat]
+    behavior = np.where(loss_mask, lp_all[tgt_flat], 0.0).astype(np.float32)
+    target_version = np.where(has_succ, version_all[lay.src_node[np.minimum(succ_c, max(total - 1, 0))]], -1)
+    out = SerializedTree(
+        tokens=tokens.astype(np.int32),
+        targets=targets,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior,
+        positions=positions,
+        subtree_end=np.repeat(lay.sub_end, counts).astype(np.int32),
+        target_version=target_version.astype(np.int32),
+        node_index=np.repeat(np.arange(len(nodes), dtype=np.int32), counts),
+        node_ranges=np.stack([lay.starts[:-1], lay.starts[1:]], axis=1).astype(np.int32),
+        node_parent=np.asarray(parent, np.int32),
+        routing=_packed_routing(nodes, tgt_flat, has_succ),
+    )
+    out.check("serialize_tree")
+    return out
+
+
+_Entries = list[tuple[int, np.ndarray]]  # a node's effective tokens: (source node, offsets into its tokens)
+
+
+def _effective_entries(root: TreeNode) -> tuple[list[TreeNode], list[int], list[int], list[_Entries]]:
+    """Pass 1 (pre-order): (nodes, parent index, path position of each node's first own token, and
+    each node's effective token list). An entry is (source node, offsets into its tokens); a
+    carried-down copy keeps its source, hence its position."""
     nodes: list[TreeNode] = []
     parent: list[int] = []
-    depth: list[int] = []  # path position of each node's first own token
-    eff_src: list[list[tuple[int, np.ndarray]]] = []  # per node: [(src node idx, offsets)]
-    stack: list[tuple[TreeNode, int, int, list[tuple[int, np.ndarray]]]] = [(root, -1, 0, [])]
+    depth: list[int] = []
+    eff_src: list[_Entries] = []
+    stack: list[tuple[TreeNode, int, int, _Entries]] = [(root, -1, 0, [])]
     while stack:
         node, par, d, carry = stack.pop()
         if par >= 0 and node.tokens.shape[0] == 0:
@@ -134,79 +177,62 @@ def serialize_tree(root: TreeNode) -> SerializedTree:
         nd = d + node.tokens.shape[0]
         for child in reversed(node.children):
             stack.append((child, idx, nd, child_carry))
+    return nodes, parent, depth, eff_src
 
-    num_nodes = len(nodes)
-    # Pass 2: lay out packed arrays.
-    counts = np.array([sum(o.shape[0] for _, o in e) for e in eff_src], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    total = int(starts[-1])
-    node_ranges = np.stack([starts[:-1], starts[1:]], axis=1).astype(np.int32)
 
-    # subtree end: pre-order, so a node's subtree is contiguous; compute bottom-up.
-    sub_end = starts[1:].copy()
-    for i in range(num_nodes - 1, 0, -1):
-        p = parent[i]
-        sub_end[p] = max(sub_end[p], sub_end[i])
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Pass 2: where each node's effective tokens go in the packed arrays."""
 
-    src_node = np.empty(total, np.int32)
-    src_off = np.empty(total, np.int32)
-    node_index = np.repeat(np.arange(num_nodes, dtype=np.int32), counts)
-    pos = 0
-    for entries in eff_src:
-        for s, offs in entries:
-            n = offs.shape[0]
-            src_node[pos : pos + n] = s
-            src_off[pos : pos + n] = offs
-            pos += n
+    counts: np.ndarray  # int64[nodes]: packed tokens per node
+    starts: np.ndarray  # int64[nodes + 1]: packed start of each node (and the total)
+    sub_end: np.ndarray  # int64[nodes]: packed end of each node's subtree
+    src_node: np.ndarray  # int32[total]: source node of each packed token
+    src_off: np.ndarray  # int32[total]: its offset in that node's tokens
 
-    # Gather per-token attributes from the source nodes in one concatenation.
-    tok_all = np.concatenate([n.tokens for n in nodes]) if nodes else np.zeros(0, np.int32)
-    tr_all = np.concatenate([n.trainable for n in nodes]) if nodes else np.zeros(0, bool)
-    lp_all = np.concatenate([n.logprobs for n in nodes]) if nodes else np.zeros(0, np.float32)
-    node_tok_start = np.concatenate([[0], np.cumsum([n.tokens.shape[0] for n in nodes])]).astype(np.int64)
-    flat = node_tok_start[src_node] + src_off
-    tokens = tok_all[flat]
-    positions = (np.asarray(depth, np.int64)[src_node] + src_off).astype(np.int32)
-    version_all = np.array([n.policy_version for n in nodes], np.int32)
+    @property
+    def total(self) -> int:
+        return int(self.starts[-1])
 
-    # The successor of each packed token along its path: the next packed token
-    # within the node, else the first packed token of its (single or any) child:
-    # after the move all children start with the same carried entry.
-    succ = np.arange(1, total + 1, dtype=np.int64)
-    last_of_node = starts[1:] - 1
+    @classmethod
+    def of(cls, eff_src: list[_Entries], parent: list[int]) -> _Layout:
+        counts = np.array([sum(o.shape[0] for _, o in e) for e in eff_src], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        # subtree end: pre-order, so a node's subtree is contiguous; compute bottom-up.
+        sub_end = starts[1:].copy()
+        for i in range(len(eff_src) - 1, 0, -1):
+            p = parent[i]
+            sub_end[p] = max(sub_end[p], sub_end[i])
+        total = int(starts[-1])
+        src_node = np.empty(total, np.int32)
+        src_off = np.empty(total, np.int32)
+        pos = 0
+        for entries in eff_src:
+            for s, offs in entries:
+                n = offs.shape[0]
+                src_node[pos : pos + n] = s
+                src_off[pos : pos + n] = offs
+                pos += n
+        return cls(counts, starts, sub_end, src_node, src_off)
+
+
+def _successors(lay: _Layout, parent: list[int]) -> np.ndarray:
+    """The packed index of each packed token's successor along its path (-1: a path's end): the
+    next packed token within the node, else the first packed token of its (single or any) child:
+    after the move all children start with the same carried entry."""
+    num_nodes = len(parent)
+    succ = np.arange(1, lay.total + 1, dtype=np.int64)
+    last_of_node = lay.starts[1:] - 1
     first_child = np.full(num_nodes, -1, np.int64)
     for i in range(num_nodes - 1, 0, -1):
         first_child[parent[i]] = i
     for i in range(num_nodes):
-        if counts[i] == 0:
+        if lay.counts[i] == 0:
             continue
         c = first_child[i]
         # A child with no effective tokens cannot exist: it would own at least the carry.
-        succ[last_of_node[i]] = starts[c] if c >= 0 else -1
-    has_succ = succ >= 0
-    succ_c = np.where(has_succ, succ, 0)
-    targets = np.where(has_succ, tokens[np.minimum(succ_c, max(total - 1, 0))], PAD_ID).astype(np.int32)
-    tgt_flat = flat[np.minimum(succ_c, max(total - 1, 0))]
-    loss_mask = has_succ & tr_all[tgt_flat]
-    behavior = np.where(loss_mask, lp_all[tgt_flat], 0.0).astype(np.float32)
-    target_version = np.where(has_succ, version_all[src_node[np.minimum(succ_c, max(total - 1, 0))]], -1)
-    routing = _packed_routing(nodes, tgt_flat, has_succ)
-
-    out = SerializedTree(
-        tokens=tokens.astype(np.int32),
-        targets=targets,
-        loss_mask=loss_mask,
-        behavior_logprobs=behavior,
-        positions=positions,
-        subtree_end=np.repeat(sub_end, counts).astype(np.int32),
-        target_version=target_version.astype(np.int32),
-        node_index=node_index,
-        node_ranges=node_ranges,
-        node_parent=np.asarray(parent, np.int32),
-        routing=routing,
-    )
-    out.check("serialize_tree")
-    return out
+        succ[last_of_node[i]] = lay.starts[c] if c >= 0 else -1
+    return succ
 
 
 def _packed_routing(nodes: list[TreeNode], tgt_flat: np.ndarray, has_succ: np.ndarray) -> np.ndarray | None:
@@ -273,6 +299,9 @@ class PackedRows:
     # An MoE model's recorded routing, int16 [B, L, R] (-1: routed live; SerializedTree.routing);
     # None for a dense model. The one field that is not [B, L].
     routing: np.ndarray | None = None
+    # Multi-LoRA (gyre_jax/model/lora.py): int32 [B, L], the adapter each token's rollout trains; None with one
+    # adapter (the trainer fills it; padding 0).
+    adapter: np.ndarray | None = None
 
     def __post_init__(self):
         for k in SCORE_FIELDS:
@@ -281,21 +310,24 @@ class PackedRows:
 
     def as_dict(self) -> dict[str, np.ndarray]:
         d = dataclasses.asdict(self)
-        if d["routing"] is None:  # a dense model's rows: no such field at all (jitted steps see one pytree)
-            del d["routing"]
+        for k in ("routing", "adapter"):  # absent, not None: jitted steps see one pytree
+            if d[k] is None:
+                del d[k]
         return d
 
     def check(self, where: str = "PackedRows") -> None:
         """Every field is [B, L] (the shape of ``tokens``) with its dtype ("input k" is the k-th field);
         ``routing``, if present, int16 [B, L, R]."""
         chex.assert_rank(self.tokens, 2, custom_message=f"{where}: tokens must be [B, L]")
-        names = [f.name for f in dataclasses.fields(self) if f.name != "routing"]
+        names = [f.name for f in dataclasses.fields(self) if f.name not in ("routing", "adapter")]
         arrays = [getattr(self, k) for k in names]
         chex.assert_shape(arrays, self.tokens.shape, custom_message=f"{where}: {names} must be [B, L] like tokens")
         chex.assert_type(arrays, [_DTYPES[k] for k in names], custom_message=f"{where}: {names}")
         if self.routing is not None:
             chex.assert_shape(self.routing, (*self.tokens.shape, None), custom_message=f"{where}: routing must be [B, L, R]")
             chex.assert_type(self.routing, np.int16, custom_message=f"{where}: routing")
+        if self.adapter is not None:
+            chex.assert_shape(self.adapter, self.tokens.shape, custom_message=f"{where}: adapter must be [B, L]")
 
 
 def pack_rows(rows: list[list[SerializedTree]], row_len: int, *, routing_width: int | None = None) -> PackedRows:

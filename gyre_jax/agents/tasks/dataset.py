@@ -73,7 +73,7 @@ from typing import Any
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tool_schemas import FINISH, TOOL_NAMES, RUN_TESTS
-from gyre_jax.agents.tree_rules import check_glob, command_files, test_file_of
+from gyre_jax.agents.tree_rules import check_glob, test_file_of
 from gyre_jax.agents.verdict_command import VERDICT_ENV, VERDICT_MODES
 from gyre_jax.serving.identity import check_id
 
@@ -327,18 +327,19 @@ def grade(task: Task, tree: Path) -> Grade:
     task's verdict mode (module docstring). Every failure of the graded code is a score of 0
     with its reason; ``details['grader_fault']`` says when the grader itself looks broken."""
     from gyre_jax.agents import verdict_command, verdict_pytest
-    from gyre_jax.agents.graded_tree import protected_paths
+    from gyre_jax.agents.graded_tree import protection
 
     p = task.params
     timeout = grader_timeout_s(task)
     if p.get("grader_mode") == "calls":
         from gyre_jax.agents.call_checks import grade_calls
 
-        return grade_calls(tree, p["grader_calls"], min(timeout, CALL_TIMEOUT_S))
+        return grade_calls(tree, p["grader_calls"], min(timeout, CALL_TIMEOUT_S), total_s=timeout)
     command = p.get("grader_command", "")
     shipped = [str(f.relative_to(tree)) for f in tree.rglob("*") if f.is_file() and not f.is_symlink()] \
         if command else []
-    read_only = sorted(protected_paths(task) | command_files(command, shipped))
+    paths, names = protection(task, shipped)
+    read_only = sorted(paths | {r for r in shipped if r.rsplit("/", 1)[-1] in names})
     ro = list(p.get("grader_ro_paths", ()))
     if p.get("grader_mode") == "tests":
         return verdict_pytest.grade(tree, fail_to_pass=p["fail_to_pass"], pass_to_pass=p["pass_to_pass"],

@@ -293,30 +293,8 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
     dtype = dtype or config.param_dtype
     out_dt = np.dtype(jnp.dtype(dtype))
     os.makedirs(path, exist_ok=True)
-    specs, makers = [], []
-    plan = entries(config)
-    for e in plan:  # HF order: embeddings, layer by layer, final norm, head
-        if not e.per_layer and e.path == ("embed",):
-            specs.append((e.name(), e.hf_shape, out_dt))
-            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
-    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()
-                 if i is not None]  # always: a per-layer entry's tensors name their layer
-    for _, name, e, idx in sorted(per_layer, key=lambda t: t[0]):  # layer by layer (stable: plan order within)
-        specs.append((name, e.hf_shape, out_dt))
-        makers.append(functools.partial(_fetch, tree, e, idx, out_dt))
-    for e in plan:
-        if not e.per_layer and e.path != ("embed",):
-            specs.append((e.name(), e.hf_shape, out_dt))
-            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
-    shards: list[list[int]] = [[]]
-    size = 0
-    for k, (_, shape, dt) in enumerate(specs):
-        nb = int(np.prod(shape)) * dt.itemsize
-        if shards[-1] and size + nb > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += nb
+    specs, makers = _tensor_plan(tree, config, out_dt)
+    shards = _shards(specs, max_shard_bytes)
     names = [SINGLE] if len(shards) == 1 else [f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for j in range(len(shards))]
     total, weight_map = 0, {}
@@ -348,8 +326,43 @@ def save_pretrained(params, config: ModelConfig, path: str, *, like: str | None 
     return written
 
 
+def _tensor_plan(tree, config: ModelConfig, out_dt: np.dtype) -> tuple[list, list]:
+    """(the checkpoint's tensors as (name, HF shape, dtype), a function making each one's array), in HF
+    order: embeddings, layer by layer, final norm, head."""
+    specs, makers = [], []
+    plan = entries(config)
+    for e in plan:
+        if not e.per_layer and e.path == ("embed",):
+            specs.append((e.name(), e.hf_shape, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
+    per_layer = [(i, name, e, idx) for e in plan if e.per_layer for name, idx, i in e.tensors()
+                 if i is not None]  # always: a per-layer entry's tensors name their layer
+    for _, name, e, idx in sorted(per_layer, key=lambda t: t[0]):  # layer by layer (stable: plan order within)
+        specs.append((name, e.hf_shape, out_dt))
+        makers.append(functools.partial(_fetch, tree, e, idx, out_dt))
+    for e in plan:
+        if not e.per_layer and e.path != ("embed",):
+            specs.append((e.name(), e.hf_shape, out_dt))
+            makers.append(functools.partial(_fetch, tree, e, (), out_dt))
+    return specs, makers
+
+
+def _shards(specs: list, max_shard_bytes: int) -> list[list[int]]:
+    """Tensor indices per safetensors file, in order, each file at most ``max_shard_bytes`` (or one tensor)."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for k, (_, shape, dt) in enumerate(specs):
+        nb = int(np.prod(shape)) * dt.itemsize
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nb
+    return shards
+
+
 def _write_gguf_tokenizer(src: str, path: str) -> list[str]:
-    from gyre_jax.serving.gguf_tokenizer import gguf_tokenizer
+    from gyre_jax.model.hf.gguf_tokenizer import gguf_tokenizer
 
     tk, tc = gguf_tokenizer(src)
     tk.save(os.path.join(path, "tokenizer.json"))

@@ -51,7 +51,7 @@ def _check_exportable(config: ModelConfig) -> LoraConfig:
 
 def _projections(config: ModelConfig):
     """(stack, module, name, HF layer index, slot in the stack) of every adapted projection of every selected layer."""
-    lora = config.lora
+    lora = _check_exportable(config)
     chosen = set(lora.layers) if lora.layers else set(range(config.n_layers))
     for stack, start, stop, is_moe in config.layer_runs():
         for slot, i in enumerate(range(start, stop)):

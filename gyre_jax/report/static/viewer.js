@@ -219,7 +219,8 @@
         line: { color: "#d62728", width: 2, dash: "dash" }, hoverinfo: "name" }));
       plot($("#chart-timeline"), traces, { yaxis: { autorange: "reversed", tickvals: [...Array(n).keys()],
         ticktext: [...Array(n).keys()].map((c) => `cell ${c}${c === 0 ? " (core)" : ""}`), zeroline: false },
-        xaxis: { title: { text: "seconds of RL (attempts laid end to end)" }, dtick: null }, dragmode: "zoom" },
+        xaxis: { title: { text: "seconds of RL (attempts laid end to end)" }, dtick: null }, dragmode: "zoom",
+        margin: { l: 95, r: 20, t: 10, b: 40 } },
         { displayModeBar: true });
     }
     $("#attempts").innerHTML = (tl.attempts || []).length ? `<table class="grid"><thead><tr><th>attempt</th><th>status</th><th class=num>first step</th><th class=num>set-up s</th><th class=num>RL s</th><th>error</th></tr></thead><tbody>` +
@@ -298,7 +299,7 @@
     const s = document.createElement("script");
     s.src = `data/rollouts/${encodeURIComponent(shard)}.js`;
     s.onload = () => { const cbs = loading[shard]; delete loading[shard]; cbs.forEach((f) => f()); };
-    s.onerror = () => { delete loading[shard]; cb(null, `could not load data/rollouts/${shard}.js (rebuild the report)`); };
+    s.onerror = () => { delete loading[shard]; cb(null, `data/rollouts/${shard}.js is not built yet: the report is still building its rollouts (reload in a moment), or was stopped (run the report command again)`); };
     document.head.appendChild(s);
   }
   function openRollout(id) {
@@ -320,6 +321,13 @@
     if (d.reason) html += `<div class="error-line">${esc(((d.details || {}).error) || d.reason)}</div>`;
     if (d.log) html += `<details ${d.status && d.status !== "completed" ? "open" : ""}><summary>harness log (${esc(d.log.source)})</summary><pre class="log">${esc(d.log.text)}</pre></details>`;
     const grader = (d.details || {}).grader;
+    if (grader && grader.tests && Object.keys(grader.tests).length) { // the per-test verdict: each named test's outcome
+      html += `<table class="grid" style="width:auto;margin:4px 0"><thead><tr><th>test</th><th>outcome</th></tr></thead><tbody>` +
+        Object.entries(grader.tests).map(([t, v]) => `<tr><td><code>${esc(t)}</code></td><td><span class="st ${v === "passed" ? "completed" : "infra_error"}">${esc(v)}</span></td></tr>`).join("") +
+        "</tbody></table>";
+    }
+    const refused = grader && grader.tree && grader.tree.refused ? Object.entries(grader.tree.refused).filter(([, n]) => n) : [];
+    if (refused.length) html += `<div class="error-line">the graded tree refused what the workspace wrote: ${esc(refused.map(([k, n]) => `${k} ${n}`).join(", "))}</div>`;
     if (grader && Object.keys(grader).length) html += `<details><summary>grader output</summary><pre class="log">${esc(JSON.stringify(grader, null, 1))}</pre></details>`;
     const harness = (d.details || {}).harness;
     if (harness && Object.keys(harness).length) html += `<details><summary>harness counters</summary><pre class="log">${esc(JSON.stringify(harness, null, 1))}</pre></details>`;

@@ -16,31 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
+from gyre_jax.agents.tasks.formats import jsonl  # noqa: F401  (registers "jsonl", gyre's own, first)
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import TaskFileError
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskFormat:
-    """One format: ``detect(path)`` says whether a path is in it; ``load(path, options)`` reads it."""
-
-    name: str
-    options: type  # a frozen dataclass: the format's options, with their defaults
-    detect: Callable[[str], bool]
-    load: Callable[[str, Any], list[tuple[Task, str]]]
-    summary: str
-
-
-FORMATS: dict[str, TaskFormat] = {}
-
-
-def register_format(fmt: TaskFormat) -> TaskFormat:
-    if fmt.name in FORMATS:
-        raise ValueError(f"task format {fmt.name!r} is already registered")
-    FORMATS[fmt.name] = fmt
-    return fmt
+from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: F401  (they register themselves)
+from gyre_jax.agents.tasks.formats.registry import FORMATS, TaskFormat, register_format
 
 
 def parse_options(value: str | Mapping[str, Any] | None, where: str = "config.task.dataset_options") -> dict:
@@ -82,21 +64,6 @@ def load_task_set(path: str, options: str | Mapping[str, Any] | None = None) -> 
                          f"options: {sorted(known) or 'none'} (and 'format')")
     return fmt.load(path, fmt.options(**opts))
 
-
-@dataclasses.dataclass(frozen=True)
-class NoOptions:
-    pass
-
-
-def _load_jsonl(path: str, _: NoOptions) -> list[tuple[Task, str]]:
-    from gyre_jax.agents.tasks.dataset import load_task_file
-
-    return load_task_file(path)
-
-
-register_format(TaskFormat("jsonl", NoOptions, os.path.isfile, _load_jsonl, "gyre's JSONL task file"))
-
-from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: E402  (they register themselves)
 
 __all__ = ["FORMATS", "TaskFormat", "detect", "harbor", "load_task_set", "parse_options", "register_format",
            "swebench"]

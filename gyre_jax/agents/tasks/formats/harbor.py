@@ -73,7 +73,7 @@ from typing import Any
 
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import TaskFileError, parse_line
-from gyre_jax.agents.tasks.formats import TaskFormat, register_format
+from gyre_jax.agents.tasks.formats.registry import TaskFormat, register_format
 
 ENVIRONMENTS = ("docker", "host")
 TOP_FIELDS = ("version", "schema_version", "task", "metadata", "verifier", "agent", "environment", "solution",
