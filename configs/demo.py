@@ -82,6 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
         kv_cache="contiguous",  # or "paged": pages for live tokens only, calls admitted by free pages
         page_size=16,  # tokens per KV page (paged)
         kv_pages=0,  # pages per engine (paged); 0 = the memory of max_slots x max_len
+        prefill_chunk=4096,  # prompts longer than this prefill chunk by chunk (a power of two)
+        fixed_prefill=False,  # True: every prompt does, into a max_len buffer (one prefill program for all)
     ))
     c.scheduler = ml_collections.ConfigDict(dict(
         mode="elastic",  # elastic | colocate | async (baselines), or async_stream | elastic_no_stream

@@ -71,6 +71,10 @@ def get_config(harness: str = "shell") -> ml_collections.ConfigDict:
     c.cells.max_slots = 8  # a group's rollouts decode together
     c.cells.tokens_per_call = 8
     c.cells.start_timeout_s = 900.0  # a cold start compiles a 30-layer decode step: minutes on a loaded 2-core host
+    # One prefill program for every prompt and cached prefix (128-token chunks into the 1024-token buffer): each
+    # (prefix, prompt) bucket pair compiled for 1-2 minutes here, and an agent's calls kept finding new pairs.
+    c.cells.fixed_prefill = True
+    c.cells.prefill_chunk = 128
     c.scheduler.groups_per_step = 2
     c.scheduler.group_size = 8  # GRPO group: 8 samples of one task
     c.task.dataset = os.path.join(_EXAMPLES, "tasks", "smol_tasks.jsonl")

@@ -82,7 +82,8 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
                         kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None,
-                        lora_serving=cfg.train.lora.serving)  # a LoRA run's params: Adapted(base, adapters)
+                        lora_serving=cfg.train.lora.serving,  # a LoRA run's params: Adapted(base, adapters)
+                        prefill_chunk=c.prefill_chunk, fixed_prefill=c.fixed_prefill)
     return JetStreamBackend(engine, name=name)
 
 
