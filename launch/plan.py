@@ -45,7 +45,8 @@ def plan_inputs(config, config_path: str | None):
         pad = math.lcm(cells.train_tensor, cells.serve_tensor)
         m = ModelConfig(**shape, vocab_pad_multiple=pad, **{k: model[k] for k in rl_config.HF_MODEL_OVERRIDES
                                                            if model.get(k) not in (None, "")})
-    return types.SimpleNamespace(model=m, cells=cells, train=train, scheduler=scheduler)
+    ev = rl_config._build(rl_config.EvalConfig, d.get("eval", {}), "eval")
+    return types.SimpleNamespace(model=m, cells=cells, train=train, scheduler=scheduler, eval=ev)
 
 
 def run(config, config_path: str | None, target: str) -> None:
