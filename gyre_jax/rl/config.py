@@ -1020,7 +1020,7 @@ class RLConfig:
 
 
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
-HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype", "logits_temperature")
 # config.model.random_init_shape=True: the section's shape fields describe the random model used when no
 # checkpoint is given (configs/external.py), so --config.model.hf_path=... replaces them instead of clashing.
 RANDOM_INIT_SHAPE = "random_init_shape"
@@ -1047,7 +1047,8 @@ def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) ->
         cfg = config_from_hf(read_config(path), dtype=model.get("param_dtype") or None,
                              vocab_pad_multiple=math.lcm(cells.train_tensor, cells.serve_tensor),
                              max_seq_len=model.get("max_seq_len") or None)
-        cfg = cfg.replace(**{k: model[k] for k in ("remat", "dtype") if model.get(k) not in (None, "")})
+        cfg = cfg.replace(**{k: model[k] for k in ("remat", "dtype", "logits_temperature")
+                             if model.get(k) not in (None, "")})
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.model.hf_path={path!r}: {e}") from None
     for knob in ("train_tensor", "serve_tensor"):  # the rules table splits these over 'tensor'
