@@ -124,6 +124,7 @@ def get_config() -> ml_collections.ConfigDict:
         temperature=1.0,  # sampling temperature of rollouts
         max_turns=1,  # one model call per rollout: the ideal transcript is one call
         deadline_s=60.0,  # per rollout (a timed-out rollout is graded for partial credit)
+        deadline_scale=1.0,  # a task's own timeout_s (task files) times this
         request_timeout_s=60.0,
         max_retries=2,  # per call, on 5xx / connection errors
         backoff_base_s=0.05,

@@ -89,6 +89,7 @@ def get_config(harness: str = "shell") -> ml_collections.ConfigDict:
     c.harness.ro_paths = os.path.join(_EXAMPLES, "harnesses")
     c.harness.max_tokens = 64  # per call (the proxy clamps larger requests to this)
     c.harness.deadline_s = 240.0  # per rollout: 3 calls of a 30-layer model on a shared 2-core host
+    c.harness.deadline_scale = 2.0  # the tasks' own timeout_s (120 s) x 2: the same 240 s (the eval: x 4 more)
     c.harness.request_timeout_s = 200.0
     c.train.row_len = 1024
     c.train.micro_batch_rows = 1  # the logits of a row (1024 x 49,152 vocab, f32 with their gradient): 0.5 GB

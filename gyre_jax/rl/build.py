@@ -301,6 +301,7 @@ def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdi
     # policy's timeouts (on Dec 4 a third of the warm start's eval episodes timed out beside RL's start).
     hc = cfg.harness_config("http://127.0.0.1:1/v1")
     hc = dataclasses.replace(hc, temperature=e.temperature, deadline_s=hc.deadline_s * e.deadline_scale,
+                             deadline_scale=hc.deadline_scale * e.deadline_scale,
                              concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
     ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
                      pass_score=e.pass_score, harness_config=hc, make_harness=cfg.harness.make,

@@ -271,7 +271,8 @@ class HarnessKnobs:
     max_tokens: int = 88  # per model call
     temperature: float = 1.0
     max_turns: int = 1  # model calls per agent
-    deadline_s: float = 60.0  # per rollout
+    deadline_s: float = 60.0  # per rollout (a task without its own timeout_s)
+    deadline_scale: float = 1.0  # a task's own timeout_s times this (a slow host: > 1)
     request_timeout_s: float = 60.0
     max_retries: int = 2
     backoff_base_s: float = 0.05
@@ -306,8 +307,8 @@ class HarnessKnobs:
     memory_bytes: int = 8 << 30  # kind=command: address space per process (node needs several GiB)
 
     def __post_init__(self):
-        _positive(self, ("max_tokens", "max_turns", "deadline_s", "request_timeout_s", "grader_timeout_s",
-                         "output_bytes", "cpu_s", "memory_bytes"))
+        _positive(self, ("max_tokens", "max_turns", "deadline_s", "deadline_scale", "request_timeout_s",
+                         "grader_timeout_s", "output_bytes", "cpu_s", "memory_bytes"))
         _positive(self, ("temperature", "max_retries", "backoff_base_s", "context_budget_tokens", "max_subagents"),
                   allow_zero=True)
         from gyre_jax.agents.sandbox import KINDS  # light: the sandbox module imports no JAX
@@ -608,7 +609,8 @@ class EvalConfig:
     samples_per_task: int = 8  # k of pass@k
     temperature: float = 1.0  # 0 = greedy; default = the harness's rollout temperature
     pass_score: float = 1.0  # an episode scoring at least this counts as passed (pass@k)
-    # kind=episodes: each episode's deadline is harness.deadline_s times this. An eval scores the policy;
+    # kind=episodes: each episode's deadline is harness.deadline_s (or its task's timeout_s x harness.deadline_scale)
+    # times this. An eval scores the policy;
     # the run's own rollouts and training load the machine beside it, and an episode that misses the
     # rollouts' deadline for that reason must not score as the policy's timeout (eval_timeouts still counts).
     deadline_scale: float = 4.0
@@ -976,6 +978,7 @@ class RLConfig:
             base_url=base_url, run_id=run_id, max_tokens=h.max_tokens, temperature=h.temperature,
             send_tools_schema=h.send_tools_schema, bytes_per_token=1.0, max_turns=h.max_turns,
             context_budget_tokens=h.context_budget_tokens or self.cells.max_len, deadline_s=h.deadline_s,
+            deadline_scale=h.deadline_scale,
             request_timeout_s=h.request_timeout_s, summary_request=h.summary_request or None,
             summary_header=h.summary_header or None, subagent_system_prompt=h.subagent_system_prompt or None,
             max_subagents=h.max_subagents,
