@@ -365,8 +365,17 @@ _HOST_ADVICE = {
     "cells": "fewer or smaller cells (config.num_cpu_devices, cells.cell_size), or see the per-device table",
     "eval_engine": "config.eval.every=0, or a smaller cells.max_slots x cells.max_len (its engine's KV)",
     "checkpoint_copy": "raise config.checkpoint_every (the save is a whole host copy of params and Adam)",
+    "prefix_caches": "lower config.cells.max_slots or cells.max_len (each engine keeps up to one slot's k/v per "
+                     "slot for its rollouts' next calls), or cells.kv_cache='paged'",
     "process": "nothing to configure: Python, JAX and JetStream themselves",
 }
+
+
+def prefix_cache_bytes(m, cells) -> int:
+    """The bound on a contiguous-cache engine's prefix cache (k/v blocks kept between a rollout's calls, host
+    side of the serving backend): one full slot's k/v per decode slot (rl/build.py sets it)."""
+    kv_slot = 2 * m.n_layers * cells.max_len * m.n_kv_heads * m.head_dim * DTYPE_BYTES[m.dtype]
+    return 0 if getattr(cells, "kv_cache", "contiguous") == "paged" else cells.max_slots * kv_slot
 
 
 def host_terms(cfg, roles: tuple[RolePlan, ...], cell_size: int, n_cells: int) -> dict[str, int]:
@@ -379,13 +388,16 @@ def host_terms(cfg, roles: tuple[RolePlan, ...], cell_size: int, n_cells: int) -
     other = max(by.get("serve", 0), by.get("satellite", 0))
     ev = getattr(cfg, "eval", None)
     eval_engine = 0
+    engines = (n_cells - 1) if by.get("serve") else 1  # rollout engines (one cell alone serves as it trains)
     every = int(getattr(ev, "every", 0) or 0)
     if every > 0 and getattr(ev, "kind", "") == "episodes":
         _, sterms = serve_terms(cfg.model, cfg.cells)
         eval_engine = sum(sterms.values()) * cell_size
+        engines += 1
     params = per_device_bytes(param_table(cfg.model), {}, DTYPE_BYTES[cfg.model.param_dtype])
     opt = params * 2 if _lora(cfg) is None else 0
     return {"cells": (core + other * (n_cells - 1)) * cell_size, "eval_engine": eval_engine,
+            "prefix_caches": engines * prefix_cache_bytes(cfg.model, cfg.cells),
             "checkpoint_copy": params + opt, "process": PROCESS_BYTES}
 
 

@@ -218,6 +218,9 @@ def test_a_cpu_host_is_planned_whole_and_refused_before_it_starts():
     assert p.host["eval_engine"] == roles["serve"] * size
     params = sum(math.prod(s) for _, s, _ in planner.param_table(cfg.model)) * 4
     assert p.host["checkpoint_copy"] == 3 * params and p.host["process"] == planner.PROCESS_BYTES
+    m, c = cfg.model, cfg.cells
+    slot_kv = 2 * m.n_layers * c.max_len * m.n_kv_heads * m.head_dim * 4  # k and v, float32
+    assert p.host["prefix_caches"] == n_cells * c.max_slots * slot_kv  # n_cells - 1 rollout engines + the eval's
     assert p.host_bytes == sum(p.host.values()) and "host: " in p.table()
     p.check()
     tight = planner.plan(cfg, "cpu", 8, host_limit=p.host_bytes - 1)
