@@ -159,3 +159,24 @@ def test_timing_helpers():
     with benchkit.Stopwatch() as sw:
         pass
     assert 0 <= sw.s == sw.s < 1  # stopped: the same reading every time
+
+
+def test_bench_real_learnings_statistics_are_over_tasks():
+    """pass@1 is the mean of each held-out task's pass rate with a 95% half-width over tasks; pass@k the unbiased
+    estimator; the gain is paired over the same tasks (numpy's mean and sample standard deviation here)."""
+    import math
+
+    import numpy as np
+
+    import bench_real_learning as b
+
+    base = {"a": [0, 0], "b": [1, 0], "c": [1, 1], "d": [0, 1]}
+    final = {"a": [1, 0], "b": [1, 1], "c": [1, 1], "d": [0, 0]}
+    s = b.summarize(base, 2)
+    rates = np.array([0.0, 0.5, 1.0, 0.5])
+    assert s["pass1"] == rates.mean() and math.isclose(s["ci95"], 1.96 * rates.std(ddof=1) / 2)
+    assert s["pass_at_k"] == np.mean([0.0, 1.0, 1.0, 1.0]) and s["tasks"] == 4
+    d = np.array([0.5, 0.5, 0.0, -0.5])
+    gain, ci = b.paired_gain(base, final)
+    assert math.isclose(gain, d.mean()) and math.isclose(ci, 1.96 * d.std(ddof=1) / 2)
+    assert b.pass_at_k(4, 1, 2) == 0.5 and b.pass_at_k(3, 2, 2) == 1.0
