@@ -257,11 +257,12 @@ def test_each_steps_record_splits_its_time_between_engines_agents_tools_and_grad
 
     engines["cell1"].engine.counters.update(prefill_s=1.5, generate_s=10.0)
     engines["cell2"].engine.counters.update(prefill_s=0.5, generate_s=4.0)
-    results += [dict(retries=0, agent_s=9.0, model_s=7.0, grader_s=0.25), dict(retries=0, agent_s=3.0, model_s=3.5,
-                                                                             grader_s=0.5)]
+    results += [dict(retries=0, agent_s=9.0, model_s=7.0, grader_s=0.25), dict(retries=0, agent_s=3.0, model_s=2.5,
+                                                                             grader_s=0.5),
+                dict(retries=0, status="timeout", agent_s=240.0, model_s=20.0, grader_s=0.0)]  # a cut call: no tools
     first = rec._cluster_view(2.0)
     assert (first["time/prefill_s"], first["time/decode_s"]) == (2.0, 14.0)
-    assert (first["time/model_calls_s"], first["time/tools_s"], first["time/grading_s"]) == (10.5, 1.5, 0.75)
+    assert (first["time/model_calls_s"], first["time/tools_s"], first["time/grading_s"]) == (29.5, 2.5, 0.75)
     engines["cell1"].engine.counters["generate_s"] = 11.0
     results.append(dict(retries=0, agent_s=4.0, model_s=1.0, grader_s=2.0))
     second = rec._cluster_view(3.0)

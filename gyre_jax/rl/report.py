@@ -257,11 +257,13 @@ class StepRecorder:
         time): the engines' prefill and decode, the agents' own time outside model calls (their tools), the
         graders, and, from the trainer, packing (process_s) and training (train_step_s)."""
         eng = self._engine_seconds()
-        agent = sum(float(r.get("agent_s") or 0.0) for r in finished)
-        model = sum(float(r.get("model_s") or 0.0) for r in finished)
+        # Tools: the agent's time outside its recorded calls, over rollouts that ended by themselves (a call cut
+        # by the deadline is never recorded: its wait would count as tool time).
+        ended = [r for r in finished if r.get("status") != "timeout"]
+        tools = sum(max(0.0, float(r.get("agent_s") or 0.0) - float(r.get("model_s") or 0.0)) for r in ended)
         out = {"time/prefill_s": eng["prefill_s"] - self._engine_s["prefill_s"],
                "time/decode_s": eng["generate_s"] - self._engine_s["generate_s"],
-               "time/model_calls_s": model, "time/tools_s": max(0.0, agent - model),
+               "time/model_calls_s": sum(float(r.get("model_s") or 0.0) for r in finished), "time/tools_s": tools,
                "time/grading_s": sum(float(r.get("grader_s") or 0.0) for r in finished)}
         self._engine_s = eng
         return out
