@@ -109,11 +109,11 @@ def main(argv):
 
     # A persistent compilation cache by default: a rerun (a resume, the next run of the same config) loads the
     # engines' and the train step's executables instead of compiling them again (minutes for a 30-layer model
-    # on 2 cores). JAX_COMPILATION_CACHE_DIR, when set, is used as it is.
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "gyre_jax",
-                                                                    "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # on 2 cores), and cells of the same shape on other devices load what the first one compiled.
+    # JAX_COMPILATION_CACHE_DIR, when set, is used as it is.
+    from gyre_jax import compile_cache
+
+    compile_cache.enable()
 
     from gyre_jax import jobs
 

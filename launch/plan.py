@@ -27,8 +27,8 @@ def plan_inputs(config, config_path: str | None):
     if d.get("job") != "rl":
         raise ConfigError(f"--plan: config.job={d.get('job')!r}; the memory plan is for RL configs (job 'rl')")
     base = rl_config.RLConfig.defaults()
-    cells, train, scheduler = (from_mapping(type(getattr(base, k)), d.get(k, {}), k, base=getattr(base, k))
-                               for k in ("cells", "train", "scheduler"))
+    cells, train, scheduler, ev = (from_mapping(type(getattr(base, k)), d.get(k, {}), k, base=getattr(base, k))
+                                   for k in ("cells", "train", "scheduler", "eval"))
     model = {k: v for k, v in d["model"].items() if k not in rl_config.MODEL_FLAGS}
     hf_path = d["model"].get("hf_path", "")
     if hf_path:
@@ -44,7 +44,7 @@ def plan_inputs(config, config_path: str | None):
         given = {k: model[k] for k in rl_config.HF_MODEL_OVERRIDES
                  if model.get(k) is not None and model.get(k) != getattr(rl_config.TINY_MODEL, k)}
         m = ModelConfig(**shape, vocab_pad_multiple=pad, **given)
-    return types.SimpleNamespace(model=m, cells=cells, train=train, scheduler=scheduler)
+    return types.SimpleNamespace(model=m, cells=cells, train=train, scheduler=scheduler, eval=ev)
 
 
 def run(config, config_path: str | None, target: str) -> None:

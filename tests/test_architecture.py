@@ -47,6 +47,9 @@ THIRD_PARTY = {
     # pytest's assertion rewriter: gyre's verdict plugin compiles the task's tests from memory
     "rewrite._rewrite_test", "rewrite._read_pyc",
     "sys._getframe",  # the verdict plugin reads a passing assert's operands from the rewritten test frame
+    # jax's persistent compilation cache, keyed without the devices on CPU (compile_cache.py: one program per
+    # shape for every cell; falls back to jax's own behaviour, logged, when these change)
+    "cache_key._hash_serialized_compile_options", "compiler._cache_read", "compiler._compile_and_write_cache",
 }
 
 

@@ -62,6 +62,9 @@ class HarnessConfig:
     max_tool_output_bytes: int = 4096
     # Deadlines and retries.
     deadline_s: float = 600.0  # per rollout, from its start (not its queueing)
+    # A task's own deadline (its ``timeout_s``) times this; deadline_s applies to a task without one. A held-out
+    # eval beside a busy run, or a slow host, stretches both.
+    deadline_scale: float = 1.0
     request_timeout_s: float = 300.0  # per HTTP attempt
     max_retries: int = 3  # per call, on 5xx / 429 / connection errors / timeouts
     backoff_base_s: float = 0.5
@@ -103,7 +106,7 @@ class HarnessConfig:
             raise ValueError(f"HarnessConfig.sandbox must be a SandboxConfig, got {type(self.sandbox).__name__}")
         positive = ("max_tokens", "max_turns", "bytes_per_token", "command_timeout_s",
                     "max_tool_output_bytes", "deadline_s", "request_timeout_s", "backoff_max_s", "concurrency",
-                    "grader_timeout_s")
+                    "grader_timeout_s", "deadline_scale")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"HarnessConfig.{name} must be > 0, got {getattr(self, name)!r}")

@@ -34,10 +34,19 @@ class CellsConfig(CellConfig):
     # Engines (weights placed, decode steps compiled) must be serving within this many seconds of the start, or
     # the run ends with an error: line (exit 1) instead of hanging; a loaded 2-core host compiles slowly.
     start_timeout_s: float = 300.0
+    # Prompts longer than prefill_chunk (a power of two) prefill chunk by chunk. fixed_prefill: every prompt does,
+    # into a max_len buffer: one prefill program for every prompt and cached prefix (GyreEngine.fixed_prefill).
+    prefill_chunk: int = 4096
+    fixed_prefill: bool = False
 
     def __post_init__(self):
         check_ints(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert", "max_slots",
-                          "max_len", "tokens_per_call", "switch_retries", "page_size", "kv_pages"))
+                          "max_len", "tokens_per_call", "switch_retries", "page_size", "kv_pages", "prefill_chunk"))
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ConfigError(f"config.cells.prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.fixed_prefill and self.prefill_chunk > self.max_len:
+            raise ConfigError(f"config.cells.fixed_prefill: prefill_chunk={self.prefill_chunk} must be at most "
+                              f"cells.max_len={self.max_len}")
         check_positive(self, ("cell_size", "train_tensor", "train_expert", "serve_tensor", "serve_expert",
                               "max_slots", "max_len", "tokens_per_call", "page_size"))
         check_positive(self, ("switch_retries", "kv_pages"), allow_zero=True)

@@ -47,7 +47,7 @@ DEMO_HARNESS = HarnessConfig(max_tokens=88, max_turns=1, deadline_s=60.0, reques
                              context_budget_tokens=0, send_tools_schema=False, bytes_per_token=1.0,
                              grader_concurrency=2)
 # ModelConfig fields a config may still set when the shape comes from a checkpoint's config.json.
-HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype")
+HF_MODEL_OVERRIDES = ("max_seq_len", "remat", "dtype", "param_dtype", "logits_temperature")
 MODEL_FLAGS = ("hf_path", "hf_export", "chat_template_kwargs")  # RLConfig fields spelled config.model.*
 # ModelConfig's fields without a default: a checkpoint config leaves them to the checkpoint (checkpoint_model).
 SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
@@ -334,7 +334,8 @@ def _hf_model_config(path: str, model: Mapping[str, Any], cells: CellsConfig) ->
         cfg = config_from_hf(read_config(path), dtype=model.get("param_dtype") or None,
                              vocab_pad_multiple=math.lcm(cells.train_tensor, cells.serve_tensor),
                              max_seq_len=model.get("max_seq_len") or None)
-        cfg = cfg.replace(**{k: model[k] for k in ("remat", "dtype") if model.get(k) not in (None, "")})
+        cfg = cfg.replace(**{k: model[k] for k in ("remat", "dtype", "logits_temperature")
+                             if model.get(k) not in (None, "")})
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.model.hf_path={path!r}: {e}") from None
     for knob in ("train_tensor", "serve_tensor"):  # the rules table splits these over 'tensor'

@@ -148,7 +148,7 @@ def _episodes(cfg: Any, tok, cell, make_backend: Callable, workdir: str, frozen)
     # policy's timeouts (on Dec 4 a third of the warm start's eval episodes timed out beside RL's start).
     h = cfg.harness
     hc = dataclasses.replace(h, base_url="http://127.0.0.1:1/v1", temperature=e.temperature,
-                             deadline_s=h.deadline_s * e.deadline_scale,
+                             deadline_s=h.deadline_s * e.deadline_scale, deadline_scale=h.deadline_scale * e.deadline_scale,
                              concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
 
     def backend(params, version):

@@ -267,6 +267,8 @@ class Launcher:
                     exact=bool(res.grader_details.get("exact", False)), sandbox_commands=res.sandbox.get("commands", 0),
                     sandbox_violations=sum(res.sandbox.get("violations", {}).values()),
                     sandbox_limits_hit=sum(res.sandbox.get("limits_hit", {}).values()), reason=res.reason,
+                    agent_s=res.agent_time_s, grader_s=res.grader_time_s,  # the step's time split (rl/report.py)
+                    model_s=sum(max(0.0, c.t_end - c.t_start) for c in calls),
                     log_path=res.log_path or res.snapshot, output_tail=res.output_tail[-300:]))
         except asyncio.CancelledError:
             raise  # the loop is closing

@@ -44,6 +44,6 @@ def hf_params(cfg: RLConfig, mesh):
     mc = cfg.model
     loaded, params = load_pretrained(cfg.hf_path, mesh=mesh, dtype=mc.param_dtype,
                                      vocab_pad_multiple=mc.vocab_pad_multiple, max_seq_len=mc.max_seq_len)
-    if loaded.replace(remat=mc.remat, dtype=mc.dtype) != mc:
+    if loaded.replace(remat=mc.remat, dtype=mc.dtype, logits_temperature=mc.logits_temperature) != mc:
         raise RunFailed(f"{cfg.hf_path} changed since the config was read: {loaded} != {mc}")
     return params
