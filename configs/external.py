@@ -6,16 +6,21 @@ Commands (the default runs mini-swe-agent on examples/tasks/tasks.jsonl; it need
     python -m launch.main --config configs/external.py --workdir /tmp/gyre_ext
     # your task file (JSONL: id, instruction, files or repo, grader, ...; gyre_jax/agents/tasks/dataset.py):
     python -m launch.main --config configs/external.py --workdir /tmp/w --config.task.dataset=/data/tasks.jsonl
-    # any agent CLI, run inside each rollout's sandbox with OPENAI_/ANTHROPIC_BASE_URL and _API_KEY set:
+    # any agent CLI, run inside each rollout's sandbox with OPENAI_/ANTHROPIC_BASE_URL and _API_KEY set
+    # (the command kind's options: --config.harness.kind_options.command.*):
     python -m launch.main --config configs/external.py --workdir /tmp/w \\
-        --config.harness.command='python my_agent.py --task-file {instruction_file}' --config.harness.ro_paths=/opt/my_agent
+        --config.harness.kind_options.command.command='python my_agent.py --task-file {instruction_file}' \\
+        --config.harness.kind_options.command.ro_paths=/opt/my_agent
     # Claude Code (installed under /opt/claude; node needs a larger address space):
     python -m launch.main --config configs/external.py --workdir /tmp/w \\
-        --config.harness.command='claude -p "$(cat {instruction_file})" --dangerously-skip-permissions' \\
-        --config.harness.ro_paths=/opt/claude --config.harness.memory_bytes=34359738368
+        --config.harness.kind_options.command.command='claude -p "$(cat {instruction_file})" --dangerously-skip-permissions' \\
+        --config.harness.kind_options.command.ro_paths=/opt/claude \\
+        --config.harness.kind_options.command.memory_bytes=34359738368
     # an agent written in Python: async def solve(task, client) (gyre_jax/agents/harnesses/python_entry.py):
     python -m launch.main --config configs/external.py --workdir /tmp/w --config.harness.kind=python \\
-        --config.harness.entry=my_package.my_agent:solve
+        --config.harness.kind_options.python.entry=my_package.my_agent:solve
+    # a real checkpoint (its shape, weights, tokenizer and chat template come from the directory):
+    python -m launch.main --config configs/external.py --workdir /tmp/w --config.model.hf_path=/ckpt/Qwen3-0.6B
     # the built-in example agent on the same tasks:
     python -m launch.main --config configs/external.py --workdir /tmp/w --config.harness.kind=builtin
 
@@ -33,50 +38,43 @@ split=eval tasks through the same harness on a dedicated engine (eval/eval.jsonl
 The model is a tiny random byte-level transformer with a 2K context (no warm start: the task
 file has no demonstrations), so it produces no useful actions and rewards stay ~0: this
 config shows the machinery working end to end with an external harness. To learn, start from a
-real checkpoint: `--config.model.hf_path=/ckpt/dir` or `=/path/model.gguf` (the shape comes from it;
-configs/smol_agent.py does this with SmolLM2-135M-Instruct on this host's 2 cores). Rerunning the
-same command resumes.
+real checkpoint: ``--config.model.hf_path=/ckpt/dir`` or ``=/path/model.gguf`` here (the shape comes from
+it; configs/smol_agent.py does this with SmolLM2-135M-Instruct on this host's 2 cores), or a config of
+a few lines that takes a checkpoint config's sections (configs/external_qwen3_8b.py: this file with
+configs/qwen3_8b.py's model, cells and train). Rerunning the same command resumes.
 
 Expected (2 CPU cores, Dec 3 2026): about 3-5 minutes for 3 steps x 2 groups x 4 rollouts,
 ~3 model calls per rollout (mini-swe-agent stops after 3 format errors in a row), every
 call recorded under its rollout, eval score 0.0 at the start and the end.
 """
-import importlib.util
 import os
 
 import ml_collections
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
-_spec = importlib.util.spec_from_file_location("_demo", os.path.join(_HERE, "demo.py"))
-_demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_demo)
+from gyre_jax.rl.config import rl_config
 
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 MINI_SWE_AGENT = ("mini -y --exit-immediately -c " + os.path.join(_EXAMPLES, "harnesses", "mini_swe_agent.yaml")
                   + ' -t "$(cat {instruction_file})" -o /tmp/trajectory.json')
 
 
 def get_config():
-    c = _demo.get_config()
+    c = rl_config()
     c.steps = 3
     c.checkpoint_every = 1
     c.model.max_seq_len = 2048  # mini-swe-agent's context: system + task + a few turns, in bytes
-    # A real checkpoint: --config.model.hf_path=/ckpt/dir or /path/model.gguf replaces the random model's shape
-    # fields above (random_init_shape) and keeps max_seq_len/remat/dtype/param_dtype (configs/smol_agent.py).
-    c.model.hf_path = ""
-    c.model.hf_export = False  # with hf_path: save_pretrained the policy into <workdir>/<mode>/hf_export at the end
-    c.model.chat_template_kwargs = ""  # with hf_path: JSON variables for its chat template
-    c.model.random_init_shape = True
+    # A real checkpoint: --config.model.hf_path=/ckpt/dir or /path/model.gguf gives the shape (the fields this file
+    # leaves at the tiny model's) and keeps max_seq_len/remat/dtype/param_dtype (configs/smol_agent.py).
     c.cells.max_len = 2048
     c.cells.max_slots = 8
-    c.cells.tokens_per_call = 8
     c.scheduler.groups_per_step = 2
     c.scheduler.group_size = 4
     c.task.dataset = os.path.join(_EXAMPLES, "tasks", "tasks.jsonl")  # split=eval lines are the held-out set
     c.harness.kind = "command"  # builtin | python | command
-    c.harness.command = MINI_SWE_AGENT
-    c.harness.ro_paths = os.path.join(_EXAMPLES, "harnesses")  # its config file, visible read-only
-    c.harness.env = ml_collections.ConfigDict(dict(
+    command = c.harness.kind_options.command
+    command.command = MINI_SWE_AGENT
+    command.ro_paths = os.path.join(_EXAMPLES, "harnesses")  # its config file, visible read-only
+    command.env = ml_collections.ConfigDict(dict(
         MSWEA_CONFIGURED="true",  # no first-run setup prompt
         MSWEA_COST_TRACKING="ignore_errors",  # no price list for our model
         LITELLM_LOCAL_MODEL_COST_MAP="True",  # litellm reads its bundled model map, never fetches one
@@ -87,7 +85,6 @@ def get_config():
     c.harness.request_timeout_s = 120.0
     c.harness.system_prompt = ""  # the tasks' own (built-in agent)
     c.train.row_len = 2048
-    c.train.learning_rate = 1e-4
     c.sft.steps = 0  # a task file has no scripted demonstrations: start from the random init (or hf_path)
     c.eval.kind = "episodes"  # whole episodes through the same harness, at a fixed version
     c.eval.every = 3  # before the first step and after the last

@@ -15,7 +15,7 @@ so the trees the trainer packs branch in real rollouts (a compacted main path be
 path that asked for the summary, sub-agent paths beside the main one).
 
 The warm start is imperfect at a decision: its demonstrations test their answer in only
-30% of the tasks (task.demo_test_fraction), and an untested answer earns at most half the
+30% of the tasks (task.family_options.tiny_agent.demo_test_fraction), and an untested answer earns at most half the
 score. RL has to find out that testing pays. The held-out eval runs whole episodes of 16
 fixed tasks x 4 samples through the same harness on a dedicated engine (eval/eval.jsonl).
 
@@ -24,27 +24,20 @@ of 32 rollouts (~8-20 min on 2 cores, by load); the held-out eval rises from ~0.
 by ~+0.1-0.2 (30 steps on an idle machine: +0.09 to +0.26 over modes and seeds; docs/results.md has every run). `python tools/bench_learning.py`
 runs elastic, async and colocate and writes learning.png and one JSON line.
 """
-import importlib.util
-import os
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("_demo", os.path.join(_HERE, "demo.py"))
-_demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_demo)
+from gyre_jax.rl.config import rl_config
 
 
 def get_config():
-    c = _demo.get_config()
+    c = rl_config()
     c.steps = 20
     c.checkpoint_every = 5
     c.model.max_seq_len = 640  # the longest call: a summary request after a test run, ~520 bytes
     c.cells.max_len = 640
     c.task.family = "tiny_agent"
-    c.task.ops = "copy"
-    c.task.min_len = 3
-    c.task.max_len = 3
-    c.task.run_tests_scale = 0.5  # suites of 0.5-15 s (median 1.5 s): rollouts wait on their environment
-    c.task.demo_test_fraction = 0.3
+    tiny_agent = c.task.family_options.tiny_agent
+    tiny_agent.ops = "copy"
+    tiny_agent.max_len = 3
+    tiny_agent.run_tests_scale = 0.5  # suites of 0.5-15 s (median 1.5 s): rollouts wait on their environment
     c.scheduler.groups_per_step = 4  # 32 rollouts of 2-6 calls per step
     c.harness.max_turns = 4
     c.harness.max_tokens = 120  # the longest demonstrated reply (write + spawn_subagent) is ~105 tokens

@@ -20,21 +20,21 @@ checkpoint builds, loads and takes a step (tests/test_hf_rl.py).
 Llama-3.1 calls one tool per message: the template raises on several, and the proxy
 answers such a request with a 400 naming it.
 """
-import importlib.util
 import os
+import runpy
 
-_spec = importlib.util.spec_from_file_location("_qwen3_8b", os.path.join(os.path.dirname(__file__), "qwen3_8b.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from gyre_jax.rl.config import load_config
+
+_QWEN3_8B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b.py")
 
 # Llama-3.1-8B's published config.json, for --plan without a checkpoint (configs/qwen3_8b.py).
 PLAN_SHAPE = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
                   tie_embeddings=False, rope_theta=5e5)
-PLANNED_HARDWARE = _base.PLANNED_HARDWARE
+PLANNED_HARDWARE = runpy.run_path(_QWEN3_8B)["PLANNED_HARDWARE"]
 
 
 def get_config():
-    c = _base.get_config()
+    c = load_config(_QWEN3_8B)
     c.model.max_seq_len = 32768  # Llama-3.1 supports 128K with its rope scaling; 32K fits the layout above
     c.harness.max_tokens = 1024  # Llama-3.1 writes shorter turns (no thinking block)
     return c

@@ -46,12 +46,11 @@ each fits); they were not run (no accelerator here). What was run: tests/test_hf
 tests/test_moe*.py (the MoE block, decode, expert parallelism over 2 and 4 CPU devices).
 Expected runtime and reward on the real checkpoint: not measured.
 """
-import importlib.util
 import os
 
-_spec = importlib.util.spec_from_file_location("_qwen3_8b", os.path.join(os.path.dirname(__file__), "qwen3_8b.py"))
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
+from gyre_jax.rl.config import load_config
+
+_QWEN3_8B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b.py")
 
 # What `python -m launch.main --config configs/qwen3_30b_a3b.py --plan=h100-80g:8` plans for when no
 # checkpoint is named: Qwen3-30B-A3B's published config.json (hf_path, when set, wins).
@@ -66,7 +65,7 @@ PLANNED_HARDWARE = (
 
 
 def get_config():
-    c = _base.get_config()
+    c = load_config(_QWEN3_8B)
     c.model.max_seq_len = 16384  # longest context trained/served (<= the checkpoint's max_position_embeddings)
     c.model.param_dtype = "bfloat16"  # params and Adam moments in bf16: f32 (610 GB with moments) needs two nodes
     c.cells.cell_size = 8  # an 8-GPU node -> 1 cell (colocate); training mesh ('fsdp', 'tensor') = (8, 1)

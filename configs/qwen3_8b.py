@@ -47,10 +47,7 @@ the same from the command line, with the sizes shrunk by flags
 --config.cells.serve_tensor=2 --config.train.row_len=768 --config.task.family=tiny ...),
 took 19 s and transformers loads and generates from the exported checkpoint.
 """
-import ml_collections
-
-from gyre_jax.rl.config import EvalConfig, HarnessKnobs, LoraKnobs, TaskConfig, section, train_objective_fields
-from gyre_jax.scheduler.policy import DEFAULT_MIN_WORK_PER_SWITCH_S
+from gyre_jax.rl.config import checkpoint_model, rl_config
 
 # What `python -m launch.main --config configs/qwen3_8b.py --plan=h100-80g:8` plans for when no
 # checkpoint is named: Qwen3-8B's published config.json (hf_path, when set, wins).
@@ -63,75 +60,38 @@ PLANNED_HARDWARE = (
 )
 
 
-def get_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.job = "rl"
-    c.seed = 0
+def get_config():
+    c = rl_config()  # the RL job's defaults; what differs for an 8B checkpoint on an 8-GPU node:
     c.steps = 200  # RL optimizer steps
-    c.num_cpu_devices = 8  # only used on CPU
-    c.recoverable_processes = True  # pods (one process per cell): a satellite process may die alone
-    c.first_last = 10
     c.checkpoint_every = 20  # Orbax checkpoint (params + Adam state + data position) every k steps
-    c.progress = True
-    c.progress_every_s = 60.0
-    c.model = ml_collections.ConfigDict(dict(
-        hf_path="",  # REQUIRED: a HF checkpoint directory (--config.model.hf_path=/ckpt/Qwen3-8B)
-        hf_export=True,  # save_pretrained the policy into <workdir>/<mode>/hf_export after the last step
-        # Variables for the checkpoint's chat template in every render, as JSON; e.g. '{"enable_thinking": false}'
-        # (Qwen3's non-thinking mode). A request's own chat_template_kwargs go over them.
-        chat_template_kwargs="",
-        max_seq_len=32768,  # longest context trained/served (<= the checkpoint's max_position_embeddings)
-        remat=True,  # recompute each layer in the backward pass: long rows fit
-        dtype="bfloat16",  # activations and matmul inputs
-        param_dtype="float32",  # master params and Adam moments (the bf16 file upcasts exactly)
-    ))
-    c.cells = ml_collections.ConfigDict(dict(
-        cell_size=4,  # devices per cell: an 8-GPU node -> 2 cells
-        train_tensor=1,  # training mesh ('fsdp', 'tensor') = (4, 1)
-        train_expert=1,  # expert-parallel degree: 1 (a dense model)
-        serve_tensor=4,  # serving mesh ('data', 'tensor') = (1, 4)
-        serve_expert=1,  # expert-parallel degree when serving: 1 (a dense model)
-        max_slots=16,  # concurrent decode slots per engine (x max_len of KV preallocated: see Memory above)
-        max_len=32768,  # KV-cache length per slot
-        tokens_per_call=8,
-        switch_retries=2,
-    ))
-    c.scheduler = ml_collections.ConfigDict(dict(
-        mode="elastic", groups_per_step=8, group_size=8, staleness_bound=1, updates_per_publication=1,
-        async_train_cells=1, min_work_per_switch_s=DEFAULT_MIN_WORK_PER_SWITCH_S, serve_reserve=1.0, poll_s=0.05,
-        priors="",  # measured costs as priors: a pilot run's <workdir>/<mode>/scheduler_costs.json ("" = none)
-    ))
-    c.task = ml_collections.ConfigDict(section(TaskConfig, family="repo_spec"))  # or dataset=<your tasks.jsonl>
-    c.harness = ml_collections.ConfigDict(section(
-        HarnessKnobs,  # kind=builtin here; kind=command / python bring your own agent (configs/external.py)
-        sandbox="auto",  # where tool commands run: auto (bubblewrap where it works) | bubblewrap | docker | podman | none
-        max_tokens=2048,  # per model call
-        temperature=1.0,
-        max_turns=30,  # model calls per agent
-        deadline_s=1800.0,
-        request_timeout_s=600.0,
-        max_retries=2,
-        backoff_base_s=0.5,
-        grader_timeout_s=120.0,
-        system_prompt="",  # "" = the task's own
-        send_tools_schema=True,  # tools in the template's tools section; calls in the model's <tool_call> syntax
-    ))
-    c.train = ml_collections.ConfigDict(dict(
-        row_len=32768, micro_batch_rows=4,  # a multiple of the fsdp size (4)
-        learning_rate=1e-6, warmup_steps=10, weight_decay=0.0, max_grad_norm=1.0, adam_b2=0.999, adam_eps=1e-8,
-        work_s_per_row=2.0,
-        routing_replay=False,  # MoE models only (configs/qwen3_30b_a3b.py turns it on)
-        lora=section(LoraKnobs),  # LoRA instead of full fine-tuning: --config.train.lora.rank=16 (rank 0 = off)
-        # The objective (loss, advantage, weights, mismatch and their options; configs/demo.py comments
-        # each): gyre_jax.rl.config.TrainConfig's defaults, clipped-ratio GRPO with DAPO's clip-higher.
-        **train_objective_fields(),
-    ))
-    c.sft = ml_collections.ConfigDict(dict(steps=0, rows=6, learning_rate=1e-5, demos=64, noisy_fraction=0.0,
-                                           noisy_kind="reverse"))  # a real checkpoint needs no warm start
-    c.eval = ml_collections.ConfigDict(section(EvalConfig, every=20, kind="episodes", tasks=32,
-                                                    samples_per_task=4))  # whole episodes
-    c.faults = ml_collections.ConfigDict(dict(
-        grader_crash_every=0, timeout_every=0, engine_error_every=0, pause_at_step=0, switch_delay_s=0.0,
-        switch_fail_every=0, satellite_fail_every=0, chaos_seed=0, core_fail_at_step=0,
-    ))
+    checkpoint_model(c)  # REQUIRED: --config.model.hf_path=/ckpt/Qwen3-8B (the shape is its config.json's)
+    c.model.hf_export = True  # save_pretrained the policy into <workdir>/<mode>/hf_export after the last step
+    # model.chat_template_kwargs: e.g. '{"enable_thinking": false}' (Qwen3's non-thinking mode), as JSON.
+    c.model.max_seq_len = 32768  # longest context trained/served (<= the checkpoint's max_position_embeddings)
+    c.model.remat = True  # recompute each layer in the backward pass: long rows fit
+    c.model.dtype = "bfloat16"  # activations and matmul inputs (params and Adam moments stay float32)
+    c.cells.cell_size = 4  # devices per cell: an 8-GPU node -> 2 cells; training mesh ('fsdp', 'tensor') = (4, 1)
+    c.cells.serve_tensor = 4  # serving mesh ('data', 'tensor') = (1, 4)
+    c.cells.max_len = 32768  # KV-cache length per slot (16 slots: see Memory above)
+    c.task.family = "repo_spec"  # or task.dataset=<your tasks.jsonl>
+    h = c.harness  # kind=builtin here; kind=command / python bring your own agent (configs/external.py)
+    h.max_tokens = 2048  # per model call
+    h.max_turns = 30  # model calls per agent
+    h.deadline_s = 1800.0
+    h.request_timeout_s = 600.0
+    h.backoff_base_s = 0.5
+    h.grader_timeout_s = 120.0
+    h.system_prompt = ""  # the task's own
+    h.send_tools_schema = True  # tools in the template's tools section; calls in the model's <tool_call> syntax
+    c.train.row_len = 32768
+    c.train.micro_batch_rows = 4  # a multiple of the fsdp size (4)
+    c.train.learning_rate = 1e-6
+    c.train.warmup_steps = 10
+    c.train.work_s_per_row = 2.0
+    c.sft.steps = 0  # a real checkpoint needs no warm start
+    c.sft.learning_rate = 1e-5
+    c.sft.demos = 64
+    c.eval.every = 20
+    c.eval.kind = "episodes"  # whole episodes
+    c.eval.samples_per_task = 4
     return c

@@ -230,6 +230,12 @@ class Plan:
     n_devices: int
     n_cells: int
     roles: tuple[RolePlan, ...]
+    host: dict | None = None  # cpu: the whole process's bytes by part (host_terms); None on accelerators
+    host_limit: int = 0  # cpu: what the host has for it (its RAM, or what is available now at a run's start)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum((self.host or {}).values())
 
     def table(self) -> str:
         """The plan as an aligned text table (GiB per device; MiB when every role uses under 1 GiB)."""
@@ -249,10 +255,20 @@ class Plan:
         lines = [f"memory plan: {self.n_devices} x {self.device_kind} ({note}), "
                  f"{self.n_cells} cell(s); {uname} per device, {RESERVE_FRACTION:.0%} of each device kept free"]
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+        if self.host:
+            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.host.items())
+            lines.append(f"host: {self.host_bytes / GIB:.2f} GiB peak for the process ({parts}) of "
+                         f"{self.host_limit / GIB:.2f} GiB {'available' if self.host_limit < _host_ram() else 'RAM'}"
+                         f": {'fits' if self.host_fits else 'does NOT fit'}")
         return "\n".join(lines)
 
+    @property
+    def host_fits(self) -> bool:
+        return not self.host or self.host_bytes <= self.host_limit
+
     def check(self) -> None:
-        """ConfigError naming the largest term of the first role that does not fit, and what to change."""
+        """ConfigError naming the largest term of the first role that does not fit, and what to change; on a
+        CPU host then the process's total against what the host has (its devices share one RAM)."""
         for r in self.roles:
             if r.fits:
                 continue
@@ -262,6 +278,14 @@ class Plan:
                 f"memory plan: the {r.role} role needs {r.used / GIB:.1f} GiB per {self.device_kind} device "
                 f"(of {r.device_bytes / GIB:.1f}, {RESERVE_FRACTION:.0%} kept free); largest term {name} = "
                 f"{size / GIB:.1f} GiB: {_ADVICE[name]} (shrink it by {need / GIB:.1f} GiB)")
+        if not self.host_fits:
+            assert self.host is not None
+            name, size = max(self.host.items(), key=lambda kv: kv[1])
+            raise ConfigError(
+                f"memory plan: this host's process needs {self.host_bytes / GIB:.1f} GiB at its peak, "
+                f"{self.host_limit / GIB:.1f} GiB are available; largest part {name} = {size / GIB:.1f} GiB: "
+                f"{_HOST_ADVICE.get(name, _ADVICE.get(name, ''))} (shrink it by "
+                f"{(self.host_bytes - self.host_limit) / GIB:.1f} GiB)")
 
 
 _ADVICE = {
@@ -333,7 +357,64 @@ def serve_terms(m, cells, lora=None, lora_serving: str = "merged") -> tuple[dict
     return mesh, {"params": params, **extra, "kv_cache": kv, "decode_logits": slots_here * m.padded_vocab * 4}
 
 
-def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None) -> Plan:
+# ---- a CPU host: every device's bytes are the same RAM, and the process's own come on top ----
+# Python, JAX/XLA's runtime and compiled executables, JetStream (it imports TensorFlow), the proxy, the harness
+# launcher's threads: measured 1.3-1.5 GB of RSS before any model array on this host (SmolLM2 runs, Dec 6).
+PROCESS_BYTES = int(1.4 * GIB)
+_HOST_ADVICE = {
+    "cells": "fewer or smaller cells (config.num_cpu_devices, cells.cell_size), or see the per-device table",
+    "eval_engine": "config.eval.every=0, or a smaller cells.max_slots x cells.max_len (its engine's KV)",
+    "checkpoint_copy": "raise config.checkpoint_every (the save is a whole host copy of params and Adam)",
+    "prefix_caches": "lower config.cells.max_slots or cells.max_len (each engine keeps up to one slot's k/v per "
+                     "slot for its rollouts' next calls), or cells.kv_cache='paged'",
+    "process": "nothing to configure: Python, JAX and JetStream themselves",
+}
+
+
+def prefix_cache_bytes(m, cells) -> int:
+    """The bound on a contiguous-cache engine's prefix cache (k/v blocks kept between a rollout's calls, host
+    side of the serving backend): one full slot's k/v per decode slot (rl/build.py sets it)."""
+    kv_slot = 2 * m.n_layers * cells.max_len * m.n_kv_heads * m.head_dim * DTYPE_BYTES[m.dtype]
+    return 0 if getattr(cells, "kv_cache", "contiguous") == "paged" else cells.max_slots * kv_slot
+
+
+def host_terms(cfg, roles: tuple[RolePlan, ...], cell_size: int, n_cells: int) -> dict[str, int]:
+    """Peak bytes of one CPU process running the whole layout: each cell's devices at its largest role
+    (a rollout cell at its satellite's, engine kept), the held-out eval's own engine on the core's
+    devices, the checkpoint's host copy of the train state (params and Adam's two moments, fetched
+    whole by the save) and the process itself."""
+    by = {r.role: r.used for r in roles}
+    core = by.get("core+serve", by.get("core", 0))
+    other = max(by.get("serve", 0), by.get("satellite", 0))
+    ev = getattr(cfg, "eval", None)
+    eval_engine = 0
+    engines = (n_cells - 1) if by.get("serve") else 1  # rollout engines (one cell alone serves as it trains)
+    every = int(getattr(ev, "every", 0) or 0)
+    if every > 0 and getattr(ev, "kind", "") == "episodes":
+        _, sterms = serve_terms(cfg.model, cfg.cells)
+        eval_engine = sum(sterms.values()) * cell_size
+        engines += 1
+    params = per_device_bytes(param_table(cfg.model), {}, DTYPE_BYTES[cfg.model.param_dtype])
+    opt = params * 2 if _lora(cfg) is None else 0
+    return {"cells": (core + other * (n_cells - 1)) * cell_size, "eval_engine": eval_engine,
+            "prefix_caches": engines * prefix_cache_bytes(cfg.model, cfg.cells),
+            "checkpoint_copy": params + opt, "process": PROCESS_BYTES}
+
+
+def host_available() -> int:
+    """What this host can give a new process now (MemAvailable: free RAM and reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _host_ram()
+
+
+def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None,
+         host_limit: int | None = None) -> Plan:
     """The memory plan of RL config ``cfg`` (anything with ``.model``, ``.cells``, ``.train``, ``.scheduler``)
     on ``n_devices`` devices of ``device_kind`` (``per_device``: bytes the runtime reports, for a kind
     the table lacks)."""
@@ -368,7 +449,10 @@ def plan(cfg, device_kind: str, n_devices: int, *, per_device: int | None = None
             sat.update({k: v for k, v in tterms.items() if k not in ("optimizer", "gradients")})
             sat["gradients"] = tterms["adapters" if lora is not None else "params"]
             roles += (RolePlan("satellite", tmesh, sat, per_device),)
-    return Plan(device_kind, n_devices, n_cells, roles)
+    if device_kind != "cpu":
+        return Plan(device_kind, n_devices, n_cells, roles)
+    return Plan(device_kind, n_devices, n_cells, roles, host=host_terms(cfg, roles, cells.cell_size, n_cells),
+                host_limit=_host_ram() if host_limit is None else host_limit)
 
 
 _ADVICE["serve_params"] = _ADVICE["params"]
@@ -399,6 +483,6 @@ def check_local(cfg, devices) -> Plan | None:
                                                 "and reports no memory; not planned", d.device_kind)
             return None
         kind = d.device_kind
-    p = plan(cfg, kind, len(devices), per_device=limit)
+    p = plan(cfg, kind, len(devices), per_device=limit, host_limit=host_available() if kind == "cpu" else None)
     p.check()
     return p

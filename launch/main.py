@@ -41,7 +41,7 @@ from ml_collections import config_flags
 from gyre_jax import distributed
 from gyre_jax.errors import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TERMINATED, ConfigError,
                              RunFailed, Stopped, StorageError)
-from launch import cli_errors
+from launch import cli_errors, failure_file
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, metrics and plots.")
@@ -109,11 +109,11 @@ def main(argv):
 
     # A persistent compilation cache by default: a rerun (a resume, the next run of the same config) loads the
     # engines' and the train step's executables instead of compiling them again (minutes for a 30-layer model
-    # on 2 cores). JAX_COMPILATION_CACHE_DIR, when set, is used as it is.
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "gyre_jax",
-                                                                    "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # on 2 cores), and cells of the same shape on other devices load what the first one compiled.
+    # JAX_COMPILATION_CACHE_DIR, when set, is used as it is.
+    from gyre_jax import compile_cache
+
+    compile_cache.enable()
 
     from gyre_jax import jobs
 
@@ -142,14 +142,15 @@ def main(argv):
     except ConfigError as e:  # a bad value: its dotted name and why, no traceback
         _exit(f"error: {e}", EXIT_CONFIG)
     except StorageError as e:  # our disk: the path and why; nothing became a rollout failure
-        logging.error("storage failed", exc_info=e)
-        _exit(f"error: {e}; free space (or fix the device) and rerun the same command to resume", EXIT_STORAGE)
+        _exit(f"error: {e}; free space (or fix the device) and rerun the same command to resume"
+              f"{failure_file.save(workdir, e)}", EXIT_STORAGE)
     except RunFailed as e:  # what failed; the job saved what it could and a rerun resumes
-        logging.error("run failed", exc_info=e)  # the traceback, for the log file
-        _exit(f"error: {e}", EXIT_FAILED)
+        _exit(f"error: {e}{failure_file.save(workdir, e)}", EXIT_FAILED)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the job saved what it trained
         code = EXIT_TERMINATED if isinstance(e, Stopped) and e.signum == signal.SIGTERM else EXIT_INTERRUPTED
         _exit(f"stopped: {e or 'SIGINT'}; what was trained is saved: rerun the same command to resume", code)
+    except Exception as e:  # noqa: BLE001 - a bug, or a job that does not say what failed: still one line
+        _exit(f"error: {type(e).__name__}: {e}{failure_file.save(workdir, e)}", EXIT_FAILED)
 
 
 def _no_device_modes(config) -> None:
@@ -203,5 +204,5 @@ def _end(code: int) -> None:
 
 
 if __name__ == "__main__":
-    cli_errors.precheck(sys.argv[1:])
+    sys.argv[1:] = cli_errors.precheck(sys.argv[1:])
     app.run(main)

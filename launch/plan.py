@@ -21,31 +21,30 @@ def plan_inputs(config, config_path: str | None):
     (that checks the sandbox and reads task files, which a plan does not need)."""
     from gyre_jax.model.config import ModelConfig
     from gyre_jax.rl import config as rl_config
+    from gyre_jax.schema import from_mapping
 
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     if d.get("job") != "rl":
         raise ConfigError(f"--plan: config.job={d.get('job')!r}; the memory plan is for RL configs (job 'rl')")
-    cells = rl_config._build(rl_config.CellsConfig, d.get("cells", {}), "cells")
-    train = rl_config._build(rl_config.TrainConfig, d.get("train", {}), "train")
-    scheduler = rl_config._build(rl_config.SchedulerConfig, d.get("scheduler", {}), "scheduler")
-    model = dict(d["model"])
-    hf_path = model.pop("hf_path", "") or ""
-    model = rl_config.drop_random_init_shape(model, hf_path)
-    model.pop("hf_export", None)
-    model.pop("chat_template_kwargs", None)  # the tokenizer's, not the model's: no bytes to plan
+    base = rl_config.RLConfig.defaults()
+    cells, train, scheduler, ev = (from_mapping(type(getattr(base, k)), d.get(k, {}), k, base=getattr(base, k))
+                                   for k in ("cells", "train", "scheduler", "eval"))
+    model = {k: v for k, v in d["model"].items() if k not in rl_config.MODEL_FLAGS}
+    hf_path = d["model"].get("hf_path", "")
     if hf_path:
         m = rl_config._hf_model_config(hf_path, model, cells)
-    elif "vocab_size" in model:
-        m = rl_config._build(ModelConfig, model, "model")
-    else:
+    elif all(model.get(k) is not None for k in rl_config.SHAPE_FIELDS):
+        m = from_mapping(ModelConfig, model, "model", base=rl_config.TINY_MODEL)
+    else:  # a checkpoint config that names no checkpoint yet
         shape = runpy.run_path(config_path).get("PLAN_SHAPE") if config_path else None
         if not shape:
             raise ConfigError("--plan: config.model.hf_path is empty and the config file has no PLAN_SHAPE: set "
                               "--config.model.hf_path=/path/to/hf/checkpoint")
         pad = math.lcm(cells.train_tensor, cells.serve_tensor)
-        m = ModelConfig(**shape, vocab_pad_multiple=pad, **{k: model[k] for k in rl_config.HF_MODEL_OVERRIDES
-                                                           if model.get(k) not in (None, "")})
-    return types.SimpleNamespace(model=m, cells=cells, train=train, scheduler=scheduler)
+        given = {k: model[k] for k in rl_config.HF_MODEL_OVERRIDES
+                 if model.get(k) is not None and model.get(k) != getattr(rl_config.TINY_MODEL, k)}
+        m = ModelConfig(**shape, vocab_pad_multiple=pad, **given)
+    return types.SimpleNamespace(model=m, cells=cells, train=train, scheduler=scheduler, eval=ev)
 
 
 def run(config, config_path: str | None, target: str) -> None:

@@ -24,6 +24,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# No user-wide cache of task checks either (rl/task_gate.py): each test's runs check their tasks.
+os.environ.setdefault("GYRE_TASK_CHECK_CACHE", "")
 # Set before jax is imported anywhere in the run; jax_num_cpu_devices below is the
 # supported way, the flag covers libraries that initialise XLA on their own.
 _flags = os.environ.get("XLA_FLAGS", "")

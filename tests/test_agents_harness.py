@@ -4,6 +4,7 @@ Every test runs real rollouts: aiohttp client -> loopback HTTP -> FakeOpenAIServ
 real tools in real workspaces, graders in real subprocesses.
 """
 import asyncio
+import dataclasses
 import os
 import socket
 import textwrap
@@ -90,7 +91,10 @@ def test_plain_text_tool_calls_tiny_group_partial_credit(tmp_path):
     assert [r.status for r in res] == [vocab.STATUS_COMPLETED] * 2
     assert res[0].score == 1.0
     assert res[1].score == pytest.approx((len(expected) - 1) / len(expected))
-    assert res[1].grader_details == {"expected": expected, "got": wrong, "exact": False}
+    details = dict(res[1].grader_details)
+    tree = details.pop("tree")  # what crossed from the workspace into the graded tree (graded_tree.py)
+    assert details == {"expected": expected, "got": wrong, "exact": False}
+    assert tree["carried"] == 1 and not any(tree["refused"].values())  # answer.txt, nothing refused
     assert all("tools" not in r.body for r in srv.requests)
     assert srv.requests[0].messages == demonstration(task).messages[:-1]
 
@@ -226,6 +230,17 @@ def test_deadline_grades_workspace_for_partial_credit(repo_task, tmp_path):
     # The command running at the deadline was killed, not left behind (its pid is its
     # sandbox's: look for it on the host by its command line).
     assert not _processes_running(["sleep", "61.25"])
+
+
+def test_a_tasks_own_deadline_is_stretched_by_deadline_scale(repo_task, tmp_path):
+    """A task with its own deadline (a task file's timeout_s) gets it times config.deadline_scale (a held-out eval
+    or a slow host stretches it); config.deadline_s is for tasks without one. It was the task's alone: an eval's
+    4x went nowhere and SmolLM2's episodes timed out at 120 s beside training."""
+    task = dataclasses.replace(repo_task, deadline_s=0.4)
+    hang = lambda req: FakeReply(hang=True)  # noqa: E731 - the model never answers
+    _, [res] = _serve_and_run(hang, [RolloutRequest(rollout_id="s", task=task, group_id="g")], tmp_path,
+                              deadline_s=30.0, deadline_scale=3.0)
+    assert res.status == vocab.STATUS_TIMEOUT and 1.2 <= res.agent_time_s < 5.0, (res.status, res.agent_time_s)
 
 
 _BAD_GRADERS = textwrap.dedent("""

@@ -247,8 +247,12 @@ def test_sandbox_config_rejects_bad_values():
         sb.SandboxLimits(processes=0)
     with pytest.raises(ValueError, match="extra_ro_paths"):
         sb.SandboxConfig(extra_ro_paths=("opt",))
+    # The harness section's sandbox is its kind's name (--config.harness.sandbox=bubblewrap) or a SandboxConfig
+    assert HarnessConfig(base_url="http://x/v1", sandbox="bubblewrap").sandbox == sb.SandboxConfig(kind="bubblewrap")
+    with pytest.raises(ValueError, match="kind"):
+        HarnessConfig(base_url="http://x/v1", sandbox="chroot")
     with pytest.raises(ValueError, match="sandbox"):
-        HarnessConfig(base_url="http://x/v1", sandbox="bubblewrap")
+        HarnessConfig(base_url="http://x/v1", sandbox=42)
     assert sb.classify("bash: x: Read-only file system\nConnection refused", network=False) == (
         ["write_outside_workspace", "network"], [])
     assert sb.classify("Connection refused", network=True) == ([], [])

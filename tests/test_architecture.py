@@ -12,6 +12,10 @@
 * No package cycle: the graph of which ``gyre_jax`` package imports which (every import statement,
   also those inside functions) has no cycle, so each package can be read and tested with only those
   below it (tests/test_package_layers.py pins the named layers; this catches any new loop).
+* One registry type (issue 43): every extension point is a ``gyre_jax.registry.Registry``, and no module
+  keeps a registry of its own (a module-level dict that a function fills by name).
+* Config files list only overrides: an RL config starts from ``rl_config()`` or another config file
+  (``load_config``), builds no section of its own, and sets no field to the value it already has.
 * No module cycle either: the same graph between modules (every import statement, inside functions
   and under ``TYPE_CHECKING`` too: a cycle hidden from the interpreter is still one for a reader).
   ``MODULE_CYCLES_OWNED_ELSEWHERE`` lists the cycles other branches are removing (issue 43); like
@@ -27,12 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "gyre_jax")
 MAX_LINES = 60
 # Folders (or files) whose long functions other branches are splitting now (issue 43): the integrator empties this.
-LONG_FUNCTIONS_OWNED_ELSEWHERE = {
-    "agents/": "branch reward (gyre_jax/agents/: harness.run_rollout, sandbox.bwrap_argv)",
-}
+LONG_FUNCTIONS_OWNED_ELSEWHERE: dict[str, str] = {}
 # Module cycles other branches are removing (issue 43), each as its sorted modules.
 MODULE_CYCLES_OWNED_ELSEWHERE = {
-    ("agents.harnesses", "agents.harnesses.command", "agents.harnesses.python_entry"): "branch reward",
     ("model.attention", "model.config", "model.layers", "model.lora", "model.moe", "model.transformer"):
         "branch lora (lora.init_adapter_boxed imports the Transformer whose layers import lora)",
 }
@@ -46,6 +47,9 @@ THIRD_PARTY = {
     # pytest's assertion rewriter: gyre's verdict plugin compiles the task's tests from memory
     "rewrite._rewrite_test", "rewrite._read_pyc",
     "sys._getframe",  # the verdict plugin reads a passing assert's operands from the rewritten test frame
+    # jax's persistent compilation cache, keyed without the devices on CPU (compile_cache.py: one program per
+    # shape for every cell; falls back to jax's own behaviour, logged, when these change)
+    "cache_key._hash_serialized_compile_options", "compiler._cache_read", "compiler._compile_and_write_cache",
 }
 
 
@@ -243,17 +247,25 @@ def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread()
 
     import numpy as np
 
+    from gyre_jax.rl.group_queue import GroupQueue
+    from gyre_jax.rl.groups import WorkEstimate
     from gyre_jax.rl.runtime import LoopThread
+    from gyre_jax.rl.step_processor import StepProcessor
+    from gyre_jax.rl.step_runner import StepRunner
     from gyre_jax.rl.trainer import TrainerAdapter
     from gyre_jax.trajectory.dataset import RowStream, StreamingDataset
 
     stream = RowStream(8)
     core = types.SimpleNamespace(version=0, state=types.SimpleNamespace(params={"w": np.zeros(2, np.float32)}))
     before = set(threading.enumerate())
-    adapter = TrainerAdapter(trainer=core, store=None, processor_config=None, groups_per_step=1, group_size=1,
-                             micro_batch_rows=1, cells=[], cell_roles=list, notify=lambda: None, work_s_per_row=0.1,
-                             stream=stream, data_iterator=iter(StreamingDataset(stream, batch_size=1, seed=0)),
-                             stream_groups=False)
+    store = types.SimpleNamespace(consumed=dict)
+    processor = StepProcessor(store=store, config=None, stream=stream, micro_batch_rows=1, group_size=1)
+    queue = GroupQueue(store=store, advantage=None, groups_per_step=1, stream_groups=False, send=processor.inbox.put,
+                       notify=lambda: None, work=WorkEstimate(0.1))
+    runner = StepRunner(trainer=core, store=store, iterator=iter(StreamingDataset(stream, batch_size=1, seed=0)),
+                        inputs=processor.outbox, micro_batch_rows=1, groups_per_step=1, cells=[], cell_roles=list,
+                        work=WorkEstimate(0.1))
+    adapter = TrainerAdapter(queue, processor, runner)
     harness_loop = LoopThread()
     assert set(threading.enumerate()) == before
     adapter.start()
@@ -263,3 +275,123 @@ def test_constructing_the_trainer_adapter_or_the_harness_loop_starts_no_thread()
     adapter.stop()
     harness_loop.stop()
     assert not [t for t in threading.enumerate() if t.name in ("gyre-processor", "gyre-trainer", "gyre-harness")]
+
+
+# ------------------------------------------------------------------ issue 43: one registry, one schema, hooks
+def test_every_extension_point_is_the_one_registry_type():
+    from gyre_jax.agents.task_sources import TASK_SOURCES
+    from gyre_jax.plugins import all_registries
+    from gyre_jax.registry import Registry
+
+    regs = {**all_registries(), "task": TASK_SOURCES}
+    assert {"train.loss", "train.advantage", "train.mismatch", "train.weights", "harness.kind", "task.family",
+            "task.dataset_options.format", "metrics.sinks", "scheduler.mode", "job"} <= set(regs)
+    for flag, reg in regs.items():
+        assert isinstance(reg, Registry), (flag, type(reg))
+        assert reg.names(), flag
+        try:
+            reg.get("no_such_entry")
+        except LookupError as e:  # the same error everywhere: what kind, and the known names
+            assert str(e) == f"unknown {reg.kind} 'no_such_entry'; known: {reg.names()}"
+        else:
+            raise AssertionError(flag)
+
+
+def home_made_registries(tree: ast.AST) -> list[str]:
+    """Module-level ALL_CAPS dicts that start empty and that a function fills by key: registries of their own."""
+    empty = {t.id for n in getattr(tree, "body", []) if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+             if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and n.value is not None
+             and (isinstance(n.value, ast.Dict) and not n.value.keys
+                  or isinstance(n.value, ast.Call) and ast.unparse(n.value.func) == "dict" and not n.value.args)}
+    filled = {t.value.id for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)}
+    return sorted(empty & filled)
+
+
+def test_no_module_keeps_a_registry_of_its_own():
+    own = [f"gyre_jax/{path}: {name}" for path, tree in _modules() for name in home_made_registries(tree)]
+    allowed = {"gyre_jax/losses/registry.py: METRIC_REDUCTIONS",  # a metric -> reduction table, not a registry
+               # the pytest plugin's caches of the graded test files' sources (path -> text), not registries
+               "gyre_jax/agents/verdict_plugin.py: _LINES", "gyre_jax/agents/verdict_plugin.py: _SOURCES"}
+    assert not set(own) - allowed, sorted(set(own) - allowed)
+    assert home_made_registries(ast.parse("_R = {}\ndef register(k, v):\n    _R[k] = v\n")) == ["_R"]
+
+
+def _assignments(fn: ast.FunctionDef) -> tuple[str, list[tuple[list[str], object, int]]]:
+    """(what the config starts from, [(dotted path, literal value, line)]) of a config file's get_config."""
+    aliases: dict[str, list[str]] = {}
+    out: list = []
+    base = next((ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) in ("rl_config", "load_config")), "")
+
+    def path_of(node):
+        parts = []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+            elif isinstance(node.slice, ast.Constant):
+                parts.append(node.slice.value)
+            else:
+                return None
+            node = node.value
+        return aliases[node.id] + parts[::-1] if isinstance(node, ast.Name) and node.id in aliases else None
+
+    for n in ast.walk(fn):
+        if not isinstance(n, ast.Assign) or len(n.targets) != 1:
+            continue
+        t, v = n.targets[0], n.value
+        if isinstance(t, ast.Name) and isinstance(v, ast.Call) and ast.unparse(v.func) in ("rl_config", "load_config"):
+            aliases[t.id] = []
+        elif isinstance(t, ast.Name) and path_of(v) is not None:
+            aliases[t.id] = path_of(v)
+        elif path_of(t) is not None:
+            try:
+                out.append((path_of(t), ast.literal_eval(v), n.lineno))
+            except ValueError:
+                out.append((path_of(t), v, n.lineno))
+    return base, out
+
+
+def restated_defaults(source: str, name: str) -> list[str]:
+    """What a config file's get_config does against "overrides only": builds a config itself, builds a whole
+    section, or sets a field to the value its base (``rl_config()``) already has."""
+    from gyre_jax.rl.config import rl_config
+
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "get_config")
+    base_call, assigned = _assignments(fn)
+    if not base_call:
+        return [f"configs/{name} builds its config itself: start from rl_config() or load_config(...)"]
+    if not base_call.startswith("rl_config"):
+        return []  # a config of another's (its base is that file, checked there)
+    base, out = rl_config(), []
+    for dotted, value, line in assigned:
+        if isinstance(value, ast.AST):
+            if len(dotted) == 1 and "ConfigDict" in ast.unparse(value):
+                out.append(f"configs/{name}:{line}: config.{dotted[0]} is a section of its own: set its fields")
+            continue
+        node = base
+        for part in dotted:
+            node = node[part]
+        if node == value:
+            out.append(f"configs/{name}:{line}: config.{'.'.join(map(str, dotted))} = {value!r} is the default")
+    return out
+
+
+def test_config_files_list_only_overrides():
+    import glob
+    import runpy
+
+    checked = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+        if runpy.run_path(path)["get_config"]().job != "rl":
+            continue
+        with open(path) as f:
+            bad = restated_defaults(f.read(), os.path.basename(path))
+        assert not bad, bad
+        checked += 1
+    assert checked >= 6
+    toy = "from gyre_jax.rl.config import rl_config\ndef get_config():\n    c = rl_config()\n    h = c.harness\n" \
+          "    h.max_turns = 1\n    c.steps = 3\n    return c\n"
+    assert restated_defaults(toy, "toy.py") == ["configs/toy.py:5: config.harness.max_turns = 1 is the default"]

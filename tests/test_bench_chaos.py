@@ -24,3 +24,4 @@ def test_quick_chaos_run_loses_nothing_and_resumes(tmp_path):
     if bad or out["kills"] + out["failed_attempts"] < 1:
         pytest.fail(f"{bad}, kills {out['kills']}; logs in {tmp_path}\n{p.stdout}")
     assert out["finished_rollouts"] >= out["steps"] * out["groups_per_step"] * out["group_size"], p.stdout
+    assert out["params_hash_differ"] == 0, p.stdout  # every replayed version is the lost run's

@@ -66,8 +66,9 @@ def test_mini_swe_agent_episode_is_recorded_as_one_shared_prefix_path_and_graded
     try:
         (task, _), = [x for x in dataset.load_task_file(TASKS) if x[0].task_id == "hello"]
         cfg = external.get_config()
-        h = make_harness("command", command=cfg.harness.command, unix_socket=sock,
-                         ro_paths=(os.path.join(EXAMPLES, "harnesses"),), env=dict(cfg.harness.env))
+        options = cfg.harness.kind_options.command
+        h = make_harness("command", command=options.command, unix_socket=sock,
+                         ro_paths=(os.path.join(EXAMPLES, "harnesses"),), env=dict(options.env))
         hc = HarnessConfig(base_url=st.url + "/v1", run_id="mswea", sandbox=sb.SandboxConfig(kind="bubblewrap"),
                            deadline_s=120.0, grader_timeout_s=60.0)
         r, = asyncio.run(run_rollouts([RolloutRequest(rollout_id="r0", task=task, group_id="g")], hc,
@@ -161,7 +162,7 @@ def test_config_refuses_unknown_harness_and_unsandboxed_commands(monkeypatch, tm
             RLConfig.from_config(c)
 
     refused(r"harness.*'claude'.*builtin.*command.*python", harness__kind="claude")
-    refused(r"harness.command", harness__command="")
+    refused(r"harness.kind_options.command.command must be a non-empty", harness__command="")
     refused(r"missing\.jsonl", task__dataset=str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(open(TASKS).readline() + '{"id": "x", "instruction": 3, "grader": "true"}\n')
@@ -172,7 +173,7 @@ def test_config_refuses_unknown_harness_and_unsandboxed_commands(monkeypatch, tm
     refused(r"sandbox='auto': no bubblewrap here.*sandbox=none")
     c = external.get_config()
     c.harness.sandbox = "none"  # chosen explicitly: accepted
-    assert RLConfig.from_config(c).harness.sandbox == "none"
+    assert RLConfig.from_config(c).harness.sandbox.kind == "none"
 
 
 @pytest.mark.skipif(not _USABLE, reason=f"bubblewrap sandbox unavailable: {_WHY}")

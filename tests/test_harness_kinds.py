@@ -326,14 +326,14 @@ def test_grader_command_scoring(tmp_path, command, verdict, score, fault):
 
 
 def test_a_kind_registered_first_keeps_the_built_in_kinds():
-    """A user's register_harness before any make_harness (its module imported at start-up) used to
+    """A user's registration before any make_harness (its module imported at start-up) used to
     leave the registry non-empty, so the built-in kinds were never added: 'builtin' was unknown."""
     code = textwrap.dedent("""
         import json
-        from gyre_jax.agents.harnesses import HARNESSES, make_harness, register_harness
-        register_harness("toy", lambda **_: object())
+        from gyre_jax.agents.harnesses import HARNESS_KINDS, make_harness
+        HARNESS_KINDS.register("toy", summary="a test's")(lambda options, **_: object())
         make_harness("builtin")
-        print(json.dumps(sorted(HARNESSES)))
+        print(json.dumps(HARNESS_KINDS.names()))
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -315,7 +315,7 @@ def test_rl_export_keeps_the_source_dtype_named_by_dtype(tmp_path):
     """transformers >= 4.56 writes ``dtype`` (not ``torch_dtype``): a bf16 source exports as bf16."""
     from types import SimpleNamespace
 
-    from gyre_jax.rl.build import export_hf
+    from gyre_jax.rl.export import export_hf
 
     src = str(tmp_path / "src")
     write_tiny_hf_checkpoint(src, "qwen3", dtype="bfloat16")

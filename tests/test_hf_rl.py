@@ -99,7 +99,8 @@ def test_config_takes_the_shape_from_a_gguf_file(tmp_path):
 
 def test_external_config_composes_with_a_checkpoint(tmp_path):
     """configs/external.py's model section takes hf_path: the checkpoint's shape replaces the random model's
-    (random_init_shape), the section's max_seq_len/dtype stay; configs/smol_agent.py is that with SmolLM2."""
+    (the shape fields it leaves at the tiny model's), the section's max_seq_len/dtype stay; configs/smol_agent.py
+    is that with SmolLM2."""
     d = tiny_checkpoint(tmp_path / "ck", "qwen3")
     c = _config("external")
     c.model.hf_path = d
@@ -107,7 +108,7 @@ def test_external_config_composes_with_a_checkpoint(tmp_path):
     assert cfg.hf_path == d and cfg.model.qk_norm and cfg.model.vocab_size == 407
     assert cfg.model.max_seq_len == c.model.max_seq_len and cfg.harness.kind == "command"
     c = _config("external")
-    c.model.random_init_shape = False  # a config whose shape is not a placeholder: a clash is still an error
+    c.model.d_model = 64  # a config that sets a shape field of its own: a clash with the checkpoint is an error
     c.model.hf_path = d
     with pytest.raises(ConfigError, match="come from"):
         RLConfig.from_config(c)
@@ -199,7 +200,7 @@ def test_sft_targets_are_the_templates_own_turns(tmp_path):
     d = tiny_checkpoint(tmp_path / "q", "qwen3")
     cfg = RLConfig.from_config(tiny_rl_config("qwen3_8b", d))
     tok = load_tokenizer(f"hf:{d}")
-    hc = cfg.harness_config("http://x.invalid/v1")
+    hc = cfg.harness
     [(prompt, target)] = demo_examples(cfg.task_source.demo_tasks(1), hc, tok)
     target = target.tolist()
     assert target[-1] in tok.stop_ids and tok.decode(target).startswith("<think>\n\n</think>\n\n")
@@ -216,4 +217,4 @@ def test_sft_targets_are_the_templates_own_turns(tmp_path):
     d = tiny_checkpoint(tmp_path / "l", "llama3")
     cfg = RLConfig.from_config(tiny_rl_config("llama3_8b", d))
     with pytest.raises(ConfigError, match="config.sft: demonstration of task .* one tool|single tool"):
-        demo_examples(cfg.task_source.demo_tasks(1), cfg.harness_config("http://x.invalid/v1"), load_tokenizer(f"hf:{d}"))
+        demo_examples(cfg.task_source.demo_tasks(1), cfg.harness, load_tokenizer(f"hf:{d}"))

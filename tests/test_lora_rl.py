@@ -43,30 +43,32 @@ def test_lora_knobs_reach_the_model_and_bad_ones_fail_early():
 
 
 def test_lora_loop_trains_and_moves_adapters_only(tmp_path):
-    c = lora_config()
+    # 3 steps: step 2's groups must be sampled by version 1 or later (staleness bound 1), so some cell serves a
+    # moved policy whatever the timing (in 2 steps every group may be sampled by version 0 and nothing moves).
+    c = lora_config(steps=3)
     summary = jobs.get(c.job)(c, str(tmp_path))
     wd = os.path.join(tmp_path, "elastic")
-    assert summary["steps"] == 2
+    assert summary["steps"] == 3
     cfg = RLConfig.from_config(c)
     adapter_bytes = 4 * L.count_adapter_params(cfg.policy_model)
     lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
     moves = sum(r["weight_moves"] for r in lines)
     assert moves > 0 and sum(r["weight_move_bytes"] for r in lines) == moves * adapter_bytes  # never the base
     # The checkpoint: the adapters and their Adam moments, nothing of the base.
-    meta = ocp.StandardCheckpointer().metadata(os.path.join(wd, "checkpoints", "2", "state"))
+    meta = ocp.StandardCheckpointer().metadata(os.path.join(wd, "checkpoints", "3", "state"))
     tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
     params = _leaf_paths(tree["params"])
     assert params and all("['lora']" in p for p in params), params[:5]
     moments = [p for p in _leaf_paths(tree["opt_state"]) if "mu" in p or "nu" in p]
     assert len(moments) == 2 * len(params) and all("['lora']" in p for p in moments)
-    ck_meta = json.load(open(os.path.join(wd, "checkpoints", "2", "meta", "metadata")))
+    ck_meta = json.load(open(os.path.join(wd, "checkpoints", "3", "meta", "metadata")))
     base_meta = json.load(open(os.path.join(wd, "lora_base", "meta.json")))
     assert ck_meta["lora_base"] == base_meta["fingerprint"]
     # The PEFT export is the final checkpoint's adapter.
     from gyre_jax.model.hf.peft import load_peft
 
     _, exported = load_peft(os.path.join(wd, "lora_export", "adapter0"), cfg.policy_model)
-    final = ocp.StandardCheckpointer().restore(os.path.join(wd, "checkpoints", "2", "state"))["params"]
+    final = ocp.StandardCheckpointer().restore(os.path.join(wd, "checkpoints", "3", "state"))["params"]
     final = final[0] if isinstance(final, (list, tuple)) else final["0"]
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(exported)[0], jax.tree.leaves(final)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))

@@ -294,12 +294,12 @@ def _np_pg(logp, mu, adv, w, cfg):
     """
     logp, mu, adv, w = (np.asarray(x, np.float64) for x in (logp, mu, adv, w))
     x = logp - mu
-    c, clip_c = cfg.log_ratio_clamp, cfg.objective.clip_c
+    c, clip_c = cfg.log_ratio_clamp, cfg.loss_options.clip_c
     u = np.clip(x, -c, c)
     r = np.exp(u)
-    pg = -np.minimum(r * adv, np.clip(r, 1 - cfg.objective.eps_low, 1 + cfg.objective.eps_high) * adv)
-    low = (adv < 0) & (r < 1 - cfg.objective.eps_low)
-    high = (adv > 0) & (r > 1 + cfg.objective.eps_high)
+    pg = -np.minimum(r * adv, np.clip(r, 1 - cfg.loss_options.eps_low, 1 + cfg.loss_options.eps_high) * adv)
+    low = (adv < 0) & (r < 1 - cfg.loss_options.eps_low)
+    high = (adv > 0) & (r > 1 + cfg.loss_options.eps_high)
     dual = (adv < 0) & (r > clip_c) if clip_c else np.zeros(x.shape, bool)
     pg = np.where(dual, -(clip_c or 0.0) * adv, pg)
     clamped = np.abs(x) > c
@@ -313,7 +313,7 @@ def _np_pg(logp, mu, adv, w, cfg):
 
 def _kw(cfg):
     """policy_gradient_loss's keywords for a ppo_clip PolicyLossConfig."""
-    o = cfg.objective
+    o = cfg.loss_options
     return dict(eps_low=o.eps_low, eps_high=o.eps_high, clip_c=o.clip_c, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, log_ratio_clamp=cfg.log_ratio_clamp)
 
@@ -386,8 +386,8 @@ def test_policy_loss_and_gradient_match_float64_reference(cfg):
     adv = rng.choice([-1.5, -0.5, 0.0, 0.7, 1.25], n)
     w = np.where(rng.random(n) < 0.9, _grid(rng, n, 0.0, 1.0) / n, 0.0)
     # Stay away from the kinks (the clip, the dual clip, the clamp): one-sided there.
-    kinks = [np.log(1 - cfg.objective.eps_low), np.log(1 + cfg.objective.eps_high), cfg.log_ratio_clamp, -cfg.log_ratio_clamp]
-    kinks += [np.log(cfg.objective.clip_c)] if cfg.objective.clip_c else []
+    kinks = [np.log(1 - cfg.loss_options.eps_low), np.log(1 + cfg.loss_options.eps_high), cfg.log_ratio_clamp, -cfg.log_ratio_clamp]
+    kinks += [np.log(cfg.loss_options.clip_c)] if cfg.loss_options.clip_c else []
     keep = np.all(np.abs(x[:, None] - np.asarray(kinks)[None]) > 1e-3, axis=1)
     x, mu, adv, w = x[keep], mu[keep], adv[keep], w[keep]
     logp, mu, adv, w = (z.astype(np.float32) for z in (mu + x, mu, adv, w))
@@ -399,7 +399,7 @@ def test_policy_loss_and_gradient_match_float64_reference(cfg):
     # A float32 sum of terms of both signs: tolerance relative to the sum of their magnitudes
     # (|pg| <= |A| max(r, 1 + eps_high) per token).
     r = np.exp(np.clip(x, -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
-    magnitude = float(np.sum(np.abs(w * adv) * np.maximum(r, 1 + cfg.objective.eps_high)))
+    magnitude = float(np.sum(np.abs(w * adv) * np.maximum(r, 1 + cfg.loss_options.eps_high)))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=0, atol=1e-6 * magnitude)
     g = np.asarray(g)
     assert not g[~active].any()
@@ -409,7 +409,7 @@ def test_policy_loss_and_gradient_match_float64_reference(cfg):
         np.testing.assert_allclose(float(m[k]), v, rtol=2e-6, atol=atol, err_msg=k)
     # Every branch is present in the data.
     assert ref_m["clip_frac_low"] > 0 and ref_m["clip_frac_high"] > 0 and ref_m["clamp_frac"] > 0
-    assert (ref_m["clip_frac_dual"] > 0) == bool(cfg.objective.clip_c)
+    assert (ref_m["clip_frac_dual"] > 0) == bool(cfg.loss_options.clip_c)
     assert (ref_g != 0).sum() > n // 8  # and the unclipped branch, with a gradient
 
 
@@ -466,7 +466,7 @@ def test_config_fields_reach_the_loss():
                        (dict(clip_c=1e9), r"must exceed \|log\(clip_c\)\|")]:
         with pytest.raises(ValueError, match=match):
             L.PolicyLossConfig.create(**bad)
-    assert L.PolicyLossConfig.create(clip_c=0).objective.clip_c == 0  # 0 = off, like None
+    assert L.PolicyLossConfig.create(clip_c=0).loss_options.clip_c == 0  # 0 = off, like None
     with pytest.raises(ValueError, match="policy_gradient_loss: clip_c"):
         L.policy_gradient_loss(logp, logp, logp, logp, clip_c=1.0)
 

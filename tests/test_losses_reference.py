@@ -158,13 +158,13 @@ def reference(rollouts, cfg: PolicyLossConfig):
         clamped = abs(logp - mu) > cfg.log_ratio_clamp
         u = min(max(logp - mu, -cfg.log_ratio_clamp), cfg.log_ratio_clamp)
         ratio = np.exp(u)
-        clipped = min(max(ratio, 1 - cfg.objective.eps_low), 1 + cfg.objective.eps_high)
+        clipped = min(max(ratio, 1 - cfg.loss_options.eps_low), 1 + cfg.loss_options.eps_high)
         pg = -min(ratio * a, clipped * a)
-        clip_low = a < 0 and ratio < 1 - cfg.objective.eps_low
-        clip_high = a > 0 and ratio > 1 + cfg.objective.eps_high
-        clip_dual = bool(cfg.objective.clip_c) and a < 0 and ratio > cfg.objective.clip_c
+        clip_low = a < 0 and ratio < 1 - cfg.loss_options.eps_low
+        clip_high = a > 0 and ratio > 1 + cfg.loss_options.eps_high
+        clip_dual = bool(cfg.loss_options.clip_c) and a < 0 and ratio > cfg.loss_options.clip_c
         if clip_dual:
-            pg = -cfg.objective.clip_c * a
+            pg = -cfg.loss_options.clip_c * a
         dpg = 0.0 if (clip_low or clip_high or clip_dual or clamped) else -a * ratio
         ref = float(_ref_logp(ctx, t))
         d = ref - logp
@@ -236,7 +236,7 @@ def test_loss_grad_metrics_match_float64_reference(data, cfg):
     # The data must exercise every branch of the clipped surrogate.
     assert ref_m["clip_frac_low"] > 0.03 and ref_m["clip_frac_high"] > 0.03
     assert ref_m["clip_frac"] < 0.8
-    assert (ref_m["clip_frac_dual"] > 0.02) == bool(cfg.objective.clip_c)
+    assert (ref_m["clip_frac_dual"] > 0.02) == bool(cfg.loss_options.clip_c)
     assert (ref_m["clamp_frac"] > 0.02) == (cfg.log_ratio_clamp < 20)
 
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-6, atol=1e-7)

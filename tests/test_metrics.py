@@ -172,16 +172,17 @@ def _wandb_history(run_file: str) -> list[dict]:
 
 def test_wandb_offline_gets_what_the_jsonl_gets(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from gyre_jax.rl.metrics import WandbOptions
+    from gyre_jax.rl.sinks.wandb import WandbOptions
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     # In a process of its own that then exits, as a run does before `wandb sync`: W&B's service may still
     # hold the file's last records in its buffer when finish() returns (seen once on a loaded machine: the
     # file had no history yet), and writes them out when the process ends.
     code = (
-        "from gyre_jax.rl.metrics import MetricsWriter, WandbOptions\n"
+        "from gyre_jax.rl.metrics import MetricsWriter\n"
+        "from gyre_jax.rl.sinks.wandb import WandbOptions\n"
         f"w = MetricsWriter({str(tmp_path / 'run')!r}, process_index=0,"
-        " wandb=WandbOptions(mode='offline', config={'seed': 3}))\n"
+        " sinks={'tensorboard': None, 'wandb': WandbOptions(mode='offline')}, run_config={'seed': 3})\n"
         "for step in range(3):\n"
         "    w.write(step, {'reward': 0.5 + step, 'groups': 'g1,g2', 'failures': {'timeout': step}})\n"
         "w.close()\n")
@@ -192,5 +193,5 @@ def test_wandb_offline_gets_what_the_jsonl_gets(tmp_path, monkeypatch):
     assert [(r["_step"], r["reward"], r["failures/timeout"]) for r in rows] == [(0, 0.5, 0), (1, 1.5, 1), (2, 2.5, 2)]
     jsonl = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["reward"] for r in jsonl] == [r["reward"] for r in rows]
-    with pytest.raises(ValueError, match="metrics.wandb"):
+    with pytest.raises(ValueError, match="metrics.sink_options.wandb.mode"):
         WandbOptions(mode="cloud")

@@ -142,6 +142,23 @@ def test_return_hidden_gives_logits(model):
     np.testing.assert_allclose(np.asarray(hidden @ unembed), np.asarray(logits), atol=1e-5)
 
 
+def test_logits_temperature_is_the_policy_both_ways(model):
+    """logits_temperature=T: the full logits and the hidden @ unembed of the chunked loss are both the
+    float64 reference's logits / T (the policy the engines sample at temperature 1 and training scores)."""
+    cfg, params, _ = model
+    hot = cfg.replace(logits_temperature=0.625)
+    L = 6
+    tokens = (np.arange(L, dtype=np.int32) * 7 % cfg.vocab_size)[None]
+    args = (tokens, np.arange(L, dtype=np.int32)[None], np.ones((1, L), np.int32), np.full((1, L), L, np.int32))
+    ref = np_reference_logits(cfg, params, tokens[0], args[1][0], tree_attention_mask_np(args[2][0], args[3][0]))
+    logits = jax.jit(Transformer(hot).apply)(params, *args)
+    hidden, unembed = jax.jit(lambda p, *a: Transformer(hot).apply(p, *a, return_hidden=True))(params, *args)
+    np.testing.assert_allclose(np.asarray(logits)[0], ref / 0.625, atol=4e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(hidden @ unembed)[0], ref / 0.625, atol=4e-5, rtol=0)
+    with pytest.raises(ValueError, match="logits_temperature must be > 0"):
+        cfg.replace(logits_temperature=0.0)
+
+
 @pytest.mark.slow  # ~12 s of compiles
 def test_bfloat16_and_remat():
     cfg, params, fwd = _model(True)

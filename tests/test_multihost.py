@@ -153,7 +153,7 @@ def _listening(host: str | None = None) -> set[str]:
     env = {"PYTHONPATH": os.getcwd(), **{k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_BIND_ADDRESS"
                                          and not k.startswith("SLURM_")}}
     proc = subprocess.run([sys.executable, "-c", _LISTEN, *([host] if host else [])], capture_output=True, text=True,
-                          timeout=60, env=env)
+                          timeout=300, env=env)  # JAX imports slowly on a loaded host
     assert proc.returncode == 0, proc.stderr[-2000:]
     return set(proc.stdout.split()[-1].split(","))
 

@@ -76,7 +76,7 @@ def _ppo(r, a, eps_low, eps_high, clip_c=None):
 
 def reference(cfg, d, seq, num_seq):
     """(loss, d loss / d logp per token, metrics) from the papers' formulas."""
-    o = cfg.objective
+    o = cfg.loss_options
     f = {k: np.asarray(v, np.float64) for k, v in d.items()}
     act = d["loss_mask"]
     w = f["loss_weights"]
@@ -85,7 +85,7 @@ def reference(cfg, d, seq, num_seq):
     corr = {k: 1.0 for k in toks}
     base = f["behavior_logprobs"]
     if cfg.mismatch != "off":  # rho = pi_train / pi_infer, per token or its sequence's product
-        mc = cfg.mismatch_config
+        mc = cfg.mismatch_options
         rho = {k: math.exp(f["trainer_logprobs"][k] - f["behavior_logprobs"][k]) for k in toks}
         seq_rho = {s: math.prod(rho[k] for k in toks if seq[k] == s) for s in range(num_seq)}
         x = {k: (seq_rho[seq[k]] if cfg.mismatch.endswith("_seq") else rho[k]) for k in toks}
@@ -233,7 +233,7 @@ def test_objective_matches_float64_reference_and_splits(name, data):
         assert 0 < float(m["clip_frac"]) < 0.9, float(m["clip_frac"])
     for k in ("mismatch_frac_truncated", "mismatch_frac_masked", "behavior_cap_frac", "is_truncated_frac"):
         knob = {"is_truncated_frac": "is_cap", "behavior_cap_frac": "behavior_cap"}.get(k)
-        if k in m and (knob is None or getattr(cfg.objective, knob)):
+        if k in m and (knob is None or getattr(cfg.loss_options, knob)):
             assert 0 < float(m[k]) < 0.9, (k, float(m[k]))
 
     # Split invariance: one-row micro-batches with precomputed sequence statistics add up.

@@ -201,3 +201,31 @@ def test_lora_plan_holds_adapters_not_optimizer_state_for_the_base():
     assert core["params"] * 2 == core_full["params"] * (2 if full.model.param_dtype == "bfloat16" else 1)
     assert p_lora["core"].used < p_full["core"].used / 2
     assert p_lora["serve"].terms["lora_base"] == p_lora["serve"].terms["params"]
+
+
+def test_a_cpu_host_is_planned_whole_and_refused_before_it_starts():
+    """CPU devices share one RAM: the plan adds every cell at its largest role, the eval's engine, the
+    checkpoint's host copy and the process itself, and refuses (naming the largest part) when the host has
+    less; the parts are the per-device terms added up, independently here."""
+    path = os.path.join(ROOT, "configs", "demo.py")
+    config = runpy.run_path(path)["get_config"]()
+    config.eval.kind, config.eval.every = "episodes", 1
+    cfg = launch_plan.plan_inputs(config, path)
+    p = planner.plan(cfg, "cpu", 8)
+    roles = {r.role: r.used for r in p.roles}
+    n_cells, size = 8 // cfg.cells.cell_size, cfg.cells.cell_size
+    assert p.host["cells"] == (roles["core"] + (n_cells - 1) * max(roles["serve"], roles["satellite"])) * size
+    assert p.host["eval_engine"] == roles["serve"] * size
+    params = sum(math.prod(s) for _, s, _ in planner.param_table(cfg.model)) * 4
+    assert p.host["checkpoint_copy"] == 3 * params and p.host["process"] == planner.PROCESS_BYTES
+    m, c = cfg.model, cfg.cells
+    slot_kv = 2 * m.n_layers * c.max_len * m.n_kv_heads * m.head_dim * 4  # k and v, float32
+    assert p.host["prefix_caches"] == n_cells * c.max_slots * slot_kv  # n_cells - 1 rollout engines + the eval's
+    assert p.host_bytes == sum(p.host.values()) and "host: " in p.table()
+    p.check()
+    tight = planner.plan(cfg, "cpu", 8, host_limit=p.host_bytes - 1)
+    with pytest.raises(ConfigError, match=r"this host's process needs .* largest part process .*shrink it by 0.0 GiB"):
+        tight.check()
+    config.eval.every = 0
+    assert planner.plan(launch_plan.plan_inputs(config, path), "cpu", 8).host["eval_engine"] == 0
+    assert planner.plan(cfg, "h100-80g", 8).host is None  # accelerators: their own memory, per device

@@ -6,7 +6,6 @@ import pytest
 from gyre_jax.trajectory.binpack import PathTooLongError
 from gyre_jax.trajectory.processor import ProcessorConfig, process_step
 from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome
-from gyre_jax.trajectory.rewards import AdvantageConfig
 from gyre_jax.trajectory.select import SelectConfig
 from gyre_jax.trajectory.serialize import tree_attention_mask_np
 
@@ -80,7 +79,7 @@ def test_end_to_end_exact_counted_once_weights(row_len):
     outcomes = [rs[0].outcome("completed", 1.0), rs[1].outcome("timeout", 0.25), rs[2].outcome("infra_error", None),
                 rs[3].outcome("completed", 0.5), rs[4].outcome("verifier_error", None)]
     calls = [c for r in rs for c in r.calls]
-    cfg = ProcessorConfig(row_len=row_len, select=SelectConfig(mode="unbounded"), advantage=AdvantageConfig(estimator="dr_grpo"))
+    cfg = ProcessorConfig(row_len=row_len, select=SelectConfig(mode="unbounded"), advantage="dr_grpo")
     batch = process_step(calls[::-1], outcomes, cfg)  # call order must not matter
     st = batch.stats
     assert batch.rollout_ids == ("r0", "r1", "r3")

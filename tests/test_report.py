@@ -326,3 +326,24 @@ def test_the_page_renders_a_rollouts_tree_and_calls_in_chromium(tmp_path):
         b.wait_for("document.querySelectorAll('#chart-timeline .main-svg').length > 0")
         assert not b.errors, b.errors
     assert os.path.getsize(tmp_path / "rollout.png") > 10_000
+
+
+@pytest.mark.slow  # a real browser, from tools/report_screenshot.py's own process: ~10-20 s
+def test_the_screenshot_tool_opens_a_branching_rollout_and_says_what_rendered(tmp_path):
+    import subprocess
+    import sys
+
+    from gyre_jax.testing.chromium import available
+
+    if not available():
+        pytest.skip("no /usr/bin/chromium")
+    stats = build_report(_workdir(tmp_path), progress=False)
+    png = tmp_path / "rollout.png"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "tools", "report_screenshot.py"), stats["report"],
+                        "--branching", "--out", str(png)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    seen = json.loads(p.stdout.splitlines()[-1])
+    assert seen["branch_labels"] and seen["tree_nodes"] > len(seen["branch_labels"]), seen
+    assert seen["call_rows"] == seen["calls_recorded"] > 1 and seen["open_call_turns"][-1].startswith("completion")
+    assert os.path.getsize(png) > 10_000

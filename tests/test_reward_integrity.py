@@ -424,12 +424,13 @@ def test_a_run_whose_every_rollout_fails_stops_with_the_reason(tmp_path):
 
 @pytest.mark.slow
 @needs_bwrap
-def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_path):
+def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from gyre_jax.errors import ConfigError
     from gyre_jax.rl import task_gate
-    from gyre_jax.rl.config import HarnessKnobs, TaskConfig
+    from gyre_jax.agents.config import HarnessConfig
+    from gyre_jax.agents.task_sources import TaskConfig
 
     good = {"id": "good", "instruction": "Write 42 into answer.txt.", "grader": 'test "$(cat answer.txt)" = 42',
             "metadata": {"solution": "echo 42 > answer.txt"}}
@@ -437,12 +438,15 @@ def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_
 
     def cfg(skip):
         task = TaskConfig(dataset=path, skip_broken=skip)
-        return SimpleNamespace(task=task, harness=HarnessKnobs(sandbox="bubblewrap"), task_source=task.source(0))
+        return SimpleNamespace(task=task, harness=HarnessConfig(sandbox="bubblewrap"), task_source=task.source(0))
 
+    monkeypatch.setenv("GYRE_TASK_CHECK_CACHE", str(tmp_path / "user" / "task_check.json"))
     with pytest.raises(ConfigError, match="1 of 2 tasks .* broken grader .*always-pass.*skip_broken"):
         task_gate.gate(cfg(False), str(tmp_path / "w"))
     c = cfg(True)
     out = task_gate.gate(c, str(tmp_path / "w"))  # the good task is cached: only the broken one is checked again
+    assert out["broken"] == ["always-pass"] and out["checked"] == 1
+    out = task_gate.gate(cfg(True), str(tmp_path / "w2"))  # a new run's workdir: the user's cache knows it
     assert out["broken"] == ["always-pass"] and out["checked"] == 1
     assert [t.task_id for t in c.task_source.train] == ["good"] and c.task_source.excluded == ("always-pass",)
     assert "1 broken tasks skipped" in c.task_source.describe()

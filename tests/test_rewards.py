@@ -11,7 +11,7 @@ from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages, has
 
 def acfg(mode, eps=1e-6, **kw):
     """grpo (mean/std) with its eps, or dr_grpo (mean only)."""
-    return AdvantageConfig(estimator=mode, estimator_config=NormConfig(advantage_eps=eps) if mode == "grpo" else None, **kw)
+    return AdvantageConfig(advantage=mode, advantage_options=NormConfig(advantage_eps=eps) if mode == "grpo" else None, **kw)
 
 
 @dataclasses.dataclass
@@ -108,9 +108,9 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="group 'g' mixes tasks 't1' and 't2'.*rollout 'y'"):
         compute_advantages([O("x", "t1", "completed", 0.0, "g"), O("y", "t2", "completed", 1.0, "g")])
     with pytest.raises(LookupError, match=r"unknown advantage estimator 'median'; known: \['dr_grpo', 'grpo', "):
-        AdvantageConfig(estimator="median")
+        AdvantageConfig(advantage="median")
     with pytest.raises(TypeError, match="'grpo' takes a NormConfig"):
-        AdvantageConfig(estimator="grpo", estimator_config=object())
+        AdvantageConfig(advantage="grpo", advantage_options=object())
     with pytest.raises(ValueError, match="overlong_buffer_tokens=0 must be in \\[1, overlong_max_tokens=10\\]"):
         AdvantageConfig(overlong_max_tokens=10)
     with pytest.raises(ValueError, match="one length per outcome"):

@@ -184,13 +184,13 @@ def test_episode_eval_gives_its_episodes_the_scaled_deadline(tmp_path):
     """The eval's harness is the run's, with harness.deadline_s x eval.deadline_scale (a run's own load must not
     score as the policy's timeouts), its temperature and as many episodes in flight as the engine has slots."""
     from configs import demo as demo_config
-    from gyre_jax.rl.build import _episode_eval
+    from gyre_jax.rl.evaluators import make_evaluator
     from gyre_jax.rl.config import RLConfig
 
     c = demo_config.get_config()
     c.eval.kind, c.eval.deadline_scale, c.eval.temperature = "episodes", 3.0, 0.5
     cfg = RLConfig.from_config(c)
-    ev = _episode_eval(cfg, ByteTokenizer(), None, lambda *a: None, str(tmp_path))
+    ev = make_evaluator(cfg, ByteTokenizer(), None, lambda *a: None, str(tmp_path))
     hc = ev.fn.hc
     assert hc.deadline_s == pytest.approx(cfg.harness.deadline_s * 3.0) and hc.temperature == 0.5
     assert hc.concurrency == max(cfg.scheduler.group_size, cfg.cells.max_slots)

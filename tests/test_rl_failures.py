@@ -252,6 +252,13 @@ def test_progress_off_a_terminal_is_one_line_per_step():
     for _ in range(100):
         sft.step()
     assert len(quiet.getvalue().splitlines()) == 1  # fast loops: the last line only (and one per every_s)
+    # A report's build counts rollouts, many a second: the line names them and their rate.
+    built = io.StringIO()
+    report = Progress(total=50, desc="report", enabled=True, every_s=3600.0, line_per_step=False, stream=built,
+                      unit="rollout")
+    report.step(50)
+    (line,) = built.getvalue().splitlines()
+    assert line.startswith("report: rollout 50/50 |") and " rollouts/s, ETA 0s" in line, line
 
 
 def _call(rid, gid, version):
@@ -375,7 +382,7 @@ def test_a_full_disk_stops_the_run_naming_the_path_and_the_rerun_resumes(tmp_pat
 
 @pytest.mark.parametrize("args, expect", [
     (["--config", "configs/nope.py"], "error: --config=configs/nope.py: no such file"),
-    (["--config", "configs/demo.py", "--config.train.lrr=1"], "did you mean config.train.learning_rate?"),
+    (["--config", "configs/demo.py", "--config.train.learnin_rate=1"], "did you mean config.train.learning_rate?"),
     (["--config", "configs/demo.py", "--config.trian.row_len=1"], "config has no field 'trian'; did you mean config.train?"),
 ])
 def test_bad_command_lines_are_one_line_in_seconds(args, expect):
@@ -431,7 +438,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, capsy
             open(os.path.join(root, f), "w").close()
     summary = drive(build(fake_config(3), wd, make_backend=fake_tiny_backend))
     assert "resumed from step 1" in capsys.readouterr().out
-    assert summary["steps"] == 2  # steps 1 and 2 again: step 2's update was lost with its checkpoint
+    assert summary["attempt"]["steps"] == 2  # steps 1 and 2 again: step 2's update was lost with its checkpoint
+    assert summary["steps"] == 3  # the run's: step 0 of the first attempt, then these
     outs, consumed, unfinished = store_view(wd)
     assert unfinished == []
     assert_consumed_once(outs, consumed)

@@ -28,38 +28,46 @@ def _cfg(**train):
 
 def test_every_registered_name_configures():
     for name in POLICY_LOSSES.names():
-        assert _cfg(loss=name).loss_config().loss == name
+        assert _cfg(loss=name).train.loss == name
     for name in ADVANTAGE_ESTIMATORS.names():
         cfg = _cfg(advantage=name)
-        assert cfg.processor_config().advantage.estimator == name
+        assert cfg.train.advantage == name and type(cfg.train.advantage_options) is ADVANTAGE_ESTIMATORS.get(name).config
         assert cfg.stream_groups == (ADVANTAGE_ESTIMATORS.get(name).scope == "group")  # demo mode: elastic
     for name in WEIGHT_BUILDERS.names():
-        assert _cfg(weights=name).processor_config().weights == name
+        assert _cfg(weights=name).train.weights == name
     for name in MISMATCH_CORRECTIONS.names():
-        assert _cfg(mismatch=name).loss_config().mismatch == name
+        assert _cfg(mismatch=name).train.mismatch == name
     cfg = _cfg(loss="gspo", eps_low=1e-3, mismatch="tis_seq", mismatch_cap=3.0, kl_coef=0.01)
-    lc = cfg.loss_config()
-    assert (lc.objective.eps_low, lc.objective.eps_high, lc.mismatch_config.mismatch_cap, lc.kl_coef) == (1e-3, 4e-4, 3.0, 0.01)
+    lc = cfg.train  # the loss's config is the train section
+    assert (lc.loss_options.eps_low, lc.loss_options.eps_high, lc.mismatch_options.mismatch_cap, lc.kl_coef) == (
+        1e-3, 4e-4, 3.0, 0.01)
     assert lc.step_passes() == {"prox", "seq_log_ratio", "trainer", "seq_log_mismatch", "ref"}
     assert _cfg(dynamic_sampling=True).dynamic_sampling_budget() == 8 * 60  # budget 1.0 x G x steps
 
 
 @pytest.mark.parametrize("train, match", [
-    (dict(loss="ppo2"), r"config.train.loss='ppo2'; known: \['cispo', 'decoupled_ppo', 'gspo', 'nll', 'ppo_clip'"),
-    (dict(advantage="mean_std"), r"config.train.advantage='mean_std'; known: \['dr_grpo', 'grpo', 'reinforce_pp'"),
-    (dict(weights="seq"), r"config.train.weights='seq'; known: \['constant', 'rollout_token_mean', 'token_mean'\]"),
-    (dict(mismatch="tls"), r"config.train.mismatch='tls'; known: \['off', 'icepop', 'measure', 'mis'"),
-    (dict(loss="gspo", clip_c=3.0), r"config.train.clip_c does not apply to loss 'gspo'"),
-    (dict(mismatch="tis", mismatch_high=3.0), r"config.train.mismatch_high does not apply to mismatch 'tis'"),
-    (dict(mismatch_cap=2.0), r"config.train.mismatch_cap is set but mismatch is off"),
-    (dict(mismatch="icepop", mismatch_low=6.0), r"config.train.mismatch_low=6.0 must be < mismatch_high=5.0"),
-    (dict(eps_high=-0.1), r"config.train.eps_high must be a finite number in \[0, inf\)"),
-    (dict(loss="decoupled_ppo", behavior_cap=1.0), r"config.train.behavior_cap must be a finite number in \(1"),
+    (dict(loss="ppo2"), r"config.train.loss='ppo2': unknown policy loss 'ppo2'; known: \['cispo', 'decoupled_ppo', "),
+    (dict(advantage="mean_std"), r"config.train.advantage='mean_std': unknown advantage estimator 'mean_std'; "
+                                 r"known: \['dr_grpo', 'grpo', 'reinforce_pp'"),
+    (dict(weights="seq"), r"config.train.weights='seq': .*; known: \['constant', 'rollout_token_mean', 'token_mean'\]"),
+    (dict(mismatch="tls"), r"config.train.mismatch='tls': .*; known: \['off', 'icepop', 'measure', 'mis'"),
+    (dict(loss="gspo", clip_c=3.0), r"config.train: unknown field\(s\) \['clip_c'\]; clip_c is an option of "
+                                    r"loss_options.decoupled_ppo .* or loss_options.ppo_clip \(policy loss 'ppo_clip'"),
+    (dict(mismatch="tis", mismatch_high=3.0), r"unknown field\(s\) \['mismatch_high'\]; mismatch_high is an option "
+                                              r"of mismatch_options.icepop"),
+    (dict(mismatch_cap=2.0), r"mismatch_cap is an option of mismatch_options.tis \(mismatch correction 'tis': "
+                             r"--config.train.mismatch=tis\)"),
+    (dict(mismatch="icepop", mismatch_low=6.0), r"config.train.mismatch_options.icepop.mismatch_low=6.0 must be < "
+                                                r"mismatch_high=5.0"),
+    (dict(eps_high=-0.1), r"config.train.loss_options.ppo_clip.eps_high must be a finite number in \[0, inf\)"),
+    (dict(loss="decoupled_ppo", behavior_cap=1.0), r"config.train.loss_options.decoupled_ppo.behavior_cap must be a "
+                                                   r"finite number in \(1"),
     (dict(kl_coef=-1.0), r"config.train.kl_coef must be a finite number in \[0"),
     (dict(log_ratio_clamp=0.1), r"config.train.log_ratio_clamp=0.1 must exceed \|log\(1 - eps_low\)\|"),
-    (dict(advantage="rloo", advantage_eps=0.1), r"config.train.advantage_eps does not apply to advantage='rloo'"),
-    (dict(weights="token_mean", weights_normalizer=64), r"config.train.weights_normalizer does not apply"),
-    (dict(weights="constant", weights_normalizer=0), r"config.train.weights_normalizer must be a positive int"),
+    (dict(advantage="rloo", advantage_eps=0.1), r"advantage_eps is an option of advantage_options.grpo"),
+    (dict(weights="token_mean", weights_normalizer=64), r"weights_normalizer is an option of weights_options.constant"),
+    (dict(weights="constant", weights_normalizer=0), r"config.train.weights_options.constant.weights_normalizer must "
+                                                     r"be a positive int"),
     (dict(overlong_max_tokens=80), r"config.train.overlong_buffer_tokens=0 must be in \[1, overlong_max_tokens=80\]"),
     (dict(dynamic_sampling_budget=-1.0), r"config.train.dynamic_sampling_budget must be >= 0"),
 ])
@@ -69,8 +77,9 @@ def test_bad_objective_config_fails_naming_the_field(train, match):
 
 
 def test_command_line_sets_the_objective(tmp_path):
-    """Through ``python -m launch.main``: the placeholder fields parse as their types, and an
-    option the chosen loss does not take exits 2 within seconds, naming the field."""
+    """Through ``python -m launch.main``: the options (in their flat spelling, respelled as the chosen entry's)
+    parse as their types, and an option the chosen loss does not take exits 2 within seconds, naming the
+    entries that take it."""
     import subprocess
     import sys
 
@@ -78,10 +87,19 @@ def test_command_line_sets_the_objective(tmp_path):
     p = subprocess.run([sys.executable, "-m", "launch.main", "--config", "configs/demo.py", "--workdir", str(tmp_path),
                         "--config.train.loss=gspo", "--config.train.eps_low=0.001", "--config.train.weights=constant",
                         "--config.train.weights_normalizer=64",
-                        "--config.train.dynamic_sampling=True", "--config.train.clip_c=3"],
+                        "--config.train.dynamic_sampling=True", "--config.train.loss_options.gspo.eps_high=-1"],
                        cwd=root, capture_output=True, text=True, timeout=120)
     last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 2 and last.startswith("error: config.train.clip_c does not apply to loss 'gspo'"), p.stderr
+    assert p.returncode == 2 and last.startswith("error: config.train.loss_options.gspo.eps_high must be a finite "
+                                                 "number in [0, inf), got -1.0"), p.stderr
+    assert "note: --config.train.eps_low is --config.train.loss_options.gspo.eps_low" in p.stderr
+    from launch import cli_errors
+
+    argv = ["--config.train.loss=gspo", "--config.train.clip_c=3"]
+    assert cli_errors.bad_override(demo_config.get_config(), argv) == (
+        "--config.train.clip_c: config.train has no field 'clip_c'; it is an option of "
+        "--config.train.loss_options.decoupled_ppo.clip_c (with --config.train.loss=decoupled_ppo) or "
+        "--config.train.loss_options.ppo_clip.clip_c (with --config.train.loss=ppo_clip)")
 
 
 @pytest.mark.slow

@@ -199,3 +199,28 @@ def test_resumed_losses_equal_an_uninterrupted_run(killed_and_resumed, tmp_path)
     losses = [loss for _, loss, _ in ref]
     assert all(loss != 0.0 for loss in losses) and len(set(losses)) == STEPS, ref  # not a vacuous comparison
     assert resumed == ref
+
+
+def test_the_resumed_runs_summary_and_timeline_cover_both_attempts(killed_and_resumed):
+    """summary.json's top level and timeline.png are the whole run's, the killed attempt's steps and time
+    included (they covered the resumed part alone: steps 2-3 here); ``attempt`` is the resumed part."""
+    mode_dir = killed_and_resumed["mode_dir"]
+    with open(os.path.join(mode_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert (summary["steps"], summary.get("first_step")) == (STEPS, 0), summary  # the resumed part: 2 steps
+    assert summary["attempts"] == 2
+    assert (summary["attempt"]["steps"], summary["attempt"]["first_step"]) == (STEPS - PAUSE, PAUSE)
+    with open(os.path.join(mode_dir, "metrics.jsonl")) as f:
+        rewards = {r["step"]: r["reward"] for r in map(json.loads, f)}
+    assert summary["reward_first"] == pytest.approx(rewards[0])  # the killed attempt's first step
+    # What timeline.png is drawn from: both attempts on one axis, the restart at the killed one's end.
+    from gyre_jax.rl import attempts as attempts_lib
+
+    attempts = attempts_lib.read_all(mode_dir)
+    assert [a["status"] for a in attempts] == ["killed", "finished"], attempts
+    segments, step_ends, restarts, total = attempts_lib.whole_timeline(attempts)
+    assert [s for s, _ in step_ends] == list(range(STEPS)), step_ends
+    assert [(a, s) for _, a, s in restarts] == [(1, PAUSE)]
+    assert min(t0 for _, t0, _, _ in segments) < restarts[0][0] < max(t1 for _, _, t1, _ in segments)
+    assert summary["rl_s"] == pytest.approx(total) and summary["rl_s"] > summary["attempt"]["rl_s"]
+    assert os.path.getsize(os.path.join(mode_dir, "timeline.png")) > 1000

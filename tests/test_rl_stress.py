@@ -64,10 +64,10 @@ def replay(cfg: RLConfig, store_dir: str, groups_by_step: list[list[str]]):
     weighted over the nominal rollouts and rescaled at the end), trained on the core
     alone. Returns the final params."""
     mc = cfg.model
-    cs = cells_lib.split_cells(cfg.cell_config())
-    opt = cfg.optimizer_config()
+    cs = cells_lib.split_cells(cfg.cells)
+    opt = cfg.train  # the optimizer's config, the loss's and the processor's
     spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc), cells_lib.make_optimizer(opt, param_logical_axes(mc)))
-    steps = cells_lib.CellSteps(spec, policy_loss_fn(mc, cfg.loss_config()), cells_lib.make_schedule(opt),
+    steps = cells_lib.CellSteps(spec, policy_loss_fn(mc, cfg.train), cells_lib.make_schedule(opt),
                                 reductions=METRIC_REDUCTIONS)
     mesh = cs[0].mesh(Role.TRAIN)
     trainer = cells_lib.ElasticTrainer(steps, cs[0], spec.state_from_params(init_params(mc, jax.random.key(cfg.seed)), mesh))
@@ -83,7 +83,7 @@ def replay(cfg: RLConfig, store_dir: str, groups_by_step: list[list[str]]):
             for gid in groups_by_step[step]:
                 rids = sorted(o.rollout_id for o in outs if o.group_id == gid)
                 calls = [c for r in rids for c in (store.calls(r) if store.outcome(r).num_calls else [])]
-                batch = process_step(calls, [store.outcome(r) for r in rids], cfg.processor_config(),
+                batch = process_step(calls, [store.outcome(r) for r in rids], cfg.train,
                                      num_step_rollouts=nominal, rollout_index_offset=offset)
                 offset += len(batch.rollout_ids)
                 trained += batch.stats.trained_rollouts

@@ -52,21 +52,25 @@ class _Recorder:
 
 
 def test_the_progress_line_of_a_step_shows_that_steps_reward(monkeypatch):
+    from gyre_jax.rl.hooks import StepHooks
+
     monkeypatch.setattr(loop_lib, "StepRecorder", _Recorder)
-    monkeypatch.setattr(loop_lib, "save_costs", lambda *a: None)
     done = queue.Queue()
     written = []
+    hooks = StepHooks(3)  # the metrics writer's hook, as rl/build.py adds it
+    hooks.add_hook(lambda info: written.append((info.record.step, info.record["reward"])), name="metrics")
     c = types.SimpleNamespace(
         clock=None, server=None, timeline=None, controller=None, evaluator=None, cfg=None, workdir="",
         trainer=types.SimpleNamespace(done=done),
         launcher=types.SimpleNamespace(running_rollouts=lambda: 3),
         pool=types.SimpleNamespace(roles=lambda: ["train", "rollout"], training_failed=None),
-        metrics=types.SimpleNamespace(write=lambda step, values: written.append((step, values["reward"]))))
+        step_hooks=hooks)
     out = io.StringIO()  # not a terminal: one line per step
     bar = Progress(total=3, desc="rl[elastic]", enabled=True, every_s=3600.0, stream=out)
     records = loop_lib._Records(c, bar)
     for step, reward in ((0, 0.25), (1, 0.5), (2, 0.75)):
-        done.put(types.SimpleNamespace(step=step, reward=reward, report=types.SimpleNamespace(failed_cells=())))
+        done.put(types.SimpleNamespace(step=step, version=step + 1, params=None, reward=reward,
+                                       report=types.SimpleNamespace(failed_cells=())))
         records.take()
     lines = out.getvalue().splitlines()
     assert [ln.split(" | ")[:2] for ln in lines] == [
@@ -236,3 +240,35 @@ def test_the_sdks_a_python_harness_uses_are_declared_in_the_harnesses_extra():
     used = set(re.findall(r"from (openai|anthropic) import", doc))
     assert used and used <= declared
     assert {"openai", "anthropic"} <= declared  # the clients the python harness's ClientConfig is for
+
+
+# ------------------------------------------------------------------------------------------ time split
+def test_each_steps_record_splits_its_time_between_engines_agents_tools_and_graders():
+    """A step's record: the engines' prefill and decode seconds since the last record (summed over engines),
+    and, over the rollouts that finished since, the time in model calls, in tools (the agent's own time
+    outside its calls) and in grading; the next record counts only what came after."""
+    from gyre_jax.rl.report import StepRecorder
+
+    engines = {n: types.SimpleNamespace(engine=types.SimpleNamespace(counters={"prefill_s": 0.0, "generate_s": 0.0}))
+               for n in ("cell1", "cell2")}
+    server = types.SimpleNamespace(proxy=types.SimpleNamespace(counters={}, router=types.SimpleNamespace(cells=engines)))
+    results: list[dict] = []
+    launcher = types.SimpleNamespace(results=results, running_rollouts=lambda: 0)
+    pool = types.SimpleNamespace(moves=lambda: [], failures=[], out=set(), roles=lambda: "tr")
+    timeline = types.SimpleNamespace(switches_since=lambda n: [])
+    clock = types.SimpleNamespace(now=lambda: 1.0)
+    rec = StepRecorder(clock=clock, server=server, timeline=timeline, launcher=launcher, pool=pool)
+
+    engines["cell1"].engine.counters.update(prefill_s=1.5, generate_s=10.0)
+    engines["cell2"].engine.counters.update(prefill_s=0.5, generate_s=4.0)
+    results += [dict(retries=0, agent_s=9.0, model_s=7.0, grader_s=0.25), dict(retries=0, agent_s=3.0, model_s=2.5,
+                                                                             grader_s=0.5),
+                dict(retries=0, status="timeout", agent_s=240.0, model_s=20.0, grader_s=0.0)]  # a cut call: no tools
+    first = rec._cluster_view(2.0)
+    assert (first["time/prefill_s"], first["time/decode_s"]) == (2.0, 14.0)
+    assert (first["time/model_calls_s"], first["time/tools_s"], first["time/grading_s"]) == (29.5, 2.5, 0.75)
+    engines["cell1"].engine.counters["generate_s"] = 11.0
+    results.append(dict(retries=0, agent_s=4.0, model_s=1.0, grader_s=2.0))
+    second = rec._cluster_view(3.0)
+    assert (second["time/prefill_s"], second["time/decode_s"]) == (0.0, 1.0)
+    assert (second["time/model_calls_s"], second["time/tools_s"], second["time/grading_s"]) == (1.0, 3.0, 2.0)

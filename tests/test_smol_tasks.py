@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +15,8 @@ FILE = os.path.join(ROOT, "examples", "tasks", "smol_tasks.jsonl")
 
 
 def _gen():
+    if os.path.join(ROOT, "tools") not in sys.path:  # the generator imports tools/benchkit.py, as tools do
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
     spec = importlib.util.spec_from_file_location("gen_smol_tasks", os.path.join(ROOT, "tools", "gen_smol_tasks.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

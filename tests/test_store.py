@@ -379,13 +379,13 @@ def test_a_full_disk_is_a_storage_error_at_every_write_site_and_nothing_half_wri
     s.append(call("a", 0))
     s.append(outcome("a"))
     size = os.path.getsize(tmp_path / "s" / LOG_NAME)
-    healthy, s._log._wfd = s._log._wfd, os.open("/dev/full", os.O_WRONLY)
+    healthy, s._wfd = s._wfd, os.open("/dev/full", os.O_WRONLY)
     with pytest.raises(StorageError, match="No space left on device") as e:
         s.append(call("b", 0))
     assert str(tmp_path / "s" / LOG_NAME) in str(e.value)
     assert os.path.getsize(tmp_path / "s" / LOG_NAME) == size and s.rollout_ids() == ["a"]
-    os.close(s._log._wfd)
-    s._log._wfd = healthy
+    os.close(s._wfd)
+    s._wfd = healthy
     s.append(call("b", 0))  # room again: the same record goes in
     assert sorted(s.rollout_ids()) == ["a", "b"]
 

@@ -29,7 +29,7 @@ def learn_cfg():
 
 
 def _task(cfg, seed):
-    return make_task("tiny_agent", seed, **{**cfg.task.kwargs(), "run_tests_scale": 0.0})
+    return make_task("tiny_agent", seed, cfg.task.family_options, run_tests_scale=0.0)
 
 
 def _task_with(cfg, strategy):
@@ -42,7 +42,7 @@ def _task_with(cfg, strategy):
     ("delegate", (ROLE_MAIN, ROLE_MAIN, ROLE_SUBAGENT, ROLE_SUBAGENT, ROLE_SUMMARY, ROLE_MAIN), 1.0),
 ])
 def test_demonstrations_read_test_compact_and_delegate_through_the_real_loop(learn_cfg, strategy, roles, score):
-    hc = learn_cfg.harness_config("http://demo.invalid/v1")
+    hc = learn_cfg.harness
     task = _task_with(learn_cfg, strategy)
     demo = demonstration(task, hc, verify=True)
     assert tuple(c.role for c in demo.calls) == roles
@@ -59,7 +59,7 @@ def test_the_warm_start_tests_in_the_configured_fraction_of_demonstrations(learn
     tasks = [_task(learn_cfg, s) for s in range(600)]
     strategies = [tiny_agent.demo_strategy(t) for t in tasks]
     tested = np.mean([s != "skip" for s in strategies])
-    assert abs(tested - learn_cfg.task.demo_test_fraction) < 0.06
+    assert abs(tested - learn_cfg.task.family_options.demo_test_fraction) < 0.06
     assert 0.1 < np.mean([s == "delegate" for s in strategies]) < 0.2
     none = make_task("tiny_agent", 0, demo_test_fraction=0.0)
     assert tiny_agent.demo_strategy(none) == "skip"
@@ -68,7 +68,7 @@ def test_the_warm_start_tests_in_the_configured_fraction_of_demonstrations(learn
 
 
 def test_demo_trees_share_prefixes_and_train_every_target_once(learn_cfg):
-    hc = learn_cfg.harness_config("http://demo.invalid/v1")
+    hc = learn_cfg.harness
     tok = ByteTokenizer()
     tasks = [_task_with(learn_cfg, s) for s in ("skip", "test", "delegate")]
     for task in tasks:
@@ -93,12 +93,12 @@ def test_demo_trees_share_prefixes_and_train_every_target_once(learn_cfg):
 def test_a_max_tokens_that_cuts_a_demonstrated_reply_is_reported(learn_cfg, caplog):
     import dataclasses
 
-    hc = dataclasses.replace(learn_cfg.harness_config("http://demo.invalid/v1"), max_tokens=88)
+    hc = dataclasses.replace(learn_cfg.harness, max_tokens=88)
     with caplog.at_level("WARNING", logger="gyre_jax.rl.sft"):  # a delegating reply is ~105 tokens
         demo_examples([_task_with(learn_cfg, "delegate")], hc, ByteTokenizer())
     assert "harness.max_tokens=88" in caplog.text and "call 1 (main)" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="gyre_jax.rl.sft"):
-        demo_examples([_task_with(learn_cfg, "delegate")], learn_cfg.harness_config("http://x.invalid/v1"),
+        demo_examples([_task_with(learn_cfg, "delegate")], learn_cfg.harness,
                       ByteTokenizer())
     assert "max_tokens" not in caplog.text

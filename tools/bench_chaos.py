@@ -4,6 +4,7 @@
   python tools/bench_chaos.py --quick          # one trial, 2 stops, 4 steps: a smoke check (~3-5 min on 2 cores)
   python tools/bench_chaos.py --disk-full 1    # + a trial whose workdir is a small tmpfs that fills (needs root)
   python tools/bench_chaos.py --trials 0 --write-faults cursor,checkpoint   # only injected write faults there
+  python tools/bench_chaos.py --fake-engines --sigterm 0    # kill -9s only, engines faked: replay, in minutes
 
 Each trial is a fresh workdir running the README demo (``python -m launch.main --config
 configs/demo.py --workdir W --config.steps=N --config.sft.steps=M --config.checkpoint_every=K``,
@@ -38,9 +39,12 @@ and metrics.jsonl. Prints a table (one row per attempt, then one per trial's aud
 JSON line: trials, kills (stops delivered to a live run: kill9 + sigterm), kill9, sigterm,
 resumes (attempts that said "resumed from checkpoint"), restarts (attempts after a trial's
 first), rollouts_lost, rollouts_trained_twice, groups_short, wrong_state,
-max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, oversized_steps and
-extra_groups (steps that took more than groups_per_step groups after a rewind past the bound, and how
-many more), infra_errors
+max_staleness_over_bound (max over trials), staleness_bound, duplicate_steps, replayed_steps (steps a
+resume trained again from their records: a kill -9 rewinds to the last checkpoint and replays what the
+cursor recorded after it), params_hash_equal and params_hash_differ (each step line a rewind purged, against
+the surviving lineage's line of that step: a replayed version must be the lost run's, bit for bit),
+oversized_steps and extra_groups (steps that took more than groups_per_step groups after a rewind past the
+bound, and how many more: only what could not be replayed), infra_errors
 (infra_error outcomes that are not abandoned attempts), write_faults (attempts stopped by a full
 disk or an injected write fault with the expected code), write_fault_sites, write_fault_results (per
 site: n, rc, expected_rc, exit_s, one_error_line, completed, lost, twice, short), hangs, leftover_processes (processes of a stopped attempt
@@ -72,7 +76,8 @@ STEP_RE = re.compile(r"^rl\[[\w-]+\]: step (\d+)/(\d+)", re.M)  # the RL progres
 
 
 def _cmd(workdir: str, a, fault: str | None = None) -> list[str]:
-    entry = ["gyre_jax.testing.faulty_main", f"--fault={fault}"] if fault else ["launch.main"]
+    entry = (["gyre_jax.testing.faulty_main", *([f"--fault={fault}"] if fault else []),
+              *(["--fake-engines"] if a.fake_engines else [])] if fault or a.fake_engines else ["launch.main"])
     return [sys.executable, "-m", *entry, "--config", "configs/demo.py", "--workdir", workdir,
             f"--config.steps={a.steps}", f"--config.sft.steps={a.sft_steps}",
             f"--config.checkpoint_every={a.checkpoint_every}", "--config.eval.every=0", *a.extra]
@@ -331,6 +336,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fault-exit-s", type=float, default=120.0,
                     help="an injected fault's attempt must exit this soon after the injection, else it is a hang")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fake-engines", action="store_true",
+                    help="engines of gyre_jax.testing.fake_engine (no JAX decode; everything else real): minutes, not hours")
     ap.add_argument("--root", default=None, help="where the trials' workdirs go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs")
     ap.add_argument("extra", nargs="*", help="more --config.X=V flags for every attempt (after --)")
@@ -384,7 +391,8 @@ def main(argv=None) -> dict:
         print(f"{r['trial']:>5} {r['attempt']:>3} {r['stop']:<34} {r['at_s']:>6} {str(r['rc']):>5} "
               f"{'' if r['stop_s'] is None else r['stop_s']:>6} {r['steps_seen']:>5}  {r['last']}")
     keys = ("finished", "trained", "dropped", "rollouts_lost", "rollouts_trained_twice", "groups_short", "wrong_state",
-            "staleness_max", "infra_errors", "unfinished", "metrics_steps", "duplicate_steps")
+            "staleness_max", "infra_errors", "unfinished", "metrics_steps", "duplicate_steps", "replayed_steps",
+            "oversized_steps", "params_hash_equal", "params_hash_differ")
     print()
     print(f"{'trial':>5} {'done':>5} " + " ".join(f"{k:>{max(6, len(k))}}" for k in keys))
     for i, t in enumerate(trials):
@@ -406,6 +414,8 @@ def main(argv=None) -> dict:
         max_staleness_over_bound=max(((t["audit"] or {}).get("max_staleness_over_bound", 0) for t in trials), default=0),
         staleness_bound=cfg.scheduler.staleness_bound, duplicate_steps=total("duplicate_steps"),
         steps_short=sum(a.steps - (t["audit"] or {}).get("metrics_steps", 0) for t in trials if t["completed"]),
+        replayed_steps=total("replayed_steps"), params_hash_equal=total("params_hash_equal"),
+        params_hash_differ=total("params_hash_differ"),
         oversized_steps=total("oversized_steps"), extra_groups=total("extra_groups"),
         infra_errors=total("infra_errors"), write_faults=sum(t["write_faults"] for t in trials), hangs=sum(t["hangs"] for t in trials),
         leftover_processes=sum(t["leftover_processes"] for t in trials),
@@ -418,6 +428,7 @@ def main(argv=None) -> dict:
         failed_attempts=sum(len(t["failed_rc"]) for t in trials), finished_rollouts=total("finished"),
         wall_s=round(wall, 1), steps=a.steps, sft_steps=a.sft_steps, checkpoint_every=a.checkpoint_every,
         groups_per_step=cfg.scheduler.groups_per_step, group_size=cfg.scheduler.group_size, seed=a.seed,
+        fake_engines=a.fake_engines,
         root=a.root,
     )
     if not a.keep:

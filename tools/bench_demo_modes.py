@@ -63,7 +63,7 @@ def mode_flags(mode: str, args) -> list[str]:
     return [f"--config.scheduler.mode={mode}", f"--config.steps={args.steps}",
             f"--config.scheduler.groups_per_step={args.groups_per_step}",
             f"--config.scheduler.group_size={args.group_size}",
-            f"--config.task.run_tests_scale={args.run_tests_scale}", f"--config.sft.steps={args.sft_steps}",
+            f"--config.task.family_options.tiny_tests.run_tests_scale={args.run_tests_scale}", f"--config.sft.steps={args.sft_steps}",
             *FAMILY_OVERRIDES, *args.extra]
 
 
@@ -140,7 +140,7 @@ def suite_bound_rl_s(args, mode: str) -> float:
     n_cells = cfg.check_devices(cfg.num_cpu_devices)
     cluster = ClusterConfig(accelerators=n_cells, cell_size=1, slots_per_cell=cfg.cells.max_slots,
                             switch_to_train_s=0.0, switch_to_rollout_s=0.0, kv_move_s=0.0, publish_s=0.0)
-    policy = cfg.policy_config(n_cells)  # the loop's own policy config, priors included
+    policy = cfg.scheduler  # the loop's own policy config (a PolicyConfig), priors included
     rollouts = Rollouts(offsets=offsets, call_s=call_s, tool_s=tool_s, tokens=tokens)
     return simulator.simulate(SimConfig(cluster=cluster, workload=workload, policy=policy), rollouts=rollouts,
                               record_decisions=False).makespan_s

@@ -160,9 +160,10 @@ def live(args) -> dict:
     with open(os.path.join(yaml_dir, "mini_swe_agent.yaml"), "w") as f:
         f.write(text)
     cfg = external.get_config()
-    command = cfg.harness.command.replace(os.path.join(ROOT, "examples", "harnesses"), yaml_dir)
+    options = cfg.harness.kind_options.command
+    command = options.command.replace(os.path.join(ROOT, "examples", "harnesses"), yaml_dir)
     harness = make_harness("command", command=command, unix_socket=sock, ro_paths=(yaml_dir,),
-                           env=dict(cfg.harness.env))
+                           env=dict(options.env))
     hc = HarnessConfig(base_url=st.url + "/v1", run_id="bench", sandbox=sb.SandboxConfig(kind="bubblewrap"),
                        deadline_s=args.deadline_s, grader_timeout_s=60.0, concurrency=args.concurrency,
                        grader_concurrency=2)

@@ -50,7 +50,7 @@ import benchkit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "learn.py")
 QUICK = ("steps=2", "sft.steps=20", "eval.every=1", "eval.tasks=1", "eval.samples_per_task=2",
-         "scheduler.groups_per_step=2", "scheduler.group_size=4", "task.run_tests_scale=0.02", "checkpoint_every=2")
+         "scheduler.groups_per_step=2", "scheduler.group_size=4", "task.family_options.tiny_agent.run_tests_scale=0.02", "checkpoint_every=2")
 
 
 def _jsonl(path: str) -> list[dict]:
@@ -58,6 +58,24 @@ def _jsonl(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _setting(overrides: list[str], key: str) -> int:
+    """What the runs used for an integer config field: the last override of it wins (as in launch.main's
+    flags), else configs/learn.py's value."""
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key]
+    if given:
+        return int(given[-1])
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_learn", CONFIG)
+    assert spec is not None and spec.loader is not None, CONFIG
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    value = mod.get_config()
+    for part in key.split("."):
+        value = value[part]
+    return int(value)
 
 
 def run_one(workdir: str, mode: str, seed: int, overrides: list[str], log_path: str) -> float:
@@ -228,10 +246,10 @@ def main(argv=None) -> dict:
     for m, s, secs, rl_s, e0, e1, load, br in rows:
         print(f"{m:10} {s:>4} {secs:7.0f} {f(rl_s, 0):>7} {f(e0):>8} {f(e1):>8} {load:5.1f} {f(br, 2):>9}")
     print(f"plot: {png}")
-    cfg_steps = next((o.split("=", 1)[1] for o in overrides if o.startswith("steps=")), None)
     s0 = runs[seeds[0], modes[0]]["summary"]
-    result.update(steps=int(cfg_steps) if cfg_steps else None, seeds=seeds, modes=modes, quick=a.quick,
-                  overrides=overrides, groups_per_step=s0.get("groups_per_step"), group_size=s0.get("group_size"),
+    result.update(steps=_setting(overrides, "steps"), seeds=seeds, modes=modes, quick=a.quick, overrides=overrides,
+                  groups_per_step=_setting(overrides, "scheduler.groups_per_step"),
+                  group_size=_setting(overrides, "scheduler.group_size"),
                   trained_rollouts=s0.get("trees", {}).get("trained_rollouts"), wall_s=time.monotonic() - t0)
     return bench.emit(result, sizes=dict(steps=result["steps"], seeds=seeds, modes=modes,
                                          groups_per_step=result["groups_per_step"], group_size=result["group_size"],

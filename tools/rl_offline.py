@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     from gyre_jax.rl.config import RLConfig
     from gyre_jax.rl.evaluate import (HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows,
                                       score_text)
-    from gyre_jax.rl.build import fresh_params
+    from gyre_jax.rl.start_policy import fresh_params
     from gyre_jax.serving.tokenizer import ByteTokenizer
     from gyre_jax.trajectory.binpack import pack_trees
     from gyre_jax.trajectory.node import TreeNode
@@ -98,11 +98,11 @@ def main(argv=None) -> dict:
     params = jax.device_get(params)
     print(f"sft: {cfg.sft.steps} steps in {sft_s:.1f}s", flush=True)
 
-    eval_tasks = [make_task(cfg.task.family, 2**29 + s, **cfg.task.kwargs()) for s in range(a.eval_tasks)]
+    eval_tasks = [make_task(cfg.task.family, 2**29 + s, cfg.task.family_options) for s in range(a.eval_tasks)]
     held_out = HeldOutEval(mc, eval_tasks, tok, system_prompt=h.system_prompt or None, samples_per_task=8,
                            max_tokens=h.max_tokens, temperature=h.temperature, seed=0, max_len=cfg.cells.max_len)
     sample = make_sampler(mc, max_tokens=h.max_tokens, max_len=cfg.cells.max_len, temperature=h.temperature)
-    model, loss_cfg, pc = Transformer(mc), cfg.loss_config(), cfg.processor_config()
+    model, loss_cfg, pc = Transformer(mc), cfg.train, cfg.train  # the train section is both configs
     estimator = ADVANTAGE_ESTIMATORS.get(t.advantage)
     passes = loss_cfg.step_passes()
     logprob = jax.jit(policy_loss_fn(mc, loss_cfg).logprob_fn)
@@ -122,9 +122,9 @@ def main(argv=None) -> dict:
             trees.append(TreeNode.span(rows[i, :lengths[i]], children=[
                 TreeNode.span(toks[i, :n], trainable=True, logprobs=lps[i, :n].astype(np.float32))]))
         s = np.asarray(scores).reshape(len(tasks), a.group_size)
-        adv, _ = estimator.fn(s, np.ones(s.shape, bool), pc.advantage.estimator_config)  # the registered estimator
+        adv, _ = estimator.fn(s, np.ones(s.shape, bool), pc.advantage_options)  # the registered estimator
         packed = pack_trees(trees, adv.reshape(-1).tolist(), t.row_len, weights=pc.weights,
-                            weights_config=pc.weights_config)
+                            weights_config=pc.weights_options)
         if passes:  # on-policy: the sampler's params are the step's (trainer = prox), the reference the warm start
             fill_score_fields(packed.rows, packed.rollout_index, passes=passes, corrected=loss_cfg.correction is not None,
                               version=0, params_of={0: params}.get, ref_params=ref_params,
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         return loss_from_logits(logits, b, loss_cfg)
 
     def task_batch(step):
-        return [make_task(cfg.task.family, (a.seed * 1_000_003 + step * a.groups + g) % 2**31, **cfg.task.kwargs())
+        return [make_task(cfg.task.family, (a.seed * 1_000_003 + step * a.groups + g) % 2**31, cfg.task.family_options)
                 for g in range(a.groups)]
 
     sizes = dict(steps=a.steps, groups=a.groups, group_size=a.group_size, sft_steps=cfg.sft.steps,

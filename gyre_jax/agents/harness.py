@@ -277,7 +277,8 @@ async def _run_agent(request: RolloutRequest, config: HarnessConfig, root: Path,
         etask = EpisodeTask(task_id=task.task_id, instruction=task.prompt, system_prompt=task.system_prompt,
                             metadata=task.metadata, rollout_id=request.rollout_id, group_id=request.group_id,
                             run_id=config.run_id, workspace_path=str(path), tools=ws, spec=task)
-        episode = Episode(etask, client_config(request, config, key, session), task.deadline_s or config.deadline_s)
+        deadline = task.deadline_s * config.deadline_scale if task.deadline_s else config.deadline_s
+        episode = Episode(etask, client_config(request, config, key, session), deadline)
         ended = await _run_harness(harness, episode)
         usage = keys.usage(key) if keys is not None and hasattr(keys, "usage") else None
         if keys is not None:  # no call of this rollout is recorded after this point

@@ -504,15 +504,7 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     the only capabilities kept for that being SETUID/SETGID, lost at the switch; a seccomp
     filter (``sandbox_seccomp``) forbids user namespaces inside. Otherwise bwrap makes a user
     namespace (``--unshare-all``, ``--disable-userns``) and the command keeps our uid."""
-    if uid is not None:
-        ns = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-              *([] if network else ["--unshare-net"]), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
-              "--cap-add", "CAP_SETGID"]
-    else:
-        # no user namespaces inside (a namespace of its own lets a command mount tmpfs at will);
-        # bwrap >= 0.8 can forbid them, only together with the user namespace it made
-        ns = ["--unshare-all", *(["--share-net"] if network else []), *_disable_userns()]
-    argv = ["bwrap", *ns, "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
+    argv = ["bwrap", *_namespaces(uid, network), "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
             "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--hostname", "sandbox"]
     for k, v in (env or {}).items():
@@ -548,12 +540,26 @@ def bwrap_argv(*, network: bool, uid: int | None, tmp_bytes: int, extra_ro_paths
     argv += ["--chdir", "/", "--"]
     if uid is not None:
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
-    # no user namespaces inside a root trainer's sandbox; no uncounted memory in one without a cgroup
+    return _with_seccomp(argv, uid, deny_shared_memory)
+
+
+def _namespaces(uid: int | None, network: bool) -> list[str]:
+    if uid is not None:
+        return ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                *([] if network else ["--unshare-net"]), "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
+                "--cap-add", "CAP_SETGID"]
+    # no user namespaces inside (a namespace of its own lets a command mount tmpfs at will);
+    # bwrap >= 0.8 can forbid them, only together with the user namespace it made
+    return ["--unshare-all", *(["--share-net"] if network else []), *_disable_userns()]
+
+
+def _with_seccomp(argv: list[str], uid: int | None, deny_shared_memory: bool) -> list[str]:
+    """No user namespaces inside a root trainer's sandbox; no uncounted memory in one without a cgroup."""
     rules = [*(["userns"] if uid is not None else []), *(["shared_memory"] if deny_shared_memory else [])]
     seccomp = None if _seccomp_refused else filter_path(*rules)
-    if seccomp is not None:
-        argv = ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
-    return argv
+    if seccomp is None:
+        return argv
+    return ["sh", "-c", 'exec "$@" 9< "$0"', seccomp, argv[0], "--seccomp", "9", *argv[1:]]
 
 
 _userns_flag: list[str] | None = None

@@ -16,16 +16,19 @@ supervised warm start (``demo_tasks``; a source without scripted solutions raise
            continues with exactly the tasks it would have drawn; eval = the ``split=eval``
            lines plus an optional second file.
 
-Adding a source: a class with ``kind``, the three methods and ``describe``, then
-``register_source``.
+Adding a source: a class with ``kind``, the three methods and ``describe``, registered with
+``@TASK_SOURCES.register(kind, summary=...)`` (``gyre_jax.registry``).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, ClassVar, Protocol
+import os
+from typing import Any, ClassVar, Protocol
 
+from gyre_jax.agents.tasks import FAMILIES
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.registry import Registry, options_field, resolve_options
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +45,11 @@ class TaskSource(Protocol):
     def describe(self) -> str: ...
 
 
-SOURCES: dict[str, Callable[..., TaskSource]] = {}
-
-
-def register_source(kind: str, factory: Callable[..., TaskSource]) -> None:
-    if kind in SOURCES:
-        raise ValueError(f"task source {kind!r} is already registered")
-    SOURCES[kind] = factory
+TASK_SOURCES = Registry("task source", "task")
 
 
 def make_source(kind: str, **kwargs) -> TaskSource:
-    try:
-        factory = SOURCES[kind]
-    except KeyError:
-        raise LookupError(f"unknown task source {kind!r}; known: {sorted(SOURCES)}") from None
-    return factory(**kwargs)
+    return TASK_SOURCES.get(kind).obj(**kwargs)
 
 
 # Disjoint seed streams of generated families.
@@ -65,17 +58,18 @@ EVAL_SEED_BASE = 2**29
 DEMO_SEED_BASE = 2**30
 
 
+@TASK_SOURCES.register("family", summary="a generated family: three disjoint seed streams (train, eval, demos)")
 @dataclasses.dataclass(frozen=True)
 class FamilySource:
     kind: ClassVar[str] = "family"
     family: str
     seed: int = 0
-    kwargs: dict = dataclasses.field(default_factory=dict)
+    options: Any = None  # the family's options (None: its defaults)
 
     def _make(self, seed: int) -> Task:
         from gyre_jax.agents.tasks import make_task  # families load on first use
 
-        return make_task(self.family, seed % (2**31), **self.kwargs)
+        return make_task(self.family, seed % (2**31), self.options)
 
     def train_task(self, index: int) -> Task:
         return self._make(self.seed * TRAIN_SEED_STRIDE + index)
@@ -90,6 +84,7 @@ class FamilySource:
         return f"family {self.family}"
 
 
+@TASK_SOURCES.register("dataset", summary="a task set on disk (task.dataset) (its format read from the path or task.dataset_options)")
 class DatasetSource:
     kind: ClassVar[str] = "dataset"
 
@@ -155,5 +150,55 @@ class DatasetSource:
                 f"{f', {len(self.excluded)} broken tasks skipped' if self.excluded else ''})")
 
 
-register_source(FamilySource.kind, FamilySource)
-register_source(DatasetSource.kind, DatasetSource)
+
+TASK_CHECKS = ("start", "off")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The RL run's task section (``config.task``): a generated family, or a task set on disk."""
+
+    SECTION: ClassVar[str] = "task"
+    family: str = "tiny"  # a task family (gyre_jax.agents.tasks; python -m gyre_jax.plugins lists them)
+    family_options: Any = options_field(FAMILIES, "family")  # --config.task.family_options.FAMILY.OPTION=v
+    # A task set instead of a family: gyre or SWE-bench JSONL, a directory of Harbor tasks (the format is read
+    # from the path, or named in dataset_options); eval_dataset: a second set of held-out tasks (besides the
+    # first one's split=eval tasks).
+    dataset: str = ""
+    eval_dataset: str = ""
+    # The task set's format and options, JSON text (gyre_jax.agents.tasks.formats), e.g. '{"environment": "host"}'
+    # runs Harbor or SWE-bench tasks on this host's toolchain (no per-task image).
+    dataset_options: str = ""
+    # Check every task's grader at start (gyre_jax.rl.task_gate; --check_tasks prints the same): "start" (task
+    # files; a generated family's graders are gyre's own) or "off". A broken task stops the run with one error:
+    # line, unless skip_broken drops it (counted in the log and summary).
+    check: str = "start"
+    skip_broken: bool = False
+    # Host paths every graded command sees read-only besides the run's Python (comma-separated), e.g. a
+    # toolchain its tests need (gyre_jax.agents.grader_sandbox).
+    grader_ro_paths: str = ""
+
+    def __post_init__(self):
+        resolve_options(self)
+        if self.eval_dataset and not self.dataset:
+            raise ValueError("TaskConfig.eval_dataset needs config.task.dataset (the training tasks' set)")
+        if self.check not in TASK_CHECKS:
+            raise ValueError(f"TaskConfig.check must be one of {TASK_CHECKS}, got {self.check!r}")
+        for p in self.grader_ro_path_list:
+            if not os.path.isabs(p):
+                raise ValueError(f"TaskConfig.grader_ro_paths: {p!r} is not an absolute path")
+        if self.dataset_options:
+            from gyre_jax.agents.tasks.formats import parse_options  # light: no format is read here
+
+            parse_options(self.dataset_options)
+
+    @property
+    def grader_ro_path_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.grader_ro_paths.split(",") if p.strip())
+
+    def source(self, seed: int) -> TaskSource:
+        """The run's TaskSource: the task set's, else the family's."""
+        if self.dataset:
+            return make_source("dataset", path=self.dataset, eval_path=self.eval_dataset, seed=seed,
+                               options=self.dataset_options)
+        return make_source("family", family=self.family, seed=seed, options=self.family_options)

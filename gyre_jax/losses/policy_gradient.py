@@ -66,6 +66,7 @@ from gyre_jax.losses.registry import (
     POLICY_LOSSES,
     declare_metrics,
 )
+from gyre_jax.registry import options_field, resolve_options
 
 MISMATCH_OFF = "off"
 # k3's exp is linear beyond this log-ratio (numerics.safe_exp): a policy e^20 away from the
@@ -115,38 +116,29 @@ class PolicyLossConfig:
     """
 
     loss: str = "ppo_clip"  # POLICY_LOSSES name
-    objective: Any = None  # its config (None: the paper's defaults)
+    loss_options: Any = options_field(POLICY_LOSSES, "loss")  # its config (None: the paper's defaults)
     mismatch: str = MISMATCH_OFF  # MISMATCH_CORRECTIONS name, or "off"
-    mismatch_config: Any = None  # its config (None: defaults)
+    mismatch_options: Any = options_field(MISMATCH_CORRECTIONS, "mismatch", off=MISMATCH_OFF)  # its config
     kl_coef: float = 0.0  # weight of the KL-to-reference term (needs reference log-probs)
-    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    kl_estimator: str = "k3"  # one of KL_ESTIMATORS: k1 | k2 | k3 (overflow-safe)
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss; reported either way)
     entropy_metric: bool = True  # report the weighted entropy even when entropy_coef == 0
     # |log-ratios| are clamped to this before exp: loss and gradient stay finite for
-    # any log-ratio (module docstring); no effect on tokens inside it.
+    # any log-ratio (module docstring), whatever engine and trainer disagree by; no effect inside it.
     log_ratio_clamp: float = 20.0
 
     def __post_init__(self):
         where = "PolicyLossConfig."
-        entry = POLICY_LOSSES.get(self.loss)
-        obj = entry.config() if self.objective is None else entry.check_config(self.objective, f"{where}objective: ")
-        object.__setattr__(self, "objective", obj)
-        if self.mismatch != MISMATCH_OFF:
-            ce = MISMATCH_CORRECTIONS.get(self.mismatch)
-            mc = ce.config() if self.mismatch_config is None else ce.check_config(self.mismatch_config,
-                                                                                   f"{where}mismatch_config: ")
-            object.__setattr__(self, "mismatch_config", mc)
-            if "behavior_logprobs" not in entry.inputs:
-                raise ValueError(f"{where}mismatch={self.mismatch!r}: loss {self.loss!r} reads no behaviour "
-                                 f"log-probs, so there is nothing to correct")
-        elif self.mismatch_config is not None:
-            raise ValueError(f"{where}mismatch_config is set but mismatch is off")
+        resolve_options(self)
+        if self.correction is not None and "behavior_logprobs" not in self.entry.inputs:
+            raise ValueError(f"{where}mismatch={self.mismatch!r}: loss {self.loss!r} reads no behaviour "
+                             f"log-probs, so there is nothing to correct")
         for name in ("kl_coef", "entropy_coef"):
             check_number(where, name, getattr(self, name), lo=0.0)
         get_kl_estimator(self.kl_estimator)
         check_number(where, "log_ratio_clamp", self.log_ratio_clamp, lo=0.0, lo_open=True, hi=MAX_LOG_RATIO_CLAMP)
-        if hasattr(obj, "check_clamp"):
-            obj.check_clamp(self.log_ratio_clamp, where)
+        if hasattr(self.loss_options, "check_clamp"):
+            self.loss_options.check_clamp(self.log_ratio_clamp, where)
 
     @classmethod
     def create(cls, *, loss: str = "ppo_clip", mismatch: str = MISMATCH_OFF, kl_coef: float = 0.0,
@@ -172,7 +164,7 @@ class PolicyLossConfig:
             mc = ce.config(**mis_opts)
         elif mis_opts:
             raise ValueError(f"{where}{sorted(mis_opts)[0]} is set but mismatch is off")
-        return cls(loss=loss, objective=entry.config(**obj_opts), mismatch=mismatch, mismatch_config=mc,
+        return cls(loss=loss, loss_options=entry.config(**obj_opts), mismatch=mismatch, mismatch_options=mc,
                    kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
                    entropy_metric=entropy_metric, log_ratio_clamp=log_ratio_clamp)
 
@@ -304,7 +296,7 @@ def policy_loss(logp_BxT: jax.Array, weights_BxT: jax.Array, batch: Mapping[str,
     x = PolicyInputs(logp=logp, old_logp=zeros if old is None else old, advantages=zeros if adv is None else adv,
                      weights=w, active=active, log_ratio_clamp=c, prox_logp=given("prox_logprobs"),
                      seq_log_ratio=seq_lr)
-    pg, om = entry.fn(x, config.objective)
+    pg, om = entry.fn(x, config.loss_options)
     pg = jnp.where(active, pg, 0.0)
     if corr is not None:
         pg = pg * corr
@@ -359,7 +351,7 @@ def _mismatch_correction(tr, old, w, active, batch, config: PolicyLossConfig, me
         seq = sg(safe(_sequence_stat(batch, "seq_log_mismatch", log_rho, active, "sum", where)))
     mx = MismatchInputs(log_rho=log_rho, seq_log_rho=seq, weights=w, active=active,
                         log_ratio_clamp=config.log_ratio_clamp)
-    corr, cm = config.correction.fn(mx, config.mismatch_config)
+    corr, cm = config.correction.fn(mx, config.mismatch_options)
     corr = sg(jnp.where(active, corr, 0.0))
     metrics.update(cm, **mismatch_metrics(mx, corr))
     return corr, tr

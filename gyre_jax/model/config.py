@@ -53,6 +53,9 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
     rope_original_max_len: int = 8192  # llama3 scaling: original_max_position_embeddings
     vocab_pad_multiple: int = 1  # embedding rows padded to a multiple of this (the mesh's vocab split); padded logits masked
+    # The policy is softmax(logits / T): engines sample it at temperature 1 and training scores the same
+    # distribution (a rollout sampled at temperature T from the T=1 model would be off-policy for a T=1 loss).
+    logits_temperature: float = 1.0
     # Mixture of experts (Qwen3-MoE's names; model/moe.py). num_experts == 0: every layer is the dense MLP.
     num_experts: int = 0  # experts per MoE layer
     num_experts_per_tok: int = 0  # top-k experts each token is routed to
@@ -87,6 +90,8 @@ class ModelConfig:
             raise ValueError(f"{where}.rope_theta must be > 0, got {self.rope_theta}")
         if not self.norm_eps > 0:
             raise ValueError(f"{where}.norm_eps must be > 0, got {self.norm_eps}")
+        if not self.logits_temperature > 0:
+            raise ValueError(f"{where}.logits_temperature must be > 0, got {self.logits_temperature}")
         if self.attention_kernel not in ("xla", "pallas", "pallas_interpret"):
             raise ValueError(f"{where}.attention_kernel must be 'xla', 'pallas' or 'pallas_interpret', "
                              f"got {self.attention_kernel!r}")

@@ -122,7 +122,7 @@ class Transformer(nn.Module):
                             for name, start, stop, moe in cfg.layer_runs())
         self.final_norm = RMSNorm(cfg, name="final_norm")
 
-    def unembed_matrix(self, *, padded: bool = False):
+    def unembed_matrix(self, *, padded: bool = False, tempered: bool = True):
         """[D, V] matrix with logits = hidden @ unembed.
 
         The embedding has ``padded_vocab`` rows (a multiple the mesh splits evenly);
@@ -132,6 +132,8 @@ class Transformer(nn.Module):
         u = self.embedding.T if cfg.tie_embeddings else self.unembedding
         if not padded and cfg.padded_vocab != cfg.vocab_size:
             u = u[:, : cfg.vocab_size]
+        if cfg.logits_temperature != 1.0 and tempered:  # hidden @ (U / T) = logits / T (ModelConfig.logits_temperature)
+            u = u / cfg.logits_temperature
         return u.astype(cfg.jnp_dtype)
 
     def embed_tokens(self, tokens_BxT):
@@ -146,8 +148,10 @@ class Transformer(nn.Module):
                                 preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum(
-                "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(padded=True), preferred_element_type=jnp.float32
+                "btd,dv->btv", hidden_BxTxD, self.unembed_matrix(padded=True, tempered=False), preferred_element_type=jnp.float32
             )
+        if cfg.logits_temperature != 1.0:
+            logits = logits / cfg.logits_temperature
         if cfg.padded_vocab != cfg.vocab_size:
             real_V = jnp.arange(cfg.padded_vocab) < cfg.vocab_size
             logits = jnp.where(real_V, logits, PAD_LOGIT)

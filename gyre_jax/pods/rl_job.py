@@ -69,7 +69,7 @@ def satellite_main(cfg, steps, make_backend, tok) -> dict:
     """A satellite process of the rl job: train and serve on the core's word until it says stop."""
     transport = Transport()
     me = transport.process
-    cell = dataclasses.replace(cells_lib.split_cells(cfg.cell_config(), jax.local_devices())[0], index=me)
+    cell = dataclasses.replace(cells_lib.split_cells(cfg.cells, jax.local_devices())[0], index=me)
     publisher = cells_lib.WeightPublisher(steps.spec.logical_params, steps.spec.abstract_params)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="gyre-engine", daemon=True)

@@ -190,8 +190,8 @@ def _second_phase(jobs, keys, meta, sdir, mode_dir, out_dir, settings, store_inf
     from gyre_jax.rl.progress import Progress
 
     n_todo = sum(len(j[1]) for j in jobs)
-    bar = Progress(total=n_todo, desc="report: rollouts", enabled=progress and n_todo > 0, every_s=10.0,
-                   line_per_step=False)
+    bar = Progress(total=n_todo, desc="report", enabled=progress and n_todo > 0, every_s=10.0,
+                   line_per_step=False, unit="rollout")
     built = written = 0
     last = time.monotonic()
     data = os.path.join(out_dir, "data")

@@ -28,10 +28,10 @@ def settings_from_config(config) -> tuple[ReportSettings, str]:
     from gyre_jax.rl.config import RLConfig
 
     cfg = RLConfig.from_config(config)
-    proc = cfg.processor_config()
+    proc = cfg.train  # the train section is the processor's config
     return ReportSettings(tokenizer=f"hf:{cfg.hf_path}" if cfg.hf_path else "byte",
                           template_kwargs=dict(cfg.chat_template_kwargs), select=proc.select,
-                          advantage=proc.advantage, group_field=proc.group_field,
+                          advantage=proc, group_field=proc.group_field,  # an AdvantageConfig too
                           staleness_bound=cfg.scheduler.staleness_bound), cfg.scheduler.mode
 
 

@@ -24,7 +24,12 @@ What it counts (all 0 in a healthy run that reached its end):
 
 Also reported, not a fault: ``oversized_steps`` and ``extra_groups``, the steps of the surviving
 lineage that took more than ``groups_per_step`` groups and how many more (metrics.jsonl's
-``resume/extra_groups``): how a resume past the staleness bound keeps it (``policy.resume_step_sizes``).
+``resume/extra_groups``): how a resume past the staleness bound keeps it (``policy.resume_step_sizes``);
+``replayed_steps``, the steps a resume trained again from their records (``rl.replay``); and the params
+hash comparison: each line a rewind purged (``metrics.purged.jsonl``: a stopped attempt's steps past its
+last checkpoint) against the surviving lineage's line of the same step, ``params_hash_equal`` /
+``params_hash_differ`` (a replayed step must be equal; one trained anew after a step that could not be
+replayed may differ).
 """
 from __future__ import annotations
 
@@ -84,19 +89,21 @@ def audit_workdir(mode_dir: str, *, group_size: int, staleness_bound: int) -> di
             filled += bool(real)
         short += filled < group_size
     steps_of_group = collections.defaultdict(set)
-    metrics = os.path.join(mode_dir, "metrics.jsonl")
     steps = []
     extra = []  # resume/extra_groups of each step that took more than G groups
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    steps.append(r["step"])
-                    if r.get("resume/extra_groups"):
-                        extra.append(int(r["resume/extra_groups"]))
-                    for g in filter(None, str(r.get("groups", "")).split(",")):
-                        steps_of_group[g].add(r["step"])
+    hashes: dict[int, str] = {}
+    replayed = 0
+    for r in _lines(os.path.join(mode_dir, "metrics.jsonl")):
+        steps.append(r["step"])
+        if r.get("resume/extra_groups"):
+            extra.append(int(r["resume/extra_groups"]))
+        replayed += bool(r.get("resume/replayed"))
+        if r.get("params_hash"):
+            hashes[r["step"]] = r["params_hash"]
+        for g in filter(None, str(r.get("groups", "")).split(",")):
+            steps_of_group[g].add(r["step"])
+    compared = [(r["params_hash"], hashes[r["step"]]) for r in _lines(os.path.join(mode_dir, "metrics.purged.jsonl"))
+                if r.get("params_hash") and isinstance(r.get("step"), int) and r["step"] in hashes]
     for gid, ss in steps_of_group.items():
         if len(ss) > 1:
             twice += (len(ss) - 1) * sum(consumed[r]["state"] == "trained" for ids in slots.get(gid, {}).values() for r in ids)
@@ -117,5 +124,20 @@ def audit_workdir(mode_dir: str, *, group_size: int, staleness_bound: int) -> di
         infra_errors=sum(o.status == "infra_error" and not str(o.details.get("error", "")).startswith("abandoned")
                          for o in outs.values()),
         metrics_steps=len(steps), duplicate_steps=len(steps) - len(set(steps)),
-        oversized_steps=len(extra), extra_groups=sum(extra),
+        oversized_steps=len(extra), extra_groups=sum(extra), replayed_steps=replayed,
+        params_hash_equal=sum(a == b for a, b in compared), params_hash_differ=sum(a != b for a, b in compared),
     )
+
+
+def _lines(path: str) -> list[dict]:
+    """The JSON lines of ``path`` (none if it is missing); a torn last line is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

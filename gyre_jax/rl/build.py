@@ -1,11 +1,14 @@
-"""``build(config) -> Components``: every part of the RL loop, made once and started.
+"""``build(config) -> Components``: every part of the RL loop, made once and started. Wiring only.
 
 The cells and their layout (the trainer and the engines are placed from its role ->
 mesh map), the train state (the last checkpoint with its data position and buffered
-rollouts, or a fresh model warm-started by SFT), the engines on the serving cells
-behind the router and the recording proxy, the harness launcher (finishing groups a
-stop cut short), the grain pipeline that feeds the trainer, and the scheduler's
-controller over adapters of all of them. ``gyre_jax.rl.loop.drive`` runs them.
+rollouts, or a fresh model: ``rl.start_policy``), the engines on the serving cells
+behind the router and the recording proxy (warmed up: ``rl.warmup``), the harness
+launcher (finishing groups a stop cut short), the grain pipeline that feeds the
+trainer, the scheduler's controller over adapters of all of them, and the hooks that
+run after each update (the checkpoint, ``rl.checkpointing``; the HF export,
+``rl.export``) and after each step's record (the held-out eval, ``rl.evaluators``;
+the metrics; the scheduler's costs file). ``gyre_jax.rl.loop.drive`` runs them.
 """
 from __future__ import annotations
 
@@ -21,40 +24,49 @@ import time
 from typing import Any, Callable, Mapping
 
 import jax
-import numpy as np
 from absl import logging as absl_logging
 
 from gyre_jax import cells as cells_lib
+from gyre_jax import planner
 from gyre_jax.cells.loss import policy_loss_fn
 from gyre_jax.cells.mesh import CellLayout, Role
 from gyre_jax.distributed import ensure_cpu_devices
-from gyre_jax.errors import ConfigError, RunFailed, storage_error
+from gyre_jax.errors import ConfigError, RunFailed
 from gyre_jax.losses import METRIC_REDUCTIONS
-from gyre_jax.model import init_boxed, init_params, param_logical_axes
+from gyre_jax.model import init_boxed, param_logical_axes
 from gyre_jax.cells.frozen_base import Adapted, FrozenBase
 from gyre_jax.rl import faults as faults_lib
 from gyre_jax.rl import lora_run
+from gyre_jax.rl import heap
 from gyre_jax.rl import reference as reference_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter, RoleTable
-from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
-from gyre_jax import planner
+from gyre_jax.rl.checkpoint import Checkpointer, abstract_like
+from gyre_jax.rl.checkpointing import CheckpointHook, check_checkpoint, open_checkpointer, save_checkpoint
 from gyre_jax.rl.config import RLConfig
-from gyre_jax.agents.sandbox import SandboxConfig
-from gyre_jax.rl.episode_eval import BackgroundEval, EpisodeEval
-from gyre_jax.rl.evaluate import HeldOutEval, first_call_prompt
-from gyre_jax.rl.launcher import Group, Launcher, ResumedGroup, group_number, resume_plan
-from gyre_jax.rl.metrics import MetricsWriter, WandbOptions
+from gyre_jax.rl.evaluate import first_call_prompt
+from gyre_jax.rl.evaluators import Evaluator, make_evaluator
+from gyre_jax.rl.export import ExportHook, PeftExportHook
+from gyre_jax.rl.hooks import StepHooks, StepInfo, UpdateHooks
+from gyre_jax.rl.groups import Group, WorkEstimate
+from gyre_jax.rl.group_queue import GroupQueue
+from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number
+from gyre_jax.rl import replay as replay_lib
+from gyre_jax.rl.metrics import MetricsWriter
+from gyre_jax.rl.report import scalars
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline
-from gyre_jax.rl import warm_cache
-from gyre_jax.rl.sft import demo_trees, noisy_tasks, warm_start
+from gyre_jax.rl.start_policy import fresh_params, hf_params
 from gyre_jax.rl.step_events import TrainerSnapshot
+from gyre_jax.rl.step_processor import StepProcessor
+from gyre_jax.rl.step_runner import StepRunner
 from gyre_jax.rl.trainer import TrainerAdapter
+from gyre_jax.rl.warmup import warm_engines, warm_steps
 from gyre_jax.scheduler import costs_file
 from gyre_jax.scheduler import policy as policy_lib
+from gyre_jax.scheduler.config import SchedulerConfig
 from gyre_jax.scheduler.controller import Controller
 from gyre_jax.scheduler.modes import get_mode
 from gyre_jax.scheduler.vocab import ROLLOUT
-from gyre_jax.serving.backend import GenerateRequest, SamplingParams
+from gyre_jax.schema import plain
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
 from gyre_jax.serving.router import Router
 from gyre_jax.serving.server_thread import ServerThread
@@ -82,8 +94,12 @@ def jetstream_backend(cfg: RLConfig, cell, params, version: int, name: str, tok)
     engine = GyreEngine(cfg.model, params, mesh=cell.mesh(Role.ROLLOUT), max_slots=c.max_slots, max_len=c.max_len,
                         version=version, name=name, special_ids=special, tokens_per_call=c.tokens_per_call,
                         kv_cache=c.kv_cache, page_size=c.page_size, kv_pages=c.kv_pages or None,
-                        lora_serving=cfg.train.lora.serving)  # a LoRA run's params: Adapted(base, adapters)
-    return JetStreamBackend(engine, name=name)
+                        lora_serving=cfg.train.lora.serving,  # a LoRA run's params: Adapted(base, adapters)
+                        prefill_chunk=c.prefill_chunk, fixed_prefill=c.fixed_prefill)
+    # The prefix cache (each rollout's last call's k/v, for its next call) is bounded at one full slot's k/v per
+    # decode slot: what the memory plan counts for it (planner.prefix_cache_bytes). 64 entries of up to max_len
+    # each, unbounded in bytes, took a SmolLM2 run 0.8 GiB over its plan.
+    return JetStreamBackend(engine, name=name, prefix_cache_bytes=planner.prefix_cache_bytes(cfg.model, c))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +127,16 @@ class Components:
     harness_loop: LoopThread
     store: TrajectoryStore
     ckpt: Checkpointer
+    checkpoints: CheckpointHook  # its save_after_failure: what a failing run trained
     metrics: MetricsWriter
-    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
+    evaluator: Evaluator | None
+    step_hooks: StepHooks  # after each step's record: the eval, the heap trim, the metrics, the costs file
     timeline: Timeline
     clock: RealClock
     wake: threading.Event
     start: Start
     faults: faults_lib.RLFaults | None
     chaos: faults_lib.Chaos | None
-    evals: list[dict] = dataclasses.field(default_factory=list)  # held-out eval results, appended by the loop
     warm_thread: threading.Thread | None = None
     satellites: Any = None  # gyre_jax.pods.rl_job.Satellites when the cells run in separate processes
     task_check: dict = dataclasses.field(default_factory=dict)  # what the grader check at start found (task_gate)
@@ -127,13 +144,13 @@ class Components:
     def close(self) -> None:
         """Stop every thread and server; each part closes even if another fails to."""
         sats = () if self.satellites is None else (self.satellites.stop,)  # after the trainer and proxy stopped
-        evals = (self.evaluator.close,) if isinstance(self.evaluator, BackgroundEval) else ()
+        evals = (self.evaluator.close,) if self.evaluator is not None else ()
         for stop in (self.trainer.stop, self.launcher.close, self.pool.close, self.server.stop, self.harness_loop.stop,
                      *sats, *evals, self.ckpt.close, self.metrics.close, self.store.close):
             try:
                 stop()
-            except Exception:  # noqa: BLE001 - close the rest
-                log.exception("closing %s failed", getattr(stop, "__qualname__", stop))
+            except Exception as e:  # noqa: BLE001 - close the rest; one line (a failing run already says why)
+                log.error("closing %s failed: %s: %s", getattr(stop, "__qualname__", stop), type(e).__name__, e)
         if self.warm_thread is not None:
             self.warm_thread.join(60)
 
@@ -156,11 +173,11 @@ class Placement:
 
     layout: CellLayout
     roles: tuple[str, ...]  # the policy's initial roles
-    policy: Any  # scheduler.policy.PolicyConfig
+    policy: SchedulerConfig  # config.scheduler, with this workdir's own measured costs
     steps: cells_lib.CellSteps
     core_mesh: Any
     warm_thread: threading.Thread  # compiling every cell's training step meanwhile
-    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None
+    evaluator: Evaluator | None
     frozen: FrozenBase | None = None  # a LoRA run's base (rl/lora_run.py); None: the params are the model's
     base_history: tuple[dict, ...] = ()  # the SFT warm start's metrics when the LoRA base was made now
 
@@ -173,12 +190,18 @@ class Restored:
     stream: RowStream
     iterator: Any  # the grain iterator over ``stream``, at the state's step
     trainer: cells_lib.ElasticTrainer
-    steps_done: int
+    steps_done: int  # after a resume's replay (rl.replay)
     ready: tuple[Group, ...]  # finished groups to train first
     short: tuple[ResumedGroup, ...]  # groups a stop cut short: their missing rollouts run again
     ref_params: Any  # KL's target, or None
     sft_history: tuple[dict, ...]
     resumed: bool
+    update_hooks: UpdateHooks  # after each update (the replay's and the run's): the checkpoint, the exports
+    checkpoints: CheckpointHook  # its save_after_failure: what a failing run trained
+    checkpoint_step: int = 0  # the restored checkpoint's step: the first this attempt records
+    replayed: tuple = ()  # StepDone of each step the resume trained again from its record
+    scorer: Any = None  # the per-step pass (cells.score.StepScorer), or None
+    versions: Mapping[int, Any] = dataclasses.field(default_factory=dict)  # params the replay kept for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,162 +221,6 @@ class Serving:
 
 
 # ---------------------------------------------------------------------------- build
-def fresh_params(cfg: RLConfig, tok, mesh=None):
-    """A new model's params (config.model.hf_path's weights, born on ``mesh``, or a random init), warm-started
-    by SFT on scripted demonstrations (config.sft); (params, history)."""
-    params = _hf_params(cfg, mesh) if cfg.hf_path else init_params(cfg.model, jax.random.key(cfg.warm_seed))
-    if cfg.sft.steps == 0:
-        return params, []
-    key = warm_cache.cache_key(cfg) if cfg.sft.cache_dir else ""
-    cached = warm_cache.load(cfg.sft.cache_dir, key, params) if key else None
-    if cached is not None:
-        return cached
-    params, history = _warm_start(cfg, tok, params)
-    if key:
-        warm_cache.save(cfg.sft.cache_dir, key, params, history)
-    return params, history
-
-
-def _warm_start(cfg: RLConfig, tok, params):
-    # Demonstration tasks: a stream the RL run never draws (gyre_jax.agents.task_sources).
-    tasks = cfg.task_source.demo_tasks(cfg.sft.demos)
-    if cfg.sft.noisy_fraction:  # deliberately wrong answers: headroom for RL (SFTConfig.noisy_fraction)
-        tasks, _ = noisy_tasks(tasks, cfg.sft.noisy_fraction, cfg.warm_seed, cfg.sft.noisy_kind)
-    examples = demo_trees(tasks, cfg.harness_config("http://demo.invalid/v1"), tok)
-    return warm_start(params, cfg.model, examples, steps=cfg.sft.steps, rows=cfg.sft.rows, row_len=cfg.train.row_len,
-                      learning_rate=cfg.sft.learning_rate, seed=cfg.warm_seed, progress=cfg.progress)
-
-
-def _adapter_of_group(cfg: RLConfig):
-    """Multi-LoRA: a group id's adapter ("g00012" -> 12 % adapters; another id, the run's own warm-up calls: 0);
-    None with one adapter."""
-    if cfg.train.lora.adapters == 1:
-        return None
-
-    def adapter_of(group_id: str) -> int:
-        m = re.fullmatch(r"g(\d+)", group_id or "")
-        return cfg.group_adapter(int(m.group(1))) if m else 0
-
-    return adapter_of
-
-
-def _engine_params(frozen: FrozenBase | None, params):
-    """What a new engine is given: the params, or a LoRA run's base with its adapters."""
-    return params if frozen is None else Adapted(frozen, params)
-
-
-def _hf_params(cfg: RLConfig, mesh):
-    from gyre_jax.model.hf import load_pretrained
-
-    mc = cfg.model
-    loaded, params = load_pretrained(cfg.hf_path, mesh=mesh, dtype=mc.param_dtype,
-                                     vocab_pad_multiple=mc.vocab_pad_multiple, max_seq_len=mc.max_seq_len)
-    if loaded.replace(remat=mc.remat, dtype=mc.dtype) != mc:
-        raise RunFailed(f"{cfg.hf_path} changed since the config was read: {loaded} != {mc}")
-    return params
-
-
-def export_hf(cfg: RLConfig, params, workdir: str, version: int) -> str:
-    """The policy as a HF checkpoint in <workdir>/hf_export (servable by vLLM/SGLang); its path."""
-    from gyre_jax.model.hf import read_config, save_pretrained, source_dtype
-
-    out = os.path.join(workdir, "hf_export")
-    t0 = time.perf_counter()
-    # In the source's dtype (bf16 for released checkpoints: what servers expect), else the params'.
-    dtype = source_dtype(read_config(cfg.hf_path)) if cfg.hf_path else None
-    save_pretrained(params, cfg.model, out, like=cfg.hf_path or None, dtype=dtype)
-    with open(os.path.join(out, "gyre_version.txt"), "w") as f:
-        f.write(f"{version}\n")
-    print(f"rl: exported policy version {version} as a Hugging Face checkpoint to {out} "
-          f"({time.perf_counter() - t0:.1f}s)", flush=True)
-    return out
-
-
-def _make_eval(cfg: RLConfig, tok, frozen: FrozenBase | None = None) -> HeldOutEval | lora_run.AdapterEvals | None:
-    """The first-call held-out eval (config.eval.kind=first_call), or None (off, or whole episodes:
-    ``_episode_eval`` builds that one once the cells exist)."""
-    e = cfg.eval
-    if not e.every or e.kind != "first_call":
-        return None
-    def held_out(tasks, prepare=None):
-        return HeldOutEval(cfg.model, tasks, tok, system_prompt=cfg.harness.system_prompt or None,
-                           samples_per_task=e.samples_per_task, max_tokens=cfg.harness.max_tokens,
-                           temperature=e.temperature, seed=cfg.seed, max_len=cfg.cells.max_len,
-                           sandbox=SandboxConfig(kind=cfg.harness.sandbox), prepare=prepare)
-
-    try:
-        if frozen is not None and cfg.train.lora.adapters > 1:  # each adapter on each adapter's task set
-            return lora_run.AdapterEvals([held_out(src.eval_tasks(e.tasks)) for src in cfg.adapter_sources], frozen)
-        tasks = cfg.task_source.eval_tasks(e.tasks)  # disjoint from the RL and SFT tasks
-        return held_out(tasks, None if frozen is None else functools.partial(lora_run.merged, frozen))
-    except ValueError as err:
-        raise ConfigError(f"config.eval: {err}") from None
-
-
-def _episode_eval(cfg: RLConfig, tok, cell, make_backend: BackendFactory, workdir: str,
-                  frozen: FrozenBase | None = None) -> BackgroundEval:
-    """Whole-episode held-out eval (config.eval.kind=episodes) on its own engine on ``cell``, on a thread."""
-    e = cfg.eval
-    # As many episodes in flight as the eval engine has decode slots: multi-call episodes spend most of
-    # their time in tools and test suites, so a group's worth in flight leaves the engine idle.
-    # A longer deadline than the rollouts': a loaded machine (this run's own training) must not score as the
-    # policy's timeouts (on Dec 4 a third of the warm start's eval episodes timed out beside RL's start).
-    hc = cfg.harness_config("http://127.0.0.1:1/v1")
-    hc = dataclasses.replace(hc, temperature=e.temperature, deadline_s=hc.deadline_s * e.deadline_scale,
-                             concurrency=max(cfg.scheduler.group_size, cfg.cells.max_slots))
-    ev = EpisodeEval(tasks=cfg.task_source.eval_tasks(e.tasks), samples_per_task=e.samples_per_task,
-                     pass_score=e.pass_score, harness_config=hc, make_harness=cfg.harness.make,
-                     make_backend=lambda params, version: make_backend(cfg, cell, _engine_params(frozen, params),
-                                                                       version, "eval", tok),
-                     tokenizer=tok, workdir=os.path.join(workdir, "eval"), seed=cfg.seed,
-                     max_tokens_cap=cfg.harness.max_tokens, start_timeout_s=cfg.cells.start_timeout_s)
-    return BackgroundEval(ev, log_dir=os.path.join(workdir, "eval"), on_close=(ev.close,))
-
-
-def _warm_steps(steps, cs, cfg: RLConfig) -> None:
-    """Compile grad_step on every cell's training mesh (and the core's update) ahead of use:
-    a satellite joining a step would otherwise compile while holding a micro-batch."""
-    from gyre_jax.trajectory.binpack import pack_trees
-    from gyre_jax.trajectory.node import TreeNode
-
-    t = cfg.train
-    tree = TreeNode.span([1, 2, 3], children=[TreeNode.span([4, 5], trainable=True)])
-    mb = pack_trees([tree], [0.0], t.row_len, min_rows=t.micro_batch_rows,
-                    routing_width=cfg.model.routing_width).rows.as_dict()  # the run's batches' fields
-    t0 = time.perf_counter()
-    try:
-        for c in cs:
-            steps.warm(c.mesh(Role.TRAIN), mb, core=c.index == 0)
-    except Exception:  # noqa: BLE001 - only a speed-up; the step compiles on first use anyway
-        log.exception("warm-up compile failed")
-    log.info("rl: compiled the training steps of %d cells in %.1fs", len(cs), time.perf_counter() - t0)
-
-
-def _warm_engines(cfg: RLConfig, server: ServerThread, backends: dict, tok) -> None:
-    """One short call per engine with a real task's prompt, so prefill and generate are
-    compiled before any rollout's deadline starts running."""
-    import asyncio
-
-    prompt = np.asarray(first_call_prompt(cfg.group_task(0), tok, cfg.harness.system_prompt or None), np.int32)
-
-    async def one(backend, i):
-        req = GenerateRequest(request_id=f"warm-{i}", prompt_ids=prompt, sampling=SamplingParams(max_tokens=2))
-        async for _ in backend.submit(req):
-            pass
-
-    async def all_():
-        await asyncio.gather(*(one(b, i) for i, b in enumerate(backends.values())))
-
-    t0 = time.perf_counter()
-    server.run(all_(), timeout=600)
-    log.info("rl: warmed %d engines in %.1fs", len(backends), time.perf_counter() - t0)
-
-
-def _serving_cells(mode: str, n_cells: int, async_train_cells: int) -> list[int]:
-    """Cells that may ever serve in this mode (each gets an engine): the mode's to say."""
-    return list(get_mode(mode).serving_cells(n_cells, async_train_cells))
-
-
 def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstream_backend) -> Components:
     """Every part of the loop, started; ``drive`` runs it. ``make_backend`` puts an engine on a cell.
 
@@ -370,7 +237,7 @@ def build(cfg: RLConfig, workdir: str, *, make_backend: BackendFactory = jetstre
     c.trainer.start()
     setup_s = time.perf_counter() - t_start
     _describe(cfg, base, place, serving, restored, setup_s)
-    return dataclasses.replace(c, start=Start(restored.steps_done, restored.sft_history, setup_s))
+    return dataclasses.replace(c, start=Start(restored.checkpoint_step, restored.sft_history, setup_s))
 
 
 def build_base(cfg: RLConfig, workdir: str) -> Base:
@@ -393,43 +260,16 @@ def build_base(cfg: RLConfig, workdir: str) -> Base:
     tok = _tokenizer(cfg)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config.model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tok.vocab_size} ids")
-    return Base(workdir=workdir, multi=multi, n_cells=n_cells, store=store, tok=tok, costs=own_costs(workdir))
-
-
-def own_costs(workdir: str) -> policy_lib.Measured | None:
-    """The scheduler costs an earlier attempt in ``workdir`` measured (None: none did), read after the store's
-    lock says no other run writes them."""
-    path = os.path.join(workdir, costs_file.FILE_NAME)
-    if not os.path.exists(path):
-        return None
-    try:
-        return costs_file.load(path)
-    except ValueError as e:
-        raise ConfigError(f"--workdir: {e}; delete it to let this run measure its costs afresh") from None
-
-
-def save_costs(workdir: str, controller: Controller) -> None:
-    """``<workdir>/scheduler_costs.json``: what the controller has measured (each step; a pilot's, a resume's)."""
-    if controller.estimates is None:
-        return
-    path = os.path.join(workdir, costs_file.FILE_NAME)
-    measured = controller.estimates.measured()
-    moves: list = getattr(controller.cells, "moves", lambda: [])()
-    if moves:  # the weight move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)
-        measured = dataclasses.replace(measured, move_bytes=float(np.mean([m.bytes for m in moves])),
-                                       move_s=float(np.mean([m.seconds for m in moves])))
-    try:
-        costs_file.save(path, measured)
-    except OSError as e:
-        raise storage_error(path, "writing the scheduler costs", e) from e
+    return Base(workdir=workdir, multi=multi, n_cells=n_cells, store=store, tok=tok, costs=costs_file.load_own(workdir))
 
 
 def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> Placement:
     """Cells and roles, the jitted steps (compiling on a thread of their own while set-up goes on) and the
     held-out eval (whole episodes get an engine on the core cell's devices)."""
-    pc = cfg.policy_config(base.n_cells, own_costs=base.costs)
-    roles = tuple(policy_lib.initial_roles(pc, base.n_cells))
-    cs = cells_lib.split_cells(cfg.cell_config())
+    policy = cfg.policy(base.costs)
+    policy.check_cells(base.n_cells, cfg.cells.cell_size)
+    roles = tuple(policy_lib.initial_roles(policy, base.n_cells))
+    cs = cells_lib.split_cells(cfg.cells)
     if base.multi:
         from gyre_jax.pods.rl_job import check_layout
 
@@ -441,74 +281,107 @@ def build_placement(cfg: RLConfig, base: Base, make_backend: BackendFactory) -> 
         core_mesh = layout.role_to_mesh()[Role.CORE][0]
         frozen, base_history = lora_run.frozen_base(cfg, base.workdir,
                                                     lambda: fresh_params(cfg, base.tok, core_mesh))
-    evaluator: HeldOutEval | BackgroundEval | lora_run.AdapterEvals | None = _make_eval(cfg, base.tok, frozen)
-    if cfg.eval.every and cfg.eval.kind == "episodes":
-        evaluator = _episode_eval(cfg, base.tok, layout.cells[0], make_backend, base.workdir, frozen)
+    evaluator = make_evaluator(cfg, base.tok, layout.cells[0], make_backend, base.workdir, frozen)
     steps = _cell_steps(cfg, frozen)
     # Each satellite process compiles its own cell's step; a run that fails during set-up must not wait for these.
-    warm = threading.Thread(target=_warm_steps, args=(steps, cs[:1] if base.multi else cs, cfg), name="gyre-warm",
-                            daemon=True)
+    t = cfg.train
+    warm = threading.Thread(target=warm_steps, args=(steps, cs[:1] if base.multi else cs), name="gyre-warm",
+                            kwargs=dict(row_len=t.row_len, micro_batch_rows=t.micro_batch_rows,
+                                        routing_width=t.routing_width), daemon=True)
     warm.start()  # compile every cell's training step while SFT and set-up run
-    return Placement(layout=layout, roles=roles, policy=pc, steps=steps, core_mesh=layout.role_to_mesh()[Role.CORE][0],
-                     warm_thread=warm, evaluator=evaluator, frozen=frozen, base_history=tuple(base_history))
+    return Placement(layout=layout, roles=roles, policy=policy, steps=steps,
+                     core_mesh=layout.role_to_mesh()[Role.CORE][0], warm_thread=warm, evaluator=evaluator,
+                     frozen=frozen, base_history=tuple(base_history))
 
 
 def restore_or_init(cfg: RLConfig, base: Base, place: Placement) -> Restored:
-    """The last checkpoint (state, data position, buffered rollouts), or a fresh model warm-started by SFT."""
-    ckpt = Checkpointer(CheckpointConfig(directory=os.path.join(base.workdir, "checkpoints"), max_to_keep=2,
-                                         save_interval_steps=cfg.checkpoint_every or cfg.steps,
-                                         this_process_only=base.multi))  # pods: the core alone owns and saves
+    """The last checkpoint (state, data position, buffered rollouts; the steps its rewind removed replayed from
+    their records), or a fresh model warm-started by SFT; and the hooks after each update (the checkpoints)."""
+    ckpt = open_checkpointer(base.workdir, every=cfg.checkpoint_every, steps=cfg.steps,
+                             this_process_only=base.multi)  # pods: the core alone owns and saves
     spec, mesh = place.steps.spec, place.core_mesh
     stream = RowStream(cfg.train.row_len)
     iterator = iter(StreamingDataset(stream, batch_size=cfg.train.micro_batch_rows, seed=cfg.seed))
     restored = ckpt.restore_latest(abstract_like(spec.abstract_state(), spec.state_shardings(mesh)),
                                    data_iterator=iterator, validate=lambda r: check_checkpoint(r, iterator, place.frozen))
     sft_history: list[dict] = []
-    ready: list[Group] = []
-    short: list[ResumedGroup] = []
     if restored is not None:
         state, steps_done = restored.train_state, restored.step
-        ready, short = _resume_groups(cfg, base.store, restored)
         ref_params = reference_lib.restore_reference(cfg, base.workdir, place.steps, mesh)
     else:
-        if place.frozen is not None:  # LoRA: the base was made with the placement; the params are the adapters
-            params, sft_history = lora_run.initial_adapters(cfg, cfg.seed), list(place.base_history)
-        else:
-            params, sft_history = fresh_params(cfg, base.tok, mesh)
-        ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
-        state, steps_done = spec.state_from_params(params, mesh), 0
-        # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
-        # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
-        # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
-        save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
-                        cfg.scheduler.mode, 0, force=True, frozen=place.frozen)
+        state, ref_params, sft_history = _fresh_state(cfg, base, place, ckpt, iterator)
+        steps_done = 0
     if iterator.get_state()["step"] != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} but its data position is {iterator.get_state()}")
     trainer = cells_lib.ElasticTrainer(place.steps, place.layout.core, state)
     if trainer.version != steps_done:
         raise RunFailed(f"checkpoint step {steps_done} != policy version {trainer.version}")
-    if isinstance(place.evaluator, BackgroundEval):  # eval.jsonl keeps the lineage's versions; none evaluated twice
-        place.evaluator.start(resume_step=steps_done if restored is not None else None)
-    if steps_done >= cfg.steps:
-        print(f"rl: already at step {steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
-    return Restored(ckpt=ckpt, stream=stream, iterator=iterator, trainer=trainer, steps_done=steps_done,
-                    ready=tuple(ready), short=tuple(short), ref_params=ref_params, sft_history=tuple(sft_history),
-                    resumed=restored is not None)
+    if place.evaluator is not None:  # eval.jsonl keeps the lineage's versions; none evaluated twice
+        place.evaluator.start(steps_done if restored is not None else None)
+    scorer = reference_lib.make_scorer(cfg, place.steps, mesh, ref_params)  # the per-step pass
+    print(reference_lib.describe(cfg, scorer, trainer.state.params), flush=True)
+    if place.frozen is not None:
+        print(lora_run.describe(cfg, place.frozen, trainer.state.params), flush=True)
+    update_hooks, checkpoints = _update_hooks(cfg, base, ckpt, place.frozen)
+    fresh = Restored(ckpt=ckpt, stream=stream, iterator=iterator, trainer=trainer, steps_done=steps_done, ready=(),
+                     short=(), ref_params=ref_params, sft_history=tuple(sft_history), resumed=restored is not None,
+                     checkpoint_step=steps_done, scorer=scorer, update_hooks=update_hooks, checkpoints=checkpoints)
+    out = _resume(cfg, base, place, fresh, restored) if restored is not None else fresh
+    if out.steps_done >= cfg.steps:
+        print(f"rl: already at step {out.steps_done} >= steps={cfg.steps}; nothing to do", flush=True)
+    return out
 
 
-def _resume_groups(cfg: RLConfig, store: TrajectoryStore, restored):
-    """A resumed run's (ready, short) groups: the buffered ones to train, the ones a stop cut short."""
-    steps_done = restored.step
-    pending = resume_store(store, restored)
-    ready, short = resume_plan(store, RUN_ID, cfg.scheduler.group_size, steps_done, pending)
+def _fresh_state(cfg: RLConfig, base: Base, place: Placement, ckpt: Checkpointer, iterator):
+    """A fresh run's (state, KL's reference params, the warm start's history), saved as checkpoint 0."""
+    spec, mesh = place.steps.spec, place.core_mesh
+    if place.frozen is not None:  # LoRA: the base was made with the placement; the params are the adapters
+        params, sft_history = lora_run.initial_adapters(cfg, cfg.seed), list(place.base_history)
+    else:
+        params, sft_history = fresh_params(cfg, base.tok, mesh)
+    ref_params = reference_lib.keep_reference(cfg, base.workdir, params, place.steps, mesh)  # KL's target
+    state = spec.state_from_params(params, mesh)
+    # The starting policy as checkpoint 0, before any rollout runs: a stop before the first periodic
+    # checkpoint resumes from it, so what that attempt finished is trained (else no checkpoint means a
+    # fresh start that never reads the store's finished rollouts: all lost) and the warm start is kept.
+    save_checkpoint(ckpt, TrainerSnapshot(state=state, buffered_rollouts=(), data_iterator=iterator), base.store,
+                    cfg.scheduler.mode, 0, force=True, frozen=place.frozen)
+    return state, ref_params, sft_history
+
+
+def _resume(cfg: RLConfig, base: Base, place: Placement, r: Restored, checkpoint) -> Restored:
+    """A resumed run: the steps the rewind removed trained again from their records (``rl.replay``, on the
+    core alone, before any rollout runs; the update hooks after each), then the finished groups to train and
+    the ones a stop cut short."""
+    s, store = cfg.scheduler, base.store
+    processor = StepProcessor(store=store, config=cfg.train, stream=r.stream,
+                              micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, scorer=r.scorer,
+                              adapter_of=_adapter_of_group(cfg))
+    runner = StepRunner(trainer=r.trainer, store=store, iterator=r.iterator, inputs=processor.outbox,
+                        micro_batch_rows=cfg.train.micro_batch_rows, groups_per_step=s.groups_per_step,
+                        cells=place.layout.cells, cell_roles=list, work=WorkEstimate(cfg.train.work_s_per_row),
+                        keep_versions=_keep_versions(cfg, r.scorer), after_update=r.update_hooks.after_update)
+    processor.params_of = runner.params_of
+    got = replay_lib.resume_with_replay(store, checkpoint, workdir=base.workdir, run_id=RUN_ID,
+                                        group_size=s.group_size, last_step=cfg.steps, processor=processor,
+                                        runner=runner)
     damaged = store.damaged_rollouts()
     if damaged:  # their rollouts are unfinished: resume_plan gives them an outcome and runs their slots again
         log.warning("rl: the store lost records of %d rollouts to damage: %s", len(damaged),
-                    {r: d.reason for r, d in list(damaged.items())[:10]})
-    print(f"rl: resumed from checkpoint step {steps_done} ({sum(len(g.rollout_ids) for g in ready)} finished "
-          f"rollouts to train in {len(ready)} groups; {len(short)} groups cut short by the stop get their "
-          f"{sum(len(g.rerun) for g in short)} missing rollouts run again)", flush=True)
-    return ready, short
+                    {k: d.reason for k, d in list(damaged.items())[:10]})
+    replayed = (f"; replayed steps {got.checkpoint_step}..{got.steps_done - 1} from their records"
+                if got.replayed else "")
+    print(f"rl: resumed from checkpoint step {got.checkpoint_step} ({sum(len(g.rollout_ids) for g in got.ready)} "
+          f"finished rollouts to train in {len(got.ready)} groups; {len(got.short)} groups cut short by the stop get "
+          f"their {sum(len(g.rerun) for g in got.short)} missing rollouts run again){replayed}", flush=True)
+    return dataclasses.replace(r, steps_done=got.steps_done, ready=got.ready, short=got.short,
+                               checkpoint_step=got.checkpoint_step, replayed=got.replayed,
+                               versions=runner.kept_versions())
+
+
+def _keep_versions(cfg: RLConfig, scorer) -> int:
+    """Versions whose params the per-step pass reads: the staleness bound's, when a mismatch correction needs them."""
+    return cfg.scheduler.staleness_bound if scorer is not None and scorer.needed and scorer.keeps_versions else 0
 
 
 def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restored,
@@ -518,7 +391,7 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     faults = faults_lib.RLFaults(cfg.faults) if cfg.faults.any else None
     chaos = faults_lib.Chaos(cfg.faults) if cfg.faults.chaos else None
     s = cfg.scheduler
-    serving = _serving_cells(s.mode, base.n_cells, s.async_train_cells)
+    serving = list(get_mode(s.mode).serving_cells(base.n_cells, s.async_train_cells))  # each gets an engine
     names = {c: f"cell{c}" for c in serving}
     params0, version = restored.trainer.state.params, restored.steps_done
     engine_params0 = _engine_params(place.frozen, params0)  # a LoRA run's engines get the base once, here
@@ -550,7 +423,7 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     server = ServerThread(build_proxy)
     url = server.start(cfg.cells.start_timeout_s, "the rollout engines")
     backends = {c: server.proxy.router.cells[names[c]] for c in serving}
-    _warm_engines(cfg, server, backends, base.tok)
+    warm_engines(server, backends, first_call_prompt(cfg.group_task(0), base.tok, cfg.harness.system_prompt))
     spec = place.steps.spec
     publisher = cells_lib.WeightPublisher(spec.logical_params, spec.abstract_params)
     for c in serving:  # the engines were born holding version steps_done
@@ -564,8 +437,9 @@ def build_serving(cfg: RLConfig, base: Base, place: Placement, restored: Restore
 def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restored, serving: Serving) -> Components:
     """The adapters behind the scheduler's Protocols and the controller over them, in the order that lets each
     take the ones it calls: the role table, the trainer, the cell pool (asks the trainer), the launcher
-    (hands finished groups to the trainer), the controller. Nothing is started here but the harness loop."""
-    s, steps_done = cfg.scheduler, restored.steps_done
+    (hands finished groups to the trainer), the controller; then the step hooks. Nothing is started here but
+    the harness loop."""
+    steps_done = restored.steps_done
     clock, wake = RealClock(), threading.Event()
     timeline = Timeline(clock, list(place.roles))
     table = RoleTable(place.roles, timeline, wake.set)
@@ -579,75 +453,142 @@ def build_control(cfg: RLConfig, base: Base, place: Placement, restored: Restore
     for c, b in serving.remote_backends.items():  # a satellite that stops answering calls is taken out (retried)
         b.on_unreachable = functools.partial(_take_out_later, pool, c)
     harness_loop = LoopThread()
-    store = base.store
-    existing = [group_number(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"(g\d+)-", r))]
-    launcher = Launcher(loop=harness_loop, harness_config=cfg.harness_config(serving.url + "/v1", RUN_ID), store=store,
-                        harness=cfg.harness.make(serving.sock), keys=serving.server.proxy, run_id=RUN_ID,
-                        task_fn=cfg.group_task, group_size=s.group_size,
-                        workspace_root=os.path.join(base.workdir, "workspaces"), on_group=trainer_ad.add_group,
-                        work_s=functools.partial(trainer_ad.work_s, row_len=cfg.train.row_len),
-                        next_group=max(existing, default=-1) + 1,
-                        launched=steps_done * s.groups_per_step + len(restored.ready), faults=serving.faults,
-                        on_error=wake.set, failure_window=s.groups_per_step * s.group_size)
-    launcher.resume(list(restored.short))
+    launcher = _launcher(cfg, base, restored, serving, trainer_ad, harness_loop, wake)
     controller = Controller(place.policy, cells=pool, proxy=proxy_ad, rollouts=launcher, trainer=trainer_ad,
                             clock=clock)
     if base.costs is not None and controller.estimates is not None:
         controller.estimates.restore(base.costs)  # a resumed run goes on measured, not blind
-    wandb = (WandbOptions(mode=cfg.metrics.wandb, project=cfg.metrics.wandb_project, config=dataclasses.asdict(cfg))
-             if cfg.metrics.wandb != "off" else None)  # the whole config copied only for a run that shows it
-    metrics = MetricsWriter(base.workdir, purge_step=steps_done, wandb=wandb)  # metrics.jsonl, TensorBoard, W&B
+    # metrics.jsonl and the sinks it names; from the checkpoint's step: the replayed steps are recorded again
+    metrics = MetricsWriter(base.workdir, purge_step=restored.checkpoint_step, sinks=cfg.metrics.sink_options,
+                            run_config=plain(cfg))
     return Components(cfg=cfg, workdir=base.workdir, layout=place.layout, trainer=trainer_ad, pool=pool,
                       proxy=proxy_ad, launcher=launcher, controller=controller, server=serving.server,
-                      harness_loop=harness_loop, store=store, ckpt=restored.ckpt, metrics=metrics,
-                      evaluator=place.evaluator, timeline=timeline, clock=clock, wake=wake,
-                      start=Start(steps_done, restored.sft_history, 0.0), faults=serving.faults, chaos=serving.chaos,
-                      warm_thread=place.warm_thread, satellites=serving.satellites)
+                      harness_loop=harness_loop, store=base.store, ckpt=restored.ckpt, checkpoints=restored.checkpoints,
+                      metrics=metrics, evaluator=place.evaluator,
+                      step_hooks=_step_hooks(cfg, base.workdir, place.evaluator, controller, metrics),
+                      timeline=timeline, clock=clock, wake=wake,
+                      start=Start(restored.checkpoint_step, restored.sft_history, 0.0),
+                      faults=serving.faults, chaos=serving.chaos, warm_thread=place.warm_thread,
+                      satellites=serving.satellites)
+
+
+def _update_hooks(cfg: RLConfig, base: Base, ckpt: Checkpointer,
+                  frozen: FrozenBase | None) -> tuple[UpdateHooks, CheckpointHook]:
+    """After each optimizer update, on the trainer's thread: a checkpoint every checkpoint_every-th (and after the
+    last); after the last, a LoRA run's adapters as PEFT directories, and the HF export."""
+    checkpoints = CheckpointHook(ckpt, base.store, cfg.scheduler.mode, frozen)
+    hooks = UpdateHooks(cfg.steps)
+    hooks.add_hook(checkpoints.on_update, every=cfg.checkpoint_every, name="checkpoint")
+    if frozen is not None:  # small: always
+        hooks.add_hook(PeftExportHook(cfg, base.workdir).on_update, every=0, name="peft_export")
+    if cfg.hf_export:
+        hooks.add_hook(ExportHook(cfg, base.workdir, frozen).on_update, every=0, name="hf_export")
+    return hooks, checkpoints
+
+
+def _step_hooks(cfg: RLConfig, workdir: str, evaluator: Evaluator | None, controller: Controller,
+                metrics: MetricsWriter) -> StepHooks:
+    """After each step's record, on the loop's thread, in this order: the held-out eval (its numbers join the
+    record), the heap trim, the metrics writer (the whole record), the scheduler's costs file (the next run's
+    priors, --config.scheduler.priors, and a resume's start)."""
+    hooks = StepHooks(cfg.steps)
+    if evaluator is not None:
+        hooks.add_hook(lambda info: evaluator.evaluate(info.version, info.params), every=cfg.eval.every,
+                       name="eval")
+    hooks.add_hook(_heap_hook(), name="heap")
+    hooks.add_hook(lambda info: metrics.write(info.record.step, scalars(info.record)), name="metrics")
+    estimates = controller.estimates
+    if estimates is not None:
+        moves: Callable[[], list] = getattr(controller.cells, "moves", lambda: [])
+        hooks.add_hook(lambda info: costs_file.save_own(workdir, estimates.measured(), moves()), name="costs")
+    return hooks
+
+
+def _heap_hook() -> Callable[[StepInfo], dict]:
+    """Freed heap back to the OS when much is held (its numbers join the record)."""
+    trimmer = heap.HeapTrimmer()
+    return lambda info: trimmer.after_step()
+
+
+def _launcher(cfg: RLConfig, base: Base, restored: Restored, serving: Serving, trainer_ad: TrainerAdapter,
+              harness_loop: LoopThread, wake: threading.Event) -> Launcher:
+    """The harness launcher, going on from the groups the store holds (a stop's cut-short ones first)."""
+    s, store = cfg.scheduler, base.store
+    existing = [group_number(m.group(1)) for r in store.rollout_ids() if (m := re.match(r"(g\d+)-", r))]
+    launcher = Launcher(loop=harness_loop, store=store, harness=cfg.harness.make(serving.sock),
+                        harness_config=dataclasses.replace(cfg.harness, base_url=serving.url + "/v1", run_id=RUN_ID),
+                        keys=serving.server.proxy, run_id=RUN_ID, task_fn=cfg.group_task, group_size=s.group_size,
+                        workspace_root=os.path.join(base.workdir, "workspaces"), on_group=trainer_ad.add_group,
+                        work_s=functools.partial(trainer_ad.work_s, row_len=cfg.train.row_len),
+                        next_group=max(existing, default=-1) + 1,
+                        launched=restored.steps_done * s.groups_per_step + len(restored.ready), faults=serving.faults,
+                        on_error=wake.set, failure_window=s.groups_per_step * s.group_size)
+    launcher.resume(list(restored.short))
+    return launcher
 
 
 def _trainer_adapter(cfg: RLConfig, base: Base, place: Placement, restored: Restored, serving: Serving,
                      table: RoleTable, wake: threading.Event) -> TrainerAdapter:
-    """The trainer behind the scheduler's Protocol: finished groups -> rows -> elastic steps, a checkpoint after
-    each update that is due one (and the HF export after the last)."""
-    s, workdir, store = cfg.scheduler, base.workdir, base.store
-    ckpt, sats = restored.ckpt, serving.satellites
-
-    def after_update(version: int, snap: TrainerSnapshot) -> None:  # the trainer thread, between steps
-        if ckpt.should_save(version) or version >= cfg.steps:
-            save_checkpoint(ckpt, snap, store, s.mode, version, force=version >= cfg.steps, frozen=place.frozen)
-        if place.frozen is not None and version >= cfg.steps:  # the adapters as PEFT directories: small, always
-            lora_run.export_peft(cfg, snap.state.params, workdir, version)
-        if cfg.hf_export and version >= cfg.steps:
-            export_hf(cfg, snap.state.params if place.frozen is None else
-                      lora_run.merged(place.frozen, snap.state.params), workdir, version)
-
+    """The trainer behind the scheduler's Protocol, its three parts wired (``rl/trainer.py``: the group queue, the
+    step processor, the step runner), the update hooks after each update."""
+    s, store = cfg.scheduler, base.store
+    sats, chaos = serving.satellites, serving.chaos
     # A rewind past the staleness bound leaves more groups due by the next S steps than they hold at G each:
     # those steps take more (policy.resume_step_sizes), so every group trains within the bound.
     sizes = policy_lib.resume_step_sizes([g.version for g in restored.ready] + [g.version for g in restored.short],
-                              restored.steps_done, place.policy)
+                                         restored.steps_done, place.policy)
     if sizes.groups:
         print(f"resume: steps {sizes.first}..{sizes.first + len(sizes.groups) - 1} take {sizes.groups[0]} groups "
               f"each (not {s.groups_per_step}): {len(restored.ready) + len(restored.short)} groups are due by them "
               "(the rewind went past the staleness bound)", flush=True)
-    scorer = reference_lib.make_scorer(cfg, place.steps, place.core_mesh, restored.ref_params)  # the per-step pass
-    print(reference_lib.describe(cfg, scorer, restored.trainer.state.params), flush=True)
-    if place.frozen is not None:
-        print(lora_run.describe(cfg, place.frozen, restored.trainer.state.params), flush=True)
     pause = functools.partial(faults_lib.pause_at_step, cfg.faults.pause_at_step) if cfg.faults.pause_at_step else None
-    chaos = serving.chaos
     cells = [sats.remotes[c] if sats is not None and c in sats.remotes else cell
              for c, cell in enumerate(place.layout.cells)]
-    return TrainerAdapter(
-        trainer=restored.trainer, store=store, processor_config=cfg.processor_config(),
-        groups_per_step=s.groups_per_step, group_size=s.group_size, micro_batch_rows=cfg.train.micro_batch_rows,
-        cells=cells, cell_roles=table.all, notify=wake.set, work_s_per_row=cfg.train.work_s_per_row,
-        stream=restored.stream, data_iterator=restored.iterator, stream_groups=cfg.stream_groups,
-        steps_done=restored.steps_done, ready=restored.ready, after_update=after_update, on_step_started=pause,
-        restored_rollouts=frozenset(r for g in restored.ready for r in g.rollout_ids)
-        | {r for g in restored.short for r in g.finished},
-        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None, scorer=scorer,
-        keep_versions=s.staleness_bound, dynamic_sampling_budget=cfg.dynamic_sampling_budget(), step_sizes=sizes,
-        adapter_of=_adapter_of_group(cfg))
+    work = WorkEstimate(cfg.train.work_s_per_row)
+    # The finished rollouts a resume found untrained: their tokens sampled past the version it reached count
+    # as sampled by it (launcher.lineage_version).
+    redate = {r: restored.steps_done for g in restored.ready for r in g.rollout_ids}
+    redate.update({r: restored.steps_done for g in restored.short for r in g.finished})
+    queue = GroupQueue(store=store, advantage=cfg.train, groups_per_step=s.groups_per_step,
+                       stream_groups=cfg.stream_groups, send=lambda ev: processor.inbox.put(ev), notify=wake.set,
+                       work=work, steps_done=restored.steps_done, ready=restored.ready, step_sizes=sizes,
+                       dynamic_sampling_budget=cfg.dynamic_sampling_budget(), calls_of=functools.partial(_calls, store))
+    processor = StepProcessor(store=store, config=cfg.train, stream=restored.stream,
+                              micro_batch_rows=cfg.train.micro_batch_rows, group_size=s.group_size, redate=redate,
+                              scorer=restored.scorer, on_processed=queue.processed, adapter_of=_adapter_of_group(cfg))
+    runner = StepRunner(trainer=restored.trainer, store=store, iterator=restored.iterator, inputs=processor.outbox,
+                        micro_batch_rows=cfg.train.micro_batch_rows, groups_per_step=s.groups_per_step, cells=cells,
+                        cell_roles=table.all, work=work, keep_versions=_keep_versions(cfg, restored.scorer),
+                        after_update=restored.update_hooks.after_update, on_step_started=pause,
+                        on_pull_for_step=chaos.on_pull_for_step if chaos is not None else None,
+                        versions=dict(restored.versions))
+    processor.params_of = runner.params_of
+    return TrainerAdapter(queue, processor, runner, replayed=restored.replayed)
+
+
+def _calls(store, rid: str) -> list:
+    try:
+        return store.calls(rid)
+    except KeyError:  # a rollout that never reached the model
+        return []
+
+
+def _adapter_of_group(cfg: RLConfig):
+    """Multi-LoRA: a group id's adapter ("g00012" -> 12 % adapters; another id, the run's own warm-up calls: 0);
+    None with one adapter."""
+    if cfg.train.lora.adapters == 1:
+        return None
+
+    def adapter_of(group_id: str) -> int:
+        m = re.fullmatch(r"g(\d+)", group_id or "")
+        return cfg.group_adapter(int(m.group(1))) if m else 0
+
+    return adapter_of
+
+
+def _engine_params(frozen: FrozenBase | None, params):
+    """What a new engine is given: the params, or a LoRA run's base with its adapters."""
+    return params if frozen is None else Adapted(frozen, params)
 
 
 def _describe(cfg: RLConfig, base: Base, place: Placement, serving: Serving, restored: Restored,
@@ -690,7 +631,7 @@ def _take_out_later(pool: CellPoolAdapter, cell: int, why: str) -> None:
 def _cell_steps(cfg: RLConfig, frozen: FrozenBase | None = None) -> cells_lib.CellSteps:
     """The state spec and jitted steps of every cell: the same in every process. ``frozen``: a LoRA run's
     base (the state is then its adapters: rl/lora_run.py)."""
-    mc, opt = cfg.policy_model, cfg.optimizer_config()
+    mc, opt = cfg.policy_model, cfg.train  # the train section is the optimizer's config and the loss's
     # Expert parallelism is a training layout only: the loss dispatches over the training mesh's 'expert'
     # axis; engines run the same params with every expert on the serving mesh (no 'expert' axis there).
     loss_model = mc.replace(expert_parallel_axis="expert") if cfg.cells.train_expert > 1 else mc
@@ -699,7 +640,7 @@ def _cell_steps(cfg: RLConfig, frozen: FrozenBase | None = None) -> cells_lib.Ce
         return lora_run.cell_steps(cfg, frozen, loss_model)
     spec = cells_lib.StateSpec.create(functools.partial(init_boxed, mc),
                                       cells_lib.make_optimizer(opt, param_logical_axes(mc)))
-    return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.loss_config()), cells_lib.make_schedule(opt),
+    return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.train), cells_lib.make_schedule(opt),
                                reductions=METRIC_REDUCTIONS)
 
 
@@ -711,37 +652,13 @@ def run_satellite(cfg: RLConfig, *, workdir: str | None = None, make_backend: Ba
 
     _quiet_absl()
     cfg.check_devices(len(jax.devices()))
-    check_layout(cfg, cells_lib.split_cells(cfg.cell_config()))
+    check_layout(cfg, cells_lib.split_cells(cfg.cells))
     tok = _tokenizer(cfg)
     frozen = None
     if cfg.train.lora.enabled:
         if workdir is None:
             raise ConfigError("a LoRA run's satellite process needs the run's --workdir (the core keeps the base there)")
-        frozen = lora_run.satellite_base(cfg, os.path.abspath(workdir), lambda: (_hf_params(cfg, None), []))
+        frozen = lora_run.satellite_base(cfg, os.path.abspath(workdir), lambda: (hf_params(cfg, None), []))
     return satellite_main(cfg, _cell_steps(cfg, frozen), make_backend, tok)
 
 
-def check_checkpoint(restored, iterator, frozen: FrozenBase | None = None) -> None:
-    """A checkpoint's label is its state's policy version and its data position's step, and a LoRA run's
-    adapters were trained on this base (ValueError if not)."""
-    if frozen is not None:
-        lora_run.check_resume(restored.meta, frozen)
-    version = int(jax.device_get(restored.train_state.policy_version))
-    if version != restored.step:
-        raise ValueError(f"checkpoint step {restored.step} holds policy version {version}")
-    if iterator.get_state()["step"] != restored.step:
-        raise ValueError(f"checkpoint step {restored.step} holds data position {iterator.get_state()}")
-
-
-def save_checkpoint(ckpt: Checkpointer, snap: TrainerSnapshot, store, mode: str, version: int, *,
-                    force: bool, frozen: FrozenBase | None = None) -> None:
-    """State, data position, store cursor and the finished-but-untrained rollouts, as one checkpoint.
-
-    Its label ``version`` must be the state's own policy version (a checkpoint whose label lies
-    cannot be resumed: the loop refuses it at load)."""
-    state_version = int(jax.device_get(snap.state.policy_version))
-    if state_version != version:
-        raise RuntimeError(f"save_checkpoint: label {version} but the state is at policy version {state_version}")
-    ckpt.save(version, train_state=snap.state, store_cursor=store.cursor_state(),
-              buffer=list(snap.buffered_rollouts), data_iterator=snap.data_iterator, force=force,
-              meta={"mode": mode} if frozen is None else {"mode": mode, lora_run.META_KEY: frozen.fingerprint()})

@@ -225,10 +225,25 @@ def _as_storage_error(directory: str, e: BaseException) -> BaseException:
     return err
 
 
+class _ThreadErrorsInOneLine(logging.Filter):
+    """Orbax's save threads log their failure with its traceback (``_SignalingThread.run() raised``), then the
+    save raises the same error to us, and the run's error line names the file that keeps its traceback: the
+    log keeps their one line (a full disk printed one traceback per thread per save attempt)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "orbax" in (record.pathname or ""):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_ONE_LINE = _ThreadErrorsInOneLine()
+
+
 class Checkpointer:
     """Save every ``save_interval_steps`` steps, keep ``max_to_keep``, restore onto any layout."""
 
     def __init__(self, config: CheckpointConfig):
+        logging.getLogger("absl").addFilter(_ONE_LINE)  # Orbax logs through absl (idempotent: a set)
         self.config = config
         self.directory = os.path.abspath(os.fspath(config.directory))
         import grain  # here, not at import: the checkpoint module stays light for the loss-only paths

@@ -299,6 +299,11 @@ class BackgroundEval:
         self._thread = threading.Thread(target=self._main, name="gyre-eval", daemon=True)
         self._thread.start()
 
+    def evaluate(self, version: int, params) -> dict:
+        """The ``Evaluator`` call (gyre_jax.rl.evaluators): queued; its numbers reach eval.jsonl, not the step."""
+        self.submit(version, params)
+        return {}
+
     def submit(self, version: int, params) -> None:
         """Queue an eval of ``params`` (copied to the host now) as ``version``."""
         if self.done_through is not None and version <= self.done_through:

@@ -44,8 +44,52 @@ import random
 import sys
 import threading
 import time
+from typing import ClassVar
 
+from gyre_jax.schema import check_ints, check_positive
 from gyre_jax.serving.backend import Backend, EngineError, GenerateRequest, TokenStream
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """Injected faults (gyre_jax.rl.faults); 0 = off. Every k-th rollout launched (1-based) gets it."""
+
+    SECTION: ClassVar[str] = "faults"
+    grader_crash_every: int = 0  # its grader raises -> verifier_error
+    timeout_every: int = 0  # its calls stall past the deadline -> timeout, graded for partial credit
+    engine_error_every: int = 0  # its first model call fails in the engine -> 500, the harness retries
+    # Not a rollout fault: the trainer prints "PAUSED <step>" once that step (0-based, so
+    # step 0 cannot be paused) has started on the cells and blocks before its update is
+    # kept or checkpointed, so a test can kill -9 the run mid-step (tests/test_rl_resume.py).
+    pause_at_step: int = 0
+    # Chaos in the cells' timing (the loop's stress test): each role switch, step join
+    # and leave waits a random time in [0, switch_delay_s) at a random point.
+    switch_delay_s: float = 0.0
+    switch_fail_every: int = 0  # every k-th switch attempt raises once (transient: it is retried)
+    satellite_fail_every: int = 0  # every k-th micro-batch a satellite pulls fails it (work handed back)
+    chaos_seed: int = 0  # seeds the random delays
+    # Not survivable: the core fails when step k starts (k >= 1), so the run saves what it can
+    # and stops with RunFailed; rerunning without it resumes (the failure path's test).
+    core_fail_at_step: int = 0
+
+    def __post_init__(self):
+        check_ints(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step",
+                     "switch_fail_every", "satellite_fail_every", "chaos_seed", "core_fail_at_step"))
+        check_positive(self, ("grader_crash_every", "timeout_every", "engine_error_every", "pause_at_step",
+                         "switch_delay_s", "switch_fail_every", "satellite_fail_every", "chaos_seed",
+                         "core_fail_at_step"), allow_zero=True)
+
+    @property
+    def any(self) -> bool:
+        """Whether rollouts are marked and backends wrapped (RLFaults); the pause needs neither."""
+        return bool(self.grader_crash_every or self.timeout_every or self.engine_error_every)
+
+    @property
+    def chaos(self) -> bool:
+        """Whether the cells' switches and steps get random delays or failures."""
+        return bool(self.switch_delay_s or self.switch_fail_every or self.satellite_fail_every
+                    or self.core_fail_at_step)
+
 
 
 class InjectedFault(RuntimeError):

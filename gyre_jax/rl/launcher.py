@@ -34,20 +34,13 @@ import aiohttp
 
 from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.agents.harness import RolloutRequest, group_requests, iter_rollouts
+from gyre_jax.rl.groups import Group, lineage_calls, lineage_version  # noqa: F401 - importable from here too
 from gyre_jax.trajectory.records import RolloutOutcome
 from gyre_jax.trajectory.vocab import FAILURE_STATUSES, STATUS_INFRA_ERROR
 
 log = logging.getLogger(__name__)
 _ROLLOUT_ID = re.compile(r"^(g\d+)-(\d+)(?:\.r(\d+))?$")
 ABANDONED = "abandoned:"  # how the error of an attempt a stop cut off begins (resume_plan)
-
-
-@dataclasses.dataclass
-class Group:
-    group_id: str
-    version: int  # published policy version when it was admitted (the oldest, for a resumed group)
-    rollout_ids: list[str]  # every rollout with an outcome, failures included
-    work_s: float  # estimated training cell-seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +58,6 @@ class ResumedGroup:
 def _abandoned(store, rid: str) -> bool:
     o = store.outcome(rid)
     return o.status == STATUS_INFRA_ERROR and str(o.details.get("error", "")).startswith(ABANDONED)
-
-
-def lineage_version(version: int, restored_step: int) -> int:
-    """The version a resumed token counts as: one sampled after the restored checkpoint (by a policy the
-    stop lost) counts as sampled by the restored policy, the newest this lineage has."""
-    return min(version, restored_step)
-
-
-def lineage_calls(calls, restored_step: int) -> list:
-    """A restored rollout's call records with their versions as ``lineage_version`` counts them."""
-    return [c if c.policy_version <= restored_step
-            else dataclasses.replace(c, policy_version=lineage_version(c.policy_version, restored_step)) for c in calls]
 
 
 def group_number(group_id: str) -> int:
@@ -286,6 +267,8 @@ class Launcher:
                     exact=bool(res.grader_details.get("exact", False)), sandbox_commands=res.sandbox.get("commands", 0),
                     sandbox_violations=sum(res.sandbox.get("violations", {}).values()),
                     sandbox_limits_hit=sum(res.sandbox.get("limits_hit", {}).values()), reason=res.reason,
+                    agent_s=res.agent_time_s, grader_s=res.grader_time_s,  # the step's time split (rl/report.py)
+                    model_s=sum(max(0.0, c.t_end - c.t_start) for c in calls),
                     log_path=res.log_path or res.snapshot, output_tail=res.output_tail[-300:]))
         except asyncio.CancelledError:
             raise  # the loop is closing
@@ -313,8 +296,10 @@ class Launcher:
             self._groups_by_version[version] -= 1
 
     def _fail(self, e: BaseException) -> None:
-        """A group that cannot end: ``drive`` stops the run on ``errors`` at its next tick (never a short group)."""
-        log.error("launcher: %s", e)
+        """A group that cannot end: ``drive`` stops the run on ``errors`` at its next tick (never a short group).
+        Said once per distinct error: on a full disk every running group meets the same one."""
+        if all(str(e) != str(seen) for seen in self.errors):
+            log.error("launcher: %s", e)
         self.errors.append(e)
         if self.on_error is not None:
             self.on_error()

@@ -39,18 +39,18 @@ import logging
 import os
 import queue
 import time
+import traceback
 
 import jax
 
 from gyre_jax.errors import RunFailed, StorageError
-from gyre_jax.rl.build import Components, build, run_satellite, save_checkpoint, save_costs
+from gyre_jax.rl.build import Components, build, run_satellite
 from gyre_jax.rl.config import RLConfig
-from gyre_jax.rl.episode_eval import BackgroundEval
 from gyre_jax.rl.launcher import RolloutsFailed
 from gyre_jax.rl.progress import Progress
 from gyre_jax.rl import attempts as attempts_lib
-from gyre_jax.rl import heap, task_gate
-from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, scalars, status_line, store_statuses
+from gyre_jax.rl import task_gate
+from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, status_line, store_statuses
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +70,6 @@ def run(config, workdir: str) -> dict:
     return drive(dataclasses.replace(c, task_check=checked) if checked else c)
 
 
-def _run_eval(c: Components, version: int, params) -> dict:
-    """One held-out eval: whole episodes are queued on the eval's own thread (results in eval/eval.jsonl
-    and the summary); the first-call eval runs here (~2 s for the demo). A failure is logged, not fatal."""
-    if c.evaluator is None:  # callers check; said here for the reader (and the type checker)
-        return {}
-    if isinstance(c.evaluator, BackgroundEval):
-        c.evaluator.submit(version, params)
-        return {}
-    t0 = time.perf_counter()
-    try:
-        r = c.evaluator(params)
-    except Exception:  # noqa: BLE001 - the eval is a measurement; the run goes on without it
-        log.exception("held-out eval at version %d failed", version)
-        return {"eval/failed": 1}
-    c.evals.append({"version": version, **r})
-    log.info("rl: eval at version %d: %s (%.1fs)", version, r, time.perf_counter() - t0)
-    return {"eval/reward": r["eval_reward"], "eval/exact": r["eval_exact"], "eval/format": r["eval_format"],
-            "eval/grader_errors": r["eval_grader_errors"], "eval/version": version, "eval/s": time.perf_counter() - t0,
-            # multi-LoRA: each adapter on each adapter's task set (rl/lora_run.py: AdapterEvals)
-            **{f"eval/{k[len('eval_'):]}": v for k, v in r.items() if k.startswith("eval_adapter")}}
-
-
 def _errors(c: Components) -> list[tuple[str, BaseException]]:
     """Failures of background work the run cannot survive; a storage failure first (it names the path)."""
     sources = (("cells", c.pool.errors), ("trainer", c.trainer.errors), ("rollouts", c.launcher.errors),
@@ -100,26 +78,22 @@ def _errors(c: Components) -> list[tuple[str, BaseException]]:
     return sorted(found, key=lambda we: not isinstance(we[1], StorageError))
 
 
-def _eval_due(cfg: RLConfig, version: int) -> bool:
-    e = cfg.eval.every
-    return bool(e) and (version % e == 0 or version >= cfg.steps)
-
-
 class _Records:
-    """The loop's side of the trainer's ``done`` queue: each ``StepDone`` becomes a metrics record."""
+    """The loop's side of the trainer's ``done`` queue: each ``StepDone`` becomes a record, which the step hooks
+    (``rl.hooks``: the eval, the metrics writer, ...) see in turn."""
 
     def __init__(self, c: Components, bar: Progress, attempt: attempts_lib.AttemptLog | None = None):
         self.c, self.bar, self.attempt = c, bar, attempt
         self.history: list = []  # StepRecords of this attempt, in step order
         self.step_end_s: list[float] = []
-        self.heap = heap.HeapTrimmer()
         self.recorder = StepRecorder(clock=c.clock, server=c.server, timeline=c.timeline, launcher=c.launcher,
                                      pool=c.pool, controller=c.controller)
         # The starting policy's eval (version steps_done) goes into the first step record of
         # this run as eval/*_start, so metrics.jsonl stays one line per step.
         self.start_eval: dict = {}
         if c.evaluator is not None:
-            self.start_eval = {k + "_start": v for k, v in _run_eval(c, *c.trainer.latest_params()).items()}
+            version, params = c.trainer.latest_params()
+            self.start_eval = {k + "_start": v for k, v in c.evaluator.evaluate(version, params).items()}
 
     def take(self) -> None:
         c = self.c
@@ -133,12 +107,8 @@ class _Records:
             rec = self.recorder.record(done)
             if self.start_eval:
                 rec, self.start_eval = rec.with_values(self.start_eval), {}
-            if c.evaluator is not None and _eval_due(c.cfg, done.version):
-                rec = rec.with_values(_run_eval(c, done.version, done.params))
-            rec = rec.with_values(self.heap.after_step())  # freed heap back to the OS when much is held
+            rec = c.step_hooks.after_step(done.version, done.params, rec)
             self.step_end_s.append(rec["time_s"])
-            c.metrics.write(rec.step, scalars(rec))
-            save_costs(c.workdir, c.controller)  # the next run's priors (--config.scheduler.priors), a resume's start
             self.history.append(rec)
             self.bar.set_status(self.status())  # before the step's line: it prints this step's reward
             self.bar.step()
@@ -172,6 +142,7 @@ def drive(c: Components) -> dict:
     records = _Records(c, bar, attempt)
     failure: BaseException | None = None
     statuses = None
+    evals: list[dict] = []
     try:
         while not c.controller.done():
             _raise_errors(c)
@@ -181,8 +152,7 @@ def drive(c: Components) -> dict:
             c.wake.wait(cfg.scheduler.poll_s)
             c.wake.clear()
         records.take()  # the last step's
-        if isinstance(c.evaluator, BackgroundEval):  # the last version's episodes, then every result
-            c.evals.extend(c.evaluator.finish())
+        evals = c.evaluator.finish() if c.evaluator is not None else []  # background ones: waited for
     except BaseException as e:  # noqa: BLE001 - save what we can, then one clear line
         failure = e
     finally:
@@ -191,14 +161,14 @@ def drive(c: Components) -> dict:
         segments = c.timeline.close()
         attempt.end(segments, wall_rl, failure, attempt_counters(c))
         if failure is not None:
-            _save_after_failure(c)
+            _save_after_failure(c, failure)
         else:
             statuses = store_statuses(c.store)  # every finished rollout of the run, every attempt's
         c.close()
     if failure is not None:
         _reraise(c, failure)
     injected = attempt_counters(c)["injected_faults"]
-    return run_summary(cfg=cfg, workdir=c.workdir, history=records.history, evals=c.evals, segments=segments,
+    return run_summary(cfg=cfg, workdir=c.workdir, history=records.history, evals=evals, segments=segments,
                        n_cells=len(c.layout.cells), step_end_s=records.step_end_s, wall_rl=wall_rl,
                        wall=c.start.setup_s + (time.perf_counter() - t0), launcher=c.launcher, timeline=c.timeline,
                        pool=c.pool, server=c.server, injected=injected, sft_history=sft,
@@ -240,28 +210,11 @@ def _reraise(c: Components, failure: BaseException) -> None:
                     f"trajectory store hold every finished rollout: rerun the same command to resume") from failure
 
 
-def _save_after_failure(c: Components) -> None:
-    """A checkpoint of the trained state if the last one is older (the store is durable:
-    every finished rollout is pending again at resume, so only the order is saved here)."""
+def _save_after_failure(c: Components, failure: BaseException) -> None:
+    """A checkpoint of the trained state if the last one is older (``CheckpointHook.save_after_failure``). If that
+    fails too, one line says so and its traceback goes with the failure's (a note: the run's errors.log)."""
     try:
-        # The open step is abandoned first (its rollouts stay buffered): the state is then the last update's.
-        if not c.trainer.abandon_step():
-            log.warning("rl: not saving after the failure: the trainer did not stop; the rerun resumes from the "
-                        "last checkpoint")
-            return
-        # The state's own version, and only where the store's cursor already marks that update's rollouts
-        # trained (a failure between the update and mark_trained leaves the cursor behind: no save then).
-        version = c.trainer.cursor_version()
-        if version != c.trainer.trainer.version:
-            log.warning("rl: not saving after the failure: the state is at version %d, the store's cursor at %d; "
-                        "the rerun resumes from the last checkpoint", c.trainer.trainer.version, version)
-            return
-        last = c.ckpt.latest_step()
-        if version > 0 and (last is None or last < version):
-            # The abandoned step may have read some of its rows: the saved position is the step's
-            # start, whose rows the resumed run rebuilds from the buffered rollouts.
-            c.trainer.it.set_state({"step": version, "row": 0})
-            save_checkpoint(c.ckpt, c.trainer.snapshot(), c.store, c.cfg.scheduler.mode, version, force=True)
-            print(f"rl: saved checkpoint step {version} after the failure", flush=True)
-    except Exception:  # noqa: BLE001 - the failure is what the user needs to see
-        log.exception("saving a checkpoint after the failure failed")
+        c.checkpoints.save_after_failure(c.trainer)
+    except Exception as e:  # noqa: BLE001 - the failure is what the user needs to see
+        log.error("saving a checkpoint after the failure failed: %s: %s", type(e).__name__, e)
+        failure.add_note("Saving a checkpoint after it failed too:\n" + "".join(traceback.format_exception(e)))

@@ -119,14 +119,14 @@ def cell_steps(cfg, base: FrozenBase, loss_model) -> cells_lib.CellSteps:
     steps over the frozen base. ``loss_model``: the policy model as the loss runs it (parallelism, replay)."""
     pm = cfg.policy_model
     n = pm.lora.num_adapters
-    opt = cfg.optimizer_config()
+    opt = cfg.train  # the train section is the optimizer's config and the loss's
     tx = cells_lib.per_adapter(cells_lib.make_optimizer(opt, lora_lib.adapter_logical_axes(pm)), n)
 
     def init(rng):
         return tuple(lora_lib.init_adapter_boxed(pm, jax.random.fold_in(rng, a)) for a in range(n))
 
     spec = cells_lib.StateSpec.create(init, tx)
-    return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.loss_config()), cells_lib.make_schedule(opt),
+    return cells_lib.CellSteps(spec, policy_loss_fn(loss_model, cfg.train), cells_lib.make_schedule(opt),
                                reductions=METRIC_REDUCTIONS, base=base)
 
 

@@ -24,10 +24,11 @@ the JSONL is rewritten without its lines of those steps, which are moved to
 ``<name>.purged.jsonl``, so ``metrics.jsonl`` holds exactly one line per step of
 the lineage whose params survived.
 
-One interface: the JSONL is the record (resume purges it; tools read it back); TensorBoard
-and W&B (``wandb=WandbOptions(mode="offline"|"online")``, the ``wandb`` extra) are
-``MetricSink``s fed the same validated, flattened dict. W&B offline writes under
-``<logdir>/wandb`` with no network (``wandb sync`` uploads it later).
+One interface: the JSONL is the record (resume purges it; tools read it back); every other
+destination is a ``MetricSink`` in ``METRIC_SINKS`` (``gyre_jax/rl/sinks/``: ``tensorboard``, and
+``wandb``, the ``wandb`` extra), fed the same validated, flattened dict:
+``MetricsWriter(logdir, sinks={"tensorboard": None, "wandb": WandbOptions(mode="offline")})``.
+W&B offline writes under ``<logdir>/wandb`` with no network (``wandb sync`` uploads it later).
 
 Multi-host: only ``process_index == 0`` writes (default: ``jax.process_index()``);
 the others validate their input the same way and write nothing.
@@ -40,11 +41,14 @@ import math
 import numbers
 import os
 import time
-from typing import Any, Literal, Mapping, Protocol, TextIO
+from typing import Any, ClassVar, Mapping, Protocol, TextIO
 
 import numpy as np
 
+from gyre_jax.registry import Registry, options_field, resolve_options
+
 JSONL_NAME = "metrics.jsonl"
+DEFAULT_SINKS: Mapping[str, Any] = {"tensorboard": None}
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float | int | str]:
@@ -84,7 +88,9 @@ class MetricsWriter:
     """One ``write(step, dict)`` per step; ``flush()`` and ``close()`` (see module docstring)."""
 
     def __init__(self, logdir: str, *, purge_step: int | None = None, process_index: int | None = None,
-                 jsonl_name: str = JSONL_NAME, flush_secs: int = 30, wandb: "WandbOptions | None" = None):
+                 jsonl_name: str = JSONL_NAME, flush_secs: int = 30, sinks: Mapping[str, Any] | None = None,
+                 run_config: Mapping[str, Any] | None = None):
+        """``sinks``: METRIC_SINKS name -> its options (None: the defaults); unset: TensorBoard alone."""
         if process_index is None:
             import jax
 
@@ -107,9 +113,11 @@ class MetricsWriter:
         else:
             self._last_step = self._last_jsonl_step()
         self._jsonl = open(self.jsonl_path, "a", buffering=1)  # line-buffered: a crash loses at most a line
-        self._sinks = [TensorBoardSink(self.logdir, purge_step, flush_secs)]
-        if wandb is not None and wandb.mode != "off":
-            self._sinks.append(WandbSink(self.logdir, wandb, resumed=purge_step is not None and purge_step > 0))
+        context = SinkContext(self.logdir, purge_step, flush_secs, dict(run_config or {}))
+        for name, options in (DEFAULT_SINKS if sinks is None else sinks).items():
+            entry = METRIC_SINKS.get(name)
+            options = entry.config() if options is None else entry.check_config(options, "metrics sink ")
+            self._sinks.append(entry.obj(options, context))
 
     @property
     def last_step(self) -> int | None:
@@ -202,7 +210,11 @@ class MetricsWriter:
 
 # ------------------------------------------------------------------------------- sinks
 # The JSONL is the record (it is what resume purges and what tools read back); every other
-# destination is a MetricSink fed the same validated, flattened dict.
+# destination is a MetricSink fed the same validated, flattened dict, registered by name in a module
+# of gyre_jax/rl/sinks/ (``--config.metrics.sinks=tensorboard,wandb``).
+METRIC_SINKS = Registry("metrics sink", "metrics.sinks", package="gyre_jax.rl.sinks")
+
+
 class MetricSink(Protocol):
     def write(self, step: int, flat: Mapping[str, float | int | str], walltime: float) -> None: ...
 
@@ -211,82 +223,29 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-class TensorBoardSink:
-    """Event files in ``logdir``: one scalar per number, text for strings."""
-
-    def __init__(self, logdir: str, purge_step: int | None, flush_secs: int):
-        from tensorboardX import SummaryWriter  # only process 0 pays for it
-
-        self._tb = SummaryWriter(logdir=logdir, purge_step=purge_step, flush_secs=flush_secs)
-
-    def write(self, step, flat, walltime) -> None:
-        for k, v in flat.items():
-            if isinstance(v, str):
-                self._tb.add_text(k, v, global_step=step, walltime=walltime)
-            else:
-                self._tb.add_scalar(k, v, global_step=step, walltime=walltime)
-
-    def flush(self) -> None:
-        self._tb.flush()
-
-    def close(self) -> None:
-        self._tb.close()
-
-
-WANDB_MODES = ("off", "offline", "online")
-
-
 @dataclasses.dataclass(frozen=True)
-class WandbOptions:
-    mode: str = "off"  # off | offline (files under <logdir>/wandb, `wandb sync` later) | online
-    project: str = "gyre_jax"
-    name: str = ""  # the run's display name ("" = the logdir's last two parts, e.g. gyre_demo/elastic)
-    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the run's config, shown by W&B
+class SinkContext:
+    """What every sink is built with, besides its own options: ``Sink(options, context)``."""
+
+    logdir: str
+    purge_step: int | None  # resume: the first step this attempt writes (steps >= it of earlier attempts are void)
+    flush_secs: int
+    run_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the run's config, for sinks that show it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """The RL run's metrics section (``config.metrics``): where per-step metrics go besides metrics.jsonl."""
+
+    SECTION: ClassVar[str] = "metrics"
+    MOVED: ClassVar[Mapping[str, str]] = {  # the flags this section had before its sinks were a registry
+        "wandb": "now --config.metrics.sinks=tensorboard,wandb --config.metrics.sink_options.wandb.mode=offline",
+        "wandb_project": "now --config.metrics.sink_options.wandb.project=NAME"}
+    sinks: str = "tensorboard"  # comma-separated METRIC_SINKS: tensorboard, wandb (the wandb extra), ...
+    sink_options: Any = options_field(METRIC_SINKS, "sinks", multi=True)  # --config.metrics.sink_options.NAME.X=v
 
     def __post_init__(self):
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"metrics.wandb={self.mode!r}; known: {WANDB_MODES}")
-
-
-class WandbSink:
-    """A Weights & Biases run. Strings are logged as summary fields (W&B plots numbers only).
-
-    Resume: W&B cannot hide steps a crashed attempt wrote, and drops a step lower than one it
-    has seen, so every attempt is its own run in one W&B group (the workdir), its run id kept in
-    ``<logdir>/wandb/attempts.txt``; the surviving lineage's steps are the last attempt's plus
-    the earlier attempts' below its first step, as in metrics.jsonl.
-    """
-
-    def __init__(self, logdir: str, options: WandbOptions, *, resumed: bool):
-        try:
-            import wandb
-        except ImportError:
-            from gyre_jax.errors import ConfigError
-
-            raise ConfigError(f"metrics.wandb={options.mode} needs the wandb package: pip install -e '.[wandb]'"
-                              ) from None
-        directory = os.path.join(logdir, "wandb")
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "attempts.txt"), "a+") as f:
-            f.seek(0)
-            attempt = sum(1 for line in f if line.strip())
-            run_id = f"{os.getpid():x}{int(time.time() * 1e3):x}"[-16:]
-            f.write(run_id + "\n")
-        name = options.name or "/".join(logdir.rstrip("/").split("/")[-2:])
-        mode: Literal["offline", "online"] = "offline" if options.mode == "offline" else "online"  # "off": no sink
-        self._run = wandb.init(project=options.project, dir=directory, mode=mode, id=run_id,
-                               name=name if attempt == 0 else f"{name} (attempt {attempt + 1})",
-                               group=logdir, config=dict(options.config), reinit="create_new")
-
-    def write(self, step, flat, walltime) -> None:
-        numbers_ = {k: v for k, v in flat.items() if not isinstance(v, str)}
-        self._run.log(numbers_, step=step)
-        for k, v in flat.items():
-            if isinstance(v, str):
-                self._run.summary[k] = v
-
-    def flush(self) -> None:
-        pass  # the W&B service writes asynchronously; finish() in close() waits for it
-
-    def close(self) -> None:
-        self._run.finish()
+        names = [n.strip() for n in self.sinks.split(",") if n.strip()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MetricsConfig.sinks={self.sinks!r} names a sink twice")
+        resolve_options(self)

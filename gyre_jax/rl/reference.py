@@ -78,7 +78,7 @@ def restore_reference(cfg, workdir: str, steps, mesh):
 
 
 def make_scorer(cfg, steps, mesh, ref_params) -> StepScorer:
-    return StepScorer(steps, mesh, cfg.loss_config(), cfg.train.micro_batch_rows, ref_params=ref_params)
+    return StepScorer(steps, mesh, cfg.train, cfg.train.micro_batch_rows, ref_params=ref_params)
 
 
 def describe(cfg, scorer: StepScorer, params) -> str:

@@ -77,7 +77,7 @@ def reward_metrics(done: StepDone) -> dict:
             **{f"failures/{k}": v for k, v in t.failures.items()},
             "staleness_mean": done.report.staleness_mean, "staleness_max": done.report.staleness_max,
             "groups": list(done.groups), "group_versions": list(done.group_versions),  # in the order taken
-            "resume/extra_groups": done.extra_groups}
+            "resume/extra_groups": done.extra_groups, "resume/replayed": int(done.replayed)}
 
 
 AUDIT_EXAMPLES = 3  # rollout ids kept per audit category per step
@@ -178,6 +178,7 @@ def train_metrics(done: StepDone) -> dict:
     rep = done.report
     return {
         "rows": done.rows, "micro_batches": done.micro_batches,
+        "params_hash": done.params_hash or None,  # the new version's params (cells.fingerprint)
         "loss": rep.loss, "grad_norm": rep.grad_norm, "learning_rate": rep.learning_rate, "grad_scale": rep.grad_scale,
         **{f"loss/{k}": v for k, v in rep.stats.items() if k != "loss"},
         **routing_metrics(rep.stats),
@@ -205,6 +206,8 @@ class StepRecorder:
         self._switches = 0
         self._moves = len(pool.moves())
         self._failures = len(pool.failures)
+        self._results = 0
+        self._engine_s = self._engine_seconds()
 
     def record(self, done: StepDone) -> StepRecord:
         now = self.clock.now()
@@ -235,8 +238,35 @@ class StepRecorder:
             **{k: int(sum(r.get(k, 0) for r in results)) for k in ("sandbox_commands", "sandbox_violations",
                                                                    "sandbox_limits_hit")},
         }
+        out.update(self._time_split(results[self._results:]))
         self._gen, self._switches = gen, self._switches + len(sw)
         self._moves, self._failures = self._moves + len(moves), len(self.pool.failures)
+        self._results = len(results)
+        return out
+
+    def _engine_seconds(self) -> dict[str, float]:
+        """Seconds the rollout engines spent prefilling and decoding so far (summed over engines)."""
+        total = {"prefill_s": 0.0, "generate_s": 0.0}
+        for backend in list(getattr(getattr(self.server.proxy, "router", None), "cells", {}).values()):
+            counters = getattr(getattr(backend, "engine", None), "counters", None) or {}
+            for k in total:
+                total[k] += float(counters.get(k, 0.0))
+        return total
+
+    def _time_split(self, finished: list[dict]) -> dict:
+        """Where the step's time went, summed over what ran in it (overlapping, so not a partition of the wall
+        time): the engines' prefill and decode, the agents' own time outside model calls (their tools), the
+        graders, and, from the trainer, packing (process_s) and training (train_step_s)."""
+        eng = self._engine_seconds()
+        # Tools: the agent's time outside its recorded calls, over rollouts that ended by themselves (a call cut
+        # by the deadline is never recorded: its wait would count as tool time).
+        ended = [r for r in finished if r.get("status") != "timeout"]
+        tools = sum(max(0.0, float(r.get("agent_s") or 0.0) - float(r.get("model_s") or 0.0)) for r in ended)
+        out = {"time/prefill_s": eng["prefill_s"] - self._engine_s["prefill_s"],
+               "time/decode_s": eng["generate_s"] - self._engine_s["generate_s"],
+               "time/model_calls_s": sum(float(r.get("model_s") or 0.0) for r in finished), "time/tools_s": tools,
+               "time/grading_s": sum(float(r.get("grader_s") or 0.0) for r in finished)}
+        self._engine_s = eng
         return out
 
     def _scheduler_view(self) -> dict:

@@ -81,6 +81,18 @@ class StepInput:
     process_s: float
     grad_scale: float  # nominal / actual normaliser (streamed groups), else 1
     score: Mapping[str, float]  # the per-step pass (cells.score), summed over chunks
+    size: int = 0  # the groups the step holds (its nominal normaliser when streamed)
+    streamed: bool = False  # fed a group at a time (else one whole-step chunk)
+    redated: Mapping[str, int] = dataclasses.field(default_factory=dict)  # rollout -> version its late tokens count as
+
+    def record(self) -> dict:
+        """What the store keeps of the step with its rollouts (``TrajectoryStore.mark_step``): enough to replay
+        it bit for bit after a rewind (``rl.replay``): the groups in the order taken, its size and mode, and
+        which rollouts' late tokens were re-dated to which version."""
+        return {"groups": [{"id": g.group_id, "version": int(g.version), "rollouts": list(g.rollout_ids)}
+                           for g in self.groups],
+                "size": int(self.size), "streamed": bool(self.streamed),
+                "redated": {r: int(v) for r, v in self.redated.items()}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +118,8 @@ class StepDone:
     score: Mapping[str, float]
     dropped_groups: int  # dynamic sampling's drops since the previous step
     extra_groups: int = 0  # groups over groups_per_step (an oversized step after a rewind past the bound)
+    params_hash: str = ""  # the new version's params (cells.fingerprint): equal params, equal hash
+    replayed: bool = False  # a step a resume trained again from its record (rl.replay), not a new one
     outcomes: tuple = ()  # RolloutOutcome of every rollout of the step (statuses, reasons, the graders' audit)
 
 

@@ -5,8 +5,10 @@ task of the config's task file (train and eval), or a sample of a generated fami
 through the rollout sandbox and grader path; one line per task with its seconds, a progress line
 with rate and ETA, a last line naming each broken task; returns the exit code (0: all good, 1:
 some broken). ``gate(cfg, workdir)`` is the RL job's start (``config.task.check="start"``): the
-same check for a task file, results of good tasks cached in ``<workdir>/task_check.json`` (keyed
-by the task's content and the grader environment: a resumed run does not check them again); a
+same check for a task file, results of good tasks cached in ``<workdir>/task_check.json`` and in
+the user's ``~/.cache/gyre_jax/task_check.json`` (``$GYRE_TASK_CHECK_CACHE``; "" turns it off), keyed
+by the task's content and the grader environment: a resumed run, or a new run of the same task
+file, does not check them again (384 tasks took ~7 minutes of a 2-core host's setup); a
 broken task stops the run with one line naming it and why, or with
 ``config.task.skip_broken=True`` is dropped from the run (counted in the log and the summary).
 """
@@ -27,14 +29,14 @@ from gyre_jax.errors import ConfigError
 log = logging.getLogger(__name__)
 FAMILY_SAMPLES = 4  # tasks of a generated family --check_tasks checks (its graders are gyre's own)
 CACHE_FILE = "task_check.json"
+SHARED_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "gyre_jax", CACHE_FILE)
 
 
 def _harness_config(task, knobs):
     from gyre_jax.agents.config import HarnessConfig
-    from gyre_jax.agents.sandbox import SandboxConfig
 
     return HarnessConfig(base_url="http://127.0.0.1:1/v1", run_id="check", grader_timeout_s=knobs.grader_timeout_s,
-                         grader_ro_paths=task.grader_ro_path_list, sandbox=SandboxConfig(kind=knobs.sandbox))
+                         grader_ro_paths=task.grader_ro_path_list, sandbox=knobs.sandbox)
 
 
 def _tasks(source, *, family_samples: int) -> list:
@@ -45,16 +47,14 @@ def _tasks(source, *, family_samples: int) -> list:
 
 def _sections(config: Any):
     """The config's task and harness sections alone (the rest of a run's config is not checked here)."""
-    from gyre_jax.rl.config import HarnessKnobs, TaskConfig
+    from gyre_jax.rl.config import RLConfig
+    from gyre_jax.schema import from_mapping
 
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    out = []
-    for name, klass in (("task", TaskConfig), ("harness", HarnessKnobs)):
-        try:
-            out.append(klass(**dict(d.get(name, {}))))
-        except TypeError as e:
-            raise ConfigError(f"config.{name}: {e}") from None
-    return out[0], out[1], int(d.get("seed", 0))
+    base = RLConfig.defaults()
+    task, harness = (from_mapping(type(getattr(base, name)), dict(d.get(name, {})), name, base=getattr(base, name))
+                     for name in ("task", "harness"))
+    return task, harness, int(d.get("seed", 0))
 
 
 def _key(task, hc) -> str:
@@ -113,8 +113,10 @@ def gate(cfg, workdir: str) -> dict:
     hc = _harness_config(cfg.task, cfg.harness)
     tasks = _tasks(cfg.task_source, family_samples=0)
     path = os.path.join(workdir, CACHE_FILE)
+    shared = os.environ.get("GYRE_TASK_CHECK_CACHE", SHARED_CACHE)
     cache = _read_cache(path)
-    todo = [t for t in tasks if _key(t, hc) not in cache]
+    known = {**_read_cache(shared), **cache} if shared else cache
+    todo = [t for t in tasks if _key(t, hc) not in known]
     t0 = time.monotonic()
     if todo:
         log.info("task check: %d of %d tasks to check (%d known good)", len(todo), len(tasks), len(tasks) - len(todo))
@@ -122,8 +124,15 @@ def gate(cfg, workdir: str) -> dict:
     else:
         results = []
     broken = [r for r in results if not r.ok]
-    cache.update({_key(t, hc): r.to_dict() for t, r in zip(todo, results) if r.ok})
+    good = {_key(t, hc): r.to_dict() for t, r in zip(todo, results) if r.ok}
+    cache.update({k: known[k] for k in (_key(t, hc) for t in tasks) if k in known})
+    cache.update(good)
     _write_cache(path, cache)
+    if shared and good:
+        try:  # re-read: another run may have added its own since
+            _write_cache(shared, {**_read_cache(shared), **good})
+        except OSError as e:
+            log.info("task check: the shared cache %s was not written (%s)", shared, e)
     summary = {"tasks": len(tasks), "checked": len(results), "broken": [r.task_id for r in broken],
                "seconds": time.monotonic() - t0}
     if not broken:
@@ -150,7 +159,7 @@ def _read_cache(path: str) -> dict:
 
 def _write_cache(path: str, cache: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # runs sharing a cache file never write one temp file
     with open(tmp, "w") as f:
         json.dump(cache, f)
     os.replace(tmp, path)

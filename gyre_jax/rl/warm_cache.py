@@ -29,14 +29,15 @@ _PARAMS, _META = "params.msgpack", "meta.json"
 def cache_key(cfg) -> str:
     """A stable hash of what determines ``cfg``'s warm start (an ``RLConfig``)."""
     parts = {"model": dataclasses.asdict(cfg.model), "sft": dataclasses.asdict(cfg.sft),
-             "task": dataclasses.asdict(cfg.task), "harness": dataclasses.asdict(cfg.harness),
+             "task": dataclasses.asdict(cfg.task),
+             "harness": {f.name: getattr(cfg.harness, f.name) for f in dataclasses.fields(cfg.harness)},
              "row_len": cfg.train.row_len, "seed": cfg.warm_seed, "hf_path": cfg.hf_path}
     parts["sft"].pop("cache_dir", None)
     parts["sft"].pop("seed", None)  # warm_seed above
     parts["harness"] = {k: v for k, v in parts["harness"].items() if k not in (
-        "deadline_s", "request_timeout_s", "max_retries", "backoff_base_s", "grader_timeout_s", "sandbox", "cpu_s",
-        "memory_bytes", "output_bytes", "max_tokens", "temperature")}  # how rollouts run and sample, not what a
-    # demonstration holds
+        "deadline_s", "request_timeout_s", "max_retries", "backoff_base_s", "grader_timeout_s", "sandbox",
+        "kind_options", "max_tokens", "temperature", "base_url", "run_id", "concurrency", "grader_concurrency")}
+    # ^ how rollouts run and sample (and the runner's own values), not what a demonstration holds
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

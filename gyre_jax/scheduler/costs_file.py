@@ -81,3 +81,33 @@ def load(path: str) -> Measured:
     values: dict = {k: None if v is None else int(v) if k in _COUNTS else float(v) for k, v in d.items()}
     m = Measured(**values)
     return Measured(**to_json(m))  # a switch_in_flight_s given in the file is the round trip's lower bound
+
+
+def load_own(workdir: str) -> Measured | None:
+    """The costs an earlier attempt in ``workdir`` measured (None: none did), read after the store's lock says
+    no other run writes them; a damaged file is a ConfigError naming it."""
+    from gyre_jax.errors import ConfigError
+
+    path = os.path.join(workdir, FILE_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        return load(path)
+    except ValueError as e:
+        raise ConfigError(f"--workdir: {e}; delete it to let this run measure its costs afresh") from None
+
+
+def save_own(workdir: str, measured: Measured, moves=()) -> None:
+    """``<workdir>/scheduler_costs.json`` (each step: the next run's priors, a resume's start); a failed write is a
+    StorageError naming the path. ``moves``: the weight moves so far (objects with ``bytes`` and ``seconds``),
+    kept as the move inside a switch, so a run that moves other bytes can rescale it (costs.for_move_bytes)."""
+    from gyre_jax.errors import storage_error
+
+    if moves:
+        measured = dataclasses.replace(measured, move_bytes=sum(m.bytes for m in moves) / len(moves),
+                                       move_s=sum(m.seconds for m in moves) / len(moves))
+    path = os.path.join(workdir, FILE_NAME)
+    try:
+        save(path, measured)
+    except OSError as e:
+        raise storage_error(path, "writing the scheduler costs", e) from e

@@ -10,7 +10,8 @@ unchanged in configs, JSON logs and plots.
 
 Registered here (``scheduler.policy``'s docstring says what each does): colocate, async,
 async_stream, elastic_no_stream, elastic. To add a mode, subclass ``Mode`` (or one of the
-classes below) in this file and ``register_mode`` an instance; a test may register its own.
+classes below) in this file and ``register_mode`` an instance (its own options: ``config=``, a frozen
+dataclass); a test may register its own. ``SCHEDULING_MODES`` is a ``gyre_jax.registry.Registry``.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import math
 from gyre_jax.scheduler import admission, costs
 # The interface and the registry live beside PolicyConfig (which holds a mode); re-exported here,
 # where modes are defined and registered.
-from gyre_jax.scheduler.policy_config import Mode, PolicyConfig, get_mode, mode_names, register_mode, unregister_mode
+from gyre_jax.scheduler.policy_config import (SCHEDULING_MODES, Mode, PolicyConfig, get_mode, mode_names, register_mode,
+                                              unregister_mode)
 from gyre_jax.scheduler.state import Action, ClusterState, ToRollout, ToTrain, census
 from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, OUT, ROLLOUT, TRAIN
 
-__all__ = ["BUILTIN", "Colocate", "Elastic", "FixedSplit", "Mode", "get_mode", "mode_names", "register_mode",
+__all__ = ["BUILTIN", "SCHEDULING_MODES", "Colocate", "Elastic", "FixedSplit", "Mode", "get_mode", "mode_names", "register_mode",
            "unregister_mode"]
 
 
@@ -172,5 +174,12 @@ BUILTIN = (
     Elastic(name=ELASTIC_NO_STREAM, streams=False),
     Elastic(name=ELASTIC, streams=True, across_processes=True),
 )
+_SUMMARIES = {
+    COLOCATE: "every cell generates the step's batch, then every cell trains it (on-policy)",
+    ASYNC: "a fixed split: cells 0..k-1 train, the rest serve; a step starts with its whole batch",
+    ASYNC_STREAM: "the fixed split, finished groups streaming into the open step",
+    ELASTIC_NO_STREAM: "the core trains, satellites switch between serving and training; whole batches",
+    ELASTIC: "the core trains, satellites switch when the work coming pays for the switch; groups stream",
+}
 for _m in BUILTIN:
-    register_mode(_m)
+    register_mode(_m, summary=_SUMMARIES[_m.name])

@@ -9,7 +9,9 @@ built-in modes (``scheduler.modes``) subclass ``Mode`` and ``register_mode`` the
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from gyre_jax.registry import NoConfig, Registry, options_field, resolve_options
 from gyre_jax.scheduler.state import NOT_MEASURED, Action, ClusterState, Measured
 from gyre_jax.scheduler.vocab import MODES
 
@@ -63,32 +65,31 @@ class Mode:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, Mode] = {}
+# The one registry type (gyre_jax.registry); ``vocab.MODES`` is the built-in modes' names.
+SCHEDULING_MODES = Registry("scheduling mode", "scheduler.mode")
 
 
-def register_mode(mode: Mode) -> None:
-    """Make `mode` available by its name (configs, PolicyConfig.mode, the simulator's CLI)."""
-    if mode.name in _REGISTRY:
-        raise ValueError(f"scheduling mode {mode.name!r} is already registered")
-    _REGISTRY[mode.name] = mode
+def register_mode(mode: Mode, *, config: type = NoConfig, summary: str = "") -> Mode:
+    """Make ``mode`` available by its name (configs, PolicyConfig.mode, the simulator's CLI); ``config``: the
+    frozen dataclass of its own options (``--config.scheduler.mode_options.NAME.OPTION=v``; the policy
+    hands the chosen mode's to its decisions as ``config.mode_options``)."""
+    return SCHEDULING_MODES.register(mode.name, config=config,
+                                     summary=summary or (type(mode).__doc__ or "").split("\n")[0])(mode)
 
 
 def unregister_mode(name: str) -> None:
     """Remove a mode a test registered (the built-in ones stay)."""
     if name in MODES:
         raise ValueError(f"scheduling mode {name!r} is built in")
-    _REGISTRY.pop(name, None)
+    SCHEDULING_MODES.unregister(name)
 
 
 def get_mode(name: str) -> Mode:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise LookupError(f"unknown scheduling mode {name!r}; known: {mode_names()}") from None
+    return SCHEDULING_MODES.get(name).obj
 
 
 def mode_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return SCHEDULING_MODES.names()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,6 +124,9 @@ class PolicyConfig:
     # Async baselines only: the split per optimizer step (an oracle that knows each step's
     # rollouts; the benchmark's per-step async). Empty = async_train_cells for every step.
     async_split_by_step: tuple[int, ...] = ()
+    # The mode's own options (its registration's config; ``--config.scheduler.mode_options.NAME.OPTION=v``),
+    # read by its decisions as ``config.mode_options``; None: its defaults.
+    mode_options: Any = options_field(SCHEDULING_MODES, "mode")
     # The mode's strategy object (registered by scheduler.modes), looked up once in __post_init__: the
     # policy asks it on every tick. Equality, hashing and replace() go by the name.
     strategy: Mode = dataclasses.field(init=False, repr=False, compare=False)
@@ -132,6 +136,7 @@ class PolicyConfig:
             object.__setattr__(self, "strategy", get_mode(self.mode))
         except LookupError:
             raise ValueError(f"PolicyConfig.mode={self.mode!r}; known modes: {mode_names()}") from None
+        resolve_options(self)
         if self.async_train_cells < 0:
             raise ValueError(f"PolicyConfig.async_train_cells={self.async_train_cells} must be >= 0")
         for name in ("total_steps", "groups_per_step", "group_size"):

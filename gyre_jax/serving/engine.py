@@ -149,41 +149,49 @@ def _check_sizes(config: ModelConfig, max_slots: int, max_len: int, tokens_per_c
 
 
 class GyreEngine(engine_api.Engine):
+    """The engine (JetStream's Engine API) on one cell's serving mesh. Constructor arguments:
+
+    params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings. A LoRA
+    run's engine gets ``Adapted(base, adapters)`` and later publications adapters alone;
+    ``lora_serving`` says how it serves them ("merged" or "unmerged": serving/lora_weights.py).
+
+    mesh: the cell's serving mesh (axes 'data', 'tensor', and 'expert' to split an MoE
+    model's experts over: engine_state.py); default: device 0.
+    special_ids: (bos, eos, pad) reported to JetStream (informational).
+    tokens_per_call: decode steps per ``generate`` call (one jitted scan). >1
+    amortizes the per-call host work (JetStream's threads, dispatch) and the
+    cache copy of a standalone step over several tokens; tokens then reach
+    the backend, and commands (export, release) take effect, every
+    ``tokens_per_call`` steps.
+    max_decode_pause_s: how long decoding may wait for requests being
+    prefilled to join the batch (see ``generate``); 0 disables the wait.
+    max_len: KV capacity per slot (tokens); prompts longer than
+    ``prefill_chunk`` (a power of two) are prefilled chunk by chunk into
+    the slot's buffer with blockwise attention, so a 75K prompt needs one
+    chunk's activations, not a [75K, 75K] mask.
+    kv_budget_bytes: if set, the decode cache (max_slots x max_len) must fit
+    it; otherwise a ValueError gives the plan (slots that fit, longest
+    context at one slot; engine_state.kv_memory_plan). A paged cache
+    instead gets as many pages as the budget holds.
+    kv_cache: "contiguous" (max_len entries preallocated per slot) or "paged"
+    (a pool of ``page_size``-token pages handed to live tokens; a call is
+    admitted when pages for its prompt + max_tokens are free, so slots are
+    cheap and max_slots can exceed what slots x max_len memory allows).
+    kv_pages: pages in the pool (page 0 is never used); default: the budget's
+    worth, or the contiguous cache's memory (max_slots x max_len) + 1.
+    fixed_prefill: every prefill (any prompt length, with or without a cached prefix) runs
+    ``prefill_chunk``-token chunks into a ``max_len`` buffer, so one prefill program and one
+    insert serve every call (contiguous cache). Otherwise each (prefix, prompt) pair of
+    power-of-two buckets is its own program: cheap for a small model, but a 30-layer model
+    compiles each for minutes on a CPU host, and an agent's calls hit new pairs for hours.
+    """
+
     def __init__(self, config: ModelConfig, params, *, mesh: Mesh | None = None, max_slots: int = 8,
                  max_len: int | None = None, version: int = 0, name: str = "engine",
                  special_ids: tuple[int, int, int] = (0, 0, 0), tokens_per_call: int = 1,
                  max_decode_pause_s: float = 0.1, prefill_chunk: int = 4096, kv_budget_bytes: int | None = None,
                  kv_cache: str = "contiguous", page_size: int = 16, kv_pages: int | None = None,
-                 lora_serving: str = "merged"):
-        """params: ``{"params": ...}`` from init_params; put in the mesh's serving shardings. A LoRA
-          run's engine gets ``Adapted(base, adapters)`` and later publications adapters alone;
-          ``lora_serving`` says how it serves them ("merged" or "unmerged": serving/lora_weights.py).
-
-        mesh: the cell's serving mesh (axes 'data', 'tensor', and 'expert' to split an MoE
-          model's experts over: engine_state.py); default: device 0.
-        special_ids: (bos, eos, pad) reported to JetStream (informational).
-        tokens_per_call: decode steps per ``generate`` call (one jitted scan). >1
-          amortizes the per-call host work (JetStream's threads, dispatch) and the
-          cache copy of a standalone step over several tokens; tokens then reach
-          the backend, and commands (export, release) take effect, every
-          ``tokens_per_call`` steps.
-        max_decode_pause_s: how long decoding may wait for requests being
-          prefilled to join the batch (see ``generate``); 0 disables the wait.
-        max_len: KV capacity per slot (tokens); prompts longer than
-          ``prefill_chunk`` (a power of two) are prefilled chunk by chunk into
-          the slot's buffer with blockwise attention, so a 75K prompt needs one
-          chunk's activations, not a [75K, 75K] mask.
-        kv_budget_bytes: if set, the decode cache (max_slots x max_len) must fit
-          it; otherwise a ValueError gives the plan (slots that fit, longest
-          context at one slot; engine_state.kv_memory_plan). A paged cache
-          instead gets as many pages as the budget holds.
-        kv_cache: "contiguous" (max_len entries preallocated per slot) or "paged"
-          (a pool of ``page_size``-token pages handed to live tokens; a call is
-          admitted when pages for its prompt + max_tokens are free, so slots are
-          cheap and max_slots can exceed what slots x max_len memory allows).
-        kv_pages: pages in the pool (page 0 is never used); default: the budget's
-          worth, or the contiguous cache's memory (max_slots x max_len) + 1.
-        """
+                 lora_serving: str = "merged", fixed_prefill: bool = False):
         mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor")) if mesh is None else mesh
         self._lora = LoraWeights(params.base, mesh, lora_serving) if isinstance(params, Adapted) else None
         config = self._lora.config if self._lora is not None else config
@@ -194,6 +202,9 @@ class GyreEngine(engine_api.Engine):
         # An MoE model's routing rides beside each token in the result rows (engine_state.py).
         self.result_layout = RoutingLayout.of(config)
         self.prefill_chunk = int(prefill_chunk)
+        self.fixed_prefill = bool(fixed_prefill) and kv_cache == "contiguous"
+        if self.fixed_prefill and self.prefill_chunk > self.max_len:
+            raise ValueError(f"GyreEngine.fixed_prefill: prefill_chunk={prefill_chunk} exceeds max_len={self.max_len}")
         self.kv_cache = kv_cache
         pages = plan_kv(kv_cache, config, self.max_len, max_slots, page_size=page_size, kv_pages=kv_pages,
                         kv_budget_bytes=kv_budget_bytes)
@@ -351,14 +362,16 @@ class GyreEngine(engine_api.Engine):
         if rt is not None and rt.shape != (n_all, self.result_layout.width):
             raise ValueError(f"routing to replay is {rt.shape}, the {n_all} tokens need "
                              f"({n_all}, {self.result_layout.width})")
-        if new.shape[0] == 0:
+        if new.shape[0] == 0 and self.fixed_prefill:  # all of it cached: into the one buffer shape
+            k, v = self._fit(*((k, v) if c else (self._zeros(MIN_BUCKET),) * 2), self.max_len)
+        elif new.shape[0] == 0:
             if c == 0:
                 z = jnp.zeros((self.config.n_layers, MIN_BUCKET, self.config.n_kv_heads, self.config.head_dim),
                               self.config.jnp_dtype)
                 k, v = self._fit(z, z, MIN_BUCKET)
             else:
                 k, v = self._fit(k, v, self.bucket(c))
-        elif new.shape[0] > self.prefill_chunk:
+        elif new.shape[0] > self.prefill_chunk or self.fixed_prefill:
             k, v = self._prefill_chunks(p, toks, c, k if c else None, v if c else None, rt, self._adapter_kw(inp))
             self.counters["prefill_tokens"] += int(new.shape[0])
         else:
@@ -382,10 +395,9 @@ class GyreEngine(engine_api.Engine):
         ``prefill_chunk`` at a time (one compile per buffer bucket); ``routing``: [len(toks), R]
         experts to replay (PrefillInput.routing)."""
         n_all = int(toks.shape[0])
-        lb = self.bucket(n_all)
+        lb = self.max_len if self.fixed_prefill else self.bucket(n_all)
         if k is None:
-            z = jnp.zeros((self.config.n_layers, lb, self.config.n_kv_heads, self.config.head_dim),
-                          self.config.jnp_dtype)
+            z = self._zeros(lb)
             k, v = self._fit(z, z, lb)
         else:
             k, v = self._fit(k, v, lb)
@@ -396,6 +408,10 @@ class GyreEngine(engine_api.Engine):
             extra = () if routing is None else (_pad_routing(routing[start: start + real], chunk),)
             k, v = self._prefill_into(params, padded, np.int32(real), k, v, np.int32(start), *extra, **(adapter_kw or {}))
         return k, v
+
+    def _zeros(self, length: int):
+        return jnp.zeros((self.config.n_layers, length, self.config.n_kv_heads, self.config.head_dim),
+                         self.config.jnp_dtype)
 
     def _adapter_kw(self, inp: PrefillInput) -> dict:
         """The prefill's adapter (several LoRA adapters, unmerged: serving/lora_weights.py); {} otherwise."""

@@ -218,8 +218,11 @@ class Proxy:
             running = None
         if loop is None or loop is running or loop.is_closed():
             self._forget(who)
-        else:  # the ledger and the router live on the server's loop: change them there
+            return
+        try:  # the ledger and the router live on the server's loop: change them there
             loop.call_soon_threadsafe(self._forget, who)
+        except RuntimeError:  # the loop closed since the check (the run is stopping): nothing runs on it any more
+            self._forget(who)
 
     def usage(self, key: str) -> dict[str, int]:
         """What this rollout's calls came to so far: ``calls`` recorded and ``server_errors`` (engine

@@ -1,6 +1,6 @@
 """A write-fault injector (a test fake): ``launch.main`` with one write site of the run made to fail.
 
-  python -m gyre_jax.testing.faulty_main --fault=SITE:N [launch.main flags...]
+  python -m gyre_jax.testing.faulty_main [--fault=SITE:N] [--fake-engines] [launch.main flags...]
 
 From the N-th write at SITE on (1-based), every write there fails with the site's error, as a broken
 disk stays broken; the first failure prints ``faulty_main: injected <ERRNO> at <SITE> (write N)`` on
@@ -15,6 +15,10 @@ Sites (``SITES``), each with its error:
   checkpoint  Orbax's checkpoint save (``CheckpointManager.save``), ENOSPC
   publisher   a weight publication into a serving cell (``WeightPublisher.publish``), EIO: retried,
               then the cell goes out of service, and with every serving cell out the run stops
+
+``--fake-engines``: the RL job's engines are ``gyre_jax.testing.fake_engine``'s (no JAX decode), so a
+whole attempt runs in seconds; everything else (cells, steps, proxy, harness, store, checkpoints) is real.
+Without ``--fault`` nothing is injected (``tools/bench_chaos.py --fake-engines`` runs its attempts so).
 
 Used by ``tools/bench_chaos.py --write-faults`` and tests/test_write_faults.py.
 """
@@ -134,9 +138,12 @@ def _wrap(cls, name: str, before: Callable[[], None]) -> None:
     setattr(cls, name, wrapped)
 
 
-def parse(argv: list[str]) -> tuple[FaultPlan, list[str]]:
-    """(the plan, the other arguments) from ``--fault=SITE:N`` among launch.main's."""
+def parse(argv: list[str], *, optional: bool = False) -> tuple[FaultPlan | None, list[str]]:
+    """(the plan, the other arguments) from ``--fault=SITE:N`` among launch.main's (``optional``: none is
+    no plan)."""
     faults = [a for a in argv if a.startswith("--fault=")]
+    if optional and not faults:
+        return None, list(argv)
     if len(faults) != 1:
         raise SystemExit(f"faulty_main: give exactly one --fault=SITE:N (sites: {', '.join(SITES)})")
     site, _, n = faults[0][len("--fault="):].partition(":")
@@ -147,17 +154,31 @@ def parse(argv: list[str]) -> tuple[FaultPlan, list[str]]:
     return plan, [a for a in argv if a is not faults[0]]
 
 
+def use_fake_engines() -> None:
+    """The RL job builds its engines with ``fake_engine.fake_tiny_backend`` (``--fake-engines``)."""
+    import functools
+
+    from gyre_jax.rl import build, loop
+    from gyre_jax.testing.fake_engine import fake_tiny_backend
+
+    loop.build = functools.partial(build.build, make_backend=fake_tiny_backend)  # type: ignore[assignment]
+
+
 def main() -> None:
     from launch import early_stop
 
     early_stop.install()  # as launch.main does first: a stop during the imports is one line
-    plan, argv = parse(sys.argv[1:])
+    fake = "--fake-engines" in sys.argv[1:]
+    plan, argv = parse([a for a in sys.argv[1:] if a != "--fake-engines"], optional=fake)
     from absl import app
 
     from launch import cli_errors
     from launch import main as launch_main
 
-    install(plan)
+    if plan is not None:
+        install(plan)
+    if fake:
+        use_fake_engines()
     sys.argv = [sys.argv[0], *argv]
     cli_errors.precheck(argv)
     app.run(launch_main.main)

@@ -1,4 +1,4 @@
-"""Small Python harnesses for tests (``--config.harness.kind=python --config.harness.entry=...``).
+"""Small Python harnesses for tests (``--config.harness.kind=python --config.harness.kind_options.python.entry=...``).
 
 Real harnesses in the sense that matters: they reach the model only through the proxy, as
 their rollout (the key in ``client``), with an official SDK, and act on the workspace

@@ -6,12 +6,14 @@ a snapshot plus a journal, so a step costs one short line, not a rewrite of ever
 (docs/design.md, "The resume protocol", has the order of writes and what each prefix means):
 
   * ``cursor.jsonl``, the journal: one line per consumption, ``{"epoch": E, "step", "state",
-    "reason", "rollouts": {id: outcome offset}}``, written at the journal's good end and fsynced
-    before the call returns. A failed write is cut back (memory stays what the disk says). A last
+    "reason", "rollouts": {id: outcome offset}}``, or for a whole training step ``{"epoch": E,
+    "step", "rollouts", "dropped": {id: reason}, "record": {...}}`` (its rollouts trained unless
+    dropped, and the step's record: the groups it took in order, its size; what a resume replays),
+    written at the journal's good end and fsynced before the call returns. A failed write is cut back (memory stays what the disk says). A last
     line without its newline, or that does not parse, is a torn tail: ignored when read, cut off
     at the next write. Such a line with a good line after it is damage: opening fails, naming it.
   * ``cursor.json``, the snapshot (write temp, fsync, rename, fsync dir): the whole cursor and the
-    journal epoch E it continues with. Written by ``restore`` and by compaction (when the journal
+    journal epoch E it continues with, and the step records. Written by ``restore`` and by compaction (when the journal
     outgrows it, at least ``CURSOR_COMPACT_MIN_BYTES``: bytes written stay linear in the steps).
     The epoch E+1 snapshot is written first, then the journal emptied; a crash between leaves
     epoch-E lines, which are skipped.
@@ -54,6 +56,14 @@ def _atomic_write_json(path: str, obj) -> None:
         os.close(dfd)
 
 
+def _entry(line: Mapping[str, Any], rid: str) -> dict:
+    """A consumed rollout's entry from its journal line (either form, module docstring)."""
+    if "record" in line:  # a whole step: trained unless dropped
+        reason = line.get("dropped", {}).get(rid)
+        return {"state": "trained" if reason is None else "dropped", "step": line["step"], "reason": reason}
+    return {"state": line["state"], "step": line["step"], "reason": line["reason"]}
+
+
 class Cursor:
     """The consumed rollouts of one store (module docstring). The store validates what is consumed and calls
     in under its own lock; ``outcome_offset(rid)`` is where the store's index has the rollout's outcome (None:
@@ -68,6 +78,7 @@ class Cursor:
                                                                                   take_lock, seam)
         self._lock_f = None
         self.consumed: dict[str, dict] = {}
+        self.steps: dict[int, dict] = {}  # step -> its record (``consume_step``), of the steps consumed whole
         self._epoch = 0  # journal lines of this epoch continue the snapshot
         self._journal_good = 0  # journal bytes up to the end of its last good line
         self.load()
@@ -79,7 +90,7 @@ class Cursor:
         """Snapshot + journal as on disk. A reader may race a compaction: it retries."""
         for _ in range(20):
             before = self._snapshot_id()
-            snap_epoch, consumed, good, epoch_seen = self._read_files()
+            snap_epoch, consumed, steps, good, epoch_seen = self._read_files()
             if epoch_seen is None and self._snapshot_id() == before:
                 break
             # A compaction ran between reading the snapshot and the journal (the snapshot was replaced, or the
@@ -88,23 +99,26 @@ class Cursor:
         else:
             raise ValueError(f"cursor of {self.directory}: no consistent read in 20 tries (snapshot epoch {snap_epoch}, "
                              f"a journal line of epoch {epoch_seen}; a journal newer than its snapshot is damage)")
-        self.consumed, self._epoch, self._journal_good = consumed, snap_epoch, good
+        self.consumed, self.steps, self._epoch, self._journal_good = consumed, steps, snap_epoch, good
 
-    def _read_files(self) -> tuple[int, dict, int, int | None]:
-        """(snapshot epoch, consumed, journal bytes up to the last good line, a newer epoch seen or None)."""
+    def _read_files(self) -> tuple[int, dict, dict, int, int | None]:
+        """(snapshot epoch, consumed, step records, journal bytes up to the last good line, a newer epoch seen
+        or None)."""
         path = self._path(CURSOR_NAME)
-        state, epoch = {"run_id": self.run_id, "consumed": {}}, 0
+        state: dict[str, Any] = {"run_id": self.run_id, "consumed": {}}
+        epoch = 0
         if os.path.exists(path):
             with open(path) as f:
                 state = json.load(f)
             epoch = int(state.get("journal_epoch", 0))  # a cursor.json from before the journal: epoch 0
         consumed = self.check(state)
+        steps = {int(k): v for k, v in state.get("steps", {}).items()}
         jpath = self._path(JOURNAL_NAME)
         try:
             with open(jpath, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            return epoch, consumed, 0, None
+            return epoch, consumed, steps, 0, None
         good, pos, bad = 0, 0, None  # bad: (line number, text) of an unreadable line not yet known to be the tail
         for lineno, line in enumerate(data.split(b"\n")[:-1], 1):  # the piece after the last newline is torn
             pos += len(line) + 1
@@ -120,14 +134,15 @@ class Cursor:
             if e_epoch < epoch:
                 continue  # written before the last compaction, which the snapshot holds
             if e_epoch > epoch:
-                return epoch, consumed, good, e_epoch
-            entry = {"state": e["state"], "step": e["step"], "reason": e["reason"]}
+                return epoch, consumed, steps, good, e_epoch
             for rid, off in rows.items():
                 if rid in consumed:
                     raise ValueError(f"cursor journal {jpath} line {lineno}: rollout {rid!r} consumed twice")
                 self._check_entry(rid, off)
-                consumed[rid] = dict(entry, outcome_offset=off)
-        return epoch, consumed, good, None
+                consumed[rid] = dict(_entry(e, rid), outcome_offset=off)
+            if "record" in e:
+                steps[int(e["step"])] = e["record"]
+        return epoch, consumed, steps, good, None
 
     def _check_entry(self, rid: str, off: int) -> None:
         have = self._outcome_offset_of(rid)
@@ -147,13 +162,15 @@ class Cursor:
     def state(self) -> dict[str, Any]:
         """JSON-able cursor, to save in a training checkpoint."""
         return {"version": 1, "run_id": self.run_id, "log_offset": self._log_offset(),
-                "consumed": {k: dict(v) for k, v in self.consumed.items()}}
+                "consumed": {k: dict(v) for k, v in self.consumed.items()},
+                "steps": {str(k): v for k, v in self.steps.items()}}
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        """Make ``state`` (from ``state()``) the persisted cursor, e.g. on checkpoint restore."""
+        """Make ``state`` (from ``state()``) the persisted cursor, e.g. on checkpoint restore. A checkpoint from
+        before step records restores none (its steps cannot be replayed)."""
         consumed = self.check(state)
         self.own()
-        self._write_snapshot(consumed)
+        self._write_snapshot(consumed, {int(k): v for k, v in state.get("steps", {}).items()})
 
     def own(self) -> None:
         """Take the cursor lock (once); what another holder wrote before is read again first."""
@@ -161,15 +178,17 @@ class Cursor:
             self._lock_f = self._take_lock()
             self.load()
 
-    def _write_snapshot(self, consumed: dict[str, dict]) -> None:
-        """``consumed`` as the snapshot of the next epoch, then an empty journal (module docstring)."""
+    def _write_snapshot(self, consumed: dict[str, dict], steps: dict[int, dict]) -> None:
+        """``consumed`` and ``steps`` as the snapshot of the next epoch, then an empty journal (module docstring)."""
         path, epoch = self._path(CURSOR_NAME), self._epoch + 1
-        state = dict(self.state(), consumed=consumed, version=2, journal_epoch=epoch)
+        state = dict(self.state(), consumed=consumed, steps={str(k): v for k, v in steps.items()}, version=2,
+                     journal_epoch=epoch)
         try:
             _atomic_write_json(path, state)
         except OSError as e:
             raise storage_error(path, "writing", e) from e
-        self.consumed, self._epoch = consumed, epoch  # durable from here: the journal's lines are stale
+        # durable from here: the journal's lines are stale
+        self.consumed, self.steps, self._epoch = consumed, steps, epoch
         try:
             self._truncate_journal(0)
         except OSError as e:  # harmless on disk (stale lines are skipped); the next compaction tries again
@@ -231,17 +250,21 @@ class Cursor:
             return 0
 
     def consume(self, ids: list[str], entry: dict) -> None:
-        """Mark ``ids`` (complete rollouts, checked by the store) consumed as ``entry`` says, durably."""
+        """Mark ``ids`` (complete rollouts, checked by the store) consumed as ``entry`` says, durably. ``entry``:
+        ``{"state", "step", "reason"}``, or a whole step's ``{"step", "dropped": {id: reason}, "record"}``
+        (one line: a stop never leaves half a step consumed)."""
         self.own()
         for rid in ids:
             if rid in self.consumed:  # consumed by the cursor's previous holder, read when taking the lock
                 raise ValueError(f"rollout {rid!r} was already consumed: {self.consumed[rid]}")
         self._append(ids, entry)  # memory changes only once the disk has it: no half-step in a save
         for rid in ids:
-            self.consumed[rid] = dict(entry, outcome_offset=self._outcome_offset(rid))
+            self.consumed[rid] = dict(_entry(entry, rid), outcome_offset=self._outcome_offset(rid))
+        if "record" in entry:
+            self.steps[int(entry["step"])] = entry["record"]
         if self._journal_good > max(CURSOR_COMPACT_MIN_BYTES, self._snapshot_bytes()):
             try:
-                self._write_snapshot(dict(self.consumed))
+                self._write_snapshot(dict(self.consumed), dict(self.steps))
             except StorageError as e:  # the step is durable in the journal; compaction can wait for room
                 log.warning("cursor compaction failed, the journal keeps growing: %s", e)
 

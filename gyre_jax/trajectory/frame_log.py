@@ -152,7 +152,7 @@ class FrameLog:
         self.fsync, self.fsync_interval_s = fsync, fsync_interval_s
         self.path = os.path.join(directory, LOG_NAME)
         if writable:
-            self._wfd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.wfd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._rfd = os.open(self.path, os.O_RDONLY)
         self.corrupt: list[tuple[int, int]] = []
         self.scanned = 0  # log offset up to which frames are indexed
@@ -210,7 +210,7 @@ class FrameLog:
             f.flush()
             os.fsync(f.fileno())
         os.truncate(self.path, off)
-        os.fsync(self._wfd)
+        os.fsync(self.wfd)
         self.tail_pending = 0
         append_line(os.path.join(self.directory, EVENTS_NAME),
                     {"time": time.time(), "event": "torn_tail_truncated", "offset": off, "nbytes": n, "saved_to": saved})
@@ -233,7 +233,7 @@ class FrameLog:
         written = 0
         try:
             while True:  # one writev per frame; loop only on a short write
-                n = os.writev(self._wfd, bufs)
+                n = os.writev(self.wfd, bufs)
                 written += n
                 if written == total:
                     break
@@ -257,7 +257,7 @@ class FrameLog:
         now = time.monotonic()
         if self.fsync == "always" or (self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
             try:
-                os.fsync(self._wfd)
+                os.fsync(self.wfd)
             except OSError as e:  # the frame may not be durable: say so, never carry on as if it were
                 raise storage_error(self.path, "syncing", e) from e
             self._last_sync, self._dirty = now, False
@@ -274,6 +274,6 @@ class FrameLog:
     def close(self) -> None:
         if self.writable:
             if self._dirty:
-                os.fsync(self._wfd)
-            os.close(self._wfd)
+                os.fsync(self.wfd)
+            os.close(self.wfd)
         os.close(self._rfd)

@@ -31,7 +31,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from gyre_jax.losses import get_weight_builder
+from gyre_jax.losses import WEIGHT_BUILDERS
+from gyre_jax.registry import options_field
+from gyre_jax.schema import derived
 from gyre_jax.trajectory.binpack import pack_trees
 from gyre_jax.trajectory.node import TreeNode
 from gyre_jax.trajectory.rewards import AdvantageConfig, compute_advantages
@@ -44,30 +46,29 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ProcessorConfig:
+class ProcessorConfig(AdvantageConfig):
+    """The rewards and advantages (``AdvantageConfig``'s fields), the paths kept and the rows packed."""
+
     row_len: int  # packed row length L; must cover the longest context (prompt + output)
     select: SelectConfig = SelectConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
     group_field: str = "group_id"  # outcome field that defines a group (rewards.py)
     min_rows: int = 0  # pad the step to at least this many rows (e.g. one batch)
     weights: str = "rollout_token_mean"  # gyre_jax.losses.WEIGHT_BUILDERS name: the loss aggregation
-    weights_config: Any = None  # its config (None: defaults)
+    weights_options: Any = options_field(WEIGHT_BUILDERS, "weights")  # its config (None: defaults)
     # An MoE model's MoE layers x top-k (ModelConfig.routing_width): rows carry recorded routing
     # [B, L, R] (-1 where none) for routing replay and its mismatch metric; 0: a dense model, no field.
-    routing_width: int = 0
+    routing_width: int = derived(0, "model.routing_width")
 
     def __post_init__(self):
+        AdvantageConfig.__post_init__(self)
         if not (isinstance(self.row_len, int) and self.row_len >= 2):
             raise ValueError(f"ProcessorConfig.row_len={self.row_len!r} must be an int >= 2")
-        if not isinstance(self.select, SelectConfig) or not isinstance(self.advantage, AdvantageConfig):
-            raise TypeError("ProcessorConfig.select / .advantage must be SelectConfig / AdvantageConfig")
+        if not isinstance(self.select, SelectConfig):
+            raise TypeError("ProcessorConfig.select must be a SelectConfig")
         if self.group_field not in ("group_id", "task_id"):
             raise ValueError(f"ProcessorConfig.group_field={self.group_field!r}; known: ('group_id', 'task_id')")
         if self.min_rows < 0:
             raise ValueError(f"ProcessorConfig.min_rows={self.min_rows} must be >= 0")
-        entry = get_weight_builder(self.weights)
-        object.__setattr__(self, "weights_config", entry.config() if self.weights_config is None else
-                           entry.check_config(self.weights_config, "ProcessorConfig.weights_config: "))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +166,9 @@ def process_step(
             f"(not finished? pass only finished rollouts): {orphans[:5]}"
         )
     lengths = None
-    if config.advantage.overlong:  # DAPO's overlong shaping reads each rollout's generated tokens
+    if config.overlong:  # DAPO's overlong shaping reads each rollout's generated tokens
         lengths = [sum(int(c.output_ids.shape[0]) for c in by_rollout.get(o.rollout_id, [])) for o in outcomes]
-    rew = compute_advantages(outcomes, config.advantage, group_field=config.group_field, lengths=lengths)
+    rew = compute_advantages(outcomes, config, group_field=config.group_field, lengths=lengths)
     trained, adv, calls_dropped = _trained_rollouts(outcomes, rew, by_rollout)
     t1 = time.perf_counter()
     trees, recorded, no_calls = _build_trees(trained)
@@ -182,7 +183,7 @@ def process_step(
         names=[f"rollout {rid!r}" for rid, _ in trained],
         min_rows=config.min_rows,
         weights=config.weights,
-        weights_config=config.weights_config,
+        weights_config=config.weights_options,
         routing_width=config.routing_width,
     )
     t4 = time.perf_counter()

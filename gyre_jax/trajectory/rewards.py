@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gyre_jax.losses import ADVANTAGE_ESTIMATORS
+from gyre_jax.registry import options_field, resolve_options
 from gyre_jax.trajectory.vocab import FAILURE_STATUSES, SCORED_STATUSES, STATUS_INFRA_ERROR, STATUS_VERIFIER_ERROR, STATUSES
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdvantageConfig:
-    estimator: str = "grpo"  # an ADVANTAGE_ESTIMATORS name
-    estimator_config: Any = None  # its config (None: the paper's defaults)
+    advantage: str = "grpo"  # an ADVANTAGE_ESTIMATORS name
+    advantage_options: Any = options_field(ADVANTAGE_ESTIMATORS, "advantage")  # its config (None: the paper's)
     # Multiplies negative advantages (1: as the estimator gives them; 0: only better-than-baseline
     # rollouts are reinforced).
     negative_advantage_scale: float = 1.0
@@ -48,10 +49,7 @@ class AdvantageConfig:
     overlong_penalty: float = 1.0  # the penalty at Lmax (and beyond)
 
     def __post_init__(self):
-        entry = ADVANTAGE_ESTIMATORS.get(self.estimator)
-        cfg = entry.config() if self.estimator_config is None else entry.check_config(
-            self.estimator_config, "AdvantageConfig.estimator_config: ")
-        object.__setattr__(self, "estimator_config", cfg)
+        resolve_options(self)
         if not (self.negative_advantage_scale >= 0 and math.isfinite(self.negative_advantage_scale)):
             raise ValueError(f"AdvantageConfig.negative_advantage_scale={self.negative_advantage_scale!r} must be "
                              "finite and >= 0")
@@ -66,8 +64,9 @@ class AdvantageConfig:
             raise ValueError(f"AdvantageConfig.overlong_penalty={self.overlong_penalty!r} must be finite and >= 0")
 
     @property
-    def entry(self):
-        return ADVANTAGE_ESTIMATORS.get(self.estimator)
+    def estimator(self):
+        """The advantage estimator's registry entry (``entry`` would be the policy loss's on the train config)."""
+        return ADVANTAGE_ESTIMATORS.get(self.advantage)
 
     @property
     def overlong(self) -> bool:
@@ -124,7 +123,7 @@ def compute_advantages(
     group_field: str = "group_id",
     lengths: Sequence[int] | None = None,
 ) -> RewardResult:
-    """Advantages (``config.estimator``) for the finished rollouts of ONE step, or of its groups.
+    """Advantages (``config.advantage``) for the finished rollouts of ONE step, or of its groups.
 
     ``outcomes``: objects with ``rollout_id``, ``task_id``, ``status``, ``score``
     and the group field (``group_id`` by default; pass ``group_field="task_id"``
@@ -224,7 +223,7 @@ def _estimate(groups: list, rewards: np.ndarray, valid: np.ndarray,
     v_GxN = np.zeros((num_groups, width), bool)
     r_GxN[gidx, slot] = np.where(valid, rewards, 0.0)
     v_GxN[gidx, slot] = valid
-    adv_GxN, m = config.entry.fn(r_GxN, v_GxN, config.estimator_config) if num_groups else (r_GxN, {})
+    adv_GxN, m = config.estimator.fn(r_GxN, v_GxN, config.advantage_options) if num_groups else (r_GxN, {})
     adv = np.where(valid, np.asarray(adv_GxN, np.float64)[gidx, slot], 0.0) if n else np.zeros(0)
     if config.negative_advantage_scale != 1.0:
         adv = np.where(adv < 0, adv * config.negative_advantage_scale, adv)
@@ -237,7 +236,7 @@ def has_signal(outcomes: Sequence[Any], config: AdvantageConfig, lengths: Sequen
     Equal rewards (all right or all wrong, or one valid rollout) give a group baseline
     nothing to compare: every advantage is 0 and the group carries no gradient.
     """
-    res = compute_advantages(outcomes, dataclasses.replace(config, estimator="dr_grpo", estimator_config=None),
-                             lengths=lengths)
+    shaping = {f.name: getattr(config, f.name) for f in dataclasses.fields(AdvantageConfig) if f.name.startswith("overlong_")}
+    res = compute_advantages(outcomes, AdvantageConfig(advantage="dr_grpo", **shaping), lengths=lengths)
     r = res.rewards[res.valid].astype(np.float64)
     return r.size >= 2 and bool(np.ptp(r) > 0)

@@ -193,6 +193,15 @@ class TrajectoryStore:
                               log_offset=lambda: self._log.scanned,
                               take_lock=lambda: self._take_lock("cursor.lock", "cursor"), seam=self)
 
+    @property
+    def _wfd(self) -> int:
+        """The log's write descriptor (tests put /dev/full's in its place: a real ENOSPC on every append)."""
+        return self._log.wfd
+
+    @_wfd.setter
+    def _wfd(self, fd: int) -> None:
+        self._log.wfd = fd
+
     # ------------------------------------------------------------------ open / scan
     def _take_lock(self, name: str, what: str):
         f = open(self._path(name), "a")
@@ -460,6 +469,20 @@ class TrajectoryStore:
         if not isinstance(reason, str) or not reason:
             raise ValueError("mark_dropped needs a non-empty reason")
         self._consume(rollout_ids, {"state": "dropped", "step": int(step), "reason": reason})
+
+    def mark_step(self, step: int, *, trained: Iterable[str], dropped: Mapping[str, str], record: Mapping[str, Any]) -> None:
+        """A whole training step's rollouts in one durable line: ``trained``, and ``dropped`` (id -> reason,
+        their failure class), with the step's ``record`` (JSON: what a resume needs to replay it, e.g. the
+        groups it took in order). A stop never leaves half of a step consumed."""
+        trained, dropped = list(trained), dict(dropped)
+        if any(not isinstance(r, str) or not r for r in dropped.values()):
+            raise ValueError(f"mark_step: every dropped rollout needs a non-empty reason, got {dropped}")
+        self._consume(trained + list(dropped), {"step": int(step), "dropped": dropped, "record": dict(record)})
+
+    def step_records(self) -> dict[int, dict]:
+        """The record of every step consumed whole (``mark_step``) that the cursor holds, by step."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._cursor.steps.items()}
 
     def consumed(self) -> dict[str, dict]:
         return {k: dict(v) for k, v in self._cursor.consumed.items()}

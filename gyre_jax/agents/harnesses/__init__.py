@@ -25,15 +25,18 @@ crashed or could not start) or any other exception is ``infra_error`` when the p
 say in it (no model call was recorded, or the model server failed one of the rollout's
 calls), else a score of 0 with its reason (``gyre_jax.agents.harness`` says why).
 
-Adding a harness: a class with ``kind`` and ``async run(episode) -> HarnessResult``, then
-``register_harness``.
+Adding a harness kind: a class with ``kind``, ``needs_commands(task)`` and ``async run(episode) ->
+HarnessResult`` built as ``Class(options, unix_socket=...)``, its options a frozen dataclass beside it,
+and ``@HARNESS_KINDS.register(kind, config=Options, summary=...)`` on the class, in a module of this
+package (``--config.harness.kind=NAME``, its options ``--config.harness.kind_options.NAME.OPTION=v``).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping, Protocol
+from typing import Any, ClassVar, Mapping, Protocol
 
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,51 +111,29 @@ class Harness(Protocol):
     async def run(self, episode: Episode) -> HarnessResult: ...
 
 
-HARNESSES: dict[str, Callable[..., Harness]] = {}
+# Kinds register themselves beside their class (``@HARNESS_KINDS.register("command", config=CommandOptions,
+# ...)``); a kind not yet registered is looked for in this package's modules (gyre_jax.registry).
+HARNESS_KINDS = Registry("harness kind", "harness.kind", package=__name__)
 
 
-def register_harness(kind: str, factory: Callable[..., Harness]) -> None:
-    """Make ``kind`` available to ``make_harness`` (``--config.harness.kind``). The factory is called with
-    every kind's options (entry=, command=, env=, ro_paths=, nonzero_exit=, output_bytes=, cpu_s=,
-    memory_bytes=, unix_socket=; rl.config.HarnessKnobs.make): take the ones it uses and ``**_``."""
-    _register_builtins()  # first: a kind registered before any make_harness must not hide the built-in ones
-    if kind in HARNESSES:
-        raise ValueError(f"harness kind {kind!r} is already registered")
-    HARNESSES[kind] = factory
-
-
-def make_harness(kind: str, **kwargs) -> Harness:
-    """The harness of ``kind`` (``python``: entry=; ``command``: command=, ...)."""
-    _register_builtins()
-    try:
-        factory = HARNESSES[kind]
-    except KeyError:
-        raise LookupError(f"unknown harness kind {kind!r}; known: {sorted(HARNESSES)}") from None
-    return factory(**kwargs)
+def make_harness(kind: str, options: Any = None, *, unix_socket: str | None = None, **values) -> Harness:
+    """The harness of ``kind`` built from its options (``options``, an instance of the kind's options class,
+    or its fields as keywords: ``make_harness("command", command="...")``); ``unix_socket``: the proxy's, for
+    a harness that runs in the rollout's sandbox. An option the kind does not take is a ValueError naming them."""
+    entry = HARNESS_KINDS.get(kind)
+    if options is None:
+        options = entry.make_config(values, where="harness: ")
+    elif values:
+        raise TypeError("make_harness: give the options as an instance or as keywords, not both")
+    else:
+        entry.check_config(options, "harness: ")
+    return entry.obj(options, unix_socket=unix_socket)
 
 
 BUILTIN_ENTRY = "gyre_jax.agents.agent:run_episode"
 
 
-def _builtin(*, entry: str = "", **kw) -> Harness:
-    from gyre_jax.agents.harnesses.python_entry import PythonHarness
-
-    if entry and entry != BUILTIN_ENTRY:
-        raise ValueError(f"harness.entry={entry!r} is for harness.kind='python'; kind='builtin' runs {BUILTIN_ENTRY}")
-    return PythonHarness(entry=BUILTIN_ENTRY, **kw)
-
-
-_builtins_registered = False
-
-
-def _register_builtins() -> None:
-    global _builtins_registered
-    if _builtins_registered:
-        return
-    _builtins_registered = True
-    from gyre_jax.agents.harnesses.command import CommandHarness
-    from gyre_jax.agents.harnesses.python_entry import PythonHarness
-
-    register_harness(PythonHarness.kind, PythonHarness)
-    register_harness("builtin", _builtin)
-    register_harness(CommandHarness.kind, CommandHarness)
+@HARNESS_KINDS.register("builtin", summary="the example agent (gyre_jax.agents.agent:run_episode) in-process")
+def _builtin(options, *, unix_socket: str | None = None) -> Harness:
+    python = HARNESS_KINDS.get("python")  # python_entry.py registers it (this package's modules import this one)
+    return python.obj(python.make_config({"entry": BUILTIN_ENTRY}), unix_socket=unix_socket)

@@ -12,7 +12,7 @@ bound in, served on ``127.0.0.1:PORT`` by ``bridge.py``). Its environment:
   GYRE_INSTRUCTION                      the instruction (omitted if over 100 KB: use the file)
   GYRE_INSTRUCTION_FILE                 a read-only file holding it
   GYRE_WORKSPACE                        /workspace
-  + ``config.harness.env`` (e.g. MSWEA_CONFIGURED=true), HOME=/tmp (a private tmpfs)
+  + its ``env`` option (e.g. MSWEA_CONFIGURED=true), HOME=/tmp (a private tmpfs)
 
 In the command, ``{instruction_file}``, ``{workspace}`` and ``{task_id}`` are replaced by
 those values, shell-quoted (nothing else is touched: ``${VAR}`` and JSON braces stay).
@@ -33,6 +33,7 @@ partial credit. Output (stdout and stderr together) is kept bounded while it str
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shlex
 import signal
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import ClassVar, Mapping
 
 from gyre_jax.agents.capture import BoundedCapture, drain_async
-from gyre_jax.agents.harnesses import Episode, HarnessFailed, HarnessResult
+from gyre_jax.agents.harnesses import HARNESS_KINDS, Episode, HarnessFailed, HarnessResult
 from gyre_jax.agents.sandbox import WORKSPACE_MOUNT, SandboxLimits
 from gyre_jax.agents.tasks.base import Task
 
@@ -72,28 +73,50 @@ def substitute(command: str, values: Mapping[str, str]) -> str:
     return command
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommandOptions:
+    """``--config.harness.kind_options.command.*``."""
+
+    # e.g. "mini -y --exit-immediately -t \"$(cat {instruction_file})\"" ({instruction_file}, {workspace},
+    # {task_id} are replaced, shell-quoted); OPENAI_/ANTHROPIC_BASE_URL and _API_KEY are set.
+    command: str = ""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # extra environment
+    ro_paths: str = ""  # comma-separated host paths it sees read-only (besides this Python's)
+    nonzero_exit: str = "infra_error"  # infra_error | graded (its non-zero exit means "gave up")
+    output_bytes: int = 16384  # bytes of its output kept from the start, and from the end
+    cpu_s: int = 3600  # CPU seconds per process of the harness
+    memory_bytes: int = 8 << 30  # address space per process (node needs several GiB)
+    tmp_bytes: int = 256 << 20  # its private /tmp
+
+    def __post_init__(self):
+        object.__setattr__(self, "env", dict(self.env))
+        if not isinstance(self.ro_paths, str):  # a tuple of paths, as a caller in code writes it
+            object.__setattr__(self, "ro_paths", ",".join(self.ro_paths))
+
+
+@HARNESS_KINDS.register("command", config=CommandOptions,
+                        summary="a shell command per rollout (any agent CLI), run inside the rollout's sandbox")
 class CommandHarness:
     kind: ClassVar[str] = "command"
 
-    def __init__(self, *, command: str, env: Mapping[str, str] | None = None, ro_paths: tuple[str, ...] = (),
-                 nonzero_exit: str = "infra_error", output_bytes: int = 16384, cpu_s: int = 3600,
-                 memory_bytes: int = 8 << 30, tmp_bytes: int = 256 << 20, unix_socket: str | None = None,
-                 **_ignored):
-        if not isinstance(command, str) or not command.strip():
-            raise ValueError("harness.command must be a non-empty shell command")
-        if nonzero_exit not in NONZERO_EXIT:
-            raise ValueError(f"harness.nonzero_exit must be one of {NONZERO_EXIT}, got {nonzero_exit!r}")
-        env = dict(env or {})
-        for k, v in env.items():
+    def __init__(self, options: CommandOptions, *, unix_socket: str | None = None):
+        o = options
+        if not isinstance(o.command, str) or not o.command.strip():
+            raise ValueError("harness.kind_options.command.command must be a non-empty shell command")
+        if o.nonzero_exit not in NONZERO_EXIT:
+            raise ValueError(f"harness.kind_options.command.nonzero_exit must be one of {NONZERO_EXIT}, "
+                             f"got {o.nonzero_exit!r}")
+        for k, v in o.env.items():
             if not isinstance(k, str) or not k or "=" in k or not isinstance(v, str) or "\0" in k + v:
-                raise ValueError(f"harness.env: {k!r}={v!r} is not a valid environment variable")
-        if output_bytes < 256:
-            raise ValueError(f"harness.output_bytes must be >= 256, got {output_bytes}")
-        self.command, self.env, self.nonzero_exit = command, env, nonzero_exit
-        self.ro_paths = tuple(dict.fromkeys((*default_ro_paths(), *ro_paths)))
-        self.output_bytes = output_bytes
+                raise ValueError(f"harness.kind_options.command.env: {k!r}={v!r} is not a valid environment variable")
+        if o.output_bytes < 256:
+            raise ValueError(f"harness.kind_options.command.output_bytes must be >= 256, got {o.output_bytes}")
+        self.command, self.env, self.nonzero_exit = o.command, dict(o.env), o.nonzero_exit
+        extra = tuple(p.strip() for p in o.ro_paths.split(",") if p.strip())
+        self.ro_paths = tuple(dict.fromkeys((*default_ro_paths(), *extra)))
+        self.output_bytes = o.output_bytes
         # the whole sandbox (its cgroup) is capped at the memory limit too (SandboxLimits.sandbox_memory_bytes)
-        self.limits = SandboxLimits(cpu_s=cpu_s, memory_bytes=memory_bytes, tmp_bytes=tmp_bytes)
+        self.limits = SandboxLimits(cpu_s=o.cpu_s, memory_bytes=o.memory_bytes, tmp_bytes=o.tmp_bytes)
         self.unix_socket = unix_socket
 
     def needs_commands(self, task: Task) -> bool:

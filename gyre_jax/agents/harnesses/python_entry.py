@@ -16,12 +16,13 @@ command (the sandbox then sets up no uid or workspace tmpfs); the default is Tru
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import re
 from typing import ClassVar
 
-from gyre_jax.agents.harnesses import Episode, HarnessResult
+from gyre_jax.agents.harnesses import HARNESS_KINDS, Episode, HarnessResult
 from gyre_jax.agents.tasks.base import Task
 
 _ENTRY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -44,12 +45,21 @@ def load_entry(entry: str):
     return fn
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PythonOptions:
+    """``--config.harness.kind_options.python.*``."""
+
+    entry: str = ""  # "module:function", called as `await function(task, client)`
+
+
+@HARNESS_KINDS.register("python", config=PythonOptions,
+                        summary="an async Python function `module:function(task, client)` in the trainer's process")
 class PythonHarness:
     kind: ClassVar[str] = "python"
 
-    def __init__(self, *, entry: str, **_ignored):
-        self.entry = entry
-        self.fn = load_entry(entry)
+    def __init__(self, options: PythonOptions, *, unix_socket: str | None = None):
+        self.entry = options.entry
+        self.fn = load_entry(options.entry)
 
     def needs_commands(self, task: Task) -> bool:
         fn = getattr(self.fn, "needs_commands", None)

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_jax.agents.scoring import Grade
+from gyre_jax.agents.tasks import FAMILIES
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tool_schemas import FINISH, TOOL_NAMES, RUN_TESTS
 from gyre_jax.agents.tree_rules import check_glob, test_file_of
@@ -281,9 +282,9 @@ def parse_line(obj: Any, *, path: str, line: int, base: Path) -> tuple[Task, str
     return task, split
 
 
-def load_task_file(path: str | os.PathLike) -> list[tuple[Task, str]]:
+def load_task_file(path: str | os.PathLike, options: Any = None) -> list[tuple[Task, str]]:
     """Every task of a JSONL file with its split, in file order; TaskFileError on the first
-    malformed line (blank lines and lines starting with '#' are skipped)."""
+    malformed line (blank lines and lines starting with '#' are skipped). No options."""
     p = Path(path)
     name = str(path)
     if not p.is_file():
@@ -322,6 +323,7 @@ def solution_turns(task: Task):
                       "or warm-start from a checkpoint with model.hf_path)")
 
 
+@FAMILIES.register(FAMILY, generated=False, summary="tasks read from a task set (config.task.dataset)")
 def grade(task: Task, tree: Path) -> Grade:
     """Score the graded tree ``tree`` (``graded_tree`` built it; hidden files are in it) by the
     task's verdict mode (module docstring). Every failure of the graded code is a score of 0

@@ -18,6 +18,7 @@ grader compares them with the expected ones, which never reach agent code.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 from gyre_jax.agents.check_runner import check_names, import_check_name
 from gyre_jax.agents.call_checks import run_module_checks, same_json
 from gyre_jax.agents.scoring import Checks, Grade
+from gyre_jax.agents.tasks import FAMILIES, family_options
 from gyre_jax.agents.tasks.base import Task
 
 FAMILY = "repo_spec"
@@ -83,7 +85,20 @@ def _reference(name: str):
     return namespace[name]
 
 
-def make_task(seed: int, *, n_modules: int = 2, functions_per_module: int = 2, case_timeout_s: float = 2.0) -> Task:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``--config.task.family_options.repo_spec.*``."""
+
+    n_modules: int = 2  # modules of the package to write
+    functions_per_module: int = 2
+    case_timeout_s: float = 2.0  # per hidden unit case
+
+
+@FAMILIES.register(FAMILY, config=Options, generated=True,
+                   summary="write a small Python package to a README's spec; graded by hidden unit cases")
+def make_task(seed: int, options: Options | None = None, **values) -> Task:
+    o = family_options(FAMILY, options, values)
+    n_modules, functions_per_module, case_timeout_s = o.n_modules, o.functions_per_module, o.case_timeout_s
     if not 1 <= n_modules <= len(MODULES):
         raise ValueError(f"repo_spec.make_task: n_modules must be in [1, {len(MODULES)}], got {n_modules}")
     if not 1 <= functions_per_module or n_modules * functions_per_module > len(POOL):

@@ -16,10 +16,12 @@ demonstration for the supervised warm start (see ``gyre_jax.agents.demos``).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
 from gyre_jax.agents.scoring import Grade, char_match_score
+from gyre_jax.agents.tasks import FAMILIES, family_options
 from gyre_jax.agents.tasks.base import Task
 
 FAMILY = "tiny"
@@ -48,9 +50,30 @@ def expected_answer(op: str, arg: str) -> str:
     return fn(arg)
 
 
-def make_task(seed: int, *, ops=DEFAULT_OPS, min_len: int = 3, max_len: int = 5) -> Task:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``--config.task.family_options.tiny.*``."""
+
+    ops: str = ",".join(DEFAULT_OPS)  # comma-separated ops drawn per task (OPS), e.g. "copy,upper,reverse"
+    min_len: int = 3  # argument length range
+    max_len: int = 5
+
+    def __post_init__(self):
+        if not isinstance(self.ops, str):  # a tuple of names, as a caller in code writes it
+            object.__setattr__(self, "ops", ",".join(self.ops))
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        return tuple(o.strip() for o in self.ops.split(",") if o.strip())
+
+
+@FAMILIES.register(FAMILY, config=Options, generated=True,
+                   summary="one string transform (copy, reverse, upper, sort, sum) written to answer.txt")
+def make_task(seed: int, options: Options | None = None, **values) -> Task:
     """A deterministic task for ``seed``; the task id names op and argument, so equal
-    tasks from different seeds share an id (and a group)."""
+    tasks from different seeds share an id (and a group). ``values``: options by name."""
+    o = family_options(FAMILY, options, values)
+    ops, min_len, max_len = o.op_names, o.min_len, o.max_len
     if not ops or any(op not in OPS for op in ops):
         raise ValueError(f"tiny.make_task: ops must be a non-empty subset of {sorted(OPS)}, got {ops!r}")
     if not 1 <= min_len <= max_len:

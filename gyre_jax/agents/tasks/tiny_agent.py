@@ -29,13 +29,14 @@ pays (0.5 -> 1.0 of the score for a right answer).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from pathlib import Path
 
 from gyre_jax.agents import test_suite as ts
 from gyre_jax.agents.scoring import Grade
-from gyre_jax.agents.tasks import tiny, tiny_tests
+from gyre_jax.agents.tasks import FAMILIES, family_options, tiny, tiny_tests
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS, SPAWN_SUBAGENT
 from gyre_jax.trajectory.vocab import ROLE_SUBAGENT, ROLE_SUMMARY
@@ -51,15 +52,25 @@ _SUITE_SUMMARY = re.compile(r"\d+ passed, \d+ failed")  # the suite runner's las
 SUBAGENT_TASK = "run_tests"  # what a delegating demonstration asks its sub-agent to do
 
 
-def make_task(seed: int, *, ops=tiny.DEFAULT_OPS, min_len: int = 3, max_len: int = 5, run_tests_scale: float = 1.0,
-              test_min_s: float = 1.0, test_max_s: float = 30.0, test_median_s: float = 3.0,
-              demo_test_fraction: float = 0.3) -> Task:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options(tiny_tests.Options):
+    """``--config.task.family_options.tiny_agent.*``: tiny_tests', and the warm start's habit."""
+
+    # the fraction of the warm start's demonstrations that test their answer (RL's headroom)
+    demo_test_fraction: float = 0.3
+
+
+@FAMILIES.register(FAMILY, config=Options, generated=True,
+                   summary="multi-call agent episodes: read in.txt, answer, test (or delegate the test), finish")
+def make_task(seed: int, options: Options | None = None, **values) -> Task:
     """The tiny task of ``seed`` with its argument moved into ``in.txt`` and a test suite whose
-    time is drawn per task (``tiny_tests.make_task``'s arguments)."""
+    time is drawn per task (``tiny_tests``' options)."""
+    o = family_options(FAMILY, options, values)
+    demo_test_fraction = o.demo_test_fraction
     if not 0.0 <= demo_test_fraction <= 1.0:
         raise ValueError(f"tiny_agent.make_task: demo_test_fraction must be in [0, 1], got {demo_test_fraction!r}")
-    base = tiny_tests.make_task(seed, ops=ops, min_len=min_len, max_len=max_len, run_tests_scale=run_tests_scale,
-                                test_min_s=test_min_s, test_max_s=test_max_s, test_median_s=test_median_s)
+    base = tiny_tests.make_task(seed, tiny_tests.Options(**{f.name: getattr(o, f.name)
+                                                          for f in dataclasses.fields(tiny_tests.Options)}))
     p = base.params
     return Task(task_id=base.task_id.replace("tiny-", "agent-", 1), family=FAMILY, prompt=f"{p['op']} {INPUT_FILE}",
                 system_prompt=SYSTEM_PROMPT, tools=TOOLS, grader="gyre_jax.agents.tasks.tiny_agent:grade",

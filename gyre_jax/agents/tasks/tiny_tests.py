@@ -22,12 +22,13 @@ answer never earns more than 0.5. ``run_tests_scale`` multiplies every task's su
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
 from gyre_jax.agents import test_suite as ts
 from gyre_jax.agents.scoring import Grade
-from gyre_jax.agents.tasks import tiny
+from gyre_jax.agents.tasks import FAMILIES, family_options, tiny
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS
 
@@ -39,15 +40,27 @@ TOOLS = ("write_file", RUN_TESTS, FINISH)
 UNTESTED_FACTOR = 0.5  # an answer no suite ran on earns at most this
 
 
-def make_task(seed: int, *, ops=tiny.DEFAULT_OPS, min_len: int = 3, max_len: int = 5, run_tests_scale: float = 1.0,
-              test_min_s: float = 1.0, test_max_s: float = 30.0, test_median_s: float = 3.0) -> Task:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options(tiny.Options):
+    """``--config.task.family_options.tiny_tests.*``: tiny's, and the suite's time."""
+
+    run_tests_scale: float = 1.0  # x each task's test-suite seconds (heavy-tailed, 1-30 s at 1; 0 = instant)
+    test_min_s: float = 1.0
+    test_max_s: float = 30.0
+    test_median_s: float = 3.0
+
+
+@FAMILIES.register(FAMILY, config=Options, generated=True,
+                   summary="tiny, then run_tests: a test suite of 1-30 s (heavy-tailed) per task")
+def make_task(seed: int, options: Options | None = None, **values) -> Task:
     """The tiny task of ``seed`` plus its suite time (deterministic per task: the id names
     the op, the argument and the suite time, so tasks sharing an id share a time)."""
-    if not run_tests_scale >= 0:
-        raise ValueError(f"tiny_tests.make_task: run_tests_scale must be >= 0, got {run_tests_scale!r}")
-    base = tiny.make_task(seed, ops=ops, min_len=min_len, max_len=max_len)
-    seconds = round(run_tests_scale * ts.heavy_tailed_seconds(seed, low_s=test_min_s, high_s=test_max_s,
-                                                              median_s=test_median_s), 3)
+    o = family_options(FAMILY, options, values)
+    if not o.run_tests_scale >= 0:
+        raise ValueError(f"tiny_tests.make_task: run_tests_scale must be >= 0, got {o.run_tests_scale!r}")
+    base = tiny.make_task(seed, tiny.Options(ops=o.ops, min_len=o.min_len, max_len=o.max_len))
+    seconds = round(o.run_tests_scale * ts.heavy_tailed_seconds(seed, low_s=o.test_min_s, high_s=o.test_max_s,
+                                                                median_s=o.test_median_s), 3)
     key = hashlib.sha256(f"gyre-receipt:{seed}:{base.task_id}".encode()).hexdigest()[:32]
     params = {**base.params, "test_s": seconds, "receipt_key": key}
     return Task(task_id=f"{base.task_id}-t{seconds:g}".replace(".", "p"), family=FAMILY, prompt=base.prompt,

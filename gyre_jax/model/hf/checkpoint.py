@@ -2,14 +2,16 @@
 
 Import streams one tensor at a time from disk onto its devices: the sharding of each
 param comes from the rules table (gyre_jax/sharding.py) applied to ``param_logical_axes``;
-a per-layer tensor is written into its slot of the stacked ``[Y, ...]`` param on the
+a per-layer tensor of a large stacked ``[Y, ...]`` param is written into its slot on the
 devices (a donated ``dynamic_update_slice``), so the host never holds more than one
-tensor (plus its transposed copy). Export fetches one layer's slice at a time and
+tensor (plus its transposed copy); a stacked param of at most ``STACK_ON_HOST_BYTES`` is
+assembled on the host and moved in one transfer. Export fetches one layer's slice at a time and
 writes HF names, shapes and dtypes, sharded with ``model.safetensors.index.json``
 above ``max_shard_bytes``; import -> export -> import is bit-exact (pure reshapes).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -34,6 +36,10 @@ from gyre_jax.model.transformer import init_params, param_logical_axes
 log = logging.getLogger(__name__)
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"
 # Files a serving stack needs beside the weights; save_pretrained(like=...) copies them.
+# A stacked [Y, ...] param up to this size is assembled on the host and moved once; a larger one is written
+# into its slot on the devices layer by layer (the host never holds it whole). The slot writes compile once per
+# param shape: ~10 compiles of seconds each for a small model on a loaded host, more than its whole load.
+STACK_ON_HOST_BYTES = 256 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -211,33 +217,59 @@ def load_pretrained(path: str, *, mesh=None, dtype: str | None = None, vocab_pad
         plan = entries(cfg)
         _check_names(ck, cfg, plan)
         params: dict = {}
-        t0, last, done, nbytes = time.perf_counter(), time.perf_counter(), 0, 0
-        total = sum(len(e.tensors()) for e in plan)
+        progress = _LoadProgress(total=sum(len(e.tensors()) for e in plan))
         for e in plan:
             a, sh = _get(abstract, e.path), _get(shardings, e.path)
             if not e.per_layer:
                 w = _read(ck, e, e.name(), a.dtype)
                 _set(params, e.path, jax.device_put(w, sh))
-                done, nbytes = done + 1, nbytes + w.nbytes
+                progress.read(w.nbytes)
                 continue
-            stacked = _zeros(a.shape, a.dtype, sh)()
-            rank = 2 if e.experts else 1  # one tensor per layer, or per expert of a layer
-            put, one_sh = _write_layer(sh, rank), _slice_sharding(sh, rank)
-            for name, idx, _ in e.tensors():
-                w = _read(ck, e, name, a.dtype)
-                stacked = put(stacked, jax.device_put(w.reshape((1,) * rank + w.shape), one_sh),
-                              *(np.int32(x) for x in idx))
-                done, nbytes = done + 1, nbytes + w.nbytes
-                del w
-                if time.perf_counter() - last > 10:
-                    last, el = time.perf_counter(), time.perf_counter() - t0
-                    log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.0f MB/s), ETA %.0fs", done, total, nbytes / 1e9,
-                             el, nbytes / 1e6 / el, el * (total - done) / done)
-            _set(params, e.path, stacked)
-        log.info("hf: loaded %s (%d tensors, %.2f GB) in %.1fs", path, total, nbytes / 1e9, time.perf_counter() - t0)
+            _set(params, e.path, _stacked(ck, e, a, sh, progress))
+        log.info("hf: loaded %s (%d tensors, %.2f GB) in %.1fs", path, progress.total, progress.nbytes / 1e9,
+                 time.perf_counter() - progress.t0)
     finally:
         ck.close()
     return cfg, {"params": params}
+
+
+@dataclasses.dataclass
+class _LoadProgress:
+    """Tensors read so far, with a log line (rate, ETA) at most every 10 s."""
+
+    total: int
+    done: int = 0
+    nbytes: int = 0
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    last: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def read(self, nbytes: int) -> None:
+        self.done, self.nbytes = self.done + 1, self.nbytes + nbytes
+        if time.perf_counter() - self.last > 10:
+            self.last, el = time.perf_counter(), time.perf_counter() - self.t0
+            log.info("hf: %d/%d tensors, %.2f GB in %.0fs (%.0f MB/s), ETA %.0fs", self.done, self.total,
+                     self.nbytes / 1e9, el, self.nbytes / 1e6 / el, el * (self.total - self.done) / self.done)
+
+
+def _stacked(ck, e: Entry, a, sh, progress: _LoadProgress):
+    """One per-layer (or per-expert) entry, its tensors stacked into one array placed with ``sh``."""
+    rank = 2 if e.experts else 1  # one tensor per layer, or per expert of a layer
+    on_host = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize <= STACK_ON_HOST_BYTES
+    if on_host:  # assembled here, one transfer: no per-shape compiles of the slot writes
+        host = np.empty(a.shape, np.dtype(a.dtype))
+    else:
+        stacked = _zeros(a.shape, a.dtype, sh)()
+        put, one_sh = _write_layer(sh, rank), _slice_sharding(sh, rank)
+    for name, idx, _ in e.tensors():
+        w = _read(ck, e, name, a.dtype)
+        if on_host:
+            host[tuple(idx)] = w
+        else:
+            stacked = put(stacked, jax.device_put(w.reshape((1,) * rank + w.shape), one_sh),
+                          *(np.int32(x) for x in idx))
+        progress.read(w.nbytes)
+        del w
+    return jax.device_put(host, sh) if on_host else stacked
 
 
 def _check_names(ck: _Checkpoint | GGUFCheckpoint, cfg: ModelConfig, plan: list[Entry]) -> None:

@@ -13,7 +13,6 @@ graded tree, the verdict modes, ``--check_tasks``), and one place a task's field
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -21,8 +20,8 @@ from typing import Any, Mapping
 from gyre_jax.agents.tasks.formats import jsonl  # noqa: F401  (registers "jsonl", gyre's own, first)
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import TaskFileError
-from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: F401  (they register themselves)
-from gyre_jax.agents.tasks.formats.registry import FORMATS, TaskFormat, register_format
+from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: F401  (they register themselves; others are found by name)
+from gyre_jax.agents.tasks.formats.registry import TASK_FORMATS
 
 
 def parse_options(value: str | Mapping[str, Any] | None, where: str = "config.task.dataset_options") -> dict:
@@ -41,9 +40,9 @@ def parse_options(value: str | Mapping[str, Any] | None, where: str = "config.ta
 
 def detect(path: str) -> str:
     """The format of ``path`` (TaskFileError when none reads it)."""
-    for name, fmt in FORMATS.items():
-        if name != "jsonl" and fmt.detect(path):
-            return name
+    for fmt in TASK_FORMATS.entries():
+        if fmt.name != "jsonl" and fmt.detect(path):
+            return fmt.name
     if os.path.isfile(path):
         return "jsonl"
     raise TaskFileError(path, None, None, "no such file, and not a directory of Harbor tasks (task.toml)"
@@ -54,16 +53,16 @@ def load_task_set(path: str, options: str | Mapping[str, Any] | None = None) -> 
     """Every task of the set at ``path`` with its split, in the set's order (module docstring)."""
     opts = parse_options(options)
     name = opts.pop("format", None) or detect(path)
-    fmt = FORMATS.get(name)
-    if fmt is None:
-        raise ValueError(f"config.task.dataset_options: format {name!r}; known: {sorted(FORMATS)}")
-    known = {f.name for f in dataclasses.fields(fmt.options)}
-    unknown = sorted(set(opts) - known)
+    try:
+        fmt = TASK_FORMATS.get(name)
+    except LookupError as e:
+        raise ValueError(f"config.task.dataset_options: {e}") from None
+    unknown = sorted(set(opts) - set(fmt.options()))
     if unknown:
         raise ValueError(f"config.task.dataset_options: {unknown[0]!r} is not an option of the {name} format; its "
-                         f"options: {sorted(known) or 'none'} (and 'format')")
-    return fmt.load(path, fmt.options(**opts))
+                         f"options: {sorted(fmt.options()) or 'none'} (and 'format')")
+    return fmt.obj(path, fmt.config(**opts))
 
 
-__all__ = ["FORMATS", "TaskFormat", "detect", "harbor", "load_task_set", "parse_options", "register_format",
+__all__ = ["TASK_FORMATS", "detect", "harbor", "load_task_set", "parse_options",
            "swebench"]

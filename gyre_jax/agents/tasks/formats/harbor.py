@@ -73,7 +73,7 @@ from typing import Any
 
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import TaskFileError, parse_line
-from gyre_jax.agents.tasks.formats.registry import TaskFormat, register_format
+from gyre_jax.agents.tasks.formats.registry import TASK_FORMATS
 
 ENVIRONMENTS = ("docker", "host")
 TOP_FIELDS = ("version", "schema_version", "task", "metadata", "verifier", "agent", "environment", "solution",
@@ -405,5 +405,5 @@ def task_line(d: str, opts: Options) -> dict[str, Any]:
     return line
 
 
-register_format(TaskFormat("harbor", Options, detect, load, "Harbor task directories (task.toml, instruction.md, "
-                                                            "tests/test.sh)"))
+TASK_FORMATS.register("harbor", config=Options, detect=detect,
+                      summary="Harbor task directories (task.toml, instruction.md, tests/test.sh)")(load)

@@ -5,7 +5,7 @@ import dataclasses
 import os
 
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tasks.formats.registry import TaskFormat, register_format
+from gyre_jax.agents.tasks.formats.registry import TASK_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,4 +19,5 @@ def load(path: str, _: NoOptions) -> list[tuple[Task, str]]:
     return load_task_file(path)
 
 
-register_format(TaskFormat("jsonl", NoOptions, os.path.isfile, load, "gyre's JSONL task file"))
+TASK_FORMATS.register("jsonl", config=NoOptions, detect=os.path.isfile,
+                      summary="gyre's JSONL task file")(load)

@@ -43,7 +43,7 @@ from typing import Any
 
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import MAX_LINE_BYTES, TaskFileError, parse_line
-from gyre_jax.agents.tasks.formats.registry import TaskFormat, register_format
+from gyre_jax.agents.tasks.formats.registry import TASK_FORMATS
 
 REQUIRED = ("instance_id", "problem_statement", "repo", "base_commit", "test_patch")
 KNOWN = REQUIRED + ("patch", "FAIL_TO_PASS", "PASS_TO_PASS", "hints_text", "created_at", "version",
@@ -243,6 +243,6 @@ def _objects_dir(repo: str) -> str:
     return os.path.join(repo, ".git", "objects")
 
 
-register_format(TaskFormat("swebench", Options, detect, load, "SWE-bench-style JSONL (instance_id, "
-                                                              "problem_statement, repo + base_commit, test_patch, "
-                                                              "FAIL_TO_PASS, PASS_TO_PASS)"))
+TASK_FORMATS.register("swebench", config=Options, detect=detect,
+                      summary="SWE-bench-style JSONL (instance_id, problem_statement, repo + base_commit, "
+                              "test_patch, FAIL_TO_PASS, PASS_TO_PASS)")(load)
