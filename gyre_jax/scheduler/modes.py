@@ -147,10 +147,12 @@ class Elastic(Mode):
         target = costs.train_cells_target(state, config)
         k = min(limit, max(0, target - n_train), max(0, math.floor(work_s / cost) - n_train))
         lend = min(limit - k, max(0, math.floor(available_s / cost) - n_train - k))
-        if lend > 0 and not costs.switch_costs(state, config).known_to_rollout:
-            # The way back is unmeasured: a lend that would not pay kept to the run's end is a probe of
-            # it, one cell beyond the split at a time, and only where losing that cell to training for
-            # the rest of the run costs at most 2% (on a few cells it does not: no probe).
+        if lend > 0 and not costs.switch_costs(state, config).known_to_rollout \
+                and state.steps_done < config.total_steps - 1:
+            # The way back is unmeasured (and the run goes on after this step, so it may be needed): a
+            # lend that would not pay kept to the run's end is a probe of it, one cell beyond the split
+            # at a time, and only where losing that cell for the rest of the run costs at most 2% (on a
+            # few cells it does not: no probe).
             if costs.kept_lend_pays(state, config, n_train + k, lend):
                 k, lend = k + lend, 0
             elif costs.probe_within_margin(state, config, n_train + k):
