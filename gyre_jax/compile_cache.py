@@ -58,6 +58,8 @@ def share_across_devices() -> bool:
     def hash_without_devices(hash_obj, options, strip_device_assignment=False):
         # Only CPU is changed: GPU already strips, and a TPU's executable may depend on its topology.
         cpu = _platform_of(options) == "cpu"
+        if cpu:  # which devices may change; how many may not (a 4-device program run on 8 fails in safe_zip)
+            hash_obj.update(_device_shape(options).encode())
         return hash_options(hash_obj, options, strip_device_assignment=strip_device_assignment or cpu)
 
     def read_or_claim(module_name, key, *args, **kwargs):
@@ -105,6 +107,14 @@ def unshare() -> None:
     cache_key._hash_serialized_compile_options = hash_options
     compiler._cache_read, compiler._compile_and_write_cache = cache_read, compile_write
     _state["patched"] = False
+
+
+def _device_shape(options) -> str:
+    """The device assignment's shape (replicas x partitions), kept in the key when its devices are not."""
+    da = getattr(options.executable_build_options, "device_assignment", None)
+    if da is None:
+        return "devices:none"
+    return f"devices:{da.replica_count()}x{da.computation_count()}"
 
 
 def _process_count() -> int:

@@ -13,7 +13,6 @@ materialised arrays, so state is born sharded.
 """
 from __future__ import annotations
 
-
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

@@ -39,8 +39,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from gyre_jax import distributed
-from gyre_jax.errors import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TERMINATED, ConfigError,
-                             RunFailed, Stopped, StorageError)
+from gyre_jax.errors import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_STORAGE,
+    EXIT_TERMINATED,
+    ConfigError,
+    RunFailed,
+    Stopped,
+    StorageError,
+)
 from launch import cli_errors, failure_file
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)

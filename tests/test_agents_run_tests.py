@@ -1,8 +1,8 @@
 """The tiny_tests family: a run_tests tool whose suite takes heavy-tailed wall time in a
 real sandboxed subprocess, a receipt the agent cannot forge, and its grading."""
 import asyncio
-import os
 import math
+import os
 import statistics
 import time
 

@@ -8,8 +8,15 @@ import sys
 import pytest
 
 from gyre_jax.agents.config import HarnessConfig
-from gyre_jax.agents.tools import (ToolCall, ToolError, Workspace, check_args, parse_openai_tool_calls,
-                                   parse_text_tool_calls, render_text_tool_call)
+from gyre_jax.agents.tools import (
+    ToolCall,
+    ToolError,
+    Workspace,
+    check_args,
+    parse_openai_tool_calls,
+    parse_text_tool_calls,
+    render_text_tool_call,
+)
 from gyre_jax.serving import identity
 from gyre_jax.trajectory.vocab import ROLE_SUBAGENT
 

@@ -8,9 +8,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-import bench_learning  # noqa: E402
-
 from tests.test_tools import assert_header  # noqa: E402
+
+import bench_learning  # noqa: E402
 
 
 def _run(curve, rl_s, branching=0.5, dedup=2.0):

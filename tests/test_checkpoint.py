@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like, resume_store
 from gyre_jax.trajectory.records import ModelCallRecord, RolloutOutcome

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src import monitoring
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gyre_jax import compile_cache
 

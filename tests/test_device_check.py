@@ -8,9 +8,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import device_check  # noqa: E402
-
 from tests.test_tools import assert_header  # noqa: E402
+
+import device_check  # noqa: E402
 
 
 def test_device_check_dry_prints_one_json_line_with_every_check(capsys):

@@ -15,9 +15,9 @@ import pytest
 
 from gyre_jax.agents import sandbox as sb
 from gyre_jax.agents.config import HarnessConfig
-from gyre_jax.agents.task_check import check_tasks
 from gyre_jax.agents.harness import RolloutRequest, RolloutResult, run_rollouts
 from gyre_jax.agents.harnesses import make_harness
+from gyre_jax.agents.task_check import check_tasks
 from gyre_jax.agents.tasks import dataset
 from gyre_jax.rl.episode_eval import episode_metrics, pass_at_k
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
@@ -149,9 +149,8 @@ def test_episode_metrics_pass_at_k_counts_failures_apart():
 
 
 def test_config_refuses_unknown_harness_and_unsandboxed_commands(monkeypatch, tmp_path):
-    from gyre_jax.rl.config import ConfigError, RLConfig
-
     from configs import external
+    from gyre_jax.rl.config import ConfigError, RLConfig
 
     def refused(match, **fields):
         c = external.get_config()
@@ -184,9 +183,8 @@ def test_rl_job_trains_mini_swe_agent_rollouts_on_the_task_file_and_resumes(tmp_
     """configs/external.py shrunk: one step of 2 mini-swe-agent rollouts (processes in their sandboxes)
     on the example task file, trained; whole-episode eval before and after; a rerun with steps=2
     resumes from the checkpoint and trains one more step."""
-    from gyre_jax import jobs
-
     from configs import external
+    from gyre_jax import jobs
 
     def config(steps):
         c = external.get_config()

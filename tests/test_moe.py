@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gyre_jax.model import Transformer, init_params, model_config_tiny
+from gyre_jax.model import Transformer, init_params, model_config_tiny, moe
 from gyre_jax.model import decode as dec
-from gyre_jax.model import moe
 from gyre_jax.model.transformer import moe_stats
 
 ATOL = 1e-5

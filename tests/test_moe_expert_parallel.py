@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gyre_jax.model import Transformer, init_params
-from gyre_jax.sharding import tree_shardings
 from gyre_jax.model.transformer import param_logical_axes
+from gyre_jax.sharding import tree_shardings
 from tests.test_moe import ATOL, _loss, moe_config, tree_row
 
 

@@ -275,7 +275,8 @@ def worker(port, pid, mode, ckpt_dir):
     import jax
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     cfg = DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid) if mode == "flags" else None
     how = initialize(cfg)

@@ -6,9 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gyre_jax.model import init_params, model_config_tiny
 from gyre_jax.model import decode as dec
-from gyre_jax.model import paged
+from gyre_jax.model import init_params, model_config_tiny, paged
 
 ATOL = 1e-5
 G, M = 4, 24  # page size, max tokens per slot (6 pages)

@@ -11,7 +11,8 @@ import socket
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from gyre_jax.pods.transport import Mailbox, TransferConfig, Transport, abstract, get
 

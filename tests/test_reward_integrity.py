@@ -427,10 +427,10 @@ def test_a_run_whose_every_rollout_fails_stops_with_the_reason(tmp_path):
 def test_the_start_check_refuses_or_skips_broken_tasks_and_caches_good_ones(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from gyre_jax.errors import ConfigError
-    from gyre_jax.rl import task_gate
     from gyre_jax.agents.config import HarnessConfig
     from gyre_jax.agents.task_sources import TaskConfig
+    from gyre_jax.errors import ConfigError
+    from gyre_jax.rl import task_gate
 
     good = {"id": "good", "instruction": "Write 42 into answer.txt.", "grader": 'test "$(cat answer.txt)" = 42',
             "metadata": {"solution": "echo 42 > answer.txt"}}

@@ -184,8 +184,8 @@ def test_episode_eval_gives_its_episodes_the_scaled_deadline(tmp_path):
     """The eval's harness is the run's, with harness.deadline_s x eval.deadline_scale (a run's own load must not
     score as the policy's timeouts), its temperature and as many episodes in flight as the engine has slots."""
     from configs import demo as demo_config
-    from gyre_jax.rl.evaluators import make_evaluator
     from gyre_jax.rl.config import RLConfig
+    from gyre_jax.rl.evaluators import make_evaluator
 
     c = demo_config.get_config()
     c.eval.kind, c.eval.deadline_scale, c.eval.temperature = "episodes", 3.0, 0.5

@@ -33,8 +33,8 @@ import pytest
 
 from configs import demo as demo_config
 from gyre_jax.errors import RunFailed
-from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.build import build
+from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.loop import drive
 from gyre_jax.rl.progress import Progress
 from gyre_jax.testing.fake_engine import fake_tiny_backend

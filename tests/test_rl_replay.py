@@ -17,11 +17,12 @@ import subprocess
 import sys
 import threading
 
+from test_rl_failures import assert_consumed_once, fake_config, store_view
+
 from gyre_jax.rl.audit import audit_workdir
 from gyre_jax.rl.build import build
 from gyre_jax.rl.loop import drive
 from gyre_jax.testing.fake_engine import fake_tiny_backend
-from test_rl_failures import assert_consumed_once, fake_config, store_view
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY, KILL_AT = 6, 3, 5  # checkpoints 0, 3, (6); killed in step 5: versions 4 and 5 are lost with it

@@ -28,9 +28,9 @@ import sys
 import threading
 
 import pytest
+from test_rl_loop import tiny_config
 
 from configs import demo as demo_config
-from test_rl_loop import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, PAUSE = 4, 2

@@ -33,9 +33,9 @@ from gyre_jax.cells.loss import policy_loss_fn
 from gyre_jax.cells.mesh import Role
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, init_params, param_logical_axes
+from gyre_jax.rl.build import build
 from gyre_jax.rl.checkpoint import CheckpointConfig, Checkpointer, abstract_like
 from gyre_jax.rl.config import RLConfig
-from gyre_jax.rl.build import build
 from gyre_jax.rl.loop import drive
 from gyre_jax.testing.fake_engine import fake_tiny_backend
 from gyre_jax.trajectory.dataset import RowStream, StreamingDataset

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre_jax.scheduler import policy as P
 from gyre_jax.scheduler import modes, vocab
+from gyre_jax.scheduler import policy as P
 from gyre_jax.scheduler.costs import move_pays
 
 

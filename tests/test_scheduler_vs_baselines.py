@@ -36,8 +36,14 @@ from hypothesis import strategies as st
 from gyre_jax.scheduler import baselines, policy, presets
 from gyre_jax.scheduler.policy import PolicyConfig
 from gyre_jax.scheduler.simulator import simulate
-from gyre_jax.scheduler.workloads import (ClusterConfig, SimConfig, WorkloadConfig, batch_filling_cluster,
-                                          mean_call_s, rollouts_for)
+from gyre_jax.scheduler.workloads import (
+    ClusterConfig,
+    SimConfig,
+    WorkloadConfig,
+    batch_filling_cluster,
+    mean_call_s,
+    rollouts_for,
+)
 
 FLOOR = 0.98
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

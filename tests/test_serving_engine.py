@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.sharding import RULES, mesh_spec
 from gyre_jax.model import Transformer
-from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.serving.backend import SamplingParams
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.engine_state import (
@@ -22,6 +20,8 @@ from gyre_jax.serving.engine_state import (
     kv_bytes_per_slot,
     kv_shardings,
 )
+from gyre_jax.sharding import RULES, mesh_spec
+from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 
 SLOTS, MAX_LEN = 16, 256
 # float32 logits of this model reach |30|; the cached decode (attention over a

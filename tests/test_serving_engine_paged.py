@@ -9,7 +9,15 @@ import pytest
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.testing.tiny_serving_model import CFG
 from tests.test_serving_engine import (  # noqa: F401
-    MAX_LEN, Runner, params, pinput, prompts, ref_greedy, ref_logits, turn_two_on_exported_kv)
+    MAX_LEN,
+    Runner,
+    params,
+    pinput,
+    prompts,
+    ref_greedy,
+    ref_logits,
+    turn_two_on_exported_kv,
+)
 
 G = 8  # tokens per page: small, so every call spans several pages and crosses page boundaries
 

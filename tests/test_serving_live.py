@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from gyre_jax.serving import identity as P
 from gyre_jax.model import Transformer
-from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
+from gyre_jax.serving import identity as P
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.jetstream_backend import JetStreamBackend
 from gyre_jax.serving.proxy import Proxy, ProxyConfig
 from gyre_jax.serving.router import Router
 from gyre_jax.serving.server_thread import ServerThread
 from gyre_jax.serving.tokenizer import ByteTokenizer
+from gyre_jax.testing.tiny_serving_model import CFG, sharp_params
 from gyre_jax.trajectory.store import TrajectoryStore
 
 SLOTS, MAX_LEN = 16, 256

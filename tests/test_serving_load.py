@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from gyre_jax.serving import identity as P
 from gyre_jax.model import init_params, model_config_tiny
+from gyre_jax.serving import identity as P
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.jetstream_backend import JetStreamBackend
 from gyre_jax.serving.proxy import Proxy, ProxyConfig

@@ -15,11 +15,12 @@ import sys
 import textwrap
 import threading
 
+from test_store import call, outcome
+
 from gyre_jax.trajectory import cursor as cursor_mod
 from gyre_jax.trajectory import store as store_mod
 from gyre_jax.trajectory.cursor import Cursor
 from gyre_jax.trajectory.store import LOG_NAME, TrajectoryStore
-from test_store import call, outcome
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,11 +18,11 @@ import time
 
 import jax.numpy as jnp
 import pytest
+from test_store import call, outcome
 
 from gyre_jax.errors import StorageError
 from gyre_jax.testing import faulty_main
 from gyre_jax.trajectory.store import LOG_NAME, StoreConfig, TrajectoryStore
-from test_store import call, outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,9 +113,10 @@ def test_bad_fault_flags_are_one_line():
 
 @pytest.mark.slow  # a demo attempt and its rerun: ~1 min of CPU
 def test_an_injected_outcome_fault_stops_the_demo_and_the_rerun_resumes(tmp_path):
+    from test_rl_stop import TINY
+
     from configs import demo as demo_config
     from gyre_jax.rl.audit import audit_workdir
-    from test_rl_stop import TINY
 
     wd = str(tmp_path)
     flags = ["--config", "configs/demo.py", "--workdir", wd, *TINY, "--config.steps=3", "--config.sft.steps=2",
@@ -142,10 +143,11 @@ def test_a_fault_before_the_first_periodic_checkpoint_loses_nothing(tmp_path, in
     short) before any update: the rerun must resume from the starting policy's checkpoint 0 and train the
     finished group, not start afresh past the store's finished rollouts (which lost them: audit lost=5 in
     bench_chaos's outcome trial)."""
+    from test_rl_failures import assert_consumed_once, fake_config, store_view
+
     from gyre_jax.rl.build import build
     from gyre_jax.rl.loop import drive
     from gyre_jax.testing.fake_engine import fake_tiny_backend
-    from test_rl_failures import assert_consumed_once, fake_config, store_view
 
     wd = str(tmp_path / "elastic")
     inject("outcome", 5)
@@ -191,11 +193,12 @@ def test_a_resume_from_checkpoint_0_past_the_bound_trains_everything_within_the_
     A resume replays the steps its cursor recorded (rl.replay), so this is what remains of that case: steps
     it cannot replay, here those of a store written before steps had records (the cursor's lines rewritten
     in that older form)."""
+    from test_rl_failures import assert_consumed_once, fake_config, store_view
+
     from gyre_jax.rl.audit import audit_workdir
     from gyre_jax.rl.build import build
     from gyre_jax.rl.loop import drive
     from gyre_jax.testing.fake_engine import fake_tiny_backend
-    from test_rl_failures import assert_consumed_once, fake_config, store_view
 
     wd = str(tmp_path / "elastic")
     cfg = fake_config(4, checkpoint_every=100)  # checkpoint 0 and the last: a stop in between rewinds to 0
@@ -237,10 +240,11 @@ def test_a_storage_failure_prints_no_traceback_on_the_way_out(tmp_path, inject, 
     error (launch.main writes it to the workdir's errors.log); the log says each thing once, in one line."""
     import logging
 
+    from test_rl_failures import fake_config
+
     from gyre_jax.rl.build import build
     from gyre_jax.rl.loop import drive
     from gyre_jax.testing.fake_engine import fake_tiny_backend
-    from test_rl_failures import fake_config
 
     wd = str(tmp_path / "elastic")
     inject("checkpoint", 2)  # checkpoint 0 is written at the start; step 0's (on the trainer thread) meets ENOSPC

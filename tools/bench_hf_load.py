@@ -69,8 +69,7 @@ def write_checkpoint(path, args):
     import ml_dtypes
     import numpy as np
 
-    from gyre_jax.model.hf.config_map import hf_config
-    from gyre_jax.model.hf.config_map import config_from_hf
+    from gyre_jax.model.hf.config_map import config_from_hf, hf_config
     from gyre_jax.model.hf.st_io import write_safetensors
     from gyre_jax.model.hf.tensors import entries
     from gyre_jax.testing.tiny_hf_checkpoint import tiny_hf_config
@@ -143,11 +142,11 @@ def _naive(path, mesh):
     import numpy as np
     from safetensors.numpy import load_file
 
-    from gyre_jax.sharding import tree_shardings
     from gyre_jax.model.hf.checkpoint import read_config
     from gyre_jax.model.hf.config_map import config_from_hf
     from gyre_jax.model.hf.tensors import entries
     from gyre_jax.model.transformer import init_params, param_logical_axes
+    from gyre_jax.sharding import tree_shardings
 
     cfg = config_from_hf(read_config(path))
     with open(os.path.join(path, "model.safetensors.index.json")) as f:

@@ -43,8 +43,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import benchkit  # noqa: E402
-
 from gyre_jax.agents import sandbox as sb  # noqa: E402
 from gyre_jax.agents.config import HarnessConfig  # noqa: E402
 from gyre_jax.agents.harness import RolloutRequest, run_rollouts  # noqa: E402
@@ -53,6 +51,8 @@ from gyre_jax.agents.task_check import check_tasks  # noqa: E402
 from gyre_jax.agents.tasks import make_task  # noqa: E402
 from gyre_jax.agents.tasks.dataset import parse_line  # noqa: E402
 from gyre_jax.trajectory.vocab import FAILURE_STATUSES  # noqa: E402
+
+import benchkit  # noqa: E402
 
 BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 FIXED = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"

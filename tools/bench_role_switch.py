@@ -221,7 +221,7 @@ def peer(args) -> None:
     = 1 and N = the Transport's socket count) and, with --sweep, each SWEEP setting and per-leaf offers.
     """
     from gyre_jax import distributed
-    from gyre_jax.pods.transport import ENV, Mailbox, Transport, TransferConfig, abstract, get
+    from gyre_jax.pods.transport import ENV, Mailbox, TransferConfig, Transport, abstract, get
 
     pid, port = args._peer
     distributed.initialize(distributed.DistributedConfig(

@@ -37,8 +37,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchkit  # noqa: E402 (tools/, beside this script)
-
 from gyre_jax.agents import sandbox as sb  # noqa: E402
 from gyre_jax.agents.agent import tool_call_message  # noqa: E402
 from gyre_jax.agents.config import HarnessConfig  # noqa: E402
@@ -47,6 +45,8 @@ from gyre_jax.agents.harness import RolloutRequest, run_rollouts  # noqa: E402
 from gyre_jax.agents.tasks import repo_spec, solution_turns, tiny  # noqa: E402
 from gyre_jax.agents.tools import Workspace  # noqa: E402
 from gyre_jax.testing.fake_openai_server import FakeOpenAIServer, FakeReply  # noqa: E402
+
+import benchkit  # noqa: E402 (tools/, beside this script)
 
 DEMO_WALL_S = 367.0  # configs/demo.py, elastic, measured Dec 1 2026 (quiet machine)
 DEMO_ROLLOUTS = 60 * 64

@@ -285,9 +285,10 @@ def profile_mock(bench):
     """JetStream's own TestEngine through its Driver: per-call engine time vs wall time."""
     import asyncio
 
-    from gyre_jax.serving.jetstream_compat import orchestrator
     from jetstream.core.proto import jetstream_pb2
     from jetstream.engine import mock_engine
+
+    from gyre_jax.serving.jetstream_compat import orchestrator
 
     calls = []
 

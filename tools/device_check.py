@@ -127,12 +127,13 @@ def check_train(mc, p) -> dict:
 
     import jax
 
-    from bench_roofline import policy_row, train_flops_per_token
     from gyre_jax import cells
     from gyre_jax.cells.loss import policy_loss_fn
     from gyre_jax.cells.train_step import device_micro_batch
     from gyre_jax.losses import METRIC_REDUCTIONS, PolicyLossConfig
     from gyre_jax.model import count_params, init_boxed, init_params, param_logical_axes
+
+    from bench_roofline import policy_row, train_flops_per_token
 
     opt = cells.OptimizerConfig(learning_rate=1e-4, weight_decay=0.01)
     spec = cells.StateSpec.create(functools.partial(init_boxed, mc), cells.make_optimizer(opt, param_logical_axes(mc)))
@@ -160,8 +161,9 @@ def check_decode(mc, p) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from bench_roofline import kv_bytes_per_token
     from gyre_jax.model import decode, init_params
+
+    from bench_roofline import kv_bytes_per_token
 
     params = init_params(mc, jax.random.key(0))
     s, steps = p["slots"], p["decode_steps"]
@@ -206,8 +208,9 @@ def main(argv=None) -> dict:
     args.dry = args.dry or args.quick
     import jax
 
-    from bench_roofline import measure_matmul_flops, measure_memory_bw
     from gyre_jax.model import ModelConfig
+
+    from bench_roofline import measure_matmul_flops, measure_memory_bw
 
     p = DRY if args.dry else REAL
     dev = jax.devices()[0]

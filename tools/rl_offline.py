@@ -77,8 +77,7 @@ def main(argv=None) -> dict:
     from gyre_jax.losses import ADVANTAGE_ESTIMATORS, loss_from_logits
     from gyre_jax.model import Transformer, param_logical_axes
     from gyre_jax.rl.config import RLConfig
-    from gyre_jax.rl.evaluate import (HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows,
-                                      score_text)
+    from gyre_jax.rl.evaluate import HeldOutEval, cut_at_stop, first_call_prompt, make_sampler, padded_rows, score_text
     from gyre_jax.rl.start_policy import fresh_params
     from gyre_jax.serving.tokenizer import ByteTokenizer
     from gyre_jax.trajectory.binpack import pack_trees

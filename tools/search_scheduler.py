@@ -31,11 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from gyre_jax.scheduler import baselines  # noqa: E402
 from gyre_jax.scheduler.policy import PolicyConfig, ToRollout, ToTrain  # noqa: E402
+from gyre_jax.scheduler.simulator import simulate  # noqa: E402
+from gyre_jax.scheduler.workloads import (  # noqa: E402
+    ClusterConfig,
+    SimConfig,
+    WorkloadConfig,
+    batch_filling_cluster,
+    mean_call_s,
+    rollouts_for,
+)
 
 import benchkit  # noqa: E402 (tools/, beside this script)
-from gyre_jax.scheduler.simulator import simulate  # noqa: E402
-from gyre_jax.scheduler.workloads import (ClusterConfig, SimConfig, WorkloadConfig, batch_filling_cluster,  # noqa: E402
-                                          mean_call_s, rollouts_for)
 
 SWITCH_RANGES = {"above_step": (1.0, 20.0), "any": (0.05, 20.0)}
 

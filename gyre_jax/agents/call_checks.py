@@ -24,7 +24,6 @@ from gyre_jax.agents.check_runner import check_names, import_check_name
 from gyre_jax.agents.grader_sandbox import untrusted_python
 from gyre_jax.agents.scoring import Checks, Grade
 
-
 RUNNER_LINE_BYTES = 65536  # a result line longer than this is not a result (the rest of it is skipped)
 
 

@@ -19,10 +19,10 @@ from gyre_jax.agents.agent import DEFAULT_SYSTEM_PROMPT, Agent, RolloutContext, 
 from gyre_jax.agents.client import ChatReply
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grade_in_process
-from gyre_jax.serving.identity import HEADER_ROLE
-from gyre_jax.trajectory.vocab import ROLE_MAIN
 from gyre_jax.agents.tasks import family, solution_turns, test_suite
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.serving.identity import HEADER_ROLE
+from gyre_jax.trajectory.vocab import ROLE_MAIN
 
 # Only the prompt / tool knobs matter here; the URL is never contacted.
 _DEMO_CONFIG = HarnessConfig(base_url="http://demo.invalid/v1")

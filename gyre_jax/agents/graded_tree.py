@@ -32,8 +32,15 @@ from typing import Any
 
 from gyre_jax.agents.sparse_copy import copy_extents
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tree_rules import (CATEGORIES, IGNORED, Rules, command_files, command_tool_names, installed_names,
-                                        test_file_of)
+from gyre_jax.agents.tree_rules import (
+    CATEGORIES,
+    IGNORED,
+    Rules,
+    command_files,
+    command_tool_names,
+    installed_names,
+    test_file_of,
+)
 
 EXAMPLES_PER_CATEGORY = 5
 # The policy's new or changed files laid into a graded tree at most (an honest change is a few files; a

@@ -52,12 +52,10 @@ from gyre_jax.agents.client import InfraError
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graded_tree import copy_repo
 from gyre_jax.agents.graders import grader_sandbox_env, run_grader, snapshot_workspace
-from gyre_jax.agents.harnesses import (ClientConfig, Episode, EpisodeTask, Harness, HarnessFailed,
-                                       make_harness)
+from gyre_jax.agents.harnesses import ClientConfig, Episode, EpisodeTask, Harness, HarnessFailed, make_harness
 from gyre_jax.agents.tasks import test_suite as task_test_suite
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.serving.identity import (HEADER_GROUP, HEADER_ROLLOUT, HEADER_RUN, HEADER_TASK, api_key,
-                                       check_id)
+from gyre_jax.serving.identity import HEADER_GROUP, HEADER_ROLLOUT, HEADER_RUN, HEADER_TASK, api_key, check_id
 from gyre_jax.trajectory.vocab import (
     STATUS_COMPLETED,
     STATUS_INFRA_ERROR,

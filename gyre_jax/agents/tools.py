@@ -42,9 +42,7 @@ from typing import Any
 
 from gyre_jax.agents.sandbox import Sandbox
 from gyre_jax.agents.test_suite import TestSuite
-
-from gyre_jax.agents.tool_schemas import (FINISH, RUN, RUN_TESTS, SPAWN_SUBAGENT, TOOL_NAMES,  # noqa: F401
-                                          TOOL_SCHEMAS)
+from gyre_jax.agents.tool_schemas import FINISH, RUN, RUN_TESTS, SPAWN_SUBAGENT, TOOL_NAMES, TOOL_SCHEMAS  # noqa: F401
 
 _ARG_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "number": (int, float)}
 

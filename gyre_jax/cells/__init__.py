@@ -16,7 +16,6 @@ scheduler's policy (``PolicyConfig.updates_per_publication``).
 from gyre_jax.cells.elastic import ElasticStep, ElasticTrainer, StepReport
 from gyre_jax.cells.mesh import Cell, CellConfig, CellLayout, Role, split_cells
 from gyre_jax.cells.publish import MoveStats, Published, WeightPublisher, move, tree_bytes
-from gyre_jax.sharding import RULES, batch_sharding, mesh_spec, tree_shardings
 from gyre_jax.cells.train_state import (
     OptimizerConfig,
     StateSpec,
@@ -27,6 +26,7 @@ from gyre_jax.cells.train_state import (
     per_adapter,
 )
 from gyre_jax.cells.train_step import MICRO_BATCH_KEYS, CellSteps, make_grad_fn, staleness
+from gyre_jax.sharding import RULES, batch_sharding, mesh_spec, tree_shardings
 
 __all__ = [
     "MICRO_BATCH_KEYS",

@@ -42,10 +42,10 @@ from typing import Any, Callable, Protocol, cast
 import jax
 import jax.numpy as jnp
 
+from gyre_jax.cells.train_step import ADAPTER_KEY
 from gyre_jax.losses import PolicyLossConfig, chunked_token_logprobs, loss_from_hidden, loss_from_logits, token_logprobs
 from gyre_jax.losses.registry import declare_metrics
 from gyre_jax.model import ModelConfig, Transformer
-from gyre_jax.cells.train_step import ADAPTER_KEY
 from gyre_jax.model.lora import DROPOUT_RNG as LORA_DROPOUT
 from gyre_jax.model.moe import expert_load, load_balancing_loss
 from gyre_jax.model.transformer import moe_stats

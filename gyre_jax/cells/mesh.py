@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gyre_jax.scheduler import vocab
-
 from gyre_jax.sharding import DATA, EXPERT, FSDP, TENSOR  # noqa: F401  (re-exported: cells speak of their axes)
+
 TRAIN_AXES = (FSDP, TENSOR)
 SERVE_AXES = (DATA, TENSOR)
 # With expert parallelism (train_expert > 1) the training mesh gains an 'expert' axis between the two;

@@ -16,8 +16,8 @@ from typing import Any
 import jax
 
 from gyre_jax.cells.mesh import Cell, Role
-from gyre_jax.sharding import RULES, tree_shardings
 from gyre_jax.scheduler.vocab import TO_ROLLOUT, TO_TRAIN  # a move's kind is the switch it serves
+from gyre_jax.sharding import RULES, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)

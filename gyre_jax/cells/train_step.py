@@ -35,10 +35,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.losses.policy_gradient import combine_metrics
-from gyre_jax.sharding import RULES, batch_sharding
 from gyre_jax.cells.frozen_base import FrozenBase
 from gyre_jax.cells.train_state import StateSpec, TrainState
+from gyre_jax.losses.policy_gradient import combine_metrics
+from gyre_jax.sharding import RULES, batch_sharding
 
 MICRO_BATCH_KEYS: tuple[str, ...] = (
     "tokens",

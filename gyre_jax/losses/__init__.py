@@ -60,8 +60,8 @@ from gyre_jax.losses.logprobs import (
 from gyre_jax.losses.loss_fn import BASE_KEYS, BATCH_KEYS, batch_keys, loss_from_hidden, loss_from_logits
 from gyre_jax.losses.numerics import safe_exp, sequence_mean, sequence_sum
 from gyre_jax.losses.objectives import (
-    ClipConfig,
     CISPOConfig,
+    ClipConfig,
     DecoupledConfig,
     GSPOConfig,
     NLLConfig,

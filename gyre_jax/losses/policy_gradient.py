@@ -56,8 +56,14 @@ import numpy as np
 
 from gyre_jax.losses import corrections as _corrections  # noqa: F401 - registers the corrections
 from gyre_jax.losses.corrections import MismatchInputs, mismatch_metrics
-from gyre_jax.losses.numerics import MAX_LOG_RATIO_CLAMP, check_number, finite_number, safe_exp, sequence_mean, \
-    sequence_sum
+from gyre_jax.losses.numerics import (
+    MAX_LOG_RATIO_CLAMP,
+    check_number,
+    finite_number,
+    safe_exp,
+    sequence_mean,
+    sequence_sum,
+)
 from gyre_jax.losses.objectives import PolicyInputs
 from gyre_jax.losses.registry import (
     METRIC_REDUCTIONS,

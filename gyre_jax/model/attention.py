@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from gyre_jax.model.attend import attend
 from gyre_jax.model.config import ModelConfig
-from gyre_jax.model.lora import adapter_weights as lora_adapter, delta as lora_delta
 from gyre_jax.model.layers import RMSNorm, dense_param, project, rope, rope_inv_freq
+from gyre_jax.model.lora import adapter_weights as lora_adapter
+from gyre_jax.model.lora import delta as lora_delta
 from gyre_jax.model.paged import PagedMask, page_slots, paged_attention, write_pages
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from gyre_jax.model import lora as lora_lib
 from gyre_jax.model.config import ModelConfig
 
+
 # Fan-in scaled normal init: a tiny random model trains from step one and real
 # checkpoints overwrite it anyway.
 def dense_init(fan_in: int):

@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from gyre_jax.model.attention import Attention, tree_attention_mask
-from gyre_jax.model.tree_attention import CacheMask, TreeMask
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.layers import MLP, RMSNorm
-from gyre_jax.model.lora import COLLECTION as LORA, DROPOUT_RNG as LORA_DROPOUT, lora_inputs
+from gyre_jax.model.lora import COLLECTION as LORA
+from gyre_jax.model.lora import DROPOUT_RNG as LORA_DROPOUT
+from gyre_jax.model.lora import lora_inputs
 from gyre_jax.model.moe import MoE, MoEStats
 from gyre_jax.model.paged import PagedMask
-
+from gyre_jax.model.tree_attention import CacheMask, TreeMask
 
 # Logit of a vocab-padding id: finite (p * log p stays 0, a temperature cannot make it -inf
 # overflow into NaN) and far below any real logit.

@@ -20,16 +20,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import secrets
 import logging
+import secrets
 
 import aiohttp
 import numpy as np
 from aiohttp import web
 
+from gyre_jax.serving.backend import (
+    Backend,
+    EngineError,
+    GenerateRequest,
+    ResumeState,
+    SamplingParams,
+    TokenEvent,
+    TokenStream,
+)
 from gyre_jax.serving.bound_port import bound_port
-from gyre_jax.serving.backend import (Backend, EngineError, GenerateRequest, ResumeState, SamplingParams, TokenEvent,
-                                      TokenStream)
 
 log = logging.getLogger(__name__)
 

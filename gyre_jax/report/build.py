@@ -32,6 +32,7 @@ from gyre_jax.report.decode import TurnDecoder
 from gyre_jax.trajectory.rewards import AdvantageConfig
 from gyre_jax.trajectory.select import SelectConfig
 
+
 def _code_version() -> str:
     """The rollout files' format is the code that writes them: a changed decoder or detail rebuilds every group."""
     h = hashlib.sha1()

@@ -28,17 +28,17 @@ from absl import logging as absl_logging
 
 from gyre_jax import cells as cells_lib
 from gyre_jax import planner
+from gyre_jax.cells.frozen_base import Adapted, FrozenBase
 from gyre_jax.cells.loss import policy_loss_fn
 from gyre_jax.cells.mesh import CellLayout, Role
 from gyre_jax.distributed import ensure_cpu_devices
 from gyre_jax.errors import ConfigError, RunFailed
 from gyre_jax.losses import METRIC_REDUCTIONS
 from gyre_jax.model import init_boxed, param_logical_axes
-from gyre_jax.cells.frozen_base import Adapted, FrozenBase
 from gyre_jax.rl import faults as faults_lib
-from gyre_jax.rl import lora_run
-from gyre_jax.rl import heap
+from gyre_jax.rl import heap, lora_run
 from gyre_jax.rl import reference as reference_lib
+from gyre_jax.rl import replay as replay_lib
 from gyre_jax.rl.cell_pool import CellPoolAdapter, ProxyAdapter, RoleTable
 from gyre_jax.rl.checkpoint import Checkpointer, abstract_like
 from gyre_jax.rl.checkpointing import CheckpointHook, check_checkpoint, open_checkpointer, save_checkpoint
@@ -46,11 +46,10 @@ from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.evaluate import first_call_prompt
 from gyre_jax.rl.evaluators import Evaluator, make_evaluator
 from gyre_jax.rl.export import ExportHook, PeftExportHook
-from gyre_jax.rl.hooks import StepHooks, StepInfo, UpdateHooks
-from gyre_jax.rl.groups import Group, WorkEstimate
 from gyre_jax.rl.group_queue import GroupQueue
+from gyre_jax.rl.groups import Group, WorkEstimate
+from gyre_jax.rl.hooks import StepHooks, StepInfo, UpdateHooks
 from gyre_jax.rl.launcher import Launcher, ResumedGroup, group_number
-from gyre_jax.rl import replay as replay_lib
 from gyre_jax.rl.metrics import MetricsWriter
 from gyre_jax.rl.report import scalars
 from gyre_jax.rl.runtime import LoopThread, RealClock, Timeline

@@ -39,7 +39,7 @@ from gyre_jax.agents.harness import prepare_workspace
 from gyre_jax.agents.sandbox import SandboxConfig, make_sandbox
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.model import ModelConfig
-from gyre_jax.model.decode import init_cache, decode_step, prefill
+from gyre_jax.model.decode import decode_step, init_cache, prefill
 from gyre_jax.model.unrolled import split_params
 from gyre_jax.serving.tokenizer import Tokenizer
 

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.agents.harness import RolloutRequest, group_requests, iter_rollouts
+from gyre_jax.errors import RunFailed, StorageError
 from gyre_jax.rl.groups import Group, lineage_calls, lineage_version  # noqa: F401 - importable from here too
 from gyre_jax.trajectory.records import RolloutOutcome
 from gyre_jax.trajectory.vocab import FAILURE_STATUSES, STATUS_INFRA_ERROR

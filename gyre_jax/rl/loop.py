@@ -44,12 +44,12 @@ import traceback
 import jax
 
 from gyre_jax.errors import RunFailed, StorageError
+from gyre_jax.rl import attempts as attempts_lib
+from gyre_jax.rl import task_gate
 from gyre_jax.rl.build import Components, build, run_satellite
 from gyre_jax.rl.config import RLConfig
 from gyre_jax.rl.launcher import RolloutsFailed
 from gyre_jax.rl.progress import Progress
-from gyre_jax.rl import attempts as attempts_lib
-from gyre_jax.rl import task_gate
 from gyre_jax.rl.report import StepRecorder, earlier_records, run_summary, status_line, store_statuses
 
 log = logging.getLogger(__name__)

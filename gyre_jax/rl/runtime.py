@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Sequence
 
-from gyre_jax.scheduler.vocab import SWITCHING_ROLES, ROLLOUT, TRAIN
+from gyre_jax.scheduler.vocab import ROLLOUT, SWITCHING_ROLES, TRAIN
 
 
 class RealClock:

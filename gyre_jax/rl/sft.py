@@ -28,10 +28,10 @@ import optax
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.demos import demonstration
 from gyre_jax.agents.tasks.base import Task
+from gyre_jax.errors import ConfigError
 from gyre_jax.losses import PolicyLossConfig, build_loss_weights, loss_from_logits
 from gyre_jax.model import ModelConfig, Transformer
 from gyre_jax.rl.progress import Progress
-from gyre_jax.errors import ConfigError
 from gyre_jax.rl.sft_config import NOISE_KINDS
 from gyre_jax.serving.api_common import ApiError
 from gyre_jax.serving.api_openai import parse_chat

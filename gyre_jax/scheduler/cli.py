@@ -12,8 +12,8 @@ import logging
 import os
 
 from gyre_jax.scheduler import presets
-from gyre_jax.scheduler.simulator import SimResult, simulate
 from gyre_jax.scheduler.modes import mode_names
+from gyre_jax.scheduler.simulator import SimResult, simulate
 from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM
 
 log = logging.getLogger(__name__)

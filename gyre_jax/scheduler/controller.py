@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable
 
 from gyre_jax.scheduler import policy as policy_lib
+from gyre_jax.scheduler.estimates import OnlineEstimates
 from gyre_jax.scheduler.interfaces import CellPool, Clock, Proxy, RolloutLauncher, Trainer
 from gyre_jax.scheduler.policy import ClusterState, PolicyConfig
-from gyre_jax.scheduler.estimates import OnlineEstimates
 from gyre_jax.scheduler.vocab import ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,18 @@ import dataclasses
 import math
 
 from gyre_jax.scheduler import admission, costs
+
 # The interface and the registry live beside PolicyConfig (which holds a mode); re-exported here,
 # where modes are defined and registered.
-from gyre_jax.scheduler.policy_config import (SCHEDULING_MODES, Mode, PolicyConfig, get_mode, mode_names, register_mode,
-                                              unregister_mode)
+from gyre_jax.scheduler.policy_config import (
+    SCHEDULING_MODES,
+    Mode,
+    PolicyConfig,
+    get_mode,
+    mode_names,
+    register_mode,
+    unregister_mode,
+)
 from gyre_jax.scheduler.state import Action, ClusterState, ToRollout, ToTrain, census
 from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, COLOCATE, ELASTIC, ELASTIC_NO_STREAM, OUT, ROLLOUT, TRAIN
 

@@ -26,13 +26,45 @@ Modes (baselines and ablations use the same machinery; each is a strategy object
 """
 from __future__ import annotations
 
-from gyre_jax.scheduler.admission import (launch_allowance, max_running_rollouts, publication_due, resume_step_sizes,
-                                          serving_cells_needed, step_groups, takeable_groups)
-from gyre_jax.scheduler.costs import (best_split, costs, filled, priors_apply, priors_split, round_trip_outlasts_step,
-                                      serve_reserve, step_costs, switch_cost_s, train_cells_target)
+from gyre_jax.scheduler.admission import (
+    launch_allowance,
+    max_running_rollouts,
+    publication_due,
+    resume_step_sizes,
+    serving_cells_needed,
+    step_groups,
+    takeable_groups,
+)
+from gyre_jax.scheduler.costs import (
+    best_split,
+    costs,
+    filled,
+    priors_apply,
+    priors_split,
+    round_trip_outlasts_step,
+    serve_reserve,
+    step_costs,
+    switch_cost_s,
+    train_cells_target,
+)
 from gyre_jax.scheduler.policy_config import DEFAULT_MIN_WORK_PER_SWITCH_S, DEFAULT_SERVE_RESERVE, PolicyConfig
-from gyre_jax.scheduler.state import (NOMINAL, NOT_MEASURED, Action, CellView, Census, ClusterState, Launch, Measured,
-                                      Publish, ReadyGroup, StepSizes, TakeGroups, ToRollout, ToTrain, census)
+from gyre_jax.scheduler.state import (
+    NOMINAL,
+    NOT_MEASURED,
+    Action,
+    CellView,
+    Census,
+    ClusterState,
+    Launch,
+    Measured,
+    Publish,
+    ReadyGroup,
+    StepSizes,
+    TakeGroups,
+    ToRollout,
+    ToTrain,
+    census,
+)
 from gyre_jax.scheduler.vocab import MODES
 
 # What callers import from the policy (the modules above own them).

@@ -40,8 +40,14 @@ from gyre_jax.scheduler.interfaces import TrainProgress
 from gyre_jax.scheduler.policy import ReadyGroup
 from gyre_jax.scheduler.results import STATES, SimResult, lower_bound
 from gyre_jax.scheduler.vocab import ASYNC, ASYNC_STREAM, ROLLOUT, TO_ROLLOUT, TO_TRAIN, TRAIN, TRAIN_IDLE
-from gyre_jax.scheduler.workloads import (Rollouts, SimConfig, balanced_async_split, first_steps, pilot_priors,
-                                          rollouts_for)
+from gyre_jax.scheduler.workloads import (
+    Rollouts,
+    SimConfig,
+    balanced_async_split,
+    first_steps,
+    pilot_priors,
+    rollouts_for,
+)
 
 # A model call's two events first: the loop checks their token with one comparison (kind <= _CALL_END).
 _CALL_READY, _CALL_END, _DEADLINE, _SWITCH_DONE, _WORK_DONE, _UPDATE_DONE, _PUBLISH_DONE, _POLL = range(8)

@@ -26,8 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from gyre_jax.serving.api_common import (ApiError, ChatCall, bad, get_bool, get_float, get_int, get_list, get_str,
-                                         get_stop_strings, get_stop_token_ids, tool_choice_plan)
+from gyre_jax.serving.api_common import (
+    ApiError,
+    ChatCall,
+    bad,
+    get_bool,
+    get_float,
+    get_int,
+    get_list,
+    get_stop_strings,
+    get_stop_token_ids,
+    get_str,
+    tool_choice_plan,
+)
 from gyre_jax.serving.tokenizer import Tokenizer, chat_template_kwargs
 
 _CHAT_KNOWN = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens",

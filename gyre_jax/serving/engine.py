@@ -62,20 +62,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from gyre_jax.sharding import tree_shardings
+from gyre_jax.cells.frozen_base import Adapted
 from gyre_jax.model import ModelConfig, param_logical_axes
 from gyre_jax.model import decode as mdecode
 from gyre_jax.model.unrolled import LayerParams, layer_sharding, split_params
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.engine_state import (
-    DecodeState, ExportedSlot, KVBlock, Prefix, PrefillInput, RoutingLayout, device_fns, expert_parallel,
+    DecodeState,
+    ExportedSlot,
+    KVBlock,
+    PrefillInput,
+    Prefix,
+    RoutingLayout,
+    device_fns,
+    expert_parallel,
 )
-from gyre_jax.cells.frozen_base import Adapted
 from gyre_jax.serving.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 from gyre_jax.serving.kv_layout import ContiguousKV, EngineHooks, KVLayout, plan_kv
 from gyre_jax.serving.kv_paged import PagedKV
 from gyre_jax.serving.lora_weights import LoraWeights
 from gyre_jax.serving.pages import PrefixPages
+from gyre_jax.sharding import tree_shardings
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 16

@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gyre_jax.sharding import EXPERT, mesh_spec
 from gyre_jax.model import ModelConfig
 from gyre_jax.model import decode as mdecode
 from gyre_jax.serving.backend import MAX_STOP_IDS, SamplingParams
 from gyre_jax.serving.sampling import sample_tokens
+from gyre_jax.sharding import EXPERT, mesh_spec
 
 HELD_MARK = -1  # token column of a held slot: "no token this step, slot still in use"
 MAX_HOLD_STEPS = 512  # a held slot the backend never releases is freed after this many steps

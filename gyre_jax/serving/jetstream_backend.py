@@ -56,8 +56,7 @@ import time
 
 import numpy as np
 
-from gyre_jax.serving.backend import (Backend, EngineError, GenerateRequest, ResumeState, TokenEvent,
-                                      TokenStream)
+from gyre_jax.serving.backend import Backend, EngineError, GenerateRequest, ResumeState, TokenEvent, TokenStream
 from gyre_jax.serving.engine import GyreEngine
 from gyre_jax.serving.engine_state import ExportedSlot, KVBlock, PrefillInput, decode_result_steps
 from gyre_jax.serving.jetstream_compat import async_multifuture, orchestrator

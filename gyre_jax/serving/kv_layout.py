@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from gyre_jax.model import ModelConfig
-from gyre_jax.serving.engine_state import DecodeState, Prefix, PrefillInput, kv_bytes_per_page, kv_memory_plan
+from gyre_jax.serving.engine_state import DecodeState, PrefillInput, Prefix, kv_bytes_per_page, kv_memory_plan
 from gyre_jax.serving.pages import PrefixPages
 
 KV_CACHES = ("contiguous", "paged")

@@ -22,7 +22,7 @@ import logging
 import jax.numpy as jnp
 import numpy as np
 
-from gyre_jax.serving.engine_state import DecodeState, KVBlock, Prefix, PrefillInput
+from gyre_jax.serving.engine_state import DecodeState, KVBlock, PrefillInput, Prefix
 from gyre_jax.serving.kv_layout import EngineHooks
 from gyre_jax.serving.pages import PagePool, PrefixPages, pages_for
 

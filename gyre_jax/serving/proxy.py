@@ -49,9 +49,9 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
-import re
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -61,18 +61,18 @@ from typing import Callable
 import numpy as np
 from aiohttp import web
 
+from gyre_jax.errors import StorageError
 from gyre_jax.serving import api_anthropic as A
-from gyre_jax.serving.bound_port import bound_port
 from gyre_jax.serving import api_openai as O
 from gyre_jax.serving.api_common import ApiError, CallIds, ChatCall, OutputText, bad
 from gyre_jax.serving.backend import EngineError, GenerateRequest, SamplingParams
+from gyre_jax.serving.bound_port import bound_port
 from gyre_jax.serving.identity import HEADER_CALL, check_id
 from gyre_jax.serving.proxy_identity import Binding, authorize, presented_key, resolve_binding
 from gyre_jax.serving.proxy_ledger import CallLedger
 from gyre_jax.serving.proxy_stream import Sample, consume, gather_samples, stream_response
 from gyre_jax.serving.router import NoCellError, Router
 from gyre_jax.serving.tokenizer import Tokenizer
-from gyre_jax.errors import StorageError
 from gyre_jax.trajectory.records import ModelCallRecord, RecordError
 
 log = logging.getLogger(__name__)

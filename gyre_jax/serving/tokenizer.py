@@ -30,8 +30,16 @@ import json
 from typing import Any, Sequence
 
 from gyre_jax.serving.tokenizer_base import (  # noqa: F401 (re-exported: this module is the tokenizers' one import)
-    CHAT_ROLES, QUOTED_ID, SPECIAL_TOKENS, Tokenizer, client_call_id, cut_at_stop, invented_call_id, is_invented_call_id,
-    parse_call_json, rendered_call_id,
+    CHAT_ROLES,
+    QUOTED_ID,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    client_call_id,
+    cut_at_stop,
+    invented_call_id,
+    is_invented_call_id,
+    parse_call_json,
+    rendered_call_id,
 )
 
 

@@ -32,7 +32,13 @@ import numpy as np
 
 from gyre_jax.losses import ADVANTAGE_ESTIMATORS
 from gyre_jax.registry import options_field, resolve_options
-from gyre_jax.trajectory.vocab import FAILURE_STATUSES, SCORED_STATUSES, STATUS_INFRA_ERROR, STATUS_VERIFIER_ERROR, STATUSES
+from gyre_jax.trajectory.vocab import (
+    FAILURE_STATUSES,
+    SCORED_STATUSES,
+    STATUS_INFRA_ERROR,
+    STATUS_VERIFIER_ERROR,
+    STATUSES,
+)
 
 log = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ from typing import Any
 from gyre_jax.agents.scoring import Grade
 from gyre_jax.agents.tasks import FAMILIES
 from gyre_jax.agents.tasks.base import Task
-from gyre_jax.agents.tool_schemas import FINISH, TOOL_NAMES, RUN_TESTS
+from gyre_jax.agents.tool_schemas import FINISH, RUN_TESTS, TOOL_NAMES
 from gyre_jax.agents.tree_rules import check_glob, test_file_of
 from gyre_jax.agents.verdict_command import VERDICT_ENV, VERDICT_MODES
 from gyre_jax.serving.identity import check_id

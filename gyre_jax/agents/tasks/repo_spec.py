@@ -23,8 +23,8 @@ import json
 import random
 from pathlib import Path
 
-from gyre_jax.agents.check_runner import check_names, import_check_name
 from gyre_jax.agents.call_checks import run_module_checks, same_json
+from gyre_jax.agents.check_runner import check_names, import_check_name
 from gyre_jax.agents.scoring import Checks, Grade
 from gyre_jax.agents.tasks import FAMILIES, family_options
 from gyre_jax.agents.tasks.base import Task

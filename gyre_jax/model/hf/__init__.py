@@ -7,10 +7,8 @@
 ``config_map`` maps config.json onto ModelConfig (and back), ``tensors`` names and
 reshapes each tensor, ``st_io`` streams safetensors files, ``checkpoint`` does the I/O.
 """
-from gyre_jax.model.hf.checkpoint import (TOKENIZER_FILES, load_pretrained, read_config, save_pretrained,
-                                          vocab_multiple)
-from gyre_jax.model.hf.config_map import (ARCHITECTURES, UnsupportedCheckpoint, config_from_hf, hf_config,
-                                          source_dtype)
+from gyre_jax.model.hf.checkpoint import TOKENIZER_FILES, load_pretrained, read_config, save_pretrained, vocab_multiple
+from gyre_jax.model.hf.config_map import ARCHITECTURES, UnsupportedCheckpoint, config_from_hf, hf_config, source_dtype
 
 __all__ = ["ARCHITECTURES", "TOKENIZER_FILES", "UnsupportedCheckpoint", "config_from_hf", "hf_config",
            "load_pretrained", "read_config", "save_pretrained", "source_dtype", "vocab_multiple"]

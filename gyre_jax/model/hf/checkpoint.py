@@ -25,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from gyre_jax.sharding import RULES, tree_shardings
 from gyre_jax.model.config import ModelConfig
 from gyre_jax.model.hf.config_map import UnsupportedCheckpoint, config_from_hf, hf_config
 from gyre_jax.model.hf.gguf_file import GGUFCheckpoint, is_gguf
 from gyre_jax.model.hf.st_io import SafetensorsReader, write_safetensors
 from gyre_jax.model.hf.tensors import IGNORED_SUFFIXES, Entry, entries
 from gyre_jax.model.transformer import init_params, param_logical_axes
+from gyre_jax.sharding import RULES, tree_shardings
 
 log = logging.getLogger(__name__)
 INDEX, SINGLE, CONFIG = "model.safetensors.index.json", "model.safetensors", "config.json"

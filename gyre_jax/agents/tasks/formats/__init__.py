@@ -17,10 +17,13 @@ import json
 import os
 from typing import Any, Mapping
 
-from gyre_jax.agents.tasks.formats import jsonl  # noqa: F401  (registers "jsonl", gyre's own, first)
 from gyre_jax.agents.tasks.base import Task
 from gyre_jax.agents.tasks.dataset import TaskFileError
-from gyre_jax.agents.tasks.formats import harbor, swebench  # noqa: F401  (they register themselves; others are found by name)
+from gyre_jax.agents.tasks.formats import (  # noqa: F401  (they register themselves; others are found by name)
+    harbor,
+    jsonl,  # noqa: F401  (registers "jsonl", gyre's own, first)
+    swebench,
+)
 from gyre_jax.agents.tasks.formats.registry import TASK_FORMATS
 
 
