@@ -30,6 +30,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
+import itertools
 import math
 import time
 
@@ -95,12 +96,8 @@ class SimCluster:
         self._update = False
         self._published = 0
         self._publishing = False
-        # The event queue: a heap of distinct times, and per time its events in push order (the tie-breaker
-        # that makes runs deterministic). A heap of floats compares each pair once, where (time, seq, ...)
-        # tuples compared twice (equality, then order): the heap's pops were a third of a large run.
-        self._times: list[float] = []
-        self._at: dict[float, list] = {}
-        self._more = False  # events left at the instant being handled (the poll's stop check)
+        self._heap: list = []
+        self._seq = itertools.count(1)  # tie-breaker: same-time events in push order (deterministic)
         self._now = 0.0
         # metrics
         self._busy_slot_s = 0.0  # slot-seconds served: + a call's time at start, - what a cut removes
@@ -281,12 +278,7 @@ class SimCluster:
 
     # ---- internals
     def _push(self, t, kind, a, b):
-        events = self._at.get(t)
-        if events is None:
-            self._at[t] = [(kind, a, b)]
-            heapq.heappush(self._times, t)
-        else:
-            events.append((kind, a, b))
+        heapq.heappush(self._heap, (t, next(self._seq), kind, a, b))
 
     def _start(self, rid, cell, end):
         # (the hot copy of this is inlined in _event_loop)
@@ -387,11 +379,10 @@ class SimCluster:
             self._state_time[self._seg_state[c]] += self._now - self._seg_t0[c]
 
     def _event_loop(self, controller: Controller, progress: bool) -> None:
-        """Pop the next time, handle its events in push order (those pushed for the same time while
-        handling it included); once the instant's events are all handled, tick the controller if one
-        of them changed what it reads. A model call's two events (tens of millions at scale) are
+        """Pop events in (time, push order); once an instant's events are all handled, tick the controller
+        if one of them changed what it reads. A model call's two events (tens of millions at scale) are
         handled inline on locals."""
-        times, at, pop, hpush = self._times, self._at, heapq.heappop, heapq.heappush
+        heap, pop, push, nseq = self._heap, heapq.heappop, heapq.heappush, self._seq.__next__
         call_s, tool_s, tokens = self._ro.call_s, self._ro.tool_s, self._ro.tokens
         r_token, r_idx, r_stop, r_cell, r_end, r_tokens = (self._r_token, self._r_idx, self._r_stop, self._r_cell,
                                                           self._r_end, self._r_tokens)
@@ -399,74 +390,50 @@ class SimCluster:
                                                          self._slots, bisect.insort)
         call_end, call_ready = _CALL_END, _CALL_READY  # locals: read tens of millions of times
         self._log_at = (self._wall0 + 5.0) if progress else math.inf
-        relevant, events, done = False, 0, False
-        while times and not done:
-            t = pop(times)
-            evs = at[t]
-            i = 0
-            while True:
-                while i < len(evs):
-                    kind, a, b = evs[i]
-                    i += 1
-                    events += 1
-                    if kind == call_end:
-                        if b == r_token[a]:  # (else a call cut by a drain or a deadline)
-                            c = r_cell[a]  # release the slot (inlined _release)
-                            if active[c] == slots and routable[c]:
-                                insort(open_, c)
-                            active[c] -= 1
-                            r_cell[a] = -1
-                            j = r_idx[a]
-                            r_tokens[a] += tokens[j]
-                            r_idx[a] = j + 1
-                            if j + 1 == r_stop[a]:
-                                self._finish(a)
-                                relevant = True
-                            else:  # the next call, once the tool has run (inlined _push)
-                                t2 = t + tool_s[j]
-                                same = at.get(t2)
-                                if same is None:
-                                    at[t2] = [(call_ready, a, b)]
-                                    hpush(times, t2)
-                                else:
-                                    same.append((call_ready, a, b))
-                            if queue and open_:  # a slot is free: start the oldest queued calls
-                                self._start_queued(t)
-                    elif kind == call_ready:
-                        if b != r_token[a]:
-                            pass
-                        elif open_:  # start on the lowest free cell (inlined _start and _push)
-                            c = open_[0]
-                            d = call_s[r_idx[a]]
-                            self._busy_slot_s += d
-                            active[c] += 1
-                            if active[c] == slots:
-                                del open_[0]
-                            r_cell[a] = c
-                            t2 = t + d
-                            r_end[a] = t2
-                            same = at.get(t2)
-                            if same is None:
-                                at[t2] = [(call_end, a, b)]
-                                hpush(times, t2)
-                            else:
-                                same.append((call_end, a, b))
-                        else:
-                            self._enqueue(a)
+        relevant, events = False, 0
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            events += 1
+            if kind == call_end:
+                if b == r_token[a]:  # (else a call cut by a drain or a deadline)
+                    c = r_cell[a]  # release the slot (inlined _release)
+                    if active[c] == slots and routable[c]:
+                        insort(open_, c)
+                    active[c] -= 1
+                    r_cell[a] = -1
+                    i = r_idx[a]
+                    r_tokens[a] += tokens[i]
+                    r_idx[a] = i + 1
+                    if i + 1 == r_stop[a]:
+                        self._finish(a)
+                        relevant = True
                     else:
-                        self._now = t
-                        self._more = i < len(evs)
-                        relevant = self._on_event(kind, a, t) or relevant
-                if not relevant:  # the instant is over
-                    break
+                        push(heap, (t + tool_s[i], nseq(), call_ready, a, b))
+                    if queue and open_:  # a slot is free: start the oldest queued calls
+                        self._start_queued(t)
+            elif kind == call_ready:
+                if b != r_token[a]:
+                    pass
+                elif open_:  # start on the lowest free cell (inlined _start)
+                    c = open_[0]
+                    d = call_s[r_idx[a]]
+                    self._busy_slot_s += d
+                    active[c] += 1
+                    if active[c] == slots:
+                        del open_[0]
+                    r_cell[a] = c
+                    r_end[a] = t + d
+                    push(heap, (t + d, nseq(), call_end, a, b))
+                else:
+                    self._enqueue(a)
+            else:
+                self._now = t
+                relevant = self._on_event(kind, a, t) or relevant
+            if relevant and (not heap or heap[0][0] != t):  # the instant is over
                 relevant = False
                 if self._end_instant(controller, t, events):
-                    done = True
                     break
-                if i == len(evs):  # (else the tick's actions pushed events for this instant)
-                    break
-            del at[t]
-        if not done:
+        else:
             raise self._stuck(controller)
         self.events = events
 
@@ -515,7 +482,7 @@ class SimCluster:
                 del open_[0]
             self._r_cell[q] = c
             self._r_end[q] = t + rem
-            self._push(t + rem, _CALL_END, q, self._r_token[q])
+            heapq.heappush(self._heap, (t + rem, next(self._seq), _CALL_END, q, self._r_token[q]))
 
     def _on_event(self, kind: int, a: int, t: float) -> bool:
         """Every event but a model call's end and a rollout's next call; True if the controller reads
@@ -551,7 +518,7 @@ class SimCluster:
         elif kind == _PUBLISH_DONE:
             self._published = a
             self._publishing = False
-        elif kind == _POLL and (self._times or self._more):  # (nothing else pending: let the stuck check see it)
+        elif kind == _POLL and self._heap:  # (nothing else pending: let the stuck check see it)
             self._push(t + self._poll_s, _POLL, 0, 0)
         return True
 
