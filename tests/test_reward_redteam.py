@@ -13,6 +13,7 @@ from gyre_jax.agents import sandbox as sb
 from gyre_jax.agents.config import HarnessConfig
 from gyre_jax.agents.graders import grader_sandbox_env, run_grader
 from gyre_jax.agents.tasks.dataset import parse_line
+from gyre_jax.testing.verdict_attack import VERDICT_FD
 
 _USABLE, _WHY = sb.bwrap_usable()
 needs_bwrap = pytest.mark.skipif(not _USABLE, reason=f"bubblewrap sandbox unavailable: {_WHY}")
@@ -146,28 +147,12 @@ def _grade(task, tmp_path, name: str, files: dict, pre=None):
     return asyncio.run(run_grader(task, snap, timeout_s=90.0, env=env, bases=tmp_path / "bases"))
 
 
-# Graded code that reaches the per-test verdict's channel from inside the test process.
-_FD = textwrap.dedent('''
-    import atexit, json, os, sys
-    _env = dict(kv.split(b"=", 1) for kv in open("/proc/self/environ", "rb").read().split(b"\\0") if b"=" in kv)
-    _fd = int(_env[b"GYRE_VERDICT"].decode().rsplit("/", 1)[1])
-    _nonce = _env.get(b"GYRE_VERDICT_NONCE", b"").decode()
-    def _rec(**r):
-        g = sys.modules.get("gyre_verdict")
-        if g is not None and "seq" in getattr(g, "_state", {}):
-            r["seq"] = g._state["seq"]
-            g._state["seq"] += 1
-        os.write(_fd, (json.dumps({**r, "nonce": _nonce}) + "\\n").encode())
-    def _passed(nodeid="tests/test_calc.py::test_add"):
-        for when in ("setup", "call", "teardown"):
-            _rec(e="phase", nodeid=nodeid, when=when, outcome="passed", canary=False, longrepr="")
-''')
 VERDICT_ATTACKS = {
     # the nonce and descriptor read from /proc/self/environ (popping os.environ leaves them there)
-    "append-after-finish": _FD + "atexit.register(_passed)\n" + BUGGY,
-    "append-during-call": _FD + BUGGY.replace("    return a - b", "    _passed()\n    return a - b"),
+    "append-after-finish": VERDICT_FD + "atexit.register(_passed)\n" + BUGGY,
+    "append-during-call": VERDICT_FD + BUGGY.replace("    return a - b", "    _passed()\n    return a - b"),
     # the plugin's lines read back, every failure turned into a pass, the file truncated and rewritten
-    "rewrite-the-verdict": _FD + textwrap.dedent('''
+    "rewrite-the-verdict": VERDICT_FD + textwrap.dedent('''
         def _rewrite():
             recs = [json.loads(x) for x in os.pread(_fd, 1 << 24, 0).splitlines()]
             for r in recs:
@@ -178,7 +163,7 @@ VERDICT_ATTACKS = {
         atexit.register(_rewrite)
     ''') + BUGGY,
     # a record the host could not read crashed gyre's grader process: verifier_error, out of training
-    "malformed-record": _FD + "atexit.register(lambda: _rec(e='collected', items=5, canaries='x'))\n" + BUGGY,
+    "malformed-record": VERDICT_FD + "atexit.register(lambda: _rec(e='collected', items=5, canaries='x'))\n" + BUGGY,
     # json patched so the plugin's own records say passed (not the canaries: the canary check stays clean)
     "patch-json": textwrap.dedent('''
         import json.encoder as E
